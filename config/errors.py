@@ -1,0 +1,30 @@
+"""Errors a user can fix: each says what is wrong and where (file, option, item).
+
+Entry scripts catch `UserError` and print its message on one line, then exit with its code, so
+bad input never ends in a bare traceback. Everything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem with the user's input or environment, with a message that says how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """An impossible or unknown setting (option name in the message)."""
+
+
+class DataError(UserError):
+    """A bad dataset file, image or annotation (file and item in the message)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint or weights file that cannot be loaded (file and reason in the message)."""
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive steps with non-finite or abnormal loss or gradients."""
+
+    exit_code = 3

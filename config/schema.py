@@ -1,0 +1,163 @@
+"""Typed configuration of a run: one dataclass per concern, gathered in `Config`.
+
+Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
+Presets in `config/presets/*.yaml` override them; the command line overrides the preset
+(`config.loader`). Every field is a plain YAML-able value so the resolved config of a run can be
+saved next to its checkpoints and in them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataConfig:
+    train_h5: str = ""          # empty: the project's own synthetic dataset (made once, cached)
+    val_h5: str = ""
+    synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
+    input_size: int = 512       # network input, square, a multiple of 64
+    stride: int = 4             # output stride of the targets
+    workers: int = 2            # DataLoader workers per process
+    pin_memory: bool = True
+
+
+@dataclass
+class AugmentConfig:
+    enabled: bool = True
+    person_height: float = 0.6  # main person scaled to this fraction of the input height
+    scale_prob: float = 0.8
+    scale_min: float = 0.7
+    scale_max: float = 1.3
+    rotate_deg: float = 40.0
+    shift_px: float = 50.0      # at 512 input; scaled with input_size / 512
+    flip_prob: float = 0.5
+    color_prob: float = 0.2
+    hue_shift: float = 10.0     # OpenCV hue units (0-180)
+    sat_scale: float = 0.3      # saturation multiplied by 1 +- this
+    val_scale: float = 0.3      # value multiplied by 1 +- this
+
+
+@dataclass
+class TargetConfig:
+    keypoint_sigma: float = 9.0   # input pixels
+    limb_sigma: float = 7.0       # input pixels
+    limb_margin: float = 4.0      # input pixels added around the limb's box
+
+
+@dataclass
+class ModelConfig:
+    stacks: int = 4
+    depth: int = 4                # hourglass levels: returns depth + 1 scales
+    channels: int = 256           # stride-4 features
+    increase: int = 128           # channels added per level down
+    head_channels: int = 256      # the two 3x3 convs before each head
+    stem_channels: int = 64       # 7x7 conv output (the stem then goes to 2x this, then `channels`)
+    se: bool = True
+    se_reduction: int = 16
+    init_std: float = 0.001
+
+
+@dataclass
+class LossConfig:
+    gamma: float = 1.0                # focal exponent: 0 plain L2, 1 reference code, 2 paper's best
+    focal_threshold: float = 0.01     # G >= this uses |1-P|^gamma, else |P|^gamma
+    keypoint_weight: float = 3.0
+    mask_weight: float = 0.1
+    scale_weights: list = field(default_factory=lambda: [0.1, 0.2, 0.4, 1.6, 6.4])
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"             # sgd | adamw
+    lr: float = 2.5e-5
+    scale_lr_by_world_size: bool = False   # reference: lr x world size (its batch is per process)
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    warmup_epochs: float = 3.0
+    warmup_start: float = 0.0     # LR multiplier at step 0 of warm-up
+    decay_every: int = 15         # epochs; used when milestones is empty (0: no decay)
+    milestones: list = field(default_factory=list)
+    decay_factor: float = 0.2
+    clip_grad_norm: float = 0.0   # 0: off; applied after unscaling
+    skip_loss_above: float = 2e5  # a step whose loss exceeds this is skipped
+    max_bad_steps: int = 20       # consecutive skipped steps before the run stops
+    fused: bool = False           # torch.optim fused kernels (CUDA)
+
+
+@dataclass
+class AmpConfig:
+    opt_level: str = "O0"         # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
+    dtype: str = "auto"           # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
+    keep_batchnorm_fp32: object = None   # None: the opt level's default (True for O2, False for O3)
+    loss_scale: object = "dynamic"       # "dynamic" or a number
+    init_scale: float = 1024.0    # dynamic scaler start (65536 overflows fp16 early)
+    channels_last: bool = False
+    compile: bool = False         # torch.compile the model
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"         # auto: nccl on CUDA, gloo on CPU
+    sync_bn: bool = False
+    delay_allreduce: bool = False # one all-reduce after backward (Apex's option)
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    zero: bool = False            # ZeroRedundancyOptimizer
+    timeout_s: int = 1800
+
+
+@dataclass
+class InferenceConfig:
+    scales: list = field(default_factory=lambda: [1.0])  # x input_size / image height
+    flip: bool = False
+    peak_threshold: float = 0.1
+    refine_radius: int = 2        # 5x5 weighted centroid
+    limb_samples: int = 20
+    limb_threshold: float = 0.1
+    limb_min_ratio: float = 0.8
+    max_limb_ratio: float = 16.0
+    merge_ratio: float = 0.7
+    min_parts: int = 2
+    min_mean_score: float = 0.45
+    max_people: int = 20
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = ""            # empty: a timestamped name
+    out_dir: str = "checkpoints"
+    epochs: int = 100
+    batch_size: int = 4           # total over all processes / replicas
+    seed: int = 0
+    device: str = "auto"          # auto | cpu | cuda | cuda:N
+    val_every: int = 1            # epochs between validation-loss passes (0: off)
+    ap_every: int = 0             # epochs between validation-AP passes (0: off)
+    ap_max_images: int = 0        # 0: every image of the val split
+    save_every: int = 0           # keep epoch_N.pth every N epochs (0: only last and best)
+    early_stop_patience: int = 0  # validations without improvement before stopping (0: off)
+    log_every: int = 20           # iterations between metrics.jsonl lines
+    max_steps_per_epoch: int = 0  # 0: the whole epoch
+    resume: str = ""              # PATH | auto
+    weights: str = ""
+    allow_partial: bool = False
+    freeze: list = field(default_factory=list)
+    overwrite: bool = False
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    preset: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    targets: TargetConfig = field(default_factory=TargetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
