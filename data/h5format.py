@@ -1,0 +1,230 @@
+"""The keypoint HDF5 file: its layout, and `KeypointH5`, the lazy reader used by every consumer.
+
+One file holds one split ("train" or "val") of a COCO-format person-keypoint set, written by
+`data.make_hdf5`. Layout (all arrays indexed by image unless said otherwise):
+
+    attrs: format = FORMAT_MARKER, version = FORMAT_VERSION, split, categories (JSON), source
+    images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG), never re-encoded
+    images/id           int64        COCO image id
+    images/file_name    vlen str
+    images/size         int32 [N,2]  (height, width)
+    images/people       int64 [N,2]  (first row in people/*, count): people with keypoints
+    images/annotations  vlen str     JSON list of the image's COCO annotations (no segmentation)
+    masks/ignore        vlen uint8   PNG of the "do not supervise" mask, empty = all zeros
+    masks/person        vlen uint8   PNG of the "any person" mask (crowds included), empty = zeros
+    people/keypoints    float32 [P,18,3]  x, y, v in image pixels, our 18-keypoint order
+    people/box          float32 [P,4]     COCO bbox x, y, w, h
+    samples             int64 [S,2]  (image index, person index within the image)
+
+The h5py handle is opened on first use in each process and never pickled, so a dataset holding a
+`KeypointH5` can be sent to DataLoader workers (fork or spawn).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import cv2
+import h5py
+import numpy as np
+
+from config.errors import DataError
+from config.skeleton import NUM_KEYPOINTS
+
+FORMAT_MARKER = "simplepose-keypoints"
+FORMAT_VERSION = 1
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+SPLITS = ("train", "val")
+
+
+def decode_mask(png: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 HxW 0/1 mask from its stored PNG bytes (empty bytes = all zeros)."""
+    if png.size == 0:
+        return np.zeros((height, width), np.uint8)
+    mask = cv2.imdecode(png, cv2.IMREAD_GRAYSCALE)
+    return (mask > 0).astype(np.uint8)
+
+
+def encode_mask(mask: np.ndarray) -> np.ndarray:
+    """Stored form of a 0/1 mask: 1-bit PNG bytes, or an empty array when the mask is empty."""
+    if not mask.any():
+        return np.zeros(0, np.uint8)
+    ok, png = cv2.imencode(".png", (mask > 0).astype(np.uint8) * 255,
+                           [cv2.IMWRITE_PNG_BILEVEL, 1, cv2.IMWRITE_PNG_COMPRESSION, 9])
+    assert ok
+    return png.reshape(-1)
+
+
+def open_checked(path: Path) -> h5py.File:
+    """Open a keypoint HDF5 file read-only, or raise `DataError` saying what is wrong with it."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such dataset file (make one with python -m data.make_hdf5)")
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if head != HDF5_SIGNATURE:
+        raise DataError(f"{path}: not an HDF5 file (make one with python -m data.make_hdf5)")
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"{path}: truncated or damaged HDF5 file ({str(exc).splitlines()[0]}); "
+                        "convert it again with python -m data.make_hdf5") from None
+    marker = handle.attrs.get("format")
+    if isinstance(marker, bytes):
+        marker = marker.decode()
+    if marker != FORMAT_MARKER:
+        handle.close()
+        raise DataError(f"{path}: an HDF5 file but not a keypoint dataset of this project "
+                        "(convert COCO files with python -m data.make_hdf5)")
+    version = int(handle.attrs.get("version", 0))
+    if version != FORMAT_VERSION:
+        handle.close()
+        age = "an older" if version < FORMAT_VERSION else "a newer"
+        raise DataError(f"{path}: written in {age} format version ({version}; this code reads "
+                        f"version {FORMAT_VERSION}): convert it again with python -m data.make_hdf5")
+    return handle
+
+
+class KeypointH5:
+    """Read access to one keypoint HDF5 file; cheap to pickle, opens itself in each process."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._handle: h5py.File | None = None
+        self._pid: int | None = None
+        self._meta: dict | None = None
+
+    # -- opening --------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        state["_pid"] = None
+        return state
+
+    def _file(self) -> h5py.File:
+        if self._handle is None or self._pid != os.getpid():
+            # A handle inherited through fork is dropped, not closed: it belongs to the parent.
+            self._handle = open_checked(self.path)
+            self._pid = os.getpid()
+        return self._handle
+
+    def _load_meta(self) -> dict:
+        if self._meta is None:
+            f = self._file()
+            try:
+                self._meta = {
+                    "split": _text(f.attrs["split"]),
+                    "categories": json.loads(_text(f.attrs["categories"])),
+                    "ids": f["images/id"][:],
+                    "sizes": f["images/size"][:],
+                    "people": f["images/people"][:],
+                    "samples": f["samples"][:],
+                }
+            except (KeyError, OSError) as exc:
+                raise DataError(f"{self.path}: damaged keypoint dataset ({exc}); convert it again "
+                                "with python -m data.make_hdf5") from None
+        return self._meta
+
+    def open(self) -> "KeypointH5":
+        """Open and check the file now (raises `DataError`); returns self."""
+        self._load_meta()
+        return self
+
+    def close(self) -> None:
+        if self._handle is not None and self._pid == os.getpid():
+            self._handle.close()
+        self._handle = None
+
+    # -- summary --------------------------------------------------------------------------------
+    @property
+    def split(self) -> str:
+        return self._load_meta()["split"]
+
+    @property
+    def num_images(self) -> int:
+        return len(self._load_meta()["ids"])
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._load_meta()["samples"])
+
+    def sample_ref(self, i: int) -> tuple[int, int]:
+        """(image index, person index within `people(image)`) of sample `i`."""
+        img, person = self._load_meta()["samples"][i]
+        return int(img), int(person)
+
+    # -- per image ------------------------------------------------------------------------------
+    def image_info(self, img: int) -> dict:
+        meta = self._load_meta()
+        height, width = (int(v) for v in meta["sizes"][img])
+        name = _text(self._file()["images/file_name"][img])
+        return {"id": int(meta["ids"][img]), "file_name": name, "width": width, "height": height}
+
+    def image_size(self, img: int) -> tuple[int, int]:
+        """(height, width) of image `img`."""
+        height, width = self._load_meta()["sizes"][img]
+        return int(height), int(width)
+
+    def encoded_image(self, img: int) -> np.ndarray:
+        return self._file()["images/encoded"][img]
+
+    def decode_image(self, img: int, reduce: int = 1) -> np.ndarray:
+        """uint8 HxWx3 BGR pixels; `reduce` in (1, 2, 4, 8) decodes at 1/reduce size (faster)."""
+        flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2,
+                 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}[reduce]
+        image = cv2.imdecode(self.encoded_image(img), flags)
+        if image is None:
+            raise DataError(f"{self.path}: image {img} ({self.image_info(img)['file_name']}) "
+                            "cannot be decoded")
+        return image
+
+    def masks(self, img: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
+        f = self._file()
+        height, width = self.image_size(img)
+        return (decode_mask(f["masks/ignore"][img], height, width),
+                decode_mask(f["masks/person"][img], height, width))
+
+    def people(self, img: int) -> np.ndarray:
+        """float32 [P,18,3]: (x, y, v) per keypoint of the image's people with keypoints."""
+        start, count = self._load_meta()["people"][img]
+        if count == 0:
+            return np.zeros((0, NUM_KEYPOINTS, 3), np.float32)
+        return self._file()["people/keypoints"][start:start + count]
+
+    def person_boxes(self, img: int) -> np.ndarray:
+        """float32 [P,4] COCO boxes (x, y, w, h) of the people of `people(img)`."""
+        start, count = self._load_meta()["people"][img]
+        if count == 0:
+            return np.zeros((0, 4), np.float32)
+        return self._file()["people/box"][start:start + count]
+
+    def annotations(self, img: int) -> list[dict]:
+        """The image's COCO annotations (every person, crowds too), without segmentation."""
+        return json.loads(_text(self._file()["images/annotations"][img]))
+
+    def coco_ground_truth(self) -> dict:
+        """A COCO-format dataset dict of this file, for pycocotools' `COCO` / `COCOeval`."""
+        meta = self._load_meta()
+        f = self._file()
+        names = f["images/file_name"][:]
+        texts = f["images/annotations"][:]
+        images, annotations = [], []
+        for img in range(self.num_images):
+            height, width = (int(v) for v in meta["sizes"][img])
+            images.append({"id": int(meta["ids"][img]), "file_name": _text(names[img]),
+                           "width": width, "height": height})
+            annotations.extend(json.loads(_text(texts[img])))
+        return {"images": images, "annotations": annotations,
+                "categories": meta["categories"]}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def check_split(h5: KeypointH5, expected: str) -> None:
+    """Raise `DataError` unless the file holds split `expected` (a val file never feeds training)."""
+    if h5.split != expected:
+        raise DataError(f"{h5.path}: holds the {h5.split!r} split, but {expected!r} is needed here "
+                        f"(a {h5.split} file never feeds {'training' if expected == 'train' else expected})")

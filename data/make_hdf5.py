@@ -1,0 +1,304 @@
+"""Convert a COCO person-keypoint split (JSON + image folder) into the project's HDF5 file.
+
+    python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
+        --out coco_train.h5 [--split train|val] [--skip-bad]
+
+Images are stored once as their original encoded bytes; masks as 1-bit PNG; samples follow the
+"main person" rule of SPEC. The file is written under a temporary name and renamed at the end.
+Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the item;
+`skip_bad` skips bad images and lists them in the summary instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from collections import Counter
+from pathlib import Path
+
+import cv2
+import h5py
+import numpy as np
+from pycocotools import mask as mask_utils
+from tqdm import tqdm
+
+from config.errors import DataError, UserError
+from config.skeleton import COCO_TO_OURS, NECK, NUM_KEYPOINTS, SHOULDERS
+from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_mask
+
+MAIN_MIN_KEYPOINTS = 5
+MAIN_MIN_AREA = 32 * 32
+MAIN_MIN_DISTANCE = 0.3   # x the person's largest box side
+EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keypoints",
+               "num_keypoints")
+
+
+# -- reading the COCO JSON -------------------------------------------------------------------------
+def load_coco(ann_path: Path) -> tuple[dict, list, dict]:
+    """(person category, images, {image id: [person annotations]}) or `DataError`."""
+    try:
+        data = json.loads(Path(ann_path).read_text())
+    except FileNotFoundError:
+        raise DataError(f"{ann_path}: no such annotation file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
+        raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
+    persons = [c for c in data["categories"] if c.get("name") == "person"]
+    if not persons:
+        raise DataError(f"{ann_path}: no 'person' category among the categories")
+    category = persons[0]
+    if len(category.get("keypoints", [])) != 17:
+        raise DataError(f"{ann_path}: the person category has {len(category.get('keypoints', []))} "
+                        "keypoint names, expected COCO's 17")
+    images = data["images"]
+    known = {img["id"] for img in images}
+    by_image: dict = {i: [] for i in known}
+    for ann in data["annotations"]:
+        if ann.get("category_id") != category["id"]:
+            continue
+        if ann.get("image_id") not in known:
+            raise DataError(f"{ann_path}: annotation {ann.get('id')} refers to unknown image "
+                            f"{ann.get('image_id')}")
+        if not ann.get("iscrowd", 0) and len(ann.get("keypoints", [])) != 51:
+            raise DataError(f"{ann_path}: annotation {ann.get('id')} (image {ann['image_id']}) has "
+                            f"{len(ann.get('keypoints', []))} keypoint values, expected 51 (17 x 3)")
+        by_image[ann["image_id"]].append(ann)
+    return category, images, by_image
+
+
+# -- images ----------------------------------------------------------------------------------------
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) read from a JPEG or PNG header, or None for other formats."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        width, height = struct.unpack(">II", data[16:24])
+        return height, width
+    if data[:2] != b"\xff\xd8":
+        return None
+    pos = 2
+    while pos + 9 < len(data):
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:
+            pos += 1
+            continue
+        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            height, width = struct.unpack(">HH", data[pos + 5:pos + 9])
+            return height, width
+        pos += 2 + length
+    return None
+
+
+def read_image(path: Path, info: dict, ann_path: Path) -> bytes:
+    """The encoded bytes of an image after checking it decodes and matches the JSON's size."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: image {info['id']} listed in {ann_path} is missing") from None
+    except OSError as exc:
+        raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
+    buf = np.frombuffer(data, np.uint8)
+    size = header_size(data)
+    probe = cv2.imdecode(buf, cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR)
+    if probe is None or probe.size == 0:
+        raise DataError(f"{path}: image {info['id']} is not a readable image")
+    if size is None:
+        size = probe.shape[:2]
+    if size != (info["height"], info["width"]):
+        raise DataError(f"{path}: image {info['id']} is {size[1]}x{size[0]} pixels but {ann_path} "
+                        f"says {info['width']}x{info['height']}")
+    return data
+
+
+# -- annotations -> people, masks, samples ---------------------------------------------------------
+def to_skeleton(coco_keypoints) -> np.ndarray:
+    """COCO's 17 (x, y, v) -> float32 [18,3] in our order, neck = midpoint of labelled shoulders."""
+    coco = np.asarray(coco_keypoints, np.float32).reshape(17, 3)
+    ours = np.zeros((NUM_KEYPOINTS, 3), np.float32)
+    ours[list(COCO_TO_OURS)] = coco
+    right, left = ours[SHOULDERS[0]], ours[SHOULDERS[1]]
+    if right[2] > 0 and left[2] > 0:
+        ours[NECK, :2] = (right[:2] + left[:2]) / 2
+        ours[NECK, 2] = min(right[2], left[2])
+    return ours
+
+
+def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
+    """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
+    seg = ann.get("segmentation")
+    if isinstance(seg, list) and seg:
+        polys = [p for p in seg if len(p) >= 6]
+        if polys:
+            rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
+            return mask_utils.decode(rle)
+    elif isinstance(seg, dict) and "counts" in seg:
+        rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list) else seg
+        return mask_utils.decode(rle)
+    out = np.zeros((height, width), np.uint8)
+    x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
+    out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
+    return out
+
+
+def main_people(anns: list[dict]) -> list[int]:
+    """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule."""
+    centres: list[np.ndarray] = []
+    out = []
+    for i, ann in enumerate(anns):
+        x, y, w, h = ann["bbox"]
+        if ann["num_keypoints"] < MAIN_MIN_KEYPOINTS or ann["area"] < MAIN_MIN_AREA:
+            continue
+        centre = np.array([x + w / 2, y + h / 2])
+        if any(np.linalg.norm(centre - c) < MAIN_MIN_DISTANCE * max(w, h) for c in centres):
+            continue
+        centres.append(centre)
+        out.append(i)
+    return out
+
+
+def image_record(anns: list[dict], height: int, width: int) -> dict:
+    """People with keypoints, boxes, masks and main people of one image."""
+    keyed, ignore, person = [], np.zeros((height, width), np.uint8), np.zeros((height, width), np.uint8)
+    crowds = no_keypoints = 0
+    for ann in anns:
+        crowd = bool(ann.get("iscrowd", 0))
+        labelled = 0 if crowd else int((np.asarray(ann["keypoints"][2::3]) > 0).sum())
+        if labelled:
+            keyed.append(dict(ann, num_keypoints=labelled))
+            person |= region_mask(ann, height, width)
+            continue
+        region = region_mask(ann, height, width)
+        ignore |= region
+        person |= region
+        crowds += crowd
+        no_keypoints += not crowd
+    return {
+        "keypoints": np.stack([to_skeleton(a["keypoints"]) for a in keyed]) if keyed
+        else np.zeros((0, NUM_KEYPOINTS, 3), np.float32),
+        "boxes": np.array([a["bbox"] for a in keyed], np.float32).reshape(-1, 4),
+        "main": main_people(keyed), "ignore": ignore, "person": person,
+        "crowds": crowds, "no_keypoints": no_keypoints,
+    }
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
+            progress: bool = True) -> dict:
+    """Convert one COCO split to HDF5 at `out_path`; returns the summary (counts, skipped images)."""
+    ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
+    if split not in SPLITS:
+        raise DataError(f"--split {split!r}: choose train or val")
+    if not images_dir.is_dir():
+        raise DataError(f"{images_dir}: no such image directory")
+    category, images, by_image = load_coco(ann_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
+               "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": []}
+    try:
+        with h5py.File(tmp_path, "w") as f:
+            _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
+                   progress, summary)
+        os.replace(tmp_path, out_path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+    summary["skipped"] = dict(summary["skipped"])
+    summary["bytes"] = out_path.stat().st_size
+    return summary
+
+
+def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad, progress, summary):
+    n = len(images)
+    f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
+                    "categories": json.dumps([category]), "source": str(ann_path)})
+    vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
+    encoded = f.create_dataset("images/encoded", (n,), vbytes, maxshape=(None,))
+    names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
+    texts = f.create_dataset("images/annotations", (n,), vstr, maxshape=(None,))
+    ignores = f.create_dataset("masks/ignore", (n,), vbytes, maxshape=(None,))
+    persons = f.create_dataset("masks/person", (n,), vbytes, maxshape=(None,))
+    ids, sizes, people_index, samples, keypoints, boxes = [], [], [], [], [], []
+    people_total = 0
+    for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
+        path = images_dir / info["file_name"]
+        try:
+            data = read_image(path, info, ann_path)
+        except DataError as exc:
+            if not skip_bad:
+                raise
+            summary["bad"].append(str(exc))
+            summary["skipped"]["bad image"] += 1
+            continue
+        anns = by_image[info["id"]]
+        record = image_record(anns, info["height"], info["width"])
+        if split == "train" and not record["main"]:
+            summary["skipped"]["no main person"] += 1
+            continue
+        row = len(ids)
+        encoded[row] = np.frombuffer(data, np.uint8)
+        names[row] = info["file_name"]
+        texts[row] = json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns])
+        ignores[row] = encode_mask(record["ignore"])
+        persons[row] = encode_mask(record["person"])
+        ids.append(info["id"])
+        sizes.append((info["height"], info["width"]))
+        count = len(record["keypoints"])
+        people_index.append((people_total, count))
+        samples.extend((row, p) for p in record["main"])
+        keypoints.append(record["keypoints"])
+        boxes.append(record["boxes"])
+        people_total += count
+        summary["crowd_regions"] += record["crowds"]
+        summary["people_without_keypoints"] += record["no_keypoints"]
+    kept = len(ids)
+    for ds in (encoded, names, texts, ignores, persons):
+        ds.resize((kept,))
+    f["images/id"] = np.array(ids, np.int64)
+    f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
+    f["images/people"] = np.array(people_index, np.int64).reshape(-1, 2)
+    f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
+    f["people/keypoints"] = (np.concatenate(keypoints) if keypoints
+                             else np.zeros((0, NUM_KEYPOINTS, 3), np.float32))
+    f["people/box"] = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
+    summary.update(images=kept, samples=len(samples), people=people_total)
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
+             f"{summary['images']} images, {summary['samples']} samples, {summary['people']} people "
+             f"with keypoints, {summary['people_without_keypoints']} without, "
+             f"{summary['crowd_regions']} crowd regions"]
+    for reason, count in sorted(summary["skipped"].items()):
+        lines.append(f"skipped {count} images: {reason}")
+    lines.extend(f"  bad: {message}" for message in summary["bad"])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.make_hdf5", description=__doc__.split("\n")[0])
+    parser.add_argument("--ann", required=True, help="COCO person-keypoints JSON")
+    parser.add_argument("--images", required=True, help="folder of the JSON's images")
+    parser.add_argument("--out", required=True, help="HDF5 file to write")
+    parser.add_argument("--split", default="train", choices=SPLITS,
+                        help="train keeps images with a main person; val keeps every image")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip missing, unreadable or mis-sized images and list them")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
+                          progress=not args.quiet)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
