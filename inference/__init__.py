@@ -1,0 +1,1 @@
+"""Inference: network maps of an image, grouping into people, COCO keypoint AP, evaluation."""

@@ -1,0 +1,124 @@
+"""COCO keypoint AP of a model (or of the ground-truth maps, `oracle`) on an HDF5 split.
+
+Used by evaluate.py and by the training engine's validation. Under torch.distributed each rank
+decodes images rank, rank + world, ... (each image exactly once, no padding), the per-image
+results are gathered on rank 0, which scores them; the stats are broadcast so every rank returns
+the same numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from config.errors import DataError
+from config.schema import Config
+from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
+from inference.grouping import group_people, to_coco_results
+from inference.predict import predict_maps
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
+    was_training = model.training if model is not None else False
+    if model is not None:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        if model is not None:
+            model.train(was_training)
+
+
+def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
+    """The ground-truth target maps [50, H, W] of image `img` at its own size (stride 1)."""
+    from data.targets import render_targets
+
+    height, width = h5.image_size(img)
+    _, person_mask = h5.masks(img)
+    return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
+    """{image id: COCO results} for the image indices given, people found by `group_people`."""
+    found = {}
+    for img in tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True):
+        if oracle:
+            maps = oracle_maps(h5, img, cfg)
+        else:
+            maps = predict_maps(model, h5.decode_image(img), cfg, device)
+        keypoints, scores = group_people(maps, cfg.inference)
+        image_id = h5.image_info(img)["id"]
+        found[image_id] = to_coco_results(image_id, keypoints, scores)
+    return found
+
+
+def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progress: bool = True,
+                oracle: bool = False, results_path=None) -> dict:
+    """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` on the first `max_images` images of
+    `h5_path` (0: all). `oracle` decodes the ground-truth maps instead (no model needed).
+    `results_path`: where rank 0 writes the COCO results JSON.
+    """
+    from data.h5format import KeypointH5
+
+    if model is None and not oracle:
+        raise ValueError("evaluate_h5 needs a model unless oracle=True")
+    h5 = KeypointH5(h5_path)
+    total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
+    rank, world = _distributed()
+    with eval_mode(model):
+        found = decode_images(model, h5, range(rank, total, world), cfg, device, oracle,
+                              progress and rank == 0)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, found)
+    else:
+        gathered = [found]
+    outcome = None
+    if rank == 0:
+        try:
+            outcome = _score(gathered, h5, results_path)
+        except Exception as exc:           # every rank must leave the broadcast below
+            if world == 1:
+                raise
+            outcome = exc
+    h5.close()
+    if world > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _score(gathered: list[dict], h5, results_path) -> dict:
+    """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
+    merged = {}
+    for part in gathered:
+        if set(part) & set(merged):
+            raise DataError(f"{h5.path}: an image id was decoded twice (duplicate ids in the file?)")
+        merged.update(part)
+    results = [r for image_id in sorted(merged) for r in merged[image_id]]
+    if results_path:
+        Path(results_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(results_path).write_text(json.dumps(results))
+    stats = coco_keypoint_stats(h5.coco_ground_truth(), results, image_ids=list(merged))
+    stats["num_images"] = len(merged)
+    return stats
+
+
+__all__ = ["STAT_NAMES", "decode_images", "eval_mode", "evaluate_h5", "oracle_maps"]
