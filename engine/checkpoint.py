@@ -1,0 +1,295 @@
+"""Checkpoints of a run: atomic saving, safe loading, weights-only loading, RNG states, resume lookup.
+
+A checkpoint is a dict of plain values and tensors (model, optimizer and scaler state dicts, epoch,
+step, best metric, resolved config, RNG states) plus `format_version`, so that
+`torch.load(weights_only=True)` reads it and no file can run code when it is loaded. Saving never
+leaves a half-written file under the final name: a kill or a full disk costs at most the
+checkpoint being written. Every problem a user can fix raises `config.errors.CheckpointError`
+with the file and the reason on one line.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import random
+import re
+import tempfile
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from config.errors import CheckpointError
+
+FORMAT_VERSION = 1
+WEIGHTS_KEYS = ("model", "state_dict", "weights")   # where weights may sit inside a file
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")         # DataParallel / DDP and torch.compile
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+_LISTED = 10                                         # names shown in an error before "and N more"
+
+
+# ----------------------------------------------------------------------------------------- saving
+def _plain(value, where: str):
+    """`value` with numpy scalars made Python scalars; TypeError for what weights_only cannot load."""
+    if type(value) in _PLAIN_SCALARS or isinstance(value, (torch.Tensor, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        items = ((_plain(k, where), _plain(v, f"{where}[{k!r}]")) for k, v in value.items())
+        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+    if type(value) in (list, tuple, torch.Size):
+        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if type(value) is list else type(value)(items)
+    raise TypeError(f"checkpoint value {where} is a {type(value).__name__}: only plain types and "
+                    "tensors can be saved (so that weights_only loading can read them)")
+
+
+def _os_reason(exc: BaseException) -> str:
+    """The most telling reason in an exception chain (torch hides a write's OSError as context)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror.lower()
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return                                   # platforms that cannot open a directory
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path, state: dict) -> None:
+    """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be written.
+
+    The previous file at `path` stays intact on any failure, and no temporary file is left behind.
+    """
+    path = Path(path)
+    state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(path.parent)
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}; "
+                                  "the previous file there, if any, is intact") from exc
+        raise
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):   # left by a process killed mid-save
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _read(path, mmap: bool = False):
+    """torch.load(weights_only=True) of `path` to CPU, every failure a CheckpointError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        code = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if code:
+            raise CheckpointError(
+                f"checkpoint {path} was refused: loading it would execute code from the file "
+                f"(it refers to {code.group(1)}); only a file you trust may be converted by hand to a "
+                "plain state dict") from None
+        detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(exc))
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt, or not written by "
+                              f"torch.save ({detail.group(1) if detail else exc})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError, IndexError,
+            AttributeError, TypeError, OSError) as exc:
+        if isinstance(exc, PermissionError):
+            raise CheckpointError(f"checkpoint {path} cannot be read: permission denied") from None
+        detail = str(exc).split(". ")[0]
+        if not isinstance(exc, RuntimeError):
+            detail = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({detail})") from None
+
+
+def load_checkpoint(path, mmap: bool = False) -> dict:
+    """A checkpoint written by `save_checkpoint`, on CPU; CheckpointError naming the file otherwise."""
+    state = _read(path, mmap=mmap)
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise CheckpointError(f"{path} is not a checkpoint of this trainer (no format_version); "
+                              "to start from its weights use --weights instead of --resume")
+    version = state["format_version"]
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {version}, newer than this "
+                              f"trainer's {FORMAT_VERSION}: update the trainer to load it")
+    return state
+
+
+def _checkpoint_order(path: Path, state: dict):
+    step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
+    return (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+            path.name == "last.pth", path.stat().st_mtime)
+
+
+def find_latest_checkpoint(run_dir) -> Path | None:
+    """The valid checkpoint of `run_dir` with the highest stored step (`--resume auto`), or None.
+
+    Files that fail to load are skipped; ties go to `last.pth`, then to the newer file.
+    """
+    best, best_order = None, None
+    for path in sorted(Path(run_dir).glob("*.pth")):
+        try:
+            state = load_checkpoint(path, mmap=True)
+            order = _checkpoint_order(path, state)
+        except (CheckpointError, OSError):
+            continue
+        if best_order is None or order > best_order:
+            best, best_order = path, order
+    return best
+
+
+# ------------------------------------------------------------------------------------ RNG states
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU (and CUDA) generator states as tensors and plain values."""
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64),
+                   "gauss_next": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Set the generators from `capture_rng_state()`; CUDA states only for devices present."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+
+
+# ------------------------------------------------------------------------------------------ weights
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def model_state_dict(model: nn.Module) -> dict:
+    """State dict of the unwrapped model: never a `module.` or `_orig_mod.` prefix."""
+    return unwrap_model(model).state_dict()
+
+
+def _strip_wrappers(key: str) -> str:
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key, stripped = key[len(prefix):], True
+    return key
+
+
+def _is_state_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def _find_weights(obj, source: str) -> dict:
+    """The state dict in a loaded file: itself, or under `model` / `state_dict` / `weights`."""
+    for _ in range(3):                    # e.g. {"state_dict": {"model": {...}}}
+        if _is_state_dict(obj):
+            return obj
+        if not isinstance(obj, dict):
+            break
+        inner = next((obj[k] for k in WEIGHTS_KEYS if isinstance(obj.get(k), dict)), None)
+        if inner is None:
+            break
+        obj = inner
+    raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
+                          f"under a key {', '.join(WEIGHTS_KEYS)}")
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False) -> dict:
+    """Load weights into `model` (unwrapped) from a file or a dict; return what matched and not.
+
+    The report: {"source", "loaded", "missing", "unexpected", "mismatched"} (names; mismatched
+    entries say both shapes). Any mismatch is a CheckpointError unless `allow_partial`; loading
+    nothing at all always is.
+    """
+    if isinstance(path_or_state, (str, os.PathLike)):
+        source, obj = str(path_or_state), _read(path_or_state)
+    else:
+        source, obj = "the given state dict", path_or_state
+    weights = _find_weights(obj, source)
+    target = unwrap_model(model)
+    expected = target.state_dict()
+    candidates = (weights, {_strip_wrappers(k): v for k, v in weights.items()},
+                  {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
+    weights = max(candidates, key=lambda named: sum(k in expected for k in named))
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    mismatched = [f"{k} (file {list(v.shape)}, model {list(expected[k].shape)})"
+                  for k, v in weights.items() if k in expected and v.shape != expected[k].shape]
+    matching = {k: v for k, v in weights.items() if k in expected and v.shape == expected[k].shape}
+    if not matching:
+        raise CheckpointError(
+            f"nothing in {source} matches the model: none of its {len(weights)} tensors has the "
+            f"name and shape of one of the model's {len(expected)} (file has e.g. "
+            f"{_listed(list(weights)[:3])}; model has e.g. {_listed(list(expected)[:3])})")
+    if (missing or unexpected or mismatched) and not allow_partial:
+        problems = [f"{len(names)} {what}: {_listed(names)}" for what, names in (
+            ("missing from the file", missing), ("not in the model", unexpected),
+            ("with another shape", mismatched)) if names]
+        raise CheckpointError(f"{source} does not match the model; " + "; ".join(problems)
+                              + f"; pass --allow-partial to load only the {len(matching)} "
+                              "matching tensors")
+    target.load_state_dict(matching, strict=False)
+    return {"source": source, "loaded": len(matching), "missing": missing,
+            "unexpected": unexpected, "mismatched": mismatched}

@@ -1,0 +1,219 @@
+"""Checkpoints: atomic saving under a full disk, clear errors for bad files, weights loading from
+other layouts (prefixes, keys), partial loading, resume lookup and RNG round trips."""
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from config.errors import CheckpointError
+from engine import checkpoint
+from engine.checkpoint import (FORMAT_VERSION, capture_rng_state, find_latest_checkpoint,
+                               load_checkpoint, load_weights, model_state_dict, restore_rng_state,
+                               save_checkpoint, unwrap_model)
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 4, 3), bn=nn.BatchNorm2d(4),
+                                     head=nn.Conv2d(4, 2, 1)))
+
+
+def temp_files(directory):
+    return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_round_trip_keeps_values_and_adds_format_version(tmp_path):
+    model = tiny_model()
+    state = {"model": model_state_dict(model), "epoch": 3, "step": 120,
+             "best_metric": np.float64(0.25), "config": {"optim": {"lr": 1e-3, "milestones": [15]}}}
+    save_checkpoint(tmp_path / "last.pth", state)
+    loaded = load_checkpoint(tmp_path / "last.pth")
+    assert loaded["format_version"] == FORMAT_VERSION
+    assert loaded["epoch"] == 3 and loaded["step"] == 120 and loaded["config"] == state["config"]
+    assert type(loaded["best_metric"]) is float and loaded["best_metric"] == 0.25
+    assert torch.equal(loaded["model"]["conv.weight"], model.conv.weight)
+    assert temp_files(tmp_path) == []
+
+
+def test_non_plain_value_is_refused_before_writing(tmp_path):
+    with pytest.raises(TypeError, match=r"state\['config'\]\['path'\]"):
+        save_checkpoint(tmp_path / "last.pth", {"config": {"path": tmp_path}})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_mid_write_keeps_previous_file_and_no_temp(tmp_path, monkeypatch):
+    target = tmp_path / "last.pth"
+    save_checkpoint(target, {"step": 1, "w": torch.ones(10)})
+    before = target.read_bytes()
+    real_save = torch.save
+
+    class FullDisk:
+        """A file that takes 2 kB, then fails like a full disk."""
+        def __init__(self, file):
+            self.file, self.written = file, 0
+
+        def write(self, data):
+            if self.written + len(data) > 2048:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.written += len(data)
+            return self.file.write(data)
+
+        def flush(self):
+            self.file.flush()
+
+    monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f: real_save(obj, FullDisk(f)))
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(target, {"step": 2, "w": torch.zeros(100_000)})
+    assert str(target) in str(error.value) and "no space left on device" in str(error.value)
+    assert target.read_bytes() == before
+    assert temp_files(tmp_path) == []
+    assert load_checkpoint(target)["step"] == 1
+
+
+def test_truncated_and_empty_files_name_the_file(tmp_path):
+    good = tmp_path / "good.pth"
+    save_checkpoint(good, {"step": 1, "w": torch.randn(1000)})
+    data = good.read_bytes()
+    for name, content in (("truncated.pth", data[: len(data) // 2]), ("empty.pth", b""),
+                          ("garbage.pth", b"not a checkpoint" * 10)):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError, match="truncated or corrupt") as error:
+            load_checkpoint(tmp_path / name)
+        assert str(tmp_path / name) in str(error.value)
+
+
+def test_missing_file_and_foreign_file_and_newer_version(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.pth")
+    torch.save({"conv.weight": torch.ones(1)}, tmp_path / "plain.pth")
+    with pytest.raises(CheckpointError, match="no format_version.*--weights"):
+        load_checkpoint(tmp_path / "plain.pth")
+    torch.save({"format_version": FORMAT_VERSION + 1}, tmp_path / "future.pth")
+    with pytest.raises(CheckpointError, match="newer than this trainer"):
+        load_checkpoint(tmp_path / "future.pth")
+
+
+class Payload:
+    """A class that weights_only loading must not instantiate."""
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+def test_file_that_would_execute_code_is_refused(tmp_path):
+    for name, writer in (("torch_saved.pth", lambda p: torch.save({"x": Payload()}, p)),
+                         ("pickled.pth", lambda p: p.write_bytes(pickle.dumps({"x": Payload()}, protocol=2)))):
+        path = tmp_path / name
+        writer(path)
+        with pytest.raises(CheckpointError,
+                           match=r"refused.*execute code.*refers to \w+\.system.*trust") as error:
+            load_weights(tiny_model(), path)
+        assert str(path) in str(error.value)
+
+
+def test_module_prefix_removed_and_added(tmp_path):
+    source = tiny_model()
+    with torch.no_grad():
+        source.head.weight.fill_(0.5)
+    wrapped_state = nn.DataParallel(source).state_dict()
+    assert all(k.startswith("module.") for k in wrapped_state)
+    plain = tiny_model()
+    report = load_weights(plain, {"state_dict": wrapped_state})
+    assert report["loaded"] == len(plain.state_dict()) and torch.all(plain.head.weight == 0.5)
+
+    torch.save(source.state_dict(), tmp_path / "plain.pth")
+    into_wrapped = nn.DataParallel(tiny_model())
+    load_weights(into_wrapped, tmp_path / "plain.pth")
+    assert torch.all(into_wrapped.module.head.weight == 0.5)
+    assert unwrap_model(into_wrapped) is into_wrapped.module
+    assert list(model_state_dict(into_wrapped)) == list(source.state_dict())
+
+
+def test_weights_under_model_key_of_our_checkpoint_and_compile_prefix(tmp_path):
+    source = tiny_model()
+    with torch.no_grad():
+        source.conv.bias.fill_(2.0)
+    save_checkpoint(tmp_path / "best.pth", {"model": model_state_dict(source), "step": 5})
+    target = tiny_model()
+    load_weights(target, str(tmp_path / "best.pth"))
+    assert torch.all(target.conv.bias == 2.0)
+    compiled_keys = {"_orig_mod." + k: v for k, v in source.state_dict().items()}
+    other = tiny_model()
+    load_weights(other, {"weights": compiled_keys})
+    assert torch.all(other.conv.bias == 2.0)
+
+
+def test_mismatched_keys_listed_and_partial_loading():
+    source = nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 4, 3), bn=nn.BatchNorm2d(4),
+                                       head=nn.Conv2d(4, 7, 1), extra=nn.Linear(2, 2)))
+    with torch.no_grad():
+        source.conv.weight.fill_(1.0)
+    target = tiny_model()
+    head_before = target.head.weight.clone()
+    with pytest.raises(CheckpointError) as error:
+        load_weights(target, source.state_dict())
+    message = str(error.value)
+    assert "2 not in the model: extra.weight, extra.bias" in message
+    assert "head.weight (file [7, 4, 1, 1], model [2, 4, 1, 1])" in message
+    assert "--allow-partial" in message and "\n" not in message
+    assert not torch.all(target.conv.weight == 1.0)          # nothing loaded on error
+    report = load_weights(target, source.state_dict(), allow_partial=True)
+    assert torch.all(target.conv.weight == 1.0) and torch.equal(target.head.weight, head_before)
+    assert report["unexpected"] == ["extra.weight", "extra.bias"] and report["missing"] == []
+    assert [m.split(" ")[0] for m in report["mismatched"]] == ["head.weight", "head.bias"]
+    assert report["loaded"] == len(target.state_dict()) - 2
+
+
+def test_long_lists_are_cut_with_a_count():
+    many = nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)])
+    state = {**tiny_model().state_dict(), **{f"x.{k}": v for k, v in many.state_dict().items()}}
+    with pytest.raises(CheckpointError, match="16 not in the model: .* and 6 more"):
+        load_weights(tiny_model(), state)
+
+
+def test_nothing_matching_is_always_an_error(tmp_path):
+    torch.save({"other.weight": torch.ones(3)}, tmp_path / "other.pth")
+    for allow_partial in (False, True):
+        with pytest.raises(CheckpointError, match=f"nothing in {tmp_path / 'other.pth'} matches"):
+            load_weights(tiny_model(), tmp_path / "other.pth", allow_partial=allow_partial)
+    with pytest.raises(CheckpointError, match="holds no weights"):
+        load_weights(tiny_model(), {"epoch": 3})
+
+
+def test_find_latest_skips_corrupt_newer_file(tmp_path):
+    assert find_latest_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path / "epoch_2.pth", {"step": 200, "epoch": 2})
+    save_checkpoint(tmp_path / "last.pth", {"step": 300, "epoch": 3})
+    save_checkpoint(tmp_path / "best.pth", {"step": 300, "epoch": 3})
+    save_checkpoint(tmp_path / "epoch_1.pth", {"step": 100, "epoch": 1})   # newest by mtime
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "last.pth"
+    data = (tmp_path / "last.pth").read_bytes()
+    save_checkpoint(tmp_path / "epoch_4.pth", {"step": 400, "epoch": 4})
+    (tmp_path / "epoch_4.pth").write_bytes(data[:-40])                     # corrupt, newest step
+    (tmp_path / "last.pth").write_bytes(data[: len(data) // 3])
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "best.pth"
+
+
+def draws():
+    return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(),
+            np.random.randn(), torch.rand(4).tolist())
+
+
+def test_rng_round_trip_through_a_checkpoint_reproduces_draws(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)
+    np.random.randn()                       # leave cached gaussians in both generators
+    save_checkpoint(tmp_path / "rng.pth", {"rng": capture_rng_state()})
+    expected = draws()
+    draws()
+    restore_rng_state(load_checkpoint(tmp_path / "rng.pth")["rng"])
+    assert draws() == expected
