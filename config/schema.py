@@ -61,6 +61,7 @@ class ModelConfig:
 class LossConfig:
     gamma: float = 1.0                # focal exponent: 0 plain L2, 1 reference code, 2 paper's best
     focal_threshold: float = 0.01     # G >= this uses |1-P|^gamma, else |P|^gamma
+    focal_detach: bool = False        # true: the focal factor is a constant weight (no gradient)
     keypoint_weight: float = 3.0
     mask_weight: float = 0.1
     scale_weights: list = field(default_factory=lambda: [0.1, 0.2, 0.4, 1.6, 6.4])

@@ -1,0 +1,173 @@
+"""IMHN: the stacked improved hourglass network of Simple Pose (SPEC "Network"), built from config.
+
+Layout (names are stable: users freeze and load weights by them):
+- `stem`: 7x7/2 conv, residual, maxpool, residual, six dilated 3x3 convs concatenated -> stride 4.
+- `stacks.{i}.hourglass`: depth D levels; level k works at stride 4*2^k with
+  `channels + k*increase` channels. Level k: `skip` residual at its own scale; `down` residual
+  (after 2x2 maxpool) to the next level's channels; `up_reduce` residual back to level k's
+  channels on the output of the level below, then nearest 2x upsampling and `up_conv` (3x3);
+  the level's output is skip + up. `bottom` is a residual at the deepest scale. The hourglass
+  returns D+1 feature maps, stride 4 first.
+- `stacks.{i}.heads.{s}`: per scale two 3x3 convs to `head_channels`, squeeze-excitation
+  (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the 50 output channels.
+- `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
+  back to the scale's channels by 1x1 conv + BN each; their sum is added to the next stack's
+  input at that scale (stride 4: to the previous stack's input, which is kept as a residual;
+  lower scales: to the output of the next hourglass's `down` residual at that scale).
+
+The input is RGB in [0, 1]; the model subtracts 0.5 itself. Output: a list over stacks of lists
+over scales (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Initialisation: conv and
+linear weights N(0, init_std) (0.001 in the paper), biases 0, BatchNorm weight 1 and bias 0, so
+initial outputs are near 0. The `imhn512` preset has 128.9 M parameters and 264.7 GMAC per 512x512
+image counted by `models.summary` (paper: 129.0 M, 268.5 GMAC).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from config.errors import ConfigError
+from config.schema import ModelConfig
+from config.skeleton import NUM_CHANNELS
+from models.blocks import Bottleneck, ConvBN, SqueezeExcitation, Stem
+
+
+class HourglassLevel(nn.Module):
+    """One level of the hourglass: `channels` at its own scale, `inner` one scale down."""
+
+    def __init__(self, channels: int, inner: int):
+        super().__init__()
+        self.skip = Bottleneck(channels, channels)
+        self.down = Bottleneck(channels, inner)
+        self.up_reduce = Bottleneck(inner, channels)
+        self.up_conv = ConvBN(channels, channels, 3)
+
+
+class Hourglass(nn.Module):
+    """Hourglass over `len(widths)` scales; returns the features of every scale, finest first."""
+
+    def __init__(self, widths: list[int]):
+        super().__init__()
+        self.levels = nn.ModuleList(HourglassLevel(widths[k], widths[k + 1])
+                                    for k in range(len(widths) - 1))
+        self.bottom = Bottleneck(widths[-1], widths[-1])
+
+    def forward(self, x: torch.Tensor, inject: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """`inject[k]` (optional) is added at scale k+1, right after the `down` residual."""
+        skips = []
+        h = x
+        for k, level in enumerate(self.levels):
+            skips.append(level.skip(h))
+            h = level.down(F.max_pool2d(h, 2))
+            if inject is not None:
+                h = h + inject[k]
+        h = self.bottom(h)
+        features = [h]
+        for k in reversed(range(len(self.levels))):
+            level = self.levels[k]
+            up = F.interpolate(level.up_reduce(h), scale_factor=2.0, mode="nearest")
+            h = skips[k] + level.up_conv(up)
+            features.append(h)
+        return features[::-1]
+
+
+class ScaleHead(nn.Module):
+    """Two 3x3 convs, SE, linear 1x1 prediction. Returns (prediction, features)."""
+
+    def __init__(self, cin: int, width: int, out_channels: int, se: bool, se_reduction: int):
+        super().__init__()
+        self.conv1 = ConvBN(cin, width, 3)
+        self.conv2 = ConvBN(width, width, 3)
+        self.se = SqueezeExcitation(width, se_reduction) if se else nn.Identity()
+        self.predict = nn.Conv2d(width, out_channels, 1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.se(self.conv2(self.conv1(x)))
+        return self.predict(features), features
+
+
+class Merge(nn.Module):
+    """Prediction and head features mapped back to the scale's channels (1x1 conv + BN each)."""
+
+    def __init__(self, out_channels: int, head_width: int, channels: int):
+        super().__init__()
+        self.from_prediction = ConvBN(out_channels, channels, 1, activation=False)
+        self.from_features = ConvBN(head_width, channels, 1, activation=False)
+
+    def forward(self, prediction: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.from_prediction(prediction) + self.from_features(features)
+
+
+class Stack(nn.Module):
+    def __init__(self, widths: list[int], cfg: ModelConfig, out_channels: int, last: bool):
+        super().__init__()
+        self.hourglass = Hourglass(widths)
+        self.heads = nn.ModuleList(ScaleHead(w, cfg.head_channels, out_channels, cfg.se,
+                                             cfg.se_reduction) for w in widths)
+        self.merge = None if last else nn.ModuleList(
+            Merge(out_channels, cfg.head_channels, w) for w in widths)
+
+
+def scale_widths(cfg: ModelConfig) -> list[int]:
+    """Channels of each scale, stride 4 first: channels + k * increase."""
+    return [cfg.channels + k * cfg.increase for k in range(cfg.depth + 1)]
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    if cfg.stacks <= 0 or cfg.depth <= 0:
+        raise ConfigError("options model.stacks and model.depth must be positive")
+    if cfg.stem_channels <= 0 or cfg.channels <= 2 * cfg.stem_channels:
+        raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
+                          f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
+                          "2 x stem_channels")
+    if cfg.increase < 0 or cfg.channels < 2 or cfg.head_channels <= 0:
+        raise ConfigError("options model.channels, model.increase, model.head_channels: must be "
+                          "positive (increase may be 0)")
+    if cfg.se and cfg.se_reduction <= 0:
+        raise ConfigError(f"option model.se_reduction: {cfg.se_reduction} must be positive")
+    if cfg.init_std <= 0:
+        raise ConfigError(f"option model.init_std: {cfg.init_std} must be positive")
+
+
+class IMHN(nn.Module):
+    """The improved hourglass network; see the module docstring for layout and outputs."""
+
+    def __init__(self, cfg: ModelConfig, out_channels: int = NUM_CHANNELS):
+        super().__init__()
+        check_model_config(cfg)
+        widths = scale_widths(cfg)
+        self.out_channels = out_channels
+        self.stem = Stem(cfg.stem_channels, cfg.channels)
+        self.stacks = nn.ModuleList(Stack(widths, cfg, out_channels, last=i == cfg.stacks - 1)
+                                    for i in range(cfg.stacks))
+        self.reset_parameters(cfg.init_std)
+
+    def reset_parameters(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> list[list[torch.Tensor]]:
+        x = self.stem(x - 0.5)
+        outputs = []
+        inject = None
+        for stack in self.stacks:
+            if inject is not None:
+                x = x + inject[0]
+            features = stack.hourglass(x, inject[1:] if inject is not None else None)
+            predictions, head_features = zip(*(head(f) for head, f in zip(stack.heads, features)))
+            outputs.append(list(predictions))
+            if stack.merge is not None:
+                inject = [m(p, f) for m, p, f in zip(stack.merge, predictions, head_features)]
+        return outputs
+
+
+def build_model(cfg: ModelConfig) -> IMHN:
+    """The network of `cfg` (a `ModelConfig`) with the 50 output channels of the skeleton."""
+    return IMHN(cfg, NUM_CHANNELS)

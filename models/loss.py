@@ -1,0 +1,123 @@
+"""The multi-task focal L2 loss of Simple Pose (SPEC "Loss"), normalised per sample.
+
+For outputs P[i][j] (stack i of S, scale j of J), target G (stride 4) and mask M (1 = supervise):
+
+    G_j = area average of G down to the size of scale j   (adaptive average pooling)
+    M_j = bilinear resize of M to scale j, values < 0.5 set to 0
+    e   = (P - G_j)^2 * w_c * f * M_j          per element
+    f   = |1 - P|^gamma where G_j >= focal_threshold, |P|^gamma elsewhere (gamma 0: plain L2)
+    w_c = keypoint_weight on the 18 keypoint maps, mask_weight on the person mask, 1 elsewhere
+    L_ij[b] = sum of e over channels and pixels of sample b
+    loss[b] = (1 / S) * sum_i sum_j (s_j / sum_k s_k) * L_ij[b]     s = scale_weights
+
+`per_sample` is loss[b], shape [B]; the training loss is its mean over the batch. Nothing is
+divided by the batch size or the number of devices, so the loss of a batch is the mean of the
+losses of its samples whichever way the batch is split across replicas or processes. The
+magnitude is the reference's per-sample sum, so the reference LR (2.5e-5, SGD) keeps its meaning.
+
+Everything is computed in float32 (outputs of a bfloat16/float16 autocast forward are cast).
+`parts` (each [B]): `keypoints`, `limbs`, `person_mask`, `keypoint_max` and `scale{j}` are the
+shares of loss[b] from those channels or that scale (each family sums to loss[b]); `stack{i}` is
+the loss of stack i alone, sum_j (s_j / sum s) L_ij[b] (their mean is loss[b]). Parts are
+detached (for logging).
+
+The focal factor f is part of the differentiated expression by default (the formula as written);
+`LossConfig.focal_detach = true` treats it as a constant weight, so every gradient points from P
+towards G (with f differentiated, a prediction slightly above a mid-range target is pushed further
+up when gamma > 0).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from config.schema import LossConfig
+from config.skeleton import (KEYPOINT_CHANNELS, KEYPOINT_MAX_CHANNEL, LIMB_CHANNELS,
+                             NUM_CHANNELS, PERSON_MASK_CHANNEL)
+
+CHANNEL_GROUPS = {
+    "limbs": LIMB_CHANNELS,
+    "keypoints": KEYPOINT_CHANNELS,
+    "person_mask": slice(PERSON_MASK_CHANNEL, PERSON_MASK_CHANNEL + 1),
+    "keypoint_max": slice(KEYPOINT_MAX_CHANNEL, KEYPOINT_MAX_CHANNEL + 1),
+}
+
+
+def channel_weights(cfg: LossConfig, channels: int = NUM_CHANNELS) -> torch.Tensor:
+    weights = torch.ones(channels)
+    weights[KEYPOINT_CHANNELS] = cfg.keypoint_weight
+    weights[PERSON_MASK_CHANNEL] = cfg.mask_weight
+    return weights
+
+
+def resize_target(target: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Area average of `target` down to `size` (identity at the same size)."""
+    return target if tuple(target.shape[-2:]) == tuple(size) else F.adaptive_avg_pool2d(target, size)
+
+
+def resize_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bilinear resize of `mask` to `size`; values below 0.5 become 0."""
+    if tuple(mask.shape[-2:]) != tuple(size):
+        mask = F.interpolate(mask, size=size, mode="bilinear", align_corners=False)
+    return mask * (mask >= 0.5)
+
+
+class FocalL2Loss(nn.Module):
+    """Multi-task focal L2 over every stack and scale; see the module docstring for the formula."""
+
+    def __init__(self, cfg: LossConfig):
+        super().__init__()
+        self.gamma = float(cfg.gamma)
+        self.threshold = float(cfg.focal_threshold)
+        self.detach_focal = bool(cfg.focal_detach)
+        scale_weights = torch.tensor([float(w) for w in cfg.scale_weights], dtype=torch.float32)
+        self.register_buffer("scale_weights", scale_weights / scale_weights.sum(), persistent=False)
+        self.register_buffer("channel_weights", channel_weights(cfg), persistent=False)
+
+    def element_loss(self, prediction: torch.Tensor, target: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """Weighted, masked focal L2 per element [B, C, h, w] (float32 inputs)."""
+        loss = (prediction - target) ** 2
+        if self.gamma != 0:
+            base = prediction.detach() if self.detach_focal else prediction
+            focal = torch.where(target >= self.threshold, (1 - base).abs(), base.abs()) ** self.gamma
+            loss = loss * focal
+        return loss * self.channel_weights.view(1, -1, 1, 1) * mask
+
+    def forward(self, outputs: list[list[torch.Tensor]], target: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if len(outputs[0]) != len(self.scale_weights):
+            raise ValueError(f"{len(outputs[0])} output scales but {len(self.scale_weights)} "
+                             "loss.scale_weights")
+        target = target.float()
+        mask = mask.float()
+        num_stacks = len(outputs)
+        batch = target.shape[0]
+        zeros = target.new_zeros(batch)
+        groups = {name: zeros for name in CHANNEL_GROUPS}
+        scales = [zeros] * len(self.scale_weights)
+        stacks = []
+        per_scale_targets = []
+        for predictions in outputs[:1]:
+            for prediction in predictions:
+                size = tuple(prediction.shape[-2:])
+                per_scale_targets.append((resize_target(target, size), resize_mask(mask, size)))
+        for predictions in outputs:
+            stack_loss = zeros
+            for j, prediction in enumerate(predictions):
+                scale_target, scale_mask = per_scale_targets[j]
+                per_channel = self.element_loss(prediction.float(), scale_target,
+                                                scale_mask).sum(dim=(2, 3))          # [B, C]
+                weight = self.scale_weights[j]
+                for name, channels in CHANNEL_GROUPS.items():
+                    groups[name] = groups[name] + per_channel[:, channels].sum(1) * (weight / num_stacks)
+                scale_loss = per_channel.sum(1) * weight
+                scales[j] = scales[j] + scale_loss / num_stacks
+                stack_loss = stack_loss + scale_loss
+            stacks.append(stack_loss)
+        per_sample = torch.stack(stacks).mean(0)
+        parts = dict(groups)
+        parts.update({f"stack{i}": s for i, s in enumerate(stacks)})
+        parts.update({f"scale{j}": s for j, s in enumerate(scales)})
+        return per_sample, {name: value.detach() for name, value in parts.items()}

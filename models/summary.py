@@ -1,0 +1,130 @@
+"""Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
+
+MACs (multiply-accumulates) are counted per image with forward hooks on `nn.Conv2d`,
+`nn.ConvTranspose2d` and `nn.Linear`: a conv costs (output elements) x (input channels / groups) x
+kernel area, a linear layer (output elements) x (input features). Biases, BatchNorm, activations,
+pooling, upsampling, additions and the SE gate multiplication are not counted. The forward runs on
+the `meta` device (shapes only), so counting the full network takes well under a second and
+allocates no memory.
+
+    python -m models.summary --preset imhn --input 512
+
+prints the per-module breakdown and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _module_macs(module: nn.Module, inputs: tuple, output: torch.Tensor) -> int:
+    if isinstance(module, nn.Linear):
+        return output.numel() * module.in_features
+    if isinstance(module, nn.ConvTranspose2d):   # every input element meets the whole kernel
+        kernel = module.kernel_size[0] * module.kernel_size[1]
+        return inputs[0].numel() * (module.out_channels // module.groups) * kernel
+    kernel = module.kernel_size[0] * module.kernel_size[1]
+    return output.numel() * (module.in_channels // module.groups) * kernel
+
+
+def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int, dict[str, int]]:
+    """(MACs of one `input_size` image, {leaf module name: MACs}) of the model's forward."""
+    height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
+    per_module: dict[str, int] = defaultdict(int)
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, COUNTED):
+            def hook(mod, inputs, output, name=name):
+                per_module[name] += _module_macs(mod, inputs, output)
+            handles.append(module.register_forward_hook(hook))
+    meta_state = {name: torch.empty_like(t, device="meta")
+                  for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            functional_call(model, meta_state, (torch.zeros(1, 3, height, width, device="meta"),))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return sum(per_module.values()), dict(per_module)
+
+
+def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
+    """Sum `counts` by name prefix of `depth` non-numeric parts (`stem.res1`, `stacks.0.heads`)."""
+    grouped: dict[str, int] = {}
+    for name, value in counts.items():
+        prefix, named = [], 0
+        for part in name.split("."):
+            if named == depth:
+                break
+            prefix.append(part)
+            named += not part.isdigit()
+        key = ".".join(prefix)
+        grouped[key] = grouped.get(key, 0) + value
+    return grouped
+
+
+def summarize(model: nn.Module, input_size: int, depth: int = 2) -> dict:
+    total_macs, macs = count_macs(model, input_size)
+    params = {name: p.numel() for name, p in model.named_parameters()}
+    return {
+        "parameters": count_parameters(model),
+        "macs": total_macs,
+        "params_by_module": group_counts(params, depth),
+        "macs_by_module": group_counts(macs, depth),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from config.errors import ConfigError, UserError
+    from config.loader import build_config
+    from models.imhn import build_model
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="imhn", help="config preset name or YAML path")
+    parser.add_argument("--input", type=int, default=0, help="input size (default: the preset's)")
+    parser.add_argument("--depth", type=int, default=2,
+                        help="breakdown by this many named levels (2: stacks.0.heads)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. model.stacks=2")
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config(args.preset, sets=args.set)
+        size = args.input or cfg.data.input_size
+        if size <= 0 or size % (4 * 2 ** cfg.model.depth):
+            raise ConfigError(f"--input {size}: must be a positive multiple of "
+                            f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    info = summarize(model, size, args.depth)
+    print(f"{'module':<28} {'params (M)':>12} {'GMAC':>10}")
+    names = list(dict.fromkeys(list(info["params_by_module"]) + list(info["macs_by_module"])))
+    for name in names:
+        print(f"{name:<28} {info['params_by_module'].get(name, 0) / 1e6:12.3f} "
+              f"{info['macs_by_module'].get(name, 0) / 1e9:10.3f}")
+    print(f"{'total':<28} {info['parameters'] / 1e6:12.3f} {info['macs'] / 1e9:10.3f}")
+    print(json.dumps({"preset": args.preset, "input": size, "parameters": info["parameters"],
+                      "params_m": round(info["parameters"] / 1e6, 3),
+                      "macs": info["macs"], "gmacs": round(info["macs"] / 1e9, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
