@@ -1,0 +1,80 @@
+"""Freezing parts of the model (`--freeze PATTERN...`) for fine-tuning.
+
+A pattern names modules (or parameters) of the unwrapped model: by prefix on whole name parts
+(`stem` freezes `stem.conv1`, not `stems`) or by an fnmatch glob (`stacks.0.*`). Frozen parameters
+get `requires_grad=False`; the optimizer is built from `trainable_parameters` so they get no
+optimizer state either (no momentum, no weight decay); BatchNorm layers inside frozen parts are
+kept in eval mode by `set_frozen_bn_eval`, so their running statistics stay frozen too.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from config.errors import ConfigError
+from engine.checkpoint import unwrap_model
+
+_FROZEN_MARK = "_frozen_by_pattern"   # set on matched modules, so parameterless BN counts as frozen
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """Whether `pattern` names `name` or one of its enclosing modules."""
+    parts = name.split(".")
+    return any(
+        prefix == pattern or fnmatchcase(prefix, pattern)
+        for prefix in (".".join(parts[:n]) for n in range(1, len(parts) + 1)))
+
+
+def _parameter_count(model: nn.Module, trainable: bool) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad == trainable)
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> dict:
+    """Freeze what `patterns` name; return {"frozen", "trainable"} parameter counts and "modules".
+
+    ConfigError when a pattern matches nothing or when nothing would be left to train.
+    """
+    model = unwrap_model(model)
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    names = [name for name, _ in modules] + [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(_matches(name, pattern) for name in names):
+            top = [name for name, _ in model.named_children()]
+            shown = ", ".join(top[:12]) + (" ..." if len(top) > 12 else "")
+            raise ConfigError(f"--freeze pattern '{pattern}' matches no module of the model; "
+                              f"top-level modules: {shown}")
+    matched = [name for name, module in modules if any(_matches(name, p) for p in patterns)]
+    to_freeze = [p for name, p in model.named_parameters() if any(_matches(name, q) for q in patterns)]
+    frozen_ids = {id(p) for p in to_freeze}
+    if patterns and not any(p.requires_grad and id(p) not in frozen_ids for p in model.parameters()):
+        raise ConfigError(f"--freeze {' '.join(patterns)} freezes all {_parameter_count(model, True)} "
+                          "trainable parameters of the model: nothing would be left to train")
+    for parameter in to_freeze:
+        parameter.requires_grad_(False)
+    for name, module in modules:
+        if name in matched:
+            setattr(module, _FROZEN_MARK, True)
+    return {"frozen": _parameter_count(model, False), "trainable": _parameter_count(model, True),
+            "modules": [name for name in matched if not any(
+                name.startswith(other + ".") for other in matched)]}
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer should own: those that are not frozen."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def set_frozen_bn_eval(model: nn.Module) -> int:
+    """Put frozen BatchNorm layers in eval mode (call after every `model.train()`); return how many.
+
+    A BatchNorm layer is frozen when a freeze pattern matched it or all its parameters are frozen.
+    """
+    count = 0
+    for module in unwrap_model(model).modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            params = list(module.parameters())
+            if getattr(module, _FROZEN_MARK, False) or (params and not any(p.requires_grad for p in params)):
+                module.eval()
+                count += 1
+    return count
