@@ -124,6 +124,7 @@ class InferenceConfig:
     min_parts: int = 2
     min_mean_score: float = 0.45
     max_people: int = 20
+    max_peaks: int = 100          # strongest peaks kept per keypoint type (bounds noisy maps' cost)
 
 
 @dataclass
