@@ -1,0 +1,231 @@
+"""Multi-process plumbing of training: who this process is (rank, device), the process group,
+the collectives the engine calls, per-rank seeding and the DistributedDataParallel wrapper.
+
+The launcher's environment is read by `engine.launch_env` (torchrun, the legacy launcher's
+--local-rank, hand-set variables, SLURM); a world of one process gets no process group.
+
+The master port is checked on rank 0 only when no torchrun agent runs: the agent already holds
+its store on that port and the workers join it, so a bind test there would always fail.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from config.errors import ConfigError
+from config.schema import DistConfig
+from engine.launch_env import check_port_free, read_launch, resolve_device
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class DistContext:
+    """Where this process stands in the job; `distributed` is True when a process group exists."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = ""
+    distributed: bool = False
+    is_main: bool = True
+    launcher: str = "none"        # none | torchrun | env | slurm
+    local_world_size: int = 1
+
+
+def _pick_backend(name: str, device: torch.device) -> str:
+    if name not in BACKENDS:
+        raise ConfigError(f"dist.backend {name!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ConfigError("dist.backend nccl needs CUDA devices; use gloo (or auto) with --device cpu")
+    return name
+
+
+_CONTEXT: DistContext | None = None
+
+
+def init_distributed(dist_cfg: DistConfig, device: str = "auto",
+                     local_rank_arg: int | None = None) -> DistContext:
+    """Read the launcher's environment, pick and set the device, and join the process group."""
+    global _CONTEXT
+    launch = read_launch(os.environ, local_rank_arg)
+    dev = resolve_device(device, launch)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)   # before any CUDA context or NCCL communicator exists
+    ctx = DistContext(launch.rank, launch.local_rank, max(launch.world_size, 1), dev, "", False,
+                      launch.rank == 0, launch.launcher, launch.local_world_size or 1)
+    if launch.world_size <= 1:
+        _CONTEXT = ctx
+        return ctx
+    ctx.backend = _pick_backend(dist_cfg.backend, dev)
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = launch.master_addr
+        os.environ["MASTER_PORT"] = str(launch.master_port)
+        if launch.rank == 0 and not launch.agent_store:
+            check_port_free(launch.master_port)
+        try:
+            dist.init_process_group(ctx.backend, init_method="env://", rank=launch.rank,
+                                    world_size=launch.world_size,
+                                    timeout=timedelta(seconds=dist_cfg.timeout_s),
+                                    device_id=dev if ctx.backend == "nccl" else None)
+        except dist.DistNetworkError as err:
+            if "in use" in str(err):
+                raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
+                                  "with --master_port or MASTER_PORT") from None
+            raise
+    ctx.distributed = True
+    _CONTEXT = ctx
+    return ctx
+
+
+def cleanup() -> None:
+    """Leave the process group (if any); safe to call twice."""
+    global _CONTEXT
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def _active() -> bool:
+    return is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if not _active():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def _all_reduce(value, op, divide: bool):
+    if not _active():
+        return value
+    is_tensor = torch.is_tensor(value)
+    tensor = value.detach() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+    as_float = divide and not tensor.is_floating_point()
+    work = tensor.to(_comm_device(), dtype=torch.float64 if as_float else None, copy=True)
+    dist.all_reduce(work, op=op)
+    if divide:
+        work /= dist.get_world_size()
+    if not is_tensor:
+        return work.item()
+    return work.to(tensor.device)
+
+
+def all_reduce_sum(value):
+    """Sum of a tensor (or number) over ranks; a new tensor, the input is left as is."""
+    return _all_reduce(value, dist.ReduceOp.SUM, divide=False)
+
+
+def all_reduce_mean(value):
+    """Mean of a tensor (or number) over ranks; the input itself when not distributed."""
+    return _all_reduce(value, dist.ReduceOp.SUM, divide=True)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when at least one rank passes True (to skip a step or stop together)."""
+    if not _active():
+        return bool(flag)
+    vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return bool(vote.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` of rank `src` on every rank (picklable objects)."""
+    if not _active():
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if not _active():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch from (seed, rank): each rank draws its own augmentations."""
+    state = np.random.SeedSequence([int(seed), int(rank)]).generate_state(2, dtype=np.uint32)
+    derived = (int(state[0]) << 32) | int(state[1])
+    random.seed(derived)
+    np.random.seed(int(state[0]))
+    torch.manual_seed(derived)   # also seeds every CUDA device
+    return derived
+
+
+def single_bucket_cap_mb(model: nn.Module) -> int:
+    """A DDP bucket size (MiB) that holds every trainable gradient of `model` at once."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return math.ceil(grad_bytes / 2**20) + 1
+
+
+def wrap_ddp(model: nn.Module, ctx: DistContext, dist_cfg: DistConfig) -> nn.Module:
+    """DistributedDataParallel with the config's settings; the model itself when not distributed.
+
+    `delay_allreduce` puts all gradients in one bucket, so the only all-reduce starts once the last
+    gradient is ready, i.e. after the backward pass (Apex's option); otherwise buckets of
+    `bucket_cap_mb` overlap their all-reduce with the rest of the backward pass.
+    """
+    if not ctx.distributed:
+        return model
+    if dist_cfg.bucket_cap_mb <= 0:
+        raise ConfigError(f"dist.bucket_cap_mb must be positive, got {dist_cfg.bucket_cap_mb}")
+    bucket_mb = single_bucket_cap_mb(model) if dist_cfg.delay_allreduce else dist_cfg.bucket_cap_mb
+    on_cuda = ctx.device.type == "cuda"
+    ddp = nn.parallel.DistributedDataParallel
+    # newer PyTorch renamed broadcast_buffers (buffers are synced at start either way)
+    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+                  else "broadcast_buffers")
+    return ddp(
+        model,
+        device_ids=[ctx.device.index] if on_cuda else None,
+        output_device=ctx.device.index if on_cuda else None,
+        bucket_cap_mb=bucket_mb,
+        find_unused_parameters=dist_cfg.find_unused_parameters,
+        static_graph=dist_cfg.static_graph,
+        **{buffers_kw: dist_cfg.broadcast_buffers},
+    )
+
+
+def current_context() -> DistContext | None:
+    """The context returned by the last init_distributed (None before it or after cleanup)."""
+    return _CONTEXT

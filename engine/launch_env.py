@@ -1,0 +1,194 @@
+"""What the launcher tells this process: rank, local rank, world, master address and port, and
+the device it should use. Pure reading of the environment (no process group), so it can be tested
+without processes; `engine.distributed.init_distributed` acts on it.
+
+Launchers understood, first match wins:
+1. torchrun and the legacy `torch.distributed.launch`: RANK, LOCAL_RANK, WORLD_SIZE,
+   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the legacy launcher also passes --local-rank,
+   which the script hands in as `local_rank_arg`; it wins over LOCAL_RANK).
+2. The same variables set by hand or by another tool (no torchrun agent). LOCAL_RANK defaults to
+   RANK (one node).
+3. SLURM (`srun`): SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS. The master
+   is MASTER_ADDR if set, else 127.0.0.1 on a one-node step, else the first host of the node list
+   (plain name, or `scontrol show hostnames`), else SLURM_LAUNCH_NODE_IPADDR. The node list comes
+   before the launch node because `srun` started from a login node names that node, where no rank
+   runs. MASTER_PORT defaults to 20000 + SLURM_JOB_ID % 10000 (the same on every task).
+Nothing of this, or a world of one process: a single process.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from config.errors import ConfigError
+
+# set by torchrun's agent, which holds the rendezvous store on MASTER_PORT itself
+_AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@dataclass
+class Launch:
+    """This process's place in the job, as the launcher describes it."""
+
+    launcher: str = "none"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int | None = None   # None: unknown (hand-set env without LOCAL_WORLD_SIZE)
+    master_addr: str = ""
+    master_port: int = 0
+    agent_store: bool = False
+
+
+def _env_int(env, name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise ConfigError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "(x" in part:
+            num, times = part.rstrip(")").split("(x")
+            counts += [int(num)] * int(times)
+        elif part:
+            counts.append(int(part))
+    return counts
+
+
+def _first_slurm_host(env) -> str:
+    names = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    nodelist = next((env[name] for name in names if env.get(name)), "")
+    if nodelist and "[" not in nodelist:
+        return nodelist.split(",")[0].strip()
+    if nodelist and shutil.which("scontrol"):
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        hosts = out.stdout.split()
+        if out.returncode == 0 and hosts:
+            return hosts[0]
+    return env.get("SLURM_LAUNCH_NODE_IPADDR", "")
+
+
+def _read_slurm(env) -> Launch:
+    world = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1))
+    launch = Launch("slurm", _env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_LOCALID", 0), world)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node:
+        try:
+            counts = _expand_tasks_per_node(per_node)
+            launch.local_world_size = counts[min(_env_int(env, "SLURM_NODEID", 0), len(counts) - 1)]
+        except (ValueError, IndexError):
+            raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={per_node!r}") from None
+    nodes = _env_int(env, "SLURM_STEP_NUM_NODES", _env_int(env, "SLURM_NNODES", 0))
+    if env.get("MASTER_ADDR"):
+        launch.master_addr = env["MASTER_ADDR"]
+    elif nodes == 1:
+        launch.master_addr = "127.0.0.1"
+    else:
+        launch.master_addr = _first_slurm_host(env)
+    if world > 1 and not launch.master_addr:
+        raise ConfigError("SLURM job: cannot tell the master host (no SLURM_NODELIST, no scontrol, "
+                          "no SLURM_LAUNCH_NODE_IPADDR); export MASTER_ADDR=<host of rank 0>")
+    launch.master_port = _env_int(env, "MASTER_PORT", 20000 + _env_int(env, "SLURM_JOB_ID", 0) % 10000)
+    return launch
+
+
+def read_launch(env, local_rank_arg: int | None) -> Launch:
+    """Rank, world and master of this process from the launcher's environment."""
+    if local_rank_arg is not None and local_rank_arg < 0:
+        local_rank_arg = None
+    if "WORLD_SIZE" in env or "RANK" in env:
+        rank = _env_int(env, "RANK", 0)
+        local_rank = local_rank_arg if local_rank_arg is not None else _env_int(env, "LOCAL_RANK", rank)
+        agent = any(name in env for name in _AGENT_VARS)
+        launch = Launch("torchrun" if agent else "env", rank, local_rank, _env_int(env, "WORLD_SIZE", 1),
+                         agent_store=agent)
+        if "LOCAL_WORLD_SIZE" in env:
+            launch.local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
+        if launch.world_size > 1:
+            if not env.get("MASTER_ADDR"):
+                raise ConfigError(f"WORLD_SIZE={launch.world_size} but MASTER_ADDR is not set; "
+                                  "launch with torchrun or export MASTER_ADDR and MASTER_PORT")
+            launch.master_addr = env["MASTER_ADDR"]
+            launch.master_port = _env_int(env, "MASTER_PORT")
+    elif "SLURM_PROCID" in env:
+        launch = _read_slurm(env)
+    else:
+        launch = Launch(local_rank=local_rank_arg or 0)
+    if not 0 <= launch.rank < max(launch.world_size, 1) or launch.local_rank < 0:
+        raise ConfigError(f"rank {launch.rank} / local rank {launch.local_rank} do not fit a world "
+                          f"of {launch.world_size} processes (check RANK, LOCAL_RANK, WORLD_SIZE)")
+    return launch
+
+
+def resolve_device(spec: str, launch: Launch) -> torch.device:
+    """The device of this process from --device and its local rank; refuses impossible choices."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        spec = "cuda"
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise ConfigError(f"--device {spec}: no CUDA GPU is visible here; use --device cpu")
+    needed = launch.local_world_size or launch.local_rank + 1
+    pick_hint = "pick GPUs with --device 0,1 or CUDA_VISIBLE_DEVICES"
+    if spec == "cuda":
+        if launch.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
+            return torch.device("cuda", 0)   # srun binds each task to its own GPUs
+        if needed > visible:
+            raise ConfigError(f"{needed} processes on this node but only {visible} CUDA GPU(s) are "
+                              f"visible; start at most {visible} per node (--nproc_per_node) or {pick_hint}")
+        return torch.device("cuda", launch.local_rank)
+    try:
+        if spec.startswith("cuda:"):
+            ids = [int(spec[5:])]
+            if needed > 1:
+                raise ConfigError(f"--device {spec} names one GPU for {needed} processes on this node; "
+                                  "list one per process, e.g. --device 0,1")
+        else:
+            ids = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--device {spec!r}: expected auto, cpu, cuda, cuda:N or a list like 2,3") from None
+    bad = [i for i in ids if not 0 <= i < visible]
+    if bad or not ids:
+        raise ConfigError(f"--device {spec}: GPU {bad or ids} does not exist; "
+                          f"{visible} are visible (0..{visible - 1})")
+    if needed > len(ids):
+        raise ConfigError(f"{needed} processes on this node but --device {spec} lists {len(ids)} GPU(s); "
+                          f"list one per process or start fewer (--nproc_per_node)")
+    return torch.device("cuda", ids[launch.local_rank])
+
+
+def check_port_free(port: int) -> None:
+    """Raise ConfigError when something on this machine already listens on `port`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is no conflict
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            raise ConfigError(f"MASTER_PORT {port} is already in use on this machine ({err.strerror}); "
+                              "pick a free port with --master_port or MASTER_PORT") from None
+
+
+def find_free_port() -> int:
+    """A TCP port nothing listens on right now (for local multi-process runs and tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
