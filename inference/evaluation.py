@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from config.errors import DataError
 from config.schema import Config
+from engine.checkpoint import unwrap_model
+from engine.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.grouping import group_people, to_coco_results
 from inference.predict import predict_maps
@@ -46,12 +47,6 @@ def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
     return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
 
 
-def _distributed() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
     """{image id: COCO results} for the image indices given, people found by `group_people`."""
     found = {}
@@ -76,17 +71,15 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
 
     if model is None and not oracle:
         raise ValueError("evaluate_h5 needs a model unless oracle=True")
+    if model is not None:
+        model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     h5 = KeypointH5(h5_path)
     total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
-    rank, world = _distributed()
+    rank, world = get_rank(), get_world_size()
     with eval_mode(model):
         found = decode_images(model, h5, range(rank, total, world), cfg, device, oracle,
                               progress and rank == 0)
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, found)
-    else:
-        gathered = [found]
+    gathered = all_gather_object(found)
     outcome = None
     if rank == 0:
         try:
@@ -96,10 +89,7 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
                 raise
             outcome = exc
     h5.close()
-    if world > 1:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
+    outcome = broadcast_object(outcome, src=0)
     if isinstance(outcome, Exception):
         raise outcome
     return outcome

@@ -14,41 +14,64 @@ from config.skeleton import COCO_TO_OURS, KEYPOINT_CHANNELS, LIMB_CHANNELS, LIMB
 from inference.peaks import find_peaks
 
 
-def score_limb(limb_map: np.ndarray, xy_a, score_a, xy_b, score_b, cfg: InferenceConfig):
-    """Candidate connections of one limb, matched greedily: list of (index_a, index_b, score, length).
+PAIR_CHUNK = 20000   # candidate pairs sampled at once
 
-    Each pair is sampled at `cfg.limb_samples` points on its segment; it is kept when at least
-    `limb_min_ratio` of the samples exceed `limb_threshold` and its score, the mean sample plus
-    min(0.5 * image_height / length - 1, 0), is positive. Pairs are taken in decreasing order of
-    0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
-    """
-    height, width = limb_map.shape
-    delta = xy_b[None, :, :] - xy_a[:, None, :]                      # [na, nb, 2]
+
+def _score_pairs(limb_maps: np.ndarray, limb, xy_a, xy_b, cfg: InferenceConfig):
+    """(score, length, accepted) of candidate segments xy_a -> xy_b on their limbs' maps."""
+    _, height, width = limb_maps.shape
+    delta = xy_b - xy_a                                                   # [N, 2]
     length = np.sqrt((delta ** 2).sum(-1))
     t = np.linspace(0.0, 1.0, cfg.limb_samples, dtype=np.float32)
-    points = xy_a[:, None, None, :] + t[None, None, :, None] * delta[:, :, None, :]
+    points = xy_a[:, None, :] + t[None, :, None] * delta[:, None, :]      # [N, S, 2]
     cols = np.clip(np.rint(points[..., 0]).astype(np.int64), 0, width - 1)
     rows = np.clip(np.rint(points[..., 1]).astype(np.int64), 0, height - 1)
-    samples = limb_map.reshape(-1)[rows * width + cols]               # [na, nb, S]
-    safe_length = np.maximum(length, 1e-6)
-    score = samples.mean(-1) + np.minimum(0.5 * height / safe_length - 1.0, 0.0)
+    samples = limb_maps.reshape(-1)[(limb[:, None] * height + rows) * width + cols]
+    score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1e-6) - 1.0, 0.0)
     support = (samples > cfg.limb_threshold).sum(-1) >= cfg.limb_min_ratio * cfg.limb_samples
-    ok = support & (score > 0) & (length >= 1e-6)
-    ia, ib = np.nonzero(ok)
-    if len(ia) == 0:
-        return []
-    rank = 0.5 * score[ia, ib] + 0.25 * (score_a[ia] + score_b[ib])
-    used_a, used_b, out = set(), set(), []
-    for k in np.argsort(-rank, kind="stable"):
-        a, b = int(ia[k]), int(ib[k])
-        if a in used_a or b in used_b:
+    return score, length, support & (score > 0) & (length >= 1e-6)
+
+
+def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
+                     cfg: InferenceConfig) -> list[list[tuple]]:
+    """Per limb, its connections matched greedily: [(peak_a, peak_b, score, length), ...].
+
+    `bounds[k]:bounds[k + 1]` are the peaks of keypoint k in `xy` / `peak_score`. Every candidate
+    pair of every limb is sampled at `cfg.limb_samples` points on its segment in one batch; a pair
+    is kept when at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score,
+    the mean sample plus min(0.5 * image_height / length - 1, 0), is positive. Per limb, pairs are
+    taken in decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
+    """
+    ends = np.asarray(LIMBS)
+    start_a, start_b = bounds[ends[:, 0]], bounds[ends[:, 1]]
+    count_a, count_b = bounds[ends[:, 0] + 1] - start_a, bounds[ends[:, 1] + 1] - start_b
+    pairs = count_a * count_b
+    connections: list[list[tuple]] = [[] for _ in LIMBS]
+    if pairs.sum() == 0:
+        return connections
+    limb = np.repeat(np.arange(len(LIMBS)), pairs)
+    local = np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs)
+    peak_a = start_a[limb] + local // count_b[limb]
+    peak_b = start_b[limb] + local % count_b[limb]
+    score = np.empty(len(limb), np.float32)
+    length = np.empty(len(limb), np.float32)
+    accepted = np.empty(len(limb), bool)
+    for lo in range(0, len(limb), PAIR_CHUNK):            # bounded memory on noisy maps
+        part = slice(lo, lo + PAIR_CHUNK)
+        score[part], length[part], accepted[part] = _score_pairs(
+            limb_maps, limb[part], xy[peak_a[part]], xy[peak_b[part]], cfg)
+    keep = np.flatnonzero(accepted)
+    rank = 0.5 * score[keep] + 0.25 * (peak_score[peak_a[keep]] + peak_score[peak_b[keep]])
+    keep = keep[np.lexsort((-rank, limb[keep]))]                      # by limb, best first
+    used = set()
+    for l, a, b, s, n in zip(limb[keep].tolist(), peak_a[keep].tolist(), peak_b[keep].tolist(),
+                             score[keep].tolist(), length[keep].tolist()):
+        if (l, a) in used or (l, b) in used:
             continue
-        used_a.add(a)
-        used_b.add(b)
-        out.append((a, b, float(score[a, b]), float(length[a, b])))
-        if len(used_a) == len(xy_a) or len(used_b) == len(xy_b):
-            break
-    return out
+        used.add((l, a))
+        used.add((l, b))
+        connections[l].append((a, b, s, n))
+    return connections
 
 
 class _Person:
@@ -120,17 +143,10 @@ def group_people(maps, cfg: InferenceConfig):
     sorted by decreasing score = 1 - 1 / total, at most `cfg.max_people`.
     """
     maps = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float32)
-    channel, xy, peak_score = find_peaks(maps[KEYPOINT_CHANNELS], cfg.peak_threshold, cfg.refine_radius)
+    channel, xy, peak_score = find_peaks(maps[KEYPOINT_CHANNELS], cfg.peak_threshold,
+                                         cfg.refine_radius, cfg.max_peaks)
     bounds = np.searchsorted(channel, np.arange(NUM_KEYPOINTS + 1))
-    limb_maps = maps[LIMB_CHANNELS]
-    connections = []
-    for limb, (a, b) in enumerate(LIMBS):
-        sa, sb = slice(bounds[a], bounds[a + 1]), slice(bounds[b], bounds[b + 1])
-        if sa.start == sa.stop or sb.start == sb.stop:
-            connections.append([])
-            continue
-        found = score_limb(limb_maps[limb], xy[sa], peak_score[sa], xy[sb], peak_score[sb], cfg)
-        connections.append([(sa.start + i, sb.start + j, s, n) for i, j, s, n in found])
+    connections = limb_connections(maps[LIMB_CHANNELS], bounds, xy, peak_score, cfg)
     people = _assemble(connections, peak_score.tolist(), cfg)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]

@@ -1,4 +1,4 @@
-"""What evaluate.py and demo.py share: the config and the model of a weights file, the device.
+"""What evaluate.py and demo.py share: the config and the model of a weights file.
 
 A checkpoint written by the engine carries its resolved config: it is the base, so the network
 built matches the weights; a bare state dict uses `--preset` (default imhn512). `--set KEY=VALUE`
@@ -6,26 +6,11 @@ overrides apply on top, then the inference flags (scales, flip).
 """
 from __future__ import annotations
 
-import torch
-
-from config.errors import CheckpointError, ConfigError
+from config.errors import CheckpointError
 from config.loader import build_config
 from config.schema import Config
 
 DEFAULT_PRESET = "imhn512"
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda if available else cpu; otherwise torch.device(name), checked."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"option --device: {name!r} is not a device (cpu, cuda, cuda:N, auto)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"option --device: {name} requested but no CUDA device is available")
-    return device
 
 
 def inference_config(saved: dict | None, preset: str | None, sets: list[str],

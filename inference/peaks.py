@@ -21,12 +21,12 @@ def _neighbour(flat_index, i, j, di, dj, height, width):
     return np.where(inside, flat_index + di * width + dj, flat_index), inside
 
 
-def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2):
+def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
     """Local maxima of each map in `heatmaps` [K, H, W] (float32) above `threshold`.
 
     Returns (channel int64 [N], xy float32 [N, 2] refined image coordinates, score float32 [N]),
     sorted by channel then raster order. A peak is >= its 8 neighbours; of neighbouring equal
-    maxima only the first in raster order is kept.
+    maxima only the first in raster order is kept; `max_per_map` > 0 keeps each map's strongest.
     """
     heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
     channels, height, width = heatmaps.shape
@@ -47,6 +47,11 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2):
         first &= ~(inside & (flat[nb] == value))
     cand, value, i, j = cand[first], value[first], i[first], j[first]
     channel = cand // (height * width)
+    if max_per_map > 0 and len(cand) > max_per_map:
+        order = np.lexsort((-value, channel))                  # per map, strongest first
+        rank = np.arange(len(order)) - np.searchsorted(channel[order], channel[order])
+        kept = np.sort(order[rank < max_per_map])
+        channel, value, i, j = channel[kept], value[kept], i[kept], j[kept]
     xy = refine_peaks(heatmaps, channel, i, j, refine_radius)
     return channel, xy, value.astype(np.float32)
 

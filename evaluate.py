@@ -1,0 +1,140 @@
+"""Score a model (or the ground-truth maps) with COCO keypoint AP on a validation split.
+
+    python evaluate.py --weights checkpoints/RUN/best.pth --h5 coco_val.h5 [--scales 0.5 1 1.5 2 3] [--flip]
+    python evaluate.py --weights best.pth --ann person_keypoints_val2017.json --images val2017/
+    python evaluate.py --oracle --h5 coco_val.h5      # ground-truth maps through the decoder
+    torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
+
+Prints AP, AP50, AP75, APm, APl, AR, writes the COCO results JSON (--out) and ends with one JSON
+line of the stats. Under torchrun every image is decoded by exactly one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from config.errors import ConfigError, UserError
+from inference.coco_eval import STAT_NAMES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", help="checkpoint (best.pth, last.pth) or bare state dict")
+    p.add_argument("--oracle", action="store_true",
+                   help="decode the ground-truth target maps at image size instead of a network")
+    src = p.add_argument_group("data (one of)")
+    src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
+    src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
+    src.add_argument("--images", help="image folder of --ann")
+    p.add_argument("--scales", type=float, nargs="+", help="x input_size / image height (default: config)")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the mirror image (default: config)")
+    p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
+    p.add_argument("--out", help="results JSON (default: next to the weights, or ./oracle_*.json)")
+    p.add_argument("--preset", help="config preset for a bare state dict or --oracle (default: "
+                   "the checkpoint's own config)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. inference.peak_threshold=0.05")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check_args(args) -> None:
+    if bool(args.h5) == bool(args.ann):
+        raise ConfigError("give the data as --h5 FILE, or as --ann JSON with --images DIR")
+    if args.ann and not args.images:
+        raise ConfigError("option --ann needs --images, the folder of the annotated images")
+    if not args.oracle and not args.weights:
+        raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps)")
+    if args.max_images < 0:
+        raise ConfigError(f"option --max-images: {args.max_images} must be >= 0")
+
+
+def _results_path(args, data_path: str) -> Path:
+    if args.out:
+        return Path(args.out)
+    stem = Path(data_path).stem
+    if args.oracle:
+        return Path(f"oracle_{stem}_keypoints.json")
+    weights = Path(args.weights)
+    return weights.with_name(f"{weights.stem}_{stem}_keypoints.json")
+
+
+def _converted_h5(args, rank: int) -> tuple[str, str | None]:
+    """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
+    from engine.distributed import barrier, broadcast_object
+
+    if args.h5:
+        return args.h5, None
+    tmp = None
+    if rank == 0:
+        from data.make_hdf5 import convert
+
+        tmp = tempfile.mkdtemp(prefix="evaluate_")
+        try:
+            convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
+                    progress=not args.no_progress)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = exc
+    tmp = broadcast_object(tmp)
+    if isinstance(tmp, Exception):
+        raise tmp
+    barrier()
+    return str(Path(tmp) / "val.h5"), (tmp if rank == 0 else None)
+
+
+def run(args) -> dict:
+    from config.loader import build_config
+    from engine.distributed import barrier, cleanup, init_distributed
+    from inference.evaluation import evaluate_h5
+    from inference.loading import inference_config, load_model
+
+    _check_args(args)
+    ctx = init_distributed(build_config(None).dist, args.device)
+    temp_dir = None
+    try:
+        h5_path, temp_dir = _converted_h5(args, ctx.rank)
+        if args.weights:
+            model, cfg = load_model(args.weights, args.preset, args.set, ctx.device, args.scales, args.flip)
+        else:
+            model, cfg = None, inference_config(None, args.preset or "", args.set, args.scales, args.flip)
+        out = _results_path(args, args.ann or h5_path)
+        start = time.perf_counter()
+        stats = evaluate_h5(model, h5_path, cfg, ctx.device, max_images=args.max_images,
+                            progress=not args.no_progress, oracle=args.oracle, results_path=out)
+        seconds = time.perf_counter() - start
+        if ctx.is_main:
+            print(f"{'oracle' if args.oracle else args.weights} on {args.ann or h5_path}: "
+                  f"{stats['num_images']} images, scales {cfg.inference.scales}, "
+                  f"flip {cfg.inference.flip}, {seconds:.1f} s", file=sys.stderr)
+            for name in STAT_NAMES:
+                print(f"  {name:<5} {stats[name]:.4f}", file=sys.stderr)
+            print(f"results written to {out}", file=sys.stderr)
+            print(json.dumps(dict(stats, seconds=round(seconds, 2), results=str(out))), flush=True)
+        barrier()
+        return stats
+    finally:
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        cleanup()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
