@@ -29,6 +29,7 @@ FORMAT_VERSION = 1
 WEIGHTS_KEYS = ("model", "state_dict", "weights")   # where weights may sit inside a file
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")         # DataParallel / DDP and torch.compile
 _PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+TEMP_SUFFIX = ".ckpt-tmp"                            # temporary files of saves in progress
 _LISTED = 10                                         # names shown in an error before "and N more"
 
 
@@ -77,19 +78,21 @@ def save_checkpoint(path, state: dict) -> None:
     """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be written.
 
     The previous file at `path` stays intact on any failure, and no temporary file is left behind.
+    One process writes a directory's checkpoints: temporary files that a killed save left there
+    are removed after each successful save.
     """
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
-    tmp = None
+    tmp, replaced = None, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
         with os.fdopen(fd, "wb") as file:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
-        tmp = None
+        tmp, replaced = None, True
         _fsync_dir(path.parent)
     except BaseException as exc:
         if tmp is not None:
@@ -98,10 +101,10 @@ def save_checkpoint(path, state: dict) -> None:
             except OSError:
                 pass
         if isinstance(exc, Exception):
-            raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}; "
-                                  "the previous file there, if any, is intact") from exc
+            kept = "; the previous file there, if any, is intact" if not replaced else ""
+            raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}{kept}") from exc
         raise
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):   # left by a process killed mid-save
+    for stale in path.parent.glob(f".*{TEMP_SUFFIX}"):   # left by a process killed mid-save
         try:
             stale.unlink()
         except OSError:

@@ -27,7 +27,7 @@ def tiny_model() -> nn.Module:
 
 
 def temp_files(directory):
-    return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+    return [p.name for p in directory.iterdir() if p.name.endswith(checkpoint.TEMP_SUFFIX)]
 
 
 def test_round_trip_keeps_values_and_adds_format_version(tmp_path):
@@ -78,6 +78,13 @@ def test_full_disk_mid_write_keeps_previous_file_and_no_temp(tmp_path, monkeypat
     assert load_checkpoint(target)["step"] == 1
 
 
+def test_temp_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
+    for name in (".last.pth.k1l2d3" + checkpoint.TEMP_SUFFIX, ".epoch_3.pth.a8b9" + checkpoint.TEMP_SUFFIX):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path / "last.pth", {"step": 4})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
+
+
 def test_truncated_and_empty_files_name_the_file(tmp_path):
     good = tmp_path / "good.pth"
     save_checkpoint(good, {"step": 1, "w": torch.randn(1000)})
@@ -108,8 +115,9 @@ class Payload:
 
 
 def test_file_that_would_execute_code_is_refused(tmp_path):
+    pickled = pickle.dumps({"x": Payload()}, protocol=2)
     for name, writer in (("torch_saved.pth", lambda p: torch.save({"x": Payload()}, p)),
-                         ("pickled.pth", lambda p: p.write_bytes(pickle.dumps({"x": Payload()}, protocol=2)))):
+                         ("pickled.pth", lambda p: p.write_bytes(pickled))):
         path = tmp_path / name
         writer(path)
         with pytest.raises(CheckpointError,

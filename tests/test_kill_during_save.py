@@ -1,0 +1,87 @@
+"""SIGKILL at random moments of a process that saves checkpoints in a loop (also mid-write) never
+costs more than the checkpoint being written: the newest valid one is always found and loads."""
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+KILLS = 20
+PAYLOAD = 500_000      # floats per checkpoint (2 MB): a save takes long enough to be hit
+
+# One long-lived helper imports torch once, then forks a fresh saver per round (each saver resumes
+# from the newest checkpoint like `--resume auto`, then saves last.pth and every 5 steps epoch_N.pth
+# without pause), reports the saver's pid, and reports how it died.
+HELPER = f"""
+import os, sys, torch
+from engine.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+run_dir = sys.argv[1]
+print("ready", flush=True)
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            step = load_checkpoint(find_latest_checkpoint(run_dir))["step"]
+            base = torch.arange({PAYLOAD}, dtype=torch.float32)
+            while True:
+                step += 1
+                state = {{"step": step, "epoch": step // 5, "weights": base + step}}
+                save_checkpoint(os.path.join(run_dir, "last.pth"), state)
+                if step % 5 == 0:
+                    save_checkpoint(os.path.join(run_dir, f"epoch_{{step // 5}}.pth"), state)
+        finally:
+            os._exit(1)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print("signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
+"""
+
+
+def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
+    if not select.select([process.stdout], [], [], timeout)[0]:
+        raise AssertionError(f"helper said nothing for {timeout} s")
+    return process.stdout.readline().decode().strip()
+
+
+def test_sigkill_at_random_moments_always_leaves_a_loadable_latest_checkpoint(tmp_path):
+    save_checkpoint(tmp_path / "last.pth", {"step": 0, "epoch": 0,
+                                            "weights": torch.arange(PAYLOAD, dtype=torch.float32)})
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    helper = subprocess.Popen([sys.executable, "-c", HELPER, str(tmp_path)], cwd=REPO, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    rng = random.Random(7)
+    steps, killed_mid_write = [0], 0
+    try:
+        assert read_line(helper, timeout=60) == "ready"
+        for _ in range(KILLS):
+            helper.stdin.write(b"go\n")
+            saver = int(read_line(helper))
+            time.sleep(rng.uniform(0.05, 0.4))
+            os.kill(saver, signal.SIGKILL)
+            assert read_line(helper) == f"signal {int(signal.SIGKILL)}"   # killed, not crashed
+            temps = [p for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+            killed_mid_write += bool(temps)
+            assert len(temps) <= 1
+            latest = find_latest_checkpoint(tmp_path)
+            assert latest == tmp_path / "last.pth"
+            state = load_checkpoint(latest)
+            assert torch.equal(state["weights"], torch.arange(PAYLOAD, dtype=torch.float32) + state["step"])
+            assert state["step"] >= steps[-1]
+            steps.append(state["step"])
+    finally:
+        helper.stdin.close()
+        helper.kill()
+        helper.wait(timeout=30)
+    print(f"steps after each kill: {steps}; kills during a save: {killed_mid_write}")
+    assert steps[-1] > KILLS                 # the savers made progress across the kills
+    assert killed_mid_write >= 1, "no kill landed during a save: the test did not test that"
