@@ -49,15 +49,15 @@ def _read_preset(name: str, seen: tuple = ()) -> dict:
     base = data.pop("base", None)
     if base:
         merged = _read_preset(base, seen + (str(path),))
-        _deep_update(merged, data)
+        deep_update(merged, data)
         data = merged
     return data
 
 
-def _deep_update(dst: dict, src: dict) -> None:
+def deep_update(dst: dict, src: dict) -> None:
     for key, value in src.items():
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
-            _deep_update(dst[key], value)
+            deep_update(dst[key], value)
         else:
             dst[key] = value
 

@@ -1,0 +1,53 @@
+"""Optimiser construction and the learning rate as a pure function of (epoch, iteration).
+
+`lr_at` is the whole schedule: linear warm-up by iteration over the first `warmup_epochs`, then
+step decay (x `decay_factor` at each milestone epoch, or every `decay_every` epochs). Because it
+depends only on where the run is, a resumed run, or one continued with another number of
+processes (the total batch, hence iterations per epoch, stays the same), follows the same curve.
+"""
+from __future__ import annotations
+
+import torch
+
+from config.schema import OptimConfig
+
+
+def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
+          world_size: int = 1) -> float:
+    """The learning rate for iteration `iteration` (0-based) of epoch `epoch` (0-based)."""
+    base = cfg.lr * (world_size if cfg.scale_lr_by_world_size else 1)
+    if cfg.milestones:
+        drops = sum(1 for m in cfg.milestones if epoch >= int(m))
+    elif cfg.decay_every > 0:
+        drops = epoch // cfg.decay_every
+    else:
+        drops = 0
+    factor = cfg.decay_factor ** drops
+    warmup_steps = cfg.warmup_epochs * iters_per_epoch
+    step = epoch * iters_per_epoch + iteration
+    if warmup_steps > 0 and step < warmup_steps:
+        factor *= cfg.warmup_start + (1.0 - cfg.warmup_start) * (step + 1) / warmup_steps
+    return base * factor
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: str = "cpu"):
+    """SGD (momentum, weight decay) or AdamW over `params`; ZeroRedundancyOptimizer when `zero`."""
+    params = list(params)
+    fused = bool(cfg.fused and device_type == "cuda")
+    if cfg.name == "sgd":
+        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum,
+                                           weight_decay=cfg.weight_decay)
+    else:
+        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=tuple(cfg.betas),
+                                             weight_decay=cfg.weight_decay)
+    if fused:
+        kwargs["fused"] = True
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
