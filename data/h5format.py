@@ -10,8 +10,8 @@ One file holds one split ("train" or "val") of a COCO-format person-keypoint set
     images/size         int32 [N,2]  (height, width)
     images/people       int64 [N,2]  (first row in people/*, count): people with keypoints
     images/annotations  vlen str     JSON list of the image's COCO annotations (no segmentation)
-    masks/ignore        vlen uint8   PNG of the "do not supervise" mask, empty = all zeros
-    masks/person        vlen uint8   PNG of the "any person" mask (crowds included), empty = zeros
+    images/masks        vlen uint8   run-length codes of the ignore and person masks
+                                     (`encode_masks`; empty = both masks empty)
     people/keypoints    float32 [P,18,3]  x, y, v in image pixels, our 18-keypoint order
     people/box          float32 [P,4]     COCO bbox x, y, w, h
     samples             int64 [S,2]  (image index, person index within the image)
@@ -38,22 +38,38 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 SPLITS = ("train", "val")
 
 
-def decode_mask(png: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 HxW 0/1 mask from its stored PNG bytes (empty bytes = all zeros)."""
-    if png.size == 0:
-        return np.zeros((height, width), np.uint8)
-    mask = cv2.imdecode(png, cv2.IMREAD_GRAYSCALE)
-    return (mask > 0).astype(np.uint8)
+def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
+    """Stored form of an image's two 0/1 masks: row-major runs of (ignore + 2 x person).
 
-
-def encode_mask(mask: np.ndarray) -> np.ndarray:
-    """Stored form of a 0/1 mask: 1-bit PNG bytes, or an empty array when the mask is empty."""
-    if not mask.any():
+    Bytes: n little-endian uint16 run lengths, then n uint8 run values; an empty array when both
+    masks are empty. Runs longer than 65535 are split. Decoding is one `np.repeat`.
+    """
+    codes = (ignore > 0).astype(np.uint8) | ((person > 0).astype(np.uint8) << 1)
+    flat = codes.reshape(-1)
+    if not flat.any():
         return np.zeros(0, np.uint8)
-    ok, png = cv2.imencode(".png", (mask > 0).astype(np.uint8) * 255,
-                           [cv2.IMWRITE_PNG_BILEVEL, 1, cv2.IMWRITE_PNG_COMPRESSION, 9])
-    assert ok
-    return png.reshape(-1)
+    starts = np.concatenate([[0], np.flatnonzero(flat[1:] != flat[:-1]) + 1])
+    lengths = np.diff(np.append(starts, flat.size))
+    pieces = -(-lengths // 65535)                       # runs split into <= 65535 pixels
+    values = np.repeat(flat[starts], pieces)
+    split = np.full(pieces.sum(), 65535, np.int64)
+    ends = np.cumsum(pieces) - 1
+    split[ends] = lengths - (pieces - 1) * 65535
+    return np.concatenate([split.astype("<u2").view(np.uint8), values])
+
+
+def decode_masks(runs: np.ndarray, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ignore, person) uint8 HxW 0/1 masks from `encode_masks` bytes."""
+    if runs.size == 0:
+        zeros = np.zeros((height, width), np.uint8)
+        return zeros, zeros.copy()
+    n = runs.size // 3
+    lengths = runs[:2 * n].view("<u2")
+    codes = np.repeat(runs[2 * n:], lengths)
+    if codes.size != height * width:
+        raise DataError(f"mask runs cover {codes.size} pixels, expected {height}x{width}")
+    codes = codes.reshape(height, width)
+    return codes & 1, codes >> 1
 
 
 def open_checked(path: Path) -> h5py.File:
@@ -93,12 +109,15 @@ class KeypointH5:
         self._handle: h5py.File | None = None
         self._pid: int | None = None
         self._meta: dict | None = None
+        self._datasets: dict = {}
 
     # -- opening --------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_handle"] = None
         state["_pid"] = None
+        state["_datasets"] = {}
+        state["_meta"] = None      # re-read in the new process (small, and fast to read)
         return state
 
     def _file(self) -> h5py.File:
@@ -106,7 +125,20 @@ class KeypointH5:
             # A handle inherited through fork is dropped, not closed: it belongs to the parent.
             self._handle = open_checked(self.path)
             self._pid = os.getpid()
+            self._datasets = {}
         return self._handle
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        """A dataset of the file, looked up once per handle (h5py lookups cost ~0.1 ms)."""
+        handle = self._file()
+        found = self._datasets.get(name)
+        if found is None:
+            try:
+                found = self._datasets[name] = handle[name]
+            except KeyError:
+                raise DataError(f"{self.path}: damaged keypoint dataset (no {name!r}); convert "
+                                "it again with python -m data.make_hdf5") from None
+        return found
 
     def _load_meta(self) -> dict:
         if self._meta is None:
@@ -119,6 +151,8 @@ class KeypointH5:
                     "sizes": f["images/size"][:],
                     "people": f["images/people"][:],
                     "samples": f["samples"][:],
+                    "keypoints": f["people/keypoints"][:],
+                    "boxes": f["people/box"][:],
                 }
             except (KeyError, OSError) as exc:
                 raise DataError(f"{self.path}: damaged keypoint dataset ({exc}); convert it again "
@@ -134,6 +168,7 @@ class KeypointH5:
         if self._handle is not None and self._pid == os.getpid():
             self._handle.close()
         self._handle = None
+        self._datasets = {}
 
     # -- summary --------------------------------------------------------------------------------
     @property
@@ -157,7 +192,7 @@ class KeypointH5:
     def image_info(self, img: int) -> dict:
         meta = self._load_meta()
         height, width = (int(v) for v in meta["sizes"][img])
-        name = _text(self._file()["images/file_name"][img])
+        name = _text(self._dataset("images/file_name")[img])
         return {"id": int(meta["ids"][img]), "file_name": name, "width": width, "height": height}
 
     def image_size(self, img: int) -> tuple[int, int]:
@@ -166,7 +201,7 @@ class KeypointH5:
         return int(height), int(width)
 
     def encoded_image(self, img: int) -> np.ndarray:
-        return self._file()["images/encoded"][img]
+        return self._dataset("images/encoded")[img]
 
     def decode_image(self, img: int, reduce: int = 1) -> np.ndarray:
         """uint8 HxWx3 BGR pixels; `reduce` in (1, 2, 4, 8) decodes at 1/reduce size (faster)."""
@@ -180,28 +215,26 @@ class KeypointH5:
 
     def masks(self, img: int) -> tuple[np.ndarray, np.ndarray]:
         """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
-        f = self._file()
         height, width = self.image_size(img)
-        return (decode_mask(f["masks/ignore"][img], height, width),
-                decode_mask(f["masks/person"][img], height, width))
+        return decode_masks(self._dataset("images/masks")[img], height, width)
 
     def people(self, img: int) -> np.ndarray:
         """float32 [P,18,3]: (x, y, v) per keypoint of the image's people with keypoints."""
         start, count = self._load_meta()["people"][img]
         if count == 0:
             return np.zeros((0, NUM_KEYPOINTS, 3), np.float32)
-        return self._file()["people/keypoints"][start:start + count]
+        return self._load_meta()["keypoints"][start:start + count].copy()
 
     def person_boxes(self, img: int) -> np.ndarray:
         """float32 [P,4] COCO boxes (x, y, w, h) of the people of `people(img)`."""
         start, count = self._load_meta()["people"][img]
         if count == 0:
             return np.zeros((0, 4), np.float32)
-        return self._file()["people/box"][start:start + count]
+        return self._load_meta()["boxes"][start:start + count].copy()
 
     def annotations(self, img: int) -> list[dict]:
         """The image's COCO annotations (every person, crowds too), without segmentation."""
-        return json.loads(_text(self._file()["images/annotations"][img]))
+        return json.loads(_text(self._dataset("images/annotations")[img]))
 
     def coco_ground_truth(self) -> dict:
         """A COCO-format dataset dict of this file, for pycocotools' `COCO` / `COCOeval`."""

@@ -3,7 +3,7 @@
     python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
         --out coco_train.h5 [--split train|val] [--skip-bad]
 
-Images are stored once as their original encoded bytes; masks as 1-bit PNG; samples follow the
+Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
 "main person" rule of SPEC. The file is written under a temporary name and renamed at the end.
 Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the item;
 `skip_bad` skips bad images and lists them in the summary instead.
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from config.errors import DataError, UserError
 from config.skeleton import COCO_TO_OURS, NECK, NUM_KEYPOINTS, SHOULDERS
-from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_mask
+from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
 MAIN_MIN_AREA = 32 * 32
@@ -220,8 +220,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
     encoded = f.create_dataset("images/encoded", (n,), vbytes, maxshape=(None,))
     names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
     texts = f.create_dataset("images/annotations", (n,), vstr, maxshape=(None,))
-    ignores = f.create_dataset("masks/ignore", (n,), vbytes, maxshape=(None,))
-    persons = f.create_dataset("masks/person", (n,), vbytes, maxshape=(None,))
+    masks = f.create_dataset("images/masks", (n,), vbytes, maxshape=(None,))
     ids, sizes, people_index, samples, keypoints, boxes = [], [], [], [], [], []
     people_total = 0
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
@@ -243,8 +242,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
         encoded[row] = np.frombuffer(data, np.uint8)
         names[row] = info["file_name"]
         texts[row] = json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns])
-        ignores[row] = encode_mask(record["ignore"])
-        persons[row] = encode_mask(record["person"])
+        masks[row] = encode_masks(record["ignore"], record["person"])
         ids.append(info["id"])
         sizes.append((info["height"], info["width"]))
         count = len(record["keypoints"])
@@ -256,7 +254,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
         summary["crowd_regions"] += record["crowds"]
         summary["people_without_keypoints"] += record["no_keypoints"]
     kept = len(ids)
-    for ds in (encoded, names, texts, ignores, persons):
+    for ds in (encoded, names, texts, masks):
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)
     f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)

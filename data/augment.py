@@ -1,0 +1,124 @@
+"""Augmentation of SPEC: one affine per sample (scale, rotation, shift, flip) and a colour tint.
+
+The affine maps image pixels to network-input pixels (pixel centres at integer coordinates). It
+puts the main person's box centre at the input centre, scaled so the box height is
+`person_height` x input size, then applies the random scale, rotation, shift and mirror. The same
+matrix moves the image, the masks (straight to the stride-4 output grid) and the joints; a mirror
+also swaps left and right keypoints (`config.skeleton.KEYPOINT_FLIP`), which swaps the limbs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+from config.schema import AugmentConfig
+from config.skeleton import KEYPOINT_FLIP
+
+BORDER_VALUE = (128, 128, 128)   # grey outside the image
+
+
+@dataclass
+class AugmentParams:
+    """One draw of the random augmentation (the identity by default)."""
+    scale: float = 1.0            # multiplies the main-person scale
+    angle: float = 0.0            # degrees, counter-clockwise on screen
+    shift_x: float = 0.0          # network-input pixels
+    shift_y: float = 0.0
+    flip: bool = False
+    hue: float = 0.0              # added to OpenCV hue (0-180)
+    saturation: float = 1.0       # multiplies saturation
+    value: float = 1.0            # multiplies value
+    color: bool = False           # whether to apply hue/saturation/value
+
+
+def draw_params(rng: np.random.Generator, cfg: AugmentConfig, input_size: int) -> AugmentParams:
+    """A random draw following `cfg` (probabilities and ranges of SPEC); shift scales with size."""
+    params = AugmentParams()
+    if rng.random() < cfg.scale_prob:
+        params.scale = float(rng.uniform(cfg.scale_min, cfg.scale_max))
+    params.angle = float(rng.uniform(-cfg.rotate_deg, cfg.rotate_deg))
+    shift = cfg.shift_px * input_size / 512.0
+    params.shift_x, params.shift_y = (float(v) for v in rng.uniform(-shift, shift, 2))
+    params.flip = bool(rng.random() < cfg.flip_prob)
+    if rng.random() < cfg.color_prob:
+        params.color = True
+        params.hue = float(rng.uniform(-cfg.hue_shift, cfg.hue_shift))
+        params.saturation = float(rng.uniform(1 - cfg.sat_scale, 1 + cfg.sat_scale))
+        params.value = float(rng.uniform(1 - cfg.val_scale, 1 + cfg.val_scale))
+    return params
+
+
+def affine_matrix(center, box_height: float, input_size: int, person_height: float,
+                  params: AugmentParams) -> np.ndarray:
+    """float64 [2,3]: image pixels -> input pixels for a main person at `center` of that height."""
+    zoom = person_height * input_size / max(float(box_height), 1.0) * params.scale
+    rad = math.radians(params.angle)
+    cos, sin = math.cos(rad) * zoom, math.sin(rad) * zoom
+    linear = np.array([[cos, sin], [-sin, cos]])
+    if params.flip:
+        linear[0] *= -1
+    mid = (input_size - 1) / 2.0
+    offset = np.array([mid + params.shift_x, mid + params.shift_y]) - linear @ np.asarray(center, float)
+    return np.hstack([linear, offset[:, None]])
+
+
+def matrix_zoom(matrix: np.ndarray) -> float:
+    """The isotropic scale factor of an affine made by `affine_matrix`."""
+    return float(math.sqrt(abs(np.linalg.det(matrix[:, :2]))))
+
+
+def to_grid(matrix: np.ndarray, stride: int) -> np.ndarray:
+    """Image pixels -> stride-`stride` output cells (cell j samples input x = (j+.5)*stride-.5)."""
+    s = 1.0 / stride
+    down = np.array([[s, 0, 0.5 * s - 0.5], [0, s, 0.5 * s - 0.5], [0, 0, 1]])
+    return (down @ np.vstack([matrix, [0, 0, 1]]))[:2]
+
+
+def from_reduced(matrix: np.ndarray, reduce: int) -> np.ndarray:
+    """The affine for an image decoded at 1/`reduce` size, given the full-size one."""
+    r = float(reduce)
+    up = np.array([[r, 0, 0.5 * r - 0.5], [0, r, 0.5 * r - 0.5], [0, 0, 1]])
+    return matrix @ up
+
+
+def transform_people(people: np.ndarray, matrix: np.ndarray, flip: bool) -> np.ndarray:
+    """People [P,18,3] moved by `matrix`; with `flip`, left and right keypoints swap places."""
+    out = people.copy()
+    out[..., :2] = people[..., :2] @ matrix[:, :2].T + matrix[:, 2]
+    if flip:
+        out = out[:, list(KEYPOINT_FLIP)]
+    return out
+
+
+def flip_people(people: np.ndarray, width: int) -> np.ndarray:
+    """Mirror people [P,18,3] in an image `width` pixels wide, swapping left and right."""
+    matrix = np.array([[-1.0, 0.0, width - 1.0], [0.0, 1.0, 0.0]])
+    return transform_people(people, matrix, flip=True)
+
+
+def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
+    """uint8 size x size x 3 image through `matrix`, grey outside the source."""
+    return cv2.warpAffine(image, matrix, (size, size), flags=cv2.INTER_LINEAR,
+                          borderMode=cv2.BORDER_CONSTANT, borderValue=BORDER_VALUE)
+
+
+def warp_mask(mask: np.ndarray, grid_matrix: np.ndarray, size: int) -> np.ndarray:
+    """float32 size x size fraction of a 0/1 uint8 mask through `grid_matrix`, 0 outside."""
+    out = cv2.warpAffine(mask * np.uint8(255), grid_matrix, (size, size), flags=cv2.INTER_LINEAR,
+                         borderMode=cv2.BORDER_CONSTANT, borderValue=0)
+    return out.astype(np.float32) * np.float32(1 / 255)
+
+
+def tint(image: np.ndarray, params: AugmentParams) -> np.ndarray:
+    """HSV jitter of a uint8 BGR image (hue shift, saturation and value scaling)."""
+    hsv = cv2.cvtColor(image, cv2.COLOR_BGR2HSV)
+    levels = np.arange(256, dtype=np.float32)
+    hue = np.mod(levels + params.hue, 180).astype(np.uint8)
+    sat = np.clip(levels * params.saturation, 0, 255).astype(np.uint8)
+    val = np.clip(levels * params.value, 0, 255).astype(np.uint8)
+    h, s, v = cv2.split(hsv)
+    hsv = cv2.merge([cv2.LUT(h, hue), cv2.LUT(s, sat), cv2.LUT(v, val)])
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)

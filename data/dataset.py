@@ -1,0 +1,104 @@
+"""The training/validation dataset: one sample per main person of a keypoint HDF5 file.
+
+`KeypointDataset(h5_path, cfg, train, rank)[i]` returns
+    image  float32 [3, S, S]     RGB in [0, 1], S = cfg.data.input_size
+    target float32 [50, S/4, S/4] the maps of `data.targets.render_targets`
+    mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
+With train=True (and cfg.augment.enabled) each sample gets the random affine and colour tint of
+`data.augment`, drawn from a generator seeded by (cfg.train.seed, epoch, rank, index): the same
+tuple redraws the same sample, and every worker, rank and index draws its own. With train=False
+the main person is centred and scaled to cfg.augment.person_height of the input, no randomness.
+
+The HDF5 handle opens lazily in each worker; call `set_epoch` before creating the DataLoader
+iterator (non-persistent workers copy the dataset, epoch included, when the iterator starts).
+The engine calls `check_split(dataset.h5, "train")` to refuse a val file for training.
+"""
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from config.schema import Config
+from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, matrix_zoom,
+                          tint, to_grid, transform_people, warp_image, warp_mask)
+from data.h5format import KeypointH5, check_split
+from data.targets import render_targets
+
+__all__ = ["KeypointDataset", "check_split", "image_to_tensor"]
+_REDUCTIONS = (8, 4, 2)
+
+
+def image_to_tensor(image: np.ndarray) -> torch.Tensor:
+    """uint8 HxWx3 BGR -> float32 [3,H,W] RGB in [0, 1]."""
+    blue, green, red = cv2.split(image)
+    return torch.from_numpy(np.stack([red, green, blue])).float().mul_(1 / 255)
+
+
+class KeypointDataset(Dataset):
+    """Samples of one keypoint HDF5 file, augmented (train) or centred (validation)."""
+
+    def __init__(self, h5_path, cfg: Config, train: bool, rank: int = 0):
+        self.h5 = KeypointH5(h5_path).open()
+        self.cfg = cfg
+        self.train = train
+        self.rank = int(rank)
+        self.epoch = 0
+        self.size = cfg.data.input_size
+        self.stride = cfg.data.stride
+        self.out_size = self.size // self.stride
+        self._threads_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.h5.num_samples
+
+    # -- randomness -----------------------------------------------------------------------------
+    def rng(self, index: int) -> np.random.Generator:
+        """The generator of sample `index` in this epoch and rank."""
+        return np.random.default_rng([int(self.cfg.train.seed), self.epoch, self.rank, int(index)])
+
+    def draw(self, index: int) -> AugmentParams:
+        """The augmentation of sample `index` (the identity in validation mode)."""
+        if not (self.train and self.cfg.augment.enabled):
+            return AugmentParams()
+        return draw_params(self.rng(index), self.cfg.augment, self.size)
+
+    # -- samples --------------------------------------------------------------------------------
+    def sample_arrays(self, index: int) -> dict:
+        """numpy view of sample `index`: image (uint8 SxSx3 BGR), people (input px), target,
+        mask (S/4 x S/4, 1 = supervise), params, matrix (image px -> input px)."""
+        if index < 0:
+            index += len(self)
+        img, person = self.h5.sample_ref(index)
+        params = self.draw(index)
+        people = self.h5.people(img)
+        x, y, w, h = self.h5.person_boxes(img)[person]
+        matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
+                               self.cfg.augment.person_height, params)
+        zoom = matrix_zoom(matrix)
+        reduce = next((r for r in _REDUCTIONS if zoom * r <= 1.0), 1)
+        image = warp_image(self.h5.decode_image(img, reduce), from_reduced(matrix, reduce), self.size)
+        if params.color:
+            image = tint(image, params)
+        ignore, person_mask = self.h5.masks(img)
+        grid = to_grid(matrix, self.stride)
+        ignore = warp_mask(ignore, grid, self.out_size)
+        person_mask = warp_mask(person_mask, grid, self.out_size)
+        people = transform_people(people, matrix, params.flip)
+        target = render_targets(people, self.out_size, self.out_size, self.stride,
+                                self.cfg.targets, person_mask)
+        return {"image": image, "people": people, "target": target, "mask": 1.0 - ignore,
+                "params": params, "matrix": matrix, "image_index": img, "person_index": person}
+
+    def __getitem__(self, index: int):
+        if not self._threads_set:
+            if get_worker_info() is not None:
+                cv2.setNumThreads(1)   # workers are the parallelism; OpenCV threads would oversubscribe
+            self._threads_set = True
+        sample = self.sample_arrays(index)
+        return (image_to_tensor(sample["image"]), torch.from_numpy(sample["target"]),
+                torch.from_numpy(sample["mask"][None]))
