@@ -1,0 +1,144 @@
+"""Mixed precision with Apex's opt levels, on native PyTorch (../shared/SPEC.md, "Apex, then and now").
+
+- O0: float32.
+- O1: autocast (float16 on CUDA by default, bfloat16 on CPU) and a loss scaler.
+- O2: the model cast to half precision except BatchNorm (`keep_batchnorm_fp32`, default on), the
+  optimiser stepping float32 master copies of the trainable weights, and a loss scaler.
+- O3: everything in half precision, no master weights.
+
+Loss scaling is only needed for float16 (bfloat16 has float32's range): with float16 the
+`GradScaler` is dynamic (`loss_scale="dynamic"`, starting at `init_scale`, since 65536 overflows
+early) or static (a number); either way a step whose gradients overflow is skipped. With
+bfloat16 the scaler is disabled and saves an empty state. `Precision` owns all of this, so the
+engine calls the same five methods whatever the level.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from config.schema import AmpConfig
+
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+class Precision:
+    def __init__(self, cfg: AmpConfig, device: torch.device):
+        self.level = cfg.opt_level
+        self.device_type = device.type
+        if self.level == "O0":
+            self.dtype = torch.float32
+        elif cfg.dtype == "auto":
+            self.dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        else:
+            self.dtype = getattr(torch, cfg.dtype)
+        self.autocast = self.level == "O1"
+        self.cast_model = self.level in ("O2", "O3")
+        keep = cfg.keep_batchnorm_fp32
+        self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
+        self.master_weights = self.level == "O2"
+        self.channels_last = cfg.channels_last
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
+        use_scaler = self.level != "O0" and self.dtype == torch.float16
+        self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
+        init = self.static_scale or cfg.init_scale
+        self.scaler = torch.amp.GradScaler(
+            self.device_type, enabled=use_scaler, init_scale=init,
+            growth_interval=2 ** 30 if self.static_scale else 2000)
+
+    def describe(self) -> str:
+        text = f"opt level {self.level}"
+        if self.level != "O0":
+            text += f", {str(self.dtype).replace('torch.', '')}"
+            if self.cast_model:
+                text += ", BatchNorm in float32" if self.keep_bn_fp32 else ", BatchNorm in half"
+            if self.master_weights:
+                text += ", float32 master weights"
+            text += (f", loss scale {self.static_scale:g}" if self.scaler.is_enabled() and self.static_scale
+                     else ", dynamic loss scale" if self.scaler.is_enabled() else ", no loss scaling")
+        return text
+
+    # -- model and optimiser ------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Cast the (already loaded and frozen) model for O2/O3; make O2's master weights."""
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if not self.cast_model:
+            return model
+        if self.master_weights:
+            self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
+                           for p in model.parameters() if p.requires_grad]
+        for module in model.modules():
+            if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                param.data = param.data.to(self.dtype)
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.to(self.dtype))
+        return model
+
+    def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
+        """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
+        if self.master_weights:
+            return [master for _, master in self._pairs]
+        return trainable
+
+    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images.to(self.dtype) if self.cast_model else images
+
+    def autocast_context(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    # -- the step -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer) -> None:
+        """Bring gradients to the optimiser's parameters in true scale (before clipping)."""
+        for param, master in self._pairs:
+            master.grad = None if param.grad is None else param.grad.detach().float()
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer, grads_finite: bool) -> None:
+        """Step unless the gradients are not finite; update the loss scale either way."""
+        if grads_finite:
+            if self.scaler.is_enabled():
+                self.scaler.step(optimizer)
+            else:
+                optimizer.step()
+            with torch.no_grad():
+                for param, master in self._pairs:
+                    param.copy_(master)
+        if self.scaler.is_enabled():
+            self.scaler.update(self.static_scale)
+
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for param, _ in self._pairs:
+            param.grad = None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def float32_state_dict(self, model: nn.Module) -> dict:
+        """The model's weights in float32 (master values under O2), loadable in any mode."""
+        masters = {id(p): m for p, m in self._pairs}
+        by_id = {id(p): name for name, p in model.named_parameters()}
+        state = model.state_dict()
+        for pid, master in masters.items():
+            if pid in by_id:
+                state[by_id[pid]] = master.detach()
+        return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in state.items()}
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state)

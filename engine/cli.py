@@ -1,0 +1,147 @@
+"""The command line shared by the three entry scripts: flags -> resolved `Config`, and error exits.
+
+Named flags cover the common options (Apex's names for mixed precision and DDP); `--set KEY=VALUE`
+reaches any config field. With `--resume` and no `--config`, the run's saved config is the base, so
+a resumed run trains with what it started with (plus any flag given now).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from config.errors import UserError
+from config.loader import deep_update, build_config, nested
+
+DEFAULT_PRESET = "tiny"
+
+# flag dest -> dotted config key
+FLAG_KEYS = {
+    "train_h5": "data.train_h5", "val_h5": "data.val_h5", "workers": "data.workers",
+    "input_size": "data.input_size",
+    "epochs": "train.epochs", "batch_size": "train.batch_size", "seed": "train.seed",
+    "run_name": "train.run_name", "out_dir": "train.out_dir", "resume": "train.resume",
+    "weights": "train.weights", "allow_partial": "train.allow_partial", "freeze": "train.freeze",
+    "overwrite": "train.overwrite", "device": "train.device", "ap_every": "train.ap_every",
+    "val_every": "train.val_every", "save_every": "train.save_every",
+    "early_stop": "train.early_stop_patience",
+    "lr": "optim.lr", "optimizer": "optim.name", "clip_grad": "optim.clip_grad_norm",
+    "warmup_epochs": "optim.warmup_epochs",
+    "opt_level": "amp.opt_level", "keep_batchnorm_fp32": "amp.keep_batchnorm_fp32",
+    "loss_scale": "amp.loss_scale", "amp_dtype": "amp.dtype",
+    "channels_last": "amp.channels_last", "compile": "amp.compile",
+    "sync_bn": "dist.sync_bn", "delay_allreduce": "dist.delay_allreduce", "zero": "dist.zero",
+}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def _loss_scale(text: str):
+    if text == "dynamic":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number, got {text!r}") from None
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--config", default=None, help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, e.g. optim.milestones=[30,45]")
+    g = p.add_argument_group("data")
+    g.add_argument("--train-h5", help="training HDF5 (default: the project's synthetic dataset)")
+    g.add_argument("--val-h5", help="validation HDF5")
+    g.add_argument("--workers", type=int, help="DataLoader workers per process")
+    g.add_argument("--input-size", type=int)
+    g = p.add_argument_group("run")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int, help="total batch over all processes / GPUs")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--run-name", help="checkpoints/RUN_NAME (default: a timestamp)")
+    g.add_argument("--out-dir", help="parent of run directories (default checkpoints)")
+    g.add_argument("--resume", help="checkpoint PATH, or 'auto': the newest valid one of the run")
+    g.add_argument("--weights", help="initial weights only (fine-tuning)")
+    g.add_argument("--allow-partial", action="store_true", default=None, help="with --weights: load the keys that match")
+    g.add_argument("--freeze", nargs="+", metavar="PATTERN", help="module-name prefixes or globs to freeze")
+    g.add_argument("--overwrite", action="store_true", default=None, help="replace an existing run directory")
+    g.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--val-every", type=int, help="epochs between validation-loss passes (0: off)")
+    g.add_argument("--ap-every", type=int, help="epochs between validation-AP passes (0: off)")
+    g.add_argument("--save-every", type=int, help="also keep epoch_N.pth every N epochs")
+    g.add_argument("--early-stop", type=int, metavar="N", help="stop after N validations without improvement")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--optimizer", choices=["sgd", "adamw"])
+    g.add_argument("--clip-grad", type=float, metavar="MAX_NORM")
+    g.add_argument("--warmup-epochs", type=float)
+    g = p.add_argument_group("mixed precision (Apex's names)")
+    g.add_argument("--opt-level", help="O0 float32 | O1 autocast | O2 half model, float32 BN and master weights | O3 all half")
+    g.add_argument("--keep-batchnorm-fp32", type=_bool, nargs="?", const=True, metavar="True|False")
+    g.add_argument("--loss-scale", type=_loss_scale, metavar="dynamic|NUMBER")
+    g.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"])
+    g.add_argument("--channels-last", action="store_true", default=None)
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    g = p.add_argument_group("multi-process")
+    g.add_argument("--sync-bn", action="store_true", default=None, help="batch norm over all processes")
+    g.add_argument("--delay-allreduce", action="store_true", default=None, help="one all-reduce after backward")
+    g.add_argument("--zero", action="store_true", default=None, help="shard optimiser state (ZeroRedundancyOptimizer)")
+    return p
+
+
+def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> dict | None:
+    """The config stored in the checkpoint that --resume will load, if it can be found."""
+    from engine.checkpoint import find_latest_checkpoint, load_checkpoint
+    from engine.run_setup import newest_run_dir
+    if resume == "auto":
+        base = Path(out_dir or "checkpoints")
+        run_dir = base / run_name if run_name else newest_run_dir(base)
+        path = find_latest_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
+    else:
+        path = Path(resume)
+    return load_checkpoint(path).get("config") if path and path.is_file() else None
+
+
+def config_from_args(args: argparse.Namespace):
+    overrides: dict = {}
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            deep_update(overrides, nested(key, value))
+    saved = None
+    if args.resume and not args.config:
+        saved = _saved_config(args.resume, args.run_name, args.out_dir)
+    if saved:
+        # the saved run's own resume / weights / overwrite settings do not carry over
+        saved["train"].update(resume="", weights="", overwrite=False)
+        deep_update(saved, overrides)
+        return build_config(None, saved, args.set)
+    return build_config(args.config or DEFAULT_PRESET, overrides, args.set)
+
+
+def run_main(main, argv=None) -> None:
+    """Run `main(argv)`; a `UserError` becomes one line on stderr and its exit code."""
+    try:
+        main(argv)
+    except UserError as exc:
+        prefix = "" if type(exc).__name__ == "Interrupted" else "error: "
+        print(f"{prefix}{exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
+
+
+def single_process_context(device: str):
+    """The context of a one-process run (train.py, train_parallel.py) on `device`."""
+    from engine.distributed import DistContext
+    from engine.launch_env import Launch, resolve_device
+    return DistContext(device=resolve_device(device, Launch()))

@@ -1,0 +1,88 @@
+"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events, curves.png.
+
+Only the main process logs; the others get a `RunLogger` whose methods do nothing, so the engine
+never branches on the rank to log.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.curves_path = self.run_dir / "curves.png"
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
+                self.tb = None
+
+    def log(self, kind: str, step: int, **values) -> None:
+        """Append one record ({"kind": "train"|"val"|..., "step": N, ...}) to metrics.jsonl."""
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def read(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        out = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:   # a line cut by a kill: skip it
+                continue
+        return out
+
+    def plot_curves(self) -> None:
+        """Loss (train and validation), AP and LR against the step, in curves.png."""
+        if not self.enabled:
+            return
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.read()
+        train = [r for r in records if r["kind"] == "train"]
+        val = [r for r in records if r["kind"] == "val"]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+        with_loss = [r for r in val if "loss" in r]
+        if with_loss:
+            axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
+                         label="val loss")
+        axes[0].set_yscale("log")
+        axes[0].set_xlabel("step")
+        with_ap = [r for r in val if "AP" in r]
+        if with_ap:
+            ap_axis = axes[0].twinx()
+            ap_axis.plot([r["step"] for r in with_ap], [r["AP"] for r in with_ap], "s-", color="g",
+                         label="val AP")
+            ap_axis.set_ylabel("AP")
+            ap_axis.set_ylim(0, 1)
+        axes[0].legend(loc="upper right")
+        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel("learning rate")
+        fig.tight_layout()
+        tmp = self.curves_path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=80)
+        plt.close(fig)
+        tmp.replace(self.curves_path)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

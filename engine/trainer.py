@@ -1,0 +1,306 @@
+"""The training engine: one `Trainer` serves train.py, train_parallel.py and train_distributed.py.
+
+A launch mode only decides how `ModelWithLoss` is wrapped (nothing, DataParallel, DDP) and what
+`DistContext` it runs in; everything else (precision, schedule, skipping bad steps, validation,
+checkpoints, logging, pre-emption) lives here once. `fit()` runs the epochs; `run_step()` is one
+optimisation step; `save()`/`_restore()` are the two halves of resuming.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from config.errors import CheckpointError, TrainingDiverged, UserError
+from config.loader import to_dict
+from config.schema import Config
+from engine import distributed as dist
+from engine.amp import Precision
+from engine.checkpoint import (capture_rng_state, find_latest_checkpoint, load_checkpoint,
+                               load_weights, restore_rng_state, save_checkpoint, unwrap_model)
+from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
+from engine.logger import RunLogger
+from engine.model_with_loss import ModelWithLoss
+from engine.optim import build_optimizer, lr_at, set_lr
+from engine.run_setup import (choose_run_dir, memory_gb, resolve_data, save_resolved_config,
+                              train_loader, val_loader)
+
+
+class Interrupted(UserError):
+    """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
+
+
+@dataclass
+class Launch:
+    """How a launch mode runs the engine."""
+    ctx: dist.DistContext
+    wrap: Callable[[nn.Module], nn.Module] = lambda module: module
+    mode: str = "single"                 # single | dataparallel | ddp
+    wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, launch: Launch):
+        from data.dataset import KeypointDataset
+        from models import FocalL2Loss, build_model
+
+        self.cfg, self.launch, self.ctx = cfg, launch, launch.ctx
+        ctx = self.ctx
+        self.run_dir = choose_run_dir(cfg, ctx)
+        resume_path = self._resume_path()
+        self.train_h5, self.val_h5 = resolve_data(cfg, ctx)
+        self.train_set = KeypointDataset(self.train_h5, cfg, train=True, rank=ctx.rank)
+        self.loader, self.sampler = train_loader(self.train_set, cfg, ctx)
+        self.val_set = KeypointDataset(self.val_h5, cfg, train=False) if self.val_h5 else None
+
+        torch.manual_seed(cfg.train.seed)          # the same initial weights on every rank
+        model = build_model(cfg.model)
+        state = load_checkpoint(resume_path) if resume_path else None
+        if state is not None:
+            load_weights(model, state)
+        elif cfg.train.weights:
+            report = load_weights(model, cfg.train.weights, allow_partial=cfg.train.allow_partial)
+            self.say(f"loaded weights from {cfg.train.weights}: {_load_summary(report)}")
+        counts = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
+        dist.seed_everything(cfg.train.seed, ctx.rank)
+        if cfg.dist.sync_bn and ctx.distributed:
+            from engine.sync_bn import convert_sync_bn
+            model = convert_sync_bn(model, ctx)
+        model = model.to(ctx.device)
+        self.precision = Precision(cfg.amp, ctx.device)
+        model = self.precision.prepare_model(model)
+        trainable = trainable_parameters(model)
+        self.model = model
+        self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
+                                             FocalL2Loss(cfg.loss), self.precision)
+        self.net = launch.wrap(self.model_with_loss)
+        self.eval_net = self.net if launch.wrapped_eval else self.model_with_loss
+        self.opt_params = self.precision.optimizer_params(trainable)
+        self.optimizer = build_optimizer(self.opt_params, cfg.optim, zero=cfg.dist.zero and ctx.distributed,
+                                         device_type=ctx.device.type)
+
+        self.epoch, self.start_batch, self.step = 0, 0, 0
+        self.best_metric, self.bad_validations, self.skipped_total, self.bad_streak = None, 0, 0, 0
+        if state is not None:
+            self._restore(state, resume_path)
+        self.iters_per_epoch = self.sampler.batches_per_epoch
+        if cfg.train.max_steps_per_epoch:
+            self.iters_per_epoch = min(self.iters_per_epoch, cfg.train.max_steps_per_epoch)
+        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard)
+        self.stop_signal = None
+        if ctx.is_main:
+            save_resolved_config(cfg, self.run_dir)
+        n_train = sum(p.numel() for p in trainable)
+        n_all = sum(p.numel() for p in model.parameters())
+        self.say(f"run directory: {self.run_dir}")
+        self.say(f"mode {launch.mode}, {ctx.world_size} process(es) on {ctx.device}; "
+                 f"batch {cfg.train.batch_size // ctx.world_size} per process, "
+                 f"{cfg.train.batch_size} in total; {self.precision.describe()}")
+        self.say(f"data: {len(self.train_set)} training samples from {self.train_h5}"
+                 + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set else ""))
+        self.say(f"parameters: {n_train:,} trainable of {n_all:,}"
+                 + (f" ({counts['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if counts else ""))
+
+    # -- helpers --------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        if self.ctx.is_main:
+            tqdm.write(text)
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.train.resume
+        if not resume:
+            return None
+        if resume == "auto":
+            path = find_latest_checkpoint(self.run_dir)
+            if path is None:
+                self.say(f"--resume auto: no checkpoint in {self.run_dir} yet, starting afresh")
+            return path
+        if not Path(resume).is_file():
+            raise CheckpointError(f"--resume {resume}: no such file")
+        return Path(resume)
+
+    def _restore(self, state: dict, path: Path) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("scaler") or {})
+        self.epoch, self.start_batch, self.step = state["epoch"], state["iteration"], state["step"]
+        self.best_metric = state.get("best_metric")
+        self.bad_validations = state.get("bad_validations", 0)
+        self.skipped_total = state.get("skipped_steps", 0)
+        if self.ctx.is_main and state.get("rng"):
+            restore_rng_state(state["rng"])
+        self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}, step {self.step}"
+                 f" (saved by a {state.get('mode', '?')} run of {state.get('world_size', '?')} process(es))")
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_signal = signum
+        for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+            if sig is not None:
+                try:
+                    signal.signal(sig, request_stop)
+                except ValueError:     # not the main thread (e.g. under a test runner thread)
+                    pass
+
+    # -- one step -------------------------------------------------------------------------------
+    def run_step(self, batch, epoch: int, iteration: int) -> dict:
+        """One optimisation step; returns the loss, its parts and whether the step was skipped."""
+        images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+        lr = lr_at(self.cfg.optim, epoch, iteration, self.iters_per_epoch, self.ctx.world_size)
+        set_lr(self.optimizer, lr)
+        per_sample, parts = self.net(images, target, mask)
+        loss = per_sample.mean()
+        loss_value = loss.item()
+        abnormal = not math.isfinite(loss_value) or loss_value > self.cfg.optim.skip_loss_above
+        abnormal = dist.any_rank(abnormal)
+        stop = dist.any_rank(self.stop_signal is not None)
+        grads_finite = False
+        if not abnormal:
+            self.precision.backward(loss)
+            self.precision.unscale_(self.optimizer)
+            max_norm = self.cfg.optim.clip_grad_norm or float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.opt_params, max_norm)
+            grads_finite = bool(torch.isfinite(norm))
+            self.precision.step(self.optimizer, grads_finite)
+        self.precision.zero_grad(self.optimizer)
+        skipped = not grads_finite
+        self.skipped_total += skipped
+        self.bad_streak = self.bad_streak + 1 if skipped else 0
+        return {"loss": loss_value, "lr": lr, "skipped": skipped, "stop": stop,
+                "parts": {k: v.detach().mean() for k, v in parts.items()}}
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def train_one_epoch(self, epoch: int) -> float:
+        self.net.train()
+        set_frozen_bn_eval(self.model)
+        self.train_set.set_epoch(epoch)
+        self.sampler.set_epoch(epoch, self.start_batch)
+        start, self.start_batch = self.start_batch, 0
+        steps = max(0, self.iters_per_epoch - start)
+        bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
+                   disable=not self.ctx.is_main, dynamic_ncols=True, leave=False)
+        loss_sum, count, tick = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
+        for iteration, batch in enumerate(self.loader, start=start):
+            if iteration >= self.iters_per_epoch:
+                break
+            out = self.run_step(batch, epoch, iteration)
+            self.step += 1
+            if not out["skipped"]:
+                loss_sum += out["loss"]
+                count += 1
+            if self.bad_streak >= self.cfg.optim.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{self.bad_streak} consecutive steps had a non-finite or abnormal loss or "
+                    f"gradients (last loss {out['loss']:.4g}); stopped. The last good checkpoint is "
+                    f"{self.run_dir / 'last.pth'}: lower optim.lr, enable --clip-grad, or use O0")
+            rate = self.cfg.train.batch_size * (iteration + 1 - start) / (time.perf_counter() - tick)
+            bar.set_postfix(loss=f"{out['loss']:.4g}", lr=f"{out['lr']:.3g}", img_s=f"{rate:.1f}",
+                            mem=f"{memory_gb(self.ctx.device):.2f}G")
+            bar.update()
+            if self.step % self.cfg.train.log_every == 0 or iteration == self.iters_per_epoch - 1:
+                parts = {k: dist.all_reduce_mean(v).item() for k, v in out["parts"].items()}
+                self.logger.log("train", self.step, epoch=epoch, loss=dist.all_reduce_mean(
+                    torch.tensor(out["loss"])).item(), lr=out["lr"], samples_per_s=rate,
+                    skipped_steps=self.skipped_total, memory_gb=memory_gb(self.ctx.device), **parts)
+            if out["stop"]:
+                bar.close()
+                self.save("last.pth", epoch, iteration + 1)
+                name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
+                raise Interrupted(f"stopped by {name} at epoch {epoch + 1}, batch {iteration + 1}; "
+                                  f"saved {self.run_dir / 'last.pth'}. Resume with the same command "
+                                  f"and --resume auto --run-name {self.run_dir.name}")
+        bar.close()
+        return (loss_sum / max(count, 1)).item()
+
+    @torch.no_grad()
+    def validate(self, epoch: int) -> dict:
+        """Validation loss (all ranks, sharded) and, every `ap_every` epochs, COCO AP."""
+        results = {}
+        cfg = self.cfg.train
+        if cfg.val_every and (epoch + 1) % cfg.val_every == 0:
+            self.eval_net.eval()
+            total = torch.zeros(2, dtype=torch.float64)
+            for batch in val_loader(self.val_set, self.cfg, self.ctx):
+                images, target, mask = (t.to(self.ctx.device) for t in batch)
+                per_sample, _ = self.eval_net(images, target, mask)
+                total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
+            total = dist.all_reduce_sum(total)
+            results["loss"] = (total[0] / total[1].clamp(min=1)).item()
+        if cfg.ap_every and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs):
+            from inference.evaluation import evaluate_h5
+            stats = evaluate_h5(self.model, self.val_h5, self.cfg, self.ctx.device,
+                                max_images=cfg.ap_max_images, progress=self.ctx.is_main)
+            results.update({k: stats[k] for k in ("AP", "AP50", "AP75", "APm", "APl", "AR")})
+        return results
+
+    def _improved(self, results: dict) -> bool:
+        key = "AP" if self.cfg.train.ap_every else "loss"
+        if key not in results:
+            return False
+        value = results[key]
+        better = (self.best_metric is None or
+                  (value > self.best_metric if key == "AP" else value < self.best_metric))
+        if better:
+            self.best_metric = value
+        return better
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, name: str, epoch: int, iteration: int) -> None:
+        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
+        if self.cfg.dist.zero and self.ctx.distributed:
+            self.optimizer.consolidate_state_dict(to=0)
+        if self.ctx.is_main:
+            state = {
+                "model": self.precision.float32_state_dict(unwrap_model(self.model)),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.precision.state_dict(),
+                "epoch": epoch, "iteration": iteration, "step": self.step,
+                "best_metric": self.best_metric, "bad_validations": self.bad_validations,
+                "skipped_steps": self.skipped_total,
+                "config": to_dict(self.cfg), "rng": capture_rng_state(),
+                "mode": self.launch.mode, "world_size": self.ctx.world_size,
+            }
+            save_checkpoint(self.run_dir / name, state)
+        dist.barrier()
+
+    # -- the run --------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        self._install_signal_handlers()
+        cfg = self.cfg.train
+        results: dict = {}
+        for epoch in range(self.epoch, cfg.epochs):
+            train_loss = self.train_one_epoch(epoch)
+            results = self.validate(epoch) if self.val_set is not None else {}
+            improved = self._improved(results)
+            self.bad_validations = 0 if improved else self.bad_validations + bool(results)
+            self.logger.log("val", self.step, epoch=epoch, train_loss=train_loss, **results)
+            self.save("last.pth", epoch + 1, 0)
+            if improved:
+                self.save("best.pth", epoch + 1, 0)
+            if cfg.save_every and (epoch + 1) % cfg.save_every == 0:
+                self.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
+            self.logger.plot_curves()
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
+            self.say(f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4g}"
+                     + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+            if cfg.early_stop_patience and self.bad_validations >= cfg.early_stop_patience:
+                self.say(f"early stop: no improvement in {self.bad_validations} validations")
+                break
+        self.logger.close()
+        self.say(f"done. checkpoints: {self.run_dir / 'last.pth'}"
+                 + (f", {self.run_dir / 'best.pth'}" if (self.run_dir / 'best.pth').exists() else "")
+                 + f"; metrics: {self.run_dir / 'metrics.jsonl'}; curves: {self.run_dir / 'curves.png'}")
+        return {"run_dir": str(self.run_dir), "epoch": self.cfg.train.epochs, "step": self.step,
+                "best_metric": self.best_metric, **results}
+
+
+def _load_summary(report: dict) -> str:
+    loaded = report.get("loaded", "?")
+    missing = report.get("missing") or []
+    return f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")

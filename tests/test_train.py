@@ -1,0 +1,108 @@
+"""train.py end to end on CPU: an epoch, bit-exact resume, every opt level, freezing, bad steps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import train
+from config.errors import ConfigError, TrainingDiverged
+from engine.checkpoint import load_checkpoint
+
+QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
+         "--set", "train.tensorboard=false"]
+
+
+def run(tmp_path, synthetic_h5, *extra):
+    train_h5, val_h5 = synthetic_h5
+    argv = ["--train-h5", str(train_h5), "--val-h5", str(val_h5), "--out-dir", str(tmp_path),
+            *QUICK, *extra]
+    return train.main(argv)
+
+
+def weights(path):
+    return load_checkpoint(path)["model"]
+
+
+def test_one_epoch_writes_the_run_directory(tmp_path, synthetic_h5):
+    out = run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "r")
+    run_dir = tmp_path / "r"
+    for name in ("last.pth", "best.pth", "config.yaml", "metrics.jsonl", "curves.png"):
+        assert (run_dir / name).is_file(), name
+    ckpt = load_checkpoint(run_dir / "last.pth")
+    assert ckpt["epoch"] == 1 and ckpt["iteration"] == 0 and ckpt["step"] == 3
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["kind"] == "val"]
+    assert val and val[0]["loss"] > 0 and out["loss"] == pytest.approx(val[0]["loss"])
+
+
+def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthetic_h5):
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "straight")
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "resumed")
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "resumed", "--resume", "auto")
+    a, b = weights(tmp_path / "straight/last.pth"), weights(tmp_path / "resumed/last.pth")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ca, cb = load_checkpoint(tmp_path / "straight/last.pth"), load_checkpoint(tmp_path / "resumed/last.pth")
+    assert ca["step"] == cb["step"] == 6
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+
+
+@pytest.mark.parametrize("level,dtype", [("O0", "auto"), ("O1", "bfloat16"), ("O1", "float16"),
+                                         ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16")])
+def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
+        "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
+    ckpt = load_checkpoint(tmp_path / "amp/last.pth")
+    assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+    torch.manual_seed(0)
+    from config import build_config
+    from models import build_model
+    init = build_model(build_config("tiny").model).state_dict()
+    changed = [k for k in init if init[k].is_floating_point() and not torch.equal(init[k], ckpt["model"][k])]
+    assert changed, "no weight moved"
+    if dtype == "float16" and level != "O0":
+        assert ckpt["scaler"]["scale"] > 0       # the fp16 GradScaler ran and was saved
+    else:
+        assert not ckpt["scaler"]                # disabled scaler: empty state
+
+
+def test_frozen_weights_stay_bit_identical(tmp_path, synthetic_h5):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "base")
+    base = weights(tmp_path / "base/last.pth")
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "ft", "--weights",
+        str(tmp_path / "base/last.pth"), "--freeze", "stem", "stacks.0.*", "--lr", "1e-3")
+    tuned = weights(tmp_path / "ft/last.pth")
+    frozen = [k for k in base if k.startswith(("stem.", "stacks.0."))]
+    others = [k for k in base if k not in frozen and base[k].is_floating_point()]
+    assert frozen and all(torch.equal(base[k], tuned[k]) for k in frozen)   # incl. BN running stats
+    assert any(not torch.equal(base[k], tuned[k]) for k in others)
+
+
+def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "skip",
+        "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
+    ckpt = load_checkpoint(tmp_path / "skip/last.pth")
+    assert ckpt["skipped_steps"] == 3
+    torch.manual_seed(0)
+    from config import build_config
+    from models import build_model
+    init = build_model(build_config("tiny").model).state_dict()
+    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)
+
+
+def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):
+    with pytest.raises(TrainingDiverged, match="3 consecutive steps"):
+        run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "div",
+            "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=3")
+
+
+def test_existing_run_directory_is_never_overwritten(tmp_path, synthetic_h5):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "keep")
+    before = (tmp_path / "keep/last.pth").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "keep")
+    assert (tmp_path / "keep/last.pth").read_bytes() == before

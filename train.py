@@ -1,0 +1,18 @@
+"""Train on one device: a GPU when there is one, else the CPU.
+
+    python train.py                                   # the project's own dataset, tiny preset
+    python train.py --config imhn512 --train-h5 coco_train.h5 --val-h5 coco_val.h5 --opt-level O1
+    python train.py --resume auto --run-name RUN
+    python train.py --weights best.pth --freeze stem 'stacks.0.*' --lr 1e-5
+"""
+from engine.cli import build_parser, config_from_args, run_main, single_process_context
+from engine.trainer import Launch, Trainer
+
+
+def main(argv=None) -> dict:
+    cfg = config_from_args(build_parser(__doc__).parse_args(argv))
+    return Trainer(cfg, Launch(single_process_context(cfg.train.device))).fit()
+
+
+if __name__ == "__main__":
+    run_main(main)

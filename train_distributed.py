@@ -1,0 +1,30 @@
+"""Train with one process per GPU (DistributedDataParallel), on one machine or many.
+
+    torchrun --nproc_per_node 8 train_distributed.py --sync-bn --opt-level O1 ...
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port PORT --nproc_per_node 8 train_distributed.py ...
+    python -m torch.distributed.launch --nproc_per_node 2 train_distributed.py ...   # legacy: --local_rank
+    srun python train_distributed.py ...                                              # SLURM
+
+Without a launcher it runs as one process. On CPU it uses the gloo backend.
+"""
+from engine import distributed as dist
+from engine.cli import build_parser, config_from_args, run_main
+from engine.trainer import Launch, Trainer
+
+
+def main(argv=None) -> dict:
+    parser = build_parser(__doc__)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
+                        help="set by the legacy torch.distributed.launch")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
+    try:
+        wrap = lambda module: dist.wrap_ddp(module, ctx, cfg.dist)  # noqa: E731
+        return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp")).fit()
+    finally:
+        dist.cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,47 @@
+"""Train on several GPUs of one machine with DataParallel.
+
+Model and loss are replicated together, so every GPU computes the loss of its part of the batch
+and only per-sample loss values come back to the first GPU (which is then not overloaded).
+
+    python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
+"""
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from config.errors import ConfigError
+from engine.cli import build_parser, config_from_args, run_main, single_process_context
+from engine.trainer import Launch, Trainer
+
+
+def _gpu_ids(spec: str) -> list[int]:
+    visible = torch.cuda.device_count()
+    try:
+        ids = [int(x) for x in spec.split(",") if x.strip()] if spec else list(range(visible))
+    except ValueError:
+        raise ConfigError(f"--gpus {spec!r}: expected a comma-separated list like 0,1,2,3") from None
+    bad = [i for i in ids if not 0 <= i < visible]
+    if bad:
+        raise ConfigError(f"--gpus {spec}: GPU(s) {bad} not visible ({visible} visible)")
+    return ids
+
+
+def main(argv=None) -> dict:
+    parser = build_parser(__doc__)
+    parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    if not torch.cuda.is_available() or cfg.train.device == "cpu":
+        tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
+        return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel")).fit()
+    ids = _gpu_ids(args.gpus)
+    if cfg.train.batch_size % len(ids):
+        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
+                          f"{len(ids)} GPUs")
+    ctx = single_process_context(f"cuda:{ids[0]}")
+    wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
+    return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True)).fit()
+
+
+if __name__ == "__main__":
+    run_main(main)
