@@ -40,32 +40,55 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
         nb, _ = _neighbour(cand, i, j, di, dj, height, width)
         keep = value >= flat[nb]
         cand, value, i, j = cand[keep], value[keep], i[keep], j[keep]
-    # One peak per plateau: drop a maximum whose earlier neighbour holds the same value.
+    # One peak per plateau: drop a maximum whose earlier neighbour holds the same value; the kept
+    # one remembers where the plateau's centre lies (half a pixel right, left or down).
     first = np.ones(cand.shape, dtype=bool)
     for di, dj in _EARLIER:
         nb, inside = _neighbour(cand, i, j, di, dj, height, width)
         first &= ~(inside & (flat[nb] == value))
     cand, value, i, j = cand[first], value[first], i[first], j[first]
+    shift = np.zeros((len(cand), 2), np.float32)        # (dx, dy) sums over plateau members
+    members = np.ones(len(cand), np.float32)
+    for di, dj in _LATER:
+        nb, inside = _neighbour(cand, i, j, di, dj, height, width)
+        same = inside & (flat[nb] == value)
+        shift += same[:, None] * np.array([dj, di], np.float32)
+        members += same
+    half_step = 0.5 * np.sign(shift / members[:, None])
     channel = cand // (height * width)
     if max_per_map > 0 and len(cand) > max_per_map:
         order = np.lexsort((-value, channel))                  # per map, strongest first
         rank = np.arange(len(order)) - np.searchsorted(channel[order], channel[order])
         kept = np.sort(order[rank < max_per_map])
-        channel, value, i, j = channel[kept], value[kept], i[kept], j[kept]
-    xy = refine_peaks(heatmaps, channel, i, j, refine_radius)
+        channel, value, i, j, half_step = channel[kept], value[kept], i[kept], j[kept], half_step[kept]
+    xy = refine_peaks(heatmaps, channel, i, j, refine_radius, half_step)
     return channel, xy, value.astype(np.float32)
 
 
-def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int) -> np.ndarray:
-    """Weighted centroid (x, y) of each peak's (2r+1)^2 window; pixels outside the map weigh 0."""
+def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step=None) -> np.ndarray:
+    """Weighted centroid (x, y) of each peak's (2r+1)^2 window; pixels outside the map weigh 0.
+
+    `half_step` [N, 2] in {-0.5, 0, 0.5} centres the window on a plateau's centre instead: the
+    window then spans one more column (row) on that side, so it stays symmetric about the plateau.
+    """
     xy = np.stack([j, i], axis=1).astype(np.float32)
     if radius <= 0 or len(channel) == 0:
-        return xy
+        return xy + (half_step if half_step is not None else 0.0)
+    if half_step is None:
+        half_step = np.zeros_like(xy)
     _, height, width = heatmaps.shape
-    offsets = np.arange(-radius, radius + 1)
+    offsets = np.arange(-radius - 1, radius + 2)
     rows = i[:, None, None] + offsets[None, :, None]
     cols = j[:, None, None] + offsets[None, None, :]
     inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)
+    # The outer ring takes part only on the side a plateau extends to.
+    use_col = ((np.abs(offsets) <= radius)[None, :]
+               | ((offsets == radius + 1)[None, :] & (half_step[:, :1] > 0))
+               | ((offsets == -radius - 1)[None, :] & (half_step[:, :1] < 0)))
+    use_row = ((np.abs(offsets) <= radius)[None, :]
+               | ((offsets == radius + 1)[None, :] & (half_step[:, 1:] > 0))
+               | ((offsets == -radius - 1)[None, :] & (half_step[:, 1:] < 0)))
+    inside &= use_row[:, :, None] & use_col[:, None, :]
     weights = heatmaps[channel[:, None, None], np.clip(rows, 0, height - 1), np.clip(cols, 0, width - 1)]
     weights = np.where(inside, np.maximum(weights, 0.0), 0.0)
     total = weights.sum(axis=(1, 2))

@@ -1,0 +1,160 @@
+"""Decoding maps into people: peaks, plateaus, real multi-person maps, mirroring, empty maps."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from config.loader import build_config
+from config.schema import InferenceConfig, TargetConfig
+from config.skeleton import CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_FLIP, NECK, NUM_CHANNELS
+from data.make_hdf5 import to_skeleton
+from data.targets import render_targets
+from inference.grouping import group_people, to_coco_results
+from inference.peaks import find_peaks
+from inference.predict import predict_maps, resample_to_image
+
+
+def coco4_people(coco4_dir, image_id: int):
+    """(people [P,18,3] of the image's annotated people with keypoints, (height, width))."""
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    info = next(img for img in data["images"] if img["id"] == image_id)
+    people = [to_skeleton(a["keypoints"]) for a in data["annotations"]
+              if a["image_id"] == image_id and a["num_keypoints"] > 0]
+    return np.stack(people), (info["height"], info["width"])
+
+
+def match(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """For each true person, the largest keypoint error of its closest decoded person (px)."""
+    errors = []
+    for person in truth:
+        labelled = person[:, 2] > 0
+        per = [np.abs(f[labelled, :2] - person[labelled, :2]).max() if (f[labelled, 2] > 0).all()
+               else np.inf for f in found]
+        errors.append(min(per))
+    return np.array(errors)
+
+
+def test_plateau_of_equal_maxima_gives_one_peak_at_its_centre():
+    maps = np.zeros((3, 20, 30), np.float32)
+    maps[0, 5, 5:7] = 0.8                     # two equal neighbours: one peak, half-way
+    maps[1, 10:12, 20:22] = 0.6               # a 2x2 plateau
+    maps[2, 3, 3] = maps[2, 15, 25] = 0.5     # two separate peaks stay two
+    channel, xy, score = find_peaks(maps, threshold=0.1, refine_radius=2)
+    assert channel.tolist() == [0, 1, 2, 2]
+    np.testing.assert_allclose(xy, [[5.5, 5.0], [20.5, 10.5], [3.0, 3.0], [25.0, 15.0]], atol=1e-6)
+    np.testing.assert_allclose(score, [0.8, 0.6, 0.5, 0.5])
+
+
+def test_peaks_below_threshold_and_caps():
+    rng = np.random.default_rng(0)
+    maps = rng.random((2, 40, 40), dtype=np.float32)
+    channel, _, score = find_peaks(maps, threshold=0.1, refine_radius=0, max_per_map=5)
+    assert (np.bincount(channel, minlength=2) == 5).all()
+    every_channel, _, every_score = find_peaks(maps, threshold=0.1, refine_radius=0)
+    for c in range(2):   # the cap keeps each map's strongest peaks
+        np.testing.assert_allclose(np.sort(score[channel == c]),
+                                   np.sort(every_score[every_channel == c])[-5:])
+    assert len(find_peaks(maps * 0.05, threshold=0.1)[0]) == 0
+
+
+def test_neck_at_half_pixel_gives_one_person(coco4_dir):
+    people, (height, width) = coco4_people(coco4_dir, 785)
+    people[:, :, :2] = np.floor(people[:, :, :2])
+    people[0, 5, :2] = people[0, 2, :2] + (41, 3)     # odd distances: the neck at (x.5, y.5)
+    people[0, NECK, :2] = (people[0, 2, :2] + people[0, 5, :2]) / 2
+    assert (people[0, NECK, :2] % 1 == 0.5).all()
+    maps = render_targets(people, height, width, 1, TargetConfig())
+    keypoints, scores = group_people(maps, InferenceConfig())
+    assert len(keypoints) == 1 and (keypoints[0, :, 2] > 0).sum() == (people[0, :, 2] > 0).sum()
+    np.testing.assert_allclose(keypoints[0, NECK, :2], people[0, NECK, :2], atol=0.1)
+
+
+def test_ground_truth_maps_of_five_people_decode_to_them(coco4_dir):
+    people, (height, width) = coco4_people(coco4_dir, 197388)
+    assert len(people) == 5
+    maps = render_targets(people, height, width, 1, TargetConfig())
+    keypoints, scores = group_people(maps, InferenceConfig())
+    assert keypoints.shape == (5, 18, 3) and scores.shape == (5,)
+    assert (np.diff(scores) <= 0).all() and (scores > 0).all()
+    assert (match(keypoints, people) <= 1.0).all()
+
+
+def test_mirrored_maps_decode_to_mirrored_people(coco4_dir):
+    people, (height, width) = coco4_people(coco4_dir, 197388)
+    maps = render_targets(people, height, width, 1, TargetConfig())
+    mirrored = np.ascontiguousarray(maps[:, :, ::-1][list(CHANNEL_FLIP)])
+    found, _ = group_people(maps, InferenceConfig())
+    found_mirrored, _ = group_people(mirrored, InferenceConfig())
+    expected = found[:, list(KEYPOINT_FLIP)]
+    expected[:, :, 0] = np.where(expected[:, :, 2] > 0, width - 1 - expected[:, :, 0], 0)
+    assert len(found_mirrored) == len(found) == 5
+    assert (match(found_mirrored, expected) <= 1e-3).all()
+
+
+def test_empty_maps_give_no_people():
+    keypoints, scores = group_people(np.zeros((NUM_CHANNELS, 48, 64), np.float32), InferenceConfig())
+    assert keypoints.shape == (0, 18, 3) and scores.shape == (0,)
+    assert to_coco_results(7, keypoints, scores) == []
+
+
+def test_coco_results_drop_the_neck_and_use_coco_order():
+    person = np.zeros((1, 18, 3), np.float32)
+    for ours in range(18):
+        person[0, ours] = (100 + ours, 200 + ours, 0.9)
+    person[0, 13] = 0                                   # l_ankle missing
+    (result,) = to_coco_results(42, person, np.array([0.75], np.float32))
+    assert result["image_id"] == 42 and result["category_id"] == 1 and result["score"] == 0.75
+    triples = np.array(result["keypoints"]).reshape(17, 3)
+    for coco, ours in enumerate(COCO_TO_OURS):
+        expected = (0, 0, 0) if ours == 13 else (100 + ours, 200 + ours, 1)
+        np.testing.assert_allclose(triples[coco], expected)
+
+
+def test_resampling_puts_stride4_cells_at_their_input_points():
+    # Cell (i, j) of a stride-4 map sits at input x = (j + 0.5) * 4 - 0.5: store that x in it.
+    xs = (torch.arange(16, dtype=torch.float32) + 0.5) * 4 - 0.5
+    maps = xs.expand(1, 1, 8, 16).clone()
+    same = resample_to_image(maps, 4, (32, 64), (32, 64))[0, 0]
+    torch.testing.assert_close(same[5, 4:60], torch.arange(4, 60, dtype=torch.float32))
+    # Image half the input size: image pixel x is input point (x + 0.5) * 2 - 0.5.
+    half = resample_to_image(maps, 4, (32, 64), (16, 32))[0, 0]
+    torch.testing.assert_close(half[3, 2:30], (torch.arange(2, 30, dtype=torch.float32) + 0.5) * 2 - 0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from models import build_model
+
+    cfg = build_config("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    model.reset_parameters(0.05)          # outputs far from constant, so the flip test can fail
+    return model.eval(), cfg
+
+
+def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
+    model, cfg = tiny_model
+    cfg.inference.flip, cfg.inference.scales = True, [1.0]
+    image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
+    maps = predict_maps(model, image, cfg, "cpu")
+    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu")
+    assert maps.shape == (NUM_CHANNELS, 128, 192) and maps.dtype == np.float32
+    mirrored = maps[:, :, ::-1][list(CHANNEL_FLIP)]
+    np.testing.assert_allclose(maps_of_mirror, mirrored, atol=1e-5 * np.abs(maps).max())
+    assert np.abs(maps_of_mirror - maps[:, :, ::-1]).max() > 1e-3 * np.abs(maps).max()
+
+
+def test_predict_maps_averages_scales_at_image_size(tiny_model):
+    model, cfg = tiny_model
+    cfg.inference.flip, cfg.inference.scales = False, [0.5, 1.0]
+    image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
+    maps = predict_maps(model, image, cfg, "cpu")
+    assert maps.shape == (NUM_CHANNELS, 90, 150)
+    singles = []
+    for scale in (0.5, 1.0):
+        cfg.inference.scales = [scale]
+        singles.append(predict_maps(model, image, cfg, "cpu"))
+    np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)
