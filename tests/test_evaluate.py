@@ -1,0 +1,120 @@
+"""evaluate.py and `evaluate_h5`: the oracle ceiling on real COCO images, checkpoints, user errors,
+and exact distributed evaluation over two real gloo processes."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import evaluate
+from config.loader import build_config, to_dict
+from engine.checkpoint import save_checkpoint
+from engine.launch_env import find_free_port
+from inference.coco_eval import STAT_NAMES
+from inference.evaluation import evaluate_h5
+from models import build_model
+
+COCO4_IDS = [785, 40083, 196141, 197388]   # in file order
+
+
+@pytest.fixture(scope="module")
+def coco4_h5(coco4_dir, tmp_path_factory):
+    from data.make_hdf5 import convert
+
+    out = tmp_path_factory.mktemp("coco4") / "coco4_val.h5"
+    convert(coco4_dir / "test_coco.json", coco4_dir, out, split="val", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    cfg = build_config("tiny")
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "best.pth"
+    save_checkpoint(path, {"model": build_model(cfg.model).state_dict(), "config": to_dict(cfg)})
+    return path
+
+
+def run_cli(argv, capsys):
+    """(exit code, the stats of the last stdout line or None, stderr)."""
+    code = evaluate.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, (json.loads(lines[-1]) if lines else None), captured.err
+
+
+def test_oracle_on_coco4_reaches_the_ceiling(coco4_h5, tmp_path, capsys):
+    out = tmp_path / "oracle.json"
+    code, stats, err = run_cli(["--oracle", "--h5", coco4_h5, "--out", out, "--no-progress"], capsys)
+    assert code == 0
+    assert stats["AP"] >= 0.85 and stats["num_images"] == 4
+    assert all(0.0 <= stats[name] <= 1.0 for name in STAT_NAMES)
+    for name in STAT_NAMES:                      # the readable table on stderr
+        assert f"  {name} " in err
+    results = json.loads(out.read_text())
+    assert {r["image_id"] for r in results} == set(COCO4_IDS)
+    assert all(len(r["keypoints"]) == 51 for r in results)
+
+
+def test_oracle_from_coco_json_and_image_folder(coco4_dir, tmp_path, capsys):
+    code, stats, _ = run_cli(["--oracle", "--ann", coco4_dir / "test_coco.json", "--images", coco4_dir,
+                              "--max-images", 2, "--out", tmp_path / "r.json", "--no-progress"], capsys)
+    assert code == 0 and stats["num_images"] == 2 and stats["AP"] >= 0.85
+
+
+def test_checkpoint_weights_with_flip_and_scales(coco4_h5, tiny_checkpoint, capsys):
+    code, stats, err = run_cli(["--weights", tiny_checkpoint, "--h5", coco4_h5, "--max-images", 1,
+                                "--flip", "--scales", 0.5, 1, "--no-progress"], capsys)
+    assert code == 0 and stats["num_images"] == 1 and set(STAT_NAMES) <= set(stats)
+    assert "scales [0.5, 1.0], flip True" in err
+    default_out = tiny_checkpoint.with_name("best_coco4_val_keypoints.json")
+    assert stats["results"] == str(default_out) and isinstance(json.loads(default_out.read_text()), list)
+
+
+def test_evaluate_h5_restores_the_model_mode(coco4_h5):
+    cfg = build_config("tiny")
+    model = build_model(cfg.model).train()
+    stats = evaluate_h5(model, coco4_h5, cfg, torch.device("cpu"), max_images=1, progress=False)
+    assert model.training and stats["num_images"] == 1 and set(STAT_NAMES) <= set(stats)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--h5", "{h5}"], "option --weights is required"),
+    (["--oracle"], "give the data as --h5 FILE"),
+    (["--oracle", "--h5", "{missing}"], "{missing}"),
+    (["--weights", "{missing}", "--h5", "{h5}"], "{missing}"),
+    (["--oracle", "--h5", "{h5}", "--set", "inference.nonsense=1"], "inference.nonsense"),
+])
+def test_user_errors_are_one_line_with_exit_code(argv, message, coco4_h5, tmp_path, capsys):
+    names = {"h5": coco4_h5, "missing": tmp_path / "missing.file"}
+    code, stats, err = run_cli([a.format(**names) for a in argv], capsys)
+    assert code == 2 and stats is None
+    assert err.startswith("error: ") and err.count("\n") == 1 and message.format(**names) in err
+
+
+def _distributed_worker(rank: int, port: int, argv: list[str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    stats = evaluate.run(evaluate.build_parser().parse_args(argv))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
+        json.dump(stats, file)
+
+
+def test_distributed_evaluation_scores_each_image_exactly_once(coco4_h5, tmp_path, capsys):
+    # 3 images on 2 processes: uneven shards, where padding would decode an image twice.
+    argv = ["--oracle", "--h5", str(coco4_h5), "--max-images", "3", "--device", "cpu", "--no-progress"]
+    code, single, _ = run_cli(argv + ["--out", str(tmp_path / "single.json")], capsys)
+    assert code == 0
+    mp.spawn(_distributed_worker, nprocs=2, join=True,
+             args=(find_free_port(), argv + ["--out", str(tmp_path / "dist.json")], str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]                          # every rank takes the same decisions
+    assert ranks[0]["num_images"] == 3
+    assert {k: ranks[0][k] for k in STAT_NAMES} == {k: single[k] for k in STAT_NAMES}
+    results = json.loads((tmp_path / "dist.json").read_text())
+    assert results == json.loads((tmp_path / "single.json").read_text())
+    assert {r["image_id"] for r in results} == set(COCO4_IDS[:3])
