@@ -15,6 +15,8 @@ The engine calls `check_split(dataset.h5, "train")` to refuse a val file for tra
 """
 from __future__ import annotations
 
+import time
+
 import cv2
 import numpy as np
 import torch
@@ -34,6 +36,20 @@ def image_to_tensor(image: np.ndarray) -> torch.Tensor:
     """uint8 HxWx3 BGR -> float32 [3,H,W] RGB in [0, 1]."""
     blue, green, red = cv2.split(image)
     return torch.from_numpy(np.stack([red, green, blue])).float().mul_(1 / 255)
+
+
+class _StageClock:
+    """Adds the CPU time since the previous lap to `timings[stage]` (nothing without a dict)."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = timings
+        self.last = time.process_time() if timings is not None else 0.0
+
+    def lap(self, stage: str) -> None:
+        if self.timings is not None:
+            now = time.process_time()
+            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.last
+            self.last = now
 
 
 class KeypointDataset(Dataset):
@@ -68,9 +84,13 @@ class KeypointDataset(Dataset):
         return draw_params(self.rng(index), self.cfg.augment, self.size)
 
     # -- samples --------------------------------------------------------------------------------
-    def sample_arrays(self, index: int) -> dict:
+    def sample_arrays(self, index: int, timings: dict | None = None) -> dict:
         """numpy view of sample `index`: image (uint8 SxSx3 BGR), people (input px), target,
-        mask (S/4 x S/4, 1 = supervise), params, matrix (image px -> input px)."""
+        mask (S/4 x S/4, 1 = supervise), params, matrix (image px -> input px).
+
+        `timings`, if given, accumulates CPU seconds per stage: read (HDF5 + decode), augment, targets.
+        """
+        clock = _StageClock(timings)
         if index < 0:
             index += len(self)
         img, person = self.h5.sample_ref(index)
@@ -79,18 +99,21 @@ class KeypointDataset(Dataset):
         x, y, w, h = self.h5.person_boxes(img)[person]
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
                                self.cfg.augment.person_height, params)
-        zoom = matrix_zoom(matrix)
-        reduce = next((r for r in _REDUCTIONS if zoom * r <= 1.0), 1)
-        image = warp_image(self.h5.decode_image(img, reduce), from_reduced(matrix, reduce), self.size)
+        reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
+        image = self.h5.decode_image(img, reduce)
+        ignore, person_mask = self.h5.masks(img)
+        clock.lap("read")
+        image = warp_image(image, from_reduced(matrix, reduce), self.size)
         if params.color:
             image = tint(image, params)
-        ignore, person_mask = self.h5.masks(img)
         grid = to_grid(matrix, self.stride)
         ignore = warp_mask(ignore, grid, self.out_size)
         person_mask = warp_mask(person_mask, grid, self.out_size)
         people = transform_people(people, matrix, params.flip)
+        clock.lap("augment")
         target = render_targets(people, self.out_size, self.out_size, self.stride,
                                 self.cfg.targets, person_mask)
+        clock.lap("targets")
         return {"image": image, "people": people, "target": target, "mask": 1.0 - ignore,
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 

@@ -1,0 +1,106 @@
+"""Benchmark of the data pipeline: samples/s of one process with one thread, and file size.
+
+    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--h5 FILE.h5]
+
+Converts the real COCO sample set `../shared/data/coco4` (or draws 640x480 synthetic images
+when it is absent, or uses --h5), then times each stage of `KeypointDataset` with augmentation:
+read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
+targets (50 maps at stride 4), and the total of `dataset[i]` (tensors included). Rates are per
+CPU second of this process (one thread), so other load on the machine barely moves them. It
+prints a table, then the HDF5 bytes per image next to the raw-pixel size, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cv2  # noqa: E402
+import torch  # noqa: E402
+
+from config.loader import build_config  # noqa: E402
+from data.dataset import KeypointDataset  # noqa: E402
+from data.make_hdf5 import convert  # noqa: E402
+
+COCO4 = ROOT.parent / "shared" / "data" / "coco4"
+
+
+def make_h5(work: Path) -> Path:
+    """An HDF5 file of real COCO images (coco4), else of synthetic 640-pixel images."""
+    out = work / "bench.h5"
+    if (COCO4 / "test_coco.json").is_file():
+        convert(COCO4 / "test_coco.json", COCO4, out, split="train", progress=False)
+    else:
+        from data.synthetic import write_split
+        ann = write_split(work, "train", 8, 640, seed=0)
+        convert(ann, work / "train", out, split="train", progress=False)
+    return out
+
+
+def measure(dataset: KeypointDataset, samples: int) -> dict:
+    """CPU seconds per stage over `samples` staged samples, and for `samples` dataset[i] calls."""
+    count = len(dataset)
+    dataset.sample_arrays(0)                                   # open the file, warm caches
+    stages: dict = {}
+    for n in range(samples):
+        dataset.set_epoch(n // count)
+        dataset.sample_arrays(n % count, stages)
+    start = time.process_time()
+    wall = time.perf_counter()
+    for n in range(samples):
+        dataset.set_epoch(n // count)
+        dataset[n % count]
+    stages["total"] = time.process_time() - start
+    stages["total_wall"] = time.perf_counter() - wall
+    return stages
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input-size", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--h5", default="", help="time this file instead of coco4")
+    args = parser.parse_args(argv)
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+    cfg = build_config(None, {"data": {"input_size": args.input_size}})
+    with tempfile.TemporaryDirectory() as tmp:
+        h5_path = Path(args.h5) if args.h5 else make_h5(Path(tmp))
+        dataset = KeypointDataset(h5_path, cfg, train=True)
+        stages = measure(dataset, args.samples)
+        h5 = dataset.h5
+        pixels = [h5.image_size(i) for i in range(h5.num_images)]
+        raw = sum(h * w * 3 for h, w in pixels) / len(pixels)
+        raw_masks = sum(h * w * 2 for h, w in pixels) / len(pixels)
+        stored = h5_path.stat().st_size / len(pixels)
+    out = args.input_size // cfg.data.stride
+    print(f"data pipeline, one process, one thread: input {args.input_size}, targets 50x{out}x{out}, "
+          f"{args.samples} samples of {h5_path.name if args.h5 else 'coco4'}")
+    print(f"{'stage':<10}{'ms/sample':>12}{'samples/s':>12}")
+    rates = {}
+    for stage in ("read", "augment", "targets", "total"):
+        ms = stages[stage] / args.samples * 1e3
+        rates[stage] = 1e3 / ms if ms > 0 else float("inf")
+        print(f"{stage:<10}{ms:>12.2f}{rates[stage]:>12.1f}")
+    wall_rate = args.samples / stages["total_wall"]
+    print(f"(total by wall clock: {wall_rate:.1f} samples/s; rates above are per CPU second)")
+    ratio = stored / (raw + raw_masks)
+    print(f"HDF5 {stored / 1e3:.1f} kB/image; raw pixels {raw / 1e3:.1f} kB/image "
+          f"(+ uncompressed masks {raw_masks / 1e3:.1f} kB): {ratio:.3f} of raw pixels + masks")
+    print(json.dumps({"input_size": args.input_size, "samples": args.samples,
+                      "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
+                      "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
+                      "total_wall_per_s": round(wall_rate, 1), "h5_bytes_per_image": round(stored),
+                      "raw_bytes_per_image": round(raw), "raw_with_masks_bytes_per_image": round(raw + raw_masks),
+                      "size_ratio": round(ratio, 4)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Draw augmented training samples with their targets, so a user can see what the network learns.
+
+    python -m data.preview --h5 FILE.h5 --out preview.png [--n 8] [--config tiny] [--val]
+
+Each sample gets two panels: the input with the keypoint maps (channel 49) and the joints, and
+the input with the limb maps (max over channels 0-29), the ignore mask (red) and the person-mask
+outline (channel 48). Samples are drawn exactly as `data.dataset.KeypointDataset` serves them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import cv2
+import numpy as np
+
+from config.errors import UserError
+from config.loader import build_config
+from config.skeleton import KEYPOINT_MAX_CHANNEL, LIMBS, NUM_LIMBS, PERSON_MASK_CHANNEL
+from data.dataset import KeypointDataset
+
+SAMPLES_PER_ROW = 4
+
+
+def _heat(image: np.ndarray, heat: np.ndarray, weight: float = 0.6) -> np.ndarray:
+    size = image.shape[0]
+    heat = cv2.resize(heat, (size, size), interpolation=cv2.INTER_LINEAR)
+    coloured = cv2.applyColorMap((np.clip(heat, 0, 1) * 255).astype(np.uint8), cv2.COLORMAP_JET)
+    alpha = (np.clip(heat, 0, 1) * weight)[..., None]
+    return (image * (1 - alpha) + coloured * alpha).astype(np.uint8)
+
+
+def sample_panels(sample: dict) -> np.ndarray:
+    """Two panels side by side (uint8 BGR, 2S x S) for one `sample_arrays` dict."""
+    image, target, people = sample["image"], sample["target"], sample["people"]
+    size = image.shape[0]
+    left = _heat(image, target[KEYPOINT_MAX_CHANNEL])
+    for person in people:
+        for a, b in LIMBS[:21]:
+            if person[a, 2] > 0 and person[b, 2] > 0:
+                cv2.line(left, tuple(int(v) for v in person[a, :2]),
+                         tuple(int(v) for v in person[b, :2]), (255, 255, 255), 1, cv2.LINE_AA)
+        for x, y, v in person:
+            if v > 0:
+                cv2.circle(left, (int(x), int(y)), 2, (0, 255, 255) if v > 1 else (255, 0, 255), -1)
+    right = _heat(image, target[:NUM_LIMBS].max(axis=0))
+    ignore = cv2.resize(1 - sample["mask"], (size, size), interpolation=cv2.INTER_NEAREST) > 0.5
+    right[ignore] = (0.5 * right[ignore] + (0, 0, 127)).astype(np.uint8)
+    person = cv2.resize(target[PERSON_MASK_CHANNEL], (size, size)) > 0.5
+    contours, _ = cv2.findContours(person.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+    cv2.drawContours(right, contours, -1, (0, 255, 0), 1)
+    return np.hstack([left, right])
+
+
+def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarray:
+    """A grid of `n` samples (chosen with `seed`), SAMPLES_PER_ROW per row."""
+    rng = np.random.default_rng(seed)
+    indices = rng.choice(len(dataset), size=min(n, len(dataset)), replace=False)
+    panels = []
+    for index in indices:
+        panel = sample_panels(dataset.sample_arrays(int(index)))
+        cv2.putText(panel, f"#{index}", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1)
+        panels.append(panel)
+    blank = np.zeros_like(panels[0])
+    while len(panels) % SAMPLES_PER_ROW and len(panels) > SAMPLES_PER_ROW:
+        panels.append(blank)
+    rows = [np.hstack(panels[i:i + SAMPLES_PER_ROW]) for i in range(0, len(panels), SAMPLES_PER_ROW)]
+    return np.vstack(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
+    parser.add_argument("--h5", required=True, help="keypoint HDF5 file (data.make_hdf5)")
+    parser.add_argument("--out", required=True, help="PNG to write")
+    parser.add_argument("--n", type=int, default=8, help="number of samples")
+    parser.add_argument("--config", default="", help="preset name or YAML (default: schema defaults)")
+    parser.add_argument("--val", action="store_true", help="no augmentation (validation mode)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config(args.config or None)
+        dataset = KeypointDataset(args.h5, cfg, train=not args.val)
+        if len(dataset) == 0:
+            raise UserError(f"{args.h5}: holds no samples")
+        grid = render_preview(dataset, max(args.n, 1), args.seed)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if not cv2.imwrite(args.out, grid):
+        print(f"error: {args.out}: cannot write the image", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""A keypoint dataset the project draws itself, for users with nothing downloaded (and for tests).
+
+    python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
+
+writes DIR/train.json, DIR/val.json (COCO person-keypoint format, 17 keypoints) and
+DIR/train/*.jpg, DIR/val/*.jpg. Each image shows 1-3 stick figures facing the camera (so a
+person's right side is on the image's left, as for real people seen from the front): thick limbs
+coloured by limb type, joint markers, a head with eyes, nose and ears, on a plain background.
+It includes occluded keypoints (v=1, behind a box), unlabelled ones (v=0: ears not drawn, or
+outside the image), people cut by the border, small people without keypoints and crowd regions,
+so every mask path is exercised. `ensure_synthetic_h5(cache_dir)` makes and converts it once.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from config.errors import DataError
+from config.skeleton import COCO_KEYPOINTS
+
+# COCO keypoint indices (COCO order).
+NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HIP, R_HIP, \
+    L_KNE, R_KNE, L_ANK, R_ANK = range(17)
+COCO_SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
+                 [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5],
+                 [4, 6], [5, 7]]
+# Limbs drawn, with a BGR colour per limb type (the same on both sides).
+DRAWN_LIMBS = (
+    ((L_SHO, R_SHO), (60, 200, 230)), ((L_HIP, R_HIP), (60, 200, 230)),
+    ((L_SHO, L_HIP), (200, 170, 60)), ((R_SHO, R_HIP), (200, 170, 60)),
+    ((L_SHO, L_ELB), (40, 140, 250)), ((R_SHO, R_ELB), (40, 140, 250)),
+    ((L_ELB, L_WRI), (60, 230, 90)), ((R_ELB, R_WRI), (60, 230, 90)),
+    ((L_HIP, L_KNE), (230, 80, 200)), ((R_HIP, R_KNE), (230, 80, 200)),
+    ((L_KNE, L_ANK), (250, 230, 70)), ((R_KNE, R_ANK), (250, 230, 70)),
+)
+JOINT_COLOUR = {L_SHO: (20, 20, 200), R_SHO: (20, 20, 200), L_ELB: (200, 40, 40),
+                R_ELB: (200, 40, 40), L_WRI: (30, 120, 30), R_WRI: (30, 120, 30),
+                L_HIP: (120, 30, 120), R_HIP: (120, 30, 120), L_KNE: (20, 90, 160),
+                R_KNE: (20, 90, 160), L_ANK: (90, 60, 20), R_ANK: (90, 60, 20)}
+SYNTHETIC_VERSION = 1     # bump when the drawing changes, so caches are redrawn
+SKIN, EYE, NOSE_COLOUR, EAR_COLOUR = (150, 185, 235), (40, 30, 30), (40, 40, 220), (60, 120, 200)
+
+
+def _pose(rng: np.random.Generator) -> np.ndarray:
+    """17 x 2 keypoints of a figure 1 unit tall, mid-hip at the origin, y down, facing us."""
+    kp = np.zeros((17, 2))
+    neck = np.array([0.0, -0.30])
+    for side, sho, elb, wri, hip, kne, ank in ((-1, R_SHO, R_ELB, R_WRI, R_HIP, R_KNE, R_ANK),
+                                               (1, L_SHO, L_ELB, L_WRI, L_HIP, L_KNE, L_ANK)):
+        kp[sho] = neck + (side * 0.11, 0.01)
+        up = math.radians(rng.uniform(-10, 150))                 # 0: hanging, 90: sideways
+        fore = up + math.radians(rng.uniform(-20, 110))
+        kp[elb] = kp[sho] + 0.16 * np.array([side * math.sin(up), math.cos(up)])
+        kp[wri] = kp[elb] + 0.14 * np.array([side * math.sin(fore), math.cos(fore)])
+        kp[hip] = (side * 0.07, 0.0)
+        thigh = math.radians(rng.uniform(-8, 35))
+        shin = thigh + math.radians(rng.uniform(-25, 15))
+        kp[kne] = kp[hip] + 0.23 * np.array([side * math.sin(thigh), math.cos(thigh)])
+        kp[ank] = kp[kne] + 0.22 * np.array([side * math.sin(shin), math.cos(shin)])
+    turn = rng.uniform(-0.02, 0.02)                             # small head turn
+    kp[NOSE] = neck + (turn, -0.11)
+    kp[R_EYE], kp[L_EYE] = kp[NOSE] + (-0.03 + turn, -0.03), kp[NOSE] + (0.03 + turn, -0.03)
+    kp[R_EAR], kp[L_EAR] = kp[NOSE] + (-0.065, -0.015), kp[NOSE] + (0.065, -0.015)
+    return kp
+
+
+def _place(kp: np.ndarray, height: float, angle_deg: float, origin) -> np.ndarray:
+    rad = math.radians(angle_deg)
+    rot = np.array([[math.cos(rad), -math.sin(rad)], [math.sin(rad), math.cos(rad)]])
+    return kp @ rot.T * height + origin
+
+
+def _draw_figure(canvas: np.ndarray, mask: np.ndarray, kp: np.ndarray, height: float,
+                 draw_ears: bool) -> None:
+    """Draw a figure into `canvas` (BGR) and its silhouette into `mask` (uint8 0/1)."""
+    def pt(i):
+        return tuple(int(round(v * 16)) for v in kp[i])       # 4 bits of sub-pixel precision
+    thick = max(2, int(round(0.06 * height)))
+    joint = max(2, int(round(0.035 * height)) * 16)
+    for (a, b), colour in DRAWN_LIMBS:
+        cv2.line(canvas, pt(a), pt(b), colour, thick, cv2.LINE_AA, shift=4)
+        cv2.line(mask, pt(a), pt(b), 1, thick, cv2.LINE_8, shift=4)
+    for k, colour in JOINT_COLOUR.items():
+        cv2.circle(canvas, pt(k), joint, colour, -1, cv2.LINE_AA, shift=4)
+        cv2.circle(mask, pt(k), joint, 1, -1, cv2.LINE_8, shift=4)
+    head_centre = tuple(int(round(v * 16)) for v in (kp[NOSE] + (0, -0.02 * height)))
+    head = int(round(0.075 * height * 16))
+    cv2.circle(canvas, head_centre, head, SKIN, -1, cv2.LINE_AA, shift=4)
+    cv2.circle(mask, head_centre, head, 1, -1, cv2.LINE_8, shift=4)
+    dot = max(1, int(round(0.018 * height)) * 16)
+    for k in (R_EYE, L_EYE):
+        cv2.circle(canvas, pt(k), dot, EYE, -1, cv2.LINE_AA, shift=4)
+    cv2.circle(canvas, pt(NOSE), dot, NOSE_COLOUR, -1, cv2.LINE_AA, shift=4)
+    if draw_ears:
+        for k in (R_EAR, L_EAR):
+            cv2.circle(canvas, pt(k), int(dot * 1.6), EAR_COLOUR, -1, cv2.LINE_AA, shift=4)
+            cv2.circle(mask, pt(k), int(dot * 1.6), 1, -1, cv2.LINE_8, shift=4)
+
+
+def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    base = rng.uniform(90, 200, 3)
+    tilt = rng.uniform(-30, 30, 3)
+    ramp = np.linspace(-0.5, 0.5, height)[:, None, None] * tilt
+    image = np.broadcast_to(base + ramp, (height, width, 3)).copy()
+    image += rng.normal(0, 3, (height, width, 1))
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def _polygons(mask: np.ndarray) -> list:
+    contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+    return [c.reshape(-1).astype(float).tolist() for c in contours if len(c) >= 3]
+
+
+def _box(mask: np.ndarray) -> list:
+    ys, xs = np.nonzero(mask)
+    return [float(xs.min()), float(ys.min()), float(xs.max() - xs.min() + 1),
+            float(ys.max() - ys.min() + 1)]
+
+
+def _uncompressed_rle(mask: np.ndarray) -> dict:
+    """COCO's uncompressed RLE (column-major run lengths, starting with a run of zeros)."""
+    flat = mask.T.reshape(-1)
+    changes = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    bounds = np.concatenate([[0], changes, [flat.size]])
+    counts = np.diff(bounds).tolist()
+    if flat[0]:
+        counts = [0] + counts
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
+
+
+def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
+    """One image and its annotations (without ids): people, small unlabelled people, crowds."""
+    height = width = size
+    image = _background(rng, height, width)
+    anns = []
+    for _ in range(int(rng.integers(0, 3)) if rng.random() < 0.3 else 0):     # no keypoints
+        anns.append(_small_person(rng, image, size, crowd=False))
+    if rng.random() < 0.15:
+        anns.append(_small_person(rng, image, size, crowd=True))
+    people = []
+    for _ in range(int(rng.choice([1, 2, 3], p=[0.4, 0.35, 0.25]))):
+        h = rng.uniform(0.42, 0.8) * height
+        if rng.random() < 0.15:                                     # cut by the border
+            x, y = rng.uniform(-0.1 * h, width + 0.1 * h), rng.uniform(0.2 * h, height - 0.1 * h)
+        else:
+            x = rng.uniform(0.2 * h, width - 0.2 * h)
+            y = rng.uniform(0.5 * h, max(height - 0.45 * h, 0.5 * h))
+        kp = _place(_pose(rng), h, rng.uniform(-12, 12), (x, y))
+        mask = np.zeros((height, width), np.uint8)
+        ears = rng.random() > 0.2
+        _draw_figure(image, mask, kp, h, ears)
+        vis = np.full(17, 2.0)
+        if not ears:
+            vis[[L_EAR, R_EAR]] = 0
+        people.append((kp, vis, mask))
+    for kp, vis, _ in people:                                       # occluding boxes: v = 1
+        if rng.random() < 0.3:
+            k = int(rng.choice([L_ELB, R_ELB, L_WRI, R_WRI, L_KNE, R_KNE, L_ANK, R_ANK]))
+            half = rng.uniform(0.05, 0.1) * size
+            x0, y0 = kp[k] - half + rng.uniform(-0.3, 0.3, 2) * half
+            x1, y1 = x0 + 2 * half, y0 + 2 * half
+            cv2.rectangle(image, (int(x0), int(y0)), (int(x1), int(y1)),
+                          tuple(int(c) for c in rng.uniform(40, 110, 3)), -1)
+            for other_kp, other_vis, other_mask in people:
+                inside = ((other_kp[:, 0] >= int(x0)) & (other_kp[:, 0] <= int(x1))
+                          & (other_kp[:, 1] >= int(y0)) & (other_kp[:, 1] <= int(y1)))
+                other_vis[inside & (other_vis > 0)] = 1
+                other_mask[int(max(y0, 0)):int(y1) + 1, int(max(x0, 0)):int(x1) + 1] = 0
+    for kp, vis, mask in people:
+        outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
+        vis[outside] = 0
+        if not mask.any() or not (vis > 0).any():
+            continue
+        keypoints = np.concatenate([np.where(vis[:, None] > 0, kp, 0), vis[:, None]], 1)
+        anns.append({"iscrowd": 0, "keypoints": np.round(keypoints, 2).reshape(-1).tolist(),
+                     "num_keypoints": int((vis > 0).sum()), "area": float(mask.sum()),
+                     "bbox": _box(mask), "segmentation": _polygons(mask)})
+    return image, anns
+
+
+def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
+    """Tiny figures annotated without keypoints: one person, or a crowd region of several."""
+    height, width = image.shape[:2]
+    mask = np.zeros((height, width), np.uint8)
+    count = int(rng.integers(4, 8)) if crowd else 1
+    x0, y0 = rng.uniform(0.05, 0.6) * width, rng.uniform(0.05, 0.6) * height
+    for _ in range(count):
+        h = rng.uniform(0.1, 0.16) * size
+        origin = (x0 + rng.uniform(0, 0.3 * width), y0 + 0.35 * h + rng.uniform(0, 0.25 * height))
+        kp = _place(_pose(rng), h, rng.uniform(-10, 10), origin)
+        _draw_figure(image, mask, kp, h, True)
+    if crowd:
+        box = _box(mask)
+        region = np.zeros_like(mask)
+        x, y, w, h = (int(v) for v in box)
+        region[y:y + h, x:x + w] = 1
+        segmentation, mask = _uncompressed_rle(region), region
+    else:
+        segmentation = _polygons(mask)
+    return {"iscrowd": int(crowd), "keypoints": [0] * 51, "num_keypoints": 0,
+            "area": float(mask.sum()), "bbox": _box(mask), "segmentation": segmentation}
+
+
+def write_split(out_dir: Path, split: str, count: int, size: int, seed: int) -> Path:
+    """Draw `count` images into out_dir/split/ and write out_dir/split.json; returns the JSON path."""
+    split_index = {"train": 0, "val": 1}[split]
+    rng = np.random.default_rng([seed, split_index])            # different streams per split
+    folder = out_dir / split
+    folder.mkdir(parents=True, exist_ok=True)
+    images, annotations = [], []
+    for n in range(count):
+        image, anns = draw_image(rng, size)
+        image_id = split_index * 1_000_000 + n + 1
+        name = f"{image_id:012d}.jpg"
+        cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
+        images.append({"id": image_id, "file_name": name, "width": size, "height": size})
+        for ann in anns:
+            ann.update(id=split_index * 10_000_000 + len(annotations) + 1, image_id=image_id,
+                       category_id=1)
+            annotations.append(ann)
+    category = {"supercategory": "person", "id": 1, "name": "person",
+                "keypoints": list(COCO_KEYPOINTS), "skeleton": COCO_SKELETON}
+    path = out_dir / f"{split}.json"
+    path.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
+                                "images": images, "annotations": annotations,
+                                "categories": [category]}))
+    return path
+
+
+def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
+                  seed: int = 0) -> dict:
+    """Both splits under `out_dir`; returns {split: json path}."""
+    out_dir = Path(out_dir)
+    return {"train": write_split(out_dir, "train", train_images, size, seed),
+            "val": write_split(out_dir, "val", val_images, size, seed)}
+
+
+def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50,
+                        size: int = 192, seed: int = 0) -> tuple[Path, Path]:
+    """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, drawn and converted once.
+
+    Reused while both files open fine and were made with the same settings. Two processes may
+    call it at once: a lock file serialises them, and files appear only complete (rename).
+    """
+    from data.h5format import KeypointH5
+    from data.make_hdf5 import convert
+
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    settings = {"train_images": train_images, "val_images": val_images, "size": size,
+                "seed": seed, "version": SYNTHETIC_VERSION}
+    paths = (cache / "train.h5", cache / "val.h5")
+    stamp = cache / "settings.json"
+
+    def ready() -> bool:
+        try:
+            if json.loads(stamp.read_text()) != settings:
+                return False
+            return all(KeypointH5(p).open().num_samples > 0 for p in paths)
+        except (OSError, ValueError, DataError):
+            return False
+
+    if ready():
+        return paths
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ready():
+            stamp.unlink(missing_ok=True)
+            work = Path(tempfile.mkdtemp(prefix="draw-", dir=cache))
+            try:
+                jsons = write_dataset(work, train_images, val_images, size, seed)
+                for split, path in zip(("train", "val"), paths):
+                    convert(jsons[split], work / split, path, split=split, progress=False)
+                stamp.write_text(json.dumps(settings))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--train-images", type=int, default=400)
+    parser.add_argument("--val-images", type=int, default=50)
+    parser.add_argument("--size", type=int, default=192, help="image side in pixels")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.size < 64 or args.train_images < 1 or args.val_images < 1:
+        print("error: --size must be >= 64 and the image counts >= 1", file=sys.stderr)
+        return 2
+    paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed)
+    print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "
+          f"({args.val_images} images)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
