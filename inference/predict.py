@@ -29,18 +29,16 @@ def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> 
     """Stride-`stride` maps [B, C, h, w] of an input resized to `resized_hw` -> [B, C, *image_hw].
 
     Exact in continuous coordinates: image pixel y maps to resized pixel (y + 0.5) * rh / H - 0.5,
-    then to map cell (that + 0.5) / stride - 0.5; bilinear, borders clamped.
+    then to map cell (that + 0.5) / stride - 0.5, i.e. (y + 0.5) * rh / (stride * H) - 0.5: bilinear
+    interpolation with that scale factor (borders clamped), cropped to the image.
     """
     (rh, rw), (height, width) = resized_hw, image_hw
-    _, _, mh, mw = maps.shape
-    ys = (torch.arange(height, device=maps.device, dtype=torch.float32) + 0.5) * (rh / height) / stride - 0.5
-    xs = (torch.arange(width, device=maps.device, dtype=torch.float32) + 0.5) * (rw / width) / stride - 0.5
-    # grid_sample (align_corners=False): cell c sits at normalised (2c + 1) / size - 1.
-    gy = (2 * ys + 1) / mh - 1
-    gx = (2 * xs + 1) / mw - 1
-    grid = torch.stack(torch.meshgrid(gy, gx, indexing="ij")[::-1], dim=-1)
-    grid = grid[None].expand(maps.shape[0], -1, -1, -1)
-    return F.grid_sample(maps.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    # One extra replicated cell so that rounding never leaves the output a pixel short.
+    padded = F.pad(maps.float(), (0, 1, 0, 1), mode="replicate")
+    scale = (stride * height / rh, stride * width / rw)
+    out = F.interpolate(padded, scale_factor=scale, mode="bilinear", align_corners=False,
+                        recompute_scale_factor=False)
+    return out[:, :, :height, :width]
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -74,8 +72,8 @@ def predict_maps(model: torch.nn.Module, image_bgr: np.ndarray, cfg: Config, dev
         stride = ph // out.shape[-2]
         if cfg.inference.flip:
             # Mirror back the whole padded map, so the crop region is the same for both.
-            out = torch.stack([out[0], out[1].flip(-1)[flip_index]])
-        maps = resample_to_image(out, stride, (rh, rw), (height, width)).sum(0)
+            out = out[:1] + out[1:].flip(-1)[:, flip_index]
+        maps = resample_to_image(out, stride, (rh, rw), (height, width))[0]
         total = maps if total is None else total + maps
     count = len(cfg.inference.scales) * (2 if cfg.inference.flip else 1)
     return (total / count).cpu().numpy()
