@@ -73,6 +73,10 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        try:   # YAML 1.1 reads 1e-6 (no dot) as a string
+            return float(value) if isinstance(value, str) else None
+        except ValueError:
+            pass
         raise ConfigError(f"option {key}: expected a number, got {value!r}")
     if isinstance(default, int):
         if isinstance(value, int) and not isinstance(value, bool):
