@@ -118,3 +118,36 @@ def test_distributed_evaluation_scores_each_image_exactly_once(coco4_h5, tmp_pat
     results = json.loads((tmp_path / "dist.json").read_text())
     assert results == json.loads((tmp_path / "single.json").read_text())
     assert {r["image_id"] for r in results} == set(COCO4_IDS[:3])
+
+
+# ---- demo.py ---------------------------------------------------------------------------------
+
+def test_demo_writes_the_picture_with_a_maps_panel(coco4_dir, tiny_checkpoint, tmp_path, capsys):
+    import cv2
+
+    import demo
+
+    out = tmp_path / "pose.png"
+    image = coco4_dir / "000000040083.jpg"
+    code = demo.main(["--weights", str(tiny_checkpoint), "--image", str(image), "--out", str(out),
+                      "--heatmaps", "--device", "cpu"])
+    assert code == 0 and f"written to {out}" in capsys.readouterr().out
+    height, width = cv2.imread(str(image)).shape[:2]
+    assert cv2.imread(str(out)).shape == (height, 2 * width, 3)
+    code = demo.main(["--weights", str(tiny_checkpoint), "--image", str(tmp_path / "none.jpg")])
+    assert code == 2 and capsys.readouterr().err.startswith("error: ")
+
+
+def test_people_are_drawn_in_their_own_colours():
+    import numpy as np
+
+    from inference.draw import draw_people, person_colours
+
+    people = np.zeros((2, 18, 3), np.float32)
+    people[0, 2], people[0, 3] = (20, 20, 1), (20, 60, 1)      # r_shoulder - r_elbow, person 0
+    people[1, 2], people[1, 3] = (80, 20, 1), (80, 60, 1)      # person 1
+    picture = draw_people(np.zeros((100, 100, 3), np.uint8), people)
+    first, second = person_colours(2)
+    assert first != second
+    assert tuple(picture[40, 20]) == first and tuple(picture[40, 80]) == second   # mid-limb
+    assert picture[:, 40:60].max() == 0                                           # nothing between
