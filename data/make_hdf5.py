@@ -15,6 +15,7 @@ import json
 import os
 import struct
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -129,6 +130,12 @@ def to_skeleton(coco_keypoints) -> np.ndarray:
 
 def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
+    with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _region_mask(ann, height, width)
+
+
+def _region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     seg = ann.get("segmentation")
     if isinstance(seg, list) and seg:
         polys = [p for p in seg if len(p) >= 6]

@@ -265,7 +265,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
         try:
             if json.loads(stamp.read_text()) != settings:
                 return False
-            return all(KeypointH5(p).open().num_samples > 0 for p in paths)
+            return all(KeypointH5(p).open().split == split for p, split in zip(paths, ("train", "val")))
         except (OSError, ValueError, DataError):
             return False
 

@@ -1,0 +1,99 @@
+"""The synthetic dataset (every annotation path present, splits differ, cached once, safe when
+built concurrently), the preview tool and the pipeline benchmark's output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from data.h5format import KeypointH5
+from data.preview import main as preview_main
+from data.synthetic import ensure_synthetic_h5, main as synthetic_main, write_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dataset_exercises_every_annotation_path(tmp_path):
+    paths = write_dataset(tmp_path, train_images=40, val_images=3, size=160, seed=1)
+    coco = json.loads(paths["train"].read_text())
+    assert len(coco["images"]) == 40 and coco["categories"][0]["name"] == "person"
+    anns = coco["annotations"]
+    crowds = [a for a in anns if a["iscrowd"]]
+    assert crowds and all(isinstance(a["segmentation"], dict) for a in crowds)
+    assert any(not a["iscrowd"] and a["num_keypoints"] == 0 for a in anns)
+    keyed = [a for a in anns if a["num_keypoints"] > 0]
+    vis = np.array([a["keypoints"][2::3] for a in keyed])
+    assert (vis == 1).any() and (vis == 0).any() and (vis == 2).any()
+    assert all(a["num_keypoints"] == int((np.array(a["keypoints"][2::3]) > 0).sum()) for a in keyed)
+    per_image = np.bincount([a["image_id"] for a in keyed])
+    assert per_image.max() >= 2
+    cut = [a for a in keyed if a["bbox"][0] <= 0 or a["bbox"][1] <= 0
+           or a["bbox"][0] + a["bbox"][2] >= 160 or a["bbox"][1] + a["bbox"][3] >= 160]
+    assert cut
+    image = cv2.imread(str(tmp_path / "train" / coco["images"][0]["file_name"]))
+    assert image.shape == (160, 160, 3)
+    val = json.loads(paths["val"].read_text())
+    first_val = cv2.imread(str(tmp_path / "val" / val["images"][0]["file_name"]))
+    assert not np.array_equal(first_val, image)                     # different seeds per split
+
+
+def test_cached_h5_files_are_split_and_reused(synthetic_h5, tmp_path):
+    train, val = synthetic_h5
+    assert KeypointH5(train).split == "train" and KeypointH5(val).split == "val"
+    assert KeypointH5(train).num_samples > 0 and KeypointH5(val).num_images == 8
+    stamp = train.stat().st_mtime_ns
+    assert ensure_synthetic_h5(train.parent, train_images=24, val_images=8) == (train, val)
+    assert train.stat().st_mtime_ns == stamp                        # reused, not rebuilt
+
+
+def test_concurrent_builds_and_damaged_cache_rebuild(tmp_path):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        ensure_synthetic_h5(tmp_path, train_images=6, val_images=2, size=160))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    train, _ = results[0]
+    assert KeypointH5(train).num_images > 0
+    train.write_bytes(b"broken")
+    ensure_synthetic_h5(tmp_path, train_images=6, val_images=2, size=160)
+    assert KeypointH5(train).num_images > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("draw-")]
+
+
+def test_synthetic_cli_writes_coco_files(tmp_path, capsys):
+    assert synthetic_main(["--out", str(tmp_path), "--train-images", "3", "--val-images", "2",
+                           "--size", "96"]) == 0
+    for split, count in (("train", 3), ("val", 2)):
+        coco = json.loads((tmp_path / f"{split}.json").read_text())
+        assert len(coco["images"]) == count
+        assert len(list((tmp_path / split).glob("*.jpg"))) == count
+
+
+def test_preview_writes_a_grid(synthetic_h5, tmp_path, capsys):
+    out = tmp_path / "preview.png"
+    assert preview_main(["--h5", str(synthetic_h5[0]), "--out", str(out), "--n", "3",
+                         "--config", "tiny"]) == 0
+    grid = cv2.imread(str(out))
+    assert grid.shape == (128, 3 * 2 * 128, 3)
+    assert preview_main(["--h5", str(tmp_path / "none.h5"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_benchmark_prints_table_and_json_last():
+    proc = subprocess.run([sys.executable, "bench/data_pipeline.py", "--samples", "12",
+                           "--input-size", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert {"read_per_s", "augment_per_s", "targets_per_s", "total_per_s", "h5_bytes_per_image",
+            "raw_bytes_per_image", "size_ratio"} <= set(figures)
+    assert figures["total_per_s"] > 0 and figures["size_ratio"] < 0.2
+    assert any(line.startswith("targets") for line in lines)
