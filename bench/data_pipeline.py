@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                       "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
                       "total_wall_per_s": round(wall_rate, 1), "h5_bytes_per_image": round(stored),
-                      "raw_bytes_per_image": round(raw), "raw_with_masks_bytes_per_image": round(raw + raw_masks),
+                      "raw_bytes_per_image": round(raw),
+                      "raw_with_masks_bytes_per_image": round(raw + raw_masks),
                       "size_ratio": round(ratio, 4)}))
     return 0
 

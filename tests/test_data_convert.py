@@ -151,7 +151,8 @@ def run_cli(args, capsys):
     (lambda ann, d, images: (images / "000000040083.jpg").unlink(), "000000040083.jpg: image 40083 .* missing"),
     (lambda ann, d, images: (images / "000000040083.jpg").write_bytes(b"not a jpeg"),
      "000000040083.jpg: image 40083 is not a readable image"),
-    (lambda ann, d, images: cv2.imwrite(str(images / "000000040083.jpg"), np.zeros((10, 20, 3), np.uint8)),
+    (lambda ann, d, images: cv2.imwrite(str(images / "000000040083.jpg"),
+                                        np.zeros((10, 20, 3), np.uint8)),
      "000000040083.jpg: image 40083 is 20x10 pixels but .* says 500x333"),
 ])
 def test_bad_input_one_line_error(coco_copy, tmp_path, capsys, damage, expected):

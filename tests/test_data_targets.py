@@ -21,7 +21,8 @@ def direct_targets(people, height, width, stride, cfg):
     for person in people:
         for k in range(18):
             if person[k, 2] > 0:
-                d2 = ((grid_x - person[k, 0]) ** 2 + (grid_y - person[k, 1]) ** 2) / (2 * cfg.keypoint_sigma ** 2)
+                d2 = ((grid_x - person[k, 0]) ** 2 + (grid_y - person[k, 1]) ** 2)
+                d2 /= 2 * cfg.keypoint_sigma ** 2
                 out[30 + k] = np.maximum(out[30 + k], np.where(d2 > GAUSSIAN_CUTOFF, 0, np.exp(-d2)))
     m = cfg.limb_margin
     for limb, (a, b) in enumerate(LIMBS):
