@@ -148,7 +148,8 @@ def run_cli(args, capsys):
      "no 'person' category"),
     (lambda ann, d, images: ann.write_text(json.dumps(dict(d, annotations=[
         dict(d["annotations"][0], keypoints=[0] * 48)] + d["annotations"][1:]))), "annotation 442619"),
-    (lambda ann, d, images: (images / "000000040083.jpg").unlink(), "000000040083.jpg: image 40083 .* missing"),
+    (lambda ann, d, images: (images / "000000040083.jpg").unlink(),
+     "000000040083.jpg: image 40083 .* missing"),
     (lambda ann, d, images: (images / "000000040083.jpg").write_bytes(b"not a jpeg"),
      "000000040083.jpg: image 40083 is not a readable image"),
     (lambda ann, d, images: cv2.imwrite(str(images / "000000040083.jpg"),
