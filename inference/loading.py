@@ -40,5 +40,11 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     saved = state.get("config") if isinstance(state, dict) else None
     cfg = inference_config(saved if isinstance(saved, dict) else None, preset, sets, scales, flip)
     model = build_model(cfg.model)
-    load_weights(model, state if state is not None else weights)
+    try:
+        load_weights(model, state if state is not None else weights)
+    except CheckpointError as exc:
+        if saved is not None:
+            raise
+        raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "
+                              f"{preset or DEFAULT_PRESET}; give the --preset of its run)") from None
     return model.to(device).eval(), cfg

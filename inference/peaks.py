@@ -33,10 +33,15 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
     flat = heatmaps.reshape(-1)
     cand = np.flatnonzero(flat > threshold)
     value = flat[cand]
+    # Cheap horizontal test first (flat +-1, no bounds but the map's side columns): it keeps about
+    # one pixel per row of each blob, so the exact 8-neighbour test below sees few candidates.
+    column = cand % width
+    keep = (((value >= flat[cand - 1]) | (column == 0))
+            & ((value >= flat[np.minimum(cand + 1, flat.size - 1)]) | (column == width - 1)))
+    cand, value = cand[keep], value[keep]
     plane = cand % (height * width)
     i, j = plane // width, plane % width
-    # Cheap horizontal test first: it removes most blob pixels before the other six neighbours.
-    for di, dj in ((0, -1), (0, 1), (-1, 0), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)):
+    for di, dj in ((-1, 0), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1), (0, -1), (0, 1)):
         nb, _ = _neighbour(cand, i, j, di, dj, height, width)
         keep = value >= flat[nb]
         cand, value, i, j = cand[keep], value[keep], i[keep], j[keep]

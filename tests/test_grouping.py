@@ -60,6 +60,15 @@ def test_peaks_below_threshold_and_caps():
     assert len(find_peaks(maps * 0.05, threshold=0.1)[0]) == 0
 
 
+def test_peaks_on_the_map_sides_are_found():
+    maps = np.zeros((2, 10, 12), np.float32)
+    maps[0, 7, 11], maps[0, 8, 0] = 0.9, 0.7      # neighbours in memory, not in the image
+    maps[1, 0, 0], maps[0, 9, 11] = 0.5, 0.6      # corners; channel 1 follows channel 0 in memory
+    channel, xy, score = find_peaks(maps, threshold=0.1, refine_radius=0)
+    assert channel.tolist() == [0, 0, 0, 1]
+    np.testing.assert_allclose(xy, [[11, 7], [0, 8], [11, 9], [0, 0]])
+
+
 def test_neck_at_half_pixel_gives_one_person(coco4_dir):
     people, (height, width) = coco4_people(coco4_dir, 785)
     people[:, :, :2] = np.floor(people[:, :, :2])

@@ -1,0 +1,97 @@
+"""Grouping time per image (from ready maps, one CPU thread) against the number of people.
+
+    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640]
+
+Each image is a random composition of real COCO poses (../shared/data/coco4) scaled to 80-300 px
+tall on a COCO-sized canvas; its ground-truth maps (data.targets, stride 1) are rendered untimed,
+then `group_people` is timed. Prints median and p90 ms and the people found, then one JSON line.
+The target of the project: under 20 ms for 5 people (the reference: 5.2 images/s, ~190 ms).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from config.schema import InferenceConfig, TargetConfig  # noqa: E402
+from data.make_hdf5 import to_skeleton  # noqa: E402
+from data.targets import render_targets  # noqa: E402
+from inference.grouping import group_people  # noqa: E402
+
+COCO4 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4" / "test_coco.json"
+TARGET_MS_5_PEOPLE = 20.0
+
+
+def load_poses(path: Path) -> list[np.ndarray]:
+    """Poses [18, 3] of the labelled people, shifted to their box's top-left, with >= 10 keypoints."""
+    poses = []
+    for ann in json.loads(path.read_text())["annotations"]:
+        if ann["num_keypoints"] >= 10:
+            pose = to_skeleton(ann["keypoints"])
+            seen = pose[:, 2] > 0
+            pose[seen, :2] -= pose[seen, :2].min(0)
+            poses.append(pose)
+    return poses
+
+
+def compose(poses, count: int, height: int, width: int, rng) -> np.ndarray:
+    """`count` random poses, each scaled to 80-300 px tall and placed inside the canvas."""
+    people = []
+    for _ in range(count):
+        pose = poses[rng.integers(len(poses))].copy()
+        seen = pose[:, 2] > 0
+        extent = pose[seen, :2].max(0)
+        scale = rng.uniform(80, min(300, 0.9 * height)) / max(extent[1], 1.0)
+        pose[seen, :2] *= scale
+        room = np.maximum(np.array([width, height]) - extent * scale - 1, 1)
+        pose[seen, :2] += rng.uniform(0, 1, 2) * room
+        people.append(pose)
+    return np.stack(people)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--people", type=int, nargs="+", default=[1, 2, 5, 10, 20])
+    p.add_argument("--reps", type=int, default=15, help="images per people count")
+    p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(args.seed)
+    poses = load_poses(COCO4)
+    height, width = args.size
+    cfg, targets = InferenceConfig(), TargetConfig()
+    report = {}
+    print(f"grouping on {height}x{width} ground-truth maps, one thread, {args.reps} images each")
+    print(f"{'people':>6} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
+    for count in args.people:
+        times, found = [], []
+        for _ in range(args.reps):
+            maps = render_targets(compose(poses, count, height, width, rng), height, width, 1, targets)
+            group_people(maps, cfg)                         # warm caches
+            start = time.perf_counter()
+            keypoints, _ = group_people(maps, cfg)
+            times.append((time.perf_counter() - start) * 1e3)
+            found.append(len(keypoints))
+        median, p90 = float(np.median(times)), float(np.percentile(times, 90))
+        report[str(count)] = {"median_ms": round(median, 2), "p90_ms": round(p90, 2),
+                              "mean_found": round(float(np.mean(found)), 2)}
+        print(f"{count:>6} {median:>10.2f} {p90:>8.2f} {np.mean(found):>7.2f}")
+    five = report.get("5", {}).get("median_ms")
+    print(json.dumps({"bench": "grouping", "image_hw": [height, width], "threads": 1,
+                      "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
+                      "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
