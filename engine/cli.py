@@ -128,15 +128,21 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run_main(main, argv=None) -> None:
-    """Run `main(argv)`; a `UserError` becomes one line on stderr and its exit code."""
+    """Run `main(argv)`; a `UserError` becomes one line on stderr and its exit code.
+
+    The line goes through `tqdm.write`, so a progress bar left open by an error mid-epoch is
+    cleared first instead of running into the message.
+    """
+    from tqdm import tqdm
     try:
         main(argv)
     except UserError as exc:
         prefix = "" if type(exc).__name__ == "Interrupted" else "error: "
-        print(f"{prefix}{exc}", file=sys.stderr, flush=True)
+        tqdm.write(f"{prefix}{exc}", file=sys.stderr)
+        sys.stderr.flush()
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        print("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
+        tqdm.write("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
         sys.exit(130)
 
 
