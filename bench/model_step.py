@@ -6,9 +6,9 @@
 CPU: `tiny` (batch 4 at its input size) and `imhn` (batch 1, one timed iteration, at 256 by
 default: a 512 forward alone takes about 30 s on 2 cores) in float32 and under bfloat16 autocast.
 bfloat16 runs only where the CPU has native bfloat16 (oneDNN; AVX512-BF16/AMX): elsewhere it is
-emulated and 10-20x slower than float32, so it is reported as skipped unless --force-cpu-bf16. CUDA, when present: both models (batch 4) in float32,
-float16 autocast, bfloat16 autocast, and channels_last with float16 autocast, with the peak
-memory of forward+backward. "forward" runs in eval mode without autograd; "train" is forward,
+emulated and 10-20x slower than float32, so it is reported as skipped unless --force-cpu-bf16.
+CUDA, when present: both models (batch 4, imhn at 512) in float32, float16 autocast, bfloat16
+autocast, and channels_last with float16 autocast, with the peak memory of forward+backward. "forward" runs in eval mode without autograd; "train" is forward,
 the focal L2 loss, backward and an SGD step in train mode. Timings are medians over the timed
 iterations, after warm-up ones. The last line is one JSON object with every number.
 """
