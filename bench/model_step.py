@@ -8,8 +8,9 @@ default: a 512 forward alone takes about 30 s on 2 cores) in float32 and under b
 bfloat16 runs only where the CPU has native bfloat16 (oneDNN; AVX512-BF16/AMX): elsewhere it is
 emulated and 10-20x slower than float32, so it is reported as skipped unless --force-cpu-bf16.
 CUDA, when present: both models (batch 4, imhn at 512) in float32, float16 autocast, bfloat16
-autocast, and channels_last with float16 autocast, with the peak memory of forward+backward. "forward" runs in eval mode without autograd; "train" is forward,
-the focal L2 loss, backward and an SGD step in train mode. Timings are medians over the timed
+autocast, and channels_last with float16 autocast, with the peak memory of forward+backward.
+"forward" runs in eval mode without autograd; "train" is forward, the focal L2 loss, backward and
+an SGD step in train mode. Timings are medians over the timed
 iterations, after warm-up ones. The last line is one JSON object with every number.
 """
 from __future__ import annotations
