@@ -56,7 +56,9 @@ class Trainer:
         self.run_dir = choose_run_dir(cfg, ctx)
         resume_path = self._resume_path()
         self.train_h5, self.val_h5 = resolve_data(cfg, ctx)
-        self.train_set = KeypointDataset(self.train_h5, cfg, train=True, rank=ctx.rank)
+        # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
+        # never gives a sample to two ranks, and N processes then train exactly as one process
+        self.train_set = KeypointDataset(self.train_h5, cfg, train=True, rank=0)
         self.loader, self.sampler = train_loader(self.train_set, cfg, ctx)
         self.val_set = KeypointDataset(self.val_h5, cfg, train=False) if self.val_h5 else None
 
@@ -78,6 +80,7 @@ class Trainer:
         model = self.precision.prepare_model(model)
         trainable = trainable_parameters(model)
         self.model = model
+        self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
                                              FocalL2Loss(cfg.loss), self.precision)
         self.net = launch.wrap(self.model_with_loss)
@@ -154,6 +157,7 @@ class Trainer:
         images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
         lr = lr_at(self.cfg.optim, epoch, iteration, self.iters_per_epoch, self.ctx.world_size)
         set_lr(self.optimizer, lr)
+        saved_buffers = [b.clone() for b in self.buffers]
         per_sample, parts = self.net(images, target, mask)
         loss = per_sample.mean()
         loss_value = loss.item()
@@ -170,6 +174,10 @@ class Trainer:
             self.precision.step(self.optimizer, grads_finite)
         self.precision.zero_grad(self.optimizer)
         skipped = not grads_finite
+        if skipped:   # a skipped step leaves no trace, not even in BatchNorm's running statistics
+            with torch.no_grad():
+                for buf, old in zip(self.buffers, saved_buffers):
+                    buf.copy_(old)
         self.skipped_total += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return {"loss": loss_value, "lr": lr, "skipped": skipped, "stop": stop,
@@ -216,7 +224,9 @@ class Trainer:
                                   f"saved {self.run_dir / 'last.pth'}. Resume with the same command "
                                   f"and --resume auto --run-name {self.run_dir.name}")
         bar.close()
-        return (loss_sum / max(count, 1)).item()
+        # mean over ranks too (every rank has the same count: skips are decided together)
+        totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64)]))
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:

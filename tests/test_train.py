@@ -54,7 +54,7 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
 @pytest.mark.parametrize("level,dtype", [("O0", "auto"), ("O1", "bfloat16"), ("O1", "float16"),
                                          ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16")])
 def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
-    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level, "--val-every", "0",
         "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
     ckpt = load_checkpoint(tmp_path / "amp/last.pth")
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
@@ -83,7 +83,7 @@ def test_frozen_weights_stay_bit_identical(tmp_path, synthetic_h5):
 
 
 def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
-    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "skip",
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "skip", "--val-every", "0",
         "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
     ckpt = load_checkpoint(tmp_path / "skip/last.pth")
     assert ckpt["skipped_steps"] == 3
@@ -91,7 +91,7 @@ def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
     from config import build_config
     from models import build_model
     init = build_model(build_config("tiny").model).state_dict()
-    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)
+    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)   # BN statistics included
 
 
 def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):
