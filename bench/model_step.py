@@ -133,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force-cpu-bf16", action="store_true",
                         help="run bfloat16 autocast on CPU even without native support (slow)")
     parser.add_argument("--cuda-batch", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch (0: torch's default); 1 avoids thrashing on a busy machine")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA sections")
     args = parser.parse_args(argv)
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     tiny_size = build_config("tiny").data.input_size
     cpu = torch.device("cpu")
     modes, note = cpu_modes(args.force_cpu_bf16)
