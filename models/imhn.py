@@ -18,7 +18,7 @@ Layout (names are stable: users freeze and load weights by them):
 The input is RGB in [0, 1]; the model subtracts 0.5 itself. Output: a list over stacks of lists
 over scales (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Initialisation: conv and
 linear weights N(0, init_std) (0.001 in the paper), biases 0, BatchNorm weight 1 and bias 0, so
-initial outputs are near 0. The `imhn512` preset has 128.9 M parameters and 264.7 GMAC per 512x512
+initial outputs are near 0. The `imhn512` preset has 129.0 M parameters and 264.7 GMAC per 512x512
 image counted by `models.summary` (paper: 129.0 M, 268.5 GMAC).
 """
 from __future__ import annotations
