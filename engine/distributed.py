@@ -75,11 +75,12 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
         os.environ["MASTER_PORT"] = str(launch.master_port)
         if launch.rank == 0 and not launch.agent_store:
             check_port_free(launch.master_port)
+        timeout = timedelta(seconds=dist_cfg.timeout_s)
         try:
-            dist.init_process_group(ctx.backend, init_method="env://", rank=launch.rank,
-                                    world_size=launch.world_size,
-                                    timeout=timedelta(seconds=dist_cfg.timeout_s),
-                                    device_id=dev if ctx.backend == "nccl" else None)
+            store = _attempt_store(launch, timeout)
+            dist.init_process_group(ctx.backend, init_method=None if store else "env://",
+                                    store=store, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=timeout, device_id=dev if ctx.backend == "nccl" else None)
         except dist.DistNetworkError as err:
             if "in use" in str(err):
                 raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
@@ -88,6 +89,22 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     ctx.distributed = True
     _CONTEXT = ctx
     return ctx
+
+
+def _attempt_store(launch, timeout: timedelta):
+    """Under a torchrun agent that shares its store: that store, with a prefix per restart attempt.
+
+    torchrun (`--max-restarts`) gives every attempt the same store and no prefix, so workers of a
+    restarted attempt can read the keys of the attempt before (a dead rank's gloo address) and
+    fail or hang while joining; `TORCHELASTIC_RESTART_COUNT` keeps the attempts apart.
+    None otherwise: `env://` then reads MASTER_ADDR/MASTER_PORT as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
 
 
 def cleanup() -> None:
