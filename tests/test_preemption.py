@@ -1,0 +1,298 @@
+"""A stopped run loses nothing: real `train.py` processes SIGKILLed at random moments resume with
+`--resume auto` to the same weights as a run never stopped; SIGTERM / SIGUSR1 (one process, or one
+rank of two under torchrun) finish the step, save once, say how to resume, and the resumed run
+stays on the same epoch, step and LR curve; K consecutive bad steps (non-finite loss) stop the run
+with one error line and leave the last good checkpoint untouched; fp16 scaler overflows are
+skipped and counted.
+
+The helpers at the top (micro model preset, clean environment, torchrun command, stderr without
+progress bars, worker pids of a torchrun agent) are shared with test_elastic_restart.py and
+test_bad_input.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from config.loader import build_config
+from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
+from engine.cli import run_main
+from engine.optim import lr_at
+
+REPO = Path(__file__).resolve().parents[1]
+# A model of ~20k parameters on 64 px inputs: a step takes a fraction of a second on one core.
+MICRO_PRESET = """\
+base: tiny
+model: {stacks: 1, depth: 2, channels: 12, increase: 4, head_channels: 8, stem_channels: 4, se_reduction: 4}
+loss: {scale_weights: [0.1, 0.4, 1.6]}
+data: {input_size: 64, workers: 0}
+train: {batch_size: 2, log_every: 1, tensorboard: false, val_every: 0}
+"""
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PROGRESS_BAR = re.compile(r"^epoch \d+/\d+:")
+
+
+# -- helpers shared by the reliability tests -------------------------------------------------------
+def write_micro_preset(directory: Path) -> Path:
+    path = Path(directory) / "micro.yaml"
+    path.write_text(MICRO_PRESET)
+    return path
+
+
+def cli_env(**extra: str) -> dict:
+    """This environment without launcher variables, one thread per process, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def start(command: list, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO, env=env or cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def torchrun(log_dir: Path, *args: str, restarts: int = 0) -> list:
+    """torchrun with 2 local CPU workers whose stdout/stderr go to LOG_DIR/*/attempt_N/RANK/."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", str(restarts), "--monitor-interval", "0.2", "--log-dir", str(log_dir),
+            "--redirects", "3", "train_distributed.py", "--device", "cpu", *args]
+
+
+def worker_log(log_dir: Path, attempt: int, rank: int, stream: str) -> str:
+    (path,) = Path(log_dir).glob(f"*/attempt_{attempt}/{rank}/{stream}.log")
+    return path.read_text()
+
+
+def message_lines(stderr: str) -> list[str]:
+    """The lines of `stderr` that are not progress bars (tqdm redraws them with carriage returns)."""
+    pieces = re.split(r"[\r\n]", stderr)
+    return [p.strip() for p in pieces if p.strip() and not PROGRESS_BAR.match(p.strip())]
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def wait_until(predicate, process: subprocess.Popen, what: str, timeout: float = 120.0) -> None:
+    """Poll `predicate` every 20 ms; fail if `process` ends first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"process ended (rc {process.returncode}) before {what}:\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.02)
+
+
+def logged_steps(run_dir: Path) -> int:
+    try:
+        return len(read_metrics(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):   # not written yet, or a line half written
+        return 0
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the worker processes that a torchrun agent started (from /proc)."""
+    children = []
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    ranks = {}
+    for pid in map(int, children):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        if b"RANK" in variables:
+            ranks[int(variables[b"RANK"])] = pid
+    return ranks
+
+
+def finish(process: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+# -- SIGKILL at random moments ----------------------------------------------------------------------
+KILLS = 3
+KILL_EPOCHS, KILL_STEPS = 10, 2   # a checkpoint every 2 steps: kills land in steps, saves and plots
+
+
+def test_sigkill_at_random_moments_resume_auto_ends_with_the_weights_of_an_unstopped_run(
+        tmp_path, synthetic_h5):
+    preset = write_micro_preset(tmp_path)
+    common = ["train.py", "--config", str(preset), "--train-h5", str(synthetic_h5[0]),
+              "--out-dir", str(tmp_path), "--epochs", str(KILL_EPOCHS),
+              "--set", f"train.max_steps_per_epoch={KILL_STEPS}"]
+    straight = start([sys.executable, *common, "--run-name", "straight"])
+    command = [sys.executable, *common, "--run-name", "killed", "--resume", "auto"]
+    last = tmp_path / "killed" / "last.pth"
+    rng = random.Random(11)
+    saved_steps = [0]
+    for kill in range(KILLS):
+        before = last.stat().st_mtime_ns if last.exists() else None
+        process = start(command)
+        # kill only after this process saved once, so every round makes progress
+        wait_until(lambda: last.exists() and last.stat().st_mtime_ns != before, process,
+                   f"a new last.pth in round {kill + 1}")
+        time.sleep(rng.uniform(0.0, 1.2))
+        process.send_signal(signal.SIGKILL)
+        rc, out, _ = finish(process)
+        assert rc == -signal.SIGKILL, f"round {kill + 1} ended by itself, not by the kill"
+        assert ("resumed from" in out) == (kill > 0)
+        assert find_latest_checkpoint(last.parent) == last
+        state = load_checkpoint(last)
+        assert state["iteration"] == 0 and state["step"] == state["epoch"] * KILL_STEPS
+        assert state["step"] > saved_steps[-1]
+        saved_steps.append(state["step"])
+    rc, out, err = finish(start(command))
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {last}: epoch {saved_steps[-1] // KILL_STEPS + 1}, batch 0" in out
+    rc, _, err = finish(straight)
+    assert rc == 0, err[-3000:]
+    resumed, unstopped = load_checkpoint(last), load_checkpoint(tmp_path / "straight" / "last.pth")
+    assert resumed["step"] == unstopped["step"] == KILL_EPOCHS * KILL_STEPS
+    assert all(torch.equal(resumed["model"][k], unstopped["model"][k]) for k in unstopped["model"])
+    assert not list(last.parent.glob(f"*{TEMP_SUFFIX}"))
+    print(f"saved steps at the kills: {saved_steps[1:]}")
+
+
+# -- SIGTERM / SIGUSR1 --------------------------------------------------------------------------------
+SIGNAL_EPOCHS, SIGNAL_STEPS = 2, 10
+SIGNAL_SETS = [f"train.max_steps_per_epoch={SIGNAL_STEPS}", "optim.milestones=[1]",
+               "optim.decay_factor=0.5"]
+
+
+def resume_hint(stderr: str, run_dir: Path) -> str:
+    line = message_lines(stderr)[-1]
+    assert line.endswith(f"saved {run_dir / 'last.pth'}. Resume with the same command and "
+                         f"--resume auto --run-name {run_dir.name}"), line
+    return line
+
+
+def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curve(
+        tmp_path, synthetic_h5):
+    preset = write_micro_preset(tmp_path)
+    sets = [arg for item in SIGNAL_SETS for arg in ("--set", item)]
+    commands, processes = {}, {}
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        commands[sig] = [sys.executable, "train.py", "--config", str(preset), "--train-h5",
+                         str(synthetic_h5[0]), "--out-dir", str(tmp_path), "--run-name", sig.name,
+                         "--epochs", str(SIGNAL_EPOCHS), *sets]
+        processes[sig] = start(commands[sig])
+    for sig, process in processes.items():
+        wait_until(lambda: logged_steps(tmp_path / sig.name) >= 2, process, "two logged steps")
+        process.send_signal(sig)
+    resumed = {}
+    for sig, process in processes.items():
+        run_dir = tmp_path / sig.name
+        rc, _, err = finish(process)
+        assert rc == 2 and "Traceback" not in err
+        line = resume_hint(err, run_dir)
+        state = load_checkpoint(run_dir / "last.pth")
+        batch = state["iteration"]
+        assert line.startswith(f"stopped by {sig.name} at epoch 1, batch {batch}; ")
+        assert state["epoch"] == 0 and 2 <= batch < SIGNAL_STEPS and state["step"] == batch
+        assert logged_steps(run_dir) == batch        # the step under way was finished and counted
+        resumed[sig] = start(commands[sig] + ["--resume", "auto"])
+    cfg = build_config(str(preset), sets=SIGNAL_SETS)
+    for sig, process in resumed.items():
+        run_dir = tmp_path / sig.name
+        rc, out, err = finish(process)
+        assert rc == 0, err[-3000:]
+        assert load_checkpoint(run_dir / "last.pth")["step"] == SIGNAL_EPOCHS * SIGNAL_STEPS
+        assert re.search(r"resumed from .*last\.pth: epoch 1, batch \d+, step \d+", out)
+        records = read_metrics(run_dir)
+        assert [r["step"] for r in records] == list(range(1, SIGNAL_EPOCHS * SIGNAL_STEPS + 1))
+        for r in records:
+            epoch, iteration = divmod(r["step"] - 1, SIGNAL_STEPS)
+            assert r["epoch"] == epoch
+            assert r["lr"] == pytest.approx(lr_at(cfg.optim, epoch, iteration, SIGNAL_STEPS), rel=1e-12)
+        lrs = [r["lr"] for r in records]
+        assert lrs[SIGNAL_STEPS] == pytest.approx(0.5 * lrs[SIGNAL_STEPS - 1])   # the milestone
+
+
+def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_with_one_checkpoint(
+        tmp_path, synthetic_h5):
+    preset = write_micro_preset(tmp_path)
+    logs = tmp_path / "logs"
+    agent = start(torchrun(logs, "--config", str(preset), "--train-h5", str(synthetic_h5[0]),
+                           "--out-dir", str(tmp_path), "--run-name", "ddp", "--batch-size", "4",
+                           "--epochs", str(SIGNAL_EPOCHS),
+                           *[arg for item in SIGNAL_SETS for arg in ("--set", item)]))
+    run_dir = tmp_path / "ddp"
+    wait_until(lambda: logged_steps(run_dir) >= 2, agent, "two logged steps")
+    workers = worker_pids(agent.pid)
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[1], signal.SIGTERM)              # rank 1 only: rank 0 saves by agreement
+    rc, _, agent_err = finish(agent)
+    assert rc != 0                                   # the workers exit with the Interrupted code
+    assert "exitcode: 2" in agent_err
+    state = load_checkpoint(run_dir / "last.pth")
+    batch = state["iteration"]
+    assert state["epoch"] == 0 and 2 <= batch < SIGNAL_STEPS and state["step"] == batch
+    assert state["world_size"] == 2 and state["mode"] == "ddp"
+    assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".pth" or TEMP_SUFFIX in p.name) \
+        == ["last.pth"]
+    rank0, rank1 = (worker_log(logs, 0, rank, "stderr") for rank in (0, 1))
+    assert "Traceback" not in rank0 + rank1
+    assert resume_hint(rank0, run_dir).startswith(
+        f"stopped by a signal on another rank at epoch 1, batch {batch}; ")
+    assert resume_hint(rank1, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
+
+
+# -- bad steps ------------------------------------------------------------------------------------
+def in_process(tmp_path, synthetic_h5, *args: str) -> dict:
+    preset = write_micro_preset(tmp_path)
+    return train.main(["--config", str(preset), "--train-h5", str(synthetic_h5[0]),
+                       "--out-dir", str(tmp_path), "--set", "train.max_steps_per_epoch=3", *args])
+
+
+def test_non_finite_loss_stops_after_k_bad_steps_and_keeps_the_last_good_checkpoint(
+        tmp_path, synthetic_h5, capsys):
+    in_process(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "nan")
+    last = tmp_path / "nan" / "last.pth"
+    good = last.read_bytes()
+    capsys.readouterr()
+    # LR 1e30: the first step of epoch 2 blows the weights up, every later loss is not finite
+    argv = ["--train-h5", str(synthetic_h5[0]), "--out-dir", str(tmp_path), "--run-name", "nan",
+            "--resume", "auto", "--epochs", "3", "--lr", "1e30", "--set", "optim.max_bad_steps=2",
+            "--set", "train.max_steps_per_epoch=6"]
+    with pytest.raises(SystemExit) as stop:
+        run_main(train.main, argv)
+    assert stop.value.code == 3
+    err = message_lines(capsys.readouterr().err)
+    assert err == [f"error: 2 consecutive steps had a non-finite or abnormal loss or gradients "
+                   f"(last loss nan); stopped. The last good checkpoint is {last}: lower optim.lr, "
+                   "enable --clip-grad, or use O0"]
+    assert last.read_bytes() == good
+    records = read_metrics(tmp_path / "nan")
+    assert [r["skipped_steps"] for r in records] == [0, 0, 0, 0, 1]   # 3 good, 1 good, 1 bad logged
+
+
+def test_fp16_scaler_overflows_are_skipped_and_counted(tmp_path, synthetic_h5):
+    # a dynamic loss scale of 2^40 overflows float16 gradients: the scaler halves it at each skip
+    in_process(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "fp16", "--opt-level", "O1",
+               "--amp-dtype", "float16", "--set", "amp.init_scale=1099511627776")
+    state = load_checkpoint(tmp_path / "fp16" / "last.pth")
+    assert state["skipped_steps"] == 3 and state["scaler"]["scale"] == 2.0 ** 37
+    assert [r["skipped_steps"] for r in read_metrics(tmp_path / "fp16")] == [1, 2, 3]
+    torch.manual_seed(0)
+    from models import build_model
+    initial = dict(build_model(build_config(str(tmp_path / "micro.yaml")).model).named_parameters())
+    assert all(torch.equal(initial[k], state["model"][k]) for k in initial)   # no step was taken
