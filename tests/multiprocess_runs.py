@@ -1,0 +1,124 @@
+"""Multi-process training runs for tests: helpers to launch and read them, and the driver script.
+
+Run as a script (under torchrun or the legacy launcher), this file is train_distributed.py whose
+ranks also dump their own weights and per-step record (loss, skipped, LR) and their arguments to
+RUN/rankN.pt after training, and where TEST_BLOW_UP="RANK:STEP" multiplies that rank's training
+loss by 1e9 at that step. The patches are made here, in the test's process tree only: the product
+has no hook for them. Imported, it gives the tests the launch and comparison helpers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:          # run as a script from tests/
+    sys.path.insert(0, str(REPO))
+
+from config import build_config                  # noqa: E402
+from engine.checkpoint import load_checkpoint    # noqa: E402
+from engine.launch_env import find_free_port     # noqa: E402
+from models import build_model                   # noqa: E402
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+TIMEOUT_S = 240
+QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
+         "--set", "train.tensorboard=false", "--device", "cpu", "--ap-every", "0"]
+# SGD, LR halved every epoch, no warm-up: the LR after a resume tells where the run stands
+SCHEDULE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "0",
+            "--set", "optim.decay_every=1", "--set", "optim.decay_factor=0.5"]
+LR_EPOCH_2 = 0.005
+NO_VALIDATION = ["--val-every", "0", "--ap-every", "0"]
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def data_args(synthetic_h5, out_dir: Path) -> list[str]:
+    train_h5, val_h5 = synthetic_h5
+    return ["--train-h5", str(train_h5), "--val-h5", str(val_h5), "--out-dir", str(out_dir), *QUICK]
+
+
+def launch(out_dir: Path, launcher: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    """Two processes of the driver under `launcher` (torch.distributed.run or .launch)."""
+    cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--master_port",
+           str(find_free_port()), __file__, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(**env),
+                          timeout=TIMEOUT_S, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def dumps(run_dir: Path) -> list[dict]:
+    return [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def weights(path: Path) -> dict:
+    return load_checkpoint(path)["model"]
+
+
+def initial_weights() -> dict:
+    torch.manual_seed(0)
+    return build_model(build_config("tiny").model).state_dict()
+
+
+def relative_difference(a: dict, b: dict, start: dict, buffers: bool = False) -> float:
+    """|a - b| / |a - start| over all parameters (or all BatchNorm running statistics)."""
+    keys = [k for k in a if a[k].is_floating_point() and ("running" in k) == buffers]
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in keys]).norm()
+    update = torch.cat([(a[k] - start[k]).flatten() for k in keys]).norm()
+    return (diff / update).item()
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+# -- the driver (runs in the launched processes) ------------------------------------------------
+def _patch_trainer_and_run() -> None:
+    from engine import trainer as engine_trainer
+    from engine.checkpoint import unwrap_model
+    from engine.cli import run_main
+    from engine.model_with_loss import ModelWithLoss
+
+    rank = int(os.environ.get("RANK", "0"))
+    blow_up = os.environ.get("TEST_BLOW_UP")
+    Trainer = engine_trainer.Trainer
+    forward, fit, run_step = ModelWithLoss.forward, Trainer.fit, Trainer.run_step
+    steps = []
+
+    def blown_forward(self, images, target, mask):
+        per_sample, parts = forward(self, images, target, mask)
+        if self.training and blow_up == f"{rank}:{len(steps) + 1}":
+            per_sample = per_sample * 1e9
+        return per_sample, parts
+
+    def recorded_step(self, batch, epoch, iteration):
+        out = run_step(self, batch, epoch, iteration)
+        steps.append(dict(loss=out["loss"], skipped=out["skipped"], lr=out["lr"]))
+        return out
+
+    def fit_and_dump(self):
+        result = fit(self)
+        state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
+        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:]), self.run_dir / f"rank{rank}.pt")
+        return result
+
+    ModelWithLoss.forward, Trainer.run_step, Trainer.fit = blown_forward, recorded_step, fit_and_dump
+    import train_distributed
+    run_main(train_distributed.main)
+
+
+if __name__ == "__main__":
+    _patch_trainer_and_run()
