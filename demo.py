@@ -15,7 +15,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import DataError, UserError
+from config.errors import DataError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,13 +66,8 @@ def run(args) -> Path:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.errors import ConfigError, UserError
+from config.errors import ConfigError, run_cli
 from inference.coco_eval import STAT_NAMES
 
 
@@ -127,13 +127,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
 
 
 if __name__ == "__main__":

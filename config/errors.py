@@ -28,3 +28,25 @@ class TrainingDiverged(UserError):
     """Too many consecutive steps with non-finite or abnormal loss or gradients."""
 
     exit_code = 3
+
+
+def run_cli(main, argv=None) -> int:
+    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s code after printing its
+    message as one line on stderr (`error: ...`; a clean stop prints its message as is).
+
+    The line goes through `tqdm.write`, so a progress bar left open by the error is cleared first.
+    """
+    import sys
+
+    from tqdm import tqdm
+    try:
+        main(argv)
+    except UserError as exc:
+        prefix = "" if getattr(exc, "plain_message", False) else "error: "
+        tqdm.write(f"{prefix}{exc}", file=sys.stderr)
+        sys.stderr.flush()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        tqdm.write("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
+        return 130
+    return 0

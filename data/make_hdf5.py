@@ -25,7 +25,7 @@ import numpy as np
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from config.errors import DataError, UserError
+from config.errors import DataError, run_cli
 from config.skeleton import COCO_TO_OURS, NECK, NUM_KEYPOINTS, SHOULDERS
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
@@ -284,7 +284,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.make_hdf5", description=__doc__.split("\n")[0])
     parser.add_argument("--ann", required=True, help="COCO person-keypoints JSON")
     parser.add_argument("--images", required=True, help="folder of the JSON's images")
@@ -295,14 +295,15 @@ def main(argv=None) -> int:
                         help="skip missing, unreadable or mis-sized images and list them")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
-        summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                          progress=not args.quiet)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
+                      progress=not args.quiet)
     print(format_summary(summary))
     return 0
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 import cv2
 import numpy as np
 
-from config.errors import UserError
+from config.errors import UserError, run_cli
 from config.loader import build_config
 from config.skeleton import KEYPOINT_MAX_CHANNEL, LIMBS, NUM_LIMBS, PERSON_MASK_CHANNEL
 from data.dataset import KeypointDataset
@@ -68,7 +68,7 @@ def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarra
     return np.vstack(rows)
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
     parser.add_argument("--h5", required=True, help="keypoint HDF5 file (data.make_hdf5)")
     parser.add_argument("--out", required=True, help="PNG to write")
@@ -77,20 +77,20 @@ def main(argv=None) -> int:
     parser.add_argument("--val", action="store_true", help="no augmentation (validation mode)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        cfg = build_config(args.config or None)
-        dataset = KeypointDataset(args.h5, cfg, train=not args.val)
-        if len(dataset) == 0:
-            raise UserError(f"{args.h5}: holds no samples")
-        grid = render_preview(dataset, max(args.n, 1), args.seed)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    cfg = build_config(args.config or None)
+    dataset = KeypointDataset(args.h5, cfg, train=not args.val)
+    if len(dataset) == 0:
+        raise UserError(f"{args.h5}: holds no samples")
+    grid = render_preview(dataset, max(args.n, 1), args.seed)
     if not cv2.imwrite(args.out, grid):
-        print(f"error: {args.out}: cannot write the image", file=sys.stderr)
-        return 2
+        raise UserError(f"{args.out}: cannot write the image")
     print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
     return 0
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.errors import UserError
+from config.errors import run_cli
 from config.loader import deep_update, build_config, nested
 
 DEFAULT_PRESET = "tiny"
@@ -128,22 +128,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run_main(main, argv=None) -> None:
-    """Run `main(argv)`; a `UserError` becomes one line on stderr and its exit code.
-
-    The line goes through `tqdm.write`, so a progress bar left open by an error mid-epoch is
-    cleared first instead of running into the message.
-    """
-    from tqdm import tqdm
-    try:
-        main(argv)
-    except UserError as exc:
-        prefix = "" if type(exc).__name__ == "Interrupted" else "error: "
-        tqdm.write(f"{prefix}{exc}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        tqdm.write("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+    """Entry point of the train scripts: `main(argv)`, errors as one line (`config.errors.run_cli`)."""
+    sys.exit(run_cli(main, argv))
 
 
 def single_process_context(device: str):

@@ -36,6 +36,8 @@ from engine.run_setup import (choose_run_dir, memory_gb, resolve_data, save_reso
 class Interrupted(UserError):
     """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
 
+    plain_message = True
+
 
 @dataclass
 class Launch:

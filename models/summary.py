@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from config.errors import run_cli
+
 COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
 
 
@@ -89,8 +91,8 @@ def summarize(model: nn.Module, input_size: int, depth: int = 2) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from config.errors import ConfigError, UserError
+def _main(argv: list[str] | None = None) -> int:
+    from config.errors import ConfigError
     from config.loader import build_config
     from models.imhn import build_model
 
@@ -102,17 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. model.stacks=2")
     args = parser.parse_args(argv)
-    try:
-        cfg = build_config(args.preset, sets=args.set)
-        size = args.input or cfg.data.input_size
-        if size <= 0 or size % (4 * 2 ** cfg.model.depth):
-            raise ConfigError(f"--input {size}: must be a positive multiple of "
-                            f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    cfg = build_config(args.preset, sets=args.set)
+    size = args.input or cfg.data.input_size
+    if size <= 0 or size % (4 * 2 ** cfg.model.depth):
+        raise ConfigError(f"--input {size}: must be a positive multiple of "
+                          f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
     info = summarize(model, size, args.depth)
     print(f"{'module':<28} {'params (M)':>12} {'GMAC':>10}")
     names = list(dict.fromkeys(list(info["params_by_module"]) + list(info["macs_by_module"])))
@@ -124,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                       "params_m": round(info["parameters"] / 1e6, 3),
                       "macs": info["macs"], "gmacs": round(info["macs"] / 1e9, 3)}))
     return 0
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":
