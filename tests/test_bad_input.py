@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +161,8 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
     logs = root / "torchrun"
     table = {
         "malformed JSON": Case(make + ["--ann", str(root / "malformed.json"), "--images",
-                                      str(folders["good"])], [str(root / "malformed.json"), "malformed JSON"]),
+                                      str(folders["good"])],
+                               [str(root / "malformed.json"), "malformed JSON"]),
         "non-keypoint COCO JSON": Case(make + ["--ann", str(root / "instances.json"), "--images",
                                               str(folders["good"])],
                                        [str(root / "instances.json"), "0 keypoint names"]),
@@ -189,7 +189,8 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
                                      [str(root / "truncated.pth"), "truncated or corrupt"]),
         "checkpoint that runs code": Case(with_data + ["--weights", str(root / "code.pth")],
                                           [str(root / "code.pth"), "refused", "execute code", "system"]),
-        "unknown opt level": Case(with_data + ["--opt-level", "O4"], ["amp.opt_level", "'O4'", "O0, O1, O2 or O3"]),
+        "unknown opt level": Case(with_data + ["--opt-level", "O4"],
+                                  ["amp.opt_level", "'O4'", "O0, O1, O2 or O3"]),
         "unknown preset": Case(with_data[:2] + ["--config", "imhn1024"], ["'imhn1024'", "imhn512", "tiny"]),
         "batch not divisible by processes": Case(
             torchrun(logs, "--config", str(preset), "--train-h5", str(train_h5), "--out-dir",
