@@ -32,7 +32,7 @@ def newest_run_dir(out_dir: Path) -> Path | None:
 
 
 def choose_run_dir(cfg: Config, ctx) -> Path:
-    """Pick (and on the main process create) the run directory; every rank gets the same path."""
+    """Pick the run directory (created once the run has started); every rank gets the same path."""
     out_dir = Path(cfg.train.out_dir)
     run_dir = None
     if ctx.is_main:
@@ -50,11 +50,11 @@ def choose_run_dir(cfg: Config, ctx) -> Path:
                     f"{run_dir} already holds a run: pass --resume auto to continue it, "
                     f"--overwrite to replace it, or choose another --run-name")
             shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
     return Path(dist.broadcast_object(str(run_dir) if run_dir else None))
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.yaml.tmp"
     tmp.write_text(to_yaml(cfg))
     tmp.replace(run_dir / "config.yaml")

@@ -98,10 +98,10 @@ class Trainer:
         self.iters_per_epoch = self.sampler.batches_per_epoch
         if cfg.train.max_steps_per_epoch:
             self.iters_per_epoch = min(self.iters_per_epoch, cfg.train.max_steps_per_epoch)
-        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard)
         self.stop_signal = None
-        if ctx.is_main:
+        if ctx.is_main:     # the run directory appears only once everything above has worked
             save_resolved_config(cfg, self.run_dir)
+        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard)
         n_train = sum(p.numel() for p in trainable)
         n_all = sum(p.numel() for p in model.parameters())
         self.say(f"run directory: {self.run_dir}")
