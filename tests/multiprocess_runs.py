@@ -32,7 +32,8 @@ QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--b
          "--set", "train.tensorboard=false", "--device", "cpu", "--ap-every", "0"]
 # SGD, LR halved every epoch, no warm-up: the LR after a resume tells where the run stands
 SCHEDULE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "0",
-            "--set", "optim.decay_every=1", "--set", "optim.decay_factor=0.5"]
+            "--set", "optim.milestones=[]", "--set", "optim.decay_every=1",
+            "--set", "optim.decay_factor=0.5"]
 LR_EPOCH_2 = 0.005
 NO_VALIDATION = ["--val-every", "0", "--ap-every", "0"]
 
