@@ -100,9 +100,15 @@ def flip_people(people: np.ndarray, width: int) -> np.ndarray:
 
 
 def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
-    """uint8 size x size x 3 image through `matrix`, grey outside the source."""
-    return cv2.warpAffine(image, matrix, (size, size), flags=cv2.INTER_LINEAR,
-                          borderMode=cv2.BORDER_CONSTANT, borderValue=BORDER_VALUE)
+    """uint8 size x size x 3 image through `matrix`, grey outside the source.
+
+    Warped as 4 channels: OpenCV's bilinear warp is vectorised for 1 and 4 channels but not 3
+    (1.6 ms -> 0.7 ms at 512 px, same pixels); the two channel conversions cost ~0.08 ms.
+    """
+    padded = cv2.cvtColor(image, cv2.COLOR_BGR2BGRA)
+    warped = cv2.warpAffine(padded, matrix, (size, size), flags=cv2.INTER_LINEAR,
+                            borderMode=cv2.BORDER_CONSTANT, borderValue=BORDER_VALUE + (0,))
+    return cv2.cvtColor(warped, cv2.COLOR_BGRA2BGR)
 
 
 def warp_mask(mask: np.ndarray, grid_matrix: np.ndarray, size: int) -> np.ndarray:
