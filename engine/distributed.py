@@ -174,11 +174,16 @@ def all_reduce_mean(value):
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when at least one rank passes True (to skip a step or stop together)."""
+    return any_ranks([flag])[0]
+
+
+def any_ranks(flags) -> list[bool]:
+    """`any_rank` for several flags in one all-reduce."""
     if not _active():
-        return bool(flag)
-    vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_comm_device())
+        return [bool(f) for f in flags]
+    vote = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=_comm_device())
     dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return bool(vote.item())
+    return [bool(v) for v in vote.tolist()]
 
 
 def broadcast_object(obj, src: int = 0):

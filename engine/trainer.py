@@ -164,8 +164,7 @@ class Trainer:
         loss = per_sample.mean()
         loss_value = loss.item()
         abnormal = not math.isfinite(loss_value) or loss_value > self.cfg.optim.skip_loss_above
-        abnormal = dist.any_rank(abnormal)
-        stop = dist.any_rank(self.stop_signal is not None)
+        abnormal, stop = dist.any_ranks([abnormal, self.stop_signal is not None])
         grads_finite = False
         if not abnormal:
             self.precision.backward(loss)
