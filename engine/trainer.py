@@ -213,10 +213,12 @@ class Trainer:
                             mem=f"{memory_gb(self.ctx.device):.2f}G")
             bar.update()
             if self.step % self.cfg.train.log_every == 0 or iteration == self.iters_per_epoch - 1:
-                parts = {k: dist.all_reduce_mean(v).item() for k, v in out["parts"].items()}
-                self.logger.log("train", self.step, epoch=epoch, loss=dist.all_reduce_mean(
-                    torch.tensor(out["loss"])).item(), lr=out["lr"], samples_per_s=rate,
-                    skipped_steps=self.skipped_total, memory_gb=memory_gb(self.ctx.device), **parts)
+                names = list(out["parts"])
+                means = dist.all_reduce_mean(torch.stack(
+                    [out["parts"][k].float().cpu() for k in names] + [torch.tensor(out["loss"])])).tolist()
+                self.logger.log("train", self.step, epoch=epoch, loss=means[-1], lr=out["lr"],
+                                samples_per_s=rate, skipped_steps=self.skipped_total,
+                                memory_gb=memory_gb(self.ctx.device), **dict(zip(names, means)))
             if out["stop"]:
                 bar.close()
                 self.save("last.pth", epoch, iteration + 1)
