@@ -20,13 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:          # run as a script from tests/
     sys.path.insert(0, str(REPO))
 
+from child_env import child_env                  # noqa: E402
 from config import build_config                  # noqa: E402
 from engine.checkpoint import load_checkpoint    # noqa: E402
 from engine.launch_env import find_free_port     # noqa: E402
 from models import build_model                   # noqa: E402
 
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 TIMEOUT_S = 240
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
          "--set", "train.tensorboard=false", "--device", "cpu", "--ap-every", "0"]
@@ -39,12 +38,6 @@ NO_VALIDATION = ["--val-every", "0", "--ap-every", "0"]
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    return env
-
-
 def data_args(synthetic_h5, out_dir: Path) -> list[str]:
     train_h5, val_h5 = synthetic_h5
     return ["--train-h5", str(train_h5), "--val-h5", str(val_h5), "--out-dir", str(out_dir), *QUICK]
@@ -54,7 +47,7 @@ def launch(out_dir: Path, launcher: str, args: list[str], **env) -> subprocess.C
     """Two processes of the driver under `launcher` (torch.distributed.run or .launch)."""
     cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--master_port",
            str(find_free_port()), __file__, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(**env),
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(**env),
                           timeout=TIMEOUT_S, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -29,7 +29,8 @@ from config.loader import build_config
 from engine.checkpoint import save_checkpoint
 from engine.launch_env import find_free_port
 from models import build_model
-from test_preemption import REPO, cli_env, message_lines, torchrun, worker_log, write_micro_preset
+from child_env import child_env
+from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 
 COCO4 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4"
 IMAGE = "000000000785.jpg"
@@ -82,7 +83,7 @@ class Case:
 
 
 def run_case(case: Case) -> Case:
-    proc = subprocess.run(case.command, cwd=REPO, env=cli_env(**case.env), capture_output=True,
+    proc = subprocess.run(case.command, cwd=REPO, env=child_env(**case.env), capture_output=True,
                           text=True, timeout=240)
     case.rc, case.stderr = proc.returncode, proc.stderr
     return case

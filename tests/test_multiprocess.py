@@ -29,7 +29,8 @@ from engine.checkpoint import load_checkpoint
 from engine.launch_env import find_free_port
 from engine.sampler import GlobalBatchSampler
 from models import FocalL2Loss, build_model
-from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S, clean_env,
+from child_env import child_env
+from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
                                data_args, dumps, initial_weights, launch, records,
                                relative_difference, weights)
 
@@ -196,7 +197,7 @@ def test_batch_that_does_not_divide_fails_on_every_rank_in_one_line(tmp_path, sy
     args = [*data_args(synthetic_h5, tmp_path), "--batch-size", "3", "--run-name", "odd"]
     procs = [subprocess.Popen([sys.executable, "train_distributed.py", *args], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                              env=child_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                             MASTER_PORT=port))
              for r in (0, 1)]
     try:

@@ -29,6 +29,7 @@ from config.loader import build_config
 from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
 from engine.optim import lr_at
+from child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 # A model of ~20k parameters on 64 px inputs: a step takes a fraction of a second on one core.
@@ -39,7 +40,6 @@ loss: {scale_weights: [0.1, 0.4, 1.6]}
 data: {input_size: 64, workers: 0}
 train: {batch_size: 2, log_every: 1, tensorboard: false, val_every: 0}
 """
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PROGRESS_BAR = re.compile(r"^[^|]*: *\d+%\|")   # a tqdm bar: "DESCRIPTION:  40%|████  | 2/5 ..."
 
 
@@ -50,16 +50,8 @@ def write_micro_preset(directory: Path) -> Path:
     return path
 
 
-def cli_env(**extra: str) -> dict:
-    """This environment without launcher variables, one thread per process, plus `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
 def start(command: list, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, env=env or cli_env(), stdout=subprocess.PIPE,
+    return subprocess.Popen(command, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
