@@ -111,11 +111,20 @@ def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
     return cv2.cvtColor(warped, cv2.COLOR_BGRA2BGR)
 
 
-def warp_mask(mask: np.ndarray, grid_matrix: np.ndarray, size: int) -> np.ndarray:
-    """float32 size x size fraction of a 0/1 uint8 mask through `grid_matrix`, 0 outside."""
-    out = cv2.warpAffine(mask * np.uint8(255), grid_matrix, (size, size), flags=cv2.INTER_LINEAR,
+def warp_masks(planes: np.ndarray | None, grid_matrix: np.ndarray,
+               size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ignore, person): float32 size x size fractions of the masks through `grid_matrix`, 0 outside.
+
+    `planes` is `data.h5format.decode_mask_planes` output (channels 0 and 1 are the masks as
+    0/255), warped in one 4-channel call; None (both masks empty) gives zeros without warping.
+    """
+    if planes is None:
+        zeros = np.zeros((size, size), np.float32)
+        return zeros, zeros.copy()
+    out = cv2.warpAffine(planes, grid_matrix, (size, size), flags=cv2.INTER_LINEAR,
                          borderMode=cv2.BORDER_CONSTANT, borderValue=0)
-    return out.astype(np.float32) * np.float32(1 / 255)
+    scale = np.float32(1 / 255)
+    return out[:, :, 0].astype(np.float32) * scale, out[:, :, 1].astype(np.float32) * scale
 
 
 def tint(image: np.ndarray, params: AugmentParams) -> np.ndarray:

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from config.schema import Config
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, matrix_zoom,
-                          tint, to_grid, transform_people, warp_image, warp_mask)
+                          tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5, check_split
 from data.targets import render_targets
 
@@ -101,14 +101,13 @@ class KeypointDataset(Dataset):
                                self.cfg.augment.person_height, params)
         reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
         image = self.h5.decode_image(img, reduce)
-        ignore, person_mask = self.h5.masks(img)
+        mask_planes = self.h5.mask_planes(img)
         clock.lap("read")
         image = warp_image(image, from_reduced(matrix, reduce), self.size)
         if params.color:
             image = tint(image, params)
         grid = to_grid(matrix, self.stride)
-        ignore = warp_mask(ignore, grid, self.out_size)
-        person_mask = warp_mask(person_mask, grid, self.out_size)
+        ignore, person_mask = warp_masks(mask_planes, grid, self.out_size)
         people = transform_people(people, matrix, params.flip)
         clock.lap("augment")
         target = render_targets(people, self.out_size, self.out_size, self.stride,

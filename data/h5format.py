@@ -58,18 +58,37 @@ def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
     return np.concatenate([split.astype("<u2").view(np.uint8), values])
 
 
+# code (ignore + 2 x person) -> 4 bytes: 255 where ignore, 255 where person, 0, 0
+_CODE_PLANES = np.array([0, 0xFF, 0xFF00, 0xFFFF], "<u4")
+
+
+def _expand_runs(runs: np.ndarray, per_code: np.ndarray, height: int, width: int) -> np.ndarray:
+    """`per_code[code]` repeated over each run of `encode_masks` bytes: HxW of its dtype."""
+    n = runs.size // 3
+    values = np.repeat(per_code[runs[2 * n:]], runs[:2 * n].view("<u2"))
+    if values.size != height * width:
+        raise DataError(f"mask runs cover {values.size} pixels, expected {height}x{width}")
+    return values.reshape(height, width)
+
+
 def decode_masks(runs: np.ndarray, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(ignore, person) uint8 HxW 0/1 masks from `encode_masks` bytes."""
     if runs.size == 0:
         zeros = np.zeros((height, width), np.uint8)
         return zeros, zeros.copy()
-    n = runs.size // 3
-    lengths = runs[:2 * n].view("<u2")
-    codes = np.repeat(runs[2 * n:], lengths)
-    if codes.size != height * width:
-        raise DataError(f"mask runs cover {codes.size} pixels, expected {height}x{width}")
-    codes = codes.reshape(height, width)
+    codes = _expand_runs(runs, np.arange(4, dtype=np.uint8), height, width)
     return codes & 1, codes >> 1
+
+
+def decode_mask_planes(runs: np.ndarray, height: int, width: int) -> np.ndarray | None:
+    """The two masks of `encode_masks` bytes as one uint8 HxWx4 image, None when both are empty.
+
+    Channel 0 is 255 where ignored, channel 1 is 255 on people, channels 2-3 are 0: the layout
+    `data.augment.warp_masks` moves in one vectorised warp, straight from the run lengths.
+    """
+    if runs.size == 0:
+        return None
+    return _expand_runs(runs, _CODE_PLANES, height, width).view(np.uint8).reshape(height, width, 4)
 
 
 def open_checked(path: Path) -> h5py.File:
@@ -217,6 +236,11 @@ class KeypointH5:
         """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
         height, width = self.image_size(img)
         return decode_masks(self._dataset("images/masks")[img], height, width)
+
+    def mask_planes(self, img: int) -> np.ndarray | None:
+        """`decode_mask_planes` of image `img`: HxWx4 uint8 (ignore, person as 0/255), or None."""
+        height, width = self.image_size(img)
+        return decode_mask_planes(self._dataset("images/masks")[img], height, width)
 
     def people(self, img: int) -> np.ndarray:
         """float32 [P,18,3]: (x, y, v) per keypoint of the image's people with keypoints."""
