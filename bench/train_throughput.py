@@ -70,6 +70,9 @@ def batches(args, cfg, device):
     from torch.utils.data import DataLoader
     from data.dataset import KeypointDataset
     dataset = KeypointDataset(args.h5, cfg, train=True)
+    if args.workers:
+        import cv2
+        cv2.setNumThreads(1)     # as the engine does: set once, before the workers fork
     while True:
         loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
                             num_workers=args.workers, pin_memory=device.type == "cuda",

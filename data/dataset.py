@@ -22,7 +22,7 @@ import time
 import cv2
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from config.schema import Config
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, matrix_zoom,
@@ -84,7 +84,6 @@ class KeypointDataset(Dataset):
         self.size = cfg.data.input_size
         self.stride = cfg.data.stride
         self.out_size = self.size // self.stride
-        self._threads_set = False
         self._process = None          # pid `keep_freed_memory` ran in
 
     def set_epoch(self, epoch: int) -> None:
@@ -141,10 +140,6 @@ class KeypointDataset(Dataset):
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
     def __getitem__(self, index: int):
-        if not self._threads_set:
-            if get_worker_info() is not None:
-                cv2.setNumThreads(1)   # workers are the parallelism; OpenCV threads would oversubscribe
-            self._threads_set = True
         sample = self.sample_arrays(index)
         return (image_to_tensor(sample["image"]), torch.from_numpy(sample["target"]),
                 torch.from_numpy(sample["mask"][None]))

@@ -95,6 +95,12 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
     if sampler.batches_per_epoch == 0:
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} is larger than the "
                           f"{len(dataset)} training samples")
+    if cfg.data.workers > 0:
+        # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
+        # changing OpenCV's thread count inside a forked worker can deadlock on the pool the
+        # parent used: so the parent sets it once, before any worker is forked.
+        import cv2
+        cv2.setNumThreads(1)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.workers,
                         pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
                         persistent_workers=False)
