@@ -2,8 +2,8 @@
 
     python bench/data_pipeline.py [--input-size 512] [--samples 300] [--h5 FILE.h5]
 
-Converts the real COCO sample set `../shared/data/coco4` (or draws 640x480 synthetic images
-when it is absent, or uses --h5), then times each stage of `KeypointDataset` with augmentation:
+Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is looked for; it
+draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of `KeypointDataset` with augmentation:
 read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
 targets (50 maps at stride 4), and the total of `dataset[i]` (tensors included). Rates are per
 CPU second of this process (one thread), so other load on the machine barely moves them. It
@@ -26,21 +26,7 @@ import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
-from data.make_hdf5 import convert  # noqa: E402
-
-COCO4 = ROOT.parent / "shared" / "data" / "coco4"
-
-
-def make_h5(work: Path) -> Path:
-    """An HDF5 file of real COCO images (coco4), else of synthetic 640-pixel images."""
-    out = work / "bench.h5"
-    if (COCO4 / "test_coco.json").is_file():
-        convert(COCO4 / "test_coco.json", COCO4, out, split="train", progress=False)
-    else:
-        from data.synthetic import write_split
-        ann = write_split(work, "train", 8, 640, seed=0)
-        convert(ann, work / "train", out, split="train", progress=False)
-    return out
+from bench.bench_data import make_bench_h5  # noqa: E402
 
 
 def measure(dataset: KeypointDataset, samples: int) -> dict:
@@ -66,12 +52,13 @@ def main(argv=None) -> int:
     parser.add_argument("--input-size", type=int, default=512)
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
+    parser.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(1)
     torch.set_num_threads(1)
     cfg = build_config(None, {"data": {"input_size": args.input_size}})
     with tempfile.TemporaryDirectory() as tmp:
-        h5_path = Path(args.h5) if args.h5 else make_h5(Path(tmp))
+        h5_path, source = (Path(args.h5), Path(args.h5).name) if args.h5 else make_bench_h5(Path(tmp), 1, args.coco_dir)
         dataset = KeypointDataset(h5_path, cfg, train=True)
         stages = measure(dataset, args.samples)
         h5 = dataset.h5
@@ -81,7 +68,7 @@ def main(argv=None) -> int:
         stored = h5_path.stat().st_size / len(pixels)
     out = args.input_size // cfg.data.stride
     print(f"data pipeline, one process, one thread: input {args.input_size}, targets 50x{out}x{out}, "
-          f"{args.samples} samples of {h5_path.name if args.h5 else 'coco4'}")
+          f"{args.samples} samples of {source}")
     print(f"{'stage':<10}{'ms/sample':>12}{'samples/s':>12}")
     rates = {}
     for stage in ("read", "augment", "targets", "total"):

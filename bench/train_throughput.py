@@ -1,21 +1,29 @@
-"""Training throughput of the full training step per precision setting (issue 8).
+"""Training throughput of the engine's own step per precision setting (issue 8).
 
-For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2, each optionally
-with channels_last and torch.compile) it trains the model for a fixed number of steps on
-synthetic batches (or on real HDF5 batches with --h5) and prints images/s, peak memory and the
-share of the GPU's bf16 matrix-multiply peak that the step reaches (model FLOPs per step, counted
-from the model as 3 x forward MACs x 2, over the step time, against a large bf16 matmul timed in
-the same run). One JSON line last.
+For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16, each with and
+without channels_last and optionally torch.compile) it builds the real `Trainer` that train.py
+builds and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
+already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
+the time the step waited for data, and the share of the GPU's bf16 matrix-multiply peak that the
+step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over the step
+time, against a large bf16 matmul timed in the same run). One JSON line last.
 
-    python bench/train_throughput.py                         # GPU: imhn at 512, batch 16
+    python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
+    python bench/train_throughput.py --compile both          # also under torch.compile
+    python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
+    python bench/train_throughput.py --h5 coco_train.h5 --workers 16
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
-    python bench/train_throughput.py --h5 coco_train.h5 --workers 16   # with real data loading
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import io
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import build_config                      # noqa: E402
-from engine.amp import Precision                     # noqa: E402
-from engine.model_with_loss import ModelWithLoss     # noqa: E402
-from engine.optim import build_optimizer             # noqa: E402
-from models import FocalL2Loss, build_model          # noqa: E402
-from models.summary import count_macs                # noqa: E402
+from bench.bench_data import make_bench_h5            # noqa: E402
+from config import build_config                        # noqa: E402
+from engine.cli import single_process_context          # noqa: E402
+from engine.trainer import Launch, Trainer             # noqa: E402
+from models import build_model                         # noqa: E402
+from models.summary import count_macs                  # noqa: E402
 
 CONFIGS = [  # name, opt level, dtype, tf32
     ("O0 fp32", "O0", "auto", False),
@@ -58,65 +66,85 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def batches(args, cfg, device):
-    """An endless iterator of (images, target, mask) on the device."""
-    s, o = args.input, args.input // 4
-    if not args.h5:
-        images = torch.rand(args.batch, 3, s, s, device=device)
-        target = torch.rand(args.batch, 50, o, o, device=device) * 0.5
-        mask = torch.ones(args.batch, 1, o, o, device=device)
-        while True:
-            yield images, target, mask
-    from torch.utils.data import DataLoader
-    from data.dataset import KeypointDataset
-    dataset = KeypointDataset(args.h5, cfg, train=True)
-    if args.workers:
-        import cv2
-        cv2.setNumThreads(1)     # as the engine does: set once, before the workers fork
+def synthetic_batches(batch: int, cfg, device):
+    """An endless repeat of one batch on the device; sparse targets like real heatmaps."""
+    s, o = cfg.data.input_size, cfg.data.input_size // cfg.data.stride
+    images = torch.rand(batch, 3, s, s, device=device)
+    target = torch.rand(batch, 50, o, o, device=device)
+    target = target * (target > 0.97)
+    mask = torch.ones(batch, 1, o, o, device=device)
     while True:
-        loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
-                            num_workers=args.workers, pin_memory=device.type == "cuda",
-                            persistent_workers=False, prefetch_factor=4 if args.workers else None)
-        for batch in loader:
-            yield tuple(t.to(device, non_blocking=True) for t in batch)
+        yield images, target, mask
 
 
-def run_config(args, name, level, dtype, tf32, channels_last, compile_model, device):
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    sets = [f"amp.opt_level={level}", f"amp.dtype={dtype}", f"data.input_size={args.input}",
-            f"amp.channels_last={channels_last}", "optim.name=sgd", "optim.lr=1e-6"]
-    cfg = build_config(args.preset, sets=sets)
-    torch.manual_seed(0)
-    model = build_model(cfg.model).to(device)
-    precision = Precision(cfg.amp, device)
-    model = precision.prepare_model(model)
-    net = ModelWithLoss(torch.compile(model) if compile_model else model, FocalL2Loss(cfg.loss), precision)
-    params = precision.optimizer_params([p for p in model.parameters() if p.requires_grad])
-    optimizer = build_optimizer(params, cfg.optim, device_type=device.type)
-    data = batches(args, cfg, device)
+def loader_batches(trainer: Trainer):
+    """The engine's DataLoader, epoch after epoch, as train_one_epoch iterates it."""
+    epoch = 0
+    while True:
+        trainer.train_set.set_epoch(epoch)
+        trainer.sampler.set_epoch(epoch)
+        yield from trainer.loader
+        epoch += 1
+
+
+def engine_config(args, h5: str, work: Path, level: str, dtype: str, tf32: bool,
+                  channels_last: bool, compile_model: bool):
+    sets = [f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
+            f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
+            f"data.input_size={args.input}", f"data.train_h5={h5}", f"data.workers={args.workers}",
+            f"train.batch_size={args.batch}", f"train.device={args.device}", f"train.out_dir={work}",
+            "train.run_name=bench", "train.overwrite=true", "train.tensorboard=false"]
+    return build_config(args.preset, sets=sets)
+
+
+def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_last, compile_model) -> dict:
+    label = name + (" +cl" if channels_last else "") + (" +compile" if compile_model else "")
+    cfg = engine_config(args, h5, work, level, dtype, tf32, channels_last, compile_model)
+    with contextlib.redirect_stdout(io.StringIO()):       # the trainer's start-up lines
+        trainer = Trainer(cfg, Launch(single_process_context(cfg.train.device)))
+    device = trainer.ctx.device
+    trainer.net.train()
+    data = loader_batches(trainer) if args.from_loader else synthetic_batches(args.batch, cfg, device)
+    epoch = cfg.optim.warmup_epochs               # past the warm-up: the schedule's plain LR
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step():
-        images, target, mask = next(data)
-        per_sample, _ = net(images, target, mask)
-        precision.backward(per_sample.mean())
-        precision.unscale_(optimizer)
-        precision.step(optimizer, True)
-        precision.zero_grad(optimizer)
-
-    for _ in range(args.warmup):
-        step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync(device)
+    skipped, waited = 0, 0.0
+    try:
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                sync(device)
+                start, waited = time.perf_counter(), 0.0
+            tick = time.perf_counter()
+            batch = next(data)
+            waited += time.perf_counter() - tick
+            skipped += trainer.run_step(batch, epoch, i)["skipped"] and i >= args.warmup
+        sync(device)
+    except torch.OutOfMemoryError:
+        return {"config": label, "error": "out of memory"}
+    finally:
+        del data, trainer
+        if compile_model:
+            torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     seconds = (time.perf_counter() - start) / args.steps
     memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
-    return {"config": name + (" +cl" if channels_last else "") + (" +compile" if compile_model else ""),
-            "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3, "peak_mem_gib": memory}
+    return {"config": label, "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
+            "data_wait_share": waited / (seconds * args.steps), "peak_mem_gib": memory,
+            "skipped_steps": int(skipped)}
+
+
+def print_row(row: dict, peak: float | None) -> None:
+    if "error" in row:
+        print(f"{row['config']:<24} {row['error']}", flush=True)
+        return
+    share = f"{100 * row['share_of_bf16_peak']:5.1f} % of bf16 matmul peak" if peak else ""
+    print(f"{row['config']:<24} {row['images_per_s']:9.2f} img/s {row['step_ms']:9.1f} ms/step "
+          f"{row['peak_mem_gib'] or float('nan'):7.2f} GiB {row['tflops']:7.2f} TFLOP/s "
+          f"data wait {100 * row['data_wait_share']:4.1f} % {share}"
+          + (f"  ({row['skipped_steps']} steps skipped: timing invalid)" if row["skipped_steps"] else ""),
+          flush=True)
 
 
 def main(argv=None) -> int:
@@ -130,10 +158,16 @@ def main(argv=None) -> int:
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="both")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
     p.add_argument("--configs", nargs="+", help="subset of: " + ", ".join(c[0] for c in CONFIGS))
-    p.add_argument("--h5", help="train from this HDF5 file instead of synthetic batches")
-    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--h5", help="feed the step from the engine's DataLoader over this HDF5 file; "
+                                "'coco4': the coco4 images, each listed --repeat times")
+    p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
+    p.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
+    p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: CPU cores)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    args.from_loader = bool(args.h5)
+    if args.workers is None:
+        args.workers = len(os.sched_getaffinity(0)) if args.from_loader else 0
     if device.type == "cpu":   # CPU: no fp16 tensor cores, no TF32; bf16 autocast is the mixed mode
         configs = [c for c in CONFIGS if c[0] in ("O0 fp32", "O1 bf16")]
     else:
@@ -141,28 +175,36 @@ def main(argv=None) -> int:
     if args.configs:
         configs = [c for c in CONFIGS if c[0] in args.configs]
     both = {"off": [False], "on": [True], "both": [False, True]}
-    cfg = build_config(args.preset, sets=[f"data.input_size={args.input}"])
-    macs, _ = count_macs(build_model(cfg.model), args.input)
+    macs, _ = count_macs(build_model(build_config(args.preset).model), args.input)
     flops_per_image = 3 * 2 * macs              # forward + backward (2x forward)
     # the bf16 matmul peak is a GPU figure: a CPU without native bf16 emulates it, so no share there
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     rows = []
-    for name, level, dtype, tf32 in configs:
-        for cl in both[args.channels_last]:
-            for comp in both[args.compile]:
-                row = run_config(args, name, level, dtype, tf32, cl, comp, device)
-                row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
-                row["share_of_bf16_peak"] = row["tflops"] / peak if peak else None
-                rows.append(row)
-                print(f"{row['config']:<24} {row['images_per_s']:9.2f} img/s {row['step_ms']:9.1f} ms/step "
-                      f"{row['peak_mem_gib'] or float('nan'):7.2f} GiB {row['tflops']:7.2f} TFLOP/s "
-                      + (f"{100 * row['share_of_bf16_peak']:5.1f} % of bf16 matmul peak" if peak else ""),
-                      flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.h5 and args.h5 != "coco4":
+            h5, source = args.h5, args.h5
+        else:       # synthetic batches still need a training file for the trainer to open
+            repeat = args.repeat if args.h5 else max(1, -(-args.batch // 4))
+            h5, source = make_bench_h5(work, repeat, args.coco_dir)
+        print(f"{args.preset} at {args.input}, batch {args.batch}, {args.steps} steps after {args.warmup}; "
+              f"data: {source + f' through the DataLoader, {args.workers} workers' if args.from_loader else 'synthetic batches on the device'}"
+              + (f"; bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""), flush=True)
+        for name, level, dtype, tf32 in configs:
+            for cl in both[args.channels_last]:
+                for comp in both[args.compile]:
+                    row = run_config(args, str(h5), work, name, level, dtype, tf32, cl, comp)
+                    if "error" not in row:
+                        row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
+                        row["share_of_bf16_peak"] = row["tflops"] / peak if peak else None
+                    rows.append(row)
+                    print_row(row, peak)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "preset": args.preset,
                       "input": args.input, "batch": args.batch, "steps": args.steps,
                       "gmac_per_image": macs / 1e9, "bf16_matmul_tflops": peak,
-                      "data": args.h5 or "synthetic", "rows": rows}))
+                      "data": source if args.from_loader else "synthetic",
+                      "workers": args.workers, "rows": rows}))
     return 0
 
 

@@ -95,6 +95,7 @@ class AmpConfig:
     init_scale: float = 1024.0    # dynamic scaler start (65536 overflows fp16 early)
     channels_last: bool = False
     compile: bool = False         # torch.compile the model
+    tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class TrainConfig:
     freeze: list = field(default_factory=list)
     overwrite: bool = False
     tensorboard: bool = True
+    cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
 
 
 @dataclass

@@ -24,6 +24,15 @@ from config.schema import AmpConfig
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
+def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
+    """Process-wide CUDA switches of a training run (no effect on CPU): TF32 for float32 convolutions
+    and matmuls (PyTorch's own default is on for convolutions, off for matmuls), and cuDNN autotuning,
+    which pays off because every training batch has the same shape."""
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
 class Precision:
     def __init__(self, cfg: AmpConfig, device: torch.device):
         self.level = cfg.opt_level

@@ -22,7 +22,7 @@ from config.errors import CheckpointError, TrainingDiverged, UserError
 from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
-from engine.amp import Precision
+from engine.amp import Precision, set_cuda_backends
 from engine.checkpoint import (capture_rng_state, find_latest_checkpoint, load_checkpoint,
                                load_weights, restore_rng_state, save_checkpoint, unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
@@ -78,11 +78,13 @@ class Trainer:
             from engine.sync_bn import convert_sync_bn
             model = convert_sync_bn(model, ctx)
         model = model.to(ctx.device)
+        set_cuda_backends(cfg.amp, cfg.train.cudnn_benchmark)
         self.precision = Precision(cfg.amp, ctx.device)
         model = self.precision.prepare_model(model)
         trainable = trainable_parameters(model)
         self.model = model
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
+        self.buffers_before_step = [b.clone() for b in self.buffers]
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
                                              FocalL2Loss(cfg.loss), self.precision)
         self.net = launch.wrap(self.model_with_loss)
@@ -159,7 +161,8 @@ class Trainer:
         images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
         lr = lr_at(self.cfg.optim, epoch, iteration, self.iters_per_epoch, self.ctx.world_size)
         set_lr(self.optimizer, lr)
-        saved_buffers = [b.clone() for b in self.buffers]
+        if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
+            torch._foreach_copy_(self.buffers_before_step, self.buffers)
         per_sample, parts = self.net(images, target, mask)
         loss = per_sample.mean()
         loss_value = loss.item()
@@ -175,10 +178,9 @@ class Trainer:
             self.precision.step(self.optimizer, grads_finite)
         self.precision.zero_grad(self.optimizer)
         skipped = not grads_finite
-        if skipped:   # a skipped step leaves no trace, not even in BatchNorm's running statistics
+        if skipped and self.buffers:   # a skipped step leaves no trace, not even in BN statistics
             with torch.no_grad():
-                for buf, old in zip(self.buffers, saved_buffers):
-                    buf.copy_(old)
+                torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return {"loss": loss_value, "lr": lr, "skipped": skipped, "stop": stop,
@@ -306,6 +308,7 @@ class Trainer:
                 self.say(f"early stop: no improvement in {self.bad_validations} validations")
                 break
         self.logger.close()
+        dist.barrier()   # ranks leave together: none tears down its process group while one still works
         self.say(f"done. checkpoints: {self.run_dir / 'last.pth'}"
                  + (f", {self.run_dir / 'best.pth'}" if (self.run_dir / 'best.pth').exists() else "")
                  + f"; metrics: {self.run_dir / 'metrics.jsonl'}; curves: {self.run_dir / 'curves.png'}")

@@ -1,0 +1,52 @@
+"""The benchmarks' training file: real COCO images (the coco4 sample set), else synthetic ones.
+
+`make_bench_h5(work, repeat)` converts coco4 (4 val2017 images, 14 people) with every image listed
+`repeat` times, so a loader has enough distinct samples for whole batches and epochs of realistic
+length. coco4 is looked for in `--coco-dir`, then `$SIMPLEPOSE_COCO4`, then `../shared/data/coco4`
+beside the repository; without it, 640x640 synthetic images are drawn instead (their JPEGs decode
+faster than photographs, so the rate is then an upper bound).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from data.make_hdf5 import convert
+
+ROOT = Path(__file__).resolve().parents[1]
+COCO4_ANN = "test_coco.json"
+
+
+def find_coco4(coco_dir: str | None = None) -> Path | None:
+    for candidate in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), ROOT.parent / "shared" / "data" / "coco4"):
+        if candidate and (Path(candidate) / COCO4_ANN).is_file():
+            return Path(candidate)
+    return None
+
+
+def repeat_annotations(ann_path: Path, repeat: int, out_path: Path) -> Path:
+    """A copy of a COCO annotation file with each image (and its people) listed `repeat` times."""
+    coco = json.loads(Path(ann_path).read_text())
+    images, annotations = [], []
+    for copy in range(repeat):
+        offset = copy * 10 ** 9
+        images += [{**image, "id": image["id"] + offset} for image in coco["images"]]
+        annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
+                        for ann in coco["annotations"]]
+    out_path.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
+    return out_path
+
+
+def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
+    """(HDF5 path, a name for what it holds) of a training file under `work`."""
+    out = work / "bench.h5"
+    coco4 = find_coco4(coco_dir)
+    if coco4 is not None:
+        ann = repeat_annotations(coco4 / COCO4_ANN, repeat, work / "bench.json")
+        convert(ann, coco4, out, split="train", progress=False)
+        return out, f"coco4 x{repeat}"
+    from data.synthetic import write_split
+    ann = write_split(work, "train", 8 * repeat, 640, seed=0)
+    convert(ann, work / "train", out, split="train", progress=False)
+    return out, f"synthetic 640 px x{8 * repeat}"
