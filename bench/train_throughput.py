@@ -4,7 +4,7 @@ For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp
 without channels_last and optionally torch.compile) it builds the real `Trainer` that train.py
 builds and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
 already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
-the time the step waited for data, and the share of the GPU's bf16 matrix-multiply peak that the
+the time the step waited for data (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak that the
 step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over the step
 time, against a large bf16 matmul timed in the same run). One JSON line last.
 
@@ -22,6 +22,7 @@ import gc
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -119,6 +120,8 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
             waited += time.perf_counter() - tick
             skipped += trainer.run_step(batch, epoch, i)["skipped"] and i >= args.warmup
         sync(device)
+        seconds = (time.perf_counter() - start) / args.steps
+        time_by_op = profile_steps(lambda i: trainer.run_step(next(data), epoch, i), args.profile, device)
     except torch.OutOfMemoryError:
         return {"config": label, "error": "out of memory"}
     finally:
@@ -128,11 +131,36 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    seconds = (time.perf_counter() - start) / args.steps
     memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     return {"config": label, "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
             "data_wait_share": waited / (seconds * args.steps), "peak_mem_gib": memory,
-            "skipped_steps": int(skipped)}
+            "skipped_steps": int(skipped), **({"time_by_op": time_by_op} if time_by_op else {})}
+
+
+OP_KINDS = (("convolution", r"conv"), ("matmul", r"::(mm|addmm|bmm|matmul|linear)\b"),
+            ("batch_norm", r"batch_norm"), ("optimizer", r"_foreach|_fused_"))
+
+
+def profile_steps(step, steps: int, device: torch.device) -> dict:
+    """Share of the device's (CPU: the host's) op time per kind of op over `steps` more steps."""
+    if not steps:
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        sync(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    times: dict = {}
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CPU:    # a kernel: counted in the op that launched it
+            continue
+        kind = next((k for k, pattern in OP_KINDS if re.search(pattern, event.key)), "other")
+        times[kind] = times.get(kind, 0.0) + getattr(event, attr)
+    total = sum(times.values()) or 1.0
+    return {kind: round(t / total, 4) for kind, t in sorted(times.items(), key=lambda kv: -kv[1])}
 
 
 def print_row(row: dict, peak: float | None) -> None:
@@ -145,6 +173,8 @@ def print_row(row: dict, peak: float | None) -> None:
           f"data wait {100 * row['data_wait_share']:4.1f} % {share}"
           + (f"  ({row['skipped_steps']} steps skipped: timing invalid)" if row["skipped_steps"] else ""),
           flush=True)
+    if row.get("time_by_op"):
+        print("    op time: " + ", ".join(f"{k} {100 * v:.0f} %" for k, v in row["time_by_op"].items()), flush=True)
 
 
 def main(argv=None) -> int:
@@ -163,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
     p.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: CPU cores)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile this many more steps: op time by kind (convolution, BN, ...)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     args.from_loader = bool(args.h5)

@@ -103,7 +103,8 @@ def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_
     command = [sys.executable, "bench/train_throughput.py", "--preset", "tiny", "--input", "64",
                "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cpu",
                "--channels-last", "both", "--configs", "O0 fp32"]
-    for extra, data, workers in (([], "synthetic", 0), (["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1)):
+    for extra, data, workers in ((["--profile", "1"], "synthetic", 0),
+                                 (["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1)):
         proc = subprocess.run(command + extra, cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -113,3 +114,6 @@ def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_
         for row in result["rows"]:
             assert row["images_per_s"] > 0 and row["skipped_steps"] == 0
             assert 0 <= row["data_wait_share"] < 1
+            if extra[0] == "--profile":   # op time by kind: shares of one whole, convolutions the most
+                shares = row["time_by_op"]
+                assert abs(sum(shares.values()) - 1) < 0.01 and shares["convolution"] > 0.2

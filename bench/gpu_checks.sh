@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU-only checks and figures of issue 8, in stages that each fit one 10-minute device call.
+#
+#   bash bench/gpu_checks.sh cuda        # CUDA paths end to end: O1 fp16 / O1 bf16 / O2 / O3 train,
+#                                        # resume and AP; train_parallel.py and torchrun on the one GPU
+#                                        # (one GPU cannot show DataParallel, NCCL or SyncBN: they need two)
+#   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
+#   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
+#   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
+#
+# Logs go to $OUT/STAGE.log (or bench_out/). The GPU image lacks pycocotools, and coco4 lives
+# outside the repository, so before the first call, on the development machine:
+#   printf '/.whl/\n/.bench_data/\n' >> .git/info/exclude
+#   python3 -m pip download --isolated --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl pycocotools
+#   mkdir -p .bench_data && cp -r ../shared/data/coco4 .bench_data/
+# and name `.whl` and `.bench_data` in the call's carry.
+set -u -o pipefail
+stage=${1:?usage: bash bench/gpu_checks.sh cuda|synthetic|compile|loader}
+out=${OUT:-bench_out}
+mkdir -p "$out"
+log="$out/$stage.log"
+export PYTHONUNBUFFERED=1 SIMPLEPOSE_COCO4=${SIMPLEPOSE_COCO4:-.bench_data/coco4}
+if [ -d .whl ] && ! python3 -c "import pycocotools" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+runs=$(mktemp -d)
+device=${DEVICE:-cuda}     # DEVICE=cpu runs the cuda stage's commands on a CPU, to check the script
+quick=(--epochs 2 --set train.max_steps_per_epoch=4 --ap-every 2 --set train.ap_max_images=8
+       --out-dir "$runs" --device "$device")
+
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+nproc
+case "$stage" in
+cuda)
+    set -e
+    for level in "O1 --amp-dtype float16" "O1 --amp-dtype bfloat16" "O2" "O3"; do
+        name=run-$(echo "$level" | tr -d " -")
+        python3 train.py --opt-level $level --run-name "$name" "${quick[@]}"
+        python3 train.py --resume auto --run-name "$name" --epochs 3 --out-dir "$runs" --device "$device"
+    done
+    python3 train_parallel.py --opt-level O1 --run-name dp "${quick[@]}"
+    torchrun --standalone --nproc_per_node 1 train_distributed.py --opt-level O1 --sync-bn \
+        --run-name ddp "${quick[@]}"
+    python3 evaluate.py --weights "$runs/ddp/last.pth" --h5 checkpoints/_synthetic/val.h5 \
+        --max-images 8 --device "$device" --no-progress
+    ;;
+synthetic)
+    python3 bench/train_throughput.py --batch 16
+    ;;
+compile)
+    python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" "O1 bf16" --channels-last both --compile on
+    ;;
+loader)
+    python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" "O1 bf16" --channels-last on --h5 coco4
+    ;;
+*)
+    echo "unknown stage $stage"; exit 2
+    ;;
+esac
+} 2>&1 | tee "$log"
