@@ -1,17 +1,24 @@
 """Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, centroid refinement.
 
-Works sparsely: only pixels above the threshold are compared with their neighbours, so the cost is
-one pass over the maps plus work proportional to the area of the blobs, not nine full passes.
-A plateau of equal neighbouring maxima keeps only its first pixel in raster order; the 5x5 weighted
-centroid then moves that peak to the plateau's centre (a two-pixel plateau gives a half-pixel peak).
+Two ways to find the pixels that are >= their 8 neighbours, with the same result: on clean maps
+(few pixels above the threshold) only those pixels are compared with their neighbours; on noisy
+maps (a network early in training) each map is max-filtered with a 3x3 dilation instead, which
+costs one pass whatever the number of peaks. A plateau of equal neighbouring maxima keeps only its
+first pixel in raster order; the 5x5 weighted centroid then moves that peak to the plateau's centre
+(a two-pixel plateau gives a half-pixel peak). With `max_per_map`, only each map's strongest
+maxima go through the plateau step at all (more only if plateaus drop some of them).
 """
 from __future__ import annotations
 
+import cv2
 import numpy as np
 
 # Neighbour offsets (di, dj); the first four come before the centre in raster order.
 _EARLIER = ((-1, -1), (-1, 0), (-1, 1), (0, -1))
 _LATER = ((0, 1), (1, -1), (1, 0), (1, 1))
+DENSE_FRACTION = 1 / 16    # above-threshold share of the pixels from which the dilation is cheaper
+_SQUARE_3X3 = np.ones((3, 3), np.uint8)
+_SAMPLE_ROWS = 32
 
 
 def _neighbour(flat_index, i, j, di, dj, height, width):
@@ -21,17 +28,39 @@ def _neighbour(flat_index, i, j, di, dj, height, width):
     return np.where(inside, flat_index + di * width + dj, flat_index), inside
 
 
-def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
-    """Local maxima of each map in `heatmaps` [K, H, W] (float32) above `threshold`.
-
-    Returns (channel int64 [N], xy float32 [N, 2] refined image coordinates, score float32 [N]),
-    sorted by channel then raster order. A peak is >= its 8 neighbours; of neighbouring equal
-    maxima only the first in raster order is kept; `max_per_map` > 0 keeps each map's strongest.
+def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = None) -> np.ndarray:
+    """Sorted flat indices into contiguous float32 `heatmaps` [K, H, W] of the pixels above
+    `threshold` that are >= each of their (in-map) 8 neighbours. `dense` forces the way (None: the
+    cheaper one for these maps); both give the same indices.
     """
-    heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
-    channels, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
-    cand = np.flatnonzero(flat > threshold)
+    if dense is None:      # the share above the threshold, estimated from every 32nd row
+        sample = heatmaps[:, ::_SAMPLE_ROWS]
+        dense = np.count_nonzero(sample > threshold) > DENSE_FRACTION * sample.size
+    if dense:
+        return _local_maxima_dense(heatmaps, threshold)
+    return _local_maxima_sparse(heatmaps, np.flatnonzero(flat > threshold))
+
+
+def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
+    """Per map: a pixel equal to its 3x3 dilation (the border does not count) and above threshold."""
+    _, height, width = heatmaps.shape
+    neighbourhood_max = np.empty((height, width), np.float32)
+    is_max, is_above = np.empty((height, width), bool), np.empty((height, width), bool)
+    found = []
+    for index, heatmap in enumerate(heatmaps):
+        cv2.dilate(heatmap, _SQUARE_3X3, dst=neighbourhood_max)
+        np.equal(heatmap, neighbourhood_max, out=is_max)
+        np.greater(heatmap, threshold, out=is_above)
+        np.logical_and(is_max, is_above, out=is_max)
+        found.append(np.flatnonzero(is_max) + index * height * width)
+    return np.concatenate(found)
+
+
+def _local_maxima_sparse(heatmaps, cand) -> np.ndarray:
+    """The maxima among the above-threshold pixels `cand`, comparing only those with neighbours."""
+    _, height, width = heatmaps.shape
+    flat = heatmaps.reshape(-1)
     value = flat[cand]
     # Cheap horizontal test first (flat +-1, no bounds but the map's side columns): it keeps about
     # one pixel per row of each blob, so the exact 8-neighbour test below sees few candidates.
@@ -45,8 +74,17 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
         nb, _ = _neighbour(cand, i, j, di, dj, height, width)
         keep = value >= flat[nb]
         cand, value, i, j = cand[keep], value[keep], i[keep], j[keep]
-    # One peak per plateau: drop a maximum whose earlier neighbour holds the same value; the kept
-    # one remembers where the plateau's centre lies (half a pixel right, left or down).
+    return cand
+
+
+def _plateau_firsts(flat, cand, height, width):
+    """(kept mask, half_step [N, 2]) of maxima `cand`: a maximum whose earlier neighbour holds the
+    same value is dropped; a kept one remembers where its plateau's centre lies (dx, dy in
+    {-0.5, 0, 0.5}: half a pixel right, left or down).
+    """
+    value = flat[cand]
+    plane = cand % (height * width)
+    i, j = plane // width, plane % width
     first = np.ones(cand.shape, dtype=bool)
     for di, dj in _EARLIER:
         nb, inside = _neighbour(cand, i, j, di, dj, height, width)
@@ -59,8 +97,45 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
         same = inside & (flat[nb] == value)
         shift += same[:, None] * np.array([dj, di], np.float32)
         members += same
-    half_step = 0.5 * np.sign(shift / members[:, None])
-    channel = cand // (height * width)
+    return first, 0.5 * np.sign(shift / members[:, None])
+
+
+def _strongest_floor(value, channel, channels: int, count: int) -> np.ndarray:
+    """Per map, the `count`-th largest of its values (-inf where it has no more than `count`)."""
+    floor = np.full(channels, -np.inf, np.float32)
+    bounds = np.searchsorted(channel, np.arange(channels + 1))
+    for c in np.flatnonzero(np.diff(bounds) > count):
+        values = value[bounds[c]:bounds[c + 1]]
+        floor[c] = np.partition(values, len(values) - count)[len(values) - count]
+    return floor
+
+
+def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
+    """Local maxima of each map in `heatmaps` [K, H, W] (float32) above `threshold`.
+
+    Returns (channel int64 [N], xy float32 [N, 2] refined image coordinates, score float32 [N]),
+    sorted by channel then raster order. A peak is >= its 8 neighbours; of neighbouring equal
+    maxima only the first in raster order is kept; `max_per_map` > 0 keeps each map's strongest.
+    """
+    heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
+    channels, height, width = heatmaps.shape
+    flat = heatmaps.reshape(-1)
+    maxima = local_maxima(heatmaps, threshold)
+    floor = np.full(channels, -np.inf, np.float32)      # per map: weaker maxima cannot be kept
+    if max_per_map > 0:
+        floor = _strongest_floor(flat[maxima], maxima // (height * width), channels, max_per_map)
+    while True:
+        cand = maxima[flat[maxima] >= floor[maxima // (height * width)]]
+        first, half_step = _plateau_firsts(flat, cand, height, width)
+        cand = cand[first]
+        found = np.bincount(cand // (height * width), minlength=channels)
+        short = (found < max_per_map) & (floor > -np.inf)
+        if not short.any():
+            break
+        floor[short] = -np.inf        # plateaus dropped some of that map's strongest: take it whole
+    value = flat[cand]
+    channel, plane = cand // (height * width), cand % (height * width)
+    i, j = plane // width, plane % width
     if max_per_map > 0 and len(cand) > max_per_map:
         order = np.lexsort((-value, channel))                  # per map, strongest first
         rank = np.arange(len(order)) - np.searchsorted(channel[order], channel[order])

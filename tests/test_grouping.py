@@ -13,7 +13,7 @@ from config.skeleton import CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_FLIP, NECK, NUM
 from data.make_hdf5 import to_skeleton
 from data.targets import render_targets
 from inference.grouping import group_people, to_coco_results
-from inference.peaks import find_peaks
+from inference.peaks import find_peaks, local_maxima
 from inference.predict import predict_maps, resample_to_image
 
 
@@ -58,6 +58,46 @@ def test_peaks_below_threshold_and_caps():
         np.testing.assert_allclose(np.sort(score[channel == c]),
                                    np.sort(every_score[every_channel == c])[-5:])
     assert len(find_peaks(maps * 0.05, threshold=0.1)[0]) == 0
+
+
+def slow_local_maxima(heatmaps, threshold):
+    """Reference: flat indices of pixels above threshold that are >= every in-map neighbour."""
+    channels, height, width = heatmaps.shape
+    found = []
+    for c in range(channels):
+        for i in range(height):
+            for j in range(width):
+                window = heatmaps[c, max(i - 1, 0):i + 2, max(j - 1, 0):j + 2]
+                if heatmaps[c, i, j] > threshold and heatmaps[c, i, j] >= window.max():
+                    found.append((c * height + i) * width + j)
+    return found
+
+
+def test_both_ways_of_finding_maxima_equal_the_straightforward_one():
+    rng = np.random.default_rng(3)
+    coarse = (rng.integers(0, 4, (3, 17, 23)) / 4).astype(np.float32)    # many ties, on sides too
+    smooth = rng.random((2, 16, 9), dtype=np.float32)
+    for maps in (coarse, smooth):
+        expected = slow_local_maxima(maps, 0.1)
+        assert local_maxima(maps, 0.1, dense=True).tolist() == expected
+        assert local_maxima(maps, 0.1, dense=False).tolist() == expected
+    noise = rng.random((2, 64, 64), dtype=np.float32)
+    np.testing.assert_array_equal(local_maxima(noise, 0.1), local_maxima(noise, 0.1, dense=False))
+
+
+def test_cap_with_plateaus_among_the_strongest_keeps_the_first_strongest():
+    maps = np.random.default_rng(4).random((2, 30, 30), dtype=np.float32) * 0.5
+    maps[:, 5, 5:8] = maps[:, 15:17, 10:12] = 0.9      # 7 maxima of the top value, but 2 plateaus
+    maps[:, 25, 20:22] = 0.8
+    channel, xy, score = find_peaks(maps, threshold=0.1, refine_radius=2, max_per_map=4)
+    every_channel, every_xy, every_score = find_peaks(maps, threshold=0.1, refine_radius=2)
+    for c in range(2):
+        mine = np.flatnonzero(every_channel == c)
+        strongest = np.sort(mine[np.lexsort((mine, -every_score[mine]))][:4])
+        np.testing.assert_array_equal(xy[channel == c], every_xy[strongest])
+        np.testing.assert_array_equal(score[channel == c], every_score[strongest])
+        np.testing.assert_allclose(np.sort(score[channel == c])[1:], [0.8, 0.9, 0.9])
+        assert score[channel == c].min() < 0.5                   # the strongest noise maximum
 
 
 def test_peaks_on_the_map_sides_are_found():
