@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import struct
 import sys
 import warnings
@@ -43,6 +44,10 @@ def load_coco(ann_path: Path) -> tuple[dict, list, dict]:
         data = json.loads(Path(ann_path).read_text())
     except FileNotFoundError:
         raise DataError(f"{ann_path}: no such annotation file") from None
+    except IsADirectoryError:
+        raise DataError(f"{ann_path}: a folder; --ann takes the COCO JSON file") from None
+    except OSError as exc:
+        raise DataError(f"{ann_path}: cannot be read ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
     if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
@@ -200,17 +205,24 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
     if not images_dir.is_dir():
-        raise DataError(f"{images_dir}: no such image directory")
+        raise DataError(f"{images_dir}: " + ("not a folder; --images takes the folder of the images"
+                                             if images_dir.exists() else "no such image directory"))
+    if out_path.is_dir():
+        raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     category, images, by_image = load_coco(ann_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": []}
     try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp_path, "w") as f:
             _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
                    progress, summary)
         os.replace(tmp_path, out_path)
+    except OSError as exc:           # the output side: folder not writable, disk full, ...
+        detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
+        reason = detail.group(1) if detail else exc.strerror or str(exc)
+        raise DataError(f"--out {out_path}: cannot write the file there ({reason})") from None
     finally:
         if tmp_path.exists():
             tmp_path.unlink()

@@ -178,6 +178,25 @@ def test_skip_bad_lists_skipped_images(coco_copy, tmp_path, capsys):
     assert KeypointH5(tmp_path / "o.h5").num_images == 3
 
 
+
+@pytest.mark.parametrize("mistake, expected", [
+    ("ann is a folder", "{images}: a folder; --ann takes the COCO JSON file"),
+    ("images is a file", "{ann}: not a folder; --images takes the folder of the images"),
+    ("out is a folder", "--out {tmp}: a folder; give the path of the HDF5 file to write"),
+    ("out below a file", "--out {ann}/o.h5: cannot write the file there"),
+])
+def test_path_mistakes_are_one_line_errors(coco_copy, tmp_path, capsys, mistake, expected):
+    ann, images, _ = coco_copy
+    args = {"--ann": str(ann), "--images": str(images), "--out": str(tmp_path / "o.h5")}
+    key, value = {"ann is a folder": ("--ann", images), "images is a file": ("--images", ann),
+                  "out is a folder": ("--out", tmp_path),
+                  "out below a file": ("--out", ann / "o.h5")}[mistake]
+    args[key] = str(value)
+    code, err = run_cli([a for pair in args.items() for a in pair] + ["--quiet"], capsys)
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert expected.format(images=images, ann=ann, tmp=tmp_path) in err
+    assert not list(tmp_path.glob(".*.tmp")) and not list(images.glob(".*.tmp"))
+
 def test_cli_error_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[")
