@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from config.errors import ConfigError, run_cli
+from config.errors import ConfigError, DataError, UserError, run_cli
 from inference.coco_eval import STAT_NAMES
 
 
@@ -35,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the mirror image (default: config)")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
-    p.add_argument("--out", help="results JSON (default: next to the weights, or ./oracle_*.json)")
+    p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
+                   "weights, or ./oracle_DATA_keypoints.json)")
     p.add_argument("--preset", help="config preset for a bare state dict or --oracle (default: "
-                   "the checkpoint's own config)")
+                   "imhn512); a checkpoint of this trainer carries its own config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. inference.peak_threshold=0.05")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -64,6 +66,37 @@ def _results_path(args, data_path: str) -> Path:
         return Path(f"oracle_{stem}_keypoints.json")
     weights = Path(args.weights)
     return weights.with_name(f"{weights.stem}_{stem}_keypoints.json")
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before the evaluation, not after it, when the results JSON cannot be written there."""
+    if path.is_dir():
+        raise DataError(f"--out {path}: a folder; give the path of the results JSON to write")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise DataError(f"--out {path}: cannot write the results there "
+                        f"({exc.strerror or exc})") from None
+    if not existed:
+        os.unlink(path)
+
+
+def _on_rank0(check, rank: int) -> None:
+    """Run `check()` on rank 0 only; a UserError it raises is raised on every rank."""
+    from engine.distributed import broadcast_object
+
+    problem = None
+    if rank == 0:
+        try:
+            check()
+        except UserError as exc:
+            problem = exc
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise problem
 
 
 def _converted_h5(args, rank: int) -> tuple[str, str | None]:
@@ -100,12 +133,13 @@ def run(args) -> dict:
     ctx = init_distributed(build_config(None).dist, args.device)
     temp_dir = None
     try:
+        out = _results_path(args, args.ann or args.h5)
+        _on_rank0(lambda: _check_writable(out), ctx.rank)
         h5_path, temp_dir = _converted_h5(args, ctx.rank)
         if args.weights:
             model, cfg = load_model(args.weights, args.preset, args.set, ctx.device, args.scales, args.flip)
         else:
             model, cfg = None, inference_config(None, args.preset or "", args.set, args.scales, args.flip)
-        out = _results_path(args, args.ann or h5_path)
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, cfg, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out)

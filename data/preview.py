@@ -14,10 +14,11 @@ import sys
 import cv2
 import numpy as np
 
-from config.errors import UserError, run_cli
+from config.errors import ConfigError, DataError, run_cli
 from config.loader import build_config
 from config.skeleton import KEYPOINT_MAX_CHANNEL, LIMBS, NUM_LIMBS, PERSON_MASK_CHANNEL
 from data.dataset import KeypointDataset
+from inference.draw import write_image
 
 SAMPLES_PER_ROW = 4
 
@@ -71,19 +72,21 @@ def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarra
 def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
     parser.add_argument("--h5", required=True, help="keypoint HDF5 file (data.make_hdf5)")
-    parser.add_argument("--out", required=True, help="PNG to write")
-    parser.add_argument("--n", type=int, default=8, help="number of samples")
-    parser.add_argument("--config", default="", help="preset name or YAML (default: schema defaults)")
+    parser.add_argument("--out", required=True, help="picture to write (.png or .jpg)")
+    parser.add_argument("--n", type=int, default=8, help="number of samples (default 8)")
+    parser.add_argument("--config", default="", help="preset name or YAML path, for the input size, "
+                        "augmentation and targets (default: the schema's defaults, 512 px as imhn512)")
     parser.add_argument("--val", action="store_true", help="no augmentation (validation mode)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="picks the samples (default 0)")
     args = parser.parse_args(argv)
+    if args.n < 1:
+        raise ConfigError(f"option --n: {args.n} must be at least 1")
     cfg = build_config(args.config or None)
     dataset = KeypointDataset(args.h5, cfg, train=not args.val)
     if len(dataset) == 0:
-        raise UserError(f"{args.h5}: holds no samples")
-    grid = render_preview(dataset, max(args.n, 1), args.seed)
-    if not cv2.imwrite(args.out, grid):
-        raise UserError(f"{args.out}: cannot write the image")
+        raise DataError(f"{args.h5}: holds no samples")
+    grid = render_preview(dataset, args.n, args.seed)
+    write_image(args.out, grid)
     print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
     return 0
 

@@ -1,11 +1,14 @@
-"""Pictures of the decoded people: skeletons in one colour per person, and a panel of the maps."""
+"""Pictures of the decoded people: skeletons in one colour per person, a panel of the maps, and
+writing a picture to a file (demo.py, data.preview)."""
 from __future__ import annotations
 
 import colorsys
+from pathlib import Path
 
 import cv2
 import numpy as np
 
+from config.errors import DataError
 from config.skeleton import KEYPOINT_CHANNELS, LIMB_CHANNELS, LIMBS
 
 SKELETON = LIMBS[:21]          # the method's tree; the 9 redundant links are not drawn
@@ -44,3 +47,22 @@ def maps_panel(image_bgr: np.ndarray, maps: np.ndarray) -> np.ndarray:
     heat = cv2.applyColorMap((total * 255).astype(np.uint8), cv2.COLORMAP_JET)
     grey = cv2.cvtColor(cv2.cvtColor(image_bgr, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
     return cv2.addWeighted(grey, 0.4, heat, 0.6, 0.0)
+
+
+def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
+    """Write a BGR picture to `path` (its folder made if needed); `DataError` naming `option` and the
+    path when the extension is not a picture format or the place is not writable."""
+    path = Path(path)
+    if not cv2.haveImageWriter(str(path)):
+        raise DataError(f"{option} {path}: {path.suffix or 'no extension'} is not a picture format "
+                        "OpenCV writes; end the name with .png or .jpg")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = cv2.imwrite(str(path), picture)
+    except (cv2.error, OSError) as exc:
+        written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"
+    else:
+        reason = "the folder is not writable?"
+    if not written:
+        raise DataError(f"{option} {path}: cannot write the picture there ({reason})")
+    return path

@@ -104,8 +104,12 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
         merged.update(part)
     results = [r for image_id in sorted(merged) for r in merged[image_id]]
     if results_path:
-        Path(results_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(results_path).write_text(json.dumps(results))
+        try:
+            Path(results_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(results_path).write_text(json.dumps(results))
+        except OSError as exc:
+            raise DataError(f"{results_path}: cannot write the results JSON there "
+                            f"({exc.strerror or exc})") from None
     stats = coco_keypoint_stats(h5.coco_ground_truth(), results, image_ids=list(merged))
     stats["num_images"] = len(merged)
     return stats

@@ -34,16 +34,18 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     from models import build_model
 
     try:
-        state = load_checkpoint(weights)
-    except CheckpointError:
-        state = None           # a bare state dict, or a bad file: load_weights says which
+        state, not_a_checkpoint = load_checkpoint(weights), None
+    except CheckpointError as exc:
+        state, not_a_checkpoint = None, exc   # a bare state dict, or a bad file: load_weights says which
     saved = state.get("config") if isinstance(state, dict) else None
     cfg = inference_config(saved if isinstance(saved, dict) else None, preset, sets, scales, flip)
     model = build_model(cfg.model)
     try:
         load_weights(model, state if state is not None else weights)
     except CheckpointError as exc:
-        if saved is not None:
+        # the same message twice: the file itself cannot be read (missing, corrupt, unsafe), and
+        # the preset has nothing to do with it
+        if saved is not None or str(exc) == str(not_a_checkpoint):
             raise
         raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "
                               f"{preset or DEFAULT_PRESET}; give the --preset of its run)") from None

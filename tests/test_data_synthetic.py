@@ -87,6 +87,19 @@ def test_preview_writes_a_grid(synthetic_h5, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+
+def test_preview_refuses_no_samples_and_a_non_picture_name(synthetic_h5, tmp_path, capsys):
+    h5 = str(synthetic_h5[0])
+    assert preview_main(["--h5", h5, "--out", str(tmp_path / "p.png"), "--n", "0"]) == 2
+    assert "option --n: 0 must be at least 1" in capsys.readouterr().err
+    assert preview_main(["--h5", h5, "--out", str(tmp_path / "p.txt"), "--n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out ") and ".txt is not a picture format" in err
+    assert err.count("\n") == 1
+    out = tmp_path / "new" / "folder" / "p.png"           # missing folders are made
+    assert preview_main(["--h5", h5, "--out", str(out), "--n", "1", "--config", "tiny"]) == 0
+    assert cv2.imread(str(out)).shape == (128, 2 * 128, 3)
+
 def test_benchmark_prints_table_and_json_last():
     proc = subprocess.run([sys.executable, "bench/data_pipeline.py", "--samples", "12",
                            "--input-size", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120)

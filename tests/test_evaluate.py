@@ -94,6 +94,26 @@ def test_user_errors_are_one_line_with_exit_code(argv, message, coco4_h5, tmp_pa
     code, stats, err = run_cli([a.format(**names) for a in argv], capsys)
     assert code == 2 and stats is None
     assert err.startswith("error: ") and err.count("\n") == 1 and message.format(**names) in err
+    assert "--preset" not in err       # a missing or unreadable file is not a question of preset
+
+
+@pytest.mark.parametrize("out, message", [
+    ("{tmp}", "--out {tmp}: a folder; give the path of the results JSON"),
+    ("{h5}/r.json", "--out {h5}/r.json: cannot write the results there"),
+])
+def test_unwritable_results_path_fails_before_evaluating(out, message, coco4_h5, tmp_path, capsys,
+                                                          monkeypatch):
+    import inference.evaluation
+
+    def never(*args, **kwargs):
+        raise AssertionError("evaluated although the results cannot be written")
+
+    monkeypatch.setattr(inference.evaluation, "evaluate_h5", never)
+    names = {"tmp": tmp_path, "h5": coco4_h5}
+    code, stats, err = run_cli(["--oracle", "--h5", coco4_h5, "--out", out.format(**names),
+                                "--no-progress"], capsys)
+    assert code == 2 and stats is None and err.count("\n") == 1
+    assert err.startswith("error: " + message.format(**names)), err
 
 
 def _distributed_worker(rank: int, port: int, argv: list[str], out_dir: str) -> None:
@@ -135,7 +155,33 @@ def test_demo_writes_the_picture_with_a_maps_panel(coco4_dir, tiny_checkpoint, t
     height, width = cv2.imread(str(image)).shape[:2]
     assert cv2.imread(str(out)).shape == (height, 2 * width, 3)
     code = demo.main(["--weights", str(tiny_checkpoint), "--image", str(tmp_path / "none.jpg")])
-    assert code == 2 and capsys.readouterr().err.startswith("error: ")
+    assert capsys.readouterr().err == f"error: --image {tmp_path / 'none.jpg'}: no such file or folder\n"
+    assert code == 2
+    code = demo.main(["--weights", str(tiny_checkpoint), "--image", str(image),
+                      "--out", str(tmp_path / "pose.txt")])
+    assert code == 2 and ".txt is not a picture format" in capsys.readouterr().err
+
+
+def test_demo_on_a_folder_draws_every_picture(coco4_dir, tiny_checkpoint, tmp_path, capsys):
+    import cv2
+
+    import demo
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name in ("000000000785.jpg", "000000040083.jpg", "NOTICE.md"):   # a note is not a picture
+        (folder / name).write_bytes((coco4_dir / name).read_bytes())
+    code = demo.main(["--weights", str(tiny_checkpoint), "--image", str(folder), "--device", "cpu",
+                      "--scales", "0.5"])
+    assert code == 0
+    written = sorted(p.name for p in (tmp_path / "photos_pose").iterdir())
+    assert written == ["000000000785_pose.png", "000000040083_pose.png"]
+    shape = cv2.imread(str(tmp_path / "photos_pose" / "000000040083_pose.png")).shape
+    assert shape == cv2.imread(str(folder / "000000040083.jpg")).shape
+    assert capsys.readouterr().out.count("people found in") == 2
+    (tmp_path / "empty").mkdir()
+    assert demo.main(["--weights", str(tiny_checkpoint), "--image", str(tmp_path / "empty")]) == 2
+    assert "a folder with no pictures" in capsys.readouterr().err
 
 
 def test_people_are_drawn_in_their_own_colours():
