@@ -96,9 +96,11 @@ def _main(argv: list[str] | None = None) -> int:
     from config.loader import build_config
     from models.imhn import build_model
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="imhn", help="config preset name or YAML path")
-    parser.add_argument("--input", type=int, default=0, help="input size (default: the preset's)")
+    parser = argparse.ArgumentParser(prog="python -m models.summary",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", "--config", default="imhn",
+                        help="config preset name or YAML path (default imhn, the paper's network)")
+    parser.add_argument("--input", type=int, default=0, help="input size in pixels (default: the preset's)")
     parser.add_argument("--depth", type=int, default=2,
                         help="breakdown by this many named levels (2: stacks.0.heads)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,3 +45,13 @@ def test_cli_ends_with_one_json_line(capsys):
 def test_cli_rejects_an_input_size_the_network_cannot_take(capsys):
     assert main(["--preset", "tiny", "--input", "100"]) == 2
     assert "--input 100" in capsys.readouterr().err
+
+
+def test_cli_takes_config_like_train_py_and_names_itself(capsys):
+    assert main(["--config", "tiny"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["input"] == 128
+    assert result["parameters"] == count_parameters(build_model(build_config("tiny").model))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m models.summary")
