@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.errors import run_cli
+import yaml
+
+from config.errors import ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
 
 DEFAULT_PRESET = "tiny"
@@ -114,6 +116,58 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> dic
     return load_checkpoint(path).get("config") if path and path.is_file() else None
 
 
+# what names one run, not how to train: never taken over from another run's saved config
+RUN_IDENTITY = {"resume": "", "weights": "", "overwrite": False}
+
+
+def _is_saved_run_config(config: str | None) -> bool:
+    """Whether --config is a run's own config.yaml (the trainer writes a top-level `preset` key,
+    which a preset file does not have)."""
+    if not config or not Path(config).is_file():
+        return False
+    try:
+        data = yaml.safe_load(Path(config).read_text())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return False                      # build_config reports it
+    return isinstance(data, dict) and "preset" in data
+
+
+def _check_weights_network(cfg) -> None:
+    """--weights from a checkpoint of another network: say which model settings differ and how
+    to build it, instead of a list of hundreds of mismatched tensors."""
+    from config.loader import to_dict
+    from engine.checkpoint import load_checkpoint
+    from config.errors import CheckpointError
+
+    if not cfg.train.weights or cfg.train.allow_partial or not Path(cfg.train.weights).is_file():
+        return
+    try:
+        saved = load_checkpoint(cfg.train.weights, mmap=True).get("config")
+    except CheckpointError:
+        return                            # a bare state dict, or a bad file: the trainer says which
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        return
+    here = to_dict(cfg)["model"]
+    differ = {k: v for k, v in saved["model"].items() if k in here and here[k] != v}
+    if not differ:
+        return
+    listed = "; ".join(f"model.{k} {v} there, {here[k]} here" for k, v in differ.items())
+    sets = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                    for k, v in differ.items())
+    preset = saved.get("preset")
+    fix = f"--config {preset}" if preset and _preset_model(preset) == saved["model"] else sets
+    raise ConfigError(f"--weights {cfg.train.weights} holds another network ({listed}): add {fix} "
+                      "to build it, or --allow-partial to load only the tensors that fit")
+
+
+def _preset_model(preset: str) -> dict | None:
+    from config.loader import to_dict
+    try:
+        return to_dict(build_config(preset))["model"]
+    except ConfigError:
+        return None
+
+
 def config_from_args(args: argparse.Namespace):
     overrides: dict = {}
     for dest, key in FLAG_KEYS.items():
@@ -125,10 +179,17 @@ def config_from_args(args: argparse.Namespace):
         saved = _saved_config(args.resume, args.run_name, args.out_dir)
     if saved:
         # the saved run's own resume / weights / overwrite settings do not carry over
-        saved["train"].update(resume="", weights="", overwrite=False)
+        saved["train"].update(RUN_IDENTITY)
         deep_update(saved, overrides)
         return build_config(None, saved, args.set)
-    return build_config(args.config or DEFAULT_PRESET, overrides, args.set)
+    if _is_saved_run_config(args.config):
+        # another run's config.yaml as --config: a new run with its settings, not that run itself
+        flags, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}
+        deep_update(overrides, flags)
+    cfg = build_config(args.config or DEFAULT_PRESET, overrides, args.set)
+    if not cfg.train.resume:
+        _check_weights_network(cfg)
+    return cfg
 
 
 def run_main(main, argv=None) -> None:

@@ -1,0 +1,49 @@
+"""engine/cli.py: flags -> Config, as a user meets it (another run's config.yaml, --weights of
+another network). Only the config is built: no training, so these take well under a second."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config.errors import ConfigError
+from config.loader import build_config, to_dict, to_yaml
+from engine.checkpoint import save_checkpoint
+from engine.cli import build_parser, config_from_args
+from models import build_model
+
+
+def config_of(*argv):
+    return config_from_args(build_parser("test").parse_args([str(a) for a in argv]))
+
+
+def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
+    saved = build_config("tiny", sets=["train.run_name=old", "train.resume=auto", "train.overwrite=true",
+                                       "train.weights=pre.pth", "optim.lr=0.0123", "train.epochs=7"])
+    (tmp_path / "config.yaml").write_text(to_yaml(saved))
+    cfg = config_of("--config", tmp_path / "config.yaml", "--epochs", 9)
+    assert (cfg.train.run_name, cfg.train.resume, cfg.train.weights, cfg.train.overwrite) == ("", "", "", False)
+    assert cfg.optim.lr == 0.0123 and cfg.train.epochs == 9     # its settings, then the flags
+    cfg = config_of("--config", tmp_path / "config.yaml", "--run-name", "new", "--resume", "auto")
+    assert (cfg.train.run_name, cfg.train.resume) == ("new", "auto")
+    # a preset-like YAML (no top-level preset key, as users write them) keeps what it says
+    (tmp_path / "mine.yaml").write_text("base: tiny\ntrain: {run_name: mine, weights: pre.pth}\n")
+    cfg = config_of("--config", tmp_path / "mine.yaml")
+    assert (cfg.train.run_name, cfg.train.weights) == ("mine", "pre.pth")
+
+
+def test_weights_of_another_network_say_which_settings_build_it(tmp_path):
+    other = build_config("tiny", sets=["model.channels=48"])
+    path = tmp_path / "other.pth"
+    save_checkpoint(path, {"model": build_model(other.model).state_dict(), "config": to_dict(other)})
+    with pytest.raises(ConfigError) as error:
+        config_of("--weights", path)
+    message = str(error.value)
+    assert message.startswith(f"--weights {path} holds another network (model.channels 48 there, 32 here)")
+    assert "add --set model.channels=48 to build it" in message and "\n" not in message
+    assert config_of("--weights", path, "--set", "model.channels=48").model.channels == 48
+    assert config_of("--weights", path, "--allow-partial").train.allow_partial is True
+    # a checkpoint of a preset's network names the preset
+    tiny = tmp_path / "tiny.pth"
+    torch.save({"format_version": 1, "config": to_dict(build_config("tiny"))}, tiny)
+    with pytest.raises(ConfigError, match=r"model.stacks 2 there, 4 here; .*add --config tiny to build it"):
+        config_of("--weights", tiny, "--config", "imhn")
