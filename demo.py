@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
                    "folder, the folder to write into (default: FOLDER_pose next to it)")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
-    p.add_argument("--scales", type=float, nargs="+", help="x input_size / image height (default: config)")
+    p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
+                   "input_size (1: input_size px; default: the config's)")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the mirror image (default: config)")
     p.add_argument("--preset", help="config preset for a bare state dict (default: imhn512); a "

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
     src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
     src.add_argument("--images", help="image folder of --ann")
-    p.add_argument("--scales", type=float, nargs="+", help="x input_size / image height (default: config)")
+    p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
+                   "input_size (1: input_size px; default: the config's)")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the mirror image (default: config)")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")

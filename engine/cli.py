@@ -61,7 +61,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, e.g. optim.milestones=[30,45]")
     g = p.add_argument_group("data")
     g.add_argument("--train-h5", help="training HDF5 (default: the project's synthetic dataset)")
-    g.add_argument("--val-h5", help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 and no --val-h5 there is no validation and no best.pth")
+    g.add_argument("--val-h5", help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 "
+                   "and no --val-h5 there is no validation and no best.pth")
     g.add_argument("--workers", type=int, help="DataLoader workers per process")
     g.add_argument("--input-size", type=int, help="network input in pixels, a multiple of 64")
     g = p.add_argument_group("run")

@@ -21,7 +21,8 @@ def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
                                        "train.weights=pre.pth", "optim.lr=0.0123", "train.epochs=7"])
     (tmp_path / "config.yaml").write_text(to_yaml(saved))
     cfg = config_of("--config", tmp_path / "config.yaml", "--epochs", 9)
-    assert (cfg.train.run_name, cfg.train.resume, cfg.train.weights, cfg.train.overwrite) == ("", "", "", False)
+    identity = (cfg.train.run_name, cfg.train.resume, cfg.train.weights, cfg.train.overwrite)
+    assert identity == ("", "", "", False)
     assert cfg.optim.lr == 0.0123 and cfg.train.epochs == 9     # its settings, then the flags
     cfg = config_of("--config", tmp_path / "config.yaml", "--run-name", "new", "--resume", "auto")
     assert (cfg.train.run_name, cfg.train.resume) == ("new", "auto")
