@@ -16,9 +16,9 @@ import numpy as np
 # Neighbour offsets (di, dj); the first four come before the centre in raster order.
 _EARLIER = ((-1, -1), (-1, 0), (-1, 1), (0, -1))
 _LATER = ((0, 1), (1, -1), (1, 0), (1, 1))
-DENSE_FRACTION = 1 / 16    # above-threshold share of the pixels from which the dilation is cheaper
+DENSE_FRACTION = 1 / 32    # above-threshold share of the pixels from which the dilation is cheaper
+_SAMPLE_ROWS = 64          # that share is estimated on every 64th row
 _SQUARE_3X3 = np.ones((3, 3), np.uint8)
-_SAMPLE_ROWS = 32
 
 
 def _neighbour(flat_index, i, j, di, dj, height, width):
@@ -34,12 +34,12 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
     cheaper one for these maps); both give the same indices.
     """
     flat = heatmaps.reshape(-1)
-    if dense is None:      # the share above the threshold, estimated from every 32nd row
+    if dense is None:
         sample = heatmaps[:, ::_SAMPLE_ROWS]
         dense = np.count_nonzero(sample > threshold) > DENSE_FRACTION * sample.size
     if dense:
         return _local_maxima_dense(heatmaps, threshold)
-    return _local_maxima_sparse(heatmaps, np.flatnonzero(flat > threshold))
+    return _local_maxima_sparse(heatmaps, threshold)
 
 
 def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
@@ -57,20 +57,21 @@ def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
     return np.concatenate(found)
 
 
-def _local_maxima_sparse(heatmaps, cand) -> np.ndarray:
-    """The maxima among the above-threshold pixels `cand`, comparing only those with neighbours."""
+def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
+    """Per map: pixels above threshold and >= their neighbours, comparing only those pixels."""
     _, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
+    cand = np.flatnonzero(flat > threshold)
     value = flat[cand]
     # Cheap horizontal test first (flat +-1, no bounds but the map's side columns): it keeps about
-    # one pixel per row of each blob, so the exact 8-neighbour test below sees few candidates.
+    # one pixel per row of each blob, so the exact test below sees few candidates.
     column = cand % width
     keep = (((value >= flat[cand - 1]) | (column == 0))
             & ((value >= flat[np.minimum(cand + 1, flat.size - 1)]) | (column == width - 1)))
     cand, value = cand[keep], value[keep]
     plane = cand % (height * width)
     i, j = plane // width, plane % width
-    for di, dj in ((-1, 0), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1), (0, -1), (0, 1)):
+    for di, dj in ((-1, 0), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)):   # left, right: done above
         nb, _ = _neighbour(cand, i, j, di, dj, height, width)
         keep = value >= flat[nb]
         cand, value, i, j = cand[keep], value[keep], i[keep], j[keep]
@@ -121,13 +122,15 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
     channels, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
     maxima = local_maxima(heatmaps, threshold)
-    floor = np.full(channels, -np.inf, np.float32)      # per map: weaker maxima cannot be kept
-    if max_per_map > 0:
+    floor = None                    # per map: a weaker maximum cannot be among the strongest
+    if 0 < max_per_map < len(maxima):
         floor = _strongest_floor(flat[maxima], maxima // (height * width), channels, max_per_map)
     while True:
-        cand = maxima[flat[maxima] >= floor[maxima // (height * width)]]
+        cand = maxima if floor is None else maxima[flat[maxima] >= floor[maxima // (height * width)]]
         first, half_step = _plateau_firsts(flat, cand, height, width)
         cand = cand[first]
+        if floor is None:
+            break
         found = np.bincount(cand // (height * width), minlength=channels)
         short = (found < max_per_map) & (floor > -np.inf)
         if not short.any():
