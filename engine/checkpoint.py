@@ -74,6 +74,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask_file_mode() -> int:
+    """The mode a plain open() would give a new file: 0666 less this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_DEFAULT_FILE_MODE = _umask_file_mode()
+
+
 def save_checkpoint(path, state: dict) -> None:
     """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be written.
 
@@ -87,6 +97,7 @@ def save_checkpoint(path, state: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+        os.fchmod(fd, _DEFAULT_FILE_MODE)     # mkstemp's 0600 would hide checkpoints from the group
         with os.fdopen(fd, "wb") as file:
             torch.save(state, file)
             file.flush()

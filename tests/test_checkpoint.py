@@ -43,6 +43,14 @@ def test_round_trip_keeps_values_and_adds_format_version(tmp_path):
     assert temp_files(tmp_path) == []
 
 
+def test_checkpoint_gets_the_permissions_of_any_new_file(tmp_path):
+    """Readable by whoever may read the user's other files (umask), not private like a temp file."""
+    save_checkpoint(tmp_path / "best.pth", {"epoch": 1})
+    (tmp_path / "plain.txt").write_text("")
+    mode = (tmp_path / "best.pth").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.txt").stat().st_mode & 0o777 and mode & 0o044
+
+
 def test_non_plain_value_is_refused_before_writing(tmp_path):
     with pytest.raises(TypeError, match=r"state\['config'\]\['path'\]"):
         save_checkpoint(tmp_path / "last.pth", {"config": {"path": tmp_path}})
