@@ -111,7 +111,8 @@ class Trainer:
                  f"batch {cfg.train.batch_size // ctx.world_size} per process, "
                  f"{cfg.train.batch_size} in total; {self.precision.describe()}")
         self.say(f"data: {len(self.train_set)} training samples from {self.train_h5}"
-                 + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set else ""))
+                 + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set
+                    else "; no --val-h5, so no validation loss, no AP and no best.pth"))
         self.say(f"parameters: {n_train:,} trainable of {n_all:,}"
                  + (f" ({counts['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if counts else ""))
 
