@@ -2,8 +2,9 @@
 
 Steps (../shared/SPEC.md, "Inference and grouping"): peaks by 3x3 NMS with centroid refinement
 (`inference.peaks`); for each limb, every candidate pair is scored along its segment at once
-(numpy), pairs are matched greedily; people are assembled greedily over the 30 limbs, merging two
-partial people when the joining limb is strong enough; weak or tiny people are dropped.
+(numpy, in cache-sized chunks), pairs are matched greedily (in vectorised rounds, see
+`greedy_matching`); people are assembled greedily over the 30 limbs, merging two partial people
+when the joining limb is strong enough; weak or tiny people are dropped.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from config.skeleton import COCO_TO_OURS, KEYPOINT_CHANNELS, LIMB_CHANNELS, LIMB
 from inference.peaks import find_peaks
 
 
-PAIR_CHUNK = 20000   # candidate pairs sampled at once
+PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
+ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
+_LIMB_ENDS = np.asarray(LIMBS)
 
 
 def _score_pairs(limb_maps: np.ndarray, limb, xy_a, xy_b, cfg: InferenceConfig):
@@ -23,13 +26,63 @@ def _score_pairs(limb_maps: np.ndarray, limb, xy_a, xy_b, cfg: InferenceConfig):
     delta = xy_b - xy_a                                                   # [N, 2]
     length = np.sqrt((delta ** 2).sum(-1))
     t = np.linspace(0.0, 1.0, cfg.limb_samples, dtype=np.float32)
-    points = xy_a[:, None, :] + t[None, :, None] * delta[:, None, :]      # [N, S, 2]
-    cols = np.clip(np.rint(points[..., 0]).astype(np.int64), 0, width - 1)
-    rows = np.clip(np.rint(points[..., 1]).astype(np.int64), 0, height - 1)
-    samples = limb_maps.reshape(-1)[(limb[:, None] * height + rows) * width + cols]
+    columns, rows = t * delta[:, :1], t * delta[:, 1:]                    # [N, S] sample points
+    columns += xy_a[:, :1]
+    rows += xy_a[:, 1:]
+    for values, size in ((columns, width), (rows, height)):
+        np.rint(values, out=values)
+        np.clip(values, 0, size - 1, out=values)
+    # Whole numbers below 2 ** 24 add up exactly in float32.
+    pixel = rows if height * width <= 2 ** 24 else rows.astype(np.float64)
+    pixel *= width
+    pixel += columns
+    index = pixel.astype(np.intp)
+    index += (limb * (height * width))[:, None]
+    samples = limb_maps.reshape(-1)[index]
     score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1e-6) - 1.0, 0.0)
-    support = (samples > cfg.limb_threshold).sum(-1) >= cfg.limb_min_ratio * cfg.limb_samples
+    support = np.count_nonzero(samples > cfg.limb_threshold, axis=-1) >= cfg.limb_min_ratio * cfg.limb_samples
     return score, length, support & (score > 0) & (length >= 1e-6)
+
+
+def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
+    """Which candidates a greedy matcher takes, per limb: positions into the candidate arrays.
+
+    Candidate k is cell (limb[k], row[k], column[k]) of a [limbs, rows, columns] `shape`, listed
+    by limb then row-major. Per limb, the greedy matcher walks its candidates by decreasing `rank`
+    (ties: the earlier candidate first) and takes one whose row and column are both still free.
+    With many candidates it runs in rounds instead: every candidate that comes first in both its
+    row and its column among those still free is taken at once (the greedy matcher takes it too:
+    nothing before it can block it), then its row and column are closed. Returns the positions by
+    limb, each limb's in the order the greedy matcher takes them.
+    """
+    if len(rank) < ROUNDS_FROM:
+        order = np.lexsort((-rank, limb))
+        span = shape[1] + shape[2]               # keys: rows, then columns, of each limb
+        taken, used = [], set()
+        for index, row_key, column_key in zip(order.tolist(), (limb * span + row)[order].tolist(),
+                                              (limb * span + shape[1] + column)[order].tolist()):
+            if row_key not in used and column_key not in used:
+                used.add(row_key)
+                used.add(column_key)
+                taken.append(index)
+        return np.array(taken, np.intp)
+    free = np.full(shape, -np.inf, np.float32)          # rank of the cells still free
+    free[limb, row, column] = rank
+    position = np.zeros(shape, np.intp)
+    position[limb, row, column] = np.arange(len(rank))
+    taken = []
+    limbs, rows = np.arange(shape[0])[:, None], np.arange(shape[1])
+    while free.max() > -np.inf:
+        best_column = free.argmax(axis=2)                   # [limbs, rows]: first best per row
+        best_row = free.argmax(axis=1)                      # [limbs, columns]: first best per column
+        best = free[limbs, rows, best_column]
+        l, r = np.nonzero((best > -np.inf) & (best_row[limbs, best_column] == rows))
+        c = best_column[l, r]
+        taken.append(position[l, r, c])
+        free[l, r, :] = -np.inf
+        free[l[:, None], rows[None, :], c[:, None]] = -np.inf
+    taken = np.concatenate(taken)
+    return taken[np.lexsort((taken, -rank[taken], limb[taken]))]
 
 
 def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
@@ -37,39 +90,33 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     """Per limb, its connections matched greedily: [(peak_a, peak_b, score, length), ...].
 
     `bounds[k]:bounds[k + 1]` are the peaks of keypoint k in `xy` / `peak_score`. Every candidate
-    pair of every limb is sampled at `cfg.limb_samples` points on its segment in one batch; a pair
-    is kept when at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score,
-    the mean sample plus min(0.5 * image_height / length - 1, 0), is positive. Per limb, pairs are
-    taken in decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
+    pair of every limb is sampled at `cfg.limb_samples` points on its segment; a pair is kept when
+    at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score, the mean
+    sample plus min(0.5 * image_height / length - 1, 0), is positive. Per limb, pairs are taken in
+    decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
     """
-    ends = np.asarray(LIMBS)
-    start_a, start_b = bounds[ends[:, 0]], bounds[ends[:, 1]]
-    count_a, count_b = bounds[ends[:, 0] + 1] - start_a, bounds[ends[:, 1] + 1] - start_b
-    pairs = count_a * count_b
+    start_a, start_b = bounds[_LIMB_ENDS[:, 0]], bounds[_LIMB_ENDS[:, 1]]
+    count_a, count_b = bounds[_LIMB_ENDS[:, 0] + 1] - start_a, bounds[_LIMB_ENDS[:, 1] + 1] - start_b
     connections: list[list[tuple]] = [[] for _ in LIMBS]
-    if pairs.sum() == 0:
+    if (count_a * count_b).sum() == 0:
         return connections
-    limb = np.repeat(np.arange(len(LIMBS)), pairs)
-    local = np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs)
-    peak_a = start_a[limb] + local // count_b[limb]
-    peak_b = start_b[limb] + local % count_b[limb]
+    # Candidate pairs as cells (limb, a, b) of a [limbs, most a, most b] block, row-major.
+    shape = (len(LIMBS), count_a.max(), count_b.max())
+    limb, local_a, local_b = np.nonzero((np.arange(shape[1])[None, :, None] < count_a[:, None, None])
+                                        & (np.arange(shape[2])[None, None, :] < count_b[:, None, None]))
+    peak_a, peak_b = start_a[limb] + local_a, start_b[limb] + local_b
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
     accepted = np.empty(len(limb), bool)
-    for lo in range(0, len(limb), PAIR_CHUNK):            # bounded memory on noisy maps
+    for lo in range(0, len(limb), PAIR_CHUNK):
         part = slice(lo, lo + PAIR_CHUNK)
         score[part], length[part], accepted[part] = _score_pairs(
             limb_maps, limb[part], xy[peak_a[part]], xy[peak_b[part]], cfg)
     keep = np.flatnonzero(accepted)
     rank = 0.5 * score[keep] + 0.25 * (peak_score[peak_a[keep]] + peak_score[peak_b[keep]])
-    keep = keep[np.lexsort((-rank, limb[keep]))]                      # by limb, best first
-    used = set()
-    for l, a, b, s, n in zip(limb[keep].tolist(), peak_a[keep].tolist(), peak_b[keep].tolist(),
-                             score[keep].tolist(), length[keep].tolist()):
-        if (l, a) in used or (l, b) in used:
-            continue
-        used.add((l, a))
-        used.add((l, b))
+    chosen = keep[greedy_matching(limb[keep], local_a[keep], local_b[keep], rank, shape)]
+    for l, a, b, s, n in zip(limb[chosen].tolist(), peak_a[chosen].tolist(), peak_b[chosen].tolist(),
+                             score[chosen].tolist(), length[chosen].tolist()):
         connections[l].append((a, b, s, n))
     return connections
 

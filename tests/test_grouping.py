@@ -9,10 +9,12 @@ import torch
 
 from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_FLIP, NECK, NUM_CHANNELS
+from config.skeleton import (CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_FLIP, LIMBS, NECK, NUM_CHANNELS,
+                             NUM_KEYPOINTS)
 from data.make_hdf5 import to_skeleton
 from data.targets import render_targets
-from inference.grouping import group_people, to_coco_results
+from inference import grouping
+from inference.grouping import group_people, limb_connections, to_coco_results
 from inference.peaks import find_peaks, local_maxima
 from inference.predict import predict_maps, resample_to_image
 
@@ -107,6 +109,58 @@ def test_peaks_on_the_map_sides_are_found():
     channel, xy, score = find_peaks(maps, threshold=0.1, refine_radius=0)
     assert channel.tolist() == [0, 0, 0, 1]
     np.testing.assert_allclose(xy, [[11, 7], [0, 8], [11, 9], [0, 0]])
+
+
+def slow_limb_connections(limb_maps, bounds, xy, peak_score, cfg):
+    """Reference: each pair of each limb sampled point by point, then a greedy walk by rank."""
+    _, height, width = limb_maps.shape
+    connections = []
+    for limb, (keypoint_a, keypoint_b) in enumerate(LIMBS):
+        candidates = []
+        for a in range(bounds[keypoint_a], bounds[keypoint_a + 1]):
+            for b in range(bounds[keypoint_b], bounds[keypoint_b + 1]):
+                delta = xy[b] - xy[a]
+                length = float(np.sqrt((delta ** 2).sum()))
+                samples = []
+                for t in np.linspace(0, 1, cfg.limb_samples, dtype=np.float32):
+                    x, y = xy[a] + t * delta
+                    row, column = min(max(round(y), 0), height - 1), min(max(round(x), 0), width - 1)
+                    samples.append(limb_maps[limb, row, column])
+                score = np.mean(samples) + min(0.5 * height / max(length, 1e-6) - 1, 0)
+                support = sum(s > cfg.limb_threshold for s in samples)
+                if support >= cfg.limb_min_ratio * cfg.limb_samples and score > 0 and length >= 1e-6:
+                    rank = 0.5 * score + 0.25 * (peak_score[a] + peak_score[b])
+                    candidates.append((rank, a, b, score, length))
+        candidates.sort(key=lambda c: -c[0])                 # stable: ties in row-major order
+        used, chosen = set(), []
+        for _, a, b, score, length in candidates:
+            if a not in used and b not in used:
+                used.update((a, b))
+                chosen.append((a, b, score, length))
+        connections.append(chosen)
+    return connections
+
+
+@pytest.mark.parametrize("rounds_from", [0, 10 ** 9])     # matching in rounds / walking pairs
+@pytest.mark.parametrize("ties", [False, True])
+def test_limb_connections_equal_a_pair_by_pair_reference(monkeypatch, rounds_from, ties):
+    rng = np.random.default_rng(5)
+    height, width, per_keypoint = 200, 40, 6           # segments short: no length penalty
+    limb_maps = rng.random((len(LIMBS), height, width), dtype=np.float32)
+    xy = (rng.random((NUM_KEYPOINTS * per_keypoint, 2)) * [width - 1, 39]).astype(np.float32)
+    peak_score = rng.random(len(xy), dtype=np.float32)
+    if ties:       # halves: many pairs score and rank alike, so the order among equals matters
+        limb_maps, peak_score = np.round(limb_maps * 2) / 2, np.round(peak_score * 2) / 2
+        xy = np.round(xy)
+    bounds = np.arange(NUM_KEYPOINTS + 1) * per_keypoint
+    cfg = InferenceConfig(limb_min_ratio=0.4)
+    monkeypatch.setattr(grouping, "ROUNDS_FROM", rounds_from)
+    found = limb_connections(limb_maps, bounds, xy, peak_score, cfg)
+    expected = slow_limb_connections(limb_maps, bounds, xy, peak_score, cfg)
+    assert sum(map(len, expected)) > 3 * len(LIMBS)
+    for mine, theirs in zip(found, expected):
+        assert [(a, b) for a, b, _, _ in mine] == [(a, b) for a, b, _, _ in theirs]
+        np.testing.assert_allclose([c[2:] for c in mine], [c[2:] for c in theirs], rtol=1e-6)
 
 
 def test_neck_at_half_pixel_gives_one_person(coco4_dir):
