@@ -1,11 +1,16 @@
 """Grouping time per image (from ready maps, one CPU thread) against the number of people.
 
-    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640]
+    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise]
 
 Each image is a random composition of real COCO poses (../shared/data/coco4) scaled to 80-300 px
 tall on a COCO-sized canvas; its ground-truth maps (data.targets, stride 1) are rendered untimed,
 then `group_people` is timed. Prints median and p90 ms and the people found, then one JSON line.
 The target of the project: under 20 ms for 5 people (the reference: 5.2 images/s, ~190 ms).
+
+`--noise` adds the maps of a network early in training, as validation AP sees them: "blurred"
+(uniform noise in [0, 0.3], Gaussian blur sigma 2, times 3: smooth, ~0.45 everywhere) and "pure"
+(uniform noise in [0, 1]); both give the decoder its most peaks (`max_peaks` per keypoint type).
+Targets: under 150 ms and 400 ms.
 """
 from __future__ import annotations
 
@@ -19,16 +24,19 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from config.schema import InferenceConfig, TargetConfig  # noqa: E402
+from config.skeleton import NUM_CHANNELS  # noqa: E402
 from data.make_hdf5 import to_skeleton  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 
 COCO4 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4" / "test_coco.json"
 TARGET_MS_5_PEOPLE = 20.0
+TARGET_MS_NOISE = {"blurred": 150.0, "pure": 400.0}
 
 
 def load_poses(path: Path) -> list[np.ndarray]:
@@ -58,38 +66,59 @@ def compose(poses, count: int, height: int, width: int, rng) -> np.ndarray:
     return np.stack(people)
 
 
+def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
+    """[50, H, W] maps of an untrained network: "blurred" or "pure" noise (see the module doc)."""
+    if kind == "pure":
+        return rng.random((NUM_CHANNELS, height, width), dtype=np.float32)
+    maps = (rng.random((NUM_CHANNELS, height, width)) * 0.3).astype(np.float32)
+    return np.stack([cv2.GaussianBlur(m, (0, 0), 2) for m in maps]) * 3
+
+
+def time_grouping(make_maps, reps: int, cfg: InferenceConfig) -> dict:
+    """{median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`."""
+    times, found = [], []
+    for _ in range(reps):
+        maps = make_maps()
+        group_people(maps, cfg)                         # warm caches
+        start = time.perf_counter()
+        keypoints, _ = group_people(maps, cfg)
+        times.append((time.perf_counter() - start) * 1e3)
+        found.append(len(keypoints))
+    return {"median_ms": round(float(np.median(times)), 2), "p90_ms": round(float(np.percentile(times, 90)), 2),
+            "mean_found": round(float(np.mean(found)), 2)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--people", type=int, nargs="+", default=[1, 2, 5, 10, 20])
-    p.add_argument("--reps", type=int, default=15, help="images per people count")
+    p.add_argument("--reps", type=int, default=15, help="images per row")
     p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", action="store_true", help="add the rows of blurred and pure noise maps")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    cv2.setNumThreads(1)
     rng = np.random.default_rng(args.seed)
     poses = load_poses(COCO4)
     height, width = args.size
     cfg, targets = InferenceConfig(), TargetConfig()
-    report = {}
-    print(f"grouping on {height}x{width} ground-truth maps, one thread, {args.reps} images each")
-    print(f"{'people':>6} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
+    report, noise = {}, {}
+    print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
+    print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
     for count in args.people:
-        times, found = [], []
-        for _ in range(args.reps):
-            maps = render_targets(compose(poses, count, height, width, rng), height, width, 1, targets)
-            group_people(maps, cfg)                         # warm caches
-            start = time.perf_counter()
-            keypoints, _ = group_people(maps, cfg)
-            times.append((time.perf_counter() - start) * 1e3)
-            found.append(len(keypoints))
-        median, p90 = float(np.median(times)), float(np.percentile(times, 90))
-        report[str(count)] = {"median_ms": round(median, 2), "p90_ms": round(p90, 2),
-                              "mean_found": round(float(np.mean(found)), 2)}
-        print(f"{count:>6} {median:>10.2f} {p90:>8.2f} {np.mean(found):>7.2f}")
+        row = time_grouping(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
+                                                   1, targets), args.reps, cfg)
+        report[str(count)] = row
+        print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
+    for kind in ("blurred", "pure") if args.noise else ():
+        row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg)
+        noise[kind] = dict(row, target_ms=TARGET_MS_NOISE[kind], meets_target=row["median_ms"] < TARGET_MS_NOISE[kind])
+        print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     five = report.get("5", {}).get("median_ms")
     print(json.dumps({"bench": "grouping", "image_hw": [height, width], "threads": 1,
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
-                      "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE}))
+                      "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
+                      **({"noise": noise} if noise else {})}))
     return 0
 
 
