@@ -38,9 +38,10 @@ def _score_pairs(limb_maps: np.ndarray, limb, xy_a, xy_b, cfg: InferenceConfig):
     pixel += columns
     index = pixel.astype(np.intp)
     index += (limb * (height * width))[:, None]
-    samples = limb_maps.reshape(-1)[index]
+    samples = limb_maps.reshape(-1).take(index, mode="clip")           # (indices all inside)
     score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1e-6) - 1.0, 0.0)
-    support = np.count_nonzero(samples > cfg.limb_threshold, axis=-1) >= cfg.limb_min_ratio * cfg.limb_samples
+    above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
+    support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
     return score, length, support & (score > 0) & (length >= 1e-6)
 
 
