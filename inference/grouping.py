@@ -20,15 +20,15 @@ ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats 
 _LIMB_ENDS = np.asarray(LIMBS)
 
 
-def _score_pairs(limb_maps: np.ndarray, limb, xy_a, xy_b, cfg: InferenceConfig):
-    """(score, length, accepted) of candidate segments xy_a -> xy_b on their limbs' maps."""
+def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig):
+    """(score, length, accepted) of candidate segments (x_a, y_a) -> (x_b, y_b) on their limbs' maps."""
     _, height, width = limb_maps.shape
-    delta = xy_b - xy_a                                                   # [N, 2]
-    length = np.sqrt((delta ** 2).sum(-1))
+    dx, dy = x_b - x_a, y_b - y_a
+    length = np.sqrt(dx * dx + dy * dy)
     t = np.linspace(0.0, 1.0, cfg.limb_samples, dtype=np.float32)
-    columns, rows = t * delta[:, :1], t * delta[:, 1:]                    # [N, S] sample points
-    columns += xy_a[:, :1]
-    rows += xy_a[:, 1:]
+    columns, rows = t * dx[:, None], t * dy[:, None]                      # [N, S] sample points
+    columns += x_a[:, None]
+    rows += y_a[:, None]
     for values, size in ((columns, width), (rows, height)):
         np.rint(values, out=values)
         np.clip(values, 0, size - 1, out=values)
@@ -81,7 +81,7 @@ def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
         c = best_column[l, r]
         taken.append(position[l, r, c])
         free[l, r, :] = -np.inf
-        free[l[:, None], rows[None, :], c[:, None]] = -np.inf
+        free.transpose(0, 2, 1)[l, c, :] = -np.inf
     taken = np.concatenate(taken)
     return taken[np.lexsort((taken, -rank[taken], limb[taken]))]
 
@@ -109,10 +109,11 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
     accepted = np.empty(len(limb), bool)
+    x, y = np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1])
     for lo in range(0, len(limb), PAIR_CHUNK):
         part = slice(lo, lo + PAIR_CHUNK)
-        score[part], length[part], accepted[part] = _score_pairs(
-            limb_maps, limb[part], xy[peak_a[part]], xy[peak_b[part]], cfg)
+        a, b = peak_a[part], peak_b[part]
+        score[part], length[part], accepted[part] = _score_pairs(limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
     keep = np.flatnonzero(accepted)
     rank = 0.5 * score[keep] + 0.25 * (peak_score[peak_a[keep]] + peak_score[peak_b[keep]])
     chosen = keep[greedy_matching(limb[keep], local_a[keep], local_b[keep], rank, shape)]
