@@ -17,6 +17,7 @@ from inference.peaks import find_peaks
 
 PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
 ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
+BLOCK_SLACK = 1 << 16  # cells allowed beyond 4 per candidate in one matching block of all limbs
 _LIMB_ENDS = np.asarray(LIMBS)
 
 
@@ -67,11 +68,16 @@ def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
                 used.add(column_key)
                 taken.append(index)
         return np.array(taken, np.intp)
+    if shape[0] > 1 and np.prod(shape) > 4 * len(rank) + BLOCK_SLACK:    # unequal limbs: a block each
+        starts = np.searchsorted(limb, np.arange(shape[0] + 1))
+        return np.concatenate([lo + greedy_matching(limb[lo:hi] - l, row[lo:hi], column[lo:hi], rank[lo:hi],
+                                                    (1, row[lo:hi].max() + 1, column[lo:hi].max() + 1))
+                               for l, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])) if hi > lo])
     free = np.full(shape, -np.inf, np.float32)          # rank of the cells still free
     free[limb, row, column] = rank
     position = np.zeros(shape, np.intp)
     position[limb, row, column] = np.arange(len(rank))
-    taken = []
+    taken = [np.zeros(0, np.intp)]
     limbs, rows = np.arange(shape[0])[:, None], np.arange(shape[1])
     while free.max() > -np.inf:
         best_column = free.argmax(axis=2)                   # [limbs, rows]: first best per row
@@ -102,9 +108,11 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     if (count_a * count_b).sum() == 0:
         return connections
     # Candidate pairs as cells (limb, a, b) of a [limbs, most a, most b] block, row-major.
+    pairs = count_a * count_b
+    limb = np.repeat(np.arange(len(LIMBS)), pairs)
+    local_a, local_b = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
+                                 count_b[limb])
     shape = (len(LIMBS), count_a.max(), count_b.max())
-    limb, local_a, local_b = np.nonzero((np.arange(shape[1])[None, :, None] < count_a[:, None, None])
-                                        & (np.arange(shape[2])[None, None, :] < count_b[:, None, None]))
     peak_a, peak_b = start_a[limb] + local_a, start_b[limb] + local_b
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
