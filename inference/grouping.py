@@ -121,7 +121,8 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     for lo in range(0, len(limb), PAIR_CHUNK):
         part = slice(lo, lo + PAIR_CHUNK)
         a, b = peak_a[part], peak_b[part]
-        score[part], length[part], accepted[part] = _score_pairs(limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
+        score[part], length[part], accepted[part] = _score_pairs(
+            limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
     keep = np.flatnonzero(accepted)
     rank = 0.5 * score[keep] + 0.25 * (peak_score[peak_a[keep]] + peak_score[peak_b[keep]])
     chosen = keep[greedy_matching(limb[keep], local_a[keep], local_b[keep], rank, shape)]
