@@ -282,8 +282,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
 args = parser.parse_args()
 ctx = D.init_distributed(DistConfig(), device="cpu", local_rank_arg=args.local_rank)
-print("RESULT " + json.dumps(dict(rank=ctx.rank, local_rank=ctx.local_rank, arg=args.local_rank,
-      launcher=ctx.launcher, world=ctx.world_size, any=D.any_rank(ctx.rank == 1))), flush=True)
+line = "RESULT " + json.dumps(dict(rank=ctx.rank, local_rank=ctx.local_rank, arg=args.local_rank,
+      launcher=ctx.launcher, world=ctx.world_size, any=D.any_rank(ctx.rank == 1))) + "\\n"
+# one write per line: both ranks share this stdout, and print() under PYTHONUNBUFFERED writes the
+# text and its newline separately, so the two ranks' lines could interleave
+sys.stdout.write(line)
+sys.stdout.flush()
 D.cleanup()
 """
 
