@@ -9,6 +9,7 @@ its store on that port and the workers join it, so a bind test there would alway
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import os
@@ -111,6 +112,7 @@ def cleanup() -> None:
     """Leave the process group (if any); safe to call twice."""
     global _CONTEXT
     if dist.is_available() and dist.is_initialized():
+        gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first
         dist.destroy_process_group()
     _CONTEXT = None
 

@@ -146,15 +146,18 @@ class Trainer:
         self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}, step {self.step}"
                  f" (saved by a {state.get('mode', '?')} run of {state.get('world_size', '?')} process(es))")
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM / SIGUSR1 ask for a stop after the step; returns the handlers they replaced."""
         def request_stop(signum, frame):
             self.stop_signal = signum
+        previous = {}
         for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
             if sig is not None:
                 try:
-                    signal.signal(sig, request_stop)
+                    previous[sig] = signal.signal(sig, request_stop)
                 except ValueError:     # not the main thread (e.g. under a test runner thread)
                     pass
+        return previous
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, batch, epoch: int, iteration: int) -> dict:
@@ -287,7 +290,14 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        self._install_signal_handlers()
+        previous_handlers = self._install_signal_handlers()
+        try:
+            return self._fit()
+        finally:   # the handlers hold this trainer (model, process group): let both go after the run
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+
+    def _fit(self) -> dict:
         cfg = self.cfg.train
         results: dict = {}
         for epoch in range(self.epoch, cfg.epochs):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -106,3 +107,16 @@ def test_existing_run_directory_is_never_overwritten(tmp_path, synthetic_h5):
     with pytest.raises(ConfigError, match="already holds a run"):
         run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "keep")
     assert (tmp_path / "keep/last.pth").read_bytes() == before
+
+
+def test_a_finished_run_gives_back_the_signal_handlers_it_installed(tmp_path, synthetic_h5):
+    """train.main inside a user's process (a sweep, a notebook) leaves SIGTERM/SIGUSR1 as it found them."""
+    def mine(signum, frame):
+        pass
+    before = signal.signal(signal.SIGUSR1, mine)
+    try:
+        run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "handlers", "--val-every", "0")
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, before)
