@@ -73,18 +73,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = init_distributed(DistConfig(), device="cpu")
-    try:
-        shard = slice(rank * TOTAL_BATCH // WORLD, (rank + 1) * TOTAL_BATCH // WORLD)
-        net = convert_sync_bn(small_net(), ctx)
-        kinds = sorted({type(m).__name__ for m in net.modules()})
-        record = run_steps(net, shard)
-        record["grads_summed"] = [[all_reduce_sum(g) for g in step] for step in record["grads"]]
-        ddp_net = wrap_ddp(convert_sync_bn(small_net(), ctx), ctx, DistConfig())
-        record["after_step"] = ddp_step(ddp_net, shard, mean_over=TOTAL_BATCH // WORLD)
-        record["kinds"] = kinds
-        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+    try:   # the networks live in _record's frame: gone before the process group is destroyed
+        torch.save(_record(rank, ctx), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         cleanup()
+
+
+def _record(rank: int, ctx) -> dict:
+    shard = slice(rank * TOTAL_BATCH // WORLD, (rank + 1) * TOTAL_BATCH // WORLD)
+    net = convert_sync_bn(small_net(), ctx)
+    kinds = sorted({type(m).__name__ for m in net.modules()})
+    record = run_steps(net, shard)
+    record["grads_summed"] = [[all_reduce_sum(g) for g in step] for step in record["grads"]]
+    ddp_net = wrap_ddp(convert_sync_bn(small_net(), ctx), ctx, DistConfig())
+    record["after_step"] = ddp_step(ddp_net, shard, mean_over=TOTAL_BATCH // WORLD)
+    record["kinds"] = kinds
+    return record
 
 
 @pytest.fixture(scope="module")
