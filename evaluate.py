@@ -113,7 +113,7 @@ def _converted_h5(args, rank: int) -> tuple[str, str | None]:
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
             convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, max_images=args.max_images)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp = exc

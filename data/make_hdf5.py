@@ -199,8 +199,9 @@ def image_record(anns: list[dict], height: int, width: int) -> dict:
 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
-            progress: bool = True) -> dict:
-    """Convert one COCO split to HDF5 at `out_path`; returns the summary (counts, skipped images)."""
+            progress: bool = True, max_images: int = 0) -> dict:
+    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
+    returns the summary (counts, skipped images)."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
@@ -210,6 +211,8 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     category, images, by_image = load_coco(ann_path)
+    if max_images > 0:
+        images = images[:max_images]
     tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": []}
@@ -305,10 +308,14 @@ def _main(argv=None) -> int:
                         help="train keeps images with a main person; val keeps every image")
     parser.add_argument("--skip-bad", action="store_true",
                         help="skip missing, unreadable or mis-sized images and list them")
+    parser.add_argument("--max-images", type=int, default=0, metavar="N",
+                        help="only the JSON's first N images (0: all), e.g. for a quick trial")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.max_images < 0:
+        raise DataError(f"option --max-images: {args.max_images} must be >= 0")
     summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                      progress=not args.quiet)
+                      progress=not args.quiet, max_images=args.max_images)
     print(format_summary(summary))
     return 0
 

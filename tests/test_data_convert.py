@@ -125,6 +125,19 @@ def test_train_split_keeps_only_images_with_a_main_person(coco4_dir, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_max_images_converts_the_first_images_of_the_json(coco4_dir, tmp_path, capsys):
+    coco = json.loads((coco4_dir / "test_coco.json").read_text())
+    out = tmp_path / "two.h5"
+    assert main(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                 "--out", str(out), "--split", "val", "--max-images", "2", "--quiet"]) == 0
+    h5 = KeypointH5(out)
+    assert h5.num_images == 2
+    assert [h5.image_info(i)["file_name"] for i in range(2)] == [im["file_name"] for im in coco["images"][:2]]
+    assert main(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                 "--out", str(out), "--max-images", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: option --max-images: -1")
+
+
 # -- bad input ---------------------------------------------------------------------------------
 @pytest.fixture
 def coco_copy(coco4_dir, tmp_path):
