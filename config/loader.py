@@ -203,3 +203,6 @@ def validate(cfg: Config) -> None:
                           f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
     if not all(float(s) > 0 for s in cfg.inference.scales):
         raise ConfigError("option inference.scales: every scale must be positive")
+    if cfg.inference.decode_threads < 0:
+        raise ConfigError(f"option inference.decode_threads: {cfg.inference.decode_threads} must be "
+                          ">= 0 (0: one per core of this process's share of the machine)")

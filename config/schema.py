@@ -126,6 +126,8 @@ class InferenceConfig:
     min_mean_score: float = 0.45
     max_people: int = 20
     max_peaks: int = 100          # strongest peaks kept per keypoint type (bounds noisy maps' cost)
+    decode_threads: int = 0       # evaluation: images grouped in this many threads while the next one
+                                  # runs through the network (0: this machine's cores / its processes, <= 8)
 
 
 @dataclass

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from config.errors import DataError
-from config.schema import Config
+from config.schema import Config, InferenceConfig
 from engine.checkpoint import unwrap_model
 from engine.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
@@ -47,17 +50,39 @@ def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
     return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
 
 
+def decode_threads(cfg: InferenceConfig) -> int:
+    """Grouping threads: the config's number, or this process's share of the machine's cores."""
+    if cfg.decode_threads > 0:
+        return cfg.decode_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
 def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
-    """{image id: COCO results} for the image indices given, people found by `group_people`."""
+    """{image id: COCO results} for the image indices given, people found by `group_people`.
+
+    Grouping (numpy and OpenCV, which release the GIL) runs in a pool of `decode_threads` while
+    the main thread reads the next image and runs the network; at most two maps per thread wait.
+    """
     found = {}
-    for img in tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True):
-        if oracle:
-            maps = oracle_maps(h5, img, cfg)
-        else:
-            maps = predict_maps(model, h5.decode_image(img), cfg, device)
-        keypoints, scores = group_people(maps, cfg.inference)
-        image_id = h5.image_info(img)["id"]
-        found[image_id] = to_coco_results(image_id, keypoints, scores)
+    threads = decode_threads(cfg.inference)
+    pending: deque = deque()
+
+    def collect(limit: int) -> None:
+        while len(pending) > limit:
+            image_id, people = pending.popleft()
+            keypoints, scores = people.result()
+            found[image_id] = to_coco_results(image_id, keypoints, scores)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
+        for img in tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True):
+            if oracle:
+                maps = oracle_maps(h5, img, cfg)
+            else:
+                maps = predict_maps(model, h5.decode_image(img), cfg, device)
+            pending.append((h5.image_info(img)["id"], pool.submit(group_people, maps, cfg.inference)))
+            collect(2 * threads)
+        collect(0)
     return found
 
 
@@ -115,4 +140,4 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
     return stats
 
 
-__all__ = ["STAT_NAMES", "decode_images", "eval_mode", "evaluate_h5", "oracle_maps"]
+__all__ = ["STAT_NAMES", "decode_images", "decode_threads", "eval_mode", "evaluate_h5", "oracle_maps"]

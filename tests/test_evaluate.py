@@ -74,6 +74,20 @@ def test_checkpoint_weights_with_flip_and_scales(coco4_h5, tiny_checkpoint, caps
     assert stats["results"] == str(default_out) and isinstance(json.loads(default_out.read_text()), list)
 
 
+def test_grouping_in_threads_gives_the_results_of_grouping_in_line(coco4_h5):
+    """Images grouped in a pool while the next is predicted: the same results, in image order."""
+    from data.h5format import KeypointH5
+    from inference.evaluation import decode_images
+
+    h5 = KeypointH5(coco4_h5)
+    found = {}
+    for threads in (1, 3):
+        cfg = build_config("tiny", sets=[f"inference.decode_threads={threads}"])
+        found[threads] = decode_images(None, h5, range(4), cfg, "cpu", oracle=True, progress=False)
+    assert list(found[3]) == list(found[1]) == COCO4_IDS
+    assert found[3] == found[1] and sum(len(people) for people in found[1].values()) >= 10
+
+
 def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     cfg = build_config("tiny")
     model = build_model(cfg.model).train()
