@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -89,6 +90,14 @@ def time_grouping(make_maps, reps: int, cfg: InferenceConfig) -> dict:
             "mean_found": round(float(np.mean(found)), 2)}
 
 
+def pool_ms_per_image(maps: list, threads: int, cfg: InferenceConfig) -> float:
+    """Wall ms per image of grouping `maps` in a pool of `threads`, as evaluation does."""
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda m: group_people(m, cfg), maps))
+        return round((time.perf_counter() - start) * 1e3 / len(maps), 2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--people", type=int, nargs="+", default=[1, 2, 5, 10, 20])
@@ -96,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", action="store_true", help="add the rows of blurred and pure noise maps")
+    p.add_argument("--pool", type=int, default=0, metavar="THREADS",
+                   help="also group --reps blurred-noise maps in a pool of this many threads (as evaluation)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
@@ -116,11 +127,18 @@ def main(argv=None) -> int:
         target = TARGET_MS_NOISE[kind]
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
+    pool = {}
+    if args.pool:
+        maps = [noise_maps("blurred", height, width, rng) for _ in range(args.reps)]
+        pool = {"threads": args.pool, "ms_per_image": pool_ms_per_image(maps, args.pool, cfg),
+                "ms_per_image_1_thread": pool_ms_per_image(maps, 1, cfg)}
+        print(f"blurred noise in a pool of {args.pool} threads: {pool['ms_per_image']:.1f} ms/image "
+              f"(1 thread: {pool['ms_per_image_1_thread']:.1f})")
     five = report.get("5", {}).get("median_ms")
     print(json.dumps({"bench": "grouping", "image_hw": [height, width], "threads": 1,
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
-                      **({"noise": noise} if noise else {})}))
+                      **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {})}))
     return 0
 
 
