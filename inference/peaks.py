@@ -33,7 +33,6 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
     `threshold` that are >= each of their (in-map) 8 neighbours. `dense` forces the way (None: the
     cheaper one for these maps); both give the same indices.
     """
-    flat = heatmaps.reshape(-1)
     if dense is None:
         sample = heatmaps[:, ::_SAMPLE_ROWS]
         dense = np.count_nonzero(sample > threshold) > DENSE_FRACTION * sample.size
