@@ -21,7 +21,8 @@ from tqdm import tqdm
 from config.errors import DataError
 from config.schema import Config, InferenceConfig
 from engine.checkpoint import unwrap_model
-from engine.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
+from engine.distributed import (all_gather_object, broadcast_object, current_context, get_rank,
+                                get_world_size)
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.grouping import group_people, to_coco_results
 from inference.predict import predict_maps
@@ -55,7 +56,8 @@ def decode_threads(cfg: InferenceConfig) -> int:
     if cfg.decode_threads > 0:
         return cfg.decode_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    ctx = current_context()          # the launcher's processes on this machine (torchrun, SLURM, ...)
+    return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
 
 
 def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
