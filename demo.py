@@ -19,6 +19,7 @@ import cv2
 import numpy as np
 
 from config.errors import DataError, run_cli
+from inference.draw import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -61,10 +62,7 @@ def pictures_to_draw(image: str, out: str | None) -> list[tuple[Path, Path]]:
     target = Path(out) if out else source.with_name(source.stem + "_pose.png")
     if target.is_dir():
         target = target / f"{source.stem}_pose.png"
-    if not cv2.haveImageWriter(str(target)):
-        raise DataError(f"--out {target}: {target.suffix or 'no extension'} is not a picture format "
-                        "OpenCV writes; end the name with .png or .jpg")
-    return [(source, target)]
+    return [(source, check_picture_path(target))]     # refused before the model is loaded
 
 
 def run(args) -> list[Path]:

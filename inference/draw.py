@@ -49,13 +49,19 @@ def maps_panel(image_bgr: np.ndarray, maps: np.ndarray) -> np.ndarray:
     return cv2.addWeighted(grey, 0.4, heat, 0.6, 0.0)
 
 
-def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
-    """Write a BGR picture to `path` (its folder made if needed); `DataError` naming `option` and the
-    path when the extension is not a picture format or the place is not writable."""
+def check_picture_path(path, option: str = "--out") -> Path:
+    """`path`, or `DataError` naming `option` when its extension is not a format OpenCV writes."""
     path = Path(path)
     if not cv2.haveImageWriter(str(path)):
         raise DataError(f"{option} {path}: {path.suffix or 'no extension'} is not a picture format "
                         "OpenCV writes; end the name with .png or .jpg")
+    return path
+
+
+def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
+    """Write a BGR picture to `path` (its folder made if needed); `DataError` naming `option` and the
+    path when the extension is not a picture format or the place is not writable."""
+    path = check_picture_path(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         written = cv2.imwrite(str(path), picture)
