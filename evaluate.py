@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.errors import ConfigError, DataError, UserError, run_cli
+from config.errors import ConfigError, DataError, run_cli
 from inference.coco_eval import STAT_NAMES
 
 
@@ -85,41 +85,42 @@ def _check_writable(path: Path) -> None:
         os.unlink(path)
 
 
-def _on_rank0(check, rank: int) -> None:
-    """Run `check()` on rank 0 only; a UserError it raises is raised on every rank."""
+def _on_rank0(work, rank: int):
+    """`work()` on rank 0 only; its result, or the exception it raised, on every rank."""
     from engine.distributed import broadcast_object
 
-    problem = None
+    outcome = None
     if rank == 0:
         try:
-            check()
-        except UserError as exc:
-            problem = exc
-    problem = broadcast_object(problem)
-    if problem is not None:
-        raise problem
+            outcome = work()
+        except Exception as exc:            # every rank must reach the broadcast
+            outcome = exc
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def _converted_h5(args, rank: int) -> tuple[str, str | None]:
     """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
-    from engine.distributed import barrier, broadcast_object
+    from engine.distributed import barrier
 
     if args.h5:
         return args.h5, None
-    tmp = None
-    if rank == 0:
+
+    def convert_to_temp() -> str:
         from data.make_hdf5 import convert
 
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
             convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
                     progress=not args.no_progress, max_images=args.max_images)
-        except Exception as exc:
+        except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp = exc
-    tmp = broadcast_object(tmp)
-    if isinstance(tmp, Exception):
-        raise tmp
+            raise
+        return tmp
+
+    tmp = _on_rank0(convert_to_temp, rank)
     barrier()
     return str(Path(tmp) / "val.h5"), (tmp if rank == 0 else None)
 
