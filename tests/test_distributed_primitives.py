@@ -21,6 +21,7 @@ from torch import nn
 from config.errors import ConfigError
 from config.schema import DistConfig
 from engine import distributed as D
+from child_env import child_env
 from engine import launch_env
 from engine.launch_env import Launch, find_free_port, read_launch, resolve_device
 
@@ -295,11 +296,9 @@ D.cleanup()
 def test_real_legacy_launcher_passes_local_rank_and_joins_the_agent_store(tmp_path):
     script = tmp_path / "legacy_probe.py"
     script.write_text(textwrap.dedent(LEGACY_SCRIPT.format(repo=str(REPO))))
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
                            "--master_port", str(find_free_port()), str(script)],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, env=child_env(), timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                       if "RESULT " in line), key=lambda r: r["rank"])
