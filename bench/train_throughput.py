@@ -118,10 +118,10 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
             tick = time.perf_counter()
             batch = next(data)
             waited += time.perf_counter() - tick
-            skipped += trainer.run_step(batch, epoch, i)["skipped"] and i >= args.warmup
+            skipped += trainer.run_step([batch], epoch, i)["skipped"] and i >= args.warmup
         sync(device)
         seconds = (time.perf_counter() - start) / args.steps
-        time_by_op = profile_steps(lambda i: trainer.run_step(next(data), epoch, i), args.profile, device)
+        time_by_op = profile_steps(lambda i: trainer.run_step([next(data)], epoch, i), args.profile, device)
     except torch.OutOfMemoryError:
         return {"config": label, "error": "out of memory"}
     finally:

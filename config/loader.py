@@ -191,6 +191,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"option optim.lr: {cfg.optim.lr} must be positive")
     if cfg.train.batch_size <= 0:
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} must be positive")
+    if cfg.train.accumulate < 1:
+        raise ConfigError(f"option train.accumulate: {cfg.train.accumulate} must be at least 1 "
+                          "(batches per optimiser step)")
     if cfg.train.epochs <= 0:
         raise ConfigError(f"option train.epochs: {cfg.train.epochs} must be positive")
     if cfg.model.stacks <= 0 or cfg.model.depth <= 0:

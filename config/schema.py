@@ -136,6 +136,8 @@ class TrainConfig:
     out_dir: str = "checkpoints"
     epochs: int = 100
     batch_size: int = 4           # total over all processes / replicas
+    accumulate: int = 1           # batches per optimiser step (gradient accumulation): the step's
+                                  # gradient is the mean over accumulate x batch_size samples
     seed: int = 0
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     val_every: int = 1            # epochs between validation-loss passes (0: off)

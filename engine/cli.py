@@ -21,7 +21,7 @@ DEFAULT_PRESET = "tiny"
 FLAG_KEYS = {
     "train_h5": "data.train_h5", "val_h5": "data.val_h5", "workers": "data.workers",
     "input_size": "data.input_size",
-    "epochs": "train.epochs", "batch_size": "train.batch_size", "seed": "train.seed",
+    "epochs": "train.epochs", "batch_size": "train.batch_size", "accumulate": "train.accumulate", "seed": "train.seed",
     "run_name": "train.run_name", "out_dir": "train.out_dir", "resume": "train.resume",
     "weights": "train.weights", "allow_partial": "train.allow_partial", "freeze": "train.freeze",
     "overwrite": "train.overwrite", "device": "train.device", "ap_every": "train.ap_every",
@@ -68,6 +68,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--epochs", type=int, help="total epochs (a resumed run continues up to it)")
     g.add_argument("--batch-size", type=int, help="total batch over all processes / GPUs")
+    g.add_argument("--accumulate", type=int, metavar="K", help="batches per optimiser step "
+                   "(gradient accumulation): K x batch-size samples per step")
     g.add_argument("--seed", type=int, help="weights, sample order and augmentation")
     g.add_argument("--run-name", help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)")
     g.add_argument("--out-dir", help="parent of run directories (default checkpoints)")

@@ -7,6 +7,7 @@ optimisation step; `save()`/`_restore()` are the two halves of resuming.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config.errors import CheckpointError, TrainingDiverged, UserError
+from config.errors import CheckpointError, ConfigError, TrainingDiverged, UserError
 from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
@@ -97,9 +98,15 @@ class Trainer:
         self.best_metric, self.bad_validations, self.skipped_total, self.bad_streak = None, 0, 0, 0
         if state is not None:
             self._restore(state, resume_path)
-        self.iters_per_epoch = self.sampler.batches_per_epoch
+        # loader batches per epoch, a whole number of steps of `accumulate` batches each
+        accumulate = cfg.train.accumulate
+        steps = self.sampler.batches_per_epoch // accumulate
+        if steps == 0:
+            raise ConfigError(f"option train.accumulate: {accumulate} batches per step, but an epoch "
+                              f"has only {self.sampler.batches_per_epoch} batches of {cfg.train.batch_size}")
         if cfg.train.max_steps_per_epoch:
-            self.iters_per_epoch = min(self.iters_per_epoch, cfg.train.max_steps_per_epoch)
+            steps = min(steps, cfg.train.max_steps_per_epoch)
+        self.batches_per_epoch = steps * accumulate
         self.stop_signal = None
         if ctx.is_main:     # the run directory appears only once everything above has worked
             save_resolved_config(cfg, self.run_dir)
@@ -109,7 +116,9 @@ class Trainer:
         self.say(f"run directory: {self.run_dir}")
         self.say(f"mode {launch.mode}, {ctx.world_size} process(es) on {ctx.device}; "
                  f"batch {cfg.train.batch_size // ctx.world_size} per process, "
-                 f"{cfg.train.batch_size} in total; {self.precision.describe()}")
+                 f"{cfg.train.batch_size} in total"
+                 + (f", {accumulate} batches per step ({cfg.train.batch_size * accumulate} samples)"
+                    if accumulate > 1 else "") + f"; {self.precision.describe()}")
         self.say(f"data: {len(self.train_set)} training samples from {self.train_h5}"
                  + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set
                     else "; no --val-h5, so no validation loss, no AP and no best.pth"))
@@ -160,21 +169,32 @@ class Trainer:
         return previous
 
     # -- one step -------------------------------------------------------------------------------
-    def run_step(self, batch, epoch: int, iteration: int) -> dict:
-        """One optimisation step; returns the loss, its parts and whether the step was skipped."""
-        images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
-        lr = lr_at(self.cfg.optim, epoch, iteration, self.iters_per_epoch, self.ctx.world_size)
+    def run_step(self, batches: list, epoch: int, first: int) -> dict:
+        """One optimisation step over `batches` (more than one: gradient accumulation), the first of
+        which is batch `first` of the epoch; returns the loss, its parts and whether it was skipped."""
+        last_batch = first + len(batches) - 1
+        lr = lr_at(self.cfg.optim, epoch, last_batch, self.batches_per_epoch, self.ctx.world_size)
         set_lr(self.optimizer, lr)
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
-        per_sample, parts = self.net(images, target, mask)
-        loss = per_sample.mean()
-        loss_value = loss.item()
-        abnormal = not math.isfinite(loss_value) or loss_value > self.cfg.optim.skip_loss_above
-        abnormal, stop = dist.any_ranks([abnormal, self.stop_signal is not None])
+        losses, parts_sum, abnormal, stop = [], {}, False, False
+        for i, batch in enumerate(batches):
+            images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+            with self._grad_sync(i == len(batches) - 1):
+                per_sample, parts = self.net(images, target, mask)
+                loss = per_sample.mean()
+                losses.append(loss.item())
+                for k, v in parts.items():
+                    parts_sum[k] = parts_sum.get(k, 0) + v.detach().mean() / len(batches)
+                bad = not math.isfinite(losses[-1]) or losses[-1] > self.cfg.optim.skip_loss_above
+                # voted before every backward: SyncBN's backward is a collective even under no_sync
+                abnormal, stop_now = dist.any_ranks([bad, self.stop_signal is not None])
+                stop = stop or stop_now
+                if abnormal:
+                    break
+                self.precision.backward(loss / len(batches))
         grads_finite = False
         if not abnormal:
-            self.precision.backward(loss)
             self.precision.unscale_(self.optimizer)
             max_norm = self.cfg.optim.clip_grad_norm or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.opt_params, max_norm)
@@ -187,8 +207,13 @@ class Trainer:
                 torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        return {"loss": loss_value, "lr": lr, "skipped": skipped, "stop": stop,
-                "parts": {k: v.detach().mean() for k, v in parts.items()}}
+        return {"loss": sum(losses) / len(losses), "lr": lr, "skipped": skipped, "stop": stop,
+                "parts": parts_sum}
+
+    def _grad_sync(self, last: bool):
+        """DDP all-reduces gradients in the backward of a step's last batch only."""
+        no_sync = getattr(self.net, "no_sync", None)
+        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float:
@@ -197,14 +222,15 @@ class Trainer:
         self.train_set.set_epoch(epoch)
         self.sampler.set_epoch(epoch, self.start_batch)
         start, self.start_batch = self.start_batch, 0
-        steps = max(0, self.iters_per_epoch - start)
+        accumulate = self.cfg.train.accumulate
+        steps = max(0, self.batches_per_epoch - start) // accumulate
         bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
                    disable=not self.ctx.is_main, dynamic_ncols=True, leave=False)
         loss_sum, count, tick = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
-        for iteration, batch in enumerate(self.loader, start=start):
-            if iteration >= self.iters_per_epoch:
-                break
-            out = self.run_step(batch, epoch, iteration)
+        batches = iter(self.loader)
+        for n in range(steps):
+            first = start + n * accumulate
+            out = self.run_step([next(batches) for _ in range(accumulate)], epoch, first)
             self.step += 1
             if not out["skipped"]:
                 loss_sum += out["loss"]
@@ -214,11 +240,11 @@ class Trainer:
                     f"{self.bad_streak} consecutive steps had a non-finite or abnormal loss or "
                     f"gradients (last loss {out['loss']:.4g}); stopped. The last good checkpoint is "
                     f"{self.run_dir / 'last.pth'}: lower optim.lr, enable --clip-grad, or use O0")
-            rate = self.cfg.train.batch_size * (iteration + 1 - start) / (time.perf_counter() - tick)
+            rate = self.cfg.train.batch_size * accumulate * (n + 1) / (time.perf_counter() - tick)
             bar.set_postfix(loss=f"{out['loss']:.4g}", lr=f"{out['lr']:.3g}", img_s=f"{rate:.1f}",
                             mem=f"{memory_gb(self.ctx.device):.2f}G")
             bar.update()
-            if self.step % self.cfg.train.log_every == 0 or iteration == self.iters_per_epoch - 1:
+            if self.step % self.cfg.train.log_every == 0 or n == steps - 1:
                 names = list(out["parts"])
                 means = dist.all_reduce_mean(torch.stack(
                     [out["parts"][k].float().cpu() for k in names] + [torch.tensor(out["loss"])])).tolist()
@@ -227,9 +253,9 @@ class Trainer:
                                 memory_gb=memory_gb(self.ctx.device), **dict(zip(names, means)))
             if out["stop"]:
                 bar.close()
-                self.save("last.pth", epoch, iteration + 1)
+                self.save("last.pth", epoch, first + accumulate)
                 name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
-                raise Interrupted(f"stopped by {name} at epoch {epoch + 1}, batch {iteration + 1}; "
+                raise Interrupted(f"stopped by {name} at epoch {epoch + 1}, batch {first + accumulate}; "
                                   f"saved {self.run_dir / 'last.pth'}. Resume with the same command "
                                   f"and --resume auto --run-name {self.run_dir.name}")
         bar.close()

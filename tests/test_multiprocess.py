@@ -191,6 +191,28 @@ def test_a_skip_decided_by_one_ranks_loss_is_taken_by_both(ddp_skip):
     assert ckpt["skipped_steps"] == 1 and ckpt["step"] == 3
 
 
+@pytest.fixture(scope="module")
+def ddp_accumulate(out_dir, synthetic_h5) -> Path:
+    """torchrun, 2 processes of batch 1, --accumulate 2, --sync-bn; rank 1's loss abnormal at step 2."""
+    launch(out_dir, "torch.distributed.run",
+           [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
+            "--batch-size", "2", "--accumulate", "2", "--sync-bn", "--run-name", "ddp_accumulate"],
+           TEST_BLOW_UP="1:2")
+    return out_dir / "ddp_accumulate"
+
+
+def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
+    """The skip vote comes before every backward: a rank that skipped a SyncBN backward alone would
+    leave the other waiting in its collective (the run would hang and time out)."""
+    rank0, rank1 = dumps(ddp_accumulate)
+    for rank in (rank0, rank1):
+        assert [s["skipped"] for s in rank["steps"]] == [False, True, False]
+    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"])
+    ckpt = load_checkpoint(ddp_accumulate / "last.pth")
+    assert (ckpt["step"], ckpt["skipped_steps"]) == (3, 1)
+    assert ckpt["config"]["train"]["accumulate"] == 2 and ckpt["world_size"] == 2
+
+
 def test_batch_that_does_not_divide_fails_on_every_rank_in_one_line(tmp_path, synthetic_h5):
     """Two processes started by hand (RANK, WORLD_SIZE, MASTER_*): each prints one line, exits 2."""
     port = str(find_free_port())
