@@ -2,6 +2,11 @@
 
 Only the main process logs; the others get a `RunLogger` whose methods do nothing, so the engine
 never branches on the rank to log.
+
+A resumed run appends a `{"kind": "resume", "step": S}` record: the records above it with a step
+after S describe training that the resume rolled back (a crash or pre-emption after the last
+checkpoint). They stay in the file (nothing is deleted) but `read()`, and so curves.png, leave them
+out, and TensorBoard purges its events after S.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from pathlib import Path
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True,
+                 resumed_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -20,9 +26,12 @@ class RunLogger:
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                purge = None if resumed_step is None else resumed_step + 1
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
             except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
                 self.tb = None
+        if resumed_step is not None:
+            self.log("resume", resumed_step)
 
     def log(self, kind: str, step: int, **values) -> None:
         """Append one record ({"kind": "train"|"val"|..., "step": N, ...}) to metrics.jsonl."""
@@ -37,14 +46,18 @@ class RunLogger:
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def read(self) -> list[dict]:
+        """The records of the training that counts: those a later resume rolled back are left out."""
         if not self.metrics_path.exists():
             return []
         out = []
         for line in self.metrics_path.read_text().splitlines():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:   # a line cut by a kill: skip it
                 continue
+            if record.get("kind") == "resume":
+                out = [r for r in out if r.get("step", 0) <= record["step"]]
+            out.append(record)
         return out
 
     def plot_curves(self) -> None:

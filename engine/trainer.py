@@ -110,7 +110,8 @@ class Trainer:
         self.stop_signal = None
         if ctx.is_main:     # the run directory appears only once everything above has worked
             save_resolved_config(cfg, self.run_dir)
-        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard)
+        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
+                                resumed_step=self.step if state is not None else None)
         n_train = sum(p.numel() for p in trainable)
         n_all = sum(p.numel() for p in model.parameters())
         self.say(f"run directory: {self.run_dir}")

@@ -120,3 +120,20 @@ def test_a_finished_run_gives_back_the_signal_handlers_it_installed(tmp_path, sy
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_the_curves(tmp_path, synthetic_h5):
+    """A run resumed from epoch_1.pth after epoch 2 was logged: epoch 2's first records stay in
+    metrics.jsonl (nothing is deleted) but behind a resume marker, and the curves use the new ones."""
+    from engine.logger import RunLogger
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "again", "--save-every", "1")
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "again",
+        "--resume", str(tmp_path / "again/epoch_1.pth"))
+    run_dir = tmp_path / "again"
+    raw = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in raw if r["kind"] == "resume"] == [3]
+    assert [r["step"] for r in raw if r["kind"] == "val"] == [3, 6, 6]
+    kept = RunLogger(run_dir, enabled=True, tensorboard=False).read()
+    assert [(r["kind"], r["step"]) for r in kept] == [("train", 3), ("val", 3), ("resume", 3),
+                                                      ("train", 6), ("val", 6)]
+    assert kept[-1]["time"] == raw[-1]["time"]          # the record of the resumed run, not the first
