@@ -212,9 +212,13 @@ class Trainer:
                 "parts": parts_sum}
 
     def _grad_sync(self, last: bool):
-        """DDP all-reduces gradients in the backward of a step's last batch only."""
+        """DDP all-reduces gradients in the backward of a step's last batch only. With
+        dist.static_graph it all-reduces every batch (the same mean): DDP's static graph mode
+        fails an internal assert under no_sync."""
         no_sync = getattr(self.net, "no_sync", None)
-        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+        if no_sync is None or last or self.cfg.dist.static_graph:
+            return contextlib.nullcontext()
+        return no_sync()
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float:

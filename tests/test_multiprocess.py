@@ -213,6 +213,19 @@ def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
     assert ckpt["config"]["train"]["accumulate"] == 2 and ckpt["world_size"] == 2
 
 
+def test_accumulation_under_ddp_static_graph_all_reduces_every_batch(out_dir, synthetic_h5):
+    """DDP's static graph mode fails an internal assert under no_sync: the engine all-reduces each
+    batch there instead (the same mean gradient)."""
+    launch(out_dir, "torch.distributed.run",
+           [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
+            "--batch-size", "2", "--accumulate", "2", "--set", "dist.static_graph=true",
+            "--run-name", "ddp_static"])
+    rank0, rank1 = dumps(out_dir / "ddp_static")
+    params = [k for k in rank0["state"] if "running" not in k and "num_batches" not in k]
+    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in params)
+    assert load_checkpoint(out_dir / "ddp_static" / "last.pth")["step"] == 3
+
+
 def test_batch_that_does_not_divide_fails_on_every_rank_in_one_line(tmp_path, synthetic_h5):
     """Two processes started by hand (RANK, WORLD_SIZE, MASTER_*): each prints one line, exits 2."""
     port = str(find_free_port())
