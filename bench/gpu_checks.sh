@@ -2,7 +2,8 @@
 # The GPU-only checks and figures of issue 8, in stages that each fit one 10-minute device call.
 #
 #   bash bench/gpu_checks.sh cuda        # CUDA paths end to end: O1 fp16 / O1 bf16 / O2 / O3 train,
-#                                        # resume and AP; train_parallel.py and torchrun on the one GPU
+#                                        # resume and AP; fp16 with --accumulate 2;
+#                                        # train_parallel.py and torchrun on the one GPU
 #                                        # (one GPU cannot show DataParallel, NCCL or SyncBN: they need two)
 #   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
 #   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
@@ -42,6 +43,7 @@ cuda)
         python3 train.py --opt-level $level --run-name "$name" "${quick[@]}"
         python3 train.py --resume auto --run-name "$name" --epochs 3 --out-dir "$runs" --device "$device"
     done
+    python3 train.py --opt-level O1 --amp-dtype float16 --accumulate 2 --run-name acc "${quick[@]}"
     python3 train_parallel.py --opt-level O1 --run-name dp "${quick[@]}"
     torchrun --standalone --nproc_per_node 1 train_distributed.py --opt-level O1 --sync-bn \
         --run-name ddp "${quick[@]}"
