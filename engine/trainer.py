@@ -87,7 +87,7 @@ class Trainer:
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
-                                             FocalL2Loss(cfg.loss), self.precision)
+                                             FocalL2Loss(cfg.loss).to(ctx.device), self.precision)
         self.net = launch.wrap(self.model_with_loss)
         self.eval_net = self.net if launch.wrapped_eval else self.model_with_loss
         self.opt_params = self.precision.optimizer_params(trainable)
