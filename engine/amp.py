@@ -33,6 +33,15 @@ def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
     torch.backends.cudnn.benchmark = cudnn_benchmark
 
 
+class _HalfParamsGradScaler(torch.amp.GradScaler):
+    """O3 in float16: the parameters, so their gradients, are float16 themselves (no float32 master
+    copies). GradScaler refuses to unscale float16 gradients unless asked; Apex's O3 unscaled them
+    in place, and so does this."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
 class Precision:
     def __init__(self, cfg: AmpConfig, device: torch.device):
         self.level = cfg.opt_level
@@ -53,7 +62,8 @@ class Precision:
         use_scaler = self.level != "O0" and self.dtype == torch.float16
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         init = self.static_scale or cfg.init_scale
-        self.scaler = torch.amp.GradScaler(
+        scaler_type = _HalfParamsGradScaler if self.cast_model and not self.master_weights else torch.amp.GradScaler
+        self.scaler = scaler_type(
             self.device_type, enabled=use_scaler, init_scale=init,
             growth_interval=2 ** 30 if self.static_scale else 2000)
 

@@ -53,7 +53,8 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
 
 
 @pytest.mark.parametrize("level,dtype", [("O0", "auto"), ("O1", "bfloat16"), ("O1", "float16"),
-                                         ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16")])
+                                         ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"),
+                                         ("O3", "float16")])
 def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level, "--val-every", "0",
         "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
