@@ -38,6 +38,10 @@ def main(argv=None) -> dict:
     if cfg.train.batch_size % len(ids):
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
                           f"{len(ids)} GPUs")
+    if cfg.amp.compile and len(ids) > 1:
+        raise ConfigError("option amp.compile: a compiled model's replicas under DataParallel still "
+                          "run the module on the first GPU; for compiled multi-GPU training use "
+                          "torchrun train_distributed.py")
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True)).fit()

@@ -201,7 +201,13 @@ def run_main(main, argv=None) -> None:
 
 
 def single_process_context(device: str):
-    """The context of a one-process run (train.py, train_parallel.py) on `device`."""
+    """The context of a one-process run (train.py, train_parallel.py) on `device`. A GPU other than
+    0 becomes the current device, or the DataLoader's pinning thread would open a CUDA context on
+    GPU 0 as well."""
+    import torch
     from engine.distributed import DistContext
     from engine.launch_env import Launch, resolve_device
-    return DistContext(device=resolve_device(device, Launch()))
+    dev = resolve_device(device, Launch())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return DistContext(device=dev)

@@ -152,6 +152,8 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     if spec == "cuda":
         if launch.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
             return torch.device("cuda", 0)   # srun binds each task to its own GPUs
+        if launch.launcher in ("slurm", "env") and visible == 1 and needed > 1 and _bound_to_one_gpu():
+            return torch.device("cuda", 0)   # srun --gpu-bind / mpirun wrappers: one GPU per process
         if needed > visible:
             raise ConfigError(f"{needed} processes on this node but only {visible} CUDA GPU(s) are "
                               f"visible; start at most {visible} per node (--nproc_per_node) or {pick_hint}")
@@ -174,6 +176,14 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
         raise ConfigError(f"{needed} processes on this node but --device {spec} lists {len(ids)} GPU(s); "
                           f"list one per process or start fewer (--nproc_per_node)")
     return torch.device("cuda", ids[launch.local_rank])
+
+
+def _bound_to_one_gpu() -> bool:
+    """CUDA_VISIBLE_DEVICES names one GPU. Under SLURM or hand-set launch variables that is a
+    per-process binding (srun --gpu-bind, mpirun wrappers): the only GPU this process should use,
+    whatever its local rank. torchrun never binds: there it is the user's choice of one GPU."""
+    names = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
+    return len(names) == 1
 
 
 def check_port_free(port: int) -> None:

@@ -125,6 +125,38 @@ def test_device_refusals(two_gpus):
         resolve_device("gpu", Launch())
 
 
+def test_a_one_process_run_on_gpu_1_makes_it_the_current_device(two_gpus, monkeypatch):
+    """Otherwise the DataLoader's pin-memory thread opens a second CUDA context on GPU 0."""
+    from engine.cli import single_process_context
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert single_process_context("cuda:1").device == torch.device("cuda", 1)
+    assert current == [torch.device("cuda", 1)]
+
+
+def test_train_parallel_refuses_compile_on_several_gpus_naming_the_alternative(two_gpus, tmp_path):
+    import train_parallel
+    with pytest.raises(ConfigError, match="option amp.compile: .*torchrun train_distributed.py"):
+        train_parallel.main(["--gpus", "0,1", "--compile", "--out-dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())                 # refused before any run directory exists
+
+
+def test_a_process_bound_to_its_own_gpu_uses_it_whatever_its_local_rank(monkeypatch):
+    """srun --gpu-bind or an mpirun wrapper: CUDA_VISIBLE_DEVICES=3 in local rank 3 of 4 -> cuda:0.
+    Under torchrun (which never binds), or without the variable, 4 processes on 1 GPU are refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    for launcher in ("slurm", "env"):
+        bound = Launch(launcher, rank=3, local_rank=3, world_size=4, local_world_size=4)
+        assert resolve_device("cuda", bound) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="4 processes on this node but only 1 CUDA GPU"):
+        resolve_device("cuda", Launch("torchrun", rank=3, local_rank=3, world_size=4, local_world_size=4))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ConfigError, match="4 processes on this node but only 1 CUDA GPU"):
+        resolve_device("cuda", Launch("slurm", rank=3, local_rank=3, world_size=4, local_world_size=4))
+
+
 def test_more_processes_than_gpus_refused_before_any_process_group(two_gpus, clean_env):
     clean_env.setenv("RANK", "0")
     clean_env.setenv("WORLD_SIZE", "3")
