@@ -109,7 +109,10 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
                 raise ConfigError(f"option {full}: expected a mapping of {type(current).__name__} fields")
             _apply(current, value, full + ".")
         else:
-            setattr(cfg, key, _coerce(full, value, current))
+            # fields declared `object` take several types (auto or a switch, dynamic or a number):
+            # validate() checks them
+            declared_any = fields[key].type in ("object", object)
+            setattr(cfg, key, value if declared_any else _coerce(full, value, current))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -185,6 +188,8 @@ def validate(cfg: Config) -> None:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a positive number") from None
+    if cfg.amp.channels_last not in ("auto", True, False):
+        raise ConfigError(f"option amp.channels_last: {cfg.amp.channels_last!r} is not auto, true or false")
     if cfg.optim.name not in ("sgd", "adamw"):
         raise ConfigError(f"option optim.name: {cfg.optim.name!r} is not sgd or adamw")
     if cfg.optim.lr <= 0:

@@ -93,7 +93,8 @@ class AmpConfig:
     keep_batchnorm_fp32: object = None   # None: the opt level's default (True for O2, False for O3)
     loss_scale: object = "dynamic"       # "dynamic" or a number
     init_scale: float = 1024.0    # dynamic scaler start (65536 overflows fp16 early)
-    channels_last: bool = False
+    channels_last: object = "auto"       # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
+                                         # H100, bench/RESULTS.md), off on CPU
     compile: bool = False         # torch.compile the model
     tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
 

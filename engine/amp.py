@@ -33,6 +33,17 @@ def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
     torch.backends.cudnn.benchmark = cudnn_benchmark
 
 
+@contextlib.contextmanager
+def cudnn_autotuning_off():
+    """For evaluation inside a training run: images of many sizes would each be autotuned anew."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
 class _HalfParamsGradScaler(torch.amp.GradScaler):
     """O3 in float16: the parameters, so their gradients, are float16 themselves (no float32 master
     copies). GradScaler refuses to unscale float16 gradients unless asked; Apex's O3 unscaled them
@@ -57,7 +68,7 @@ class Precision:
         keep = cfg.keep_batchnorm_fp32
         self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
         self.master_weights = self.level == "O2"
-        self.channels_last = cfg.channels_last
+        self.channels_last = (device.type == "cuda") if cfg.channels_last == "auto" else bool(cfg.channels_last)
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
         use_scaler = self.level != "O0" and self.dtype == torch.float16
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
@@ -77,7 +88,7 @@ class Precision:
                 text += ", float32 master weights"
             text += (f", loss scale {self.static_scale:g}" if self.scaler.is_enabled() and self.static_scale
                      else ", dynamic loss scale" if self.scaler.is_enabled() else ", no loss scaling")
-        return text
+        return text + (", channels_last" if self.channels_last else "")
 
     # -- model and optimiser ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:

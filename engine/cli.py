@@ -96,8 +96,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="float16 loss scale: dynamic (GradScaler) or fixed")
     g.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"],
                    help="half type of O1-O3; auto: float16 on CUDA, bfloat16 on CPU")
-    g.add_argument("--channels-last", action="store_true", default=None,
-                   help="NHWC memory format for model and inputs")
+    g.add_argument("--channels-last", type=_bool, nargs="?", const=True, metavar="True|False",
+                   help="NHWC memory format for model and inputs (default: on for CUDA, off on CPU)")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g = p.add_argument_group("multi-process")
     g.add_argument("--sync-bn", action="store_true", default=None, help="batch norm over all processes")

@@ -48,3 +48,17 @@ def test_weights_of_another_network_say_which_settings_build_it(tmp_path):
     torch.save({"format_version": 1, "config": to_dict(build_config("tiny"))}, tiny)
     with pytest.raises(ConfigError, match=r"model.stacks 2 there, 4 here; .*add --config tiny to build it"):
         config_of("--weights", tiny, "--config", "imhn")
+
+
+def test_channels_last_is_on_for_cuda_by_default_and_can_be_turned_off():
+    from engine.amp import Precision
+    auto = config_of().amp
+    assert auto.channels_last == "auto"
+    assert Precision(auto, torch.device("cuda")).channels_last          # measured faster on an H100
+    assert not Precision(auto, torch.device("cpu")).channels_last
+    off = config_of("--channels-last", "False").amp
+    assert not Precision(off, torch.device("cuda")).channels_last
+    assert Precision(config_of("--channels-last").amp, torch.device("cpu")).channels_last
+    assert "channels_last" in Precision(auto, torch.device("cuda")).describe()
+    with pytest.raises(ConfigError, match="option amp.channels_last: 'sometimes' is not auto, true or false"):
+        config_of("--set", "amp.channels_last=sometimes")
