@@ -23,7 +23,7 @@ from config.errors import CheckpointError, ConfigError, TrainingDiverged, UserEr
 from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
-from engine.amp import Precision, set_cuda_backends
+from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
 from engine.checkpoint import (capture_rng_state, find_latest_checkpoint, load_checkpoint,
                                load_weights, restore_rng_state, save_checkpoint, unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
@@ -284,8 +284,9 @@ class Trainer:
             results["loss"] = (total[0] / total[1].clamp(min=1)).item()
         if cfg.ap_every and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs):
             from inference.evaluation import evaluate_h5
-            stats = evaluate_h5(self.model, self.val_h5, self.cfg, self.ctx.device,
-                                max_images=cfg.ap_max_images, progress=self.ctx.is_main)
+            with cudnn_autotuning_off():
+                stats = evaluate_h5(self.model, self.val_h5, self.cfg, self.ctx.device,
+                                    max_images=cfg.ap_max_images, progress=self.ctx.is_main)
             results.update({k: stats[k] for k in ("AP", "AP50", "AP75", "APm", "APl", "AR")})
         return results
 

@@ -138,3 +138,24 @@ def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_th
     assert [(r["kind"], r["step"]) for r in kept] == [("train", 3), ("val", 3), ("resume", 3),
                                                       ("train", 6), ("val", 6)]
     assert kept[-1]["time"] == raw[-1]["time"]          # the record of the resumed run, not the first
+
+
+def test_ap_validation_runs_without_cudnn_autotuning_and_gives_it_back(tmp_path, synthetic_h5, monkeypatch):
+    """cuDNN autotuning pays for the fixed training shape; evaluation images come in many sizes,
+    each of which would be autotuned anew."""
+    import inference.evaluation
+    seen = []
+    evaluate_h5 = inference.evaluation.evaluate_h5
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cudnn.benchmark)
+        return evaluate_h5(*args, **kwargs)
+
+    monkeypatch.setattr(inference.evaluation, "evaluate_h5", recording)
+    previous = torch.backends.cudnn.benchmark
+    try:
+        run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "ap", "--ap-every", "1",
+            "--set", "train.ap_max_images=2", "--val-every", "0")
+        assert seen == [False] and torch.backends.cudnn.benchmark is True   # train.cudnn_benchmark
+    finally:
+        torch.backends.cudnn.benchmark = previous
