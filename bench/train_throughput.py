@@ -111,14 +111,20 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
         torch.cuda.reset_peak_memory_stats(device)
     skipped, waited = 0, 0.0
     try:
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                sync(device)
-                start, waited = time.perf_counter(), 0.0
+        for i in range(args.warmup):
+            trainer.run_step([next(data)], epoch, i)
+        # then on while the fp16 loss scale still falls: an overflow skips the optimiser step, and
+        # the timed steps should be whole ones
+        i = args.warmup
+        while trainer.run_step([next(data)], epoch, i)["skipped"] and i < args.warmup + 50:
+            i += 1
+        sync(device)
+        start = time.perf_counter()
+        for i in range(i + 1, i + 1 + args.steps):
             tick = time.perf_counter()
             batch = next(data)
             waited += time.perf_counter() - tick
-            skipped += trainer.run_step([batch], epoch, i)["skipped"] and i >= args.warmup
+            skipped += trainer.run_step([batch], epoch, i)["skipped"]
         sync(device)
         seconds = (time.perf_counter() - start) / args.steps
         time_by_op = profile_steps(lambda i: trainer.run_step([next(data)], epoch, i), args.profile, device)
