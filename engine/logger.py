@@ -30,6 +30,13 @@ class RunLogger:
                 self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
             except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
                 self.tb = None
+        if enabled and self.metrics_path.exists():   # a line cut by a crash must not swallow ours
+            with open(self.metrics_path, "rb+") as fh:
+                size = fh.seek(0, 2)
+                if size:
+                    fh.seek(size - 1)
+                    if fh.read(1) != b"\n":
+                        fh.write(b"\n")
         if resumed_step is not None:
             self.log("resume", resumed_step)
 
