@@ -184,7 +184,7 @@ def validate(cfg: Config) -> None:
     scale = cfg.amp.loss_scale
     if scale != "dynamic":
         try:
-            if float(scale) <= 0:
+            if isinstance(scale, bool) or float(scale) <= 0:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a positive number") from None

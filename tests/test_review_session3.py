@@ -142,3 +142,10 @@ def test_resume_marker_after_a_line_cut_by_a_crash_still_counts(tmp_path):
     log.log("train", 4, loss=2.0)
     assert [(r["step"], r["loss"]) for r in log.read() if r["kind"] == "train"] == \
         [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_a_switch_is_not_taken_for_a_loss_scale():
+    from config.errors import ConfigError
+    with pytest.raises(ConfigError, match="option amp.loss_scale: True is not 'dynamic' or a positive number"):
+        build_config("tiny", sets=["amp.loss_scale=true"])
+    assert build_config("tiny", sets=["amp.loss_scale=128"]).amp.loss_scale == 128
