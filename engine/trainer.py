@@ -221,7 +221,7 @@ class Trainer:
         return no_sync()
 
     # -- epochs ---------------------------------------------------------------------------------
-    def train_one_epoch(self, epoch: int) -> float:
+    def train_one_epoch(self, epoch: int) -> float | None:
         self.net.train()
         set_frozen_bn_eval(self.model)
         self.train_set.set_epoch(epoch)
@@ -266,7 +266,9 @@ class Trainer:
         bar.close()
         # mean over ranks too (every rank has the same count: skips are decided together)
         totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64)]))
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        if totals[1] == 0:     # resumed at the epoch's end, or every step skipped: no loss to report
+            return None
+        return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:
@@ -337,7 +339,8 @@ class Trainer:
             results = self.validate(epoch) if self.val_set is not None else {}
             improved = self._improved(results)
             self.bad_validations = 0 if improved else self.bad_validations + bool(results)
-            self.logger.log("val", self.step, epoch=epoch, train_loss=train_loss, **results)
+            trained = {} if train_loss is None else {"train_loss": train_loss}
+            self.logger.log("val", self.step, epoch=epoch, **trained, **results)
             self.save("last.pth", epoch + 1, 0)
             if improved:
                 self.save("best.pth", epoch + 1, 0)
@@ -345,7 +348,8 @@ class Trainer:
                 self.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
             self.logger.plot_curves()
             shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
-            self.say(f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4g}"
+            self.say(f"epoch {epoch + 1}/{cfg.epochs}: "
+                     + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
                      + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
             if cfg.early_stop_patience and self.bad_validations >= cfg.early_stop_patience:
                 self.say(f"early stop: no improvement in {self.bad_validations} validations")

@@ -6,6 +6,7 @@ The equality is checked with BatchNorm in eval mode: in train mode a batch of 4 
 """
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -104,3 +105,28 @@ def test_a_run_stopped_between_accumulated_steps_resumes_bit_for_bit(tmp_path, s
 def test_impossible_accumulation_is_refused_naming_the_option(tmp_path, synthetic_h5, accumulate, message):
     with pytest.raises(ConfigError, match=message):
         run(tmp_path, synthetic_h5, "--batch-size", "2", "--accumulate", accumulate, "--epochs", "1")
+
+
+def test_an_epoch_resumed_at_its_end_reports_no_train_loss_rather_than_zero(tmp_path, synthetic_h5,
+                                                                            monkeypatch, capsys):
+    args = ["--batch-size", "2", "--accumulate", "2", "--epochs", "2", "--set", "train.max_steps_per_epoch=3",
+            "--run-name", "edge"]
+    run_step = Trainer.run_step
+
+    def stop_at_the_epochs_last_step(self, batches, epoch, first):
+        out = run_step(self, batches, epoch, first)
+        if self.step == 2:                 # the step being taken is the epoch's third and last
+            self.stop_signal = signal.SIGTERM
+            out["stop"] = True
+        return out
+
+    monkeypatch.setattr(Trainer, "run_step", stop_at_the_epochs_last_step)
+    with pytest.raises(Interrupted):
+        run(tmp_path, synthetic_h5, *args)
+    monkeypatch.setattr(Trainer, "run_step", run_step)
+    run(tmp_path, synthetic_h5, *args, "--resume", "auto")
+    assert "epoch 1/2: no training step counted" in capsys.readouterr().out
+    lines = [json.loads(line) for line in (tmp_path / "edge/metrics.jsonl").read_text().splitlines()]
+    val = [r for r in lines if r["kind"] == "val"]
+    assert [r["epoch"] for r in val] == [0, 1]
+    assert "train_loss" not in val[0] and val[1]["train_loss"] > 0
