@@ -159,3 +159,19 @@ def test_ap_validation_runs_without_cudnn_autotuning_and_gives_it_back(tmp_path,
         assert seen == [False] and torch.backends.cudnn.benchmark is True   # train.cudnn_benchmark
     finally:
         torch.backends.cudnn.benchmark = previous
+
+
+def test_a_checkpoint_of_an_older_version_resumes_with_new_flags(tmp_path, synthetic_h5):
+    """Configs saved before amp.channels_last became auto-or-switch (false), when loss scales were
+    kept as strings ('128.0'), and before train.accumulate existed."""
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "old", "--val-every", "0")
+    path = tmp_path / "old/last.pth"
+    state = torch.load(path, weights_only=False)
+    state["config"]["amp"].update(channels_last=False, loss_scale="128.0")
+    del state["config"]["train"]["accumulate"]
+    torch.save(state, path)
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "old", "--val-every", "0",
+        "--resume", "auto", "--channels-last", "True", "--accumulate", "2")
+    done = load_checkpoint(path)
+    assert (done["config"]["amp"]["channels_last"], done["config"]["amp"]["loss_scale"]) == (True, "128.0")
+    assert done["config"]["train"]["accumulate"] == 2 and done["epoch"] == 2 and done["step"] == 3 + 3
