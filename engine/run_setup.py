@@ -95,6 +95,9 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
     if sampler.batches_per_epoch == 0:
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} is larger than the "
                           f"{len(dataset)} training samples")
+    if sampler.batches_per_epoch < cfg.train.accumulate:
+        raise ConfigError(f"option train.accumulate: {cfg.train.accumulate} batches per step, but an "
+                          f"epoch has only {sampler.batches_per_epoch} batches of {cfg.train.batch_size}")
     if cfg.data.workers > 0:
         # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
         # changing OpenCV's thread count inside a forked worker can deadlock on the pool the

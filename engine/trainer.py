@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config.errors import CheckpointError, ConfigError, TrainingDiverged, UserError
+from config.errors import CheckpointError, TrainingDiverged, UserError
 from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
@@ -101,9 +101,6 @@ class Trainer:
         # loader batches per epoch, a whole number of steps of `accumulate` batches each
         accumulate = cfg.train.accumulate
         steps = self.sampler.batches_per_epoch // accumulate
-        if steps == 0:
-            raise ConfigError(f"option train.accumulate: {accumulate} batches per step, but an epoch "
-                              f"has only {self.sampler.batches_per_epoch} batches of {cfg.train.batch_size}")
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, cfg.train.max_steps_per_epoch)
         self.batches_per_epoch = steps * accumulate
