@@ -57,6 +57,14 @@ def dumps(run_dir: Path) -> list[dict]:
     return [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
+def ranks_identical(rank0: dict, rank1: dict, bn_statistics: bool = True) -> bool:
+    """Whether two ranks' dumped states are bit-identical: all of them, or the parameters only
+    (without --sync-bn each rank's BatchNorm statistics are its own)."""
+    keys = [k for k in rank0["state"]
+            if bn_statistics or ("running" not in k and "num_batches" not in k)]
+    return all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in keys)
+
+
 def weights(path: Path) -> dict:
     return load_checkpoint(path)["model"]
 

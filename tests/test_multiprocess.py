@@ -31,7 +31,7 @@ from engine.sampler import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
-                               data_args, dumps, initial_weights, launch, records,
+                               data_args, dumps, initial_weights, launch, ranks_identical, records,
                                relative_difference, weights)
 
 
@@ -71,13 +71,11 @@ def ddp_legacy(out_dir, synthetic_h5) -> Path:
 def test_ranks_hold_identical_parameters_after_ddp_steps(ddp_sync, ddp_legacy):
     for run_dir in (ddp_sync[0], ddp_legacy):
         rank0, rank1 = dumps(run_dir)
-        params = [k for k in rank0["state"] if "running" not in k and "num_batches" not in k]
-        assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in params), run_dir.name
+        assert ranks_identical(rank0, rank1, bn_statistics=False), run_dir.name
         assert [s["lr"] for s in rank0["steps"]] == [s["lr"] for s in rank1["steps"]] == [0.01] * 3
         ckpt = weights(run_dir / "last.pth")           # what rank 0 saved is what it trained
         assert all(torch.equal(ckpt[k], rank0["state"][k]) for k in ckpt)
-    rank0, rank1 = dumps(ddp_sync[0])                  # --sync-bn: running statistics agree too
-    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"])
+    assert ranks_identical(*dumps(ddp_sync[0]))        # --sync-bn: running statistics agree too
 
 
 def test_sync_bn_ddp_trains_like_one_process_on_the_same_total_batch(single, ddp_sync):
@@ -185,8 +183,7 @@ def test_a_skip_decided_by_one_ranks_loss_is_taken_by_both(ddp_skip):
     assert [s["loss"] > threshold for s in rank1["steps"]] == [False, True, False]
     for rank in (rank0, rank1):
         assert [s["skipped"] for s in rank["steps"]] == [False, True, False]
-    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"]
-               if "running" not in k and "num_batches" not in k)
+    assert ranks_identical(rank0, rank1, bn_statistics=False)
     ckpt = load_checkpoint(ddp_skip / "last.pth")
     assert ckpt["skipped_steps"] == 1 and ckpt["step"] == 3
 
@@ -207,7 +204,7 @@ def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
     rank0, rank1 = dumps(ddp_accumulate)
     for rank in (rank0, rank1):
         assert [s["skipped"] for s in rank["steps"]] == [False, True, False]
-    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"])
+    assert ranks_identical(rank0, rank1)
     ckpt = load_checkpoint(ddp_accumulate / "last.pth")
     assert (ckpt["step"], ckpt["skipped_steps"]) == (3, 1)
     assert ckpt["config"]["train"]["accumulate"] == 2 and ckpt["world_size"] == 2
@@ -220,9 +217,7 @@ def test_accumulation_under_ddp_static_graph_all_reduces_every_batch(out_dir, sy
            [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
             "--batch-size", "2", "--accumulate", "2", "--set", "dist.static_graph=true",
             "--run-name", "ddp_static"])
-    rank0, rank1 = dumps(out_dir / "ddp_static")
-    params = [k for k in rank0["state"] if "running" not in k and "num_batches" not in k]
-    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in params)
+    assert ranks_identical(*dumps(out_dir / "ddp_static"), bn_statistics=False)
     assert load_checkpoint(out_dir / "ddp_static" / "last.pth")["step"] == 3
 
 
