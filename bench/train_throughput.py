@@ -111,7 +111,11 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
         torch.cuda.reset_peak_memory_stats(device)
     skipped, waited = 0, 0.0
     try:
-        for i in range(args.warmup):
+        tick = time.perf_counter()
+        trainer.run_step([next(data)], epoch, 0)
+        sync(device)
+        first_step = time.perf_counter() - tick       # under --compile: mostly the compilation
+        for i in range(1, args.warmup):
             trainer.run_step([next(data)], epoch, i)
         # then on while the fp16 loss scale still falls: an overflow skips the optimiser step, and
         # the timed steps should be whole ones
@@ -139,6 +143,7 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
             torch.cuda.empty_cache()
     memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     return {"config": label, "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
+            "first_step_s": first_step,
             "data_wait_share": waited / (seconds * args.steps), "peak_mem_gib": memory,
             "skipped_steps": int(skipped), **({"time_by_op": time_by_op} if time_by_op else {})}
 
@@ -177,6 +182,7 @@ def print_row(row: dict, peak: float | None) -> None:
     print(f"{row['config']:<24} {row['images_per_s']:9.2f} img/s {row['step_ms']:9.1f} ms/step "
           f"{row['peak_mem_gib'] or float('nan'):7.2f} GiB {row['tflops']:7.2f} TFLOP/s "
           f"data wait {100 * row['data_wait_share']:4.1f} % {share}"
+          + (f" first step {row['first_step_s']:.0f} s" if row['first_step_s'] >= 10 else "")
           + (f"  ({row['skipped_steps']} steps skipped: timing invalid)" if row["skipped_steps"] else ""),
           flush=True)
     if row.get("time_by_op"):

@@ -24,7 +24,7 @@ def test_synthetic_rows_with_and_without_channels_last(capsys):
     assert [row["config"] for row in result["rows"]] == ["O0 fp32", "O0 fp32 +cl"]
     assert result["data"] == "synthetic" and result["device"] == "cpu" and result["gmac_per_image"] > 0
     for row in result["rows"]:
-        assert row["images_per_s"] > 0 and row["skipped_steps"] == 0
+        assert row["images_per_s"] > 0 and row["skipped_steps"] == 0 and row["first_step_s"] > 0
         assert row["tflops"] == pytest.approx(row["images_per_s"] * 6 * result["gmac_per_image"] / 1e3)
         assert row["share_of_bf16_peak"] is None            # no GPU: no peak to compare with
 
