@@ -148,8 +148,9 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
             "skipped_steps": int(skipped), **({"time_by_op": time_by_op} if time_by_op else {})}
 
 
-OP_KINDS = (("convolution", r"conv"), ("matmul", r"::(mm|addmm|bmm|matmul|linear)\b"),
-            ("batch_norm", r"batch_norm"), ("optimizer", r"_foreach|_fused_"))
+OP_KINDS = (("inductor_fused", r"^triton_"),    # torch.compile's kernels, named after the ops they fuse
+            ("convolution", r"conv"), ("matmul", r"::(mm|addmm|bmm|matmul|linear)\b"),
+            ("batch_norm", r"batch_norm"), ("optimizer", r"::_foreach|::_fused_"))
 
 
 def profile_steps(step, steps: int, device: torch.device) -> dict:
