@@ -86,10 +86,14 @@ class Trainer:
         self.model = model
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
+        loss = FocalL2Loss(cfg.loss).to(ctx.device)
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
-                                             FocalL2Loss(cfg.loss).to(ctx.device), self.precision)
+                                             loss, self.precision)
         self.net = launch.wrap(self.model_with_loss)
-        self.eval_net = self.net if launch.wrapped_eval else self.model_with_loss
+        if cfg.amp.compile:     # validate eagerly: compiling the no-grad graph and the last, smaller
+            self.eval_net = ModelWithLoss(model, loss, self.precision)    # batch costs minutes each
+        else:
+            self.eval_net = self.net if launch.wrapped_eval else self.model_with_loss
         self.opt_params = self.precision.optimizer_params(trainable)
         self.optimizer = build_optimizer(self.opt_params, cfg.optim, zero=cfg.dist.zero and ctx.distributed,
                                          device_type=ctx.device.type)

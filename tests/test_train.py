@@ -175,3 +175,22 @@ def test_a_checkpoint_of_an_older_version_resumes_with_new_flags(tmp_path, synth
     done = load_checkpoint(path)
     assert (done["config"]["amp"]["channels_last"], done["config"]["amp"]["loss_scale"]) == (True, "128.0")
     assert done["config"]["train"]["accumulate"] == 2 and done["epoch"] == 2 and done["step"] == 3 + 3
+
+
+def test_a_compiled_run_compiles_the_training_graph_only_and_trains_like_an_eager_one(
+        tmp_path, synthetic_h5, monkeypatch):
+    """`--compile` compiles one graph, the training step's. Validation (no grad, eval mode, a smaller
+    last batch) runs the same weights eagerly: compiling those two graphs took minutes on a GPU.
+    Dynamo traces for real; its "eager" backend leaves out Inductor's code generation (minutes on CPU)."""
+    from torch._dynamo.utils import counters
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "compiled", "--compile")
+    assert counters["stats"]["unique_graphs"] == 1
+    eager = run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "eager")
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    with_compile, without = (weights(tmp_path / name / "last.pth") for name in ("compiled", "eager"))
+    assert with_compile.keys() == without.keys()          # no "_orig_mod." prefix
+    assert all(torch.allclose(with_compile[k].float(), without[k].float(), atol=1e-5) for k in without)
