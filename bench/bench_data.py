@@ -19,7 +19,8 @@ COCO4_ANN = "test_coco.json"
 
 
 def find_coco4(coco_dir: str | None = None) -> Path | None:
-    for candidate in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), ROOT.parent / "shared" / "data" / "coco4"):
+    for candidate in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"),
+                      ROOT.parent / "shared" / "data" / "coco4"):
         if candidate and (Path(candidate) / COCO4_ANN).is_file():
             return Path(candidate)
     return None

@@ -3,7 +3,8 @@
     python bench/data_pipeline.py [--input-size 512] [--samples 300] [--h5 FILE.h5]
 
 Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is looked for; it
-draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of `KeypointDataset` with augmentation:
+draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
+`KeypointDataset` with augmentation:
 read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
 targets (50 maps at stride 4), and the total of `dataset[i]` (tensors included). Rates are per
 CPU second of this process (one thread), so other load on the machine barely moves them. It
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     cfg = build_config(None, {"data": {"input_size": args.input_size}})
     with tempfile.TemporaryDirectory() as tmp:
-        h5_path, source = (Path(args.h5), Path(args.h5).name) if args.h5 else make_bench_h5(Path(tmp), 1, args.coco_dir)
+        h5_path, source = ((Path(args.h5), Path(args.h5).name) if args.h5
+                           else make_bench_h5(Path(tmp), 1, args.coco_dir))
         dataset = KeypointDataset(h5_path, cfg, train=True)
         stages = measure(dataset, args.samples)
         h5 = dataset.h5

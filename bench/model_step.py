@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run bfloat16 autocast on CPU even without native support (slow)")
     parser.add_argument("--cuda-batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (0: torch's default); 1 avoids thrashing on a busy machine")
+                        help="CPU threads for torch (0: torch's default); "
+                             "1 avoids thrashing on a busy machine")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA sections")
     args = parser.parse_args(argv)
 

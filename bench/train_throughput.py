@@ -4,7 +4,8 @@ For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp
 without channels_last and optionally torch.compile) it builds the real `Trainer` that train.py
 builds and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
 already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
-the time the step waited for data (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak that the
+the time the step waited for data (and, with --profile, the op time by kind), and the share of the
+GPU's bf16 matrix-multiply peak that the
 step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over the step
 time, against a large bf16 matmul timed in the same run). One JSON line last.
 
@@ -187,7 +188,8 @@ def print_row(row: dict, peak: float | None) -> None:
           + (f"  ({row['skipped_steps']} steps skipped: timing invalid)" if row["skipped_steps"] else ""),
           flush=True)
     if row.get("time_by_op"):
-        print("    op time: " + ", ".join(f"{k} {100 * v:.0f} %" for k, v in row["time_by_op"].items()), flush=True)
+        print("    op time: " + ", ".join(f"{k} {100 * v:.0f} %" for k, v in row["time_by_op"].items()),
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
             repeat = args.repeat if args.h5 else max(1, -(-args.batch // 4))
             h5, source = make_bench_h5(work, repeat, args.coco_dir)
         print(f"{args.preset} at {args.input}, batch {args.batch}, {args.steps} steps after {args.warmup}; "
-              f"data: {source + f' through the DataLoader, {args.workers} workers' if args.from_loader else 'synthetic batches on the device'}"
+              "data: " + (source + f" through the DataLoader, {args.workers} workers" if args.from_loader
+                          else "synthetic batches on the device")
               + (f"; bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""), flush=True)
         for name, level, dtype, tf32 in configs:
             for cl in both[args.channels_last]:

@@ -187,7 +187,8 @@ def validate(cfg: Config) -> None:
             if isinstance(scale, bool) or float(scale) <= 0:
                 raise ValueError
         except (TypeError, ValueError):
-            raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a positive number") from None
+            raise ConfigError(f"option amp.loss_scale: {scale!r} "
+                              "is not 'dynamic' or a positive number") from None
     if cfg.amp.channels_last not in ("auto", True, False):
         raise ConfigError(f"option amp.channels_last: {cfg.amp.channels_last!r} is not auto, true or false")
     if cfg.optim.name not in ("sgd", "adamw"):

@@ -88,7 +88,8 @@ class OptimConfig:
 
 @dataclass
 class AmpConfig:
-    opt_level: str = "O0"         # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
+    # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
+    opt_level: str = "O0"
     dtype: str = "auto"           # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
     keep_batchnorm_fp32: object = None   # None: the opt level's default (True for O2, False for O3)
     loss_scale: object = "dynamic"       # "dynamic" or a number

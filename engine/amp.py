@@ -68,12 +68,14 @@ class Precision:
         keep = cfg.keep_batchnorm_fp32
         self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
         self.master_weights = self.level == "O2"
-        self.channels_last = (device.type == "cuda") if cfg.channels_last == "auto" else bool(cfg.channels_last)
+        self.channels_last = ((device.type == "cuda") if cfg.channels_last == "auto"
+                              else bool(cfg.channels_last))
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
         use_scaler = self.level != "O0" and self.dtype == torch.float16
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         init = self.static_scale or cfg.init_scale
-        scaler_type = _HalfParamsGradScaler if self.cast_model and not self.master_weights else torch.amp.GradScaler
+        scaler_type = (_HalfParamsGradScaler if self.cast_model and not self.master_weights
+                       else torch.amp.GradScaler)
         self.scaler = scaler_type(
             self.device_type, enabled=use_scaler, init_scale=init,
             growth_interval=2 ** 30 if self.static_scale else 2000)

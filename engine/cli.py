@@ -21,7 +21,8 @@ DEFAULT_PRESET = "tiny"
 FLAG_KEYS = {
     "train_h5": "data.train_h5", "val_h5": "data.val_h5", "workers": "data.workers",
     "input_size": "data.input_size",
-    "epochs": "train.epochs", "batch_size": "train.batch_size", "accumulate": "train.accumulate", "seed": "train.seed",
+    "epochs": "train.epochs", "batch_size": "train.batch_size", "accumulate": "train.accumulate",
+    "seed": "train.seed",
     "run_name": "train.run_name", "out_dir": "train.out_dir", "resume": "train.resume",
     "weights": "train.weights", "allow_partial": "train.allow_partial", "freeze": "train.freeze",
     "overwrite": "train.overwrite", "device": "train.device", "ap_every": "train.ap_every",
@@ -58,7 +59,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--config", default=None, help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")
-    add("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, e.g. optim.milestones=[30,45]")
+    add("--set", action="append", default=[], metavar="KEY=VALUE",
+        help="any config field, e.g. optim.milestones=[30,45]")
     g = p.add_argument_group("data")
     g.add_argument("--train-h5", help="training HDF5 (default: the project's synthetic dataset)")
     g.add_argument("--val-h5", help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 "
@@ -75,7 +77,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--out-dir", help="parent of run directories (default checkpoints)")
     g.add_argument("--resume", help="checkpoint PATH, or 'auto': the newest valid one of the run")
     g.add_argument("--weights", help="initial weights only (fine-tuning)")
-    g.add_argument("--allow-partial", action="store_true", default=None, help="with --weights: load the keys that match")
+    g.add_argument("--allow-partial", action="store_true", default=None,
+                   help="with --weights: load the keys that match")
     g.add_argument("--freeze", nargs="+", metavar="PATTERN", help="module-name prefixes or globs to freeze")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace an existing run directory")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N")
@@ -89,7 +92,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, metavar="MAX_NORM")
     g.add_argument("--warmup-epochs", type=float)
     g = p.add_argument_group("mixed precision (Apex's names)")
-    g.add_argument("--opt-level", help="O0 float32 | O1 autocast | O2 half model, float32 BN and master weights | O3 all half")
+    g.add_argument("--opt-level", help="O0 float32 | O1 autocast | O2 half model, "
+                                       "float32 BN and master weights | O3 all half")
     g.add_argument("--keep-batchnorm-fp32", type=_bool, nargs="?", const=True, metavar="True|False",
                    help="BatchNorm in float32 under O2/O3 (default: True for O2, False for O3)")
     g.add_argument("--loss-scale", type=_loss_scale, metavar="dynamic|NUMBER",
@@ -101,8 +105,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g = p.add_argument_group("multi-process")
     g.add_argument("--sync-bn", action="store_true", default=None, help="batch norm over all processes")
-    g.add_argument("--delay-allreduce", action="store_true", default=None, help="one all-reduce after backward")
-    g.add_argument("--zero", action="store_true", default=None, help="shard optimiser state (ZeroRedundancyOptimizer)")
+    g.add_argument("--delay-allreduce", action="store_true", default=None,
+                   help="one all-reduce after backward")
+    g.add_argument("--zero", action="store_true", default=None,
+                   help="shard optimiser state (ZeroRedundancyOptimizer)")
     return p
 
 

@@ -260,7 +260,8 @@ class Trainer:
             if out["stop"]:
                 bar.close()
                 self.save("last.pth", epoch, first + accumulate)
-                name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
+                name = (signal.Signals(self.stop_signal).name if self.stop_signal
+                        else "a signal on another rank")
                 raise Interrupted(f"stopped by {name} at epoch {epoch + 1}, batch {first + accumulate}; "
                                   f"saved {self.run_dir / 'last.pth'}. Resume with the same command "
                                   f"and --resume auto --run-name {self.run_dir.name}")

@@ -66,7 +66,8 @@ def run_stopped_at_step(tmp_path, synthetic_h5, monkeypatch, step: int, *args) -
     # float32 master gradient (O2) or unscaled in place (O3); rounding differs by up to ~0.3 %
     ("O2", "bfloat16", 0.02), ("O2", "float16", 0.02), ("O3", "float16", 0.02),
 ])
-def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synthetic_h5, level, dtype, tolerance):
+def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synthetic_h5, level, dtype,
+                                                                 tolerance):
     amp = [f"amp.opt_level={level}", f"amp.dtype={dtype}", "amp.loss_scale=128"]
     joined = trainer(tmp_path, synthetic_h5, "joined", 4, 1, *amp)
     split = trainer(tmp_path, synthetic_h5, "split", 2, 2, *amp)
@@ -103,7 +104,8 @@ def test_the_lr_curve_by_step_is_the_joined_batchs(tmp_path, synthetic_h5):
 
 
 def test_train_py_takes_one_step_per_k_batches(tmp_path, synthetic_h5, capsys):
-    run(tmp_path, synthetic_h5, "--batch-size", "2", "--accumulate", "3", "--epochs", "1", "--run-name", "acc")
+    run(tmp_path, synthetic_h5, "--batch-size", "2", "--accumulate", "3", "--epochs", "1",
+        "--run-name", "acc")
     out = capsys.readouterr().out
     assert "batch 2 per process, 2 in total, 3 batches per step (6 samples)" in out
     samples = int(re.search(r"data: (\d+) training samples", out).group(1))

@@ -37,4 +37,5 @@ def test_real_loading_from_coco4_with_an_op_profile(capsys, coco4_dir):
     assert "coco4" in result["data"] and result["workers"] == 1
     row, = result["rows"]
     assert 0 <= row["data_wait_share"] <= 1
-    assert "convolution" in row["time_by_op"] and sum(row["time_by_op"].values()) == pytest.approx(1, abs=1e-3)
+    assert ("convolution" in row["time_by_op"]
+            and sum(row["time_by_op"].values()) == pytest.approx(1, abs=1e-3))

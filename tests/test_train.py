@@ -56,8 +56,8 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
                                          ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"),
                                          ("O3", "float16")])
 def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
-    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level, "--val-every", "0",
-        "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
+        "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
     ckpt = load_checkpoint(tmp_path / "amp/last.pth")
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     torch.manual_seed(0)
@@ -123,7 +123,8 @@ def test_a_finished_run_gives_back_the_signal_handlers_it_installed(tmp_path, sy
         signal.signal(signal.SIGUSR1, before)
 
 
-def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_the_curves(tmp_path, synthetic_h5):
+def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_the_curves(tmp_path,
+                                                                                        synthetic_h5):
     """A run resumed from epoch_1.pth after epoch 2 was logged: epoch 2's first records stay in
     metrics.jsonl (nothing is deleted) but behind a resume marker, and the curves use the new ones."""
     from engine.logger import RunLogger
