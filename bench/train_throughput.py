@@ -4,10 +4,10 @@ For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp
 without channels_last and optionally torch.compile) it builds the real `Trainer` that train.py
 builds and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
 already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
-the time the step waited for data (and, with --profile, the op time by kind), and the share of the
-GPU's bf16 matrix-multiply peak that the
-step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over the step
-time, against a large bf16 matmul timed in the same run). One JSON line last.
+the first step's time (under --compile, mostly the compilation), the time the step waited for data
+(and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
+that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
+the step time, against a large bf16 matmul timed in the same run). One JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
