@@ -90,10 +90,10 @@ class Trainer:
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
                                              loss, self.precision)
         self.net = launch.wrap(self.model_with_loss)
-        if cfg.amp.compile:     # validate eagerly: compiling the no-grad graph and the last, smaller
-            self.eval_net = ModelWithLoss(model, loss, self.precision)    # batch costs minutes each
-        else:
-            self.eval_net = self.net if launch.wrapped_eval else self.model_with_loss
+        # validation runs the model eagerly: under --compile its no-grad graph and its smaller last
+        # batch would each be compiled again, minutes apiece
+        eval_model = ModelWithLoss(model, loss, self.precision) if cfg.amp.compile else self.model_with_loss
+        self.eval_net = launch.wrap(eval_model) if launch.wrapped_eval else eval_model
         self.opt_params = self.precision.optimizer_params(trainable)
         self.optimizer = build_optimizer(self.opt_params, cfg.optim, zero=cfg.dist.zero and ctx.distributed,
                                          device_type=ctx.device.type)
