@@ -2,8 +2,8 @@
 
 `make_bench_h5(work, repeat)` converts coco4 (4 val2017 images, 14 people) with every image listed
 `repeat` times, so a loader has enough distinct samples for whole batches and epochs of realistic
-length. coco4 is looked for in `--coco-dir`, then `$SIMPLEPOSE_COCO4`, then `../shared/data/coco4`
-beside the repository; without it, 640x640 synthetic images are drawn instead (their JPEGs decode
+length. coco4 is looked for in `--coco-dir`, then `$SIMPLEPOSE_COCO4`, then the repository's own
+`tests/data/coco4`; without it, 640x640 synthetic images are drawn instead (their JPEGs decode
 faster than photographs, so the rate is then an upper bound).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ COCO4_ANN = "test_coco.json"
 
 def find_coco4(coco_dir: str | None = None) -> Path | None:
     for candidate in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"),
-                      ROOT.parent / "shared" / "data" / "coco4"):
+                      ROOT / "tests" / "data" / "coco4"):
         if candidate and (Path(candidate) / COCO4_ANN).is_file():
             return Path(candidate)
     return None

@@ -2,7 +2,7 @@
 
     python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise]
 
-Each image is a random composition of real COCO poses (../shared/data/coco4) scaled to 80-300 px
+Each image is a random composition of real COCO poses (tests/data/coco4) scaled to 80-300 px
 tall on a COCO-sized canvas; its ground-truth maps (data.targets, stride 1) are rendered untimed,
 then `group_people` is timed. Prints median and p90 ms and the people found, then one JSON line.
 The target of the project: under 20 ms for 5 people (the reference: 5.2 images/s, ~190 ms).
@@ -35,7 +35,7 @@ from data.make_hdf5 import to_skeleton  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 
-COCO4 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4" / "test_coco.json"
+COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4" / "test_coco.json"
 TARGET_MS_5_PEOPLE = 20.0
 TARGET_MS_NOISE = {"blurred": 150.0, "pure": 400.0}
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-COCO4_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4"
+COCO4_DIR = Path(__file__).resolve().parent / "data" / "coco4"
 
 
 @pytest.fixture(scope="session")
 def coco4_dir() -> Path:
-    """`../shared/data/coco4`: four real COCO val2017 images and `test_coco.json`."""
+    """`tests/data/coco4`: four real COCO val2017 images and `test_coco.json` (see its NOTICE.md)."""
     assert (COCO4_DIR / "test_coco.json").is_file(), f"missing test data {COCO4_DIR}"
     return COCO4_DIR
 

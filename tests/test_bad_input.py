@@ -32,7 +32,7 @@ from models import build_model
 from child_env import child_env
 from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 
-COCO4 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco4"
+from conftest import COCO4_DIR as COCO4
 IMAGE = "000000000785.jpg"
 PARALLEL = 6
 
