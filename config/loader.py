@@ -215,3 +215,5 @@ def validate(cfg: Config) -> None:
     if cfg.inference.decode_threads < 0:
         raise ConfigError(f"option inference.decode_threads: {cfg.inference.decode_threads} must be "
                           ">= 0 (0: one per core of this process's share of the machine)")
+    if cfg.inference.batch_size < 1:
+        raise ConfigError(f"option inference.batch_size: {cfg.inference.batch_size} must be >= 1")

@@ -130,6 +130,8 @@ class InferenceConfig:
     max_peaks: int = 100          # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     decode_threads: int = 0       # evaluation: images grouped in this many threads while the next one
                                   # runs through the network (0: this machine's cores / its processes, <= 8)
+    batch_size: int = 8           # pictures per network pass at input_size x input_size (fewer when
+                                  # larger; with flip each goes with its mirror)
 
 
 @dataclass

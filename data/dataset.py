@@ -1,7 +1,7 @@
 """The training/validation dataset: one sample per main person of a keypoint HDF5 file.
 
 `KeypointDataset(h5_path, cfg, train, rank)[i]` returns
-    image  float32 [3, S, S]     RGB in [0, 1], S = cfg.data.input_size
+    image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = cfg.data.input_size
     target float32 [50, S/4, S/4] the maps of `data.targets.render_targets`
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
 With train=True (and cfg.augment.enabled) each sample gets the random affine and colour tint of
@@ -19,7 +19,6 @@ import ctypes
 import os
 import time
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -28,9 +27,10 @@ from config.schema import Config
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, matrix_zoom,
                           tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5, check_split
+from data.preprocess import picture_to_input
 from data.targets import render_targets
 
-__all__ = ["KeypointDataset", "check_split", "image_to_tensor"]
+__all__ = ["KeypointDataset", "check_split"]
 _REDUCTIONS = (8, 4, 2)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # glibc mallopt parameters
 _KEEP_FREED_BYTES = 64 << 20
@@ -50,12 +50,6 @@ def keep_freed_memory() -> None:
         return
     mallopt(_M_MMAP_THRESHOLD, _KEEP_FREED_BYTES // 2)   # 32 MB: the largest glibc accepts
     mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED_BYTES)
-
-
-def image_to_tensor(image: np.ndarray) -> torch.Tensor:
-    """uint8 HxWx3 BGR -> float32 [3,H,W] RGB in [0, 1]."""
-    blue, green, red = cv2.split(image)
-    return torch.from_numpy(np.stack([red, green, blue])).float().mul_(1 / 255)
 
 
 class _StageClock:
@@ -141,5 +135,5 @@ class KeypointDataset(Dataset):
 
     def __getitem__(self, index: int):
         sample = self.sample_arrays(index)
-        return (image_to_tensor(sample["image"]), torch.from_numpy(sample["target"]),
+        return (picture_to_input(sample["image"]), torch.from_numpy(sample["target"]),
                 torch.from_numpy(sample["mask"][None]))

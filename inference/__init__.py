@@ -1,1 +1,4 @@
-"""Inference: network maps of an image, grouping into people, COCO keypoint AP, evaluation."""
+"""Inference: the `PoseEstimator` API (inference.estimator) and what it is built of."""
+from inference.estimator import Person, PoseEstimator, Prediction
+
+__all__ = ["Person", "PoseEstimator", "Prediction"]

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +16,13 @@ import torch
 from tqdm import tqdm
 
 from config.errors import DataError
-from config.schema import Config, InferenceConfig
+from config.schema import Config
 from engine.checkpoint import unwrap_model
-from engine.distributed import (all_gather_object, broadcast_object, current_context, get_rank,
-                                get_world_size)
+from engine.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
-from inference.grouping import group_people, to_coco_results
-from inference.predict import predict_maps
+from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool
+from inference.grouping import to_coco_results
+from inference.predict import TorchNetwork
 
 
 @contextlib.contextmanager
@@ -51,40 +48,20 @@ def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
     return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
 
 
-def decode_threads(cfg: InferenceConfig) -> int:
-    """Grouping threads: the config's number, or this process's share of the machine's cores."""
-    if cfg.decode_threads > 0:
-        return cfg.decode_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ctx = current_context()          # the launcher's processes on this machine (torchrun, SLURM, ...)
-    return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
-
-
 def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
-    """{image id: COCO results} for the image indices given, people found by `group_people`.
-
-    Grouping (numpy and OpenCV, which release the GIL) runs in a pool of `decode_threads` while
-    the main thread reads the next image and runs the network; at most two maps per thread wait.
-    """
+    """{image id: COCO results} for the image indices given: pictures through the model in batches
+    and people grouped in a thread pool by `inference.estimator` (the ground-truth maps with
+    `oracle`), as the inference API finds them."""
+    indices = tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True)
+    if oracle:
+        maps_stream = (oracle_maps(h5, img, cfg) for img in indices)
+    else:
+        estimator = PoseEstimator(TorchNetwork(model, device), cfg)
+        maps_stream = estimator.maps_stream(h5.decode_image(img) for img in indices)
     found = {}
-    threads = decode_threads(cfg.inference)
-    pending: deque = deque()
-
-    def collect(limit: int) -> None:
-        while len(pending) > limit:
-            image_id, people = pending.popleft()
-            keypoints, scores = people.result()
-            found[image_id] = to_coco_results(image_id, keypoints, scores)
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
-        for img in tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True):
-            if oracle:
-                maps = oracle_maps(h5, img, cfg)
-            else:
-                maps = predict_maps(model, h5.decode_image(img), cfg, device)
-            pending.append((h5.image_info(img)["id"], pool.submit(group_people, maps, cfg.inference)))
-            collect(2 * threads)
-        collect(0)
+    for img, (_, keypoints, scores) in zip(indices.iterable, grouped_in_pool(maps_stream, cfg.inference)):
+        image_id = h5.image_info(img)["id"]
+        found[image_id] = to_coco_results(image_id, keypoints, scores)
     return found
 
 

@@ -1,4 +1,5 @@
-"""What evaluate.py and demo.py share: the config and the model of a weights file.
+"""What the inference API (`inference.estimator`) reads from a weights file: its config, its model,
+its skeleton, and the device to run on.
 
 A checkpoint written by the engine carries its resolved config: it is the base, so the network
 built matches the weights; a bare state dict uses `--preset` (default imhn512). `--set KEY=VALUE`
@@ -6,11 +7,42 @@ overrides apply on top, then the inference flags (scales, flip).
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import torch
+
 from config.errors import CheckpointError
 from config.loader import build_config
 from config.schema import Config
+from config.skeleton import KEYPOINTS, LIMBS, NUM_CHANNELS
 
 DEFAULT_PRESET = "imhn512"
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """What a network's maps mean: keypoint names (rows of `Person.keypoints`), limbs (pairs of
+    keypoint indices) and the number of output channels."""
+
+    keypoints: tuple[str, ...]
+    limbs: tuple[tuple[int, int], ...]
+    num_channels: int
+
+
+def skeleton_of(cfg: Config) -> Skeleton:
+    """The skeleton of a network of `cfg`. The one place the inference API takes it from: today the
+    method's constants (`config.skeleton`), the same for every checkpoint."""
+    return Skeleton(KEYPOINTS, LIMBS, NUM_CHANNELS)
+
+
+def pick_device(device) -> torch.device:
+    """A torch.device from auto | cpu | cuda | cuda:N (or a torch.device); ConfigError if absent."""
+    from engine.launch_env import read_launch, resolve_device
+
+    if isinstance(device, torch.device):
+        return device
+    return resolve_device(str(device), read_launch(os.environ, None))
 
 
 def inference_config(saved: dict | None, preset: str | None, sets: list[str],

@@ -1,10 +1,14 @@
-"""Network maps of one image at image size: multi-scale, optional flip, averaged.
+"""Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
 
-Per scale s the image is resized to height s * input_size, padded (bottom, right) to a multiple of
-64 and run together with its mirror image in one batch; the last stack's stride-4 output is
-sampled back to image pixels (cell (i, j) of the stride-4 map sits at input point
+Per scale s each picture is resized to height s * input_size and padded (bottom, right, with
+`data.preprocess.GREY`) to a multiple of 64; pictures of the same padded size go through the
+network together, each with its mirror image when flipping. The last stack's stride-4 output is
+sampled back to picture pixels (cell (i, j) of the stride-4 map sits at input point
 ((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 - 0.5)), the mirror's output is un-mirrored and its channels
 permuted by CHANNEL_FLIP, and everything is averaged.
+
+The network is anything with `.device` that maps a float32 input batch [B, 3, H, W] to the stride-4
+maps [B, C, H/4, W/4]: `TorchNetwork` (a model of this project) or `inference.onnx_network`.
 """
 from __future__ import annotations
 
@@ -15,14 +19,24 @@ import torch.nn.functional as F
 
 from config.schema import Config
 from config.skeleton import CHANNEL_FLIP
+from data.preprocess import padded_size, pictures_to_batch
 
-PAD_MULTIPLE = 64
 
+class TorchNetwork:
+    """A model of this project as a network of this module: the last stack's stride-4 maps, float32.
 
-def image_to_tensor(image_bgr: np.ndarray, device) -> torch.Tensor:
-    """BGR uint8 [H, W, 3] -> RGB float [1, 3, H, W] in [0, 1] on `device`."""
-    rgb = np.ascontiguousarray(image_bgr[:, :, ::-1])
-    return torch.from_numpy(rgb).to(device).permute(2, 0, 1)[None].float().div_(255.0)
+    The caller puts the model in eval mode (`inference.evaluation.eval_mode`); it runs under no_grad.
+    """
+
+    def __init__(self, model: torch.nn.Module, device=None):
+        self.model = model
+        params = [p for p in model.parameters() if p.is_floating_point()]
+        self.device = torch.device(device) if device is not None else params[0].device
+        self.dtype = params[0].dtype if params else torch.float32
+
+    @torch.no_grad()
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(batch.to(self.dtype))[-1][0].float()
 
 
 def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> torch.Tensor:
@@ -41,39 +55,59 @@ def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> 
     return out[:, :, :height, :width]
 
 
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    for param in model.parameters():
-        if param.is_floating_point():
-            return param.dtype
-    return torch.float32
+def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> np.ndarray:
+    """The picture resized to height scale * input_size (aspect kept; area filter when shrinking)."""
+    height, width = picture_bgr.shape[:2]
+    rh = max(1, int(round(float(scale) * input_size)))
+    rw = max(1, int(round(width * rh / height)))
+    return cv2.resize(picture_bgr, (rw, rh), interpolation=cv2.INTER_AREA if rh < height
+                      else cv2.INTER_LINEAR)
+
+
+def pictures_per_forward(size: tuple[int, int], cfg: Config) -> int:
+    """`inference.batch_size` pictures of input_size x input_size, fewer of a larger padded size."""
+    return max(1, cfg.inference.batch_size * cfg.data.input_size ** 2 // (size[0] * size[1]))
+
+
+def _as_network(model):
+    return TorchNetwork(model) if isinstance(model, torch.nn.Module) else model
 
 
 @torch.no_grad()
-def predict_maps(model: torch.nn.Module, image_bgr: np.ndarray, cfg: Config, device) -> np.ndarray:
-    """float32 [50, H, W]: the model's maps of `image_bgr` at its own size (see module doc).
+def predict_maps_batch(model, pictures_bgr: list[np.ndarray], cfg: Config) -> list[np.ndarray]:
+    """float32 [C, H, W] maps of each picture at its own size (see the module doc).
 
-    The caller puts the model in eval mode (`inference.evaluation.eval_mode`).
+    `model`: a model of this project (in eval mode) or a network of this module.
     """
-    height, width = image_bgr.shape[:2]
-    dtype = _model_dtype(model)
-    flip_index = torch.tensor(CHANNEL_FLIP, device=device)
-    total = None
+    network = _as_network(model)
+    flip_index = torch.tensor(CHANNEL_FLIP, device=network.device)
+    totals: list = [None] * len(pictures_bgr)
     for scale in cfg.inference.scales:
-        rh = max(1, int(round(float(scale) * cfg.data.input_size)))
-        rw = max(1, int(round(width * rh / height)))
-        resized = cv2.resize(image_bgr, (rw, rh), interpolation=cv2.INTER_AREA if rh < height
-                             else cv2.INTER_LINEAR)
-        batch = image_to_tensor(resized, device)
-        ph, pw = -(-rh // PAD_MULTIPLE) * PAD_MULTIPLE, -(-rw // PAD_MULTIPLE) * PAD_MULTIPLE
-        batch = F.pad(batch, (0, pw - rw, 0, ph - rh))
-        if cfg.inference.flip:
-            batch = torch.cat([batch, batch.flip(-1)])
-        out = model(batch.to(dtype))[-1][0].float()
-        stride = ph // out.shape[-2]
-        if cfg.inference.flip:
-            # Mirror back the whole padded map, so the crop region is the same for both.
-            out = out[:1] + out[1:].flip(-1)[:, flip_index]
-        maps = resample_to_image(out, stride, (rh, rw), (height, width))[0]
-        total = maps if total is None else total + maps
+        resized = [resize_for_scale(p, scale, cfg.data.input_size) for p in pictures_bgr]
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for k, picture in enumerate(resized):
+            by_size.setdefault(padded_size(*picture.shape[:2]), []).append(k)
+        for size, members in by_size.items():
+            step = pictures_per_forward(size, cfg)
+            for lo in range(0, len(members), step):
+                chunk = members[lo: lo + step]
+                batch = pictures_to_batch([resized[k] for k in chunk], size, network.device)
+                if cfg.inference.flip:
+                    batch = torch.cat([batch, batch.flip(-1)])
+                out = network(batch)
+                stride = size[0] // out.shape[-2]
+                if cfg.inference.flip:
+                    # Mirror back the whole padded map, so the crop region is the same for both.
+                    out = out[: len(chunk)] + out[len(chunk):].flip(-1)[:, flip_index]
+                for row, k in enumerate(chunk):
+                    maps = resample_to_image(out[row: row + 1], stride, resized[k].shape[:2],
+                                             pictures_bgr[k].shape[:2])[0]
+                    totals[k] = maps if totals[k] is None else totals[k] + maps
     count = len(cfg.inference.scales) * (2 if cfg.inference.flip else 1)
-    return (total / count).cpu().numpy()
+    return [(total / count).cpu().numpy() for total in totals]
+
+
+def predict_maps(model, picture_bgr: np.ndarray, cfg: Config, device=None) -> np.ndarray:
+    """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
+    network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
+    return predict_maps_batch(network, [picture_bgr], cfg)[0]

@@ -1,0 +1,45 @@
+"""Pictures to network input: the one convention that training and inference share.
+
+A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (the only place
+where the input's scale and offset are set: value / 255 - 0.5). Whatever lies outside the picture
+(the border of the training warp, the padding of inference up to a multiple of `PAD_MULTIPLE`)
+is `GREY` before normalisation, so the network sees the same value there in training and at
+inference. `data.dataset` (training and validation samples) and `inference.predict` (pictures of
+any size, padded and batched) both build their input here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GREY = (128, 128, 128)       # BGR uint8 outside the picture: training's warp border, inference's padding
+PAD_MULTIPLE = 64            # inference pads a picture (bottom, right) to a multiple of this
+
+
+def normalise(rgb: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB values (any shape, any device) -> the network's float32 input: value / 255 - 0.5."""
+    return rgb.float().mul_(1 / 255).sub_(0.5)
+
+
+def picture_to_input(picture_bgr: np.ndarray) -> torch.Tensor:
+    """uint8 [H, W, 3] BGR -> float32 [3, H, W] RGB network input (on the CPU)."""
+    return normalise(torch.from_numpy(np.ascontiguousarray(picture_bgr.transpose(2, 0, 1)[::-1])))
+
+
+def padded_size(height: int, width: int) -> tuple[int, int]:
+    """(height, width) rounded up to multiples of `PAD_MULTIPLE`."""
+    return -(-height // PAD_MULTIPLE) * PAD_MULTIPLE, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def pictures_to_batch(pictures_bgr: list[np.ndarray], size: tuple[int, int], device) -> torch.Tensor:
+    """uint8 BGR pictures, each at most `size` (height, width) -> float32 [B, 3, *size] network input
+    on `device`: each picture at the top left, `GREY` to the right of and below it.
+
+    The uint8 canvas goes to the device and is normalised there (a quarter of the bytes to move).
+    """
+    canvas = np.empty((len(pictures_bgr), *size, 3), np.uint8)
+    canvas[:] = GREY
+    for slot, picture in zip(canvas, pictures_bgr):
+        slot[: picture.shape[0], : picture.shape[1]] = picture
+    batch = torch.from_numpy(canvas).to(device, non_blocking=True)
+    return normalise(batch.permute(0, 3, 1, 2).flip(1)).contiguous()

@@ -1,0 +1,156 @@
+"""PoseEstimator: people out of pictures, from a checkpoint of this trainer or an exported ONNX file.
+
+    import cv2
+    from inference import PoseEstimator
+    estimator = PoseEstimator.from_checkpoint("best.pth", device="cpu")
+    people = estimator(cv2.imread("photo.jpg"))          # BGR, as OpenCV reads it
+    print([(round(person.score, 3), person.box) for person in people])
+
+`estimator(picture)` gives the picture's people (`Person`: keypoints (x, y, score) in picture
+pixels, score, box), best first; `estimator([p1, p2, ...])` a list of those per picture;
+`maps=True` gives `Prediction`s that also hold the maps [C, H, W] at picture size. A list, or
+`estimator.stream(pictures)` over any iterable (video frames), goes through the network in
+batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads.
+Scales, flip and grouping settings are the checkpoint's (`inference` section of its config),
+changed by `sets` ("inference.flip=true") or `scales` / `flip`. demo.py and evaluate.py use this.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from config.errors import CheckpointError
+from config.schema import Config, InferenceConfig
+from inference.grouping import group_people
+from inference.loading import load_model, pick_device, skeleton_of
+from inference.predict import TorchNetwork, predict_maps_batch
+
+
+@dataclass(frozen=True)
+class Person:
+    """One person: `keypoints` float32 [K, 3] (x, y in picture pixels, peak score; all 0 for a
+    keypoint not found), `score` in (0, 1), `box` (x0, y0, x1, y1) around the found keypoints."""
+
+    keypoints: np.ndarray
+    score: float
+    box: tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The people of one picture and, with maps=True, its maps float32 [C, H, W] at picture size."""
+
+    people: list[Person]
+    maps: np.ndarray | None = None
+
+
+def to_people(keypoints: np.ndarray, scores: np.ndarray) -> list[Person]:
+    """`group_people`'s arrays ([P, K, 3], [P]) as `Person` records."""
+    people = []
+    for person, score in zip(keypoints, scores):
+        found = person[person[:, 2] > 0, :2]
+        low, high = found.min(0), found.max(0)
+        people.append(Person(person, float(score), (float(low[0]), float(low[1]),
+                                                   float(high[0]), float(high[1]))))
+    return people
+
+
+def decode_threads(cfg: InferenceConfig) -> int:
+    """Grouping threads: the config's number, or this process's share of the machine's cores."""
+    from engine.distributed import current_context
+
+    if cfg.decode_threads > 0:
+        return cfg.decode_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ctx = current_context()          # the launcher's processes on this machine (torchrun, SLURM, ...)
+    return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
+
+
+def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig) -> Iterator[tuple]:
+    """(maps, keypoints, scores) of each maps of the stream, in order; `group_people` runs in a pool
+    of `decode_threads` threads (numpy and OpenCV release the GIL) while the stream makes the next
+    maps; at most two maps per thread wait."""
+    threads = decode_threads(cfg)
+    pending: deque = deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
+        for maps in maps_stream:
+            pending.append((maps, pool.submit(group_people, maps, cfg)))
+            while len(pending) > 2 * threads:
+                maps_done, people = pending.popleft()
+                yield (maps_done, *people.result())
+        while pending:
+            maps_done, people = pending.popleft()
+            yield (maps_done, *people.result())
+
+
+class PoseEstimator:
+    """A network (a model of this project, or `inference.onnx_network.OnnxNetwork`) with its config."""
+
+    def __init__(self, network, cfg: Config):
+        self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
+        self.cfg = cfg
+        self.skeleton = skeleton_of(cfg)
+
+    @classmethod
+    def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
+                        flip: bool | None = None) -> "PoseEstimator":
+        """From a checkpoint of this trainer (its config builds the network) or a bare state dict
+        (`preset` builds it, default imhn512); on `device` (auto, cpu, cuda, cuda:N)."""
+        if str(path).endswith(".onnx"):
+            raise CheckpointError(f"{path} is an ONNX file, not a checkpoint: load it with "
+                                  "PoseEstimator.from_onnx (demo.py takes it as --weights too)")
+        model, cfg = load_model(str(path), preset, list(sets), pick_device(device), scales, flip)
+        return cls(model, cfg)
+
+    @classmethod
+    def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
+        """From a file written by export.py (its config rides in the file), run by onnxruntime."""
+        from inference.onnx_network import OnnxNetwork
+
+        network = OnnxNetwork(path)
+        return cls(network, network.config(list(sets), scales, flip))
+
+    @classmethod
+    def from_file(cls, path, device="auto", **options) -> "PoseEstimator":
+        """`from_onnx` for a .onnx file, else `from_checkpoint`."""
+        if str(path).endswith(".onnx"):
+            return cls.from_onnx(path, **{k: v for k, v in options.items() if k != "preset"})
+        return cls.from_checkpoint(path, device, **options)
+
+    @property
+    def device(self) -> torch.device:
+        return self.network.device
+
+    def maps(self, pictures_bgr: list[np.ndarray]) -> list[np.ndarray]:
+        """The maps [C, H, W] of each picture at its own size, batched (`inference.predict`)."""
+        return predict_maps_batch(self.network, pictures_bgr, self.cfg)
+
+    def maps_stream(self, pictures: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        """`maps` of an iterable of pictures, `inference.batch_size` pictures read at a time."""
+        chunk = []
+        for picture in pictures:
+            chunk.append(picture)
+            if len(chunk) == self.cfg.inference.batch_size:
+                yield from self.maps(chunk)
+                chunk = []
+        if chunk:
+            yield from self.maps(chunk)
+
+    def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
+        """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
+        for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures),
+                                                               self.cfg.inference):
+            people = to_people(keypoints, scores)
+            yield Prediction(people, picture_maps) if maps else people
+
+    def __call__(self, pictures, maps: bool = False):
+        """People of one BGR uint8 picture [H, W, 3], or a list of them per picture of a list."""
+        if isinstance(pictures, np.ndarray):
+            return next(self.stream([pictures], maps))
+        return list(self.stream(pictures, maps))
