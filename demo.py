@@ -1,18 +1,25 @@
-"""Find the people in a picture, or in every picture of a folder, and draw them.
+"""Find the people in a picture, a folder of pictures, a video or a camera's stream, and draw them.
 
     python demo.py --weights best.pth --image photo.jpg --out photo_pose.png [--heatmaps]
         [--scales 0.5 1 1.5 2 3] [--flip]
     python demo.py --weights best.pth --image photos/ [--out photos_pose/]
+    python demo.py --weights best.pth --video clip.mp4 [--out clip_pose.mp4]
+    python demo.py --weights best.pth --camera 0          # live window; q or Esc ends it
+    python demo.py --weights pose.onnx --image photo.jpg  # a network exported by export.py
 
 Each person's limbs and keypoints are drawn in its own colour; `--heatmaps` adds a side panel of
-the summed keypoint and limb maps. Prints one line per person (score, keypoints found) and one per
-picture. A folder is read without its subfolders; each picture NAME.EXT is written as
-OUT/NAME_pose.png.
+the summed keypoint and limb maps. For pictures: one line per person (score, keypoints found) and
+one per picture; a folder is read without its subfolders, each NAME.EXT written as
+OUT/NAME_pose.png. A video (any format OpenCV reads) is written at its own frame rate (.mp4 or
+.avi; an existing file is never overwritten) with a progress bar; videos and the camera end with
+the frames/s achieved. The work goes through `inference.PoseEstimator`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import cv2
@@ -26,11 +33,15 @@ PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", required=True, help="checkpoint or bare state dict")
-    p.add_argument("--image", required=True,
-                   help="picture to read (any format OpenCV reads), or a folder of pictures")
+    p.add_argument("--weights", required=True,
+                   help="checkpoint, bare state dict, or ONNX file written by export.py")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", help="picture to read (any format OpenCV reads), or a folder of pictures")
+    source.add_argument("--video", help="video file to read (any format OpenCV reads)")
+    source.add_argument("--camera", type=int, metavar="N", help="camera number: a live window")
     p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
-                   "folder, the folder to write into (default: FOLDER_pose next to it)")
+                   "folder, the folder to write into (default: FOLDER_pose next to it); for a video, "
+                   "the video to write, .mp4 or .avi (default: VIDEO_pose.mp4 next to it)")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
     p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
                    "input_size (1: input_size px; default: the config's)")
@@ -65,32 +76,110 @@ def pictures_to_draw(image: str, out: str | None) -> list[tuple[Path, Path]]:
     return [(source, check_picture_path(target))]     # refused before the model is loaded
 
 
-def run(args) -> list[Path]:
-    from config.schema import DistConfig
-    from engine.distributed import init_distributed
-    from inference.draw import draw_people, maps_panel, write_image
-    from inference.grouping import group_people
-    from inference.loading import load_model
-    from inference.predict import predict_maps
+def annotated(picture: np.ndarray, prediction, heatmaps: bool) -> np.ndarray:
+    """The picture with its people drawn, and the maps panel beside it with `heatmaps`."""
+    from inference.draw import draw_people, maps_panel
 
-    pairs = pictures_to_draw(args.image, args.out)
-    device = init_distributed(DistConfig(), args.device).device
-    model, cfg = load_model(args.weights, args.preset, args.set, device, args.scales, args.flip)
-    written = []
-    for source, target in pairs:
-        image = cv2.imread(str(source), cv2.IMREAD_COLOR)
-        if image is None:
+    drawn = draw_people(picture, [person.keypoints for person in prediction.people])
+    return np.hstack([drawn, maps_panel(picture, prediction.maps)]) if heatmaps else drawn
+
+
+def with_predictions(estimator, pictures):
+    """(picture, its `Prediction` with maps) of each picture, in order, from the estimator's stream."""
+    in_flight = deque()
+
+    def remember():
+        for picture in pictures:
+            in_flight.append(picture)
+            yield picture
+
+    for prediction in estimator.stream(remember(), maps=True):
+        yield in_flight.popleft(), prediction
+
+
+def read_pictures(pairs):
+    for source, _ in pairs:
+        picture = cv2.imread(str(source), cv2.IMREAD_COLOR)
+        if picture is None:
             raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
-        maps = predict_maps(model, image, cfg, device)
-        keypoints, scores = group_people(maps, cfg.inference)
-        picture = draw_people(image, keypoints)
-        if args.heatmaps:
-            picture = np.hstack([picture, maps_panel(image, maps)])
-        written.append(write_image(target, picture))
-        for k, (person, score) in enumerate(zip(keypoints, scores)):
-            print(f"person {k}: score {score:.3f}, {int((person[:, 2] > 0).sum())} keypoints")
-        print(f"{len(keypoints)} people found in {source}; written to {target}", flush=True)
+        yield picture
+
+
+def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
+    from inference.draw import write_image
+
+    written = []
+    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
+                                                                                read_pictures(pairs))):
+        written.append(write_image(target, annotated(picture, prediction, heatmaps)))
+        for k, person in enumerate(prediction.people):
+            print(f"person {k}: score {person.score:.3f}, {int((person.keypoints[:, 2] > 0).sum())} keypoints")
+        print(f"{len(prediction.people)} people found in {source}; written to {target}", flush=True)
     return written
+
+
+def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmaps: bool) -> None:
+    """Annotate every frame of `opened` (capture, first frame) into the video `target`, or into a live
+    window when `target` is None; prints the frames/s achieved."""
+    from tqdm import tqdm
+
+    from inference.video import VideoOut, frames
+
+    first = opened[1]
+    size = (first.shape[1] * (2 if heatmaps else 1), first.shape[0])
+    start, count = time.perf_counter(), 0
+    with (VideoOut(target, fps, size) if target is not None else LiveWindow()) as out, \
+            tqdm(total=frames_total or None, desc="video", unit="frame", dynamic_ncols=True,
+                 disable=target is None) as bar:
+        for picture, prediction in with_predictions(estimator, frames(*opened)):
+            out.write(annotated(picture, prediction, heatmaps))
+            count += 1
+            bar.update()
+            if out.closed:
+                break
+    seconds = time.perf_counter() - start
+    where = f"; written to {target}" if target is not None else ""
+    print(f"{count} frames in {seconds:.1f} s: {count / max(seconds, 1e-9):.2f} frames/s{where}", flush=True)
+
+
+class LiveWindow:
+    """The camera's window: shows each frame; q or Esc closes it."""
+
+    closed = False
+
+    def __enter__(self):
+        return self
+
+    def write(self, frame: np.ndarray) -> None:
+        try:
+            cv2.imshow("demo.py (q or Esc ends)", frame)
+        except cv2.error:
+            raise DataError("--camera: this OpenCV has no window support (opencv-python-headless); "
+                            "install opencv-python to show the live window") from None
+        self.closed = (cv2.waitKey(1) & 0xFF) in (ord("q"), 27)
+
+    def __exit__(self, *exc) -> None:
+        cv2.destroyAllWindows()
+
+
+def run(args) -> list[Path]:
+    from inference.estimator import PoseEstimator
+    from inference.video import check_video_out, frame_rate, open_camera, open_video
+
+    if args.image is not None:
+        pairs = pictures_to_draw(args.image, args.out)
+    elif args.video is not None:
+        target = check_video_out(args.out or Path(args.video).with_name(Path(args.video).stem + "_pose.mp4"))
+        opened = open_video(args.video)
+    else:
+        opened, target = open_camera(args.camera), None
+    estimator = PoseEstimator.from_file(args.weights, args.device, preset=args.preset, sets=args.set,
+                                        scales=args.scales, flip=args.flip)
+    if args.image is not None:
+        return draw_pictures(estimator, pairs, args.heatmaps)
+    total = int(opened[0].get(cv2.CAP_PROP_FRAME_COUNT)) if target is not None else 0
+    draw_video(estimator, opened, max(total, 0), frame_rate(opened[0]), target, args.heatmaps)
+    return [target] if target is not None else []
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,8 @@ from inference.coco_eval import STAT_NAMES
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", help="checkpoint (best.pth, last.pth) or bare state dict")
+    p.add_argument("--weights", help="checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
+                   "written by export.py")
     p.add_argument("--oracle", action="store_true",
                    help="decode the ground-truth target maps at image size instead of a network")
     src = p.add_argument_group("data (one of)")
@@ -129,7 +130,8 @@ def run(args) -> dict:
     from config.loader import build_config
     from engine.distributed import barrier, cleanup, init_distributed
     from inference.evaluation import evaluate_h5
-    from inference.loading import inference_config, load_model
+    from inference.estimator import PoseEstimator
+    from inference.loading import inference_config
 
     _check_args(args)
     ctx = init_distributed(build_config(None).dist, args.device)
@@ -139,7 +141,10 @@ def run(args) -> dict:
         _on_rank0(lambda: _check_writable(out), ctx.rank)
         h5_path, temp_dir = _converted_h5(args, ctx.rank)
         if args.weights:
-            model, cfg = load_model(args.weights, args.preset, args.set, ctx.device, args.scales, args.flip)
+            estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
+                                                scales=args.scales, flip=args.flip)
+            network, cfg = estimator.network, estimator.cfg
+            model = getattr(network, "model", network)     # evaluate_h5 sets a model's eval mode
         else:
             model, cfg = None, inference_config(None, args.preset or "", args.set, args.scales, args.flip)
         start = time.perf_counter()

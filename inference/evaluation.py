@@ -28,15 +28,16 @@ from inference.predict import TorchNetwork
 @contextlib.contextmanager
 def eval_mode(model):
     """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
-    was_training = model.training if model is not None else False
-    if model is not None:
-        model.eval()
+    module = model if isinstance(model, torch.nn.Module) else None     # an ONNX network has no mode
+    was_training = module.training if module is not None else False
+    if module is not None:
+        module.eval()
     try:
         with torch.no_grad():
             yield model
     finally:
-        if model is not None:
-            model.train(was_training)
+        if module is not None:
+            module.train(was_training)
 
 
 def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
@@ -56,7 +57,8 @@ def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progres
     if oracle:
         maps_stream = (oracle_maps(h5, img, cfg) for img in indices)
     else:
-        estimator = PoseEstimator(TorchNetwork(model, device), cfg)
+        network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
+        estimator = PoseEstimator(network, cfg)
         maps_stream = estimator.maps_stream(h5.decode_image(img) for img in indices)
     found = {}
     for img, (_, keypoints, scores) in zip(indices.iterable, grouped_in_pool(maps_stream, cfg.inference)):
@@ -67,7 +69,8 @@ def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progres
 
 def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progress: bool = True,
                 oracle: bool = False, results_path=None) -> dict:
-    """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` on the first `max_images` images of
+    """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
+    of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of
     `h5_path` (0: all). `oracle` decodes the ground-truth maps instead (no model needed).
     `results_path`: where rank 0 writes the COCO results JSON.
     """
@@ -75,7 +78,7 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
 
     if model is None and not oracle:
         raise ValueError("evaluate_h5 needs a model unless oracle=True")
-    if model is not None:
+    if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     h5 = KeypointH5(h5_path)
     total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)

@@ -77,14 +77,15 @@ def test_initialisation_uses_init_std(tiny_cfg):
     assert abs(weight.mean().item()) < 0.0002
 
 
-def test_input_is_normalised_inside_the_model(tiny_model):
-    """A mid-grey image enters the network as zeros: the stem sees x - 0.5."""
+def test_model_takes_the_preprocessed_input_as_is(tiny_model):
+    """Normalisation lives in data.preprocess only: the stem sees exactly the tensor given."""
     seen = {}
     handle = tiny_model.stem.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    given = torch.rand(2, 3, 64, 64) - 0.5
     with torch.no_grad():
-        tiny_model(torch.full((2, 3, 64, 64), 0.5))
+        tiny_model(given)
     handle.remove()
-    assert torch.equal(seen["x"], torch.zeros(2, 3, 64, 64))
+    assert torch.equal(seen["x"], given)
 
 
 def test_impossible_stem_width_names_the_option(tiny_cfg):

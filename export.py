@@ -1,0 +1,162 @@
+"""Export a trained network for deployment runtimes, checked against PyTorch.
+
+    python export.py --weights best.pth --format onnx --out pose.onnx [--opset 17]
+
+The file holds the network only: normalised pictures in ([B, 3, H, W], `data.preprocess`; batch,
+height and width dynamic, H and W multiples of 64), the last stack's stride-4 maps out
+([B, C, H/4, W/4]); grouping stays in Python (`PoseEstimator.from_onnx`, or demo.py and
+evaluate.py with `--weights pose.onnx`). The checkpoint's config rides in the file's metadata.
+
+Before the file is put in place, onnxruntime runs it on the check pictures (default: the four COCO
+pictures of tests/data/coco4, at the config's input size) and the export fails (exit code 1, no
+file written) unless every map value agrees with PyTorch within `--tolerance` (default 1e-4) of
+the largest magnitude of PyTorch's maps of that picture. An existing --out is never overwritten.
+Needs the optional packages onnx and onnxruntime (pip install -r requirements-export.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from config.errors import ConfigError, DataError, UserError, run_cli
+
+FORMATS = ("onnx",)
+CHECK_PICTURES = Path(__file__).resolve().parent / "tests" / "data" / "coco4"
+
+
+class ExportMismatch(UserError):
+    """The exported file's maps differ from PyTorch's beyond the tolerance."""
+
+    exit_code = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", required=True, help="checkpoint of this trainer or bare state dict")
+    p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
+    p.add_argument("--out", required=True, help="the file to write (never overwritten)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--check-images", default=str(CHECK_PICTURES),
+                   help="folder of .jpg/.png pictures to compare the maps on (default: tests/data/coco4)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest map difference allowed, as a fraction of the maps' largest magnitude")
+    p.add_argument("--preset", help="config preset for a bare state dict (default: imhn512)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. inference.flip=true (stored in the file)")
+    return p
+
+
+class LastStackMaps(torch.nn.Module):
+    """The model with one output: the last stack's stride-4 maps."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(batch)[-1][0]
+
+
+def check_pictures(folder) -> list[Path]:
+    folder = Path(folder)
+    pictures = sorted(p for p in folder.glob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png")) \
+        if folder.is_dir() else []
+    if not pictures:
+        raise DataError(f"--check-images {folder}: no .jpg or .png pictures there to check the export on")
+    return pictures
+
+
+def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
+    """The network as ONNX at `path` with dynamic batch and size, the config in its metadata."""
+    from config.loader import to_dict
+    from inference.loading import skeleton_of
+    from inference.onnx_network import CONFIG_KEY, INPUT_NAME, KEYPOINTS_KEY, OUTPUT_NAME, need
+
+    onnx = need("onnx")
+    network = LastStackMaps(model).eval()        # export restores this mode afterwards
+    size = cfg.data.input_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the TorchScript exporter's deprecation notice
+        torch.onnx.export(network, (torch.zeros(1, 3, size, size),), str(path), dynamo=False,
+                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset,
+                          dynamic_axes={INPUT_NAME: {0: "batch", 2: "height", 3: "width"},
+                                        OUTPUT_NAME: {0: "batch", 2: "height_4", 3: "width_4"}})
+    graph = onnx.load(str(path))
+    for key, value in ((CONFIG_KEY, json.dumps(to_dict(cfg))),
+                       (KEYPOINTS_KEY, json.dumps(list(skeleton_of(cfg).keypoints)))):
+        graph.metadata_props.add(key=key, value=value)
+    onnx.save(graph, str(path))
+
+
+def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float) -> list[float]:
+    """Relative map differences ONNX vs PyTorch per picture (at scale 1); ExportMismatch beyond
+    `tolerance`."""
+    from data.preprocess import padded_size, pictures_to_batch
+    from inference.onnx_network import OnnxNetwork
+    from inference.predict import TorchNetwork, resize_for_scale
+
+    exported, reference = OnnxNetwork(path), TorchNetwork(model)
+    errors = []
+    for picture_path in pictures:
+        picture = cv2.imread(str(picture_path), cv2.IMREAD_COLOR)
+        if picture is None:
+            raise DataError(f"{picture_path}: not a picture OpenCV can read")
+        resized = resize_for_scale(picture, 1.0, cfg.data.input_size)
+        batch = pictures_to_batch([resized], padded_size(*resized.shape[:2]), torch.device("cpu"))
+        want, got = reference(batch).numpy(), exported(batch).numpy()
+        error = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+        print(f"{picture_path.name} {tuple(batch.shape[2:])}: max |onnx - torch| = {error:.2e} of the "
+              f"largest map value", flush=True)
+        if not error <= tolerance:
+            raise ExportMismatch(f"{path}: onnxruntime's maps of {picture_path} differ from PyTorch's by "
+                                 f"{error:.2e} of their largest value (tolerance {tolerance:g}); "
+                                 "the file was not written")
+        errors.append(error)
+    return errors
+
+
+def run(args) -> Path:
+    from inference.estimator import PoseEstimator
+
+    if args.format not in FORMATS:
+        raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
+                          f"{', '.join(FORMATS)}")
+    out = Path(args.out)
+    if out.exists():
+        raise DataError(f"--out {out} already exists; remove it or choose another --out "
+                        "(nothing is overwritten)")
+    pictures = check_pictures(args.check_images)
+    estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
+    model, cfg = estimator.network.model, estimator.cfg
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    temp = out.with_name(f".{out.name}.partial")
+    try:
+        write_onnx(model, cfg, temp, args.opset)
+        errors = compare_maps(model, cfg, temp, pictures, args.tolerance)
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+    print(f"written {out} ({out.stat().st_size / 2 ** 20:.1f} MiB): onnxruntime's maps agree with "
+          f"PyTorch's on {len(errors)} pictures within {max(errors):.1e} of their largest value "
+          f"(tolerance {args.tolerance:g})", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""An ONNX file written by export.py, run by onnxruntime as a network of `inference.predict`.
+
+The file maps the normalised input [B, 3, H, W] (`data.preprocess`; any B, H and W multiple of 64)
+to the last stack's stride-4 maps [B, C, H/4, W/4]; grouping stays in Python. Its metadata holds
+the config of the checkpoint it came from (`CONFIG_KEY`), so `PoseEstimator.from_onnx` runs it
+with the same scales, flip and grouping settings. onnxruntime is an optional dependency
+(requirements-export.txt).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from config.errors import CheckpointError, ConfigError
+from config.schema import Config
+
+CONFIG_KEY = "simplepose.config"          # the checkpoint's config, JSON
+KEYPOINTS_KEY = "simplepose.keypoints"    # names of the keypoint rows, JSON (for other runtimes)
+INPUT_NAME, OUTPUT_NAME = "input", "maps"
+
+
+def need(module: str):
+    """Import an optional export dependency, or ConfigError saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"ONNX files need the optional package {module}: "
+                          "pip install -r requirements-export.txt") from None
+
+
+class OnnxNetwork:
+    """`path` in an onnxruntime session (CUDA when onnxruntime has it, else CPU)."""
+
+    def __init__(self, path):
+        ort = need("onnxruntime")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file")
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                     if p in ort.get_available_providers()]
+        try:
+            self.session = ort.InferenceSession(str(self.path), providers=providers)
+        except Exception as exc:          # onnxruntime's errors have no common base class
+            reason = str(exc).strip().splitlines()[0][:160]
+            raise CheckpointError(f"{self.path} is not an ONNX file onnxruntime can run ({reason})") from None
+        self.metadata = self.session.get_modelmeta().custom_metadata_map
+        if CONFIG_KEY not in self.metadata:
+            raise CheckpointError(f"{self.path} is an ONNX file but not one written by export.py "
+                                  f"(no {CONFIG_KEY} in its metadata)")
+        self.device = torch.device("cpu")        # where the input batch is made
+
+    def config(self, sets=(), scales=None, flip: bool | None = None) -> Config:
+        """The config stored in the file, with `sets`, `scales` and `flip` applied on top."""
+        from inference.loading import inference_config
+
+        return inference_config(json.loads(self.metadata[CONFIG_KEY]), None, list(sets), scales, flip)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        maps = self.session.run([OUTPUT_NAME], {INPUT_NAME: batch.detach().cpu().contiguous().numpy()})[0]
+        return torch.from_numpy(maps)

@@ -1,0 +1,117 @@
+"""Videos for demo.py: reading a file or a camera frame by frame, writing an annotated video.
+
+Opening errors are `DataError`s naming the option (FFmpeg's own log lines are silenced, so a bad
+file gives one line). The annotated video is written to a temporary file beside its target and
+renamed onto it when complete; a target that exists already is refused, so nothing is overwritten.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import cv2
+import numpy as np
+
+from config.errors import DataError
+
+FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}     # containers and codecs every OpenCV build writes
+DEFAULT_FPS = 25.0                              # when the file does not say
+
+
+def _quiet_ffmpeg() -> None:
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")    # read when OpenCV first uses FFmpeg
+
+
+def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
+    """(capture, its first frame) of a video file OpenCV reads; DataError naming --video otherwise."""
+    _quiet_ffmpeg()
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"--video {path}: no such file")
+    capture = cv2.VideoCapture(str(path))
+    ok, first = capture.read() if capture.isOpened() else (False, None)
+    if not ok:
+        capture.release()
+        raise DataError(f"--video {path}: not a video OpenCV can read (damaged or unknown format)")
+    return capture, first
+
+
+def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
+    """(capture, first frame) of camera `index`, after checking that a live window can be shown."""
+    _quiet_ffmpeg()
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        raise DataError(f"--camera {index}: no display here to show the live window on (DISPLAY is not "
+                        "set); record a video and run --video FILE instead")
+    capture = cv2.VideoCapture(index)
+    ok, first = capture.read() if capture.isOpened() else (False, None)
+    if not ok:
+        capture.release()
+        raise DataError(f"--camera {index}: no camera there, or it cannot be opened")
+    return capture, first
+
+
+def frames(capture: cv2.VideoCapture, first: np.ndarray) -> Iterator[np.ndarray]:
+    """Every frame of the capture, `first` (already read) included; the capture is released after."""
+    def rest():
+        try:
+            while True:
+                ok, frame = capture.read()
+                if not ok:
+                    return
+                yield frame
+        finally:
+            capture.release()
+    return itertools.chain([first], rest())
+
+
+def frame_rate(capture: cv2.VideoCapture) -> float:
+    fps = capture.get(cv2.CAP_PROP_FPS)
+    return float(fps) if fps and np.isfinite(fps) and fps > 0 else DEFAULT_FPS
+
+
+def check_video_out(path) -> Path:
+    """`path` if a new video can be written there; DataError naming --out otherwise."""
+    path = Path(path)
+    if path.suffix.lower() not in FOURCC:
+        raise DataError(f"--out {path}: {path.suffix or 'no extension'} is not a video format this demo "
+                        f"writes; end the name with {' or '.join(FOURCC)}")
+    if path.exists():
+        raise DataError(f"--out {path} already exists; remove it or choose another --out "
+                        "(nothing is overwritten)")
+    return path
+
+
+class VideoOut:
+    """Context manager writing BGR frames of one size to `path` at `fps`: into a temporary file beside
+    it, renamed onto `path` when the block ends without an exception, removed otherwise."""
+
+    def __init__(self, path, fps: float, size: tuple[int, int]):
+        self.path = check_video_out(path)
+        self.temp = self.path.with_name(f".{self.path.stem}.partial{self.path.suffix}")
+        self.fps, self.size = fps, size
+        self.writer = None
+        self.closed = False          # a live window can be closed; a file is written to the end
+
+    def __enter__(self) -> "VideoOut":
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"--out {self.path}: cannot write there ({exc.strerror or exc})") from None
+        fourcc = cv2.VideoWriter_fourcc(*FOURCC[self.path.suffix.lower()])
+        self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
+        if not self.writer.isOpened():
+            raise DataError(f"--out {self.path}: OpenCV cannot write a video there (folder not writable?)")
+        return self
+
+    def write(self, frame: np.ndarray) -> None:
+        self.writer.write(frame)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.writer.release()
+        if kind is None and self.temp.is_file():
+            os.replace(self.temp, self.path)
+        else:
+            self.temp.unlink(missing_ok=True)

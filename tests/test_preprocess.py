@@ -1,0 +1,47 @@
+"""One preprocessing for training and inference (data.preprocess): the same picture gives the same
+network input on both paths, grey outside the picture on both."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.augment import warp_image
+from data.dataset import KeypointDataset
+from data.preprocess import GREY, normalise, picture_to_input, pictures_to_batch
+from inference.predict import predict_maps
+
+
+def test_training_warp_and_inference_padding_give_the_same_tensor():
+    picture = np.random.default_rng(0).integers(0, 256, (90, 100, 3), dtype=np.uint8)
+    identity = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    trained_on = picture_to_input(warp_image(picture, identity, 128))         # data.dataset's path
+    inferred_on = pictures_to_batch([picture], (128, 128), torch.device("cpu"))[0]  # inference's path
+    assert trained_on.shape == inferred_on.shape == (3, 128, 128)
+    assert torch.equal(trained_on, inferred_on)
+    grey = normalise(torch.tensor(GREY[::-1], dtype=torch.uint8))
+    assert torch.equal(inferred_on[:, 100:, 100:], grey[:, None, None].expand(3, 28, 28))
+    assert torch.equal(inferred_on[:, :90, :100], normalise(torch.from_numpy(picture[:, :, ::-1].copy()))
+                       .permute(2, 0, 1))
+
+
+def test_normalisation_is_one_function_with_the_values_the_network_sees():
+    values = normalise(torch.tensor([0, 128, 255], dtype=torch.uint8))
+    assert torch.allclose(values, torch.tensor([-0.5, 128 / 255 - 0.5, 0.5]))
+
+
+def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
+    from config.loader import build_config
+    from models import build_model
+
+    cfg = build_config("tiny", sets=["inference.scales=[1.0]"])
+    dataset = KeypointDataset(synthetic_h5[1], cfg, train=False)
+    image = dataset[0][0]
+    assert torch.equal(image, picture_to_input(dataset.sample_arrays(0)["image"]))
+    seen = []
+    model = build_model(cfg.model).eval()
+    model.stem.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    picture = np.full((100, 70, 3), 7, np.uint8)
+    predict_maps(model, picture, cfg, "cpu")
+    # resized to height 128, width 90 -> padded to 128 x 128: grey to the right, the picture's 7 left
+    assert torch.equal(seen[0][0, :, :, 100:], normalise(torch.full((3, 128, 28), 128, dtype=torch.uint8)))
+    assert torch.equal(seen[0][0, :, :, :80], normalise(torch.full((3, 128, 80), 7, dtype=torch.uint8)))
