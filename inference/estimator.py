@@ -35,7 +35,8 @@ from inference.predict import TorchNetwork, predict_maps_batch
 @dataclass(frozen=True)
 class Person:
     """One person: `keypoints` float32 [K, 3] (x, y in picture pixels, peak score; all 0 for a
-    keypoint not found), `score` in (0, 1), `box` (x0, y0, x1, y1) around the found keypoints."""
+    keypoint not found), `score` (1 - 1 / the sum of its peak and limb scores: higher is
+    better), `box` (x0, y0, x1, y1) around the found keypoints."""
 
     keypoints: np.ndarray
     score: float
