@@ -1,0 +1,136 @@
+"""Inference throughput: pictures/s through the network (batched), through grouping, and both
+together as `inference.PoseEstimator` runs them (network in batches, grouping in a thread pool).
+
+    python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
+        [--scales 1] [--flip] [--device auto] [--threads 0]
+
+The pictures are the four COCO pictures of tests/data/coco4, each `--repeat` times. Without
+`--weights` the network is the preset's, untrained: its maps have almost no peaks, so grouping
+works on the ground-truth maps of the same pictures instead (data.targets, what a well-trained
+network approaches), after the network has run on the batch as usual. Per batch size it prints
+pictures/s of the network alone (resize, preprocessing, forward, maps back at picture size), of
+grouping alone (one thread), of both through the estimator's stream, and the network's share of
+the serial time; then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from config.loader import build_config  # noqa: E402
+from data.make_hdf5 import to_skeleton  # noqa: E402
+from data.targets import render_targets  # noqa: E402
+from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
+from inference.grouping import group_people  # noqa: E402
+from inference.loading import pick_device  # noqa: E402
+
+COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
+
+
+def coco4_pictures_and_truth(cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The coco4 pictures (BGR) and the ground-truth maps [50, H, W] of their labelled people."""
+    data = json.loads((COCO4 / "test_coco.json").read_text())
+    pictures, truths = [], []
+    for info in data["images"]:
+        pictures.append(cv2.imread(str(COCO4 / info["file_name"])))
+        people = [to_skeleton(a["keypoints"]) for a in data["annotations"]
+                  if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
+        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, cfg.targets))
+    return pictures, truths
+
+
+def build_estimator(args) -> PoseEstimator:
+    sets = list(args.set)
+    if args.scales:
+        sets.append("inference.scales=[" + ",".join(map(str, args.scales)) + "]")
+    sets.append(f"inference.flip={'true' if args.flip else 'false'}")
+    if args.weights:
+        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=sets)
+    from models import build_model
+
+    cfg = build_config(args.preset, sets=sets)
+    return PoseEstimator(build_model(cfg.model).to(pick_device(args.device)).eval(), cfg)
+
+
+def synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
+    """Seconds of the network alone, of grouping alone (one thread) and of both in the stream."""
+    estimator.cfg.inference.batch_size = batch_size
+    inference_cfg = estimator.cfg.inference
+    list(estimator.maps_stream(pictures))      # warm-up: the first pass of each input shape is slow
+    synchronise(estimator.device)
+    start = time.perf_counter()
+    maps = list(estimator.maps_stream(pictures))
+    network_s = time.perf_counter() - start
+    to_group = truths if truths is not None else maps
+    start = time.perf_counter()
+    found = [len(group_people(m, inference_cfg)[1]) for m in to_group]
+    grouping_s = time.perf_counter() - start
+
+    def network_then_maps():
+        for lo in range(0, len(pictures), batch_size):
+            computed = estimator.maps(pictures[lo: lo + batch_size])
+            yield from (truths[lo: lo + batch_size] if truths is not None else computed)
+
+    start = time.perf_counter()
+    for _ in grouped_in_pool(network_then_maps(), inference_cfg):
+        pass
+    both_s = time.perf_counter() - start
+    n = len(pictures)
+    return {"batch_size": batch_size, "network_pictures_per_s": n / network_s,
+            "grouping_pictures_per_s": n / grouping_s, "pictures_per_s": n / both_s,
+            "network_share": network_s / (network_s + grouping_s), "people_found": sum(found)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="network without --weights (default tiny)")
+    p.add_argument("--weights", help="checkpoint: its network, and grouping on its own maps")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--repeat", type=int, default=4, help="times each coco4 picture is used")
+    p.add_argument("--scales", type=float, nargs="+", help="default: the config's")
+    p.add_argument("--flip", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+
+    estimator = build_estimator(args)
+    pictures, truths = coco4_pictures_and_truth(estimator.cfg)
+    pictures, truths = pictures * args.repeat, truths * args.repeat
+    truths = None if args.weights else truths
+    rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
+    cfg = estimator.cfg
+    print(f"{args.weights or args.preset} on {estimator.device} ({platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+          f"{decode_threads(cfg.inference)} grouping threads): {len(pictures)} coco4 pictures, "
+          f"input_size {cfg.data.input_size}, scales {cfg.inference.scales}, flip {cfg.inference.flip}; "
+          f"grouping on {'the network' if args.weights else 'ground-truth'} maps")
+    print("| batch | network pictures/s | grouping pictures/s (1 thread) | both, pictures/s | "
+          "network share |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['batch_size']} | {row['network_pictures_per_s']:.2f} | "
+              f"{row['grouping_pictures_per_s']:.2f} | {row['pictures_per_s']:.2f} | "
+              f"{100 * row['network_share']:.0f} % |")
+    print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
+                      "pictures": len(pictures), "scales": cfg.inference.scales, "flip": cfg.inference.flip,
+                      "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
