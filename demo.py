@@ -113,7 +113,8 @@ def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
                                                                                 read_pictures(pairs))):
         written.append(write_image(target, annotated(picture, prediction, heatmaps)))
         for k, person in enumerate(prediction.people):
-            print(f"person {k}: score {person.score:.3f}, {int((person.keypoints[:, 2] > 0).sum())} keypoints")
+            found = int((person.keypoints[:, 2] > 0).sum())
+            print(f"person {k}: score {person.score:.3f}, {found} keypoints")
         print(f"{len(prediction.people)} people found in {source}; written to {target}", flush=True)
     return written
 

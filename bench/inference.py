@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     truths = None if args.weights else truths
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
     cfg = estimator.cfg
-    print(f"{args.weights or args.preset} on {estimator.device} ({platform.processor() or platform.machine()}, "
+    machine = platform.processor() or platform.machine()
+    print(f"{args.weights or args.preset} on {estimator.device} ({machine}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"{decode_threads(cfg.inference)} grouping threads): {len(pictures)} coco4 pictures, "
           f"input_size {cfg.data.input_size}, scales {cfg.inference.scales}, flip {cfg.inference.flip}; "

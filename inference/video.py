@@ -42,7 +42,8 @@ def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
 def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
     """(capture, first frame) of camera `index`, after checking that a live window can be shown."""
     _quiet_ffmpeg()
-    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+    display = os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    if sys.platform.startswith("linux") and not display:
         raise DataError(f"--camera {index}: no display here to show the live window on (DISPLAY is not "
                         "set); record a video and run --video FILE instead")
     capture = cv2.VideoCapture(index)

@@ -15,7 +15,7 @@ Layout (names are stable: users freeze and load weights by them):
   input at that scale (stride 4: to the previous stack's input, which is kept as a residual;
   lower scales: to the output of the next hourglass's `down` residual at that scale).
 
-The input is the normalised RGB of `data.preprocess.normalise` (taken as is). Output: a list over stacks of lists
+The input is RGB as `data.preprocess.normalise` makes it. Output: a list over stacks of lists
 over scales (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Initialisation: conv and
 linear weights N(0, init_std) (0.001 in the paper), biases 0, BatchNorm weight 1 and bias 0, so
 initial outputs are near 0. The `imhn512` preset has 129.0 M parameters and 264.7 GMAC per 512x512

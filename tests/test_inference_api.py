@@ -202,7 +202,8 @@ def foreign_onnx(tmp_path_factory) -> Path:
     (export, ["--weights", "{foreign}", "--out", "{tmp}/b.onnx"], "is an ONNX file, not a checkpoint"),
     (demo, ["--weights", "{ckpt_as_onnx}", "--image", "{tmp}"], "is not an ONNX file onnxruntime can run"),
     (demo, ["--weights", "{foreign}", "--image", "{tmp}"], "an ONNX file but not one written by export.py"),
-    (demo, ["--weights", "{ckpt}", "--video", "{tmp}/missing.mp4"], "--video {tmp}/missing.mp4: no such file"),
+    (demo, ["--weights", "{ckpt}", "--video", "{tmp}/missing.mp4"],
+     "--video {tmp}/missing.mp4: no such file"),
     (demo, ["--weights", "{ckpt}", "--video", "{tmp}/clip.avi", "--out", "{tmp}/x.mkv"],
      "is not a video format this demo writes"),
     (demo, ["--weights", "{ckpt}", "--camera", "0"], "--camera 0: no display here"),
@@ -214,7 +215,8 @@ def test_bad_inputs_give_one_error_line(script, argv, message, checkpoint, forei
     shutil.copy(checkpoint, tmp_path / "ckpt.onnx")
     (tmp_path / "p.png").write_bytes(cv2.imencode(".png", np.zeros((8, 8, 3), np.uint8))[1].tobytes())
     write_clip(tmp_path / "clip.avi", frames=1, fps=5.0)
-    names = {"ckpt": checkpoint, "tmp": tmp_path, "foreign": foreign_onnx, "ckpt_as_onnx": tmp_path / "ckpt.onnx"}
+    names = {"ckpt": checkpoint, "tmp": tmp_path, "foreign": foreign_onnx,
+             "ckpt_as_onnx": tmp_path / "ckpt.onnx"}
     argv = [a.format(**names) for a in argv]
     assert script.main(argv) == 2
     assert message.format(**names) in one_error_line(capfd.readouterr().err)
