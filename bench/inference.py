@@ -2,7 +2,7 @@
 together as `inference.PoseEstimator` runs them (network in batches, grouping in a thread pool).
 
     python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
-        [--scales 1] [--flip] [--device auto] [--threads 0]
+        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N]
 
 The pictures are the four COCO pictures of tests/data/coco4, each `--repeat` times. Without
 `--weights` the network is the preset's, untrained: its maps have almost no peaks, so grouping
