@@ -31,6 +31,8 @@ from inference.grouping import group_people
 from inference.loading import load_model, pick_device, skeleton_of
 from inference.predict import TorchNetwork, predict_maps_batch
 
+COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
+
 
 @dataclass(frozen=True)
 class Person:
@@ -133,13 +135,16 @@ class PoseEstimator:
         return predict_maps_batch(self.network, pictures_bgr, self.cfg)
 
     def maps_stream(self, pictures: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
-        """`maps` of an iterable of pictures, `inference.batch_size` pictures read at a time."""
-        chunk = []
+        """`maps` of an iterable of pictures, read `inference.batch_size` at a time, or fewer when
+        they are larger than COCO's 640 x 480 (their maps at picture size are held together)."""
+        batch_size = self.cfg.inference.batch_size
+        chunk, pixels = [], 0
         for picture in pictures:
             chunk.append(picture)
-            if len(chunk) == self.cfg.inference.batch_size:
+            pixels += picture.shape[0] * picture.shape[1]
+            if len(chunk) == batch_size or pixels >= batch_size * COCO_PICTURE_PIXELS:
                 yield from self.maps(chunk)
-                chunk = []
+                chunk, pixels = [], 0
         if chunk:
             yield from self.maps(chunk)
 

@@ -232,3 +232,15 @@ def test_unreadable_video_is_one_error_line_on_the_command_line(checkpoint, tmp_
     assert done.returncode == 2 and done.stdout == ""
     assert one_error_line(done.stderr) == (f"error: --video {broken}: not a video OpenCV can read "
                                            "(damaged or unknown format)")
+
+
+def test_large_pictures_go_in_smaller_chunks(estimator, monkeypatch):
+    """A chunk holds the maps of at most batch_size COCO-sized pictures (HD video frames: fewer)."""
+    seen = []
+    monkeypatch.setattr(estimator, "maps", lambda chunk: seen.append(len(chunk)) or [None] * len(chunk))
+    assert estimator.cfg.inference.batch_size == 8
+    assert len(list(estimator.maps_stream([np.zeros((480, 640, 3), np.uint8)] * 10))) == 10
+    assert seen == [8, 2]
+    seen.clear()
+    assert len(list(estimator.maps_stream([np.zeros((1080, 1920, 3), np.uint8)] * 5))) == 5
+    assert seen == [2, 2, 1]
