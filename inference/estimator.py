@@ -81,15 +81,18 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig) -> 
     maps; at most two maps per thread wait."""
     threads = decode_threads(cfg)
     pending: deque = deque()
+
+    def oldest() -> tuple:
+        maps_done, people = pending.popleft()
+        return (maps_done, *people.result())
+
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
         for maps in maps_stream:
             pending.append((maps, pool.submit(group_people, maps, cfg)))
             while len(pending) > 2 * threads:
-                maps_done, people = pending.popleft()
-                yield (maps_done, *people.result())
+                yield oldest()
         while pending:
-            maps_done, people = pending.popleft()
-            yield (maps_done, *people.result())
+            yield oldest()
 
 
 class PoseEstimator:
