@@ -1,10 +1,10 @@
 """Pictures to network input: the one convention that training and inference share.
 
 A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (the only place
-where the input's scale and offset are set: value / 255 - 0.5). Whatever lies outside the picture
-(the border of the training warp, the padding of inference up to a multiple of `PAD_MULTIPLE`)
-is `GREY` before normalisation, so the network sees the same value there in training and at
-inference. `data.dataset` (training and validation samples) and `inference.predict` (pictures of
+where the input's scale and offset are set: value / 255, no offset, as the authors' network takes
+it). Whatever lies outside the picture (the border of the training warp, the padding of inference
+up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
+value there in training and at inference. `data.dataset` (training and validation samples) and `inference.predict` (pictures of
 any size, padded and batched) both build their input here.
 """
 from __future__ import annotations
@@ -16,14 +16,15 @@ GREY = (128, 128, 128)       # BGR uint8 outside the picture: training's warp bo
 PAD_MULTIPLE = 64            # inference pads a picture (bottom, right) to a multiple of this
 
 
-def normalise(rgb: torch.Tensor) -> torch.Tensor:
-    """uint8 RGB values (any shape, any device) -> the network's float32 input: value / 255 - 0.5."""
-    return rgb.float().mul_(1 / 255).sub_(0.5)
+def normalise(rgb: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 RGB values (any shape, any device) -> the network's input: value / 255, no offset (the
+    authors' convention, so their weights compute their maps here), in `dtype`."""
+    return rgb.to(dtype).div_(255)
 
 
-def picture_to_input(picture_bgr: np.ndarray) -> torch.Tensor:
-    """uint8 [H, W, 3] BGR -> float32 [3, H, W] RGB network input (on the CPU)."""
-    return normalise(torch.from_numpy(np.ascontiguousarray(picture_bgr.transpose(2, 0, 1)[::-1])))
+def picture_to_input(picture_bgr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [H, W, 3] BGR -> [3, H, W] RGB network input (on the CPU), float32 unless `dtype`."""
+    return normalise(torch.from_numpy(np.ascontiguousarray(picture_bgr.transpose(2, 0, 1)[::-1])), dtype)
 
 
 def padded_size(height: int, width: int) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import re
 import tempfile
 import zipfile
 from collections import OrderedDict
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from config.errors import CheckpointError
+from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
 WEIGHTS_KEYS = ("model", "state_dict", "weights")   # where weights may sit inside a file
@@ -281,8 +283,12 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False) -
         source, obj = str(path_or_state), _read(path_or_state)
     else:
         source, obj = "the given state dict", path_or_state
-    weights = _find_weights(obj, source)
     target = unwrap_model(model)
+    reference = reference_weights(obj)
+    if reference is not None:       # the authors' layout: renamed by structure, first conv to RGB
+        weights = to_ours(reference, target, _depth(target))
+    else:
+        weights = _find_weights(obj, source)
     expected = target.state_dict()
     candidates = (weights, {_strip_wrappers(k): v for k, v in weights.items()},
                   {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
@@ -298,6 +304,11 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False) -
             f"name and shape of one of the model's {len(expected)} (file has e.g. "
             f"{_listed(list(weights)[:3])}; model has e.g. {_listed(list(expected)[:3])})")
     if (missing or unexpected or mismatched) and not allow_partial:
+        differ = _reference_mismatch(reference, target) if reference is not None else None
+        if differ:
+            raise CheckpointError(f"{source} holds the authors' network built with other settings "
+                                  f"({differ}); pass --allow-partial to load only the "
+                                  f"{len(matching)} tensors that fit")
         problems = [f"{len(names)} {what}: {_listed(names)}" for what, names in (
             ("missing from the file", missing), ("not in the model", unexpected),
             ("with another shape", mismatched)) if names]
@@ -306,4 +317,44 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False) -
                               "matching tensors")
     target.load_state_dict(matching, strict=False)
     return {"source": source, "loaded": len(matching), "missing": missing,
-            "unexpected": unexpected, "mismatched": mismatched}
+            "unexpected": unexpected, "mismatched": mismatched,
+            "converted": REFERENCE_NOTE if reference is not None else ""}
+
+
+REFERENCE_NOTE = "the authors' layout (posenet.*), converted in memory: names mapped, first conv BGR -> RGB"
+
+
+def _depth(model: nn.Module) -> int:
+    return len(model.stacks[0].hourglass.levels) if hasattr(model, "stacks") else 0
+
+
+def settings_difference(there: dict, here: dict) -> dict:
+    """{setting: (value there, value here)} for the settings both dicts have and that differ."""
+    return {k: (v, here[k]) for k, v in there.items() if k in here and here[k] != v}
+
+
+def listed_difference(differ: dict, prefix: str = "model.") -> str:
+    return "; ".join(f"{prefix}{k} {there} there, {here} here" for k, (there, here) in differ.items())
+
+
+def _reference_mismatch(reference: dict, model: nn.Module) -> str | None:
+    """Which settings of the network in a file of the authors' layout differ from `model`'s."""
+    found, config = model_settings(reference), getattr(model, "config", None)
+    if found is None or config is None:
+        return None
+    settings, out_channels = found
+    differ = settings_difference(settings, asdict(config))
+    parts = [listed_difference(differ)] if differ else []
+    if out_channels != getattr(model, "out_channels", out_channels):
+        parts.append(f"{out_channels} output channels there, {model.out_channels} here")
+    return "; ".join(parts) or None
+
+
+def reference_file_settings(path) -> dict | None:
+    """The `model.*` settings of a file in the authors' layout, or None for any other file."""
+    try:
+        reference = reference_weights(_read(path, mmap=True))
+    except CheckpointError:
+        return None
+    found = model_settings(reference) if reference is not None else None
+    return found[0] if found else None

@@ -16,6 +16,7 @@ from config.errors import ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
 
 DEFAULT_PRESET = "tiny"
+REFERENCE_PRESET = "imhn512"     # the authors' published network
 
 # flag dest -> dotted config key
 FLAG_KEYS = {
@@ -141,32 +142,41 @@ def _is_saved_run_config(config: str | None) -> bool:
     return isinstance(data, dict) and "preset" in data
 
 
+def _weights_network(path: str) -> tuple[dict | None, str | None]:
+    """(model settings, preset) of the network a --weights file holds, when the file says: a
+    checkpoint of this trainer carries its config; a file of the authors' layout, its shapes."""
+    from config.errors import CheckpointError
+    from engine.checkpoint import load_checkpoint, reference_file_settings
+    try:
+        saved = load_checkpoint(path, mmap=True).get("config")
+    except CheckpointError:               # a bare state dict, or a bad file: the trainer says which
+        return reference_file_settings(path), REFERENCE_PRESET
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        return None, None
+    return saved["model"], saved.get("preset")
+
+
 def _check_weights_network(cfg) -> None:
     """--weights from a checkpoint of another network: say which model settings differ and how
     to build it, instead of a list of hundreds of mismatched tensors."""
     from config.loader import to_dict
-    from engine.checkpoint import load_checkpoint
-    from config.errors import CheckpointError
+    from engine.checkpoint import listed_difference, settings_difference
 
     if not cfg.train.weights or cfg.train.allow_partial or not Path(cfg.train.weights).is_file():
         return
-    try:
-        saved = load_checkpoint(cfg.train.weights, mmap=True).get("config")
-    except CheckpointError:
-        return                            # a bare state dict, or a bad file: the trainer says which
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    saved, preset = _weights_network(cfg.train.weights)
+    if saved is None:
         return
-    here = to_dict(cfg)["model"]
-    differ = {k: v for k, v in saved["model"].items() if k in here and here[k] != v}
+    differ = settings_difference(saved, to_dict(cfg)["model"])
     if not differ:
         return
-    listed = "; ".join(f"model.{k} {v} there, {here[k]} here" for k, v in differ.items())
     sets = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                    for k, v in differ.items())
-    preset = saved.get("preset")
-    fix = f"--config {preset}" if preset and _preset_model(preset) == saved["model"] else sets
-    raise ConfigError(f"--weights {cfg.train.weights} holds another network ({listed}): add {fix} "
-                      "to build it, or --allow-partial to load only the tensors that fit")
+                    for k, (v, _) in differ.items())
+    preset_model = _preset_model(preset) if preset else None
+    fits = preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items())
+    fix = f"--config {preset}" if fits else sets
+    raise ConfigError(f"--weights {cfg.train.weights} holds another network ({listed_difference(differ)}): "
+                      f"add {fix} to build it, or --allow-partial to load only the tensors that fit")
 
 
 def _preset_model(preset: str) -> dict | None:

@@ -11,11 +11,15 @@ Layout (names are stable: users freeze and load weights by them):
 - `stacks.{i}.heads.{s}`: per scale two 3x3 convs to `head_channels`, squeeze-excitation
   (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the 50 output channels.
 - `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
-  back to the scale's channels by 1x1 conv + BN each; their sum is added to the next stack's
-  input at that scale (stride 4: to the previous stack's input, which is kept as a residual;
-  lower scales: to the output of the next hourglass's `down` residual at that scale).
+  back to the scale's channels by 1x1 conv + BN each: merge_s. merge_0 is added to this stack's
+  input to make the next stack's input (inputs accumulate); every merge_s, stride 4 included, is
+  added to the next hourglass's output at scale s, before that scale's head. Nothing enters the
+  hourglass itself. This is the reference network's function (../shared/fidelity/README.md;
+  `tests/test_reference_golden.py` checks it against the reference's own outputs).
 
-The input is RGB as `data.preprocess.normalise` makes it. Output: a list over stacks of lists
+The input is RGB as `data.preprocess.normalise` makes it: value / 255, no offset, as the
+reference's (which takes BGR: `models.reference` flips the first conv's input channels when
+importing its weights). Output: a list over stacks of lists
 over scales (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Initialisation: conv and
 linear weights N(0, init_std) (0.001 in the paper), biases 0, BatchNorm weight 1 and bias 0, so
 initial outputs are near 0. The `imhn512` preset has 129.0 M parameters and 264.7 GMAC per 512x512
@@ -53,15 +57,12 @@ class Hourglass(nn.Module):
                                     for k in range(len(widths) - 1))
         self.bottom = Bottleneck(widths[-1], widths[-1])
 
-    def forward(self, x: torch.Tensor, inject: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """`inject[k]` (optional) is added at scale k+1, right after the `down` residual."""
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         skips = []
         h = x
-        for k, level in enumerate(self.levels):
+        for level in self.levels:
             skips.append(level.skip(h))
             h = level.down(F.max_pool2d(h, 2))
-            if inject is not None:
-                h = h + inject[k]
         h = self.bottom(h)
         features = [h]
         for k in reversed(range(len(self.levels))):
@@ -137,6 +138,7 @@ class IMHN(nn.Module):
         super().__init__()
         check_model_config(cfg)
         widths = scale_widths(cfg)
+        self.config = cfg                  # the settings it was built with (error messages name them)
         self.out_channels = out_channels
         self.stem = Stem(cfg.stem_channels, cfg.channels)
         self.stacks = nn.ModuleList(Stack(widths, cfg, out_channels, last=i == cfg.stacks - 1)
@@ -156,15 +158,17 @@ class IMHN(nn.Module):
     def forward(self, x: torch.Tensor) -> list[list[torch.Tensor]]:
         x = self.stem(x)
         outputs = []
-        inject = None
+        merges = None
         for stack in self.stacks:
-            if inject is not None:
-                x = x + inject[0]
-            features = stack.hourglass(x, inject[1:] if inject is not None else None)
+            if merges is not None:
+                x = x + merges[0]
+            features = stack.hourglass(x)
+            if merges is not None:      # every scale's merge reaches that scale's head only
+                features = [f + m for f, m in zip(features, merges)]
             predictions, head_features = zip(*(head(f) for head, f in zip(stack.heads, features)))
             outputs.append(list(predictions))
             if stack.merge is not None:
-                inject = [m(p, f) for m, p, f in zip(stack.merge, predictions, head_features)]
+                merges = [m(p, f) for m, p, f in zip(stack.merge, predictions, head_features)]
         return outputs
 
 

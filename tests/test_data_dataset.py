@@ -80,11 +80,11 @@ def test_tensors_shapes_and_ranges(coco4_train):
         assert mask.shape == (1, SIZE // 4, SIZE // 4)
         for t in (target, mask):
             assert t.dtype == torch.float32 and t.min() >= 0 and t.max() <= 1
-        assert image.dtype == torch.float32 and image.min() >= -0.5 and image.max() <= 0.5
+        assert image.dtype == torch.float32 and image.min() >= 0 and image.max() <= 1
     image, _, _ = KeypointDataset(coco4_train, config(), train=False)[0]
     sample = ds.sample_arrays(0)
     assert image.shape[0] == 3                                 # RGB from BGR
-    np.testing.assert_allclose(ds[0][0][0].numpy(), sample["image"][:, :, 2] / 255 - 0.5, atol=1e-6)
+    np.testing.assert_allclose(ds[0][0][0].numpy(), sample["image"][:, :, 2] / 255, atol=1e-6)
 
 
 def test_ignore_mask_covers_people_without_keypoints(coco4_train):

@@ -26,7 +26,10 @@ def test_training_warp_and_inference_padding_give_the_same_tensor():
 
 def test_normalisation_is_one_function_with_the_values_the_network_sees():
     values = normalise(torch.tensor([0, 128, 255], dtype=torch.uint8))
-    assert torch.allclose(values, torch.tensor([-0.5, 128 / 255 - 0.5, 0.5]))
+    assert torch.equal(values, torch.tensor([0.0, 128.0, 255.0]) / 255)     # the authors': no offset
+    exact = normalise(torch.tensor([0, 128, 255], dtype=torch.uint8), torch.float64)
+    assert exact.dtype == torch.float64
+    assert torch.equal(exact, torch.tensor([0.0, 128.0, 255.0], dtype=torch.float64) / 255)
 
 
 def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
