@@ -153,6 +153,7 @@ class TrainConfig:
     max_steps_per_epoch: int = 0  # 0: the whole epoch
     resume: str = ""              # PATH | auto
     weights: str = ""
+    resume_reference: str = ""    # a training checkpoint of the authors: continue their run from it
     allow_partial: bool = False
     freeze: list = field(default_factory=list)
     overwrite: bool = False

@@ -172,5 +172,7 @@ class Precision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """A saved scaler state; fields it lacks (a converted Apex state has only the scale and the
+        steps since the last overflow) keep this scaler's values."""
         if state and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state)
+            self.scaler.load_state_dict({**self.scaler.state_dict(), **state})

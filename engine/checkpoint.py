@@ -350,6 +350,15 @@ def _reference_mismatch(reference: dict, model: nn.Module) -> str | None:
     return "; ".join(parts) or None
 
 
+def read_reference(path) -> dict:
+    """A file of the authors' layout, loaded; CheckpointError naming the file for any other."""
+    obj = _read(path)
+    if reference_weights(obj) is None:
+        raise CheckpointError(f"{path} is not a checkpoint of the authors' layout (a dict whose "
+                              "'weights' are a state dict under posenet.)")
+    return obj
+
+
 def reference_file_settings(path) -> dict | None:
     """The `model.*` settings of a file in the authors' layout, or None for any other file."""
     try:

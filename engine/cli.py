@@ -25,7 +25,8 @@ FLAG_KEYS = {
     "epochs": "train.epochs", "batch_size": "train.batch_size", "accumulate": "train.accumulate",
     "seed": "train.seed",
     "run_name": "train.run_name", "out_dir": "train.out_dir", "resume": "train.resume",
-    "weights": "train.weights", "allow_partial": "train.allow_partial", "freeze": "train.freeze",
+    "weights": "train.weights", "resume_reference": "train.resume_reference",
+    "allow_partial": "train.allow_partial", "freeze": "train.freeze",
     "overwrite": "train.overwrite", "device": "train.device", "ap_every": "train.ap_every",
     "val_every": "train.val_every", "save_every": "train.save_every",
     "early_stop": "train.early_stop_patience",
@@ -77,7 +78,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--run-name", help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)")
     g.add_argument("--out-dir", help="parent of run directories (default checkpoints)")
     g.add_argument("--resume", help="checkpoint PATH, or 'auto': the newest valid one of the run")
-    g.add_argument("--weights", help="initial weights only (fine-tuning)")
+    g.add_argument("--weights", help="initial weights only (fine-tuning); also the authors' layout")
+    g.add_argument("--resume-reference", metavar="FILE",
+                   help="continue the authors' training run from their checkpoint: weights, SGD "
+                        f"momentum, loss scale, next epoch (default config {REFERENCE_PRESET})")
     g.add_argument("--allow-partial", action="store_true", default=None,
                    help="with --weights: load the keys that match")
     g.add_argument("--freeze", nargs="+", metavar="PATTERN", help="module-name prefixes or globs to freeze")
@@ -127,7 +131,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> dic
 
 
 # what names one run, not how to train: never taken over from another run's saved config
-RUN_IDENTITY = {"resume": "", "weights": "", "overwrite": False}
+RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False}
 
 
 def _is_saved_run_config(config: str | None) -> bool:
@@ -142,41 +146,44 @@ def _is_saved_run_config(config: str | None) -> bool:
     return isinstance(data, dict) and "preset" in data
 
 
-def _weights_network(path: str) -> tuple[dict | None, str | None]:
-    """(model settings, preset) of the network a --weights file holds, when the file says: a
-    checkpoint of this trainer carries its config; a file of the authors' layout, its shapes."""
+def _weights_network(path: str) -> tuple[dict | None, tuple]:
+    """(model settings, presets that may build it) of the network a --weights file holds, when the
+    file says: a checkpoint of this trainer carries its config; a file of the authors', its shapes."""
     from config.errors import CheckpointError
     from engine.checkpoint import load_checkpoint, reference_file_settings
     try:
         saved = load_checkpoint(path, mmap=True).get("config")
     except CheckpointError:               # a bare state dict, or a bad file: the trainer says which
-        return reference_file_settings(path), REFERENCE_PRESET
+        return reference_file_settings(path), (REFERENCE_PRESET, DEFAULT_PRESET)
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        return None, None
-    return saved["model"], saved.get("preset")
+        return None, ()
+    return saved["model"], (saved.get("preset"),)
 
 
 def _check_weights_network(cfg) -> None:
-    """--weights from a checkpoint of another network: say which model settings differ and how
-    to build it, instead of a list of hundreds of mismatched tensors."""
+    """--weights or --resume-reference from a checkpoint of another network: say which model
+    settings differ and how to build it, instead of a list of hundreds of mismatched tensors."""
     from config.loader import to_dict
     from engine.checkpoint import listed_difference, settings_difference
 
-    if not cfg.train.weights or cfg.train.allow_partial or not Path(cfg.train.weights).is_file():
-        return
-    saved, preset = _weights_network(cfg.train.weights)
-    if saved is None:
-        return
-    differ = settings_difference(saved, to_dict(cfg)["model"])
-    if not differ:
-        return
-    sets = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                    for k, (v, _) in differ.items())
-    preset_model = _preset_model(preset) if preset else None
-    fits = preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items())
-    fix = f"--config {preset}" if fits else sets
-    raise ConfigError(f"--weights {cfg.train.weights} holds another network ({listed_difference(differ)}): "
-                      f"add {fix} to build it, or --allow-partial to load only the tensors that fit")
+    for option, path, partial in (("--weights", cfg.train.weights, cfg.train.allow_partial),
+                                  ("--resume-reference", cfg.train.resume_reference, False)):
+        if not path or partial or not Path(path).is_file():
+            continue
+        saved, presets = _weights_network(path)
+        differ = settings_difference(saved, to_dict(cfg)["model"]) if saved else None
+        if not differ:
+            continue
+        fix = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                       for k, (v, _) in differ.items())
+        for preset in filter(None, presets):
+            preset_model = _preset_model(preset)
+            if preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items()):
+                fix = f"--config {preset}"
+                break
+        partial_hint = ", or --allow-partial to load only the tensors that fit" if option == "--weights" else ""
+        raise ConfigError(f"{option} {path} holds another network ({listed_difference(differ)}): "
+                          f"add {fix} to build it{partial_hint}")
 
 
 def _preset_model(preset: str) -> dict | None:
@@ -205,7 +212,8 @@ def config_from_args(args: argparse.Namespace):
         # another run's config.yaml as --config: a new run with its settings, not that run itself
         flags, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}
         deep_update(overrides, flags)
-    cfg = build_config(args.config or DEFAULT_PRESET, overrides, args.set)
+    default = REFERENCE_PRESET if getattr(args, "resume_reference", None) else DEFAULT_PRESET
+    cfg = build_config(args.config or default, overrides, args.set)
     if not cfg.train.resume:
         _check_weights_network(cfg)
     return cfg

@@ -19,17 +19,19 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config.errors import CheckpointError, TrainingDiverged, UserError
+from config.errors import CheckpointError, ConfigError, TrainingDiverged, UserError
 from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
 from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
 from engine.checkpoint import (capture_rng_state, find_latest_checkpoint, load_checkpoint,
-                               load_weights, restore_rng_state, save_checkpoint, unwrap_model)
+                               load_weights, read_reference, restore_rng_state, save_checkpoint,
+                               unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer, lr_at, set_lr
+from engine.reference_resume import resume_state
 from engine.run_setup import (choose_run_dir, memory_gb, resolve_data, save_resolved_config,
                               train_loader, val_loader)
 
@@ -68,8 +70,16 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)          # the same initial weights on every rank
         model = build_model(cfg.model)
         state = load_checkpoint(resume_path) if resume_path else None
+        reference = None           # the authors' checkpoint whose run continues (--resume-reference)
         if state is not None:
             load_weights(model, state)
+        elif cfg.train.resume_reference:
+            if cfg.train.weights:
+                raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint "
+                                  "already holds the weights)")
+            reference, resume_path = read_reference(cfg.train.resume_reference), Path(cfg.train.resume_reference)
+            report = load_weights(model, reference)
+            self.say(f"loaded weights from {resume_path}: {_load_summary(report)}")
         elif cfg.train.weights:
             report = load_weights(model, cfg.train.weights, allow_partial=cfg.train.allow_partial)
             self.say(f"loaded weights from {cfg.train.weights}: {_load_summary(report)}")
@@ -100,6 +110,9 @@ class Trainer:
 
         self.epoch, self.start_batch, self.step = 0, 0, 0
         self.best_metric, self.bad_validations, self.skipped_total, self.bad_streak = None, 0, 0, 0
+        if reference is not None:
+            names = [name for name, p in model.named_parameters() if p.requires_grad]
+            state = resume_state(reference, str(resume_path), model, self.optimizer, names, cfg)
         if state is not None:
             self._restore(state, resume_path)
         # loader batches per epoch, a whole number of steps of `accumulate` batches each
@@ -108,6 +121,8 @@ class Trainer:
         if cfg.train.max_steps_per_epoch:
             steps = min(steps, cfg.train.max_steps_per_epoch)
         self.batches_per_epoch = steps * accumulate
+        if self.step is None:      # a run started elsewhere: the steps of the epochs it finished
+            self.step = self.epoch * steps
         self.stop_signal = None
         if ctx.is_main:     # the run directory appears only once everything above has worked
             save_resolved_config(cfg, self.run_dir)
@@ -154,8 +169,10 @@ class Trainer:
         self.skipped_total = state.get("skipped_steps", 0)
         if self.ctx.is_main and state.get("rng"):
             restore_rng_state(state["rng"])
-        self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}, step {self.step}"
-                 f" (saved by a {state.get('mode', '?')} run of {state.get('world_size', '?')} process(es))")
+        origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "
+                                         f"{state.get('world_size', '?')} process(es)")
+        self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}"
+                 + (f", step {self.step}" if self.step is not None else "") + f" ({origin})")
 
     def _install_signal_handlers(self) -> dict:
         """SIGTERM / SIGUSR1 ask for a stop after the step; returns the handlers they replaced."""
@@ -368,4 +385,5 @@ class Trainer:
 def _load_summary(report: dict) -> str:
     loaded = report.get("loaded", "?")
     missing = report.get("missing") or []
-    return f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+    return (f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+            + (f"; {report['converted']}" if report.get("converted") else ""))

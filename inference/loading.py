@@ -8,6 +8,7 @@ overrides apply on top, then the inference flags (scales, flip).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,9 @@ def pick_device(device) -> torch.device:
 
 
 def inference_config(saved: dict | None, preset: str | None, sets: list[str],
-                     scales=None, flip: bool | None = None) -> Config:
-    """The run's config: `saved` (a checkpoint's) or `preset`, then `sets`, then scales / flip."""
+                     scales=None, flip: bool | None = None, model: dict | None = None) -> Config:
+    """The run's config: `saved` (a checkpoint's) or `preset` with `model` settings, then `sets`,
+    then scales / flip."""
     extra = list(sets or [])
     if scales:
         extra.append("inference.scales=[" + ",".join(str(float(s)) for s in scales) + "]")
@@ -56,13 +58,15 @@ def inference_config(saved: dict | None, preset: str | None, sets: list[str],
     if saved is not None:
         saved = {k: v for k, v in saved.items() if k != "preset"}
         return build_config(None, overrides=saved, sets=extra)
-    return build_config(preset or DEFAULT_PRESET, sets=extra)
+    return build_config(preset or DEFAULT_PRESET, overrides={"model": model} if model else None, sets=extra)
 
 
 def load_model(weights: str, preset: str | None, sets: list[str], device, scales=None,
-               flip: bool | None = None):
-    """(model on `device` in eval mode, its Config) from a checkpoint or a bare weights file."""
-    from engine.checkpoint import load_checkpoint, load_weights
+               flip: bool | None = None, say=None):
+    """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
+    (its network read from its shapes; `say`, by default a line on stderr, tells that it was
+    converted) or a bare weights file."""
+    from engine.checkpoint import load_checkpoint, load_weights, reference_file_settings
     from models import build_model
 
     try:
@@ -70,15 +74,18 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     except CheckpointError as exc:
         state, not_a_checkpoint = None, exc   # a bare state dict, or a bad file: load_weights says which
     saved = state.get("config") if isinstance(state, dict) else None
-    cfg = inference_config(saved if isinstance(saved, dict) else None, preset, sets, scales, flip)
+    settings = reference_file_settings(weights) if state is None else None
+    cfg = inference_config(saved if isinstance(saved, dict) else None, preset, sets, scales, flip, settings)
     model = build_model(cfg.model)
     try:
-        load_weights(model, state if state is not None else weights)
+        report = load_weights(model, state if state is not None else weights)
     except CheckpointError as exc:
         # the same message twice: the file itself cannot be read (missing, corrupt, unsafe), and
         # the preset has nothing to do with it
-        if saved is not None or str(exc) == str(not_a_checkpoint):
+        if saved is not None or settings is not None or str(exc) == str(not_a_checkpoint):
             raise
         raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "
                               f"{preset or DEFAULT_PRESET}; give the --preset of its run)") from None
+    if report["converted"]:
+        (say or (lambda text: print(text, file=sys.stderr)))(f"{weights}: {report['converted']}")
     return model.to(device).eval(), cfg

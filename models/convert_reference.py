@@ -1,0 +1,58 @@
+"""A checkpoint of the Simple Pose authors, written as a checkpoint of this trainer (an entry script).
+
+    python -m models.convert_reference IN.pth OUT.pth [--config imhn512] [--set KEY=VALUE]
+
+OUT.pth holds the weights (names mapped by `models.reference`, first conv BGR -> RGB), the SGD
+momentum, the loss scale of an Apex amp state, the epoch to continue at and the config: the
+preset (default imhn512) with the network read from IN.pth's shapes. So `evaluate.py`, `demo.py`,
+`train.py --weights` and `train.py --resume` take OUT.pth alone. An existing OUT.pth is kept
+unless `--overwrite`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from config.errors import ConfigError, run_cli
+
+DEFAULT_PRESET = "imhn512"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="IN.pth", help="checkpoint in the authors' layout")
+    p.add_argument("out", metavar="OUT.pth", help="checkpoint of this trainer to write")
+    p.add_argument("--config", default=DEFAULT_PRESET,
+                   help=f"preset or YAML of the run it continues (default {DEFAULT_PRESET})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.pth")
+    return p
+
+
+def run(args) -> dict:
+    from config.loader import build_config
+    from engine.checkpoint import reference_file_settings
+    from engine.reference_resume import convert
+
+    source, out = Path(args.source), Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ConfigError(f"{out} already exists: choose another name or pass --overwrite")
+    if out.resolve() == source.resolve():
+        raise ConfigError(f"{out} is the file being converted: write to another name")
+    # the network the file holds; a file of another layout is refused by `convert`, naming it
+    settings = reference_file_settings(source)
+    cfg = build_config(args.config, overrides={"model": settings} if settings else None, sets=args.set)
+    state = convert(str(source), str(out), cfg)
+    print(f"{source}: the authors' layout converted (names mapped, first conv BGR -> RGB; "
+          f"{state['origin']}); wrote {out}: config {args.config}, continues at epoch {state['epoch'] + 1}")
+    return state
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(lambda a: run(build_parser().parse_args(a)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
