@@ -181,9 +181,9 @@ def _check_weights_network(cfg) -> None:
             if preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items()):
                 fix = f"--config {preset}"
                 break
-        partial_hint = ", or --allow-partial to load only the tensors that fit" if option == "--weights" else ""
+        partial = ", or --allow-partial to load only the tensors that fit" if option == "--weights" else ""
         raise ConfigError(f"{option} {path} holds another network ({listed_difference(differ)}): "
-                          f"add {fix} to build it{partial_hint}")
+                          f"add {fix} to build it{partial}")
 
 
 def _preset_model(preset: str) -> dict | None:

@@ -77,7 +77,8 @@ class Trainer:
             if cfg.train.weights:
                 raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint "
                                   "already holds the weights)")
-            reference, resume_path = read_reference(cfg.train.resume_reference), Path(cfg.train.resume_reference)
+            resume_path = Path(cfg.train.resume_reference)
+            reference = read_reference(resume_path)
             report = load_weights(model, reference)
             self.say(f"loaded weights from {resume_path}: {_load_summary(report)}")
         elif cfg.train.weights:

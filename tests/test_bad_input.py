@@ -30,6 +30,7 @@ from engine.checkpoint import save_checkpoint
 from engine.launch_env import find_free_port
 from models import build_model
 from child_env import child_env
+from reference_files import model_entries, reference_file, rule_weights
 from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 
 from conftest import COCO4_DIR as COCO4
@@ -135,6 +136,8 @@ def checkpoint_inputs(root: Path, preset: Path, run_dir: Path) -> None:
     data = (run_dir / "last.pth").read_bytes()
     (root / "truncated.pth").write_bytes(data[: len(data) // 2])
     torch.save({"model": Payload(root / "code_ran")}, root / "code.pth")
+    tiny = build_model(build_config("tiny").model)        # the authors' layout, for the tiny network
+    reference_file(root / "authors_tiny.pth", rule_weights(model_entries(tiny, tiny.config.depth)))
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +189,10 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
             [str(root / "other_model.pth"), "does not match the model", "not in the model: stacks.0.merge.",
              "with another shape: stacks.0.hourglass.", "(file [10, 12, 1, 1], model [8, 12, 1, 1])",
              "--allow-partial"]),
+        "authors' checkpoint of another network": Case(
+            with_data + ["--weights", str(root / "authors_tiny.pth")],
+            [f"--weights {root / 'authors_tiny.pth'} holds another network (model.stacks 2 there",
+             "add --config tiny to build it"]),
         "truncated checkpoint": Case(trainer + ["--resume", str(root / "truncated.pth")],
                                      [str(root / "truncated.pth"), "truncated or corrupt"]),
         "checkpoint that runs code": Case(with_data + ["--weights", str(root / "code.pth")],
@@ -232,7 +239,8 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
 
 ROWS = ["malformed JSON", "non-keypoint COCO JSON", "missing image", "unreadable image",
         "corrupt image", "missing HDF5", "truncated HDF5", "foreign HDF5", "older HDF5 format",
-        "checkpoint of another model", "truncated checkpoint", "checkpoint that runs code",
+        "checkpoint of another model", "authors' checkpoint of another network", "truncated checkpoint",
+        "checkpoint that runs code",
         "unknown opt level", "unknown preset", "batch not divisible by processes",
         "more processes than GPUs", "port in use", "freeze pattern matching nothing",
         "full disk while saving", "output directory of another run"]

@@ -43,7 +43,7 @@ def tiny_reference(tiny, tmp_path_factory):
     return reference_file(path, tiny[2], module_prefix=True, counters=False, epoch=7, amp=APEX)
 
 
-def test_weights_of_the_authors_layout_load_with_names_mapped_and_the_first_conv_flipped(tiny, tiny_reference):
+def test_the_authors_weights_load_with_names_mapped_and_the_first_conv_flipped(tiny, tiny_reference):
     cfg, _, weights = tiny
     model = build_model(cfg)
     report = load_weights(model, tiny_reference)
