@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 PREFIX = "posenet."
-WRAPPERS = ("module.",)
+WRAPPER = "module."                # DataParallel / DDP, when the file was saved from one
 FIRST_CONV = "stem.conv.0.weight"
 SECTIONS = ("pre.", "hourglass.", "features.", "outs.", "merge_features.", "merge_preds.")
 COUNTER = "num_batches_tracked"
@@ -82,8 +82,8 @@ def name_map(model: nn.Module, depth: int) -> dict[str, str]:
 
 
 def _unwrap_key(key: str) -> str:
-    while key.startswith(WRAPPERS):
-        key = key[len("module."):]
+    while key.startswith(WRAPPER):
+        key = key[len(WRAPPER):]
     return key
 
 
