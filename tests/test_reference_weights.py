@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 import demo
 import evaluate
 import train
+import train_distributed
+import train_parallel
 from config.errors import run_cli
 from config.loader import build_config
 from config.schema import AmpConfig
@@ -68,9 +71,10 @@ def test_train_weights_takes_the_authors_layout_and_says_it_converted(tiny_refer
     assert load_checkpoint(tmp_path / "ft" / "last.pth")["epoch"] == 1
 
 
-def test_another_shape_names_the_settings_that_differ(tiny_reference, tmp_path, capsys):
-    code = run_cli(train.main, ["--weights", str(tiny_reference), "--set", "model.stacks=3",
-                                "--set", "model.channels=48", "--out-dir", str(tmp_path)])
+@pytest.mark.parametrize("script", [train, train_parallel, train_distributed])
+def test_another_shape_names_the_settings_that_differ(script, tiny_reference, tmp_path, capsys):
+    code = run_cli(script.main, ["--weights", str(tiny_reference), "--set", "model.stacks=3",
+                                 "--set", "model.channels=48", "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert (f"error: --weights {tiny_reference} holds another network (model.stacks 2 there, 3 here; "
@@ -161,6 +165,12 @@ def test_resume_reference_continues_the_authors_run(tiny_reference, synthetic_h5
     last = load_checkpoint(run_dir / "last.pth")
     assert last["epoch"] == 9 and last["step"] == 9
     assert last["scaler"]["scale"] in (512.0, 256.0)
+    # their buffer of parameter index i was filled with i: one step later it is 0.9 i + gradient
+    model = build_model(cfg.model)
+    ours = [name for name, _ in model.named_parameters()]
+    means = [float(last["optimizer"]["state"][ours.index(key)]["momentum_buffer"].mean())
+             for key in parameter_keys(model, cfg.model.depth)]
+    assert np.corrcoef(means, 0.9 * np.arange(len(means)))[0, 1] > 0.999
 
 
 def test_resume_reference_refuses_an_optimiser_without_momentum(tiny_reference, tmp_path, capsys):
