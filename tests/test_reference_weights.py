@@ -141,7 +141,7 @@ def test_evaluate_and_demo_take_the_authors_file_and_its_conversion_alike(tiny_r
     picture = tmp_path / "pose.png"
     assert demo.main(["--weights", str(tiny_reference), "--image", str(coco4_dir / "000000040083.jpg"),
                       "--out", str(picture), "--device", "cpu", "--set", "data.input_size=128"]) == 0
-    assert "converted in memory" in capsys.readouterr().out and picture.is_file()
+    assert "converted in memory" in capsys.readouterr().err and picture.is_file()
 
 
 def test_resume_reference_continues_the_authors_run(tiny_reference, synthetic_h5, tmp_path, capsys):
