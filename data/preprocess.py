@@ -4,8 +4,8 @@ A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` 
 where the input's scale and offset are set: value / 255, no offset, as the authors' network takes
 it). Whatever lies outside the picture (the border of the training warp, the padding of inference
 up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
-value there in training and at inference. `data.dataset` (training and validation samples) and `inference.predict` (pictures of
-any size, padded and batched) both build their input here.
+value there in training and at inference. `data.dataset` (training and validation samples) and
+`inference.predict` (pictures of any size, padded and batched) both build their input here.
 """
 from __future__ import annotations
 
