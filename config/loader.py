@@ -8,14 +8,16 @@ wrong types and impossible values raise `ConfigError` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from config.errors import ConfigError
-from config.schema import Config
+from config.schema import BOUNDS, CHOICES, Config
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -62,38 +64,48 @@ def deep_update(dst: dict, src: dict) -> None:
             dst[key] = value
 
 
+def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
+    """`value` as an int or a float (`kind`); ConfigError naming `key` for anything else."""
+    if isinstance(value, str):               # YAML 1.1 reads 1e-6 (no dot) as a string
+        try:
+            value = float(value) if kind is float else int(value)
+        except ValueError:
+            pass
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind is float:
+            return float(value)
+        if isinstance(value, int):
+            return value
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+    expected = "a number" if kind is float else "an integer"
+    raise ConfigError(f"option {key}: {what}expected {expected}, got {value!r}")
+
+
 def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Check `value` against the type of the field's default; ints are accepted for floats."""
+    """Check `value` against the type of the field's default; ints are accepted for floats.
+    A value of the wrong type is an error, never silently None."""
     if default is None or value is None:
         return value
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
         raise ConfigError(f"option {key}: expected true or false, got {value!r}")
-    if isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        try:   # YAML 1.1 reads 1e-6 (no dot) as a string
-            return float(value) if isinstance(value, str) else None
-        except ValueError:
-            pass
-        raise ConfigError(f"option {key}: expected a number, got {value!r}")
-    if isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"option {key}: expected an integer, got {value!r}")
+    if isinstance(default, (int, float)):
+        return _number(key, value, type(default))
     if isinstance(default, str):
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"option {key}: expected a string, got {value!r}")
     if isinstance(default, list):
-        if isinstance(value, (list, tuple)):
-            return list(value)
         if isinstance(value, str):
-            return [v for v in value.replace(",", " ").split()]
-        raise ConfigError(f"option {key}: expected a list, got {value!r}")
+            value = [v for v in value.replace(",", " ").split()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"option {key}: expected a list, got {value!r}")
+        kind = BOUNDS[key].items if key in BOUNDS else None
+        if kind is None:
+            return list(value)
+        return [_number(key, v, kind, f"item {i}: ") for i, v in enumerate(value)]
     return value
 
 
@@ -169,51 +181,92 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def _check_bounds(key: str, value: Any) -> None:
+    """Finite floats everywhere; `BOUNDS` and `CHOICES` of config.schema where declared."""
+    if key in CHOICES and value not in CHOICES[key]:
+        shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
+                 for c in CHOICES[key]]
+        raise ConfigError(f"option {key}: {value!r} is not {', '.join(shown[:-1])} or {shown[-1]}")
+    bounds = BOUNDS.get(key)
+    items = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and bounds is not None:
+        if len(value) < bounds.min_items or (bounds.max_items is not None and len(value) > bounds.max_items):
+            count = (f"exactly {bounds.min_items}" if bounds.min_items == bounds.max_items
+                     else f"at least {bounds.min_items}" if bounds.max_items is None
+                     else f"{bounds.min_items} to {bounds.max_items}")
+            raise ConfigError(f"option {key}: {value!r} must have {count} items")
+    for item in items:
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue
+        where = f"item {item!r} of {value!r}" if isinstance(value, list) else repr(item)
+        if not math.isfinite(item):
+            raise ConfigError(f"option {key}: {where} is not a finite number")
+        if bounds is None:
+            continue
+        low_ok = bounds.low is None or (item > bounds.low if bounds.low_open else item >= bounds.low)
+        high_ok = bounds.high is None or item <= bounds.high
+        if not (low_ok and high_ok):
+            low = "" if bounds.low is None else f"{'>' if bounds.low_open else '>='} {_shown(bounds.low)}"
+            high = "" if bounds.high is None else f"<= {_shown(bounds.high)}"
+            raise ConfigError(f"option {key}: {where} must be {' and '.join(t for t in (low, high) if t)}")
+
+
+def _shown(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+def _check_fields(section: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, f"{prefix}{f.name}.")
+        else:
+            _check_bounds(prefix + f.name, value)
+
+
+def _check_run_name(name: str) -> None:
+    """The run directory is OUT_DIR/NAME: NAME must be one plain path component."""
+    if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name:
+        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with --out-dir")
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
+
+
 def validate(cfg: Config) -> None:
     """Raise `ConfigError` for settings that cannot work, naming the option."""
+    _check_fields(cfg)
+    if cfg.train.run_name:
+        _check_run_name(cfg.train.run_name)
+    device = cfg.train.device.strip().lower()
+    if not DEVICE_PATTERN.fullmatch(device.replace(" ", "")):
+        raise ConfigError(f"option train.device: {cfg.train.device!r} is not auto, cpu, cuda, cuda:N "
+                          "or a list of GPU numbers like 2,3")
+    if not all(isinstance(p, str) and p for p in cfg.train.freeze):
+        raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names or globs")
+    if cfg.augment.scale_min > cfg.augment.scale_max:
+        raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
+                          f"({cfg.augment.scale_max}): the minimum is above the maximum")
+    if cfg.optim.milestones != sorted(set(cfg.optim.milestones)):
+        raise ConfigError(f"option optim.milestones: {cfg.optim.milestones} must be increasing epochs")
     size = cfg.data.input_size
-    if size <= 0 or size % 64:
+    if size % 64:
         raise ConfigError(f"option data.input_size: {size} is not a positive multiple of 64")
     if cfg.data.stride != 4:
         raise ConfigError("option data.stride: the network's output stride is 4")
-    if cfg.amp.opt_level not in ("O0", "O1", "O2", "O3"):
-        raise ConfigError(f"option amp.opt_level: unknown opt level {cfg.amp.opt_level!r} "
-                          "(choose O0, O1, O2 or O3)")
-    if cfg.amp.dtype not in ("auto", "float16", "bfloat16"):
-        raise ConfigError(f"option amp.dtype: {cfg.amp.dtype!r} is not auto, float16 or bfloat16")
     scale = cfg.amp.loss_scale
-    if scale != "dynamic":
+    if isinstance(scale, str) and scale != "dynamic":
         try:
-            if isinstance(scale, bool) or float(scale) <= 0:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise ConfigError(f"option amp.loss_scale: {scale!r} "
-                              "is not 'dynamic' or a positive number") from None
-    if cfg.amp.channels_last not in ("auto", True, False):
-        raise ConfigError(f"option amp.channels_last: {cfg.amp.channels_last!r} is not auto, true or false")
-    if cfg.optim.name not in ("sgd", "adamw"):
-        raise ConfigError(f"option optim.name: {cfg.optim.name!r} is not sgd or adamw")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"option optim.lr: {cfg.optim.lr} must be positive")
-    if cfg.train.batch_size <= 0:
-        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} must be positive")
-    if cfg.train.accumulate < 1:
-        raise ConfigError(f"option train.accumulate: {cfg.train.accumulate} must be at least 1 "
-                          "(batches per optimiser step)")
-    if cfg.train.epochs <= 0:
-        raise ConfigError(f"option train.epochs: {cfg.train.epochs} must be positive")
-    if cfg.model.stacks <= 0 or cfg.model.depth <= 0:
-        raise ConfigError("options model.stacks and model.depth must be positive")
+            scale = cfg.amp.loss_scale = float(scale)
+        except ValueError:
+            pass
+    if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
+                               or not 0 < scale < math.inf):
+        raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a positive number")
     if len(cfg.loss.scale_weights) != cfg.model.depth + 1:
         raise ConfigError(f"option loss.scale_weights: {len(cfg.loss.scale_weights)} weights for "
                           f"{cfg.model.depth + 1} scales (model.depth + 1)")
     if size % (4 * 2 ** cfg.model.depth):
         raise ConfigError(f"option data.input_size: {size} is not a multiple of "
                           f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
-    if not all(float(s) > 0 for s in cfg.inference.scales):
-        raise ConfigError("option inference.scales: every scale must be positive")
-    if cfg.inference.decode_threads < 0:
-        raise ConfigError(f"option inference.decode_threads: {cfg.inference.decode_threads} must be "
-                          ">= 0 (0: one per core of this process's share of the machine)")
-    if cfg.inference.batch_size < 1:
-        raise ConfigError(f"option inference.batch_size: {cfg.inference.batch_size} must be >= 1")

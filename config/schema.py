@@ -3,7 +3,9 @@
 Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
 Presets in `config/presets/*.yaml` override them; the command line overrides the preset
 (`config.loader`). Every field is a plain YAML-able value so the resolved config of a run can be
-saved next to its checkpoints and in them.
+saved next to its checkpoints and in them. What each field accepts (range, list items, choices) is
+declared once at the end of this file, in `BOUNDS` and `CHOICES`; `config.loader.validate` applies
+it to every value, whether it comes from a preset, the command line or a checkpoint's saved config.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class ModelConfig:
     se: bool = True
     se_reduction: int = 16
     init_std: float = 0.001
+    max_params_m: float = 1000.0  # refuse to build a network of more million parameters (a typo guard)
 
 
 @dataclass
@@ -174,3 +177,65 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# -- what each field accepts -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bounds:
+    """The values a number field accepts, or each item of a list field: `low` <= value <= `high`
+    (`low_open`: `low` < value). Floats must also be finite, whatever their bounds."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    items: type | None = None     # list fields: int or float items
+    min_items: int = 0
+    max_items: int | None = None
+
+
+POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0, 1)
+COUNT = Bounds(1)                 # an integer that must be at least 1
+LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
+
+BOUNDS = {
+    "data.input_size": Bounds(64, 4096), "data.stride": Bounds(1, 64), "data.workers": Bounds(0, 256),
+    "augment.person_height": Bounds(0, 10, low_open=True), "augment.scale_prob": FRACTION,
+    "augment.scale_min": Bounds(0, 10, low_open=True), "augment.scale_max": Bounds(0, 10, low_open=True),
+    "augment.rotate_deg": Bounds(0, 180), "augment.shift_px": Bounds(0, 4096),
+    "augment.flip_prob": FRACTION, "augment.color_prob": FRACTION, "augment.hue_shift": Bounds(0, 180),
+    "augment.sat_scale": FRACTION, "augment.val_scale": FRACTION,
+    "targets.keypoint_sigma": Bounds(0, 256, low_open=True),
+    "targets.limb_sigma": Bounds(0, 256, low_open=True), "targets.limb_margin": Bounds(0, 256),
+    "model.stacks": Bounds(1, 64), "model.depth": Bounds(1, 8), "model.channels": LAYER,
+    "model.increase": Bounds(0, 8192), "model.head_channels": LAYER, "model.stem_channels": LAYER,
+    "model.se_reduction": LAYER, "model.init_std": Bounds(0, 1, low_open=True),
+    "model.max_params_m": POSITIVE,
+    "loss.gamma": Bounds(0, 16), "loss.focal_threshold": FRACTION, "loss.keypoint_weight": NON_NEGATIVE,
+    "loss.mask_weight": NON_NEGATIVE, "loss.scale_weights": Bounds(0, items=float, min_items=1),
+    "optim.lr": Bounds(0, 10, low_open=True), "optim.momentum": FRACTION,
+    "optim.weight_decay": Bounds(0, 1), "optim.betas": Bounds(0, 1, items=float, min_items=2, max_items=2),
+    "optim.warmup_epochs": Bounds(0, 1e6), "optim.warmup_start": FRACTION,
+    "optim.decay_every": Bounds(0, 1e6), "optim.milestones": Bounds(1, 1e6, items=int),
+    "optim.decay_factor": Bounds(0, 1, low_open=True), "optim.clip_grad_norm": NON_NEGATIVE,
+    "optim.skip_loss_above": POSITIVE, "optim.max_bad_steps": Bounds(1, 1e9),
+    "amp.init_scale": Bounds(1, 2.0 ** 32),
+    "dist.bucket_cap_mb": Bounds(0, 1e5, low_open=True), "dist.timeout_s": Bounds(1, 10 ** 7),
+    "inference.scales": Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
+    "inference.peak_threshold": FRACTION, "inference.refine_radius": Bounds(0, 32),
+    "inference.limb_samples": Bounds(1, 1000), "inference.limb_threshold": FRACTION,
+    "inference.limb_min_ratio": FRACTION, "inference.max_limb_ratio": POSITIVE,
+    "inference.merge_ratio": FRACTION, "inference.min_parts": Bounds(1, 18),
+    "inference.min_mean_score": FRACTION, "inference.max_people": Bounds(1, 10000),
+    "inference.max_peaks": Bounds(1, 10000), "inference.decode_threads": Bounds(0, 256),
+    "inference.batch_size": Bounds(1, 4096),
+    "train.epochs": Bounds(1, 10 ** 6), "train.batch_size": Bounds(1, 65536),
+    "train.accumulate": Bounds(1, 65536), "train.seed": Bounds(0, 2 ** 32 - 1),
+    "train.val_every": Bounds(0), "train.ap_every": Bounds(0), "train.ap_max_images": Bounds(0),
+    "train.save_every": Bounds(0), "train.early_stop_patience": Bounds(0), "train.log_every": COUNT,
+    "train.max_steps_per_epoch": Bounds(0),
+}
+
+CHOICES = {
+    "optim.name": ("sgd", "adamw"), "amp.opt_level": ("O0", "O1", "O2", "O3"),
+    "amp.dtype": ("auto", "float16", "bfloat16"), "amp.channels_last": ("auto", True, False),
+    "amp.keep_batchnorm_fp32": (None, True, False),
+}

@@ -330,7 +330,8 @@ def _depth(model: nn.Module) -> int:
 
 def settings_difference(there: dict, here: dict) -> dict:
     """{setting: (value there, value here)} for the settings both dicts have and that differ."""
-    return {k: (v, here[k]) for k, v in there.items() if k in here and here[k] != v}
+    return {k: (v, here[k]) for k, v in there.items()
+            if k in here and here[k] != v and k != "max_params_m"}     # a size limit, not the network
 
 
 def listed_difference(differ: dict, prefix: str = "model.") -> str:

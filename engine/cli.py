@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from config.errors import ConfigError, run_cli
+from config.errors import CheckpointError, ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
 
 DEFAULT_PRESET = "tiny"
@@ -117,8 +117,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> dict | None:
-    """The config stored in the checkpoint that --resume will load, if it can be found."""
+def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tuple[Path | None, dict | None]:
+    """(checkpoint, the config stored in it) that --resume will load, if it can be found."""
     from engine.checkpoint import find_latest_checkpoint, load_checkpoint
     from engine.run_setup import newest_run_dir
     if resume == "auto":
@@ -127,11 +127,32 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> dic
         path = find_latest_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
     else:
         path = Path(resume)
-    return load_checkpoint(path).get("config") if path and path.is_file() else None
+    if not path or not path.is_file():
+        return None, None
+    saved = load_checkpoint(path).get("config")
+    if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("train"), dict)):
+        raise CheckpointError(f"checkpoint {path}: its saved config is damaged (not a mapping of config "
+                              "sections); resume with --config PRESET to give the settings anew")
+    return path, saved
 
 
-# what names one run, not how to train: never taken over from another run's saved config
-RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False}
+# what names one run, not how to train: never taken over from another run's saved config (the run
+# directory of a resume is where its checkpoint is, or --run-name: not the name saved in it)
+RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False,
+                "run_name": ""}
+
+
+def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str]):
+    """The resumed run's config: its checkpoint's, then the flags given now. A field this version
+    no longer knows, or a value it no longer accepts, is named with the file and how to go on."""
+    saved["train"].update(RUN_IDENTITY)
+    deep_update(saved, overrides)
+    try:
+        return build_config(None, saved, sets)
+    except ConfigError as exc:
+        raise ConfigError(f"the config saved in checkpoint {path} does not fit this version: {exc}. "
+                          "Resume with --config PRESET (plus --set for what that run changed) to give "
+                          "the settings anew; the weights and optimiser state are still loaded") from None
 
 
 def _is_saved_run_config(config: str | None) -> bool:
@@ -200,14 +221,10 @@ def config_from_args(args: argparse.Namespace):
         value = getattr(args, dest, None)
         if value is not None:
             deep_update(overrides, nested(key, value))
-    saved = None
     if args.resume and not args.config:
-        saved = _saved_config(args.resume, args.run_name, args.out_dir)
-    if saved:
-        # the saved run's own resume / weights / overwrite settings do not carry over
-        saved["train"].update(RUN_IDENTITY)
-        deep_update(saved, overrides)
-        return build_config(None, saved, args.set)
+        path, saved = _saved_config(args.resume, args.run_name, args.out_dir)
+        if saved:
+            return _config_from_checkpoint(path, saved, overrides, args.set)
     if _is_saved_run_config(args.config):
         # another run's config.yaml as --config: a new run with its settings, not that run itself
         flags, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config.errors import CheckpointError
+from config.errors import CheckpointError, ConfigError
 from config.loader import build_config
 from config.schema import Config
 from config.skeleton import KEYPOINTS, LIMBS, NUM_CHANNELS
@@ -74,8 +74,16 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     except CheckpointError as exc:
         state, not_a_checkpoint = None, exc   # a bare state dict, or a bad file: load_weights says which
     saved = state.get("config") if isinstance(state, dict) else None
+    saved = saved if isinstance(saved, dict) else None
     settings = reference_file_settings(weights) if state is None else None
-    cfg = inference_config(saved if isinstance(saved, dict) else None, preset, sets, scales, flip, settings)
+    try:
+        cfg = inference_config(saved, preset, sets, scales, flip, settings)
+    except ConfigError as exc:
+        if saved is None:
+            raise
+        raise ConfigError(f"the config saved in checkpoint {weights} does not fit this version: {exc}. "
+                          "Fix it with --set KEY=VALUE, or export the bare weights and pass --preset"
+                          ) from None
     model = build_model(cfg.model)
     try:
         report = load_weights(model, state if state is not None else weights)

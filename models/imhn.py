@@ -173,5 +173,12 @@ class IMHN(nn.Module):
 
 
 def build_model(cfg: ModelConfig) -> IMHN:
-    """The network of `cfg` (a `ModelConfig`) with the 50 output channels of the skeleton."""
+    """The network of `cfg` (a `ModelConfig`) with the 50 output channels of the skeleton;
+    `ConfigError` when it would hold more than `cfg.max_params_m` million parameters."""
+    with torch.device("meta"):           # counted without memory or initialisation
+        count = sum(p.numel() for p in IMHN(cfg, NUM_CHANNELS).parameters())
+    if count > cfg.max_params_m * 1e6:
+        raise ConfigError(f"option model.max_params_m: the network of these model.* settings has "
+                          f"{count / 1e6:,.1f} million parameters, more than the limit of "
+                          f"{cfg.max_params_m:g}; raise it with --set model.max_params_m=N if you mean it")
     return IMHN(cfg, NUM_CHANNELS)

@@ -138,7 +138,7 @@ def test_a_run_resumed_with_another_k_goes_on_from_the_same_batch(tmp_path, synt
 
 
 @pytest.mark.parametrize("accumulate,message", [
-    ("0", "option train.accumulate: 0 must be at least 1"),
+    ("0", "option train.accumulate: 0 must be >= 1"),
     ("100", "option train.accumulate: 100 batches per step, but an epoch has only \\d+ batches of 2"),
 ])
 def test_impossible_accumulation_is_refused_naming_the_option(tmp_path, synthetic_h5, accumulate, message):
