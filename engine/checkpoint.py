@@ -174,17 +174,21 @@ def _checkpoint_order(path: Path, state: dict):
 
 
 def find_latest_checkpoint(run_dir) -> Path | None:
-    """The valid checkpoint of `run_dir` with the highest stored step (`--resume auto`), or None.
+    """The checkpoint of `run_dir` with the highest stored step (`--resume auto`), or None.
 
-    Files that fail to load are skipped; ties go to `last.pth`, then to the newer file.
+    Ties go to `last.pth`, then to the newer file. A file that cannot be read (damaged, or written
+    by a newer version) is an error, never skipped: the run would otherwise save over it.
     """
     best, best_order = None, None
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
             state = load_checkpoint(path, mmap=True)
             order = _checkpoint_order(path, state)
-        except (CheckpointError, OSError):
-            continue
+        except (CheckpointError, OSError) as exc:
+            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
+            raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
+                                  f"of {run_dir}, or resume from another checkpoint with --resume PATH"
+                                  ) from None
         if best_order is None or order > best_order:
             best, best_order = path, order
     return best

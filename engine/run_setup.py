@@ -5,7 +5,8 @@ run is refused unless the user resumes it (`--resume`) or replaces it (`--overwr
 """
 from __future__ import annotations
 
-import shutil
+import fcntl
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from engine import distributed as dist
 from engine.sampler import GlobalBatchSampler, ShardSampler
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
+# what the trainer writes in a run directory: all --overwrite ever removes
+WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "config.yaml", "curves.png",
+           "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp", "tensorboard/events.out.tfevents.*")
+_claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
 
 def _holds_run(path: Path) -> bool:
@@ -31,26 +36,108 @@ def newest_run_dir(out_dir: Path) -> Path | None:
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
-def choose_run_dir(cfg: Config, ctx) -> Path:
-    """Pick the run directory (created once the run has started); every rank gets the same path."""
+def _make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs") from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
+
+
+def _claim(run_dir: Path, exclusive: bool) -> bool:
+    """Create `run_dir` (only if absent when `exclusive`) and lock it for this process; returns
+    whether it was created. The lock (flock on the directory) goes with the process, even a killed one."""
+    created = False
+    try:
+        run_dir.mkdir()
+        created = True
+    except FileExistsError:
+        if exclusive or not run_dir.is_dir():
+            if exclusive:
+                raise
+            raise ConfigError(f"{run_dir}: a file, not a run directory; choose another --run-name") from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {run_dir.parent}: cannot create the run directory there "
+                          f"({exc.strerror})") from None
+    key = str(run_dir.resolve())
+    if key not in _claimed:
+        fd = os.open(run_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(f"{run_dir} is in use by another run right now; wait for it to end, or "
+                              "choose another --run-name") from None
+        _claimed[key] = fd
+    return created
+
+
+def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None:
+    """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
+    if run_dir is None:
+        return
+    fd = _claimed.pop(str(Path(run_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+    if remove_if_empty:
+        try:
+            Path(run_dir).rmdir()
+        except OSError:
+            pass                            # not empty, or already gone: it stays as it is
+
+
+def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
+    """Pick and claim the run directory; every rank gets the same path. Returns (path, whether
+    this call created it). A directory that holds a run is refused unless resumed or overwritten
+    (`clear_run_dir`, once every other check has passed); two runs never share one."""
     out_dir = Path(cfg.train.out_dir)
-    run_dir = None
+    run_dir, created = None, False
     if ctx.is_main:
-        if cfg.train.run_name:
-            run_dir = out_dir / cfg.train.run_name
+        named = out_dir / cfg.train.run_name if cfg.train.run_name else None
+        if cfg.train.resume and cfg.train.resume != "auto":
+            run_dir = Path(cfg.train.resume).resolve().parent     # writes next to the file resumed
+            if named is not None and named.resolve() != run_dir:
+                raise ConfigError(f"--resume {cfg.train.resume} continues the run in {run_dir}, not "
+                                  f"--run-name {cfg.train.run_name}: copy the checkpoint into {named} "
+                                  "and resume it there, or leave out --run-name")
+        elif named is not None:
+            run_dir = named
         elif cfg.train.resume == "auto":
             run_dir = newest_run_dir(out_dir)
-        elif cfg.train.resume:
-            run_dir = Path(cfg.train.resume).resolve().parent
-        if run_dir is None:
-            run_dir = out_dir / time.strftime("run-%Y%m%d-%H%M%S")
-        if _holds_run(run_dir) and not cfg.train.resume:
-            if not cfg.train.overwrite:
-                raise ConfigError(
-                    f"{run_dir} already holds a run: pass --resume auto to continue it, "
-                    f"--overwrite to replace it, or choose another --run-name")
-            shutil.rmtree(run_dir)
-    return Path(dist.broadcast_object(str(run_dir) if run_dir else None))
+        _make_out_dir(out_dir if run_dir is None else run_dir.parent)
+        if run_dir is None:                 # a fresh name, created exclusively: never one in use
+            stamp = time.strftime("run-%Y%m%d-%H%M%S")
+            for attempt in range(1, 1000):
+                run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+                try:
+                    created = _claim(run_dir, exclusive=True)
+                    break
+                except FileExistsError:
+                    continue
+        else:
+            created = _claim(run_dir, exclusive=False)
+        if _holds_run(run_dir) and not cfg.train.resume and not cfg.train.overwrite:
+            release_run_dir(run_dir)
+            raise ConfigError(
+                f"{run_dir} already holds a run: pass --resume auto to continue it, "
+                f"--overwrite to replace it, or choose another --run-name")
+    path, created = dist.broadcast_object((str(run_dir) if run_dir else None, created))
+    return Path(path), created
+
+
+def clear_run_dir(cfg: Config, run_dir: Path) -> None:
+    """--overwrite: remove what an earlier run of this trainer wrote in `run_dir`, nothing else."""
+    if not cfg.train.overwrite or cfg.train.resume:
+        return
+    for pattern in WRITTEN:
+        for path in run_dir.glob(pattern):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+    try:
+        (run_dir / "tensorboard").rmdir()
+    except OSError:
+        pass                                # absent, or holds files the trainer did not write
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:

@@ -32,8 +32,8 @@ from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer, lr_at, set_lr
 from engine.reference_resume import resume_state
-from engine.run_setup import (choose_run_dir, memory_gb, resolve_data, save_resolved_config,
-                              train_loader, val_loader)
+from engine.run_setup import (choose_run_dir, clear_run_dir, memory_gb, release_run_dir, resolve_data,
+                              save_resolved_config, train_loader, val_loader)
 
 
 class Interrupted(UserError):
@@ -53,12 +53,20 @@ class Launch:
 
 class Trainer:
     def __init__(self, cfg: Config, launch: Launch):
+        self.cfg, self.launch, self.ctx = cfg, launch, launch.ctx
+        self.run_dir, created = choose_run_dir(cfg, launch.ctx)
+        try:
+            self._set_up()
+        except BaseException:               # a run that did not start leaves no directory behind
+            if self.ctx.is_main:
+                release_run_dir(self.run_dir, remove_if_empty=created)
+            raise
+
+    def _set_up(self) -> None:
         from data.dataset import KeypointDataset
         from models import FocalL2Loss, build_model
 
-        self.cfg, self.launch, self.ctx = cfg, launch, launch.ctx
-        ctx = self.ctx
-        self.run_dir = choose_run_dir(cfg, ctx)
+        cfg, ctx, launch = self.cfg, self.ctx, self.launch
         resume_path = self._resume_path()
         self.train_h5, self.val_h5 = resolve_data(cfg, ctx)
         # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
@@ -125,7 +133,8 @@ class Trainer:
         if self.step is None:      # a run started elsewhere: the steps of the epochs it finished
             self.step = self.epoch * steps
         self.stop_signal = None
-        if ctx.is_main:     # the run directory appears only once everything above has worked
+        if ctx.is_main:     # the run directory is written only once everything above has worked
+            clear_run_dir(cfg, self.run_dir)
             save_resolved_config(cfg, self.run_dir)
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
                                 resumed_step=self.step if state is not None else None)
@@ -350,6 +359,8 @@ class Trainer:
         finally:   # the handlers hold this trainer (model, process group): let both go after the run
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+            if self.ctx.is_main:
+                release_run_dir(self.run_dir)
 
     def _fit(self) -> dict:
         cfg = self.cfg.train

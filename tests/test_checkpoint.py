@@ -203,7 +203,7 @@ def test_nothing_matching_is_always_an_error(tmp_path):
         load_weights(tiny_model(), {"epoch": 3})
 
 
-def test_find_latest_skips_corrupt_newer_file(tmp_path):
+def test_find_latest_refuses_a_file_it_cannot_read_rather_than_save_over_it(tmp_path):
     assert find_latest_checkpoint(tmp_path) is None
     save_checkpoint(tmp_path / "epoch_2.pth", {"step": 200, "epoch": 2})
     save_checkpoint(tmp_path / "last.pth", {"step": 300, "epoch": 3})
@@ -213,8 +213,14 @@ def test_find_latest_skips_corrupt_newer_file(tmp_path):
     data = (tmp_path / "last.pth").read_bytes()
     save_checkpoint(tmp_path / "epoch_4.pth", {"step": 400, "epoch": 4})
     (tmp_path / "epoch_4.pth").write_bytes(data[:-40])                     # corrupt, newest step
-    (tmp_path / "last.pth").write_bytes(data[: len(data) // 3])
-    assert find_latest_checkpoint(tmp_path) == tmp_path / "best.pth"
+    before = (tmp_path / "epoch_4.pth").read_bytes()
+    with pytest.raises(CheckpointError, match=f"--resume auto: checkpoint {tmp_path / 'epoch_4.pth'} is "
+                       "truncated or corrupt .*Nothing was overwritten: move that file out"):
+        find_latest_checkpoint(tmp_path)
+    assert (tmp_path / "epoch_4.pth").read_bytes() == before
+    torch.save({"format_version": FORMAT_VERSION + 1, "step": 500}, tmp_path / "epoch_4.pth")
+    with pytest.raises(CheckpointError, match="format version 2, newer than this trainer's 1"):
+        find_latest_checkpoint(tmp_path)
 
 
 def draws():
