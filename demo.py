@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 
 from config.errors import DataError, run_cli
+from config.paths import refuse_output_as_input, same_file
 from inference.draw import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -169,8 +170,12 @@ def run(args) -> list[Path]:
 
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
+        for _, target in pairs:             # a picture drawn over an input picture or the weights
+            clash = next((source for source, _ in pairs if same_file(source, target)), None)
+            refuse_output_as_input("--out", target, {"--weights": args.weights, "--image": clash})
     elif args.video is not None:
         target = check_video_out(args.out or Path(args.video).with_name(Path(args.video).stem + "_pose.mp4"))
+        refuse_output_as_input("--out", target, {"--weights": args.weights, "--video": args.video})
         opened = open_video(args.video)
     else:
         opened, target = open_camera(args.camera), None

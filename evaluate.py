@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from config.errors import ConfigError, DataError, run_cli
+from config.paths import refuse_output_as_input
 from inference.coco_eval import STAT_NAMES
 
 
@@ -138,6 +139,7 @@ def run(args) -> dict:
     temp_dir = None
     try:
         out = _results_path(args, args.ann or args.h5)
+        refuse_output_as_input("--out", out, {"--weights": args.weights, "--h5": args.h5, "--ann": args.ann})
         _on_rank0(lambda: _check_writable(out), ctx.rank)
         h5_path, temp_dir = _converted_h5(args, ctx.rank)
         if args.weights:

@@ -16,6 +16,7 @@ import numpy as np
 
 from config.errors import ConfigError, DataError, run_cli
 from config.loader import build_config
+from config.paths import refuse_output_as_input
 from config.skeleton import KEYPOINT_MAX_CHANNEL, LIMBS, NUM_LIMBS, PERSON_MASK_CHANNEL
 from data.dataset import KeypointDataset
 from inference.draw import write_image
@@ -81,6 +82,7 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.n < 1:
         raise ConfigError(f"option --n: {args.n} must be at least 1")
+    refuse_output_as_input("--out", args.out, {"--h5": args.h5})
     cfg = build_config(args.config or None)
     dataset = KeypointDataset(args.h5, cfg, train=not args.val)
     if len(dataset) == 0:
