@@ -27,7 +27,9 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from config.errors import DataError, run_cli
+from config.paths import refuse_output_as_input
 from config.skeleton import COCO_TO_OURS, NECK, NUM_KEYPOINTS, SHOULDERS
+from data.coco_checks import Selection, select_valid
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
@@ -38,8 +40,9 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 
 # -- reading the COCO JSON -------------------------------------------------------------------------
-def load_coco(ann_path: Path) -> tuple[dict, list, dict]:
-    """(person category, images, {image id: [person annotations]}) or `DataError`."""
+def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False) -> tuple[dict, Selection]:
+    """(person category, the images and annotations that pass every check of `data.coco_checks`)
+    or `DataError`; with `skip_bad` the selection lists what was left out."""
     try:
         data = json.loads(Path(ann_path).read_text())
     except FileNotFoundError:
@@ -52,27 +55,16 @@ def load_coco(ann_path: Path) -> tuple[dict, list, dict]:
         raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
     if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
         raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
-    persons = [c for c in data["categories"] if c.get("name") == "person"]
+    if not isinstance(data["categories"], list):
+        raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
+    persons = [c for c in data["categories"] if isinstance(c, dict) and c.get("name") == "person"]
     if not persons:
         raise DataError(f"{ann_path}: no 'person' category among the categories")
     category = persons[0]
     if len(category.get("keypoints", [])) != 17:
         raise DataError(f"{ann_path}: the person category has {len(category.get('keypoints', []))} "
                         "keypoint names, expected COCO's 17")
-    images = data["images"]
-    known = {img["id"] for img in images}
-    by_image: dict = {i: [] for i in known}
-    for ann in data["annotations"]:
-        if ann.get("category_id") != category["id"]:
-            continue
-        if ann.get("image_id") not in known:
-            raise DataError(f"{ann_path}: annotation {ann.get('id')} refers to unknown image "
-                            f"{ann.get('image_id')}")
-        if not ann.get("iscrowd", 0) and len(ann.get("keypoints", [])) != 51:
-            raise DataError(f"{ann_path}: annotation {ann.get('id')} (image {ann['image_id']}) has "
-                            f"{len(ann.get('keypoints', []))} keypoint values, expected 51 (17 x 3)")
-        by_image[ann["image_id"]].append(ann)
-    return category, images, by_image
+    return category, select_valid(data, category.get("id"), images_dir, skip_bad, ann_path, DataError)
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -107,9 +99,15 @@ def read_image(path: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} listed in {ann_path} is missing") from None
     except OSError as exc:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
+    if not data:
+        raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
     buf = np.frombuffer(data, np.uint8)
-    size = header_size(data)
-    probe = cv2.imdecode(buf, cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR)
+    size = header_size(data)       # the stored pixels' size: EXIF orientation is ignored everywhere
+    try:
+        probe = cv2.imdecode(buf, (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR)
+                             | cv2.IMREAD_IGNORE_ORIENTATION)
+    except cv2.error:
+        probe = None
     if probe is None or probe.size == 0:
         raise DataError(f"{path}: image {info['id']} is not a readable image")
     if size is None:
@@ -210,12 +208,19 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    category, images, by_image = load_coco(ann_path)
+    refuse_output_as_input("--out", out_path, {"--ann": ann_path})
+    category, selection = load_coco(ann_path, images_dir, skip_bad)
+    images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
+    for info in images if out_path.resolve().is_relative_to(images_dir.resolve()) else []:
+        refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
     tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": []}
+    for kind, message in selection.rejected:
+        summary["skipped"][kind] += 1
+        summary["bad"].append(message)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp_path, "w") as f:
@@ -276,6 +281,9 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
         summary["crowd_regions"] += record["crowds"]
         summary["people_without_keypoints"] += record["no_keypoints"]
     kept = len(ids)
+    if kept == 0:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
+        raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); nothing written")
     for ds in (encoded, names, texts, masks):
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)

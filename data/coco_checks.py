@@ -1,0 +1,211 @@
+"""Field-by-field checks of a COCO person-keypoint JSON, before anything is converted.
+
+Each check returns the problem as text (naming the image or annotation id), or None when the entry
+is sound, so that `data.make_hdf5` can stop at the first problem or, with `--skip-bad`, skip the
+image and list why. Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
+all checked, because a wrong value would otherwise be trained on silently (a NaN keypoint, a box of
+no size, an image read from outside `--images`, the same image trained twice).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+MAX_ID = 2 ** 63 - 1          # ids are stored as int64
+MAX_SIDE = 65535              # the largest JPEG side
+KEYPOINT_MARGIN = 0.5         # labelled keypoints may lie this fraction of the image size outside it
+VISIBILITY = (0, 1, 2)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _id_problem(value, what: str) -> str | None:
+    if not is_int(value) or not 0 <= value <= MAX_ID:
+        return f"{what} {value!r} is not an integer from 0 to 2^63-1"
+    return None
+
+
+def image_problem(info, images_dir: Path) -> str | None:
+    """What is wrong with one entry of `images` (None: nothing)."""
+    if not isinstance(info, dict):
+        return f"an entry of images is a {type(info).__name__}, not an object"
+    problem = _id_problem(info.get("id"), "image id")
+    if problem:
+        return problem
+    name = info.get("file_name")
+    where = f"image {info['id']}"
+    if not isinstance(name, str) or not name:
+        return f"{where}: file_name {name!r} is not a file name"
+    if (PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute()
+            or ".." in PurePosixPath(name.replace("\\", "/")).parts):
+        return f"{where}: file_name {name!r} must be a path inside --images (not absolute, no '..')"
+    for side in ("width", "height"):
+        value = info.get(side)
+        if not is_int(value) or not 0 < value <= MAX_SIDE:
+            return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
+    resolved = (images_dir / name).resolve()
+    if not resolved.is_relative_to(images_dir.resolve()):
+        return f"{where}: file_name {name!r} leads outside --images {images_dir} (through a link)"
+    return None
+
+
+def _numbers(value, count: int | None, what: str) -> str | None:
+    if not isinstance(value, list) or (count is not None and len(value) != count):
+        size = f"{count} " if count is not None else ""
+        return f"{what} {_short(value)} is not a list of {size}numbers"
+    bad = next((v for v in value if not is_number(v)), None)
+    if bad is not None or any(not is_number(v) for v in value):
+        return f"{what} holds {bad!r}, not a finite number"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _segmentation_problem(seg, info: dict) -> str | None:
+    if seg is None or seg == []:
+        return None
+    if isinstance(seg, list):
+        for poly in seg:
+            problem = _numbers(poly, None, "a segmentation polygon")
+            if problem:
+                return problem
+            if len(poly) < 6 or len(poly) % 2:
+                return f"a segmentation polygon has {len(poly)} values (an even number, at least 6)"
+        return None
+    if isinstance(seg, dict):
+        size, counts = seg.get("size"), seg.get("counts")
+        if size != [info["height"], info["width"]]:
+            return f"segmentation size {_short(size)} is not the image's [height, width] " \
+                   f"[{info['height']}, {info['width']}]"
+        if isinstance(counts, list):
+            if not all(is_int(c) and c >= 0 for c in counts):
+                return "segmentation counts hold a value that is not a non-negative integer"
+            if sum(counts) != info["height"] * info["width"]:
+                return f"segmentation counts cover {sum(counts)} pixels, not the image's " \
+                       f"{info['height'] * info['width']}"
+            return None
+        if isinstance(counts, str) and counts:
+            return None                      # compressed RLE: decoded (and checked) by pycocotools
+        return f"segmentation counts {_short(counts)} are neither a list nor an RLE string"
+    return f"segmentation {_short(seg)} is neither polygons nor RLE"
+
+
+def annotation_problem(ann, info: dict) -> str | None:
+    """What is wrong with one person annotation of image `info` (None: nothing)."""
+    if not isinstance(ann, dict):
+        return f"an entry of annotations is a {type(ann).__name__}, not an object"
+    where = f"annotation {ann.get('id')!r} (image {info['id']})"
+    problem = _id_problem(ann.get("id"), "id")
+    crowd = ann.get("iscrowd", 0)
+    if problem is None and crowd not in (0, 1):
+        problem = f"iscrowd {crowd!r} is not 0 or 1"
+    problem = problem or _numbers(ann.get("bbox"), 4, "bbox")
+    if problem is None and not (ann["bbox"][2] > 0 and ann["bbox"][3] > 0):
+        problem = f"bbox {ann['bbox']} has no positive width and height"
+    if problem is None and not (is_number(ann.get("area")) and ann["area"] >= 0):
+        problem = f"area {_short(ann.get('area'))} is not a finite number >= 0"
+    if problem is None and not crowd:
+        problem = _keypoints_problem(ann, info)
+    problem = problem or _segmentation_problem(ann.get("segmentation"), info)
+    return f"{where}: {problem}" if problem else None
+
+
+def _keypoints_problem(ann: dict, info: dict) -> str | None:
+    problem = _numbers(ann.get("keypoints"), 51, "keypoints")
+    if problem:
+        return problem.replace("list of 51 numbers", "list of 51 numbers (17 x, y, v)")
+    values = ann["keypoints"]
+    width, height = info["width"], info["height"]
+    margin_x, margin_y = KEYPOINT_MARGIN * width, KEYPOINT_MARGIN * height
+    for k in range(17):
+        x, y, v = values[3 * k:3 * k + 3]
+        if v not in VISIBILITY:
+            return f"keypoint {k} has visibility {v!r}, not 0, 1 or 2"
+        if v and not (-margin_x <= x <= width + margin_x and -margin_y <= y <= height + margin_y):
+            return f"keypoint {k} at ({x:g}, {y:g}) lies far outside the {width}x{height} image"
+    labelled = sum(1 for v in values[2::3] if v)
+    count = ann.get("num_keypoints", labelled)
+    if count != labelled:
+        return f"num_keypoints {count!r} but {labelled} keypoints are labelled"
+    return None
+
+
+class Selection:
+    """The images and person annotations of a COCO JSON that pass every check, and what did not."""
+
+    def __init__(self):
+        self.images: list[dict] = []
+        self.by_image: dict[int, list[dict]] = {}
+        self.rejected: list[tuple[str, str]] = []      # (kind, message): kind "bad image" etc.
+
+
+def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_path: Path,
+                 error) -> Selection:
+    """Check every image and person annotation of `data`; a problem raises `error(message)`, or
+    with `skip_bad` drops the image it concerns (a person left out would be trained as background)
+    and is listed in `rejected`."""
+    out = Selection()
+
+    def reject(kind: str, message: str) -> None:
+        if not skip_bad:
+            raise error(f"{ann_path}: {message}")
+        out.rejected.append((kind, message))
+
+    for key in ("images", "annotations"):
+        if not isinstance(data[key], list):
+            raise error(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
+    good, bad_ids = {}, set()
+    for info in data["images"]:
+        problem = image_problem(info, images_dir)
+        if problem is None and info["id"] in good:
+            problem = f"image id {info['id']} appears twice in images (it would be trained twice)"
+        if problem is not None:
+            if isinstance(info, dict) and is_int(info.get("id")) and info["id"] not in good:
+                bad_ids.add(info["id"])
+            reject("bad image", problem)
+            continue
+        good[info["id"]] = info
+    by_image: dict = {i: [] for i in good}
+    ann_ids, persons = set(), 0
+    for ann in data["annotations"]:
+        if isinstance(ann, dict) and ann.get("category_id") != category_id:
+            continue
+        persons += 1
+        raw_id = ann.get("image_id") if isinstance(ann, dict) else None
+        image_id = raw_id if is_int(raw_id) else None
+        if isinstance(ann, dict) and image_id not in good:
+            if image_id is None or image_id not in bad_ids:
+                reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}")
+            continue
+        problem = (annotation_problem(ann, good[image_id]) if isinstance(ann, dict)
+                   else f"an entry of annotations is a {type(ann).__name__}, not an object")
+        if problem is None and ann["id"] in ann_ids:
+            problem = f"annotation id {ann['id']} appears twice in annotations"
+        if problem is not None:
+            if image_id in good:
+                del good[image_id]
+                bad_ids.add(image_id)
+                problem += "; its image is skipped"
+            reject("image with a bad annotation", problem)
+            continue
+        ann_ids.add(ann["id"])
+        if not ann.get("iscrowd", 0):
+            ann.setdefault("num_keypoints", sum(1 for v in ann["keypoints"][2::3] if v))
+        by_image[image_id].append(ann)
+    if data["annotations"] and not persons:
+        found = sorted({str(a.get("category_id")) for a in data["annotations"] if isinstance(a, dict)})
+        raise error(f"{ann_path}: no annotation has the person category's id {category_id!r} "
+                    f"(annotations have category ids {', '.join(found[:10])})")
+    out.images = [info for info in data["images"]
+                  if isinstance(info, dict) and is_int(info.get("id")) and good.get(info["id"]) is info]
+    out.by_image = {i: by_image[i] for i in good}
+    return out
