@@ -258,7 +258,7 @@ def validate(cfg: Config) -> None:
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":
         try:
-            scale = cfg.amp.loss_scale = float(scale)
+            scale = float(scale)          # kept as given: amp reads it with float()
         except ValueError:
             pass
     if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)

@@ -21,6 +21,7 @@ The h5py handle is opened on first use in each process and never pickled, so a d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -65,6 +66,8 @@ _CODE_PLANES = np.array([0, 0xFF, 0xFF00, 0xFFFF], "<u4")
 def _expand_runs(runs: np.ndarray, per_code: np.ndarray, height: int, width: int) -> np.ndarray:
     """`per_code[code]` repeated over each run of `encode_masks` bytes: HxW of its dtype."""
     n = runs.size // 3
+    if runs.size % 3 or (n and runs[2 * n:].max() > 3):
+        raise DataError(f"{runs.size} bytes of mask runs do not form (length, value) pairs")
     values = np.repeat(per_code[runs[2 * n:]], runs[:2 * n].view("<u2"))
     if values.size != height * width:
         raise DataError(f"mask runs cover {values.size} pixels, expected {height}x{width}")
@@ -111,7 +114,11 @@ def open_checked(path: Path) -> h5py.File:
         handle.close()
         raise DataError(f"{path}: an HDF5 file but not a keypoint dataset of this project "
                         "(convert COCO files with python -m data.make_hdf5)")
-    version = int(handle.attrs.get("version", 0))
+    version = handle.attrs.get("version", 0)
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+        handle.close()
+        raise DataError(f"{path}: damaged keypoint dataset (format version {version!r} is not a number); "
+                        "convert it again with python -m data.make_hdf5")
     if version != FORMAT_VERSION:
         handle.close()
         age = "an older" if version < FORMAT_VERSION else "a newer"
@@ -173,9 +180,14 @@ class KeypointH5:
                     "keypoints": f["people/keypoints"][:],
                     "boxes": f["people/box"][:],
                 }
-            except (KeyError, OSError) as exc:
+            except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise DataError(f"{self.path}: damaged keypoint dataset ({exc}); convert it again "
                                 "with python -m data.make_hdf5") from None
+            problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
+            if problem:
+                self._meta = None
+                raise DataError(f"{self.path}: damaged keypoint dataset ({problem}); convert it again "
+                                "with python -m data.make_hdf5")
         return self._meta
 
     def open(self) -> "KeypointH5":
@@ -226,21 +238,39 @@ class KeypointH5:
         """uint8 HxWx3 BGR pixels; `reduce` in (1, 2, 4, 8) decodes at 1/reduce size (faster)."""
         flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2,
                  4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}[reduce]
-        image = cv2.imdecode(self.encoded_image(img), flags | cv2.IMREAD_IGNORE_ORIENTATION)
+        try:       # the stored pixels as they are: EXIF orientation is ignored, as in make_hdf5
+            image = cv2.imdecode(self.encoded_image(img), flags | cv2.IMREAD_IGNORE_ORIENTATION)
+        except cv2.error:
+            image = None
         if image is None:
             raise DataError(f"{self.path}: image {img} ({self.image_info(img)['file_name']}) "
                             "cannot be decoded")
+        if reduce == 1 and image.shape[:2] != self.image_size(img):
+            raise DataError(f"{self.path}: image {img} ({self.image_info(img)['file_name']}) decodes to "
+                            f"{image.shape[1]}x{image.shape[0]} pixels but the file says "
+                            f"{self.image_size(img)[1]}x{self.image_size(img)[0]}; convert it again")
         return image
+
+    @contextlib.contextmanager
+    def _damaged(self, img: int, what: str):
+        """Any problem reading `what` of image `img` becomes one DataError naming the file."""
+        try:
+            yield
+        except (DataError, ValueError, UnicodeDecodeError) as exc:
+            raise DataError(f"{self.path}: image {img}: damaged {what} ({exc}); convert it again "
+                            "with python -m data.make_hdf5") from None
 
     def masks(self, img: int) -> tuple[np.ndarray, np.ndarray]:
         """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
         height, width = self.image_size(img)
-        return decode_masks(self._dataset("images/masks")[img], height, width)
+        with self._damaged(img, "masks"):
+            return decode_masks(self._dataset("images/masks")[img], height, width)
 
     def mask_planes(self, img: int) -> np.ndarray | None:
         """`decode_mask_planes` of image `img`: HxWx4 uint8 (ignore, person as 0/255), or None."""
         height, width = self.image_size(img)
-        return decode_mask_planes(self._dataset("images/masks")[img], height, width)
+        with self._damaged(img, "masks"):
+            return decode_mask_planes(self._dataset("images/masks")[img], height, width)
 
     def people(self, img: int) -> np.ndarray:
         """float32 [P,18,3]: (x, y, v) per keypoint of the image's people with keypoints."""
@@ -258,7 +288,8 @@ class KeypointH5:
 
     def annotations(self, img: int) -> list[dict]:
         """The image's COCO annotations (every person, crowds too), without segmentation."""
-        return json.loads(_text(self._dataset("images/annotations")[img]))
+        with self._damaged(img, "annotations"):
+            return json.loads(_text(self._dataset("images/annotations")[img]))
 
     def coco_ground_truth(self) -> dict:
         """A COCO-format dataset dict of this file, for pycocotools' `COCO` / `COCOeval`."""
@@ -271,9 +302,50 @@ class KeypointH5:
             height, width = (int(v) for v in meta["sizes"][img])
             images.append({"id": int(meta["ids"][img]), "file_name": _text(names[img]),
                            "width": width, "height": height})
-            annotations.extend(json.loads(_text(texts[img])))
+            with self._damaged(img, "annotations"):
+                annotations.extend(json.loads(_text(texts[img])))
         return {"images": images, "annotations": annotations,
                 "categories": meta["categories"]}
+
+
+PER_IMAGE = ("images/encoded", "images/file_name", "images/annotations", "images/masks")
+MAX_SIDE = 65535
+
+
+def _meta_problem(meta: dict, per_image: dict) -> str | None:
+    """What makes the stored tables inconsistent (shapes, sizes, indices), or None: nothing read
+    from the file is trusted before it is used as an index or a size."""
+    n, ids, sizes, people, samples = (len(meta["ids"]), meta["ids"], meta["sizes"], meta["people"],
+                                      meta["samples"])
+    p = len(meta["keypoints"])
+    if meta["split"] not in SPLITS:
+        return f"split {meta['split']!r} is not train or val"
+    if not isinstance(meta["categories"], list):
+        return "categories is not a JSON list"
+    shapes = {"images/id": (ids.shape, (n,)), "images/size": (sizes.shape, (n, 2)),
+              "images/people": (people.shape, (n, 2)), "samples": (samples.shape, (len(samples), 2)),
+              "people/keypoints": (meta["keypoints"].shape, (p, NUM_KEYPOINTS, 3)),
+              "people/box": (meta["boxes"].shape, (p, 4))}
+    for name, (shape, expected) in shapes.items():
+        if tuple(shape) != expected:
+            return f"{name} has shape {tuple(shape)}, expected {expected}"
+    for name, length in per_image.items():
+        if length != n:
+            return f"{name} has {length} entries for {n} images"
+    for name, array in (("images/id", ids), ("images/size", sizes), ("images/people", people),
+                        ("samples", samples)):
+        if not np.issubdtype(array.dtype, np.integer):
+            return f"{name} holds {array.dtype}, not integers"
+    if n and (sizes.min() < 1 or sizes.max() > MAX_SIDE):
+        return f"an image size is outside 1..{MAX_SIDE} pixels"
+    if n and (people.min() < 0 or (people[:, 0] + people[:, 1]).max() > p):
+        return f"images/people points outside the {p} stored people"
+    if len(samples) and (samples.min() < 0 or samples[:, 0].max() >= n
+                         or (samples[:, 1] >= people[samples[:, 0], 1]).any()):
+        return "samples refer to images or people that are not stored"
+    if not (np.isfinite(meta["keypoints"]).all() and np.isfinite(meta["boxes"]).all()):
+        return "people/keypoints or people/box hold non-finite values"
+    return None
 
 
 def _text(value) -> str:

@@ -167,6 +167,26 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
+# what a checkpoint must hold to be resumed, and the type of each value
+RESUME_FIELDS = {"model": dict, "optimizer": dict, "epoch": int, "iteration": int, "step": int}
+RESUME_OPTIONAL = {"scaler": (dict, type(None)), "best_metric": (int, float, type(None)),
+                   "bad_validations": int, "skipped_steps": int, "rng": (dict, type(None))}
+
+
+def check_resumable(state: dict, path) -> None:
+    """CheckpointError naming `path` unless `state` holds everything a resume reads, well typed."""
+    for key, kind in list(RESUME_FIELDS.items()) + list(RESUME_OPTIONAL.items()):
+        if key not in state:
+            if key in RESUME_FIELDS:
+                raise CheckpointError(f"checkpoint {path} cannot be resumed: it has no {key!r}; start from "
+                                      "its weights with --weights instead of --resume")
+            continue
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
+            raise CheckpointError(f"checkpoint {path} is damaged: {key} is {type(value).__name__} "
+                                  f"{str(value)[:40]!r}; start from its weights with --weights instead of --resume")
+
+
 def _checkpoint_order(path: Path, state: dict):
     step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
     return (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,

@@ -24,9 +24,9 @@ from config.loader import to_dict
 from config.schema import Config
 from engine import distributed as dist
 from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
-from engine.checkpoint import (capture_rng_state, find_latest_checkpoint, load_checkpoint,
-                               load_weights, read_reference, restore_rng_state, save_checkpoint,
-                               unwrap_model)
+from engine.checkpoint import (capture_rng_state, check_resumable, find_latest_checkpoint,
+                               load_checkpoint, load_weights, read_reference, restore_rng_state,
+                               save_checkpoint, unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
@@ -79,6 +79,8 @@ class Trainer:
         model = build_model(cfg.model)
         state = load_checkpoint(resume_path) if resume_path else None
         reference = None           # the authors' checkpoint whose run continues (--resume-reference)
+        if state is not None:
+            check_resumable(state, resume_path)
         if state is not None:
             load_weights(model, state)
         elif cfg.train.resume_reference:
@@ -171,14 +173,19 @@ class Trainer:
         return Path(resume)
 
     def _restore(self, state: dict, path: Path) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state.get("scaler") or {})
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.precision.load_state_dict(state.get("scaler") or {})
+            if self.ctx.is_main and state.get("rng"):
+                restore_rng_state(state["rng"])
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit this "
+                                  f"run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                  "start from its weights with --weights instead of --resume") from None
         self.epoch, self.start_batch, self.step = state["epoch"], state["iteration"], state["step"]
         self.best_metric = state.get("best_metric")
         self.bad_validations = state.get("bad_validations", 0)
         self.skipped_total = state.get("skipped_steps", 0)
-        if self.ctx.is_main and state.get("rng"):
-            restore_rng_state(state["rng"])
         origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "
                                          f"{state.get('world_size', '?')} process(es)")
         self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}"
