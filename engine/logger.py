@@ -10,9 +10,24 @@ out, and TensorBoard purges its events after S.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
+
+from config.errors import UserError
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """A failed write (full disk, read-only folder) becomes one error line naming the file; the
+    checkpoints, written before the logs of each epoch, stay as they were."""
+    try:
+        yield
+    except OSError as exc:
+        kept = path.parent / "last.pth"
+        raise UserError(f"cannot write {path}: {(exc.strerror or str(exc)).lower()}"
+                        + (f"; the last good checkpoint {kept} is intact" if kept.exists() else "")) from None
 
 
 class RunLogger:
@@ -31,7 +46,7 @@ class RunLogger:
             except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
                 self.tb = None
         if enabled and self.metrics_path.exists():   # a line cut by a crash must not swallow ours
-            with open(self.metrics_path, "rb+") as fh:
+            with writing(self.metrics_path), open(self.metrics_path, "rb+") as fh:
                 size = fh.seek(0, 2)
                 if size:
                     fh.seek(size - 1)
@@ -45,8 +60,9 @@ class RunLogger:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        with writing(self.metrics_path):
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -99,9 +115,13 @@ class RunLogger:
         axes[1].set_ylabel("learning rate")
         fig.tight_layout()
         tmp = self.curves_path.with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=80)
-        plt.close(fig)
-        tmp.replace(self.curves_path)
+        try:
+            with writing(self.curves_path):
+                fig.savefig(tmp, dpi=80)
+                tmp.replace(self.curves_path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self.tb is not None:

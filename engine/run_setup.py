@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from config.errors import ConfigError
+from config.errors import ConfigError, UserError
 from config.loader import to_yaml
 from config.schema import Config
 from engine import distributed as dist
@@ -141,10 +141,15 @@ def clear_run_dir(cfg: Config, run_dir: Path) -> None:
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(run_dir / "config.yaml")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(to_yaml(cfg))
+        tmp.replace(run_dir / "config.yaml")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {run_dir / 'config.yaml'}: {(exc.strerror or str(exc)).lower()}; "
+                          "choose a writable --out-dir with free space") from None
 
 
 def resolve_data(cfg: Config, ctx) -> tuple[str, str]:

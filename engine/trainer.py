@@ -191,6 +191,14 @@ class Trainer:
         self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}"
                  + (f", step {self.step}" if self.step is not None else "") + f" ({origin})")
 
+    def _out_of_memory(self, exc: BaseException) -> UserError:
+        size, batch = self.cfg.data.input_size, self.cfg.train.batch_size // self.ctx.world_size
+        kept = self.run_dir / "last.pth"
+        return UserError(f"out of memory on {self.ctx.device} ({str(exc).splitlines()[0][:120] or type(exc).__name__})"
+                         f" with batch {batch} per process at input {size}: lower --batch-size (add "
+                         f"--accumulate K to keep the total batch) or --input-size"
+                         + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
+
     def _install_signal_handlers(self) -> dict:
         """SIGTERM / SIGUSR1 ask for a stop after the step; returns the handlers they replaced."""
         def request_stop(signum, frame):
@@ -363,6 +371,12 @@ class Trainer:
         previous_handlers = self._install_signal_handlers()
         try:
             return self._fit()
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise self._out_of_memory(exc) from None
+        except RuntimeError as exc:              # the CPU allocator's failure is a plain RuntimeError
+            if "can't allocate memory" not in str(exc):
+                raise
+            raise self._out_of_memory(exc) from None
         finally:   # the handlers hold this trainer (model, process group): let both go after the run
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
