@@ -77,7 +77,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="weights, sample order and augmentation")
     g.add_argument("--run-name", help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)")
     g.add_argument("--out-dir", help="parent of run directories (default checkpoints)")
-    g.add_argument("--resume", help="checkpoint PATH, or 'auto': the newest valid one of the run")
+    g.add_argument("--resume", help="checkpoint PATH (the run continues in its folder), or 'auto': "
+                   "the newest one of the run")
     g.add_argument("--weights", help="initial weights only (fine-tuning); also the authors' layout")
     g.add_argument("--resume-reference", metavar="FILE",
                    help="continue the authors' training run from their checkpoint: weights, SGD "
