@@ -228,7 +228,8 @@ def _check_run_name(name: str) -> None:
     """The run directory is OUT_DIR/NAME: NAME must be one plain path component."""
     if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name:
         raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
-                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with --out-dir")
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
+                          "--out-dir")
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
@@ -244,7 +245,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"option train.device: {cfg.train.device!r} is not auto, cpu, cuda, cuda:N "
                           "or a list of GPU numbers like 2,3")
     if not all(isinstance(p, str) and p for p in cfg.train.freeze):
-        raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names or globs")
+        raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names "
+                          "or globs")
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
                           f"({cfg.augment.scale_max}): the minimum is above the maximum")

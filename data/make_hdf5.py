@@ -283,7 +283,8 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
     kept = len(ids)
     if kept == 0:
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
-        raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); nothing written")
+        raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
+                        "nothing written")
     for ds in (encoded, names, texts, masks):
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)

@@ -184,7 +184,8 @@ def check_resumable(state: dict, path) -> None:
         value = state[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
             raise CheckpointError(f"checkpoint {path} is damaged: {key} is {type(value).__name__} "
-                                  f"{str(value)[:40]!r}; start from its weights with --weights instead of --resume")
+                                  f"{str(value)[:40]!r}; start from its weights with --weights "
+                                  "instead of --resume")
 
 
 def _checkpoint_order(path: Path, state: dict):

@@ -40,7 +40,8 @@ def _make_out_dir(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs") from None
+        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs"
+                          ) from None
     except OSError as exc:
         raise ConfigError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
 

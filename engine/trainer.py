@@ -179,9 +179,10 @@ class Trainer:
             if self.ctx.is_main and state.get("rng"):
                 restore_rng_state(state["rng"])
         except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
-            raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit this "
-                                  f"run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                                  "start from its weights with --weights instead of --resume") from None
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "
+                                  f"this run ({type(exc).__name__}: {first_line}); start from its "
+                                  "weights with --weights instead of --resume") from None
         self.epoch, self.start_batch, self.step = state["epoch"], state["iteration"], state["step"]
         self.best_metric = state.get("best_metric")
         self.bad_validations = state.get("bad_validations", 0)
@@ -194,7 +195,8 @@ class Trainer:
     def _out_of_memory(self, exc: BaseException) -> UserError:
         size, batch = self.cfg.data.input_size, self.cfg.train.batch_size // self.ctx.world_size
         kept = self.run_dir / "last.pth"
-        return UserError(f"out of memory on {self.ctx.device} ({str(exc).splitlines()[0][:120] or type(exc).__name__})"
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        return UserError(f"out of memory on {self.ctx.device} ({reason})"
                          f" with batch {batch} per process at input {size}: lower --batch-size (add "
                          f"--accumulate K to keep the total batch) or --input-size"
                          + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

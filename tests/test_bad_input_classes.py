@@ -171,7 +171,8 @@ def test_resume_of_a_copied_checkpoint_writes_next_to_it(env, capsys):
     assert load_checkpoint(copy / "last.pth")["epoch"] == 2
     assert snapshot(env["runs"] / "done") == done
     refused(capsys, train_cli, ["--resume", copy / "last.pth", "--run-name", "done", "--out-dir", env["runs"],
-                                "--epochs", "3"], ["continues the run in", "not --run-name done"], env["root"])
+                                "--epochs", "3"],
+            ["continues the run in", "not --run-name done"], env["root"])
     shutil.rmtree(copy)
 
 
@@ -214,9 +215,11 @@ COCO_CASES = {
     "NaN keypoint": (_edit(lambda c: _first_ann(c)["keypoints"].__setitem__(0, float("nan"))),
                      ["annotation", "keypoints holds nan, not a finite number"]),
     "visibility 3": (_edit(lambda c: _first_ann(c)["keypoints"].__setitem__(
-        next(i for i in range(2, 51, 3) if _first_ann(c)["keypoints"][i]), 3)), ["visibility 3, not 0, 1 or 2"]),
+        next(i for i in range(2, 51, 3) if _first_ann(c)["keypoints"][i]), 3)),
+        ["visibility 3, not 0, 1 or 2"]),
     "zero box": (_edit(lambda c: _first_ann(c).__setitem__("bbox", [1, 1, 0, 5])), ["has no positive width"]),
-    "negative box": (_edit(lambda c: _first_ann(c).__setitem__("bbox", [1, 1, -4, 5])), ["no positive width"]),
+    "negative box": (_edit(lambda c: _first_ann(c).__setitem__("bbox", [1, 1, -4, 5])),
+                     ["no positive width"]),
     "keypoint far outside": (_edit(lambda c: _first_ann(c)["keypoints"].__setitem__(
         next(i - 2 for i in range(2, 51, 3) if _first_ann(c)["keypoints"][i]), 1e6)), ["lies far outside"]),
     "absolute file_name": (_edit(lambda c: c["images"][0].__setitem__(
@@ -225,7 +228,8 @@ COCO_CASES = {
         "file_name", "../images/" + c["images"][0]["file_name"])), ["must be a path inside --images"]),
     "duplicate image id": (_edit(lambda c: c["images"].append(dict(c["images"][0]))),
                            ["appears twice in images"]),
-    "category matching nothing": (_edit(lambda c: [a.__setitem__("category_id", 7) for a in c["annotations"]]),
+    "category matching nothing": (_edit(lambda c: [a.__setitem__("category_id", 7)
+                                                   for a in c["annotations"]]),
                                   ["no annotation has the person category's id 1", "category ids 7"]),
     "missing area": (_edit(lambda c: _first_ann(c).pop("area")), ["area None is not a finite number"]),
     "missing bbox": (_edit(lambda c: _first_ann(c).pop("bbox")), ["bbox None is not a list of 4 numbers"]),
@@ -233,7 +237,8 @@ COCO_CASES = {
     "float height": (_edit(lambda c: c["images"][0].__setitem__("height", 425.5)), ["height 425.5"]),
     "string id": (_edit(lambda c: c["images"][0].__setitem__("id", "785")), ["image id '785'"]),
     "huge id": (_edit(lambda c: c["images"][0].__setitem__("id", 2 ** 70)), ["from 0 to 2^63-1"]),
-    "images not a list": (_edit(lambda c: c.__setitem__("images", {"a": 1})), ["'images' is a dict, not a list"]),
+    "images not a list": (_edit(lambda c: c.__setitem__("images", {"a": 1})),
+                          ["'images' is a dict, not a list"]),
     "bad RLE": (_edit(lambda c: _first_ann(c).__setitem__("segmentation", {"size": [1, 1], "counts": [1]})),
                 ["segmentation size [1, 1] is not the image's"]),
 }
@@ -323,7 +328,8 @@ def _set(name, value):
 
 H5_CASES = {
     "split test": (lambda f: f.attrs.__setitem__("split", "test"), "split 'test' is not train or val"),
-    "string version": (lambda f: f.attrs.__setitem__("version", "one"), "format version 'one' is not a number"),
+    "string version": (lambda f: f.attrs.__setitem__("version", "one"),
+                       "format version 'one' is not a number"),
     "bad categories JSON": (lambda f: f.attrs.__setitem__("categories", "{oops"), "damaged keypoint dataset"),
     "sample out of range": (lambda f: _set("samples", np.array([[10 ** 6, 0]]))(f), "samples refer to"),
     "huge stored size": (lambda f: _set("images/size", np.full(f["images/size"].shape, 10 ** 9, np.int32))(f),
@@ -335,7 +341,8 @@ H5_CASES = {
 def test_damaged_hdf5_metadata_is_one_line_naming_the_file(env, capsys, tmp_path, case):
     change, says = H5_CASES[case]
     path = _damaged_h5(env, tmp_path, change)
-    refused(capsys, train_cli, ["--config", env["preset"], "--out-dir", tmp_path / "runs", "--train-h5", path],
+    refused(capsys, train_cli, ["--config", env["preset"], "--out-dir", tmp_path / "runs",
+                                "--train-h5", path],
             [str(path), says], tmp_path)
 
 
@@ -448,7 +455,8 @@ def test_one_case_per_class_in_a_real_process(env, tmp_path):
     }
     before = snapshot(root)
     procs = {name: subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, (command, _) in cases.items()}
+                                    stderr=subprocess.PIPE, text=True)
+             for name, (command, _) in cases.items()}
     for name, proc in procs.items():
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 2, (name, stderr[-2000:])
