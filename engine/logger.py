@@ -73,11 +73,14 @@ class RunLogger:
         if not self.metrics_path.exists():
             return []
         out = []
-        for line in self.metrics_path.read_text().splitlines():
+        for line in self.metrics_path.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:   # a line cut by a kill: skip it
                 continue
+            if not (isinstance(record, dict) and isinstance(record.get("kind"), str)
+                    and isinstance(record.get("step"), int) and not isinstance(record["step"], bool)):
+                continue                   # not one of our records: nothing stored is trusted
             if record.get("kind") == "resume":
                 out = [r for r in out if r.get("step", 0) <= record["step"]]
             out.append(record)

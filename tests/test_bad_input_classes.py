@@ -390,15 +390,24 @@ def test_a_saved_config_that_no_longer_fits_names_the_file_and_the_way_on(env, c
 
 
 # -- the environment -------------------------------------------------------------------------------
-def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path):
+def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path, monkeypatch):
+    import errno
     (tmp_path / "file").write_text("not a folder")
     refused(capsys, train_cli, env["trainer"] + ["--out-dir", tmp_path / "file"],
             ["--out-dir", "a file, not a folder"], tmp_path)
-    if os.geteuid() != 0:                                             # root writes anywhere
-        (tmp_path / "ro").mkdir()
-        (tmp_path / "ro").chmod(0o555)
-        refused(capsys, train_cli, env["trainer"] + ["--out-dir", tmp_path / "ro"],
-                ["cannot create the run directory there", "permission denied"], tmp_path)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:                 # root writes anywhere: the refusal it would get, faked
+        mkdir = Path.mkdir
+
+        def refuse(self, *args, **kwargs):
+            if self.parent == read_only:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return mkdir(self, *args, **kwargs)
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    refused(capsys, train_cli, env["trainer"] + ["--out-dir", read_only],
+            ["cannot create the run directory there", "Permission denied"], tmp_path)
 
 
 def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, capsys, tmp_path, monkeypatch):
