@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from pycocotools import mask as mask_utils
+
 MAX_ID = 2 ** 63 - 1          # ids are stored as int64
 MAX_SIDE = 65535              # the largest JPEG side
 KEYPOINT_MARGIN = 0.5         # labelled keypoints may lie this fraction of the image size outside it
@@ -94,7 +96,11 @@ def _segmentation_problem(seg, info: dict) -> str | None:
                        f"{info['height'] * info['width']}"
             return None
         if isinstance(counts, str) and counts:
-            return None                      # compressed RLE: decoded (and checked) by pycocotools
+            try:                             # compressed RLE: pycocotools checks it decodes to the size
+                mask_utils.decode({"size": size, "counts": counts.encode()})
+            except ValueError:
+                return "segmentation counts are not a valid compressed RLE of the image's size"
+            return None
         return f"segmentation counts {_short(counts)} are neither a list nor an RLE string"
     return f"segmentation {_short(seg)} is neither polygons nor RLE"
 
@@ -194,7 +200,7 @@ def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_
             if image_id in good:
                 del good[image_id]
                 bad_ids.add(image_id)
-                problem += "; its image is skipped"
+                problem += "; its image is skipped" if skip_bad else ""
             reject("image with a bad annotation", problem)
             continue
         ann_ids.add(ann["id"])

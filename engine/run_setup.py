@@ -161,13 +161,21 @@ def resolve_data(cfg: Config, ctx) -> tuple[str, str]:
                 raise ConfigError(f"{option} {path}: no such file")
         check_split(cfg.data.train_h5, "train")
         return cfg.data.train_h5, cfg.data.val_h5
-    from data.synthetic import ensure_synthetic_h5
     if ctx.is_main:
-        paths = ensure_synthetic_h5(cfg.data.synthetic_dir)
+        paths = _synthetic(cfg.data.synthetic_dir)
     dist.barrier()
     if not ctx.is_main:
-        paths = ensure_synthetic_h5(cfg.data.synthetic_dir)
+        paths = _synthetic(cfg.data.synthetic_dir)
     return str(paths[0]), str(paths[1])
+
+
+def _synthetic(folder: str):
+    from data.synthetic import ensure_synthetic_h5
+    try:
+        return ensure_synthetic_h5(folder)
+    except OSError as exc:
+        raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
+                          f"({(exc.strerror or str(exc)).lower()}); choose a writable folder") from None
 
 
 def check_split(path: str, expected: str) -> None:

@@ -241,6 +241,9 @@ COCO_CASES = {
                           ["'images' is a dict, not a list"]),
     "bad RLE": (_edit(lambda c: _first_ann(c).__setitem__("segmentation", {"size": [1, 1], "counts": [1]})),
                 ["segmentation size [1, 1] is not the image's"]),
+    "bad compressed RLE": (_edit(lambda c: _first_ann(c).__setitem__(
+        "segmentation", {"size": [c["images"][0]["height"], c["images"][0]["width"]], "counts": "!!!!"})),
+        ["not a valid compressed RLE"]),
 }
 
 
@@ -395,6 +398,9 @@ def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path, monkeypa
     (tmp_path / "file").write_text("not a folder")
     refused(capsys, train_cli, env["trainer"] + ["--out-dir", tmp_path / "file"],
             ["--out-dir", "a file, not a folder"], tmp_path)
+    refused(capsys, train_cli, ["--config", env["preset"], "--out-dir", tmp_path / "runs",
+                                "--set", f"data.synthetic_dir={tmp_path / 'file'}"],
+            ["option data.synthetic_dir", "cannot make the synthetic dataset there"], tmp_path)
     read_only = tmp_path / "ro"
     read_only.mkdir()
     read_only.chmod(0o555)
