@@ -89,42 +89,55 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
 
 
 def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
-    """Pick and claim the run directory; every rank gets the same path. Returns (path, whether
-    this call created it). A directory that holds a run is refused unless resumed or overwritten
-    (`clear_run_dir`, once every other check has passed); two runs never share one."""
+    """Pick and claim the run directory on the main process; every rank gets the same path, or the
+    same error. Returns (path, whether this call created it)."""
+    outcome = None
+    if ctx.is_main:
+        try:
+            path, created = _pick_and_claim(cfg)
+            outcome = (str(path), created)
+        except UserError as exc:
+            outcome = exc
+    outcome = dist.broadcast_object(outcome)
+    if isinstance(outcome, UserError):
+        raise outcome
+    return Path(outcome[0]), outcome[1]
+
+
+def _pick_and_claim(cfg: Config) -> tuple[Path, bool]:
+    """A directory that holds a run is refused unless resumed or overwritten (`clear_run_dir`, once
+    every other check has passed); two runs never share one."""
     out_dir = Path(cfg.train.out_dir)
     run_dir, created = None, False
-    if ctx.is_main:
-        named = out_dir / cfg.train.run_name if cfg.train.run_name else None
-        if cfg.train.resume and cfg.train.resume != "auto":
-            run_dir = Path(cfg.train.resume).resolve().parent     # writes next to the file resumed
-            if named is not None and named.resolve() != run_dir:
-                raise ConfigError(f"--resume {cfg.train.resume} continues the run in {run_dir}, not "
-                                  f"--run-name {cfg.train.run_name}: copy the checkpoint into {named} "
-                                  "and resume it there, or leave out --run-name")
-        elif named is not None:
-            run_dir = named
-        elif cfg.train.resume == "auto":
-            run_dir = newest_run_dir(out_dir)
-        _make_out_dir(out_dir if run_dir is None else run_dir.parent)
-        if run_dir is None:                 # a fresh name, created exclusively: never one in use
-            stamp = time.strftime("run-%Y%m%d-%H%M%S")
-            for attempt in range(1, 1000):
-                run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
-                try:
-                    created = _claim(run_dir, exclusive=True)
-                    break
-                except FileExistsError:
-                    continue
-        else:
-            created = _claim(run_dir, exclusive=False)
-        if _holds_run(run_dir) and not cfg.train.resume and not cfg.train.overwrite:
-            release_run_dir(run_dir)
-            raise ConfigError(
-                f"{run_dir} already holds a run: pass --resume auto to continue it, "
-                f"--overwrite to replace it, or choose another --run-name")
-    path, created = dist.broadcast_object((str(run_dir) if run_dir else None, created))
-    return Path(path), created
+    named = out_dir / cfg.train.run_name if cfg.train.run_name else None
+    if cfg.train.resume and cfg.train.resume != "auto":
+        run_dir = Path(cfg.train.resume).resolve().parent     # writes next to the file resumed
+        if named is not None and named.resolve() != run_dir:
+            raise ConfigError(f"--resume {cfg.train.resume} continues the run in {run_dir}, not "
+                              f"--run-name {cfg.train.run_name}: copy the checkpoint into {named} "
+                              "and resume it there, or leave out --run-name")
+    elif named is not None:
+        run_dir = named
+    elif cfg.train.resume == "auto":
+        run_dir = newest_run_dir(out_dir)
+    _make_out_dir(out_dir if run_dir is None else run_dir.parent)
+    if run_dir is None:                 # a fresh name, created exclusively: never one in use
+        stamp = time.strftime("run-%Y%m%d-%H%M%S")
+        for attempt in range(1, 1000):
+            run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+            try:
+                created = _claim(run_dir, exclusive=True)
+                break
+            except FileExistsError:
+                continue
+    else:
+        created = _claim(run_dir, exclusive=False)
+    if _holds_run(run_dir) and not cfg.train.resume and not cfg.train.overwrite:
+        release_run_dir(run_dir)
+        raise ConfigError(
+            f"{run_dir} already holds a run: pass --resume auto to continue it, "
+            f"--overwrite to replace it, or choose another --run-name")
+    return run_dir, created
 
 
 def clear_run_dir(cfg: Config, run_dir: Path) -> None:

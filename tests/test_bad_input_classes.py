@@ -30,7 +30,7 @@ from data.h5format import KeypointH5
 from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from child_env import child_env
 from conftest import COCO4_DIR
-from test_preemption import REPO, message_lines, write_micro_preset
+from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 
 IMAGE = "000000000785.jpg"
 
@@ -159,6 +159,19 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
         holder.kill()
         holder.wait()
     busy.rmdir()
+
+
+def test_every_rank_gets_the_run_directory_error_and_nothing_hangs(env, tmp_path):
+    """The main process picks and claims the directory; its refusal reaches the other ranks
+    (they would otherwise wait for the path until the process group's timeout)."""
+    before = snapshot(env["runs"])
+    proc = subprocess.run(torchrun(tmp_path, *[str(a) for a in env["trainer"]], "--run-name", "done"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        line = one_error_line(worker_log(tmp_path, 0, rank, "stderr"))
+        assert f"{env['runs'] / 'done'} already holds a run" in line, line
+    assert snapshot(env["runs"]) == before
 
 
 def test_resume_of_a_copied_checkpoint_writes_next_to_it(env, capsys):
