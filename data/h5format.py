@@ -318,6 +318,8 @@ def _meta_problem(meta: dict, per_image: dict) -> str | None:
     n, ids, sizes, people, samples = (len(meta["ids"]), meta["ids"], meta["sizes"], meta["people"],
                                       meta["samples"])
     p = len(meta["keypoints"])
+    if n == 0:
+        return "it holds no images (an empty conversion scores AP 0)"
     if meta["split"] not in SPLITS:
         return f"split {meta['split']!r} is not train or val"
     if not isinstance(meta["categories"], list):

@@ -348,6 +348,10 @@ H5_CASES = {
                        "format version 'one' is not a number"),
     "bad categories JSON": (lambda f: f.attrs.__setitem__("categories", "{oops"), "damaged keypoint dataset"),
     "sample out of range": (lambda f: _set("samples", np.array([[10 ** 6, 0]]))(f), "samples refer to"),
+    "no images": (lambda f: [f[name].resize((0,) + f[name].shape[1:]) for name in (
+        "images/encoded", "images/file_name", "images/annotations", "images/masks")] and [
+        _set(name, np.zeros((0,) + f[name].shape[1:], f[name].dtype))(f) for name in (
+            "images/id", "images/size", "images/people", "samples")], "it holds no images"),
     "huge stored size": (lambda f: _set("images/size", np.full(f["images/size"].shape, 10 ** 9, np.int32))(f),
                          "an image size is outside 1..65535"),
 }
