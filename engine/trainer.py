@@ -81,7 +81,6 @@ class Trainer:
         reference = None           # the authors' checkpoint whose run continues (--resume-reference)
         if state is not None:
             check_resumable(state, resume_path)
-        if state is not None:
             load_weights(model, state)
         elif cfg.train.resume_reference:
             if cfg.train.weights:
