@@ -129,9 +129,11 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
         launch = _read_slurm(env)
     else:
         launch = Launch(local_rank=local_rank_arg or 0)
-    if not 0 <= launch.rank < max(launch.world_size, 1) or launch.local_rank < 0:
+    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or launch.local_rank < 0:
         raise ConfigError(f"rank {launch.rank} / local rank {launch.local_rank} do not fit a world "
                           f"of {launch.world_size} processes (check RANK, LOCAL_RANK, WORLD_SIZE)")
+    if launch.world_size > 1 and not 0 < launch.master_port < 65536:
+        raise ConfigError(f"MASTER_PORT {launch.master_port} is not a port (1 to 65535)")
     return launch
 
 

@@ -484,9 +484,14 @@ def test_one_case_per_class_in_a_real_process(env, tmp_path):
         "traceback": (make + ["--ann", str(tmp_path / "empty.json"), "--out", str(tmp_path / "e.h5"),
                               "--skip-bad"], ["no image was kept"]),
         "unclear": (trainer + ["--device", "tpu"], ["option train.device", "'tpu'"]),
+        "environment variable": ([py, "train_distributed.py", "--device", "cpu"] + trainer[2:],
+                                 ["MASTER_PORT 99999 is not a port"]),
     }
+    envs = {"environment variable": dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                         MASTER_PORT="99999")}
     before = snapshot(root)
-    procs = {name: subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    procs = {name: subprocess.Popen(command, cwd=REPO, env=child_env(**envs.get(name, {})),
+                                    stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
              for name, (command, _) in cases.items()}
     for name, proc in procs.items():
