@@ -119,7 +119,7 @@ def annotation_problem(ann, info: dict) -> str | None:
         problem = f"bbox {ann['bbox']} has no positive width and height"
     if problem is None and not (is_number(ann.get("area")) and ann["area"] >= 0):
         problem = f"area {_short(ann.get('area'))} is not a finite number >= 0"
-    if problem is None and not crowd:
+    if problem is None and (not crowd or "keypoints" in ann):
         problem = _keypoints_problem(ann, info)
     problem = problem or _segmentation_problem(ann.get("segmentation"), info)
     return f"{where}: {problem}" if problem else None
@@ -204,8 +204,9 @@ def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_
             reject("image with a bad annotation", problem)
             continue
         ann_ids.add(ann["id"])
-        if not ann.get("iscrowd", 0):
-            ann.setdefault("num_keypoints", sum(1 for v in ann["keypoints"][2::3] if v))
+        ann.setdefault("keypoints", [0] * 51)               # a crowd region without: COCOeval reads them
+        ann.setdefault("num_keypoints", 0 if ann.get("iscrowd", 0)
+                       else sum(1 for v in ann["keypoints"][2::3] if v))
         by_image[image_id].append(ann)
     if data["annotations"] and not persons:
         found = sorted({str(a.get("category_id")) for a in data["annotations"] if isinstance(a, dict)})
