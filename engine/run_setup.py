@@ -23,6 +23,7 @@ RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
 WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "config.yaml", "curves.png",
            "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp", "tensorboard/events.out.tfevents.*")
+LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
 
@@ -48,7 +49,8 @@ def _make_out_dir(out_dir: Path) -> None:
 
 def _claim(run_dir: Path, exclusive: bool) -> bool:
     """Create `run_dir` (only if absent when `exclusive`) and lock it for this process; returns
-    whether it was created. The lock (flock on the directory) goes with the process, even a killed one."""
+    whether it was created. The lock (lockf of RUN/.run.lock) goes with the process, even a killed
+    one, and is not inherited by the processes it forks (DataLoader workers outliving it)."""
     created = False
     try:
         run_dir.mkdir()
@@ -63,9 +65,13 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
                           f"({exc.strerror})") from None
     key = str(run_dir.resolve())
     if key not in _claimed:
-        fd = os.open(run_dir, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            release_run_dir(run_dir, remove_if_empty=created)
+            raise ConfigError(f"{run_dir}: cannot write there ({exc.strerror})") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             raise ConfigError(f"{run_dir} is in use by another run right now; wait for it to end, or "
@@ -81,11 +87,9 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
     fd = _claimed.pop(str(Path(run_dir).resolve()), None)
     if fd is not None:
         os.close(fd)
-    if remove_if_empty:
-        try:
-            Path(run_dir).rmdir()
-        except OSError:
-            pass                            # not empty, or already gone: it stays as it is
+    if remove_if_empty and {p.name for p in Path(run_dir).iterdir()} <= {LOCK_FILE}:
+        (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)
+        Path(run_dir).rmdir()
 
 
 def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:

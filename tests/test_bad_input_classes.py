@@ -28,6 +28,7 @@ from config.errors import run_cli
 from data import make_hdf5
 from data.h5format import KeypointH5
 from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from engine.run_setup import LOCK_FILE
 from child_env import child_env
 from conftest import COCO4_DIR
 from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
@@ -36,7 +37,9 @@ IMAGE = "000000000785.jpg"
 
 
 def snapshot(root: Path) -> dict:
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file under `root` and its bytes; the empty lock file a run claims its folder with
+    (engine.run_setup.LOCK_FILE) is bookkeeping, not content."""
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
 def one_error_line(stderr: str) -> str:
@@ -147,10 +150,10 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
     release_run_dir(second, remove_if_empty=True)
     busy = env["runs"] / "busy"
     busy.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
-                               "fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from engine.run_setup import _claim; _claim(Path(sys.argv[1]), False); "
                                "print('locked', flush=True); time.sleep(60)", str(busy)],
-                              stdout=subprocess.PIPE, text=True)
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         refused(capsys, train_cli, env["trainer"] + ["--run-name", "busy"],
@@ -158,7 +161,7 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
     finally:
         holder.kill()
         holder.wait()
-    busy.rmdir()
+    shutil.rmtree(busy)
 
 
 def test_every_rank_gets_the_run_directory_error_and_nothing_hangs(env, tmp_path):
