@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+import numpy as np
 from pycocotools import mask as mask_utils
 
 MAX_ID = 2 ** 63 - 1          # ids are stored as int64
 MAX_SIDE = 65535              # the largest JPEG side
 KEYPOINT_MARGIN = 0.5         # labelled keypoints may lie this fraction of the image size outside it
-VISIBILITY = (0, 1, 2)
 
 
 def is_int(value) -> bool:
@@ -24,7 +24,10 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:                # an int beyond float's range
+        return False
 
 
 def _id_problem(value, what: str) -> str | None:
@@ -61,10 +64,15 @@ def _numbers(value, count: int | None, what: str) -> str | None:
     if not isinstance(value, list) or (count is not None and len(value) != count):
         size = f"{count} " if count is not None else ""
         return f"{what} {_short(value)} is not a list of {size}numbers"
+    if all(type(v) in (int, float) for v in value):      # the common case, checked at once
+        with np.errstate(over="ignore"):
+            try:
+                if np.isfinite(np.asarray(value, np.float64)).all():
+                    return None
+            except OverflowError:
+                pass
     bad = next((v for v in value if not is_number(v)), None)
-    if bad is not None or any(not is_number(v) for v in value):
-        return f"{what} holds {bad!r}, not a finite number"
-    return None
+    return f"{what} holds {bad!r}, not a finite number"
 
 
 def _short(value) -> str:
@@ -129,16 +137,20 @@ def _keypoints_problem(ann: dict, info: dict) -> str | None:
     problem = _numbers(ann.get("keypoints"), 51, "keypoints")
     if problem:
         return problem.replace("list of 51 numbers", "list of 51 numbers (17 x, y, v)")
-    values = ann["keypoints"]
+    points = np.asarray(ann["keypoints"], np.float64).reshape(17, 3)
     width, height = info["width"], info["height"]
     margin_x, margin_y = KEYPOINT_MARGIN * width, KEYPOINT_MARGIN * height
-    for k in range(17):
-        x, y, v = values[3 * k:3 * k + 3]
-        if v not in VISIBILITY:
-            return f"keypoint {k} has visibility {v!r}, not 0, 1 or 2"
-        if v and not (-margin_x <= x <= width + margin_x and -margin_y <= y <= height + margin_y):
-            return f"keypoint {k} at ({x:g}, {y:g}) lies far outside the {width}x{height} image"
-    labelled = sum(1 for v in values[2::3] if v)
+    bad_v = (points[:, 2] != 0) & (points[:, 2] != 1) & (points[:, 2] != 2)
+    x, y = points[:, 0], points[:, 1]
+    outside = (points[:, 2] > 0) & ((x < -margin_x) | (x > width + margin_x)
+                                    | (y < -margin_y) | (y > height + margin_y))
+    if bad_v.any():
+        k = int(np.argmax(bad_v))
+        return f"keypoint {k} has visibility {ann['keypoints'][3 * k + 2]!r}, not 0, 1 or 2"
+    if outside.any():
+        k = int(np.argmax(outside))
+        return f"keypoint {k} at ({x[k]:g}, {y[k]:g}) lies far outside the {width}x{height} image"
+    labelled = int((points[:, 2] > 0).sum())
     count = ann.get("num_keypoints", labelled)
     if count != labelled:
         return f"num_keypoints {count!r} but {labelled} keypoints are labelled"
