@@ -151,6 +151,10 @@ def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list
     try:
         return build_config(None, saved, sets)
     except ConfigError as exc:
+        try:
+            build_config(None, overrides, sets)
+        except ConfigError:
+            raise exc from None             # the flags given now are wrong, not the saved config
         raise ConfigError(f"the config saved in checkpoint {path} does not fit this version: {exc}. "
                           "Resume with --config PRESET (plus --set for what that run changed) to give "
                           "the settings anew; the weights and optimiser state are still loaded") from None

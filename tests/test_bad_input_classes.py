@@ -405,6 +405,10 @@ def test_a_saved_config_that_no_longer_fits_names_the_file_and_the_way_on(env, c
             [f"the config saved in checkpoint {tmp_path / 'run' / 'last.pth'}", "'model.old_width'",
              "--config PRESET"], tmp_path)
     state["config"]["model"].pop("old_width")
+    save_checkpoint(tmp_path / "run" / "last.pth", state)
+    line = refused(capsys, train_cli, ["--resume", tmp_path / "run" / "last.pth", "--train-h5",
+                                       env["train_h5"], "--lr", "nan"], ["option optim.lr"], tmp_path)
+    assert "saved in checkpoint" not in line                          # the flag is wrong, not the file
     state["config"]["model"]["stacks"] = 10 ** 9                      # would build forever
     save_checkpoint(tmp_path / "run" / "last.pth", state)
     refused(capsys, evaluate.main, ["--weights", tmp_path / "run" / "last.pth", "--h5", env["train_h5"],
