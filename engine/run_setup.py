@@ -1,7 +1,9 @@
 """Set-up shared by every launch mode: the run directory, the datasets and their loaders.
 
 The run directory `checkpoints/RUN/` is never reused by accident: a directory that already holds a
-run is refused unless the user resumes it (`--resume`) or replaces it (`--overwrite`).
+run is refused unless the user resumes it (`--resume`) or replaces it (`--overwrite`, which removes
+only the trainer's own files, once every other check has passed), and the main process claims it
+(creates a fresh name exclusively, locks `RUN/.run.lock`) so that two runs never share one.
 """
 from __future__ import annotations
 
