@@ -100,7 +100,7 @@ def with_predictions(estimator, pictures):
 
 def read_pictures(pairs):
     for source, _ in pairs:
-        picture = cv2.imread(str(source), cv2.IMREAD_COLOR)
+        picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
         if picture is None:
             raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
         yield picture

@@ -106,7 +106,7 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float)
     exported, reference = OnnxNetwork(path), TorchNetwork(model)
     errors = []
     for picture_path in pictures:
-        picture = cv2.imread(str(picture_path), cv2.IMREAD_COLOR)
+        picture = cv2.imread(str(picture_path), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
         if picture is None:
             raise DataError(f"{picture_path}: not a picture OpenCV can read")
         resized = resize_for_scale(picture, 1.0, cfg.data.input_size)
