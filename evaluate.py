@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
                    "written by export.py")
     p.add_argument("--oracle", action="store_true",
-                   help="decode the ground-truth target maps at image size instead of a network")
+                   help="decode the ground-truth target maps, drawn once at each image's own size "
+                   "(stride 1), instead of a network's: no scales, no flip")
     src = p.add_argument_group("data (one of)")
     src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
     src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
@@ -57,6 +58,9 @@ def _check_args(args) -> None:
         raise ConfigError("option --ann needs --images, the folder of the annotated images")
     if not args.oracle and not args.weights:
         raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps)")
+    if args.oracle and (args.scales or args.flip is not None):
+        raise ConfigError("options --scales and --flip do not apply to --oracle: it decodes the "
+                          "ground-truth maps drawn once at each image's own size (stride 1)")
     if args.max_images < 0:
         raise ConfigError(f"option --max-images: {args.max_images} must be >= 0")
 
@@ -154,9 +158,10 @@ def run(args) -> dict:
                             progress=not args.no_progress, oracle=args.oracle, results_path=out)
         seconds = time.perf_counter() - start
         if ctx.is_main:
+            how = ("ground-truth maps at each image's size (oracle)" if args.oracle else
+                   f"scales {cfg.inference.scales}, flip {cfg.inference.flip}")
             print(f"{'oracle' if args.oracle else args.weights} on {args.ann or h5_path}: "
-                  f"{stats['num_images']} images, scales {cfg.inference.scales}, "
-                  f"flip {cfg.inference.flip}, {seconds:.1f} s", file=sys.stderr)
+                  f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
             for name in STAT_NAMES:
                 print(f"  {name:<5} {stats[name]:.4f}", file=sys.stderr)
             print(f"results written to {out}", file=sys.stderr)

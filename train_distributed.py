@@ -8,6 +8,7 @@ r"""Train with one process per GPU (DistributedDataParallel), on one machine or 
 
 Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
+from config.errors import UserError
 from engine import distributed as dist
 from engine.cli import build_parser, config_from_args, run_main
 from engine.trainer import Launch, Trainer
@@ -23,6 +24,14 @@ def main(argv=None) -> dict:
     try:
         wrap = lambda module: dist.wrap_ddp(module, ctx, cfg.dist)  # noqa: E731
         return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp")).fit()
+    except UserError as err:            # the others may wait in a collective: tell them, then leave
+        dist.end_with_error(err)
+        raise
+    except Exception:                   # a collective that failed because another rank left with an error
+        other = dist.error_of_another_rank()
+        if other is None:
+            raise
+        raise other from None
     finally:
         dist.cleanup()
 

@@ -4,7 +4,9 @@
 #   bash bench/gpu_checks.sh cuda        # CUDA paths end to end: O1 fp16 / O1 bf16 / O2 / O3 train,
 #                                        # resume and AP; fp16 with --accumulate 2;
 #                                        # train_parallel.py and torchrun on the one GPU
-#                                        # (one GPU cannot show DataParallel, NCCL or SyncBN: they need two)
+#                                        # (a 1-process torchrun creates no process group: see group1)
+#   bash bench/gpu_checks.sh group1      # a real NCCL process group of one rank (bench/group_of_one.py):
+#                                        # DDP, ZeRO, CUDA SyncBN and NCCL collectives built and run
 #   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
 #   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
 #   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
@@ -17,7 +19,7 @@
 #   mkdir -p .bench_data && cp -r ../shared/data/coco4 .bench_data/
 # and name `.whl` and `.bench_data` in the call's carry.
 set -u -o pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh cuda|synthetic|compile|loader}
+stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader}
 out=${OUT:-bench_out}
 mkdir -p "$out"
 log="$out/$stage.log"
@@ -49,6 +51,13 @@ cuda)
         --run-name ddp "${quick[@]}"
     python3 evaluate.py --weights "$runs/ddp/last.pth" --h5 checkpoints/_synthetic/val.h5 \
         --max-images 8 --device "$device" --no-progress
+    ;;
+group1)
+    set -e
+    python3 bench/group_of_one.py --opt-level O1 --sync-bn --zero --accumulate 2 --run-name g1 \
+        "${quick[@]}"
+    python3 bench/group_of_one.py --opt-level O1 --sync-bn --delay-allreduce --run-name g1 --resume auto \
+        --epochs 3 --out-dir "$runs" --device "$device"
     ;;
 synthetic)
     python3 bench/train_throughput.py --batch 16

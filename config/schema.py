@@ -114,6 +114,7 @@ class DistConfig:
     find_unused_parameters: bool = False
     zero: bool = False            # ZeroRedundancyOptimizer
     timeout_s: int = 1800
+    rendezvous_timeout_s: int = 120   # how long ranks wait for each other to join the group
 
 
 @dataclass

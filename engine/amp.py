@@ -71,6 +71,7 @@ class Precision:
         self.channels_last = ((device.type == "cuda") if cfg.channels_last == "auto"
                               else bool(cfg.channels_last))
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
+        self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
         use_scaler = self.level != "O0" and self.dtype == torch.float16
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         init = self.static_scale or cfg.init_scale
@@ -102,6 +103,10 @@ class Precision:
         if self.master_weights:
             self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
                            for p in model.parameters() if p.requires_grad]
+            # frozen weights keep their float32 values for the checkpoint: a half copy saved as
+            # float32 would lose up to 1e-4 per fine-tune, compounding over chained ones
+            self._frozen_float32 = {id(p): p.detach().clone().float()
+                                    for p in model.parameters() if not p.requires_grad}
         for module in model.modules():
             if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
                 continue
@@ -159,8 +164,9 @@ class Precision:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def float32_state_dict(self, model: nn.Module) -> dict:
-        """The model's weights in float32 (master values under O2), loadable in any mode."""
-        masters = {id(p): m for p, m in self._pairs}
+        """The model's weights in float32 (master values under O2, the frozen ones' float32 values
+        too), loadable in any mode."""
+        masters = {id(p): m for p, m in self._pairs} | self._frozen_float32
         by_id = {id(p): name for name, p in model.named_parameters()}
         state = model.state_dict()
         for pid, master in masters.items():

@@ -91,13 +91,14 @@ def save_checkpoint(path, state: dict) -> None:
 
     The previous file at `path` stays intact on any failure, and no temporary file is left behind.
     One process writes a directory's checkpoints: temporary files that a killed save left there
-    are removed after each successful save.
+    are removed before each save, so kills during saves leave at most one behind, never a pile.
     """
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
     tmp, replaced = None, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
         os.fchmod(fd, _DEFAULT_FILE_MODE)     # mkstemp's 0600 would hide checkpoints from the group
         with os.fdopen(fd, "wb") as file:
@@ -117,11 +118,19 @@ def save_checkpoint(path, state: dict) -> None:
             kept = "; the previous file there, if any, is intact" if not replaced else ""
             raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}{kept}") from exc
         raise
-    for stale in path.parent.glob(f".*{TEMP_SUFFIX}"):   # left by a process killed mid-save
+
+
+def remove_stale_temps(directory) -> int:
+    """Delete the temporary files that saves killed mid-write left in `directory` (each one is
+    checkpoint-sized); returns how many. Only for the one process that saves there."""
+    removed = 0
+    for stale in Path(directory).glob(f".*{TEMP_SUFFIX}"):
         try:
             stale.unlink()
+            removed += 1
         except OSError:
             pass
+    return removed
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -130,7 +130,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tup
         path = Path(resume)
     if not path or not path.is_file():
         return None, None
-    saved = load_checkpoint(path).get("config")
+    saved = load_checkpoint(path, mmap=True).get("config")
     if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("train"), dict)):
         raise CheckpointError(f"checkpoint {path}: its saved config is damaged (not a mapping of config "
                               "sections); resume with --config PRESET to give the settings anew")

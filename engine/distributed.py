@@ -4,6 +4,10 @@ the collectives the engine calls, per-rank seeding and the DistributedDataParall
 The launcher's environment is read by `engine.launch_env` (torchrun, the legacy launcher's
 --local-rank, hand-set variables, SLURM); a world of one process gets no process group.
 
+Ranks fail together: they meet in a store with a short timeout before the group exists, a rank
+whose set-up or training fails leaves its error there for the others (`end_with_error`,
+`error_of_another_rank`), and what only rank 0 checks it decides for all (`decided_on_main`).
+
 The master port is checked on rank 0 only when no torchrun agent runs: the agent already holds
 its store on that port and the workers join it, so a bind test there would always fail.
 """
@@ -14,6 +18,8 @@ import inspect
 import math
 import os
 import random
+import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -22,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from config.errors import ConfigError
+from config.errors import ConfigError, UserError
 from config.schema import DistConfig
 from engine.launch_env import check_port_free, read_launch, resolve_device
 
@@ -59,58 +65,171 @@ _CONTEXT: DistContext | None = None
 
 def init_distributed(dist_cfg: DistConfig, device: str = "auto",
                      local_rank_arg: int | None = None) -> DistContext:
-    """Read the launcher's environment, pick and set the device, and join the process group."""
-    global _CONTEXT
+    """Read the launcher's environment, pick and set the device, and join the process group.
+
+    Ranks first meet in the rendezvous store for at most `dist.rendezvous_timeout_s`: a rank whose
+    set-up fails before the group exists (its device, say) leaves its error there, and every rank
+    ends with that line at once instead of waiting for `dist.timeout_s`.
+    """
     launch = read_launch(os.environ, local_rank_arg)
-    dev = resolve_device(device, launch)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)   # before any CUDA context or NCCL communicator exists
-    ctx = DistContext(launch.rank, launch.local_rank, max(launch.world_size, 1), dev, "", False,
-                      launch.rank == 0, launch.launcher, launch.local_world_size or 1)
-    if launch.world_size <= 1:
-        _CONTEXT = ctx
-        return ctx
-    ctx.backend = _pick_backend(dist_cfg.backend, dev)
-    if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = launch.master_addr
-        os.environ["MASTER_PORT"] = str(launch.master_port)
-        if launch.rank == 0 and not launch.agent_store:
-            check_port_free(launch.master_port)
-        timeout = timedelta(seconds=dist_cfg.timeout_s)
-        try:
-            store = _attempt_store(launch, timeout)
-            dist.init_process_group(ctx.backend, init_method=None if store else "env://",
-                                    store=store, rank=launch.rank, world_size=launch.world_size,
-                                    timeout=timeout, device_id=dev if ctx.backend == "nccl" else None)
-        except dist.DistNetworkError as err:
-            if "in use" in str(err):
-                raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
-                                  "with --master_port or MASTER_PORT") from None
-            raise
-    ctx.distributed = True
-    _CONTEXT = ctx
+    if launch.world_size <= 1 or dist.is_initialized():
+        return _set_context(launch, resolve_device(device, launch), dist_cfg,
+                            distributed=launch.world_size > 1)
+    os.environ["MASTER_ADDR"] = launch.master_addr
+    os.environ["MASTER_PORT"] = str(launch.master_port)
+    if launch.rank == 0 and not launch.agent_store:
+        check_port_free(launch.master_port)
+    try:
+        ctx = _set_context(launch, resolve_device(device, launch), dist_cfg, distributed=True)
+    except UserError as err:
+        _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s)
+        raise
+    store = _rendezvous_store(launch, timedelta(seconds=dist_cfg.rendezvous_timeout_s))
+    _meet(store, launch, dist_cfg.rendezvous_timeout_s)
+    timeout = timedelta(seconds=dist_cfg.timeout_s)
+    store.set_timeout(timeout)
+    global _STORE
+    _STORE = store
+    dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout,
+                            device_id=ctx.device if ctx.backend == "nccl" else None)
     return ctx
 
 
-def _attempt_store(launch, timeout: timedelta):
-    """Under a torchrun agent that shares its store: that store, with a prefix per restart attempt.
+def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: bool) -> DistContext:
+    global _CONTEXT
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)   # before any CUDA context or NCCL communicator exists
+    _CONTEXT = DistContext(launch.rank, launch.local_rank, max(launch.world_size, 1), dev,
+                           _pick_backend(dist_cfg.backend, dev) if distributed else "", distributed,
+                           launch.rank == 0, launch.launcher, launch.local_world_size or 1)
+    return _CONTEXT
+
+
+_ERROR_KEY, _JOINED_KEY, _ENDED_KEY = "error", "joined", "ended"
+_STORE = None                       # the rendezvous store of the group, while it exists
+_READ_WAIT_S = 10.0                 # how long rank 0 keeps serving an error for the others to read
+
+
+def end_with_error(err: UserError) -> None:
+    """This rank ends with `err` while others may wait in a collective: leave its message in the
+    store (the first error wins), leave the process group, whose gloo connections then fail the
+    others' pending collectives at once, and on rank 0, which serves the store, wait up to 10 s
+    for the others to end too. With NCCL the others only notice at `dist.timeout_s`."""
+    global _STORE
+    store, _STORE = _STORE, None
+    if store is None or not _active():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store.compare_set(_ERROR_KEY, "", f"rank {rank}: {err}")
+        store.add(_ENDED_KEY, 1)
+        cleanup()
+        deadline = time.monotonic() + _READ_WAIT_S
+        while rank == 0 and store.add(_ENDED_KEY, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, dist.DistError):     # the store is gone: nothing left to tell
+        pass
+
+
+def error_of_another_rank() -> UserError | None:
+    """The error another rank left with `end_with_error`, once a collective failed because that
+    rank left; None when there is none (the failure is then this rank's own)."""
+    global _STORE
+    store, _STORE = _STORE, None
+    if store is None:
+        return None
+    try:
+        if not store.check([_ERROR_KEY]):
+            return None
+        message = store.get(_ERROR_KEY).decode()
+        store.add(_ENDED_KEY, 1)
+    except (RuntimeError, dist.DistError):
+        return None
+    return UserError(message)
+
+
+def _rendezvous_store(launch, timeout: timedelta):
+    """The store where the ranks meet: torchrun's agent store when it shares it, with a prefix per
+    restart attempt, else one on MASTER_ADDR:MASTER_PORT held by rank 0.
 
     torchrun (`--max-restarts`) gives every attempt the same store and no prefix, so workers of a
-    restarted attempt can read the keys of the attempt before (a dead rank's gloo address) and
+    restarted attempt could read the keys of the attempt before (a dead rank's gloo address) and
     fail or hang while joining; `TORCHELASTIC_RESTART_COUNT` keeps the attempts apart.
-    None otherwise: `env://` then reads MASTER_ADDR/MASTER_PORT as usual.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
+    where = f"{launch.master_addr}:{launch.master_port}"
+    try:
+        if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            agent_store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                        is_master=False, timeout=timeout)
+            return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
+        return dist.PrefixStore("simplepose", dist.TCPStore(
+            launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
+            timeout=timeout, wait_for_workers=False))
+    except dist.DistNetworkError as err:
+        if "in use" in str(err):
+            raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
+                              "with --master_port or MASTER_PORT") from None
+        raise ConfigError(f"rank {launch.rank} could not reach rank 0 at {where} within "
+                          f"{timeout.total_seconds():g} s (dist.rendezvous_timeout_s): is rank 0 "
+                          "running there, and MASTER_ADDR / MASTER_PORT the same on every rank?") from None
+
+
+def _leave_error_before_group(launch, err: UserError, timeout_s: float) -> None:
+    """Best effort: put this rank's set-up error where the others wait to meet. Rank 0 serves the
+    store until they have all read it (at most the rendezvous timeout: some may start late);
+    another rank tries to reach it for at most 30 s (rank 0 may start later, or not at all)."""
+    wait = timeout_s
+    if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(wait, 30.0)):
+        return                            # no rank 0 there: the store's own attempt would log a trace
+    try:
+        store = _rendezvous_store(launch, timedelta(seconds=wait if launch.rank == 0 else 5))
+        store.compare_set(_ERROR_KEY, "", f"rank {launch.rank}: {err}")
+        deadline = time.monotonic() + wait
+        while launch.rank == 0 and store.add(_ENDED_KEY, 0) < launch.world_size - 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (UserError, RuntimeError, dist.DistError):
+        pass
+
+
+def _reachable(host: str, port: int, within_s: float) -> bool:
+    """Whether something accepts connections on host:port within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+def _meet(store, launch, timeout_s: float) -> None:
+    """Wait until every rank has joined; raise the error a rank left instead, or say who is missing."""
+    store.add(_JOINED_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([_ERROR_KEY]):
+            message = store.get(_ERROR_KEY).decode()
+            store.add(_ENDED_KEY, 1)
+            raise ConfigError(message)
+        joined = store.add(_JOINED_KEY, 0)
+        if joined >= launch.world_size:
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(f"only {joined} of {launch.world_size} processes joined within {timeout_s:g} s "
+                              f"(dist.rendezvous_timeout_s) at {launch.master_addr}:{launch.master_port}; "
+                              "the others failed before (see their errors) or were not started")
+        time.sleep(0.05)
 
 
 def cleanup() -> None:
     """Leave the process group (if any); safe to call twice."""
-    global _CONTEXT
+    global _CONTEXT, _STORE
+    _STORE = None
     if dist.is_available() and dist.is_initialized():
         gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first
         dist.destroy_process_group()
@@ -195,6 +314,25 @@ def broadcast_object(obj, src: int = 0):
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, device=_comm_device())
     return box[0]
+
+
+def decided_on_main(decide):
+    """`decide()` run on rank 0 only, and its result on every rank; an exception it raises is
+    raised on every rank alike (the same one-line error) instead of leaving the others waiting in
+    a collective for `dist.timeout_s`. For one answer that every rank must share: the run
+    directory, the checkpoint to resume, a score."""
+    if not _active():
+        return decide()
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (True, decide())
+        except Exception as exc:         # noqa: BLE001 - handed to every rank, raised there
+            outcome = (False, exc)
+    ok, value = broadcast_object(outcome)
+    if not ok:
+        raise value
+    return value
 
 
 def all_gather_object(obj) -> list:

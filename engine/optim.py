@@ -1,4 +1,5 @@
-"""Optimiser construction and the learning rate as a pure function of (epoch, iteration).
+"""Optimiser construction, the learning rate as a pure function of (epoch, iteration), and the
+gradient norm (in float32 at every opt level) with its clipping.
 
 `lr_at` is the whole schedule: linear warm-up by iteration over the first `warmup_epochs`, then
 step decay (x `decay_factor` at each milestone epoch, or every `decay_every` epochs). Because it
@@ -51,3 +52,17 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     return cls(params, **kwargs)
+
+
+def grad_norm(params) -> torch.Tensor:
+    """L2 norm of the gradients of `params`, accumulated in float32 whatever their dtype: under O3
+    float16 a norm computed in float16 reads inf above 65504 although every gradient is finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def clip_grads(params, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients down to `max_norm` when their `norm` (finite, from `grad_norm`) exceeds it."""
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

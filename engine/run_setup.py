@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -97,17 +98,8 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
 def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
     """Pick and claim the run directory on the main process; every rank gets the same path, or the
     same error. Returns (path, whether this call created it)."""
-    outcome = None
-    if ctx.is_main:
-        try:
-            path, created = _pick_and_claim(cfg)
-            outcome = (str(path), created)
-        except UserError as exc:
-            outcome = exc
-    outcome = dist.broadcast_object(outcome)
-    if isinstance(outcome, UserError):
-        raise outcome
-    return Path(outcome[0]), outcome[1]
+    path, created = dist.decided_on_main(lambda: _pick_and_claim(cfg))
+    return Path(path), created
 
 
 def _pick_and_claim(cfg: Config) -> tuple[Path, bool]:
@@ -173,18 +165,22 @@ def save_resolved_config(cfg: Config, run_dir: Path) -> None:
 
 
 def resolve_data(cfg: Config, ctx) -> tuple[str, str]:
-    """(train_h5, val_h5): the user's files, or the project's synthetic dataset made once."""
+    """(train_h5, val_h5): the user's files, or the project's synthetic dataset made once; checked
+    (or made) by rank 0, whose answer or error every rank gets."""
+    paths = dist.decided_on_main(lambda: _resolve_data(cfg))
+    if not cfg.data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
+        paths = _resolve_data(cfg)
+    return paths
+
+
+def _resolve_data(cfg: Config) -> tuple[str, str]:
     if cfg.data.train_h5:
         for option, path in (("--train-h5", cfg.data.train_h5), ("--val-h5", cfg.data.val_h5)):
             if path and not Path(path).is_file():
                 raise ConfigError(f"{option} {path}: no such file")
         check_split(cfg.data.train_h5, "train")
         return cfg.data.train_h5, cfg.data.val_h5
-    if ctx.is_main:
-        paths = _synthetic(cfg.data.synthetic_dir)
-    dist.barrier()
-    if not ctx.is_main:
-        paths = _synthetic(cfg.data.synthetic_dir)
+    paths = _synthetic(cfg.data.synthetic_dir)
     return str(paths[0]), str(paths[1])
 
 
@@ -204,6 +200,18 @@ def check_split(path: str, expected: str) -> None:
     if expected == "train" and split == "val":
         raise ConfigError(f"--train-h5 {path}: this file was converted as a validation split "
                           f"(--split val); convert the training split for training")
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM / SIGUSR1: torchrun and SLURM signal the whole process
+    group, and a worker that died of it would make the main process fail at whatever line it is on
+    (even mid-save). The main process decides: it finishes the step, saves and stops; the workers
+    end with it (they watch their parent)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
@@ -226,7 +234,7 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
         cv2.setNumThreads(1)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.workers,
                         pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
-                        persistent_workers=False)
+                        persistent_workers=False, worker_init_fn=ignore_stop_signals)
     return loader, sampler
 
 
@@ -234,7 +242,7 @@ def val_loader(dataset, cfg: Config, ctx) -> DataLoader:
     per_process = max(1, cfg.train.batch_size // ctx.world_size)
     return DataLoader(dataset, batch_size=per_process,
                       sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
-                      num_workers=cfg.data.workers,
+                      num_workers=cfg.data.workers, worker_init_fn=ignore_stop_signals,
                       pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda")
 
 

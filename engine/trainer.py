@@ -25,15 +25,15 @@ from config.schema import Config
 from engine import distributed as dist
 from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
 from engine.checkpoint import (capture_rng_state, check_resumable, find_latest_checkpoint,
-                               load_checkpoint, load_weights, read_reference, restore_rng_state,
-                               save_checkpoint, unwrap_model)
+                               load_checkpoint, load_weights, read_reference, remove_stale_temps,
+                               restore_rng_state, save_checkpoint, unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
-from engine.optim import build_optimizer, lr_at, set_lr
+from engine.optim import build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from engine.reference_resume import resume_state
-from engine.run_setup import (choose_run_dir, clear_run_dir, memory_gb, release_run_dir, resolve_data,
-                              save_resolved_config, train_loader, val_loader)
+from engine.run_setup import (STOP_SIGNALS, choose_run_dir, clear_run_dir, memory_gb, release_run_dir,
+                              resolve_data, save_resolved_config, train_loader, val_loader)
 
 
 class Interrupted(UserError):
@@ -77,7 +77,8 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)          # the same initial weights on every rank
         model = build_model(cfg.model)
-        state = load_checkpoint(resume_path) if resume_path else None
+        # memory-mapped: tensors are read from the file once, when copied into model and optimiser
+        state = load_checkpoint(resume_path, mmap=True) if resume_path else None
         reference = None           # the authors' checkpoint whose run continues (--resume-reference)
         if state is not None:
             check_resumable(state, resume_path)
@@ -120,6 +121,7 @@ class Trainer:
 
         self.epoch, self.start_batch, self.step = 0, 0, 0
         self.best_metric, self.bad_validations, self.skipped_total, self.bad_streak = None, 0, 0, 0
+        self.validation_pending = False
         if reference is not None:
             names = [name for name, p in model.named_parameters() if p.requires_grad]
             state = resume_state(reference, str(resume_path), model, self.optimizer, names, cfg)
@@ -137,6 +139,7 @@ class Trainer:
         if ctx.is_main:     # the run directory is written only once everything above has worked
             clear_run_dir(cfg, self.run_dir)
             save_resolved_config(cfg, self.run_dir)
+            remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
                                 resumed_step=self.step if state is not None else None)
         n_train = sum(p.numel() for p in trainable)
@@ -163,7 +166,8 @@ class Trainer:
         if not resume:
             return None
         if resume == "auto":
-            path = find_latest_checkpoint(self.run_dir)
+            # rank 0 chooses: on a shared filesystem each rank could see another newest file
+            path = dist.decided_on_main(lambda: find_latest_checkpoint(self.run_dir))
             if path is None:
                 self.say(f"--resume auto: no checkpoint in {self.run_dir} yet, starting afresh")
             return path
@@ -186,6 +190,7 @@ class Trainer:
         self.best_metric = state.get("best_metric")
         self.bad_validations = state.get("bad_validations", 0)
         self.skipped_total = state.get("skipped_steps", 0)
+        self.validation_pending = bool(state.get("validation_pending", False))
         origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "
                                          f"{state.get('world_size', '?')} process(es)")
         self.say(f"resumed from {path}: epoch {self.epoch + 1}, batch {self.start_batch}"
@@ -205,13 +210,22 @@ class Trainer:
         def request_stop(signum, frame):
             self.stop_signal = signum
         previous = {}
-        for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
-            if sig is not None:
-                try:
-                    previous[sig] = signal.signal(sig, request_stop)
-                except ValueError:     # not the main thread (e.g. under a test runner thread)
-                    pass
+        for sig in STOP_SIGNALS:
+            try:
+                previous[sig] = signal.signal(sig, request_stop)
+            except ValueError:     # not the main thread (e.g. under a test runner thread)
+                pass
         return previous
+
+    def _stopped(self, where: str) -> Interrupted:
+        """The error that ends a run stopped by a signal, once last.pth holds what it resumes from."""
+        name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
+        return Interrupted(f"stopped by {name} {where}; saved {self.run_dir / 'last.pth'}. Resume with "
+                           f"the same command and --resume auto --run-name {self.run_dir.name}")
+
+    def _stop_voted(self) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it together)."""
+        return dist.any_rank(self.stop_signal is not None)
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, batches: list, epoch: int, first: int) -> dict:
@@ -241,9 +255,10 @@ class Trainer:
         grads_finite = False
         if not abnormal:
             self.precision.unscale_(self.optimizer)
-            max_norm = self.cfg.optim.clip_grad_norm or float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.opt_params, max_norm)
+            norm = grad_norm(self.opt_params)                 # float32 whatever the gradients' dtype
             grads_finite = bool(torch.isfinite(norm))
+            if grads_finite and self.cfg.optim.clip_grad_norm:   # no clipping pass when clipping is off
+                clip_grads(self.opt_params, self.cfg.optim.clip_grad_norm, norm)
             self.precision.step(self.optimizer, grads_finite)
         self.precision.zero_grad(self.optimizer)
         skipped = not grads_finite
@@ -303,11 +318,7 @@ class Trainer:
             if out["stop"]:
                 bar.close()
                 self.save("last.pth", epoch, first + accumulate)
-                name = (signal.Signals(self.stop_signal).name if self.stop_signal
-                        else "a signal on another rank")
-                raise Interrupted(f"stopped by {name} at epoch {epoch + 1}, batch {first + accumulate}; "
-                                  f"saved {self.run_dir / 'last.pth'}. Resume with the same command "
-                                  f"and --resume auto --run-name {self.run_dir.name}")
+                raise self._stopped(f"at epoch {epoch + 1}, batch {first + accumulate}")
         bar.close()
         # mean over ranks too (every rank has the same count: skips are decided together)
         totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64)]))
@@ -315,32 +326,52 @@ class Trainer:
             return None
         return (totals[0] / totals[1]).item()
 
+    def _validations_due(self, epoch: int) -> tuple[bool, bool]:
+        """(validation loss, AP) due after `epoch` (0-based)."""
+        cfg = self.cfg.train
+        if self.val_set is None:
+            return False, False
+        return (bool(cfg.val_every) and (epoch + 1) % cfg.val_every == 0,
+                bool(cfg.ap_every) and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs))
+
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:
-        """Validation loss (all ranks, sharded) and, every `ap_every` epochs, COCO AP."""
+        """Validation loss (all ranks, sharded) and, every `ap_every` epochs, COCO AP. A stop signal
+        is acted on within a batch or an image (Interrupted; last.pth was saved before)."""
         results = {}
-        cfg = self.cfg.train
-        if cfg.val_every and (epoch + 1) % cfg.val_every == 0:
+        loss_due, ap_due = self._validations_due(epoch)
+        where = f"while validating epoch {epoch + 1} (resuming validates it again)"
+        if loss_due:
             self.eval_net.eval()
             total = torch.zeros(2, dtype=torch.float64)
-            for batch in val_loader(self.val_set, self.cfg, self.ctx):
+            shards = self.ctx.world_size
+            # a stop vote per batch while every rank still has one (shards differ by one at most)
+            voted_batches = -(-(len(self.val_set) // shards) // max(1, self.cfg.train.batch_size // shards))
+            for n, batch in enumerate(val_loader(self.val_set, self.cfg, self.ctx)):
                 images, target, mask = (t.to(self.ctx.device) for t in batch)
                 per_sample, _ = self.eval_net(images, target, mask)
                 total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
+                if n < voted_batches and self._stop_voted():
+                    raise self._stopped(where)
             total = dist.all_reduce_sum(total)
             results["loss"] = (total[0] / total[1].clamp(min=1)).item()
-        if cfg.ap_every and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs):
+        if ap_due:
             from inference.evaluation import evaluate_h5
             with cudnn_autotuning_off():
                 stats = evaluate_h5(self.model, self.val_h5, self.cfg, self.ctx.device,
-                                    max_images=cfg.ap_max_images, progress=self.ctx.is_main)
+                                    max_images=self.cfg.train.ap_max_images, progress=self.ctx.is_main,
+                                    stop=lambda: self.stop_signal is not None)
+            if stats is None:
+                raise self._stopped(where)
             results.update({k: stats[k] for k in ("AP", "AP50", "AP75", "APm", "APl", "AR")})
         return results
 
-    def _improved(self, results: dict) -> bool:
+    def _improved(self, results: dict) -> bool | None:
+        """Whether the run's metric (AP with --ap-every, else the validation loss) improved; None
+        when this validation did not measure it (a loss-only pass between AP passes)."""
         key = "AP" if self.cfg.train.ap_every else "loss"
         if key not in results:
-            return False
+            return None
         value = results[key]
         better = (self.best_metric is None or
                   (value > self.best_metric if key == "AP" else value < self.best_metric))
@@ -349,7 +380,7 @@ class Trainer:
         return better
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, name: str, epoch: int, iteration: int) -> None:
+    def save(self, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
         """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
         if self.cfg.dist.zero and self.ctx.distributed:
             self.optimizer.consolidate_state_dict(to=0)
@@ -363,6 +394,7 @@ class Trainer:
                 "skipped_steps": self.skipped_total,
                 "config": to_dict(self.cfg), "rng": capture_rng_state(),
                 "mode": self.launch.mode, "world_size": self.ctx.world_size,
+                "validation_pending": validation_pending,
             }
             save_checkpoint(self.run_dir / name, state)
         dist.barrier()
@@ -387,33 +419,52 @@ class Trainer:
     def _fit(self) -> dict:
         cfg = self.cfg.train
         results: dict = {}
+        epochs_done, stopped_early = self.epoch, False
+        if self.validation_pending and self.epoch > 0:    # stopped while validating: validate again
+            results, stopped_early = self._end_epoch(self.epoch - 1, None)
         for epoch in range(self.epoch, cfg.epochs):
-            train_loss = self.train_one_epoch(epoch)
-            results = self.validate(epoch) if self.val_set is not None else {}
-            improved = self._improved(results)
-            self.bad_validations = 0 if improved else self.bad_validations + bool(results)
-            trained = {} if train_loss is None else {"train_loss": train_loss}
-            self.logger.log("val", self.step, epoch=epoch, **trained, **results)
-            self.save("last.pth", epoch + 1, 0)
-            if improved:
-                self.save("best.pth", epoch + 1, 0)
-            if cfg.save_every and (epoch + 1) % cfg.save_every == 0:
-                self.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
-            self.logger.plot_curves()
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
-            self.say(f"epoch {epoch + 1}/{cfg.epochs}: "
-                     + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
-                     + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
-            if cfg.early_stop_patience and self.bad_validations >= cfg.early_stop_patience:
-                self.say(f"early stop: no improvement in {self.bad_validations} validations")
+            if stopped_early:
                 break
+            train_loss = self.train_one_epoch(epoch)
+            epochs_done = epoch + 1
+            # saved before validating: a stop signal during validation loses no training
+            self.save("last.pth", epoch + 1, 0, validation_pending=any(self._validations_due(epoch)))
+            results, stopped_early = self._end_epoch(epoch, train_loss)
         self.logger.close()
         dist.barrier()   # ranks leave together: none tears down its process group while one still works
         self.say(f"done. checkpoints: {self.run_dir / 'last.pth'}"
                  + (f", {self.run_dir / 'best.pth'}" if (self.run_dir / 'best.pth').exists() else "")
                  + f"; metrics: {self.run_dir / 'metrics.jsonl'}; curves: {self.run_dir / 'curves.png'}")
-        return {"run_dir": str(self.run_dir), "epoch": self.cfg.train.epochs, "step": self.step,
-                "best_metric": self.best_metric, **results}
+        return {"run_dir": str(self.run_dir), "epoch": epochs_done, "step": self.step,
+                "best_metric": self.best_metric, "early_stopped": stopped_early, **results}
+
+    def _end_epoch(self, epoch: int, train_loss: float | None) -> tuple[dict, bool]:
+        """Validation, best.pth, epoch_N.pth, logs after `epoch` (last.pth is already saved);
+        returns the validation results and whether early stopping ends the run."""
+        cfg = self.cfg.train
+        due = any(self._validations_due(epoch))
+        results = self.validate(epoch) if due else {}
+        improved = self._improved(results)
+        if improved is not None:    # a loss-only pass between AP passes is no verdict either way
+            self.bad_validations = 0 if improved else self.bad_validations + 1
+        trained = {} if train_loss is None else {"train_loss": train_loss}
+        self.logger.log("val", self.step, epoch=epoch, **trained, **results)
+        if due:      # last.pth again, now with the validation's best metric and patience count
+            self.save("last.pth", epoch + 1, 0)
+        if improved:
+            self.save("best.pth", epoch + 1, 0)
+        if cfg.save_every and (epoch + 1) % cfg.save_every == 0:
+            self.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
+        self.logger.plot_curves()
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
+        self.say(f"epoch {epoch + 1}/{cfg.epochs}: "
+                 + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
+                 + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+        if cfg.early_stop_patience and self.bad_validations >= cfg.early_stop_patience:
+            self.say(f"early stop after epoch {epoch + 1}: no improvement in {self.bad_validations} "
+                     f"validations")
+            return results, True
+        return results, False
 
 
 def _load_summary(report: dict) -> str:

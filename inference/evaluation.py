@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from config.errors import DataError
 from config.schema import Config
 from engine.checkpoint import unwrap_model
-from engine.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
+from engine.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool
 from inference.grouping import to_coco_results
@@ -49,30 +50,41 @@ def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
     return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
 
 
-def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True) -> dict:
+def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True,
+                  stop=None) -> dict:
     """{image id: COCO results} for the image indices given: pictures through the model in batches
     and people grouped in a thread pool by `inference.estimator` (the ground-truth maps with
-    `oracle`), as the inference API finds them."""
-    indices = tqdm(indices, desc="evaluate", unit="img", disable=not progress, dynamic_ncols=True)
+    `oracle`), as the inference API finds them. `stop()` True before an image: the images so far."""
+    taken: deque = deque()
+
+    def until_stopped():
+        for img in indices:
+            if stop is not None and stop():
+                return
+            taken.append(img)
+            yield img
+    chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
+                  dynamic_ncols=True)
     if oracle:
-        maps_stream = (oracle_maps(h5, img, cfg) for img in indices)
+        maps_stream = (oracle_maps(h5, img, cfg) for img in chosen)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         estimator = PoseEstimator(network, cfg)
-        maps_stream = estimator.maps_stream(h5.decode_image(img) for img in indices)
+        maps_stream = estimator.maps_stream(h5.decode_image(img) for img in chosen)
     found = {}
-    for img, (_, keypoints, scores) in zip(indices.iterable, grouped_in_pool(maps_stream, cfg.inference)):
-        image_id = h5.image_info(img)["id"]
+    for _, keypoints, scores in grouped_in_pool(maps_stream, cfg.inference):
+        image_id = h5.image_info(taken.popleft())["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores)
     return found
 
 
 def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progress: bool = True,
-                oracle: bool = False, results_path=None) -> dict:
+                oracle: bool = False, results_path=None, stop=None) -> dict | None:
     """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
     of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of
     `h5_path` (0: all). `oracle` decodes the ground-truth maps instead (no model needed).
-    `results_path`: where rank 0 writes the COCO results JSON.
+    `results_path`: where rank 0 writes the COCO results JSON. `stop()`, asked before each image,
+    True on any rank: every rank returns None, unscored (a training run asked to stop).
     """
     from data.h5format import KeypointH5
 
@@ -85,21 +97,15 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
     rank, world = get_rank(), get_world_size()
     with eval_mode(model):
         found = decode_images(model, h5, range(rank, total, world), cfg, device, oracle,
-                              progress and rank == 0)
+                              progress and rank == 0, stop)
+    if stop is not None and any_rank(stop()):
+        h5.close()
+        return None
     gathered = all_gather_object(found)
-    outcome = None
-    if rank == 0:
-        try:
-            outcome = _score(gathered, h5, results_path)
-        except Exception as exc:           # every rank must leave the broadcast below
-            if world == 1:
-                raise
-            outcome = exc
-    h5.close()
-    outcome = broadcast_object(outcome, src=0)
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    try:
+        return decided_on_main(lambda: _score(gathered, h5, results_path))
+    finally:
+        h5.close()
 
 
 def _score(gathered: list[dict], h5, results_path) -> dict:

@@ -1,10 +1,15 @@
 """Multi-process training runs for tests: helpers to launch and read them, and the driver script.
 
 Run as a script (under torchrun or the legacy launcher), this file is train_distributed.py whose
-ranks also dump their own weights and per-step record (loss, skipped, LR) and their arguments to
-RUN/rankN.pt after training, and where TEST_BLOW_UP="RANK:STEP" multiplies that rank's training
-loss by 1e9 at that step. The patches are made here, in the test's process tree only: the product
-has no hook for them. Imported, it gives the tests the launch and comparison helpers.
+ranks also dump their own weights, per-step record (loss, skipped, LR), arguments and every
+torch.load they made (file name, memory-mapped or not) to RUN/rankN.pt after training, where
+TEST_BLOW_UP="RANK:STEP" multiplies that rank's training loss by 1e9 at that step,
+TEST_BAD_DATA="RANK:STEP" makes that rank meet a bad image (DataError) at that step,
+TEST_SLOW_VAL=SECONDS makes reading each validation sample take that long (in the DataLoader
+workers), and TEST_STALE_VIEW=NAME makes rank 1 see RUN/NAME as the newest checkpoint (a shared
+filesystem that shows it an older state). The patches are made here, in the test's process tree
+only: the product has no hook for them. Imported, it gives the tests the launch and comparison
+helpers.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ SCHEDULE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "0",
             "--set", "optim.decay_factor=0.5"]
 LR_EPOCH_2 = 0.005
 NO_VALIDATION = ["--val-every", "0", "--ap-every", "0"]
+BAD_DATA_MESSAGE = "train.h5: image 7 is not a readable image"
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -95,13 +101,16 @@ def _patch_trainer_and_run() -> None:
     from engine.model_with_loss import ModelWithLoss
 
     rank = int(os.environ.get("RANK", "0"))
-    blow_up = os.environ.get("TEST_BLOW_UP")
+    blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")
     Trainer = engine_trainer.Trainer
     forward, fit, run_step = ModelWithLoss.forward, Trainer.fit, Trainer.run_step
     steps = []
 
     def blown_forward(self, images, target, mask):
         per_sample, parts = forward(self, images, target, mask)
+        if self.training and bad_data == f"{rank}:{len(steps) + 1}":
+            from config.errors import DataError
+            raise DataError(BAD_DATA_MESSAGE)
         if self.training and blow_up == f"{rank}:{len(steps) + 1}":
             per_sample = per_sample * 1e9
         return per_sample, parts
@@ -114,12 +123,45 @@ def _patch_trainer_and_run() -> None:
     def fit_and_dump(self):
         result = fit(self)
         state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
-        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:]), self.run_dir / f"rank{rank}.pt")
+        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads),
+                   self.run_dir / f"rank{rank}.pt")
         return result
 
+    loads, load = [], torch.load
+
+    def recorded_load(file, *args, **kwargs):
+        name = Path(file).name if isinstance(file, (str, os.PathLike)) else "?"
+        loads.append([name, bool(kwargs.get("mmap"))])
+        return load(file, *args, **kwargs)
+    torch.load = recorded_load
+
     ModelWithLoss.forward, Trainer.run_step, Trainer.fit = blown_forward, recorded_step, fit_and_dump
+    if os.environ.get("TEST_SLOW_VAL"):
+        _slow_validation_samples(float(os.environ["TEST_SLOW_VAL"]))
+    if os.environ.get("TEST_STALE_VIEW") and rank == 1:
+        _stale_checkpoint_view(os.environ["TEST_STALE_VIEW"])
     import train_distributed
     run_main(train_distributed.main)
+
+
+def _slow_validation_samples(seconds: float) -> None:
+    import time
+    from data.dataset import KeypointDataset
+    get_item = KeypointDataset.__getitem__
+
+    def slow_get_item(self, index):
+        if not self.train:
+            time.sleep(seconds)
+        return get_item(self, index)
+    KeypointDataset.__getitem__ = slow_get_item
+
+
+def _stale_checkpoint_view(name: str) -> None:
+    from engine import checkpoint, trainer
+
+    def stale_latest(run_dir):
+        return Path(run_dir) / name
+    checkpoint.find_latest_checkpoint = trainer.find_latest_checkpoint = stale_latest
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def test_oracle_on_coco4_reaches_the_ceiling(coco4_h5, tmp_path, capsys):
     assert all(0.0 <= stats[name] <= 1.0 for name in STAT_NAMES)
     for name in STAT_NAMES:                      # the readable table on stderr
         assert f"  {name} " in err
+    assert "ground-truth maps at each image's size (oracle)" in err and "scales" not in err
     results = json.loads(out.read_text())
     assert {r["image_id"] for r in results} == set(COCO4_IDS)
     assert all(len(r["keypoints"]) == 51 for r in results)
@@ -102,6 +103,8 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--h5", "{missing}"], "{missing}"),
     (["--weights", "{missing}", "--h5", "{h5}"], "{missing}"),
     (["--oracle", "--h5", "{h5}", "--set", "inference.nonsense=1"], "inference.nonsense"),
+    (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1"], "--scales and --flip do not apply to --oracle"),
+    (["--oracle", "--h5", "{h5}", "--flip"], "--scales and --flip do not apply to --oracle"),
 ])
 def test_user_errors_are_one_line_with_exit_code(argv, message, coco4_h5, tmp_path, capsys):
     names = {"h5": coco4_h5, "missing": tmp_path / "missing.file"}

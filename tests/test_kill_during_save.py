@@ -85,3 +85,30 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_latest_checkpoint(tm
     print(f"steps after each kill: {steps}; kills during a save: {killed_mid_write}")
     assert steps[-1] > KILLS                 # the savers made progress across the kills
     assert killed_mid_write >= 1, "no kill landed during a save: the test did not test that"
+
+
+# A saver that plants the temporary file of an earlier killed save, then is SIGKILLed by its own
+# torch.save after half of the checkpoint is written: the kill pattern of repeated pre-emptions.
+KILLED_MID_WRITE = """
+import os, signal, sys, torch
+from engine import checkpoint
+run_dir = sys.argv[1]
+with open(os.path.join(run_dir, ".last.pth.earlier" + checkpoint.TEMP_SUFFIX), "wb") as stale:
+    stale.write(b"x" * 1000)
+def half_then_killed(obj, file):
+    file.write(b"y" * 1000)
+    file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.torch.save = half_then_killed
+checkpoint.save_checkpoint(os.path.join(run_dir, "last.pth"), {"step": 1})
+"""
+
+
+def test_a_save_killed_mid_write_leaves_only_its_own_temp_file_not_the_earlier_ones(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for _ in range(2):      # two pre-emptions in a row, each killed during its save
+        proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        temps = [p.name for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+        assert len(temps) == 1 and not temps[0].startswith(".last.pth.earlier"), temps

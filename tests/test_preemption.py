@@ -222,15 +222,20 @@ def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curv
         assert lrs[SIGNAL_STEPS] == pytest.approx(0.5 * lrs[SIGNAL_STEPS - 1])   # the milestone
 
 
-def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_with_one_checkpoint(
-        tmp_path, synthetic_h5):
+def start_torchrun_signal_run(tmp_path, synthetic_h5, name: str, *extra: str, **popen):
+    """(agent, run directory, log directory) of a 2-rank torchrun run of the signal tests."""
     preset = write_micro_preset(tmp_path)
     logs = tmp_path / "logs"
     agent = start(torchrun(logs, "--config", str(preset), "--train-h5", str(synthetic_h5[0]),
-                           "--out-dir", str(tmp_path), "--run-name", "ddp", "--batch-size", "4",
-                           "--epochs", str(SIGNAL_EPOCHS),
-                           *[arg for item in SIGNAL_SETS for arg in ("--set", item)]))
-    run_dir = tmp_path / "ddp"
+                           "--out-dir", str(tmp_path), "--run-name", name, "--batch-size", "4",
+                           "--epochs", str(SIGNAL_EPOCHS), *extra,
+                           *[arg for item in SIGNAL_SETS for arg in ("--set", item)]), **popen)
+    return agent, tmp_path / name, logs
+
+
+def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_with_one_checkpoint(
+        tmp_path, synthetic_h5):
+    agent, run_dir, logs = start_torchrun_signal_run(tmp_path, synthetic_h5, "ddp")
     wait_until(lambda: logged_steps(run_dir) >= 2, agent, "two logged steps")
     workers = worker_pids(agent.pid)
     assert sorted(workers) == [0, 1]
@@ -249,6 +254,50 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_wi
     assert resume_hint(rank0, run_dir).startswith(
         f"stopped by a signal on another rank at epoch 1, batch {batch}; ")
     assert resume_hint(rank1, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
+
+
+# -- the signal to the process group, as torchrun and SLURM send it, with DataLoader workers ---------
+def test_sigterm_to_the_process_group_of_torchrun_with_two_dataloader_workers_saves_and_says_how_to_resume(
+        tmp_path, synthetic_h5):
+    agent, run_dir, logs = start_torchrun_signal_run(tmp_path, synthetic_h5, "group", "--workers", "2",
+                                                     start_new_session=True)
+    wait_until(lambda: logged_steps(run_dir) >= 2, agent, "two logged steps")
+    os.killpg(agent.pid, signal.SIGTERM)       # agent, both ranks and their four DataLoader workers
+    finish(agent)
+    state = load_checkpoint(run_dir / "last.pth")
+    batch = state["iteration"]
+    assert state["epoch"] == 0 and 2 <= batch < SIGNAL_STEPS and state["step"] == batch
+    for rank in (0, 1):
+        err = worker_log(logs, 0, rank, "stderr")
+        assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
+        assert resume_hint(err, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
+
+
+def test_sigterm_to_the_process_group_during_validation_stops_within_a_batch_and_resume_validates_again(
+        tmp_path, synthetic_h5):
+    preset = write_micro_preset(tmp_path)
+    command = [sys.executable, "tests/multiprocess_runs.py", "--config", str(preset), "--device", "cpu",
+               "--train-h5", str(synthetic_h5[0]), "--val-h5", str(synthetic_h5[1]), "--workers", "2",
+               "--val-every", "1", "--out-dir", str(tmp_path), "--run-name", "val", "--epochs", "2",
+               "--set", "train.max_steps_per_epoch=2"]
+    # 8 validation samples of 1.5 s each in 2 workers: the validation alone takes 6 s
+    process = start(command, env=child_env(TEST_SLOW_VAL="1.5"), start_new_session=True)
+    last = tmp_path / "val" / "last.pth"
+    wait_until(last.exists, process, "last.pth of epoch 1")
+    os.killpg(process.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    rc, _, err = finish(process)
+    stopped_after = time.monotonic() - signalled
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    assert resume_hint(err, last.parent).startswith(
+        "stopped by SIGTERM while validating epoch 1 (resuming validates it again); ")
+    state = load_checkpoint(last)
+    assert (state["epoch"], state["iteration"], state["step"], state["validation_pending"]) == (1, 0, 2, True)
+    assert stopped_after < 12, stopped_after    # one batch and the workers' shutdown, not the rest
+    rc, out, err = finish(start(command + ["--resume", "auto"]))
+    assert rc == 0, err[-3000:]
+    assert [r["epoch"] for r in read_metrics(last.parent, "val")] == [0, 1]
+    assert load_checkpoint(last)["step"] == 4
 
 
 # -- bad steps ------------------------------------------------------------------------------------

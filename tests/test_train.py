@@ -72,16 +72,62 @@ def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
         assert not ckpt["scaler"]                # disabled scaler: empty state
 
 
-def test_frozen_weights_stay_bit_identical(tmp_path, synthetic_h5):
+@pytest.mark.parametrize("level", ["O0", "O2"])   # O2: a half model; frozen weights keep float32
+def test_frozen_weights_stay_bit_identical(tmp_path, synthetic_h5, level):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "base")
     base = weights(tmp_path / "base/last.pth")
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "ft", "--weights",
-        str(tmp_path / "base/last.pth"), "--freeze", "stem", "stacks.0.*", "--lr", "1e-3")
+        str(tmp_path / "base/last.pth"), "--freeze", "stem", "stacks.0.*", "--lr", "1e-3",
+        "--opt-level", level)
     tuned = weights(tmp_path / "ft/last.pth")
     frozen = [k for k in base if k.startswith(("stem.", "stacks.0."))]
     others = [k for k in base if k not in frozen and base[k].is_floating_point()]
     assert frozen and all(torch.equal(base[k], tuned[k]) for k in frozen)   # incl. BN running stats
     assert any(not torch.equal(base[k], tuned[k]) for k in others)
+
+
+def test_o3_float16_steps_with_a_finite_gradient_norm_above_the_float16_range(tmp_path, synthetic_h5,
+                                                                               monkeypatch):
+    # after the real unscale, every gradient becomes 1.5 x 65504 / sqrt(N): each one finite in
+    # float16, their norm 1.5 x 65504 (inf when computed in float16)
+    from engine.amp import Precision
+    unscale = Precision.unscale_
+
+    def large_finite_gradients(self, optimizer):
+        unscale(self, optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        value = 1.5 * 65504 / sum(g.numel() for g in grads) ** 0.5
+        for g in grads:
+            g.fill_(value)
+    monkeypatch.setattr(Precision, "unscale_", large_finite_gradients)
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "o3", "--opt-level", "O3",
+        "--amp-dtype", "float16", "--loss-scale", "1", "--lr", "1e-6", "--val-every", "0")
+    ckpt = load_checkpoint(tmp_path / "o3/last.pth")
+    assert ckpt["skipped_steps"] == 0
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+def val_records(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "val"]
+
+
+def test_early_stop_with_ap_every_counts_only_the_validations_that_measure_ap(tmp_path, synthetic_h5):
+    out = run(tmp_path, synthetic_h5, "--epochs", "4", "--run-name", "es", "--early-stop", "2",
+              "--ap-every", "4", "--val-every", "1", "--set", "train.ap_max_images=4")
+    val = val_records(tmp_path / "es")
+    assert [r["epoch"] for r in val] == [0, 1, 2, 3] and "AP" in val[-1]
+    assert out["epoch"] == 4 and not out["early_stopped"]
+
+
+def test_early_stop_returns_the_epoch_it_stopped_at(tmp_path, synthetic_h5):
+    # every step skipped as abnormal: the model never changes, so the validation loss of epoch 2
+    # is that of epoch 1, no improvement, and patience 1 stops the run there
+    out = run(tmp_path, synthetic_h5, "--epochs", "4", "--run-name", "es1", "--early-stop", "1",
+              "--ap-every", "0", "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
+    assert out["early_stopped"] and out["epoch"] == 2
+    assert load_checkpoint(tmp_path / "es1/last.pth")["epoch"] == 2
+    assert len(val_records(tmp_path / "es1")) == 2
 
 
 def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):

@@ -1,0 +1,52 @@
+"""Train through a real process group of ONE rank: DDP, ZeRO, SyncBN and the backend's collectives
+built and run on a single device (NCCL on one GPU; gloo on a CPU, to check the script).
+
+A 1-process `torchrun` creates no process group (world size 1 trains as a single process), so it
+exercises none of the multi-process code; this script joins a group of one on purpose and then
+runs the same `Trainer` that train_distributed.py runs, with every train.py flag.
+
+    python bench/group_of_one.py --device cuda --sync-bn --zero --accumulate 2 --opt-level O1 ...
+    python bench/group_of_one.py --device cpu --epochs 1 --set train.max_steps_per_epoch=2
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as torch_dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import distributed as dist                      # noqa: E402
+from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
+from engine.launch_env import find_free_port                # noqa: E402
+from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
+from engine.trainer import Launch, Trainer                  # noqa: E402
+
+SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
+
+
+def main(argv=None) -> dict:
+    cfg = config_from_args(build_parser(__doc__).parse_args(argv))
+    ctx = single_process_context(cfg.train.device)
+    ctx.backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    torch_dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1,
+                                  timeout=timedelta(seconds=cfg.dist.timeout_s),
+                                  device_id=ctx.device if ctx.backend == "nccl" else None)
+    ctx.distributed = True
+    try:
+        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: dist.wrap_ddp(m, ctx, cfg.dist), mode="ddp"))
+        sync_bn = sum(isinstance(m, SYNC_BN) for m in trainer.model.modules())
+        print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "
+              f"{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
+              f"{sync_bn} SyncBN layers", flush=True)
+        return trainer.fit()
+    finally:
+        dist.cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,103 @@
+"""Ranks decide together. An error on one rank ends every rank within seconds with the same
+one-line error: two real `train_distributed.py` processes on gloo, launched with hand-set RANK /
+WORLD_SIZE / MASTER_* as SLURM without torchrun (or mpirun) sets them. Rank 0 decides what only it
+checks (the run directory, the checkpoint `--resume auto` takes) and hands its answer or its error
+to every rank; a rank that fails before the process group exists leaves its error in the
+rendezvous store."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train
+from child_env import child_env
+from engine.launch_env import find_free_port
+from multiprocess_runs import BAD_DATA_MESSAGE, dumps, launch, ranks_identical
+from test_preemption import REPO, message_lines, write_micro_preset
+
+
+def hand_set_ranks(args_of_rank, timeout: float = 120.0, script: str = "train_distributed.py",
+                   **env) -> tuple[list, float]:
+    """Both ranks of `script` as SLURM sets them; (return code, stderr) per rank and the seconds
+    between the first rank's end and the last one's."""
+    port = str(find_free_port())
+    processes = [subprocess.Popen(
+        [sys.executable, script, *args_of_rank(rank)], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port, **env)) for rank in (0, 1)]
+    ended = {}
+    deadline = time.monotonic() + timeout
+    while len(ended) < 2 and time.monotonic() < deadline:
+        for rank, process in enumerate(processes):
+            if rank not in ended and process.poll() is not None:
+                ended[rank] = time.monotonic()
+        time.sleep(0.05)
+    results = []
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        _, err = process.communicate()
+        results.append((process.returncode, err))
+    assert len(ended) == 2, f"a rank still ran {timeout} s later: {[err[-1500:] for _, err in results]}"
+    return results, max(ended.values()) - min(ended.values())
+
+
+def common_args(tmp_path, synthetic_h5) -> list[str]:
+    return ["--config", str(write_micro_preset(tmp_path)), "--train-h5", str(synthetic_h5[0]),
+            "--out-dir", str(tmp_path), "--run-name", "run", "--batch-size", "4", "--epochs", "1",
+            "--set", "train.max_steps_per_epoch=1", "--set", "dist.timeout_s=60"]
+
+
+def test_a_run_directory_that_holds_a_run_is_the_same_error_on_every_rank(tmp_path, synthetic_h5):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    args = common_args(tmp_path, synthetic_h5) + ["--device", "cpu"]
+    results, spread = hand_set_ranks(lambda rank: args)
+    expected = [f"error: {tmp_path / 'run'} already holds a run: pass --resume auto to continue it, "
+                "--overwrite to replace it, or choose another --run-name"]
+    for rc, err in results:
+        assert rc == 2 and "Traceback" not in err and message_lines(err) == expected, err[-2000:]
+    assert spread < 10
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_rank_that_fails_before_the_group_exists_ends_every_rank_with_its_error(tmp_path, synthetic_h5,
+                                                                                 failing):
+    # that rank's node has no GPU for its --device cuda: the other would wait dist.timeout_s
+    args = common_args(tmp_path, synthetic_h5)
+    results, spread = hand_set_ranks(lambda rank: args + ["--device", "cuda" if rank == failing else "cpu"])
+    error = "--device cuda: no CUDA GPU is visible here; use --device cpu"
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert message_lines(err) == [f"error: {'' if rank == failing else f'rank {failing}: '}{error}"]
+    assert spread < 10
+
+
+def test_bad_data_met_by_one_rank_mid_training_ends_every_rank_with_its_error(tmp_path, synthetic_h5):
+    args = common_args(tmp_path, synthetic_h5)[:-4] + ["--set", "train.max_steps_per_epoch=4",
+                                                        "--device", "cpu"]
+    results, spread = hand_set_ranks(lambda rank: args, script="tests/multiprocess_runs.py",
+                                     TEST_BAD_DATA="1:2")
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert message_lines(err)[-1] == f"error: {'rank 1: ' if rank == 0 else ''}{BAD_DATA_MESSAGE}"
+    assert spread < 10
+
+
+def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank_memory_mapped(tmp_path, synthetic_h5):
+    args = common_args(tmp_path, synthetic_h5)[:-4] + ["--set", "train.max_steps_per_epoch=2",
+                                                        "--set", "dist.timeout_s=30"]
+    train.main([*args, "--epochs", "2", "--save-every", "1", "--device", "cpu"])   # steps 2 and 4
+    # rank 1 sees epoch_1.pth as the newest file (a shared filesystem showing it an older state)
+    launch(tmp_path, "torch.distributed.run", [*args, "--epochs", "3", "--resume", "auto"],
+           TEST_STALE_VIEW="epoch_1.pth")
+    rank0, rank1 = dumps(tmp_path / "run")
+    assert len(rank0["steps"]) == len(rank1["steps"]) == 2          # both resumed at step 4
+    assert ranks_identical(rank0, rank1, bn_statistics=False)
+    for dump in (rank0, rank1):
+        checkpoints = [(name, mmap) for name, mmap in dump["loads"] if name.endswith(".pth")]
+        assert checkpoints and all(mmap for _, mmap in checkpoints), checkpoints
