@@ -14,6 +14,7 @@ AdamW: Adam's normalised step turns rounding noise in near-zero gradients into f
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -248,18 +249,24 @@ def test_ddp_zero_checkpoint_resumes_in_train_py(out_dir, single, ddp_sync):
     ddp_ckpt = load_checkpoint(ddp_sync[0] / "last.pth")
     assert len(ddp_ckpt["optimizer"]["state"]) == len(ddp_ckpt["model"]) - 3 * len(
         [k for k in ddp_ckpt["model"] if k.endswith("running_mean")])   # every parameter's momentum
-    train.main(["--resume", str(ddp_sync[0] / "last.pth"), "--epochs", "2", "--run-name", "resumed",
-                "--out-dir", str(out_dir), *NO_VALIDATION])
+    train.main(["--resume", str(copied_into(out_dir / "resumed", ddp_sync[0] / "last.pth")),
+                "--epochs", "2", "--out-dir", str(out_dir), *NO_VALIDATION])
     check_continued(out_dir / "resumed", single)
 
 
 def test_train_py_checkpoint_continues_under_ddp_with_2_processes(out_dir, single):
     launch(out_dir, "torch.distributed.run",
-           ["--resume", str(single / "epoch_1.pth"), "--epochs", "2", "--run-name", "continued",
+           ["--resume", str(copied_into(out_dir / "continued", single / "epoch_1.pth")), "--epochs", "2",
             "--out-dir", str(out_dir), "--sync-bn", *NO_VALIDATION])
     check_continued(out_dir / "continued", single)
     rank0, rank1 = dumps(out_dir / "continued")
     assert [s["lr"] for s in rank0["steps"]] == [s["lr"] for s in rank1["steps"]] == [LR_EPOCH_2] * 3
+
+
+def copied_into(run_dir: Path, checkpoint: Path) -> Path:
+    """`checkpoint` copied into a new run directory: `--resume` of the copy continues the run there."""
+    run_dir.mkdir()
+    return Path(shutil.copy(checkpoint, run_dir / checkpoint.name))
 
 
 def check_continued(run_dir: Path, single: Path) -> None:
