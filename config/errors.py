@@ -30,6 +30,11 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
+def os_reason(exc: OSError) -> str:
+    """What an operating-system error says, in lower case, for the middle of an error line."""
+    return (exc.strerror or str(exc)).lower()
+
+
 def run_cli(main, argv=None) -> int:
     """Call `main(argv)` and return the exit code: 0, or a `UserError`'s code after printing its
     message as one line on stderr (`error: ...`; a clean stop prints its message as is).

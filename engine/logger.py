@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from config.errors import UserError
+from config.errors import UserError, os_reason
 
 
 @contextlib.contextmanager
@@ -26,7 +26,7 @@ def writing(path: Path):
         yield
     except OSError as exc:
         kept = path.parent / "last.pth"
-        raise UserError(f"cannot write {path}: {(exc.strerror or str(exc)).lower()}"
+        raise UserError(f"cannot write {path}: {os_reason(exc)}"
                         + (f"; the last good checkpoint {kept} is intact" if kept.exists() else "")) from None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from config.errors import ConfigError, UserError
+from config.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
 from config.schema import Config
 from engine import distributed as dist
@@ -160,7 +160,7 @@ def save_resolved_config(cfg: Config, run_dir: Path) -> None:
         tmp.replace(run_dir / "config.yaml")
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {run_dir / 'config.yaml'}: {(exc.strerror or str(exc)).lower()}; "
+        raise UserError(f"cannot write {run_dir / 'config.yaml'}: {os_reason(exc)}; "
                           "choose a writable --out-dir with free space") from None
 
 
@@ -190,7 +190,7 @@ def _synthetic(folder: str):
         return ensure_synthetic_h5(folder)
     except OSError as exc:
         raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
-                          f"({(exc.strerror or str(exc)).lower()}); choose a writable folder") from None
+                          f"({os_reason(exc)}); choose a writable folder") from None
 
 
 def check_split(path: str, expected: str) -> None:
