@@ -1,71 +1,364 @@
-"""The skeleton of the method: 18 keypoints, 30 limbs, the 50 output channels and flip maps.
+"""The skeleton of a dataset: its keypoints, the limbs the network learns, flips, OKS sigmas, channels.
 
-Everything here is a fact of the method (see ../shared/SPEC.md, "Skeleton and output channels").
-Other modules take indices from here and never hard-code them.
+A `Skeleton` is a property of the data, not of the code: `data.make_hdf5` stores it in the HDF5
+file, the trainer copies it into every checkpoint, and everything downstream (targets, flips,
+loss weights, network heads, grouping, evaluation, drawing) reads it from there. It is written as
+a mapping (YAML file, HDF5 attribute, checkpoint entry):
+
+    name: crowdpose
+    keypoints: [left_shoulder, ...]      # the annotation JSON's keypoints, in its order
+    sigmas: [0.079, ...]                 # OKS sigma per keypoint of `keypoints` (or one number)
+    derived: {neck: [left_shoulder, right_shoulder]}   # optional: midpoints, labelled when both are
+    channels: [nose, neck, ...]          # optional: the network's keypoint order (default:
+                                         # `keypoints` then `derived`)
+    limbs: [[neck, head], ...]           # the method's main links (a tree; drawn)
+    redundant: [[head, left_shoulder], ...]   # extra links, learned and used by the grouping
+    flip: [[left_shoulder, right_shoulder], ...]   # optional: default from left/right in names
+
+Output channels: limbs, then keypoints (in `channels` order), then the person mask, then the max
+over the keypoint maps. Built-ins live in config/skeletons/NAME.yaml (`coco` is exactly the
+method's 18 keypoints, 30 limbs and 50 channels: files and checkpoints without a stored skeleton
+are COCO). Every problem with a skeleton is a `ConfigError` on one line naming its source.
 """
 from __future__ import annotations
 
-KEYPOINTS = (
-    "nose", "neck", "r_shoulder", "r_elbow", "r_wrist", "l_shoulder", "l_elbow", "l_wrist",
-    "r_hip", "r_knee", "r_ankle", "l_hip", "l_knee", "l_ankle", "r_eye", "l_eye", "r_ear", "l_ear",
-)
-NUM_KEYPOINTS = len(KEYPOINTS)  # 18
-NECK = 1
+import re
+from collections import deque
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
-# (from, to) keypoint indices; the last 9 are the redundant links.
-LIMBS = (
-    (1, 0), (1, 14), (1, 15), (1, 16), (1, 17), (0, 14), (0, 15), (14, 16), (15, 17),
-    (1, 2), (2, 3), (3, 4), (1, 5), (5, 6), (6, 7), (1, 8), (8, 9), (9, 10), (1, 11), (11, 12),
-    (12, 13),
-    (0, 2), (0, 5), (2, 8), (8, 12), (5, 11), (11, 9), (16, 2), (17, 5), (8, 11),
-)
-NUM_LIMBS = len(LIMBS)  # 30
+import numpy as np
+import yaml
 
-# Output channel layout: limbs, keypoints, person mask, max over keypoints.
-LIMB_CHANNELS = slice(0, NUM_LIMBS)                                  # 0-29
-KEYPOINT_CHANNELS = slice(NUM_LIMBS, NUM_LIMBS + NUM_KEYPOINTS)      # 30-47
-PERSON_MASK_CHANNEL = NUM_LIMBS + NUM_KEYPOINTS                      # 48
-KEYPOINT_MAX_CHANNEL = PERSON_MASK_CHANNEL + 1                       # 49
-NUM_CHANNELS = KEYPOINT_MAX_CHANNEL + 1                              # 50
+from config.errors import ConfigError
 
-# COCO's 17 keypoints, in COCO order, as indices into KEYPOINTS (the neck is ours).
-COCO_KEYPOINTS = (
-    "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder", "right_shoulder",
-    "left_elbow", "right_elbow", "left_wrist", "right_wrist", "left_hip", "right_hip",
-    "left_knee", "right_knee", "left_ankle", "right_ankle",
-)
-COCO_TO_OURS = (0, 15, 14, 17, 16, 5, 2, 6, 3, 7, 4, 11, 8, 12, 9, 13, 10)
-"""COCO_TO_OURS[c] = index in KEYPOINTS of COCO keypoint c."""
-SHOULDERS = (2, 5)
+BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
+DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
+_SIDES = {"left": "right", "right": "left", "l": "r", "r": "l"}
 
 
-def _mirror_name(name: str) -> str:
-    if name.startswith("r_"):
-        return "l_" + name[2:]
-    if name.startswith("l_"):
-        return "r_" + name[2:]
-    return name
+def mirror_name(name: str) -> str:
+    """`name` with left and right swapped (`left_eye` <-> `right_eye`, `l_knee` <-> `r_knee`)."""
+    parts = re.split(r"([_\-\s.]+)", name)
+    swapped = [_SIDES.get(p.lower(), p) if p.lower() in _SIDES else p for p in parts]
+    if swapped == parts:
+        lower = name.lower()
+        for side, other in (("left", "right"), ("right", "left")):
+            if lower.startswith(side) and len(name) > len(side) and name[len(side)].isupper():
+                return other + name[len(side):]      # leftEye <-> rightEye
+    return "".join(swapped)
 
 
-KEYPOINT_FLIP = tuple(KEYPOINTS.index(_mirror_name(k)) for k in KEYPOINTS)
-"""KEYPOINT_FLIP[k] = the keypoint that k becomes in a mirrored image."""
+@dataclass(frozen=True)
+class Skeleton:
+    """A checked skeleton; build it with `Skeleton.from_spec`, `builtin` or `load_skeleton`."""
+
+    name: str
+    keypoints: tuple           # network order (keypoint channels)
+    limbs: tuple               # (a, b) indices into `keypoints`: main links, then redundant
+    main_limbs: int            # how many of `limbs` are main links
+    flip: tuple                # flip[k]: the keypoint k becomes in a mirrored image
+    dataset_keypoints: tuple   # the annotations' keypoints, in their order
+    sigmas: tuple              # OKS sigma per dataset keypoint
+    derived: tuple             # (k, a, b): keypoint k is the midpoint of a and b
+
+    # -- channel layout -------------------------------------------------------------------------
+    @property
+    def num_keypoints(self) -> int:
+        return len(self.keypoints)
+
+    @property
+    def num_limbs(self) -> int:
+        return len(self.limbs)
+
+    @property
+    def limb_channels(self) -> slice:
+        return slice(0, self.num_limbs)
+
+    @property
+    def keypoint_channels(self) -> slice:
+        return slice(self.num_limbs, self.num_limbs + self.num_keypoints)
+
+    @property
+    def person_mask_channel(self) -> int:
+        return self.num_limbs + self.num_keypoints
+
+    @property
+    def keypoint_max_channel(self) -> int:
+        return self.person_mask_channel + 1
+
+    @property
+    def num_channels(self) -> int:
+        return self.keypoint_max_channel + 1
+
+    @cached_property
+    def dataset_index(self) -> tuple:
+        """dataset_index[c] = index in `keypoints` of the annotations' keypoint c."""
+        return tuple(self.keypoints.index(n) for n in self.dataset_keypoints)
+
+    @cached_property
+    def limb_flip(self) -> tuple:
+        """limb_flip[l] = the limb that l becomes in a mirrored image."""
+        index = {limb: i for i, limb in enumerate(self.limbs)}
+        index.update({(b, a): i for i, (a, b) in enumerate(self.limbs)})
+        return tuple(index[(self.flip[a], self.flip[b])] for a, b in self.limbs)
+
+    @cached_property
+    def channel_flip(self) -> tuple:
+        """Permutation of the output channels for a mirrored image: out_flipped[c] = out[flip[c]]."""
+        return (self.limb_flip + tuple(self.num_limbs + k for k in self.flip)
+                + (self.person_mask_channel, self.keypoint_max_channel))
+
+    def describe(self) -> str:
+        return (f"skeleton {self.name}: {self.num_keypoints} keypoints, {self.main_limbs} main + "
+                f"{self.num_limbs - self.main_limbs} redundant limbs, {self.num_channels} channels")
+
+    # -- annotations ----------------------------------------------------------------------------
+    def from_annotation(self, values) -> np.ndarray:
+        """An annotation's flat (x, y, v) list -> float32 [K, 3] in network order, derived added."""
+        given = np.asarray(values, np.float32).reshape(len(self.dataset_keypoints), 3)
+        ours = np.zeros((self.num_keypoints, 3), np.float32)
+        ours[list(self.dataset_index)] = given
+        for k, a, b in self.derived:
+            if ours[a, 2] > 0 and ours[b, 2] > 0:
+                ours[k, :2] = (ours[a, :2] + ours[b, :2]) / 2
+                ours[k, 2] = min(ours[a, 2], ours[b, 2])
+        return ours
+
+    def to_dataset_order(self, keypoints: np.ndarray) -> np.ndarray:
+        """[..., K, 3] in network order -> [..., dataset keypoints, 3] (derived ones dropped)."""
+        return keypoints[..., list(self.dataset_index), :]
+
+    # -- the written form -----------------------------------------------------------------------
+    def to_spec(self) -> dict:
+        names = self.keypoints
+        pairs = sorted({tuple(sorted((k, f))) for k, f in enumerate(self.flip) if f != k})
+        return {
+            "name": self.name, "keypoints": list(self.dataset_keypoints),
+            "sigmas": [float(s) for s in self.sigmas],
+            "derived": {names[k]: [names[a], names[b]] for k, a, b in self.derived},
+            "channels": list(names),
+            "limbs": [[names[a], names[b]] for a, b in self.limbs[:self.main_limbs]],
+            "redundant": [[names[a], names[b]] for a, b in self.limbs[self.main_limbs:]],
+            "flip": [[names[a], names[b]] for a, b in pairs],
+        }
+
+    @classmethod
+    def from_spec(cls, spec, source: str) -> "Skeleton":
+        """A checked skeleton from its mapping; `ConfigError` naming `source` when it is wrong."""
+        return _build(spec, source)
 
 
-def _limb_flip() -> tuple[int, ...]:
-    index = {limb: i for i, limb in enumerate(LIMBS)}
+def _fail(source: str, problem: str):
+    raise ConfigError(f"{source}: {problem}")
+
+
+def _names(value, what: str, source: str) -> list:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        _fail(source, f"{what} must be a list of keypoint names")
+    seen = set()
+    for name in value:
+        if name in seen:
+            _fail(source, f"keypoint {name!r} is listed twice in {what}")
+        seen.add(name)
+    return list(value)
+
+
+def _pairs(value, what: str, index: dict, source: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        _fail(source, f"{what} must be a list of [keypoint, keypoint] pairs")
     out = []
-    for a, b in LIMBS:
-        fa, fb = KEYPOINT_FLIP[a], KEYPOINT_FLIP[b]
-        out.append(index[(fa, fb)] if (fa, fb) in index else index[(fb, fa)])
-    return tuple(out)
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            _fail(source, f"{what}: {pair!r} is not a [keypoint, keypoint] pair")
+        for name in pair:
+            if name not in index:
+                _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "
+                      f"(keypoints: {', '.join(index)})")
+        if pair[0] == pair[1]:
+            _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
+        out.append((index[pair[0]], index[pair[1]]))
+    return out
 
 
-LIMB_FLIP = _limb_flip()
-"""LIMB_FLIP[l] = the limb that l becomes in a mirrored image."""
+def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
+    flip = list(range(len(names)))
+    if spec.get("flip") is None:                 # from the names: left_x <-> right_x
+        for k, name in enumerate(names):
+            flip[k] = index.get(mirror_name(name), k)
+        return flip
+    for a, b in _pairs(spec["flip"], "flip", index, source):
+        for k, other in ((a, b), (b, a)):
+            if flip[k] not in (k, other):
+                _fail(source, f"flip pairs are not symmetric: {names[k]!r} pairs with both "
+                      f"{names[flip[k]]!r} and {names[other]!r}")
+            flip[k] = other
+    return flip
 
-CHANNEL_FLIP = (
-    tuple(LIMB_FLIP)
-    + tuple(NUM_LIMBS + k for k in KEYPOINT_FLIP)
-    + (PERSON_MASK_CHANNEL, KEYPOINT_MAX_CHANNEL)
-)
-"""Permutation of the 50 output channels for a mirrored image: out_flipped[c] = out[CHANNEL_FLIP[c]]."""
+
+def _check_reachable(names: list, limbs: list, source: str) -> None:
+    links: dict = {k: [] for k in range(len(names))}
+    for a, b in limbs:
+        links[a].append(b)
+        links[b].append(a)
+    seen, todo = {0}, deque([0])
+    while todo:
+        for other in links[todo.popleft()]:
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    lost = [names[k] for k in range(len(names)) if k not in seen]
+    if lost:
+        _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
+              f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
+
+
+def _build(spec, source: str) -> Skeleton:
+    if not isinstance(spec, dict):
+        _fail(source, "a skeleton must be a mapping with keypoints and limbs")
+    unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
+                           "redundant", "flip"}
+    if unknown:
+        _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
+    dataset = _names(spec.get("keypoints") or [], "keypoints", source)
+    if not dataset:
+        _fail(source, "the skeleton has no keypoints")
+    derived_spec = spec.get("derived") or {}
+    if not isinstance(derived_spec, dict):
+        _fail(source, "derived must map a new keypoint to the [keypoint, keypoint] it is the middle of")
+    extra = [n for n in derived_spec if n not in dataset]
+    if len(extra) != len(derived_spec):
+        _fail(source, f"derived keypoint {next(n for n in derived_spec if n in dataset)!r} is "
+              "already a keypoint of the annotations")
+    names = _names(spec.get("channels") or dataset + extra, "channels", source)
+    if sorted(names) != sorted(dataset + extra):
+        _fail(source, "channels must list every keypoint and derived keypoint once "
+              f"({', '.join(dataset + extra)})")
+    index = {name: k for k, name in enumerate(names)}
+    derived = tuple((index[n], *_pairs([derived_spec[n]], f"derived {n}", index, source)[0])
+                    for n in extra)
+    main = _pairs(spec.get("limbs"), "limbs", index, source)
+    limbs = main + _pairs(spec.get("redundant"), "redundant", index, source)
+    if not main:
+        _fail(source, "the skeleton has no limbs (give limbs: [[keypoint, keypoint], ...])")
+    seen: set = set()
+    for a, b in limbs:
+        if (a, b) in seen or (b, a) in seen:
+            _fail(source, f"limb {[names[a], names[b]]} is listed twice")
+        seen.add((a, b))
+    _check_reachable(names, limbs, source)
+    flip = _flip_of(spec, names, index, source)
+    for a, b in limbs:
+        if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
+            _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
+                  f"{[names[flip[a]], names[flip[b]]]} (add it, or fix the flip pairs)")
+    sigmas = spec.get("sigmas", DEFAULT_SIGMA)
+    sigmas = [sigmas] * len(dataset) if isinstance(sigmas, (int, float)) else sigmas
+    if (not isinstance(sigmas, (list, tuple)) or len(sigmas) != len(dataset)
+            or not all(isinstance(s, (int, float)) and s > 0 for s in sigmas)):
+        _fail(source, f"sigmas must be one positive number or {len(dataset)} of them (one per keypoint)")
+    return Skeleton(name=str(spec.get("name") or "custom"), keypoints=tuple(names),
+                    limbs=tuple(limbs), main_limbs=len(main), flip=tuple(flip),
+                    dataset_keypoints=tuple(dataset), sigmas=tuple(float(s) for s in sigmas),
+                    derived=derived)
+
+
+# -- where skeletons come from ---------------------------------------------------------------------
+def builtin_names() -> list:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path, source: str):
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as exc:
+        _fail(source, f"cannot be read ({exc.strerror})")
+    except yaml.YAMLError as exc:
+        _fail(source, f"malformed YAML ({' '.join(str(exc).split())})")
+
+
+_BUILTINS: dict = {}
+
+
+def builtin(name: str) -> Skeleton:
+    """The built-in skeleton `name` (config/skeletons/NAME.yaml)."""
+    if name not in _BUILTINS:
+        path = BUILTIN_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"unknown skeleton {name!r}: choose one of "
+                              f"{', '.join(builtin_names())} or give a path to a YAML file")
+        _BUILTINS[name] = Skeleton.from_spec(_read_yaml(path, str(path)), str(path))
+    return _BUILTINS[name]
+
+
+def load_skeleton(name_or_path: str, option: str = "--skeleton") -> Skeleton:
+    """A built-in by name, or a skeleton YAML file."""
+    path = Path(name_or_path)
+    if not name_or_path.endswith((".yaml", ".yml")) and "/" not in name_or_path:
+        return builtin(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"{option} {path}: no such skeleton file")
+    return Skeleton.from_spec(_read_yaml(path, f"{option} {path}"), f"{option} {path}")
+
+
+def matching_builtin(dataset_keypoints) -> Skeleton | None:
+    """The built-in whose annotation keypoints are exactly these, in this order."""
+    for name in builtin_names():
+        if builtin(name).dataset_keypoints == tuple(dataset_keypoints):
+            return builtin(name)
+    return None
+
+
+def from_checkpoint(state) -> Skeleton:
+    """The skeleton a checkpoint (or its loaded dict) was trained on; COCO when it names none."""
+    spec = state.get("skeleton") if isinstance(state, dict) else None
+    return Skeleton.from_spec(spec, "the checkpoint's skeleton") if spec else builtin("coco")
+
+
+def infer_from_category(category: dict, source: str) -> tuple[Skeleton, str]:
+    """(skeleton, what was inferred) from a COCO category's `keypoints` and 1-based `skeleton` links.
+
+    The main limbs are a breadth-first tree from the best-linked keypoint, the other links are
+    redundant; flip pairs come from left/right in the names; every sigma is DEFAULT_SIGMA.
+    """
+    names = category.get("keypoints") or []
+    links = category.get("skeleton") or []
+    if not names:
+        _fail(source, f"the {category.get('name', '?')!r} category lists no keypoint names")
+    known = matching_builtin(names)
+    if known is not None:
+        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
+    if not links:
+        _fail(source, f"the {category.get('name')!r} category has no skeleton links to learn; give "
+              "--skeleton FILE.yaml")
+    pairs = []
+    for link in links:
+        if (not isinstance(link, (list, tuple)) or len(link) != 2
+                or not all(isinstance(i, int) and 1 <= i <= len(names) for i in link)):
+            _fail(source, f"skeleton link {link!r} is not a pair of keypoint numbers 1-{len(names)}")
+        pairs.append((link[0] - 1, link[1] - 1))
+    degree = np.bincount(np.array(pairs).reshape(-1), minlength=len(names))
+    root = int(np.argmax(degree))
+    main, reached, todo = [], {root}, deque([root])
+    while todo:
+        here = todo.popleft()
+        for a, b in pairs:
+            other = b if a == here else a if b == here else None
+            if other is not None and other not in reached:
+                reached.add(other)
+                todo.append(other)
+                main.append((here, other))
+    redundant = [p for p in pairs if p not in main and p[::-1] not in main]
+    spec = {"name": category.get("name") or "custom", "keypoints": list(names),
+            "channels": [names[root]] + [n for k, n in enumerate(names) if k != root],
+            "limbs": [[names[a], names[b]] for a, b in main],
+            "redundant": [[names[a], names[b]] for a, b in redundant]}
+    skeleton = Skeleton.from_spec(spec, source)
+    flips = [f"{skeleton.keypoints[k]}/{skeleton.keypoints[f]}"
+             for k, f in enumerate(skeleton.flip) if k < f]
+    return skeleton, (f"{skeleton.describe()} inferred from the JSON (main limbs: a tree from "
+                      f"{names[root]}); flip pairs {', '.join(flips) or 'none'}; OKS sigma "
+                      f"{DEFAULT_SIGMA} for every keypoint (give --skeleton FILE.yaml to choose)")
