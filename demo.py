@@ -7,12 +7,12 @@
     python demo.py --weights best.pth --camera 0          # live window; q or Esc ends it
     python demo.py --weights pose.onnx --image photo.jpg  # a network exported by export.py
 
-Each person's limbs and keypoints are drawn in its own colour; `--heatmaps` adds a side panel of
-the summed keypoint and limb maps. For pictures: one line per person (score, keypoints found) and
-one per picture; a folder is read without its subfolders, each NAME.EXT written as
-OUT/NAME_pose.png. A video (any format OpenCV reads) is written at its own frame rate (.mp4 or
-.avi; an existing file is never overwritten) with a progress bar; videos and the camera end with
-the frames/s achieved. The work goes through `inference.PoseEstimator`.
+Each person's limbs and keypoints (the checkpoint's skeleton) are drawn in its own colour;
+`--heatmaps` adds a side panel of the summed keypoint and limb maps. For pictures: one line per
+person (score, keypoints found) and one per picture; a folder is read without its subfolders, each
+NAME.EXT written as OUT/NAME_pose.png. A video (any format OpenCV reads) is written at its own
+frame rate (.mp4 or .avi; an existing file is never overwritten) with a progress bar; videos and
+the camera end with the frames/s achieved. The work goes through `inference.PoseEstimator`.
 """
 from __future__ import annotations
 
@@ -77,12 +77,12 @@ def pictures_to_draw(image: str, out: str | None) -> list[tuple[Path, Path]]:
     return [(source, check_picture_path(target))]     # refused before the model is loaded
 
 
-def annotated(picture: np.ndarray, prediction, heatmaps: bool) -> np.ndarray:
+def annotated(picture: np.ndarray, prediction, heatmaps: bool, skeleton) -> np.ndarray:
     """The picture with its people drawn, and the maps panel beside it with `heatmaps`."""
     from inference.draw import draw_people, maps_panel
 
-    drawn = draw_people(picture, [person.keypoints for person in prediction.people])
-    return np.hstack([drawn, maps_panel(picture, prediction.maps)]) if heatmaps else drawn
+    drawn = draw_people(picture, [person.keypoints for person in prediction.people], skeleton)
+    return np.hstack([drawn, maps_panel(picture, prediction.maps, skeleton)]) if heatmaps else drawn
 
 
 def with_predictions(estimator, pictures):
@@ -112,7 +112,7 @@ def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
     written = []
     for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
                                                                                 read_pictures(pairs))):
-        written.append(write_image(target, annotated(picture, prediction, heatmaps)))
+        written.append(write_image(target, annotated(picture, prediction, heatmaps, estimator.skeleton)))
         for k, person in enumerate(prediction.people):
             found = int((person.keypoints[:, 2] > 0).sum())
             print(f"person {k}: score {person.score:.3f}, {found} keypoints")
@@ -134,7 +134,7 @@ def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmap
             tqdm(total=frames_total or None, desc="video", unit="frame", dynamic_ncols=True,
                  disable=target is None) as bar:
         for picture, prediction in with_predictions(estimator, frames(*opened)):
-            out.write(annotated(picture, prediction, heatmaps))
+            out.write(annotated(picture, prediction, heatmaps, estimator.skeleton))
             count += 1
             bar.update()
             if out.closed:

@@ -107,8 +107,9 @@ def _on_rank0(work, rank: int):
     return outcome
 
 
-def _converted_h5(args, rank: int) -> tuple[str, str | None]:
-    """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
+def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
+    """(h5 path, temp dir to remove): rank 0 converts --ann/--images once (people in `skeleton`,
+    the model's; None: as the JSON says), the others wait."""
     from engine.distributed import barrier
 
     if args.h5:
@@ -120,7 +121,7 @@ def _converted_h5(args, rank: int) -> tuple[str, str | None]:
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
             convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
-                    progress=not args.no_progress, max_images=args.max_images)
+                    progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton)
         except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -145,7 +146,6 @@ def run(args) -> dict:
         out = _results_path(args, args.ann or args.h5)
         refuse_output_as_input("--out", out, {"--weights": args.weights, "--h5": args.h5, "--ann": args.ann})
         _on_rank0(lambda: _check_writable(out), ctx.rank)
-        h5_path, temp_dir = _converted_h5(args, ctx.rank)
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
                                                 scales=args.scales, flip=args.flip)
@@ -153,9 +153,12 @@ def run(args) -> dict:
             model = getattr(network, "model", network)     # evaluate_h5 sets a model's eval mode
         else:
             model, cfg = None, inference_config(None, args.preset or "", args.set, args.scales, args.flip)
+        skeleton = model.skeleton if model is not None else None
+        h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, cfg, ctx.device, max_images=args.max_images,
-                            progress=not args.no_progress, oracle=args.oracle, results_path=out)
+                            progress=not args.no_progress, oracle=args.oracle, results_path=out,
+                            skeleton=skeleton)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("ground-truth maps at each image's size (oracle)" if args.oracle else

@@ -77,8 +77,8 @@ def check_pictures(folder) -> list[Path]:
 def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
     """The network as ONNX at `path` with dynamic batch and size, the config in its metadata."""
     from config.loader import to_dict
-    from inference.loading import skeleton_of
-    from inference.onnx_network import CONFIG_KEY, INPUT_NAME, KEYPOINTS_KEY, OUTPUT_NAME, need
+    from inference.onnx_network import (CONFIG_KEY, INPUT_NAME, KEYPOINTS_KEY, OUTPUT_NAME,
+                                        SKELETON_KEY, need)
 
     onnx = need("onnx")
     network = LastStackMaps(model).eval()        # export restores this mode afterwards
@@ -91,7 +91,8 @@ def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
                                         OUTPUT_NAME: {0: "batch", 2: "height_4", 3: "width_4"}})
     graph = onnx.load(str(path))
     for key, value in ((CONFIG_KEY, json.dumps(to_dict(cfg))),
-                       (KEYPOINTS_KEY, json.dumps(list(skeleton_of(cfg).keypoints)))):
+                       (KEYPOINTS_KEY, json.dumps(list(model.skeleton.keypoints))),
+                       (SKELETON_KEY, json.dumps(model.skeleton.to_spec()))):
         graph.metadata_props.add(key=key, value=value)
     onnx.save(graph, str(path))
 

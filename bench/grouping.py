@@ -30,11 +30,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from config.schema import InferenceConfig, TargetConfig  # noqa: E402
-from config.skeleton import NUM_CHANNELS  # noqa: E402
-from data.make_hdf5 import to_skeleton  # noqa: E402
+from config.skeleton import builtin  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 
+COCO = builtin("coco")
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4" / "test_coco.json"
 TARGET_MS_5_PEOPLE = 20.0
 TARGET_MS_NOISE = {"blurred": 150.0, "pure": 400.0}
@@ -45,7 +45,7 @@ def load_poses(path: Path) -> list[np.ndarray]:
     poses = []
     for ann in json.loads(path.read_text())["annotations"]:
         if ann["num_keypoints"] >= 10:
-            pose = to_skeleton(ann["keypoints"])
+            pose = COCO.from_annotation(ann["keypoints"])
             seen = pose[:, 2] > 0
             pose[seen, :2] -= pose[seen, :2].min(0)
             poses.append(pose)
@@ -70,8 +70,8 @@ def compose(poses, count: int, height: int, width: int, rng) -> np.ndarray:
 def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
     """[50, H, W] maps of an untrained network: "blurred" or "pure" noise (see the module doc)."""
     if kind == "pure":
-        return rng.random((NUM_CHANNELS, height, width), dtype=np.float32)
-    maps = (rng.random((NUM_CHANNELS, height, width)) * 0.3).astype(np.float32)
+        return rng.random((COCO.num_channels, height, width), dtype=np.float32)
+    maps = (rng.random((COCO.num_channels, height, width)) * 0.3).astype(np.float32)
     return np.stack([cv2.GaussianBlur(m, (0, 0), 2) for m in maps]) * 3
 
 
@@ -80,9 +80,9 @@ def time_grouping(make_maps, reps: int, cfg: InferenceConfig) -> dict:
     times, found = [], []
     for _ in range(reps):
         maps = make_maps()
-        group_people(maps, cfg)                         # warm caches
+        group_people(maps, cfg, COCO)                   # warm caches
         start = time.perf_counter()
-        keypoints, _ = group_people(maps, cfg)
+        keypoints, _ = group_people(maps, cfg, COCO)
         times.append((time.perf_counter() - start) * 1e3)
         found.append(len(keypoints))
     return {"median_ms": round(float(np.median(times)), 2),
@@ -94,7 +94,7 @@ def pool_ms_per_image(maps: list, threads: int, cfg: InferenceConfig) -> float:
     """Wall ms per image of grouping `maps` in a pool of `threads`, as evaluation does."""
     with ThreadPoolExecutor(threads) as pool:
         start = time.perf_counter()
-        list(pool.map(lambda m: group_people(m, cfg), maps))
+        list(pool.map(lambda m: group_people(m, cfg, COCO), maps))
         return round((time.perf_counter() - start) * 1e3 / len(maps), 2)
 
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
     for count in args.people:
         row = time_grouping(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
-                                                   1, targets), args.reps, cfg)
+                                                   1, targets, COCO), args.reps, cfg)
         report[str(count)] = row
         print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     for kind in ("blurred", "pure") if args.noise else ():

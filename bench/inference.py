@@ -28,12 +28,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
-from data.make_hdf5 import to_skeleton  # noqa: E402
+from config.skeleton import builtin  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 from inference.loading import pick_device  # noqa: E402
 
+COCO = builtin("coco")      # coco4's people; a model without --weights is built for them
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
@@ -43,9 +44,10 @@ def coco4_pictures_and_truth(cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
     pictures, truths = [], []
     for info in data["images"]:
         pictures.append(cv2.imread(str(COCO4 / info["file_name"])))
-        people = [to_skeleton(a["keypoints"]) for a in data["annotations"]
+        people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, cfg.targets))
+        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, cfg.targets,
+                                     COCO))
     return pictures, truths
 
 
@@ -59,7 +61,7 @@ def build_estimator(args) -> PoseEstimator:
     from models import build_model
 
     cfg = build_config(args.preset, sets=sets)
-    return PoseEstimator(build_model(cfg.model).to(pick_device(args.device)).eval(), cfg)
+    return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(), cfg)
 
 
 def synchronise(device: torch.device) -> None:
@@ -78,7 +80,7 @@ def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict
     network_s = time.perf_counter() - start
     to_group = truths if truths is not None else maps
     start = time.perf_counter()
-    found = [len(group_people(m, inference_cfg)[1]) for m in to_group]
+    found = [len(group_people(m, inference_cfg, estimator.skeleton)[1]) for m in to_group]
     grouping_s = time.perf_counter() - start
 
     def network_then_maps():
@@ -87,7 +89,7 @@ def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict
             yield from (truths[lo: lo + batch_size] if truths is not None else computed)
 
     start = time.perf_counter()
-    for _ in grouped_in_pool(network_then_maps(), inference_cfg):
+    for _ in grouped_in_pool(network_then_maps(), inference_cfg, estimator.skeleton):
         pass
     both_s = time.perf_counter() - start
     n = len(pictures)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loader import build_config  # noqa: E402
-from config.skeleton import NUM_CHANNELS  # noqa: E402
+from config.skeleton import builtin  # noqa: E402
 from models import FocalL2Loss, build_model  # noqa: E402
 
 CUDA_MODES = {   # name: (autocast dtype or None, channels_last)
@@ -63,13 +63,14 @@ def bench_model(preset: str, device: torch.device, batch: int, size: int, dtype,
     """Seconds per image of forward and of a training step, and the step's peak memory (CUDA)."""
     cfg = build_config(preset)
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(device)
-    loss_fn = FocalL2Loss(cfg.loss).to(device)
+    coco = builtin("coco")
+    model = build_model(cfg.model, coco).to(device)
+    loss_fn = FocalL2Loss(cfg.loss, coco).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=0.9)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
     images = torch.rand(batch, 3, size, size, device=device).to(memory_format=memory_format)
-    target = torch.rand(batch, NUM_CHANNELS, size // 4, size // 4, device=device)
+    target = torch.rand(batch, coco.num_channels, size // 4, size // 4, device=device)
     mask = torch.ones(batch, 1, size // 4, size // 4, device=device)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_data import make_bench_h5            # noqa: E402
 from config import build_config                        # noqa: E402
+from config.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
 from engine.trainer import Launch, Trainer             # noqa: E402
 from models import build_model                         # noqa: E402
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     if args.configs:
         configs = [c for c in CONFIGS if c[0] in args.configs]
     both = {"off": [False], "on": [True], "both": [False, True]}
-    macs, _ = count_macs(build_model(build_config(args.preset).model), args.input)
+    macs, _ = count_macs(build_model(build_config(args.preset).model, builtin("coco")), args.input)
     flops_per_image = 3 * 2 * macs              # forward + backward (2x forward)
     # the bf16 matmul peak is a GPU figure: a CPU without native bf16 emulates it, so no share there
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None

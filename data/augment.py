@@ -4,7 +4,7 @@ The affine maps image pixels to network-input pixels (pixel centres at integer c
 puts the main person's box centre at the input centre, scaled so the box height is
 `person_height` x input size, then applies the random scale, rotation, shift and mirror. The same
 matrix moves the image, the masks (straight to the stride-4 output grid) and the joints; a mirror
-also swaps left and right keypoints (`config.skeleton.KEYPOINT_FLIP`), which swaps the limbs.
+also swaps left and right keypoints (the skeleton's `flip`), which swaps the limbs.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import cv2
 import numpy as np
 
 from config.schema import AugmentConfig
-from config.skeleton import KEYPOINT_FLIP
 from data.preprocess import GREY
 
 
@@ -83,19 +82,20 @@ def from_reduced(matrix: np.ndarray, reduce: int) -> np.ndarray:
     return matrix @ up
 
 
-def transform_people(people: np.ndarray, matrix: np.ndarray, flip: bool) -> np.ndarray:
-    """People [P,18,3] moved by `matrix`; with `flip`, left and right keypoints swap places."""
+def transform_people(people: np.ndarray, matrix: np.ndarray, flip=None) -> np.ndarray:
+    """People [P,K,3] moved by `matrix`; with `flip` (a skeleton's `flip` permutation, given
+    when the matrix mirrors), left and right keypoints swap places."""
     out = people.copy()
     out[..., :2] = people[..., :2] @ matrix[:, :2].T + matrix[:, 2]
     if flip:
-        out = out[:, list(KEYPOINT_FLIP)]
+        out = out[:, list(flip)]
     return out
 
 
-def flip_people(people: np.ndarray, width: int) -> np.ndarray:
-    """Mirror people [P,18,3] in an image `width` pixels wide, swapping left and right."""
+def flip_people(people: np.ndarray, width: int, flip) -> np.ndarray:
+    """Mirror people [P,K,3] in an image `width` pixels wide, swapping left and right (`flip`)."""
     matrix = np.array([[-1.0, 0.0, width - 1.0], [0.0, 1.0, 0.0]])
-    return transform_people(people, matrix, flip=True)
+    return transform_people(people, matrix, flip)
 
 
 def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:

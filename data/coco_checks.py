@@ -113,8 +113,9 @@ def _segmentation_problem(seg, info: dict) -> str | None:
     return f"segmentation {_short(seg)} is neither polygons nor RLE"
 
 
-def annotation_problem(ann, info: dict) -> str | None:
-    """What is wrong with one person annotation of image `info` (None: nothing)."""
+def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
+    """What is wrong with one person annotation of image `info` with `keypoints` (x, y, v) triples
+    (None: nothing)."""
     if not isinstance(ann, dict):
         return f"an entry of annotations is a {type(ann).__name__}, not an object"
     where = f"annotation {ann.get('id')!r} (image {info['id']})"
@@ -128,16 +129,17 @@ def annotation_problem(ann, info: dict) -> str | None:
     if problem is None and not (is_number(ann.get("area")) and ann["area"] >= 0):
         problem = f"area {_short(ann.get('area'))} is not a finite number >= 0"
     if problem is None and (not crowd or "keypoints" in ann):
-        problem = _keypoints_problem(ann, info)
+        problem = _keypoints_problem(ann, info, keypoints)
     problem = problem or _segmentation_problem(ann.get("segmentation"), info)
     return f"{where}: {problem}" if problem else None
 
 
-def _keypoints_problem(ann: dict, info: dict) -> str | None:
-    problem = _numbers(ann.get("keypoints"), 51, "keypoints")
+def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
+    values = 3 * keypoints
+    problem = _numbers(ann.get("keypoints"), values, "keypoints")
     if problem:
-        return problem.replace("list of 51 numbers", "list of 51 numbers (17 x, y, v)")
-    points = np.asarray(ann["keypoints"], np.float64).reshape(17, 3)
+        return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
+    points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
     margin_x, margin_y = KEYPOINT_MARGIN * width, KEYPOINT_MARGIN * height
     bad_v = (points[:, 2] != 0) & (points[:, 2] != 1) & (points[:, 2] != 2)
@@ -167,8 +169,9 @@ class Selection:
 
 
 def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_path: Path,
-                 error) -> Selection:
-    """Check every image and person annotation of `data`; a problem raises `error(message)`, or
+                 error, keypoints: int = 17) -> Selection:
+    """Check every image and person annotation of `data` (`keypoints` per person: the skeleton's
+    annotated ones); a problem raises `error(message)`, or
     with `skip_bad` drops the image it concerns (a person left out would be trained as background)
     and is listed in `rejected`."""
     out = Selection()
@@ -204,7 +207,7 @@ def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_
             if image_id is None or image_id not in bad_ids:
                 reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}")
             continue
-        problem = (annotation_problem(ann, good[image_id]) if isinstance(ann, dict)
+        problem = (annotation_problem(ann, good[image_id], keypoints) if isinstance(ann, dict)
                    else f"an entry of annotations is a {type(ann).__name__}, not an object")
         if problem is None and ann["id"] in ann_ids:
             problem = f"annotation id {ann['id']} appears twice in annotations"
@@ -216,7 +219,7 @@ def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_
             reject("image with a bad annotation", problem)
             continue
         ann_ids.add(ann["id"])
-        ann.setdefault("keypoints", [0] * 51)               # a crowd region without: COCOeval reads them
+        ann.setdefault("keypoints", [0] * 3 * keypoints)   # a crowd region without: COCOeval reads them
         ann.setdefault("num_keypoints", 0 if ann.get("iscrowd", 0)
                        else sum(1 for v in ann["keypoints"][2::3] if v))
         by_image[image_id].append(ann)

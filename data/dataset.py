@@ -2,7 +2,8 @@
 
 `KeypointDataset(h5_path, cfg, train, rank)[i]` returns
     image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = cfg.data.input_size
-    target float32 [50, S/4, S/4] the maps of `data.targets.render_targets`
+    target float32 [C, S/4, S/4] the maps of `data.targets.render_targets` (C: the file's
+                                 skeleton's channels, 50 for COCO)
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
 With train=True (and cfg.augment.enabled) each sample gets the random affine and colour tint of
 `data.augment`, drawn from a generator seeded by (cfg.train.seed, epoch, rank, index): the same
@@ -71,6 +72,7 @@ class KeypointDataset(Dataset):
 
     def __init__(self, h5_path, cfg: Config, train: bool, rank: int = 0):
         self.h5 = KeypointH5(h5_path).open()
+        self.skeleton = self.h5.skeleton
         self.cfg = cfg
         self.train = train
         self.rank = int(rank)
@@ -125,10 +127,10 @@ class KeypointDataset(Dataset):
             image = tint(image, params)
         grid = to_grid(matrix, self.stride)
         ignore, person_mask = warp_masks(mask_planes, grid, self.out_size)
-        people = transform_people(people, matrix, params.flip)
+        people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
         clock.lap("augment")
         target = render_targets(people, self.out_size, self.out_size, self.stride,
-                                self.cfg.targets, person_mask)
+                                self.cfg.targets, self.skeleton, person_mask)
         clock.lap("targets")
         return {"image": image, "people": people, "target": target, "mask": 1.0 - ignore,
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}

@@ -3,7 +3,8 @@
 One file holds one split ("train" or "val") of a COCO-format person-keypoint set, written by
 `data.make_hdf5`. Layout (all arrays indexed by image unless said otherwise):
 
-    attrs: format = FORMAT_MARKER, version = FORMAT_VERSION, split, categories (JSON), source
+    attrs: format = FORMAT_MARKER, version = FORMAT_VERSION, split, categories (JSON), source,
+           skeleton (JSON of `config.skeleton.Skeleton.to_spec`; absent in older files: COCO)
     images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG), never re-encoded
     images/id           int64        COCO image id
     images/file_name    vlen str
@@ -12,7 +13,7 @@ One file holds one split ("train" or "val") of a COCO-format person-keypoint set
     images/annotations  vlen str     JSON list of the image's COCO annotations (no segmentation)
     images/masks        vlen uint8   run-length codes of the ignore and person masks
                                      (`encode_masks`; empty = both masks empty)
-    people/keypoints    float32 [P,18,3]  x, y, v in image pixels, our 18-keypoint order
+    people/keypoints    float32 [P,K,3]   x, y, v in image pixels, the skeleton's keypoint order
     people/box          float32 [P,4]     COCO bbox x, y, w, h
     samples             int64 [S,2]  (image index, person index within the image)
 
@@ -31,7 +32,8 @@ import h5py
 import numpy as np
 
 from config.errors import DataError
-from config.skeleton import NUM_KEYPOINTS
+from config.errors import ConfigError
+from config.skeleton import Skeleton, builtin
 
 FORMAT_MARKER = "simplepose-keypoints"
 FORMAT_VERSION = 1
@@ -179,6 +181,7 @@ class KeypointH5:
                     "samples": f["samples"][:],
                     "keypoints": f["people/keypoints"][:],
                     "boxes": f["people/box"][:],
+                    "skeleton": self._read_skeleton(f),
                 }
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise DataError(f"{self.path}: damaged keypoint dataset ({exc}); convert it again "
@@ -189,6 +192,16 @@ class KeypointH5:
                 raise DataError(f"{self.path}: damaged keypoint dataset ({problem}); convert it again "
                                 "with python -m data.make_hdf5")
         return self._meta
+
+    def _read_skeleton(self, f: h5py.File) -> Skeleton:
+        text = f.attrs.get("skeleton")
+        if text is None:
+            return builtin("coco")        # written before skeletons were stored: COCO persons
+        try:
+            return Skeleton.from_spec(json.loads(_text(text)), f"{self.path} (its stored skeleton)")
+        except (ValueError, ConfigError) as exc:
+            raise DataError(f"{self.path}: damaged stored skeleton ({exc}); convert it again "
+                            "with python -m data.make_hdf5") from None
 
     def open(self) -> "KeypointH5":
         """Open and check the file now (raises `DataError`); returns self."""
@@ -205,6 +218,16 @@ class KeypointH5:
     @property
     def split(self) -> str:
         return self._load_meta()["split"]
+
+    @property
+    def skeleton(self) -> Skeleton:
+        """The skeleton of the file's people (COCO for files written before it was stored)."""
+        return self._load_meta()["skeleton"]
+
+    @property
+    def category_id(self) -> int:
+        """The id of the annotated category (its results must carry it)."""
+        return int(self._load_meta()["categories"][0].get("id", 1))
 
     @property
     def num_images(self) -> int:
@@ -273,10 +296,10 @@ class KeypointH5:
             return decode_mask_planes(self._dataset("images/masks")[img], height, width)
 
     def people(self, img: int) -> np.ndarray:
-        """float32 [P,18,3]: (x, y, v) per keypoint of the image's people with keypoints."""
+        """float32 [P,K,3]: (x, y, v) per skeleton keypoint of the image's people with keypoints."""
         start, count = self._load_meta()["people"][img]
         if count == 0:
-            return np.zeros((0, NUM_KEYPOINTS, 3), np.float32)
+            return np.zeros((0, self.skeleton.num_keypoints, 3), np.float32)
         return self._load_meta()["keypoints"][start:start + count].copy()
 
     def person_boxes(self, img: int) -> np.ndarray:
@@ -326,7 +349,7 @@ def _meta_problem(meta: dict, per_image: dict) -> str | None:
         return "categories is not a JSON list"
     shapes = {"images/id": (ids.shape, (n,)), "images/size": (sizes.shape, (n, 2)),
               "images/people": (people.shape, (n, 2)), "samples": (samples.shape, (len(samples), 2)),
-              "people/keypoints": (meta["keypoints"].shape, (p, NUM_KEYPOINTS, 3)),
+              "people/keypoints": (meta["keypoints"].shape, (p, meta["skeleton"].num_keypoints, 3)),
               "people/box": (meta["boxes"].shape, (p, 4))}
     for name, (shape, expected) in shapes.items():
         if tuple(shape) != expected:

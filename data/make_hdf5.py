@@ -1,7 +1,11 @@
 """Convert a COCO person-keypoint split (JSON + image folder) into the project's HDF5 file.
 
     python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
-        --out coco_train.h5 [--split train|val] [--skip-bad]
+        --out coco_train.h5 [--split train|val] [--skip-bad] [--skeleton NAME|FILE.yaml]
+
+The skeleton (`config.skeleton`) is `--skeleton`'s, else the built-in whose keypoints the JSON's
+category lists, else one inferred from the category's `keypoints` and `skeleton` links (what was
+inferred is printed); it is stored in the file, and everything downstream reads it from there.
 
 Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
 "main person" rule of SPEC. The file is written under a temporary name and renamed at the end.
@@ -28,7 +32,7 @@ from tqdm import tqdm
 
 from config.errors import DataError, run_cli
 from config.paths import refuse_output_as_input
-from config.skeleton import COCO_TO_OURS, NECK, NUM_KEYPOINTS, SHOULDERS
+from config.skeleton import Skeleton, infer_from_category, load_skeleton
 from data.coco_checks import Selection, select_valid
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
@@ -40,9 +44,35 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 
 # -- reading the COCO JSON -------------------------------------------------------------------------
-def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False) -> tuple[dict, Selection]:
-    """(person category, the images and annotations that pass every check of `data.coco_checks`)
-    or `DataError`; with `skip_bad` the selection lists what was left out."""
+def _keypoint_category(data: dict, ann_path: Path) -> dict:
+    """The category annotated with keypoints: `person`, else the only one listing keypoints."""
+    persons = [c for c in data["categories"] if c.get("name") == "person"]
+    if not persons:
+        persons = [c for c in data["categories"] if c.get("keypoints")]
+        if len(persons) != 1:
+            raise DataError(f"{ann_path}: no 'person' category among the categories, and "
+                            f"{len(persons)} categories list keypoints (one is needed)")
+    return persons[0]
+
+
+def choose_skeleton(category: dict, ann_path: Path, skeleton: Skeleton | None) -> tuple[Skeleton, str]:
+    """(the skeleton of the file, a line saying where it came from) or `DataError`."""
+    names = category.get("keypoints") or []
+    if skeleton is None:
+        return infer_from_category(category, str(ann_path))
+    if names and tuple(names) != skeleton.dataset_keypoints:
+        raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
+                        f"({', '.join(names[:4])}, ...: {len(names)}) are not those of skeleton "
+                        f"{skeleton.name} ({', '.join(skeleton.dataset_keypoints[:4])}, ...: "
+                        f"{len(skeleton.dataset_keypoints)}), in the same order")
+    return skeleton, f"{skeleton.describe()} (given by --skeleton)"
+
+
+def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
+              skeleton: Skeleton | None = None) -> tuple[dict, Selection, Skeleton, str]:
+    """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
+    skeleton, where the skeleton came from) or `DataError`; with `skip_bad` the selection lists
+    what was left out; `skeleton` None: the built-in the category names, or one inferred from it."""
     try:
         data = json.loads(Path(ann_path).read_text())
     except FileNotFoundError:
@@ -57,14 +87,26 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False) -> tuple
         raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
     if not isinstance(data["categories"], list):
         raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
-    persons = [c for c in data["categories"] if isinstance(c, dict) and c.get("name") == "person"]
-    if not persons:
-        raise DataError(f"{ann_path}: no 'person' category among the categories")
-    category = persons[0]
-    if len(category.get("keypoints", [])) != 17:
-        raise DataError(f"{ann_path}: the person category has {len(category.get('keypoints', []))} "
-                        "keypoint names, expected COCO's 17")
-    return category, select_valid(data, category.get("id"), images_dir, skip_bad, ann_path, DataError)
+    category = _keypoint_category(data, ann_path)
+    skeleton, origin = choose_skeleton(category, ann_path, skeleton)
+    if isinstance(data["annotations"], list):
+        data["annotations"] = [_with_eval_fields(a) if isinstance(a, dict) else a
+                               for a in data["annotations"]]
+    selection = select_valid(data, category.get("id"), images_dir, skip_bad, ann_path, DataError,
+                             len(skeleton.dataset_keypoints))
+    return category, selection, skeleton, origin
+
+
+def _with_eval_fields(ann: dict) -> dict:
+    """The annotation with what COCOeval reads and some datasets leave out (CrowdPose has no
+    area): iscrowd 0, area of the box, num_keypoints counted."""
+    box, points = ann.get("bbox"), ann.get("keypoints")
+    if all(k in ann for k in ("iscrowd", "area", "num_keypoints")) or not isinstance(box, list):
+        return ann                                   # (a bad box is data.coco_checks' to report)
+    numbers = len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
+    labelled = sum(1 for v in points[2::3] if v != 0) if isinstance(points, list) else 0
+    return dict({"iscrowd": 0, "area": float(box[2] * box[3]) if numbers else None,
+                 "num_keypoints": labelled}, **ann)
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -119,18 +161,6 @@ def read_image(path: Path, info: dict, ann_path: Path) -> bytes:
 
 
 # -- annotations -> people, masks, samples ---------------------------------------------------------
-def to_skeleton(coco_keypoints) -> np.ndarray:
-    """COCO's 17 (x, y, v) -> float32 [18,3] in our order, neck = midpoint of labelled shoulders."""
-    coco = np.asarray(coco_keypoints, np.float32).reshape(17, 3)
-    ours = np.zeros((NUM_KEYPOINTS, 3), np.float32)
-    ours[list(COCO_TO_OURS)] = coco
-    right, left = ours[SHOULDERS[0]], ours[SHOULDERS[1]]
-    if right[2] > 0 and left[2] > 0:
-        ours[NECK, :2] = (right[:2] + left[:2]) / 2
-        ours[NECK, 2] = min(right[2], left[2])
-    return ours
-
-
 def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
     with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
@@ -170,7 +200,7 @@ def main_people(anns: list[dict]) -> list[int]:
     return out
 
 
-def image_record(anns: list[dict], height: int, width: int) -> dict:
+def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) -> dict:
     """People with keypoints, boxes, masks and main people of one image."""
     keyed, ignore, person = [], np.zeros((height, width), np.uint8), np.zeros((height, width), np.uint8)
     crowds = no_keypoints = 0
@@ -187,8 +217,8 @@ def image_record(anns: list[dict], height: int, width: int) -> dict:
         crowds += crowd
         no_keypoints += not crowd
     return {
-        "keypoints": np.stack([to_skeleton(a["keypoints"]) for a in keyed]) if keyed
-        else np.zeros((0, NUM_KEYPOINTS, 3), np.float32),
+        "keypoints": np.stack([skeleton.from_annotation(a["keypoints"]) for a in keyed]) if keyed
+        else np.zeros((0, skeleton.num_keypoints, 3), np.float32),
         "boxes": np.array([a["bbox"] for a in keyed], np.float32).reshape(-1, 4),
         "main": main_people(keyed), "ignore": ignore, "person": person,
         "crowds": crowds, "no_keypoints": no_keypoints,
@@ -197,9 +227,10 @@ def image_record(anns: list[dict], height: int, width: int) -> dict:
 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
-            progress: bool = True, max_images: int = 0) -> dict:
+            progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
-    returns the summary (counts, skipped images)."""
+    returns the summary (counts, skipped images, the skeleton and where it came from).
+    `skeleton` None: the built-in the JSON's keypoints name, or one inferred from the JSON."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
@@ -209,7 +240,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     refuse_output_as_input("--out", out_path, {"--ann": ann_path})
-    category, selection = load_coco(ann_path, images_dir, skip_bad)
+    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton)
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
@@ -217,15 +248,16 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
     tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
-               "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": []}
+               "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
+               "skeleton": skeleton, "skeleton_origin": origin}
     for kind, message in selection.rejected:
         summary["skipped"][kind] += 1
         summary["bad"].append(message)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp_path, "w") as f:
-            _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
-                   progress, summary)
+            _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
+                   skip_bad, progress, summary)
         os.replace(tmp_path, out_path)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
@@ -239,10 +271,12 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     return summary
 
 
-def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad, progress, summary):
+def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split, skip_bad, progress,
+           summary):
     n = len(images)
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
-                    "categories": json.dumps([category]), "source": str(ann_path)})
+                    "categories": json.dumps([category]), "source": str(ann_path),
+                    "skeleton": json.dumps(skeleton.to_spec())})
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
     encoded = f.create_dataset("images/encoded", (n,), vbytes, maxshape=(None,))
     names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
@@ -261,7 +295,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
             summary["skipped"]["bad image"] += 1
             continue
         anns = by_image[info["id"]]
-        record = image_record(anns, info["height"], info["width"])
+        record = image_record(anns, info["height"], info["width"], skeleton)
         if split == "train" and not record["main"]:
             summary["skipped"]["no main person"] += 1
             continue
@@ -292,13 +326,13 @@ def _write(f, category, images, by_image, ann_path, images_dir, split, skip_bad,
     f["images/people"] = np.array(people_index, np.int64).reshape(-1, 2)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
     f["people/keypoints"] = (np.concatenate(keypoints) if keypoints
-                             else np.zeros((0, NUM_KEYPOINTS, 3), np.float32))
+                             else np.zeros((0, skeleton.num_keypoints, 3), np.float32))
     f["people/box"] = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
     summary.update(images=kept, samples=len(samples), people=people_total)
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
+    lines = [summary["skeleton_origin"], f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
              f"{summary['images']} images, {summary['samples']} samples, {summary['people']} people "
              f"with keypoints, {summary['people_without_keypoints']} without, "
              f"{summary['crowd_regions']} crowd regions"]
@@ -319,12 +353,16 @@ def _main(argv=None) -> int:
                         help="skip missing, unreadable or mis-sized images and list them")
     parser.add_argument("--max-images", type=int, default=0, metavar="N",
                         help="only the JSON's first N images (0: all), e.g. for a quick trial")
+    parser.add_argument("--skeleton", metavar="NAME|FILE.yaml",
+                        help="the keypoints and limbs to learn: a built-in (coco, crowdpose, ...) or "
+                        "a YAML file (README: 'Your own keypoints'); default: from the JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.max_images < 0:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
+    skeleton = load_skeleton(args.skeleton) if args.skeleton else None
     summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                      progress=not args.quiet, max_images=args.max_images)
+                      progress=not args.quiet, max_images=args.max_images, skeleton=skeleton)
     print(format_summary(summary))
     return 0
 

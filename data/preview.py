@@ -2,9 +2,9 @@
 
     python -m data.preview --h5 FILE.h5 --out preview.png [--n 8] [--config tiny] [--val]
 
-Each sample gets two panels: the input with the keypoint maps (channel 49) and the joints, and
-the input with the limb maps (max over channels 0-29), the ignore mask (red) and the person-mask
-outline (channel 48). Samples are drawn exactly as `data.dataset.KeypointDataset` serves them.
+Each sample gets two panels: the input with the keypoint maps (their max channel) and the joints
+on the main limbs, and the input with the limb maps (their max), the ignore mask (red) and the
+person-mask outline, all in the channels of the file's skeleton. Samples are drawn exactly as `data.dataset.KeypointDataset` serves them.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import numpy as np
 from config.errors import ConfigError, DataError, run_cli
 from config.loader import build_config
 from config.paths import refuse_output_as_input
-from config.skeleton import KEYPOINT_MAX_CHANNEL, LIMBS, NUM_LIMBS, PERSON_MASK_CHANNEL
 from data.dataset import KeypointDataset
 from inference.draw import write_image
 
@@ -32,23 +31,23 @@ def _heat(image: np.ndarray, heat: np.ndarray, weight: float = 0.6) -> np.ndarra
     return (image * (1 - alpha) + coloured * alpha).astype(np.uint8)
 
 
-def sample_panels(sample: dict) -> np.ndarray:
-    """Two panels side by side (uint8 BGR, 2S x S) for one `sample_arrays` dict."""
+def sample_panels(sample: dict, skeleton) -> np.ndarray:
+    """Two panels side by side (uint8 BGR, 2S x S) for one `sample_arrays` dict of `skeleton`."""
     image, target, people = sample["image"], sample["target"], sample["people"]
     size = image.shape[0]
-    left = _heat(image, target[KEYPOINT_MAX_CHANNEL])
+    left = _heat(image, target[skeleton.keypoint_max_channel])
     for person in people:
-        for a, b in LIMBS[:21]:
+        for a, b in skeleton.limbs[:skeleton.main_limbs]:
             if person[a, 2] > 0 and person[b, 2] > 0:
                 cv2.line(left, tuple(int(v) for v in person[a, :2]),
                          tuple(int(v) for v in person[b, :2]), (255, 255, 255), 1, cv2.LINE_AA)
         for x, y, v in person:
             if v > 0:
                 cv2.circle(left, (int(x), int(y)), 2, (0, 255, 255) if v > 1 else (255, 0, 255), -1)
-    right = _heat(image, target[:NUM_LIMBS].max(axis=0))
+    right = _heat(image, target[skeleton.limb_channels].max(axis=0))
     ignore = cv2.resize(1 - sample["mask"], (size, size), interpolation=cv2.INTER_NEAREST) > 0.5
     right[ignore] = (0.5 * right[ignore] + (0, 0, 127)).astype(np.uint8)
-    person = cv2.resize(target[PERSON_MASK_CHANNEL], (size, size)) > 0.5
+    person = cv2.resize(target[skeleton.person_mask_channel], (size, size)) > 0.5
     contours, _ = cv2.findContours(person.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
     cv2.drawContours(right, contours, -1, (0, 255, 0), 1)
     return np.hstack([left, right])
@@ -60,7 +59,7 @@ def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarra
     indices = rng.choice(len(dataset), size=min(n, len(dataset)), replace=False)
     panels = []
     for index in indices:
-        panel = sample_panels(dataset.sample_arrays(int(index)))
+        panel = sample_panels(dataset.sample_arrays(int(index)), dataset.skeleton)
         cv2.putText(panel, f"#{index}", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1)
         panels.append(panel)
     blank = np.zeros_like(panels[0])

@@ -1,9 +1,10 @@
 """A keypoint dataset the project draws itself, for users with nothing downloaded (and for tests).
 
     python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
+        [--skeleton coco|quadruped]
 
-writes DIR/train.json, DIR/val.json (COCO person-keypoint format, 17 keypoints) and
-DIR/train/*.jpg, DIR/val/*.jpg. Each image shows 1-3 stick figures facing the camera (so a
+writes DIR/train.json, DIR/val.json (COCO keypoint format: 17 person keypoints, or with
+`--skeleton quadruped` the animals of `data.synthetic_animals`) and DIR/train/*.jpg, DIR/val/*.jpg. Each image shows 1-3 stick figures facing the camera (so a
 person's right side is on the image's left, as for real people seen from the front): thick limbs
 coloured by limb type, joint markers, a head with eyes, nose and ears, on a plain background.
 It includes occluded keypoints (v=1, behind a box), unlabelled ones (v=0: ears not drawn, or
@@ -25,7 +26,8 @@ import cv2
 import numpy as np
 
 from config.errors import DataError
-from config.skeleton import COCO_KEYPOINTS
+from config.skeleton import builtin
+from data import synthetic_animals
 
 # COCO keypoint indices (COCO order).
 NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HIP, R_HIP, \
@@ -210,15 +212,24 @@ def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
             "area": float(mask.sum()), "bbox": _box(mask), "segmentation": segmentation}
 
 
-def write_split(out_dir: Path, split: str, count: int, size: int, seed: int) -> Path:
-    """Draw `count` images into out_dir/split/ and write out_dir/split.json; returns the JSON path."""
+SKELETONS = ("coco", synthetic_animals.NAME)
+
+
+def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
+                skeleton: str = "coco") -> Path:
+    """Draw `count` images of people (`skeleton` coco) or animals (quadruped) into out_dir/split/
+    and write out_dir/split.json; returns the JSON path."""
     split_index = {"train": 0, "val": 1}[split]
     rng = np.random.default_rng([seed, split_index])            # different streams per split
     folder = out_dir / split
     folder.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []
     for n in range(count):
-        image, anns = draw_image(rng, size)
+        if skeleton == "coco":
+            image, anns = draw_image(rng, size)
+        else:
+            image = _background(rng, size, size)
+            anns = synthetic_animals.draw_animal_image(rng, image)
         image_id = split_index * 1_000_000 + n + 1
         name = f"{image_id:012d}.jpg"
         cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
@@ -227,8 +238,9 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int) -> 
             ann.update(id=split_index * 10_000_000 + len(annotations) + 1, image_id=image_id,
                        category_id=1)
             annotations.append(ann)
-    category = {"supercategory": "person", "id": 1, "name": "person",
-                "keypoints": list(COCO_KEYPOINTS), "skeleton": COCO_SKELETON}
+    category = ({"supercategory": "person", "id": 1, "name": "person",
+                 "keypoints": list(builtin("coco").dataset_keypoints), "skeleton": COCO_SKELETON}
+                if skeleton == "coco" else synthetic_animals.category())
     path = out_dir / f"{split}.json"
     path.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
                                 "images": images, "annotations": annotations,
@@ -237,15 +249,15 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int) -> 
 
 
 def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, skeleton: str = "coco") -> dict:
     """Both splits under `out_dir`; returns {split: json path}."""
     out_dir = Path(out_dir)
-    return {"train": write_split(out_dir, "train", train_images, size, seed),
-            "val": write_split(out_dir, "val", val_images, size, seed)}
+    return {split: write_split(out_dir, split, count, size, seed, skeleton)
+            for split, count in (("train", train_images), ("val", val_images))}
 
 
 def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50,
-                        size: int = 192, seed: int = 0) -> tuple[Path, Path]:
+                        size: int = 192, seed: int = 0, skeleton: str = "coco") -> tuple[Path, Path]:
     """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, drawn and converted once.
 
     Reused while both files open fine and were made with the same settings. Two processes may
@@ -258,6 +270,8 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
     cache.mkdir(parents=True, exist_ok=True)
     settings = {"train_images": train_images, "val_images": val_images, "size": size,
                 "seed": seed, "version": SYNTHETIC_VERSION}
+    if skeleton != "coco":
+        settings["skeleton"] = skeleton
     paths = (cache / "train.h5", cache / "val.h5")
     stamp = cache / "settings.json"
 
@@ -277,7 +291,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
             stamp.unlink(missing_ok=True)
             work = Path(tempfile.mkdtemp(prefix="draw-", dir=cache))
             try:
-                jsons = write_dataset(work, train_images, val_images, size, seed)
+                jsons = write_dataset(work, train_images, val_images, size, seed, skeleton)
                 for split, path in zip(("train", "val"), paths):
                     convert(jsons[split], work / split, path, split=split, progress=False)
                 stamp.write_text(json.dumps(settings))
@@ -293,11 +307,14 @@ def main(argv=None) -> int:
     parser.add_argument("--val-images", type=int, default=50)
     parser.add_argument("--size", type=int, default=192, help="image side in pixels")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skeleton", default="coco", choices=SKELETONS,
+                        help="what to draw: people (coco, default) or four-legged animals (quadruped)")
     args = parser.parse_args(argv)
     if args.size < 64 or args.train_images < 1 or args.val_images < 1:
         print("error: --size must be >= 64 and the image counts >= 1", file=sys.stderr)
         return 2
-    paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed)
+    paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed,
+                          args.skeleton)
     print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "
           f"({args.val_images} images)")
     return 0

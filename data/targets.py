@@ -1,6 +1,7 @@
-"""Ground-truth maps: 30 limb maps, 18 keypoint heatmaps, the person mask and the keypoint max.
+"""Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
 
-`render_targets` draws the 50 channels of `config.skeleton` on an output grid whose cell (i, j)
+`render_targets` draws the channels of a `config.skeleton.Skeleton` (COCO: 30 limbs, 18
+keypoints, 50 channels) on an output grid whose cell (i, j)
 samples the input point x = (j + 0.5) * stride - 0.5, y = (i + 0.5) * stride - 0.5 (the grid that
 cv2.resize upsampling inverts). Keypoints are Gaussians (several people: max); limbs are Gaussians
 of the perpendicular distance to the segment inside its box widened by a margin (several people:
@@ -16,8 +17,7 @@ import cv2
 import numpy as np
 
 from config.schema import TargetConfig
-from config.skeleton import (KEYPOINT_CHANNELS, KEYPOINT_MAX_CHANNEL, LIMBS, NUM_CHANNELS,
-                             NUM_KEYPOINTS, NUM_LIMBS, PERSON_MASK_CHANNEL)
+from config.skeleton import Skeleton
 
 GAUSSIAN_CUTOFF = 4.6052          # exp(-4.6052) = 0.01: values below are set to 0
 _MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
@@ -33,7 +33,7 @@ def _cell_range(lo: np.ndarray, hi: np.ndarray, stride: int, count: int):
 
 
 def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: float) -> None:
-    """Max-combine one Gaussian per labelled keypoint into maps [18,H,W] (square windows)."""
+    """Max-combine one Gaussian per labelled keypoint into maps [K,H,W] (square windows)."""
     height, width = maps.shape[1:]
     person, kind = np.nonzero(people[:, :, 2] > 0)
     if person.size == 0:
@@ -58,9 +58,9 @@ def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: fl
             np.maximum(window, stamps[n, da:da + a1 - a0, db:db + b1 - b0], out=window)
 
 
-def _limb_windows(people: np.ndarray, stride: int, margin: float, height: int, width: int):
+def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height: int, width: int):
     """Per labelled (person, limb): limb index, endpoints and the clipped cell window of its box."""
-    ends_a, ends_b = people[:, [a for a, _ in LIMBS]], people[:, [b for _, b in LIMBS]]
+    ends_a, ends_b = people[:, [a for a, _ in limbs]], people[:, [b for _, b in limbs]]
     person, limb = np.nonzero((ends_a[:, :, 2] > 0) & (ends_b[:, :, 2] > 0))
     a = ends_a[person, limb, :2].astype(np.float64)
     b = ends_b[person, limb, :2].astype(np.float64)
@@ -72,15 +72,15 @@ def _limb_windows(people: np.ndarray, stride: int, margin: float, height: int, w
     return limb[keep], a[keep], b[keep], i0[keep], i1[keep], j0[keep], j1[keep]
 
 
-def _draw_limbs(maps: np.ndarray, people: np.ndarray, stride: int, sigma: float,
+def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
                 margin: float) -> None:
-    """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [30,H,W].
+    """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W].
 
     Windows are padded into one batch (or, when that gets large, one batch per size class:
     next power of two per side), so numpy works on a few arrays, not one per limb.
     """
     height, width = maps.shape[1:]
-    limb, a, b, i0, i1, j0, j1 = _limb_windows(people, stride, margin, height, width)
+    limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
     if limb.size == 0:
         return
     delta = b - a
@@ -133,22 +133,26 @@ def _any_overlap(boxes: list) -> bool:
     return False
 
 
-def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig,
+def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig, skeleton: Skeleton,
                    person_mask=None) -> np.ndarray:
-    """float32 [50, out_h, out_w] targets of `people` [P,18,3] (input pixels, v > 0 labelled).
+    """float32 [C, out_h, out_w] targets of `people` [P,K,3] (input pixels, v > 0 labelled), in
+    the channel layout of `skeleton` (COCO: C = 50, K = 18).
 
-    `person_mask` (out_h x out_w, values in [0, 1]) fills channel 48 after a 3x3 erosion; without
-    it channel 48 is 0. Channel 49 is the max over the 18 keypoint maps. Values lie in [0, 1].
+    `person_mask` (out_h x out_w, values in [0, 1]) fills the person-mask channel after a 3x3
+    erosion; without it that channel is 0. The last channel is the max over the keypoint maps.
+    Values lie in [0, 1].
     """
-    people = np.asarray(people, np.float32).reshape(-1, NUM_KEYPOINTS, 3)
-    out = np.zeros((NUM_CHANNELS, out_h, out_w), np.float32)
-    keypoint_maps = out[KEYPOINT_CHANNELS]
+    people = np.asarray(people, np.float32).reshape(-1, skeleton.num_keypoints, 3)
+    out = np.zeros((skeleton.num_channels, out_h, out_w), np.float32)
+    keypoint_maps = out[skeleton.keypoint_channels]
     _draw_keypoints(keypoint_maps, people, stride, cfg.keypoint_sigma)
-    _draw_limbs(out[:NUM_LIMBS], people, stride, cfg.limb_sigma, cfg.limb_margin)
+    _draw_limbs(out[skeleton.limb_channels], people, skeleton.limbs, stride, cfg.limb_sigma,
+                cfg.limb_margin)
     if person_mask is not None:
         mask = np.clip(np.asarray(person_mask, np.float32), 0.0, 1.0)
         if mask.shape != (out_h, out_w):
             raise ValueError(f"person_mask is {mask.shape}, expected {(out_h, out_w)}")
-        out[PERSON_MASK_CHANNEL] = cv2.erode(mask, _ERODE_KERNEL, borderType=cv2.BORDER_REPLICATE)
-    keypoint_maps.max(axis=0, out=out[KEYPOINT_MAX_CHANNEL])
+        out[skeleton.person_mask_channel] = cv2.erode(mask, _ERODE_KERNEL,
+                                                      borderType=cv2.BORDER_REPLICATE)
+    keypoint_maps.max(axis=0, out=out[skeleton.keypoint_max_channel])
     return out

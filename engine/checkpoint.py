@@ -134,8 +134,9 @@ def remove_stale_temps(directory) -> int:
 
 
 # ---------------------------------------------------------------------------------------- loading
-def _read(path, mmap: bool = False):
-    """torch.load(weights_only=True) of `path` to CPU, every failure a CheckpointError naming it."""
+def read_file(path, mmap: bool = False):
+    """torch.load(weights_only=True) of `path` (a checkpoint or any weights file) to CPU, every
+    failure a CheckpointError naming it."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -165,7 +166,7 @@ def _read(path, mmap: bool = False):
 
 def load_checkpoint(path, mmap: bool = False) -> dict:
     """A checkpoint written by `save_checkpoint`, on CPU; CheckpointError naming the file otherwise."""
-    state = _read(path, mmap=mmap)
+    state = read_file(path, mmap=mmap)
     if not isinstance(state, dict) or "format_version" not in state:
         raise CheckpointError(f"{path} is not a checkpoint of this trainer (no format_version); "
                               "to start from its weights use --weights instead of --resume")
@@ -306,17 +307,17 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
 
 
-def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False) -> dict:
+def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, source: str = "") -> dict:
     """Load weights into `model` (unwrapped) from a file or a dict; return what matched and not.
 
     The report: {"source", "loaded", "missing", "unexpected", "mismatched"} (names; mismatched
     entries say both shapes). Any mismatch is a CheckpointError unless `allow_partial`; loading
-    nothing at all always is.
+    nothing at all always is. `source` names a dict already read from a file in messages.
     """
     if isinstance(path_or_state, (str, os.PathLike)):
-        source, obj = str(path_or_state), _read(path_or_state)
+        source, obj = str(path_or_state), read_file(path_or_state)
     else:
-        source, obj = "the given state dict", path_or_state
+        source, obj = source or "the given state dict", path_or_state
     target = unwrap_model(model)
     reference = reference_weights(obj)
     if reference is not None:       # the authors' layout: renamed by structure, first conv to RGB
@@ -387,7 +388,7 @@ def _reference_mismatch(reference: dict, model: nn.Module) -> str | None:
 
 def read_reference(path) -> dict:
     """A file of the authors' layout, loaded; CheckpointError naming the file for any other."""
-    obj = _read(path)
+    obj = read_file(path)
     if reference_weights(obj) is None:
         raise CheckpointError(f"{path} is not a checkpoint of the authors' layout (a dict whose "
                               "'weights' are a state dict under posenet.)")
@@ -397,7 +398,7 @@ def read_reference(path) -> dict:
 def reference_file_settings(path) -> dict | None:
     """The `model.*` settings of a file in the authors' layout, or None for any other file."""
     try:
-        reference = reference_weights(_read(path, mmap=True))
+        reference = reference_weights(read_file(path, mmap=True))
     except CheckpointError:
         return None
     found = model_settings(reference) if reference is not None else None

@@ -19,14 +19,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config.errors import CheckpointError, ConfigError, TrainingDiverged, UserError
+from config.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from config.loader import to_dict
 from config.schema import Config
+from config.skeleton import Skeleton, from_checkpoint
 from engine import distributed as dist
 from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
 from engine.checkpoint import (capture_rng_state, check_resumable, find_latest_checkpoint,
-                               load_checkpoint, load_weights, read_reference, remove_stale_temps,
-                               restore_rng_state, save_checkpoint, unwrap_model)
+                               load_checkpoint, load_weights, read_file, read_reference,
+                               remove_stale_temps, restore_rng_state, save_checkpoint, unwrap_model)
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
@@ -74,14 +75,20 @@ class Trainer:
         self.train_set = KeypointDataset(self.train_h5, cfg, train=True, rank=0)
         self.loader, self.sampler = train_loader(self.train_set, cfg, ctx)
         self.val_set = KeypointDataset(self.val_h5, cfg, train=False) if self.val_h5 else None
+        self.skeleton = self.train_set.skeleton      # the data's: heads, loss, checkpoints follow it
+        if self.val_set is not None and self.val_set.skeleton != self.skeleton:
+            raise DataError(f"--val-h5 {self.val_h5}: its skeleton ({_skeleton_words(self.val_set.skeleton)})"
+                            f" is not that of --train-h5 {self.train_h5} "
+                            f"({_skeleton_words(self.skeleton)}); convert both with the same skeleton")
 
         torch.manual_seed(cfg.train.seed)          # the same initial weights on every rank
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, self.skeleton)
         # memory-mapped: tensors are read from the file once, when copied into model and optimiser
         state = load_checkpoint(resume_path, mmap=True) if resume_path else None
         reference = None           # the authors' checkpoint whose run continues (--resume-reference)
         if state is not None:
             check_resumable(state, resume_path)
+            self._check_skeleton(from_checkpoint(state), resume_path, "resume")
             load_weights(model, state)
         elif cfg.train.resume_reference:
             if cfg.train.weights:
@@ -92,7 +99,11 @@ class Trainer:
             report = load_weights(model, reference)
             self.say(f"loaded weights from {resume_path}: {_load_summary(report)}")
         elif cfg.train.weights:
-            report = load_weights(model, cfg.train.weights, allow_partial=cfg.train.allow_partial)
+            weights = read_file(cfg.train.weights)
+            if isinstance(weights, dict) and "skeleton" in weights and not cfg.train.allow_partial:
+                self._check_skeleton(from_checkpoint(weights), cfg.train.weights, "weights")
+            report = load_weights(model, weights, allow_partial=cfg.train.allow_partial,
+                                  source=str(cfg.train.weights))
             self.say(f"loaded weights from {cfg.train.weights}: {_load_summary(report)}")
         counts = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
         dist.seed_everything(cfg.train.seed, ctx.rank)
@@ -107,7 +118,7 @@ class Trainer:
         self.model = model
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
-        loss = FocalL2Loss(cfg.loss).to(ctx.device)
+        loss = FocalL2Loss(cfg.loss, self.skeleton).to(ctx.device)
         self.model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model,
                                              loss, self.precision)
         self.net = launch.wrap(self.model_with_loss)
@@ -150,7 +161,8 @@ class Trainer:
                  f"{cfg.train.batch_size} in total"
                  + (f", {accumulate} batches per step ({cfg.train.batch_size * accumulate} samples)"
                     if accumulate > 1 else "") + f"; {self.precision.describe()}")
-        self.say(f"data: {len(self.train_set)} training samples from {self.train_h5}"
+        self.say(f"data: {self.skeleton.describe()}; {len(self.train_set)} training samples from "
+                 f"{self.train_h5}"
                  + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set
                     else "; no --val-h5, so no validation loss, no AP and no best.pth"))
         self.say(f"parameters: {n_train:,} trainable of {n_all:,}"
@@ -160,6 +172,17 @@ class Trainer:
     def say(self, text: str) -> None:
         if self.ctx.is_main:
             tqdm.write(text)
+
+    def _check_skeleton(self, theirs: Skeleton, path, how: str) -> None:
+        """CheckpointError when a checkpoint's skeleton is not the data's (see the messages)."""
+        if theirs == self.skeleton:
+            return
+        fix = ("continue it on data of its skeleton, or start a new run from it with --weights "
+               "and --allow-partial" if how == "resume" else
+               "pass --allow-partial to load everything but the output heads and merges whose "
+               "shapes differ (they start fresh)")
+        raise CheckpointError(f"{path} was trained on skeleton {_skeleton_words(theirs)} but the data "
+                              f"has {_skeleton_words(self.skeleton)}: {fix}")
 
     def _resume_path(self) -> Path | None:
         resume = self.cfg.train.resume
@@ -360,7 +383,8 @@ class Trainer:
             with cudnn_autotuning_off():
                 stats = evaluate_h5(self.model, self.val_h5, self.cfg, self.ctx.device,
                                     max_images=self.cfg.train.ap_max_images, progress=self.ctx.is_main,
-                                    stop=lambda: self.stop_signal is not None)
+                                    stop=lambda: self.stop_signal is not None,
+                                    skeleton=self.skeleton)
             if stats is None:
                 raise self._stopped(where)
             results.update({k: stats[k] for k in ("AP", "AP50", "AP75", "APm", "APl", "AR")})
@@ -393,6 +417,7 @@ class Trainer:
                 "best_metric": self.best_metric, "bad_validations": self.bad_validations,
                 "skipped_steps": self.skipped_total,
                 "config": to_dict(self.cfg), "rng": capture_rng_state(),
+                "skeleton": self.skeleton.to_spec(),
                 "mode": self.launch.mode, "world_size": self.ctx.world_size,
                 "validation_pending": validation_pending,
             }
@@ -470,5 +495,12 @@ class Trainer:
 def _load_summary(report: dict) -> str:
     loaded = report.get("loaded", "?")
     missing = report.get("missing") or []
+    fresh = [name.split(" (")[0] for name in report.get("mismatched") or []]
     return (f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
-            + (f"; {report['converted']}" if report.get("converted") else ""))
+            + (f"; {report['converted']}" if report.get("converted") else "")
+            + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
+               if fresh else ""))
+
+
+def _skeleton_words(skeleton: Skeleton) -> str:
+    return f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"

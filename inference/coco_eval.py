@@ -1,7 +1,7 @@
 """COCO keypoint AP of a list of results, scored by pycocotools (iouType='keypoints'), quietly.
 
 The ground truth is a COCO dataset dict (as `data.h5format.KeypointH5.coco_ground_truth()` gives);
-scoring can be restricted to the images that were evaluated. No results gives AP 0, not a crash.
+scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No results gives AP 0, not a crash.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")
 """The first six entries of COCOeval.stats for keypoints, in order."""
 
 
-def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None) -> dict:
-    """{AP, AP50, AP75, APm, APl, AR} of `results` against `gt_dict`, on `image_ids` (default all).
+def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None) -> dict:
+    """{AP, AP50, AP75, APm, APl, AR} of `results` against `gt_dict`, on `image_ids` (default all),
+    OKS computed with the per-keypoint `sigmas` (a skeleton's; default: pycocotools' COCO ones).
 
     Images of `image_ids` without any result count as misses. Stats that COCO cannot define (no
     labelled person at all) are -1, as pycocotools reports them.
@@ -38,6 +39,8 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None) -> d
         dt = gt.loadRes(results)
         evaluator = COCOeval(gt, dt, iouType="keypoints")
         evaluator.params.imgIds = image_ids
+        if sigmas is not None:
+            evaluator.params.kpt_oks_sigmas = np.asarray(sigmas, dtype=np.float64)
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()

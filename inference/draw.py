@@ -9,9 +9,7 @@ import cv2
 import numpy as np
 
 from config.errors import DataError
-from config.skeleton import KEYPOINT_CHANNELS, LIMB_CHANNELS, LIMBS
-
-SKELETON = LIMBS[:21]          # the method's tree; the 9 redundant links are not drawn
+from config.skeleton import Skeleton
 
 
 def person_colours(count: int) -> list[tuple[int, int, int]]:
@@ -23,14 +21,15 @@ def person_colours(count: int) -> list[tuple[int, int, int]]:
     return colours
 
 
-def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray) -> np.ndarray:
-    """A copy of the image with each person's limbs and keypoints ([P, 18, 3], score 0 = missing)."""
+def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray, skeleton: Skeleton) -> np.ndarray:
+    """A copy of the image with each person's main limbs (the redundant ones are not drawn) and
+    keypoints ([P, K, 3] of `skeleton`, score 0 = missing)."""
     out = image_bgr.copy()
     size = min(out.shape[:2])
     thickness = max(2, int(round(size / 200)))
     for person, colour in zip(keypoints, person_colours(len(keypoints))):
         points = [tuple(int(round(v)) for v in kp[:2]) for kp in person]
-        for a, b in SKELETON:
+        for a, b in skeleton.limbs[:skeleton.main_limbs]:
             if person[a, 2] > 0 and person[b, 2] > 0:
                 cv2.line(out, points[a], points[b], colour, thickness, cv2.LINE_AA)
         for k, kp in enumerate(person):
@@ -40,10 +39,11 @@ def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray) -> np.ndarray:
     return out
 
 
-def maps_panel(image_bgr: np.ndarray, maps: np.ndarray) -> np.ndarray:
+def maps_panel(image_bgr: np.ndarray, maps: np.ndarray, skeleton: Skeleton) -> np.ndarray:
     """The summed keypoint and limb maps, keypoints in full, limbs at half strength, clipped to
     [0, 1], in colour over the greyed image."""
-    total = np.clip(maps[KEYPOINT_CHANNELS].sum(0) + 0.5 * maps[LIMB_CHANNELS].sum(0), 0.0, 1.0)
+    total = np.clip(maps[skeleton.keypoint_channels].sum(0) + 0.5 * maps[skeleton.limb_channels].sum(0),
+                    0.0, 1.0)
     heat = cv2.applyColorMap((total * 255).astype(np.uint8), cv2.COLORMAP_JET)
     grey = cv2.cvtColor(cv2.cvtColor(image_bgr, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
     return cv2.addWeighted(grey, 0.4, heat, 0.6, 0.0)

@@ -28,7 +28,7 @@ import torch
 from config.errors import CheckpointError
 from config.schema import Config, InferenceConfig
 from inference.grouping import group_people
-from inference.loading import load_model, pick_device, skeleton_of
+from inference.loading import load_model, pick_device
 from inference.predict import TorchNetwork, predict_maps_batch
 
 COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
@@ -75,7 +75,7 @@ def decode_threads(cfg: InferenceConfig) -> int:
     return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
 
 
-def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig) -> Iterator[tuple]:
+def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton) -> Iterator[tuple]:
     """(maps, keypoints, scores) of each maps of the stream, in order; `group_people` runs in a pool
     of `decode_threads` threads (numpy and OpenCV release the GIL) while the stream makes the next
     maps; at most two maps per thread wait."""
@@ -88,7 +88,7 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig) -> 
 
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
         for maps in maps_stream:
-            pending.append((maps, pool.submit(group_people, maps, cfg)))
+            pending.append((maps, pool.submit(group_people, maps, cfg, skeleton)))
             while len(pending) > 2 * threads:
                 yield oldest()
         while pending:
@@ -101,7 +101,7 @@ class PoseEstimator:
     def __init__(self, network, cfg: Config):
         self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
         self.cfg = cfg
-        self.skeleton = skeleton_of(cfg)
+        self.skeleton = self.network.skeleton       # what its channels are (`config.skeleton`)
 
     @classmethod
     def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
@@ -154,7 +154,7 @@ class PoseEstimator:
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
         for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures),
-                                                               self.cfg.inference):
+                                                               self.cfg.inference, self.skeleton):
             people = to_people(keypoints, scores)
             yield Prediction(people, picture_maps) if maps else people
 

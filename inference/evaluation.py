@@ -42,12 +42,14 @@ def eval_mode(model):
 
 
 def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
-    """The ground-truth target maps [50, H, W] of image `img` at its own size (stride 1)."""
+    """The ground-truth target maps [C, H, W] of image `img` at its own size (stride 1), in the
+    channels of the file's skeleton."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
     _, person_mask = h5.masks(img)
-    return render_targets(h5.people(img), height, width, 1, cfg.targets, person_mask=person_mask)
+    return render_targets(h5.people(img), height, width, 1, cfg.targets, h5.skeleton,
+                          person_mask=person_mask)
 
 
 def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True,
@@ -72,17 +74,27 @@ def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progres
         estimator = PoseEstimator(network, cfg)
         maps_stream = estimator.maps_stream(h5.decode_image(img) for img in chosen)
     found = {}
-    for _, keypoints, scores in grouped_in_pool(maps_stream, cfg.inference):
+    skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
+    for _, keypoints, scores in grouped_in_pool(maps_stream, cfg.inference, skeleton):
         image_id = h5.image_info(taken.popleft())["id"]
-        found[image_id] = to_coco_results(image_id, keypoints, scores)
+        found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
     return found
 
 
+def check_same_skeleton(model_skeleton, h5) -> None:
+    """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
+    if model_skeleton != h5.skeleton:
+        raise DataError(f"{h5.path}: its people have skeleton {h5.skeleton.name} "
+                        f"({h5.skeleton.num_keypoints} keypoints) but the model was trained on "
+                        f"{model_skeleton.name} ({model_skeleton.num_keypoints} keypoints)")
+
+
 def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progress: bool = True,
-                oracle: bool = False, results_path=None, stop=None) -> dict | None:
+                oracle: bool = False, results_path=None, stop=None, skeleton=None) -> dict | None:
     """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
-    of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of
-    `h5_path` (0: all). `oracle` decodes the ground-truth maps instead (no model needed).
+    of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of `h5_path` (0:
+    all), OKS with the file's skeleton's sigmas. `oracle` decodes the ground-truth maps instead (no
+    model needed). `skeleton`: the model's, refused when it is not the file's.
     `results_path`: where rank 0 writes the COCO results JSON. `stop()`, asked before each image,
     True on any rank: every rank returns None, unscored (a training run asked to stop).
     """
@@ -93,6 +105,8 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
     if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     h5 = KeypointH5(h5_path)
+    if skeleton is not None:
+        check_same_skeleton(skeleton, h5)
     total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
     rank, world = get_rank(), get_world_size()
     with eval_mode(model):
@@ -123,9 +137,11 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
         except OSError as exc:
             raise DataError(f"{results_path}: cannot write the results JSON there "
                             f"({exc.strerror or exc})") from None
-    stats = coco_keypoint_stats(h5.coco_ground_truth(), results, image_ids=list(merged))
+    stats = coco_keypoint_stats(h5.coco_ground_truth(), results, image_ids=list(merged),
+                                sigmas=h5.skeleton.sigmas)
     stats["num_images"] = len(merged)
     return stats
 
 
-__all__ = ["STAT_NAMES", "decode_images", "decode_threads", "eval_mode", "evaluate_h5", "oracle_maps"]
+__all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads", "eval_mode",
+           "evaluate_h5", "oracle_maps"]

@@ -3,22 +3,23 @@
 Steps (../shared/SPEC.md, "Inference and grouping"): peaks by 3x3 NMS with centroid refinement
 (`inference.peaks`); for each limb, every candidate pair is scored along its segment at once
 (numpy, in cache-sized chunks), pairs are matched greedily (in vectorised rounds, see
-`greedy_matching`); people are assembled greedily over the 30 limbs, merging two partial people
-when the joining limb is strong enough; weak or tiny people are dropped.
+`greedy_matching`); people are assembled greedily over the skeleton's limbs in their order (main
+links, a tree from its root, then redundant ones; COCO: 30), merging two partial people when the
+joining limb is strong enough; weak or tiny people are dropped. Any skeleton works whose limbs
+join every keypoint (`config.skeleton` refuses one that does not).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from config.schema import InferenceConfig
-from config.skeleton import COCO_TO_OURS, KEYPOINT_CHANNELS, LIMB_CHANNELS, LIMBS, NUM_KEYPOINTS
+from config.skeleton import Skeleton
 from inference.peaks import find_peaks
 
 
 PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
 ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
 BLOCK_SLACK = 1 << 16  # cells allowed beyond 4 per candidate in one matching block of all limbs
-_LIMB_ENDS = np.asarray(LIMBS)
 
 
 def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig):
@@ -93,8 +94,9 @@ def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
 
 
 def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
-                     cfg: InferenceConfig) -> list[list[tuple]]:
-    """Per limb, its connections matched greedily: [(peak_a, peak_b, score, length), ...].
+                     cfg: InferenceConfig, limbs) -> list[list[tuple]]:
+    """Per limb of `limbs` ((a, b) keypoint pairs), its connections matched greedily:
+    [(peak_a, peak_b, score, length), ...].
 
     `bounds[k]:bounds[k + 1]` are the peaks of keypoint k in `xy` / `peak_score`. Every candidate
     pair of every limb is sampled at `cfg.limb_samples` points on its segment; a pair is kept when
@@ -102,17 +104,18 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     sample plus min(0.5 * image_height / length - 1, 0), is positive. Per limb, pairs are taken in
     decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
     """
-    start_a, start_b = bounds[_LIMB_ENDS[:, 0]], bounds[_LIMB_ENDS[:, 1]]
-    count_a, count_b = bounds[_LIMB_ENDS[:, 0] + 1] - start_a, bounds[_LIMB_ENDS[:, 1] + 1] - start_b
-    connections: list[list[tuple]] = [[] for _ in LIMBS]
+    ends = np.asarray(limbs)
+    start_a, start_b = bounds[ends[:, 0]], bounds[ends[:, 1]]
+    count_a, count_b = bounds[ends[:, 0] + 1] - start_a, bounds[ends[:, 1] + 1] - start_b
+    connections: list[list[tuple]] = [[] for _ in limbs]
     if (count_a * count_b).sum() == 0:
         return connections
     # Candidate pairs as cells (limb, a, b) of a [limbs, most a, most b] block, row-major.
     pairs = count_a * count_b
-    limb = np.repeat(np.arange(len(LIMBS)), pairs)
+    limb = np.repeat(np.arange(len(limbs)), pairs)
     local_a, local_b = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
                                  count_b[limb])
-    shape = (len(LIMBS), count_a.max(), count_b.max())
+    shape = (len(limbs), count_a.max(), count_b.max())
     peak_a, peak_b = start_a[limb] + local_a, start_b[limb] + local_b
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
@@ -137,15 +140,15 @@ class _Person:
 
     __slots__ = ("slots", "total", "parts", "weakest", "longest")
 
-    def __init__(self):
-        self.slots = [-1] * NUM_KEYPOINTS
+    def __init__(self, num_keypoints: int):
+        self.slots = [-1] * num_keypoints
         self.total = 0.0
         self.parts = 0
         self.weakest = float("inf")
         self.longest = 0.0
 
 
-def _assemble(connections, peak_score, cfg: InferenceConfig) -> list[_Person]:
+def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton) -> list[_Person]:
     """Greedy assembly over limbs in order; `connections[l]` holds (peak_a, peak_b, score, length)."""
     people: list[_Person | None] = []
     owner: dict[int, int] = {}
@@ -159,11 +162,11 @@ def _assemble(connections, peak_score, cfg: InferenceConfig) -> list[_Person]:
         person.longest = max(person.longest, length)
         owner[peak] = pid
 
-    for (slot_a, slot_b), found in zip(LIMBS, connections):
+    for (slot_a, slot_b), found in zip(skeleton.limbs, connections):
         for peak_a, peak_b, score, length in found:
             pa, pb = owner.get(peak_a), owner.get(peak_b)
             if pa is None and pb is None:
-                person = _Person()
+                person = _Person(skeleton.num_keypoints)
                 person.slots[slot_a] = peak_a
                 person.total = peak_score[peak_a]
                 person.parts = 1
@@ -194,23 +197,28 @@ def _assemble(connections, peak_score, cfg: InferenceConfig) -> list[_Person]:
     return [p for p in people if p is not None]
 
 
-def group_people(maps, cfg: InferenceConfig):
-    """People in `maps` [50, H, W] (image size): (keypoints float32 [P, 18, 3], scores float32 [P]).
+def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
+    """People in `maps` [C, H, W] (image size, the channels of `skeleton`): (keypoints float32
+    [P, K, 3], scores float32 [P]).
 
     keypoints hold (x, y, peak score) in image pixels, score 0 for a missing keypoint; people are
     sorted by decreasing score = 1 - 1 / total, at most `cfg.max_people`.
     """
     maps = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float32)
-    channel, xy, peak_score = find_peaks(maps[KEYPOINT_CHANNELS], cfg.peak_threshold,
+    if maps.shape[0] != skeleton.num_channels:
+        raise ValueError(f"{maps.shape[0]} maps but skeleton {skeleton.name} has "
+                         f"{skeleton.num_channels} channels")
+    channel, xy, peak_score = find_peaks(maps[skeleton.keypoint_channels], cfg.peak_threshold,
                                          cfg.refine_radius, cfg.max_peaks)
-    bounds = np.searchsorted(channel, np.arange(NUM_KEYPOINTS + 1))
-    connections = limb_connections(maps[LIMB_CHANNELS], bounds, xy, peak_score, cfg)
-    people = _assemble(connections, peak_score.tolist(), cfg)
+    bounds = np.searchsorted(channel, np.arange(skeleton.num_keypoints + 1))
+    connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
+                                   skeleton.limbs)
+    people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)
     order = np.argsort(-scores, kind="stable")[: cfg.max_people]
-    keypoints = np.zeros((len(order), NUM_KEYPOINTS, 3), dtype=np.float32)
+    keypoints = np.zeros((len(order), skeleton.num_keypoints, 3), dtype=np.float32)
     for row, index in enumerate(order):
         slots = np.array(people[index].slots)
         present = slots >= 0
@@ -219,19 +227,21 @@ def group_people(maps, cfg: InferenceConfig):
     return keypoints, scores[order]
 
 
-def to_coco_results(image_id: int, keypoints: np.ndarray, scores: np.ndarray) -> list[dict]:
-    """COCO keypoint results of one image: the neck dropped, the 17 others in COCO order.
+def to_coco_results(image_id: int, keypoints: np.ndarray, scores: np.ndarray, skeleton: Skeleton,
+                    category_id: int = 1) -> list[dict]:
+    """COCO keypoint results of one image: the skeleton's derived keypoints (COCO's neck) dropped,
+    the others in the annotations' order.
 
     A missing keypoint is written as (0, 0, 0); a found one as (x, y, 1).
     """
     results = []
     for person, score in zip(keypoints, scores):
-        coco = person[list(COCO_TO_OURS)]
+        coco = skeleton.to_dataset_order(person)
         found = coco[:, 2] > 0
         triples = np.zeros((len(coco), 3), dtype=np.float64)
         triples[found, :2] = coco[found, :2]
         triples[found, 2] = 1.0
-        results.append({"image_id": int(image_id), "category_id": 1,
+        results.append({"image_id": int(image_id), "category_id": int(category_id),
                         "keypoints": [round(float(v), 2) for v in triples.reshape(-1)],
                         "score": float(score)})
     return results

@@ -1,40 +1,24 @@
-"""What the inference API (`inference.estimator`) reads from a weights file: its config, its model,
-its skeleton, and the device to run on.
+"""What the inference API (`inference.estimator`) reads from a weights file: its config, its model
+(whose `.skeleton` says what its channels are), and the device to run on.
 
-A checkpoint written by the engine carries its resolved config: it is the base, so the network
-built matches the weights; a bare state dict uses `--preset` (default imhn512). `--set KEY=VALUE`
+A checkpoint written by the engine carries its resolved config and its skeleton: they are the
+base, so the network built matches the weights; a bare state dict uses `--preset` (default
+imhn512) and the COCO skeleton (`config.skeleton.from_checkpoint` reads either). `--set KEY=VALUE`
 overrides apply on top, then the inference flags (scales, flip).
 """
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from config.errors import CheckpointError, ConfigError
 from config.loader import build_config
 from config.schema import Config
-from config.skeleton import KEYPOINTS, LIMBS, NUM_CHANNELS
+from config.skeleton import from_checkpoint
 
 DEFAULT_PRESET = "imhn512"
-
-
-@dataclass(frozen=True)
-class Skeleton:
-    """What a network's maps mean: keypoint names (rows of `Person.keypoints`), limbs (pairs of
-    keypoint indices) and the number of output channels."""
-
-    keypoints: tuple[str, ...]
-    limbs: tuple[tuple[int, int], ...]
-    num_channels: int
-
-
-def skeleton_of(cfg: Config) -> Skeleton:
-    """The skeleton of a network of `cfg`. The one place the inference API takes it from: today the
-    method's constants (`config.skeleton`), the same for every checkpoint."""
-    return Skeleton(KEYPOINTS, LIMBS, NUM_CHANNELS)
 
 
 def pick_device(device) -> torch.device:
@@ -73,7 +57,8 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
                flip: bool | None = None, say=None):
     """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
     (its network read from its shapes; `say`, by default a line on stderr, tells that it was
-    converted) or a bare weights file."""
+    converted) or a bare weights file; the model's skeleton is `model.skeleton`
+    (`config.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
     from engine.checkpoint import load_checkpoint, load_weights, reference_file_settings
     from models import build_model
 
@@ -92,7 +77,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
         raise ConfigError(f"the config saved in checkpoint {weights} does not fit this version: {exc}. "
                           "Fix it with --set KEY=VALUE, or export the bare weights and pass --preset"
                           ) from None
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, from_checkpoint(state))
     try:
         report = load_weights(model, state if state is not None else weights)
     except CheckpointError as exc:

@@ -2,8 +2,9 @@
 
 The file maps the normalised input [B, 3, H, W] (`data.preprocess`; any B, H and W multiple of 64)
 to the last stack's stride-4 maps [B, C, H/4, W/4]; grouping stays in Python. Its metadata holds
-the config of the checkpoint it came from (`CONFIG_KEY`), so `PoseEstimator.from_onnx` runs it
-with the same scales, flip and grouping settings. onnxruntime is an optional dependency
+the config and the skeleton of the checkpoint it came from (`CONFIG_KEY`, `SKELETON_KEY`; files
+without a skeleton are COCO), so `PoseEstimator.from_onnx` runs it with the same scales, flip,
+grouping settings and channels. onnxruntime is an optional dependency
 (requirements-export.txt).
 """
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 
 from config.errors import CheckpointError, ConfigError
 from config.schema import Config
+from config.skeleton import from_checkpoint
 
 CONFIG_KEY = "simplepose.config"          # the checkpoint's config, JSON
 KEYPOINTS_KEY = "simplepose.keypoints"    # names of the keypoint rows, JSON (for other runtimes)
+SKELETON_KEY = "simplepose.skeleton"      # `config.skeleton.Skeleton.to_spec()`, JSON
 INPUT_NAME, OUTPUT_NAME = "input", "maps"
 
 
@@ -52,6 +55,8 @@ class OnnxNetwork:
             raise CheckpointError(f"{self.path} is an ONNX file but not one written by export.py "
                                   f"(no {CONFIG_KEY} in its metadata)")
         self.device = torch.device("cpu")        # where the input batch is made
+        spec = self.metadata.get(SKELETON_KEY)
+        self.skeleton = from_checkpoint({"skeleton": json.loads(spec)} if spec else None)
 
     def config(self, sets=(), scales=None, flip: bool | None = None) -> Config:
         """The config stored in the file, with `sets`, `scales` and `flip` applied on top."""

@@ -5,10 +5,11 @@ Per scale s each picture is resized to height s * input_size and padded (bottom,
 network together, each with its mirror image when flipping. The last stack's stride-4 output is
 sampled back to picture pixels (cell (i, j) of the stride-4 map sits at input point
 ((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 - 0.5)), the mirror's output is un-mirrored and its channels
-permuted by CHANNEL_FLIP, and everything is averaged.
+permuted by the network's skeleton's `channel_flip`, and everything is averaged.
 
 The network is anything with `.device` that maps a float32 input batch [B, 3, H, W] to the stride-4
-maps [B, C, H/4, W/4]: `TorchNetwork` (a model of this project) or `inference.onnx_network`.
+maps [B, C, H/4, W/4] and has the `.skeleton` of those C channels: `TorchNetwork` (a model of this
+project) or `inference.onnx_network`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from config.schema import Config
-from config.skeleton import CHANNEL_FLIP
 from data.preprocess import padded_size, pictures_to_batch
 
 
@@ -30,6 +30,7 @@ class TorchNetwork:
 
     def __init__(self, model: torch.nn.Module, device=None):
         self.model = model
+        self.skeleton = model.skeleton          # `models.build_model` gives every model its skeleton
         params = [p for p in model.parameters() if p.is_floating_point()]
         self.device = torch.device(device) if device is not None else params[0].device
         self.dtype = params[0].dtype if params else torch.float32
@@ -80,7 +81,7 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], cfg: Config) -> li
     `model`: a model of this project (in eval mode) or a network of this module.
     """
     network = _as_network(model)
-    flip_index = torch.tensor(CHANNEL_FLIP, device=network.device)
+    flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     totals: list = [None] * len(pictures_bgr)
     for scale in cfg.inference.scales:
         resized = [resize_for_scale(p, scale, cfg.data.input_size) for p in pictures_bgr]

@@ -9,7 +9,8 @@ Layout (names are stable: users freeze and load weights by them):
   the level's output is skip + up. `bottom` is a residual at the deepest scale. The hourglass
   returns D+1 feature maps, stride 4 first.
 - `stacks.{i}.heads.{s}`: per scale two 3x3 convs to `head_channels`, squeeze-excitation
-  (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the 50 output channels.
+  (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the skeleton's output
+  channels (`config.skeleton`: 50 for COCO).
 - `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
   back to the scale's channels by 1x1 conv + BN each: merge_s. merge_0 is added to this stack's
   input to make the next stack's input (inputs accumulate); every merge_s, stride 4 included, is
@@ -33,7 +34,7 @@ from torch import nn
 
 from config.errors import ConfigError
 from config.schema import ModelConfig
-from config.skeleton import NUM_CHANNELS
+from config.skeleton import Skeleton
 from models.blocks import Bottleneck, ConvBN, SqueezeExcitation, Stem
 
 
@@ -134,7 +135,7 @@ def check_model_config(cfg: ModelConfig) -> None:
 class IMHN(nn.Module):
     """The improved hourglass network; see the module docstring for layout and outputs."""
 
-    def __init__(self, cfg: ModelConfig, out_channels: int = NUM_CHANNELS):
+    def __init__(self, cfg: ModelConfig, out_channels: int):
         super().__init__()
         check_model_config(cfg)
         widths = scale_widths(cfg)
@@ -172,13 +173,16 @@ class IMHN(nn.Module):
         return outputs
 
 
-def build_model(cfg: ModelConfig) -> IMHN:
-    """The network of `cfg` (a `ModelConfig`) with the 50 output channels of the skeleton;
+def build_model(cfg: ModelConfig, skeleton: Skeleton) -> IMHN:
+    """The network of `cfg` (a `ModelConfig`) with the output channels of `skeleton`, which it
+    keeps as `model.skeleton` (a plain attribute: not in the state dict) for whoever runs it;
     `ConfigError` when it would hold more than `cfg.max_params_m` million parameters."""
     with torch.device("meta"):           # counted without memory or initialisation
-        count = sum(p.numel() for p in IMHN(cfg, NUM_CHANNELS).parameters())
+        count = sum(p.numel() for p in IMHN(cfg, skeleton.num_channels).parameters())
     if count > cfg.max_params_m * 1e6:
         raise ConfigError(f"option model.max_params_m: the network of these model.* settings has "
                           f"{count / 1e6:,.1f} million parameters, more than the limit of "
                           f"{cfg.max_params_m:g}; raise it with --set model.max_params_m=N if you mean it")
-    return IMHN(cfg, NUM_CHANNELS)
+    model = IMHN(cfg, skeleton.num_channels)
+    model.skeleton = skeleton
+    return model

@@ -6,7 +6,7 @@ For outputs P[i][j] (stack i of S, scale j of J), target G (stride 4) and mask M
     M_j = bilinear resize of M to scale j, values < 0.5 set to 0
     e   = (P - G_j)^2 * w_c * f * M_j          per element
     f   = |1 - P|^gamma where G_j >= focal_threshold, |P|^gamma elsewhere (gamma 0: plain L2)
-    w_c = keypoint_weight on the 18 keypoint maps, mask_weight on the person mask, 1 elsewhere
+    w_c = keypoint_weight on the keypoint maps, mask_weight on the person mask, 1 elsewhere
     L_ij[b] = sum of e over channels and pixels of sample b
     loss[b] = (1 / S) * sum_i sum_j (s_j / sum_k s_k) * L_ij[b]     s = scale_weights
 
@@ -33,21 +33,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.schema import LossConfig
-from config.skeleton import (KEYPOINT_CHANNELS, KEYPOINT_MAX_CHANNEL, LIMB_CHANNELS,
-                             NUM_CHANNELS, PERSON_MASK_CHANNEL)
-
-CHANNEL_GROUPS = {
-    "limbs": LIMB_CHANNELS,
-    "keypoints": KEYPOINT_CHANNELS,
-    "person_mask": slice(PERSON_MASK_CHANNEL, PERSON_MASK_CHANNEL + 1),
-    "keypoint_max": slice(KEYPOINT_MAX_CHANNEL, KEYPOINT_MAX_CHANNEL + 1),
-}
+from config.skeleton import Skeleton
 
 
-def channel_weights(cfg: LossConfig, channels: int = NUM_CHANNELS) -> torch.Tensor:
-    weights = torch.ones(channels)
-    weights[KEYPOINT_CHANNELS] = cfg.keypoint_weight
-    weights[PERSON_MASK_CHANNEL] = cfg.mask_weight
+def channel_groups(skeleton: Skeleton) -> dict:
+    """The channels of each part of the loss, in the layout of `skeleton`."""
+    return {
+        "limbs": skeleton.limb_channels,
+        "keypoints": skeleton.keypoint_channels,
+        "person_mask": slice(skeleton.person_mask_channel, skeleton.person_mask_channel + 1),
+        "keypoint_max": slice(skeleton.keypoint_max_channel, skeleton.keypoint_max_channel + 1),
+    }
+
+
+def channel_weights(cfg: LossConfig, skeleton: Skeleton) -> torch.Tensor:
+    weights = torch.ones(skeleton.num_channels)
+    weights[skeleton.keypoint_channels] = cfg.keypoint_weight
+    weights[skeleton.person_mask_channel] = cfg.mask_weight
     return weights
 
 
@@ -66,14 +68,15 @@ def resize_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 class FocalL2Loss(nn.Module):
     """Multi-task focal L2 over every stack and scale; see the module docstring for the formula."""
 
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, cfg: LossConfig, skeleton: Skeleton):
         super().__init__()
+        self.groups = channel_groups(skeleton)
         self.gamma = float(cfg.gamma)
         self.threshold = float(cfg.focal_threshold)
         self.detach_focal = bool(cfg.focal_detach)
         scale_weights = torch.tensor([float(w) for w in cfg.scale_weights], dtype=torch.float32)
         self.register_buffer("scale_weights", scale_weights / scale_weights.sum(), persistent=False)
-        self.register_buffer("channel_weights", channel_weights(cfg), persistent=False)
+        self.register_buffer("channel_weights", channel_weights(cfg, skeleton), persistent=False)
 
     def element_loss(self, prediction: torch.Tensor, target: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -95,7 +98,7 @@ class FocalL2Loss(nn.Module):
         num_stacks = len(outputs)
         batch = target.shape[0]
         zeros = target.new_zeros(batch)
-        groups = {name: zeros for name in CHANNEL_GROUPS}
+        groups = {name: zeros for name in self.groups}
         scales = [zeros] * len(self.scale_weights)
         stacks = []
         per_scale_targets = []
@@ -110,7 +113,7 @@ class FocalL2Loss(nn.Module):
                 per_channel = self.element_loss(prediction.float(), scale_target,
                                                 scale_mask).sum(dim=(2, 3))          # [B, C]
                 weight = self.scale_weights[j]
-                for name, channels in CHANNEL_GROUPS.items():
+                for name, channels in self.groups.items():
                     groups[name] = groups[name] + per_channel[:, channels].sum(1) * (weight / num_stacks)
                 scale_loss = per_channel.sum(1) * weight
                 scales[j] = scales[j] + scale_loss / num_stacks

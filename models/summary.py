@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call
 
 from config.errors import run_cli
+from config.skeleton import load_skeleton
 
 COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
 
@@ -105,6 +106,8 @@ def _main(argv: list[str] | None = None) -> int:
                         help="breakdown by this many named levels (2: stacks.0.heads)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. model.stacks=2")
+    parser.add_argument("--skeleton", default="coco", metavar="NAME|FILE.yaml",
+                        help="the skeleton whose channels the heads output (default coco)")
     args = parser.parse_args(argv)
     cfg = build_config(args.preset, sets=args.set)
     size = args.input or cfg.data.input_size
@@ -112,7 +115,7 @@ def _main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--input {size}: must be a positive multiple of "
                           f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, load_skeleton(args.skeleton))
     info = summarize(model, size, args.depth)
     print(f"{'module':<28} {'params (M)':>12} {'GMAC':>10}")
     names = list(dict.fromkeys(list(info["params_by_module"]) + list(info["macs_by_module"])))
