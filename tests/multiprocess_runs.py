@@ -27,9 +27,12 @@ if str(REPO) not in sys.path:          # run as a script from tests/
 
 from child_env import child_env                  # noqa: E402
 from config import build_config                  # noqa: E402
+from config.skeleton import builtin              # noqa: E402
 from engine.checkpoint import load_checkpoint    # noqa: E402
 from engine.launch_env import find_free_port     # noqa: E402
 from models import build_model                   # noqa: E402
+
+COCO = builtin("coco")
 
 TIMEOUT_S = 240
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
@@ -77,7 +80,7 @@ def weights(path: Path) -> dict:
 
 def initial_weights() -> dict:
     torch.manual_seed(0)
-    return build_model(build_config("tiny").model).state_dict()
+    return build_model(build_config("tiny").model, COCO).state_dict()
 
 
 def relative_difference(a: dict, b: dict, start: dict, buffers: bool = False) -> float:

@@ -26,6 +26,7 @@ import torch
 
 import train
 from config.loader import build_config
+from config.skeleton import builtin
 from engine.checkpoint import save_checkpoint
 from engine.launch_env import find_free_port
 from models import build_model
@@ -34,6 +35,8 @@ from reference_files import model_entries, reference_file, rule_weights
 from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 
 from conftest import COCO4_DIR as COCO4
+
+COCO = builtin("coco")
 IMAGE = "000000000785.jpg"
 PARALLEL = 6
 
@@ -132,7 +135,7 @@ def h5_inputs(root: Path, train_h5: Path) -> None:
 
 def checkpoint_inputs(root: Path, preset: Path, run_dir: Path) -> None:
     other = build_config(str(preset), sets=["model.stacks=2", "model.increase=8"])
-    save_checkpoint(root / "other_model.pth", {"model": build_model(other.model).state_dict()})
+    save_checkpoint(root / "other_model.pth", {"model": build_model(other.model, COCO).state_dict()})
     data = (run_dir / "last.pth").read_bytes()
     (root / "truncated.pth").write_bytes(data[: len(data) // 2])
     torch.save({"model": Payload(root / "code_ran")}, root / "code.pth")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from config.skeleton import builtin
 from config.errors import ConfigError
 from config.loader import build_config, to_dict, to_yaml
 from engine.checkpoint import save_checkpoint
 from engine.cli import build_parser, config_from_args
 from models import build_model
+
+COCO = builtin("coco")
 
 
 def config_of(*argv):
@@ -35,7 +38,7 @@ def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
 def test_weights_of_another_network_say_which_settings_build_it(tmp_path):
     other = build_config("tiny", sets=["model.channels=48"])
     path = tmp_path / "other.pth"
-    save_checkpoint(path, {"model": build_model(other.model).state_dict(), "config": to_dict(other)})
+    save_checkpoint(path, {"model": build_model(other.model, COCO).state_dict(), "config": to_dict(other)})
     with pytest.raises(ConfigError) as error:
         config_of("--weights", path)
     message = str(error.value)

@@ -18,9 +18,13 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from config.errors import DataError
-from config.skeleton import COCO_TO_OURS, NECK
+from config.skeleton import builtin
 from data.h5format import KeypointH5, check_split
 from data.make_hdf5 import convert, main, main_people
+
+COCO_SKELETON = builtin("coco")
+COCO_TO_OURS = COCO_SKELETON.dataset_index
+NECK = COCO_SKELETON.keypoints.index("neck")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from config.loader import build_config
-from config.skeleton import CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_CHANNELS
+from config.skeleton import builtin
 from data.augment import AugmentParams
 from data.dataset import KeypointDataset
 from data.make_hdf5 import convert
+
+COCO = builtin("coco")
+CHANNEL_FLIP = COCO.channel_flip
+COCO_TO_OURS = COCO.dataset_index
+KEYPOINT_CHANNELS = COCO.keypoint_channels
 
 SIZE = 256
 

@@ -7,9 +7,15 @@ import numpy as np
 import pytest
 
 from config.schema import TargetConfig
-from config.skeleton import CHANNEL_FLIP, KEYPOINT_FLIP, LIMBS, NUM_CHANNELS
+from config.skeleton import builtin
 from data.augment import flip_people
 from data.targets import GAUSSIAN_CUTOFF, render_targets
+
+COCO = builtin("coco")
+CHANNEL_FLIP = COCO.channel_flip
+KEYPOINT_FLIP = COCO.flip
+LIMBS = COCO.limbs
+NUM_CHANNELS = COCO.num_channels
 
 
 def direct_targets(people, height, width, stride, cfg):
@@ -54,7 +60,7 @@ def test_targets_match_their_definition(stride, height, width):
     rng = np.random.default_rng(stride)
     people = random_people(rng, 4, width * stride, height * stride)
     cfg = TargetConfig()
-    target = render_targets(people, height, width, stride, cfg)
+    target = render_targets(people, height, width, stride, cfg, COCO)
     expected = direct_targets(people, height, width, stride, cfg)
     assert target.shape == (NUM_CHANNELS, height, width) and target.dtype == np.float32
     np.testing.assert_allclose(target[:48], expected, atol=1e-6)
@@ -65,7 +71,7 @@ def test_targets_match_their_definition(stride, height, width):
 def test_keypoint_peak_is_at_the_nearest_cell_and_equals_the_gaussian():
     people = np.zeros((1, 18, 3), np.float32)
     people[0, 3] = (101.3, 57.9, 2)
-    target = render_targets(people, 32, 40, 4, TargetConfig())
+    target = render_targets(people, 32, 40, 4, TargetConfig(), COCO)
     i, j = np.unravel_index(target[33].argmax(), target[33].shape)
     assert (i, j) == (round((57.9 + 0.5) / 4 - 0.5), round((101.3 + 0.5) / 4 - 0.5))
     d2 = ((j + 0.5) * 4 - 0.5 - 101.3) ** 2 + ((i + 0.5) * 4 - 0.5 - 57.9) ** 2
@@ -79,32 +85,32 @@ def test_people_combine_by_max_for_keypoints_and_mean_for_limbs():
     one[..., 2] = 2
     twice = np.concatenate([one, one])
     cfg = TargetConfig()
-    np.testing.assert_allclose(render_targets(twice, 40, 40, 4, cfg), render_targets(one, 40, 40, 4, cfg),
-                               atol=1e-6)
+    np.testing.assert_allclose(render_targets(twice, 40, 40, 4, cfg, COCO),
+                               render_targets(one, 40, 40, 4, cfg, COCO), atol=1e-6)
 
 
 def test_flipped_people_give_mirrored_swapped_targets_and_flip_twice_is_identity():
     rng = np.random.default_rng(5)
     size = 128
     people = random_people(rng, 3, size, size)
-    flipped = flip_people(people, size)
-    np.testing.assert_allclose(flip_people(flipped, size), people, atol=1e-4)
+    flipped = flip_people(people, size, COCO.flip)
+    np.testing.assert_allclose(flip_people(flipped, size, COCO.flip), people, atol=1e-4)
     # left/right swap: flipped keypoint k is original KEYPOINT_FLIP[k] mirrored
     k = 2                                                               # r_shoulder
     assert flipped[0, k, 0] == pytest.approx(size - 1 - people[0, KEYPOINT_FLIP[k], 0], abs=1e-4)
     cfg = TargetConfig()
-    direct = render_targets(people, size // 4, size // 4, 4, cfg)
-    mirrored = render_targets(flipped, size // 4, size // 4, 4, cfg)
+    direct = render_targets(people, size // 4, size // 4, 4, cfg, COCO)
+    mirrored = render_targets(flipped, size // 4, size // 4, 4, cfg, COCO)
     np.testing.assert_allclose(mirrored, direct[list(CHANNEL_FLIP)][:, :, ::-1], atol=1e-5)
 
 
 def test_person_mask_channel_is_eroded_and_no_people_give_zeros():
     mask = np.zeros((20, 20), np.float32)
     mask[5:15, 4:12] = 1
-    target = render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), person_mask=mask)
+    target = render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), COCO, person_mask=mask)
     expected = np.zeros_like(mask)
     expected[6:14, 5:11] = 1
     np.testing.assert_array_equal(target[48], expected)
     assert not target[:48].any() and not target[49].any()
     with pytest.raises(ValueError):
-        render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), person_mask=np.ones((10, 10)))
+        render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), COCO, person_mask=np.ones((10, 10)))

@@ -10,12 +10,15 @@ import torch
 import torch.multiprocessing as mp
 
 import evaluate
+from config.skeleton import builtin
 from config.loader import build_config, to_dict
 from engine.checkpoint import save_checkpoint
 from engine.launch_env import find_free_port
 from inference.coco_eval import STAT_NAMES
 from inference.evaluation import evaluate_h5
 from models import build_model
+
+COCO = builtin("coco")
 
 COCO4_IDS = [785, 40083, 196141, 197388]   # in file order
 
@@ -34,7 +37,7 @@ def tiny_checkpoint(tmp_path_factory):
     cfg = build_config("tiny")
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("weights") / "best.pth"
-    save_checkpoint(path, {"model": build_model(cfg.model).state_dict(), "config": to_dict(cfg)})
+    save_checkpoint(path, {"model": build_model(cfg.model, COCO).state_dict(), "config": to_dict(cfg)})
     return path
 
 
@@ -91,7 +94,7 @@ def test_grouping_in_threads_gives_the_results_of_grouping_in_line(coco4_h5):
 
 def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     cfg = build_config("tiny")
-    model = build_model(cfg.model).train()
+    model = build_model(cfg.model, COCO).train()
     stats = evaluate_h5(model, coco4_h5, cfg, torch.device("cpu"), max_images=1, progress=False)
     assert model.training and stats["num_images"] == 1 and set(STAT_NAMES) <= set(stats)
     assert all(p.grad is None for p in model.parameters())
@@ -209,7 +212,7 @@ def test_people_are_drawn_in_their_own_colours():
     people = np.zeros((2, 18, 3), np.float32)
     people[0, 2], people[0, 3] = (20, 20, 1), (20, 60, 1)      # r_shoulder - r_elbow, person 0
     people[1, 2], people[1, 3] = (80, 20, 1), (80, 60, 1)      # person 1
-    picture = draw_people(np.zeros((100, 100, 3), np.uint8), people)
+    picture = draw_people(np.zeros((100, 100, 3), np.uint8), people, COCO)
     first, second = person_colours(2)
     assert first != second
     assert tuple(picture[40, 20]) == first and tuple(picture[40, 80]) == second   # mid-limb

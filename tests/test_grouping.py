@@ -9,21 +9,28 @@ import torch
 
 from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import (CHANNEL_FLIP, COCO_TO_OURS, KEYPOINT_FLIP, LIMBS, NECK, NUM_CHANNELS,
-                             NUM_KEYPOINTS)
-from data.make_hdf5 import to_skeleton
+from config.skeleton import builtin
 from data.targets import render_targets
 from inference import grouping
 from inference.grouping import group_people, limb_connections, to_coco_results
 from inference.peaks import find_peaks, local_maxima
 from inference.predict import predict_maps, resample_to_image
 
+COCO = builtin("coco")
+CHANNEL_FLIP = COCO.channel_flip
+COCO_TO_OURS = COCO.dataset_index
+KEYPOINT_FLIP = COCO.flip
+LIMBS = COCO.limbs
+NECK = COCO.keypoints.index("neck")
+NUM_CHANNELS = COCO.num_channels
+NUM_KEYPOINTS = COCO.num_keypoints
+
 
 def coco4_people(coco4_dir, image_id: int):
     """(people [P,18,3] of the image's annotated people with keypoints, (height, width))."""
     data = json.loads((coco4_dir / "test_coco.json").read_text())
     info = next(img for img in data["images"] if img["id"] == image_id)
-    people = [to_skeleton(a["keypoints"]) for a in data["annotations"]
+    people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
               if a["image_id"] == image_id and a["num_keypoints"] > 0]
     return np.stack(people), (info["height"], info["width"])
 
@@ -159,7 +166,7 @@ def test_limb_connections_equal_a_pair_by_pair_reference(monkeypatch, rounds_fro
     cfg = InferenceConfig(limb_min_ratio=0.4)
     monkeypatch.setattr(grouping, "ROUNDS_FROM", rounds_from)
     monkeypatch.setattr(grouping, "BLOCK_SLACK", block_slack)
-    found = limb_connections(limb_maps, bounds, xy, peak_score, cfg)
+    found = limb_connections(limb_maps, bounds, xy, peak_score, cfg, LIMBS)
     expected = slow_limb_connections(limb_maps, bounds, xy, peak_score, cfg)
     assert sum(map(len, expected)) > len(LIMBS) and not all(expected)
     for mine, theirs in zip(found, expected):
@@ -173,8 +180,8 @@ def test_neck_at_half_pixel_gives_one_person(coco4_dir):
     people[0, 5, :2] = people[0, 2, :2] + (41, 3)     # odd distances: the neck at (x.5, y.5)
     people[0, NECK, :2] = (people[0, 2, :2] + people[0, 5, :2]) / 2
     assert (people[0, NECK, :2] % 1 == 0.5).all()
-    maps = render_targets(people, height, width, 1, TargetConfig())
-    keypoints, scores = group_people(maps, InferenceConfig())
+    maps = render_targets(people, height, width, 1, TargetConfig(), COCO)
+    keypoints, scores = group_people(maps, InferenceConfig(), COCO)
     assert len(keypoints) == 1 and (keypoints[0, :, 2] > 0).sum() == (people[0, :, 2] > 0).sum()
     np.testing.assert_allclose(keypoints[0, NECK, :2], people[0, NECK, :2], atol=0.1)
 
@@ -182,8 +189,8 @@ def test_neck_at_half_pixel_gives_one_person(coco4_dir):
 def test_ground_truth_maps_of_five_people_decode_to_them(coco4_dir):
     people, (height, width) = coco4_people(coco4_dir, 197388)
     assert len(people) == 5
-    maps = render_targets(people, height, width, 1, TargetConfig())
-    keypoints, scores = group_people(maps, InferenceConfig())
+    maps = render_targets(people, height, width, 1, TargetConfig(), COCO)
+    keypoints, scores = group_people(maps, InferenceConfig(), COCO)
     assert keypoints.shape == (5, 18, 3) and scores.shape == (5,)
     assert (np.diff(scores) <= 0).all() and (scores > 0).all()
     assert (match(keypoints, people) <= 1.0).all()
@@ -191,10 +198,10 @@ def test_ground_truth_maps_of_five_people_decode_to_them(coco4_dir):
 
 def test_mirrored_maps_decode_to_mirrored_people(coco4_dir):
     people, (height, width) = coco4_people(coco4_dir, 197388)
-    maps = render_targets(people, height, width, 1, TargetConfig())
+    maps = render_targets(people, height, width, 1, TargetConfig(), COCO)
     mirrored = np.ascontiguousarray(maps[:, :, ::-1][list(CHANNEL_FLIP)])
-    found, _ = group_people(maps, InferenceConfig())
-    found_mirrored, _ = group_people(mirrored, InferenceConfig())
+    found, _ = group_people(maps, InferenceConfig(), COCO)
+    found_mirrored, _ = group_people(mirrored, InferenceConfig(), COCO)
     expected = found[:, list(KEYPOINT_FLIP)]
     expected[:, :, 0] = np.where(expected[:, :, 2] > 0, width - 1 - expected[:, :, 0], 0)
     assert len(found_mirrored) == len(found) == 5
@@ -202,9 +209,9 @@ def test_mirrored_maps_decode_to_mirrored_people(coco4_dir):
 
 
 def test_empty_maps_give_no_people():
-    keypoints, scores = group_people(np.zeros((NUM_CHANNELS, 48, 64), np.float32), InferenceConfig())
+    keypoints, scores = group_people(np.zeros((NUM_CHANNELS, 48, 64), np.float32), InferenceConfig(), COCO)
     assert keypoints.shape == (0, 18, 3) and scores.shape == (0,)
-    assert to_coco_results(7, keypoints, scores) == []
+    assert to_coco_results(7, keypoints, scores, COCO) == []
 
 
 def test_coco_results_drop_the_neck_and_use_coco_order():
@@ -212,7 +219,7 @@ def test_coco_results_drop_the_neck_and_use_coco_order():
     for ours in range(18):
         person[0, ours] = (100 + ours, 200 + ours, 0.9)
     person[0, 13] = 0                                   # l_ankle missing
-    (result,) = to_coco_results(42, person, np.array([0.75], np.float32))
+    (result,) = to_coco_results(42, person, np.array([0.75], np.float32), COCO)
     assert result["image_id"] == 42 and result["category_id"] == 1 and result["score"] == 0.75
     triples = np.array(result["keypoints"]).reshape(17, 3)
     for coco, ours in enumerate(COCO_TO_OURS):
@@ -237,7 +244,7 @@ def tiny_model():
 
     cfg = build_config("tiny")
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, COCO)
     model.reset_parameters(0.05)          # outputs far from constant, so the flip test can fail
     return model.eval(), cfg
 
@@ -246,8 +253,8 @@ def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
     model, cfg = tiny_model
     cfg.inference.flip, cfg.inference.scales = True, [1.0]
     image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu")
-    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu")
+    maps = predict_maps(model, image, cfg, "cpu", COCO)
+    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu", COCO)
     assert maps.shape == (NUM_CHANNELS, 128, 192) and maps.dtype == np.float32
     mirrored = maps[:, :, ::-1][list(CHANNEL_FLIP)]
     np.testing.assert_allclose(maps_of_mirror, mirrored, atol=1e-5 * np.abs(maps).max())
@@ -258,10 +265,10 @@ def test_predict_maps_averages_scales_at_image_size(tiny_model):
     model, cfg = tiny_model
     cfg.inference.flip, cfg.inference.scales = False, [0.5, 1.0]
     image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu")
+    maps = predict_maps(model, image, cfg, "cpu", COCO)
     assert maps.shape == (NUM_CHANNELS, 90, 150)
     singles = []
     for scale in (0.5, 1.0):
         cfg.inference.scales = [scale]
-        singles.append(predict_maps(model, image, cfg, "cpu"))
+        singles.append(predict_maps(model, image, cfg, "cpu", COCO))
     np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)

@@ -9,8 +9,12 @@ import torch.nn.functional as F
 
 from config.loader import build_config
 from config.schema import LossConfig
-from config.skeleton import KEYPOINT_CHANNELS, NUM_CHANNELS
+from config.skeleton import builtin
 from models import FocalL2Loss, build_model
+
+COCO = builtin("coco")
+KEYPOINT_CHANNELS = COCO.keypoint_channels
+NUM_CHANNELS = COCO.num_channels
 
 SIZES = [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)]   # five scales of a 64x64 input
 
@@ -29,7 +33,7 @@ def test_value_matches_the_formula_by_hand(gamma, expected):
     (4 px) 85.1, and 0.25 * 340.4 + 0.75 * 85.1 = 148.925. With gamma 2 every element is also
     multiplied by 0.5^2 = 0.25 -> 37.23125. Both stacks are equal, so their mean is the same.
     """
-    loss_fn = FocalL2Loss(LossConfig(gamma=gamma, scale_weights=[1.0, 3.0]))
+    loss_fn = FocalL2Loss(LossConfig(gamma=gamma, scale_weights=[1.0, 3.0]), COCO)
     target = torch.zeros(1, NUM_CHANNELS, 4, 4)
     target[:, KEYPOINT_CHANNELS.start] = 1.0
     stack = [torch.full((1, NUM_CHANNELS, 4, 4), 0.5), torch.full((1, NUM_CHANNELS, 2, 2), 0.5)]
@@ -40,7 +44,7 @@ def test_value_matches_the_formula_by_hand(gamma, expected):
 
 
 def test_focal_factor_switches_at_the_threshold():
-    loss_fn = FocalL2Loss(LossConfig(gamma=2.0, scale_weights=[1.0]))
+    loss_fn = FocalL2Loss(LossConfig(gamma=2.0, scale_weights=[1.0]), COCO)
     prediction = torch.full((1, NUM_CHANNELS, 1, 1), 0.2)
     below = torch.full((1, NUM_CHANNELS, 1, 1), 0.005)    # G < 0.01: |P|^gamma
     above = torch.full((1, NUM_CHANNELS, 1, 1), 0.02)     # G >= 0.01: |1 - P|^gamma
@@ -53,7 +57,7 @@ def test_focal_factor_switches_at_the_threshold():
 
 @pytest.mark.parametrize("detach,expected_grad", [(False, 2 * 0.1 * 0.4 - 0.1 ** 2), (True, 2 * 0.1 * 0.4)])
 def test_focal_factor_gradient_option(detach, expected_grad):
-    loss_fn = FocalL2Loss(LossConfig(gamma=1.0, scale_weights=[1.0], focal_detach=detach))
+    loss_fn = FocalL2Loss(LossConfig(gamma=1.0, scale_weights=[1.0], focal_detach=detach), COCO)
     prediction = torch.full((1, NUM_CHANNELS, 1, 1), 0.6, requires_grad=True)
     target = torch.full((1, NUM_CHANNELS, 1, 1), 0.5)
     per_sample, _ = loss_fn([[prediction]], target, torch.ones(1, 1, 1, 1))
@@ -63,7 +67,7 @@ def test_focal_factor_gradient_option(detach, expected_grad):
 
 @pytest.mark.parametrize("gamma", [0.0, 1.0, 2.0])
 def test_perfect_prediction_has_zero_loss(gamma):
-    loss_fn = FocalL2Loss(LossConfig(gamma=gamma))
+    loss_fn = FocalL2Loss(LossConfig(gamma=gamma), COCO)
     target = torch.rand(2, NUM_CHANNELS, 16, 16)
     stack = [F.adaptive_avg_pool2d(target, size) for size in SIZES]
     per_sample, parts = loss_fn([stack, stack], target, torch.ones(2, 1, 16, 16))
@@ -74,7 +78,7 @@ def test_perfect_prediction_has_zero_loss(gamma):
 
 def test_masked_region_contributes_nothing_to_loss_or_gradient():
     torch.manual_seed(0)
-    loss_fn = FocalL2Loss(LossConfig(gamma=1.0))
+    loss_fn = FocalL2Loss(LossConfig(gamma=1.0), COCO)
     target = torch.rand(2, NUM_CHANNELS, 16, 16)
     mask = torch.ones(2, 1, 16, 16)
     mask[..., :8] = 0          # left half unsupervised, at every scale
@@ -94,7 +98,7 @@ def test_masked_region_contributes_nothing_to_loss_or_gradient():
 
 def test_batch_loss_is_the_mean_of_its_halves():
     torch.manual_seed(1)
-    loss_fn = FocalL2Loss(LossConfig(gamma=2.0))
+    loss_fn = FocalL2Loss(LossConfig(gamma=2.0), COCO)
     outputs = random_outputs(4)
     target = torch.rand(4, NUM_CHANNELS, 16, 16)
     mask = (torch.rand(4, 1, 16, 16) > 0.2).float()
@@ -107,7 +111,7 @@ def test_batch_loss_is_the_mean_of_its_halves():
 
 def test_parts_add_up_to_the_total():
     torch.manual_seed(2)
-    loss_fn = FocalL2Loss(LossConfig())
+    loss_fn = FocalL2Loss(LossConfig(), COCO)
     per_sample, parts = loss_fn(random_outputs(3), torch.rand(3, NUM_CHANNELS, 16, 16),
                                 torch.ones(3, 1, 16, 16))
     assert all(v.shape == (3,) and v.dtype == torch.float32 for v in parts.values())
@@ -120,8 +124,8 @@ def test_parts_add_up_to_the_total():
 def test_loss_is_float32_under_bfloat16_autocast():
     cfg = build_config("tiny")
     torch.manual_seed(3)
-    model = build_model(dataclasses.replace(cfg.model, stacks=1))
-    loss_fn = FocalL2Loss(cfg.loss)
+    model = build_model(dataclasses.replace(cfg.model, stacks=1), COCO)
+    loss_fn = FocalL2Loss(cfg.loss, COCO)
     target = torch.rand(2, NUM_CHANNELS, 16, 16)
     mask = torch.ones(2, 1, 16, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -8,8 +8,11 @@ import torch
 
 from config.errors import ConfigError
 from config.loader import build_config
-from config.skeleton import NUM_CHANNELS
+from config.skeleton import builtin
 from models import FocalL2Loss, build_model
+
+COCO = builtin("coco")
+NUM_CHANNELS = COCO.num_channels
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,7 @@ def tiny_cfg():
 @pytest.fixture(scope="module")
 def tiny_model(tiny_cfg):
     torch.manual_seed(0)
-    return build_model(tiny_cfg.model)
+    return build_model(tiny_cfg.model, COCO)
 
 
 @pytest.mark.parametrize("height,width", [(64, 64), (128, 128), (192, 128)])
@@ -49,8 +52,8 @@ def test_module_names_are_stable(tiny_model, tiny_cfg):
 
 def test_every_parameter_gets_a_gradient(tiny_cfg):
     torch.manual_seed(1)
-    model = build_model(tiny_cfg.model)
-    loss_fn = FocalL2Loss(tiny_cfg.loss)
+    model = build_model(tiny_cfg.model, COCO)
+    loss_fn = FocalL2Loss(tiny_cfg.loss, COCO)
     outputs = model(torch.rand(2, 3, 64, 64))
     per_sample, _ = loss_fn(outputs, torch.rand(2, NUM_CHANNELS, 16, 16), torch.ones(2, 1, 16, 16))
     per_sample.mean().backward()
@@ -72,7 +75,7 @@ def test_initial_outputs_are_near_zero(tiny_model):
 def test_initialisation_uses_init_std(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg.model, init_std=0.001)
     torch.manual_seed(3)
-    weight = build_model(cfg).stacks[0].hourglass.levels[0].up_conv[0].weight
+    weight = build_model(cfg, COCO).stacks[0].hourglass.levels[0].up_conv[0].weight
     assert abs(weight.std().item() - 0.001) < 0.0002
     assert abs(weight.mean().item()) < 0.0002
 
@@ -91,4 +94,4 @@ def test_model_takes_the_preprocessed_input_as_is(tiny_model):
 def test_impossible_stem_width_names_the_option(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg.model, channels=16, stem_channels=8)
     with pytest.raises(ConfigError, match="model.channels"):
-        build_model(cfg)
+        build_model(cfg, COCO)

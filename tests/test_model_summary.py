@@ -7,14 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from config.skeleton import builtin
 from config.loader import build_config
 from models.imhn import build_model
 from models.summary import count_macs, count_parameters, main
 
+COCO = builtin("coco")
+
 
 def test_imhn_preset_matches_the_paper():
     with torch.device("meta"):
-        model = build_model(build_config("imhn").model)
+        model = build_model(build_config("imhn").model, COCO)
     params = count_parameters(model)
     macs, per_module = count_macs(model, 512)
     assert abs(params / 129.0e6 - 1) < 0.01, params
@@ -36,7 +39,7 @@ def test_cli_ends_with_one_json_line(capsys):
     assert main(["--preset", "tiny", "--input", "128"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
-    model = build_model(build_config("tiny").model)
+    model = build_model(build_config("tiny").model, COCO)
     assert result["parameters"] == count_parameters(model)
     assert result["macs"] == count_macs(model, 128)[0]
     assert any(line.startswith("stacks.0.hourglass") for line in lines[:-1])
@@ -51,7 +54,7 @@ def test_cli_takes_config_like_train_py_and_names_itself(capsys):
     assert main(["--config", "tiny"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["input"] == 128
-    assert result["parameters"] == count_parameters(build_model(build_config("tiny").model))
+    assert result["parameters"] == count_parameters(build_model(build_config("tiny").model, COCO))
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out.startswith("usage: python -m models.summary")

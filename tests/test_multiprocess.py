@@ -24,6 +24,7 @@ import torch
 
 import train
 import train_parallel
+from config.skeleton import builtin
 from config import build_config
 from data.dataset import KeypointDataset
 from engine.checkpoint import load_checkpoint
@@ -34,6 +35,8 @@ from child_env import child_env
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
                                data_args, dumps, initial_weights, launch, ranks_identical, records,
                                relative_difference, weights)
+
+COCO = builtin("coco")
 
 
 # -- the runs -----------------------------------------------------------------------------------
@@ -99,9 +102,9 @@ def first_step_loss(single: Path) -> float:
     batch = next(iter(GlobalBatchSampler(len(dataset), 4, seed=cfg.train.seed)))
     images, target, mask = (torch.stack(t) for t in zip(*(dataset[i] for i in batch)))
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).train()
+    model = build_model(cfg.model, COCO).train()
     with torch.no_grad():
-        return FocalL2Loss(cfg.loss)(model(images), target, mask)[0].mean().item()
+        return FocalL2Loss(cfg.loss, COCO)(model(images), target, mask)[0].mean().item()
 
 
 def test_without_sync_bn_per_rank_batch_statistics_change_the_result(single, ddp_sync, ddp_legacy):
@@ -156,12 +159,12 @@ def test_ddp_validation_on_uneven_shards_counts_every_sample_once(ddp_sync):
     dataset = KeypointDataset(cfg.data.val_h5, cfg, train=False)
     assert len(dataset) == 13
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, COCO)
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
         images, target, mask = (torch.stack(t) for t in zip(*(dataset[i] for i in range(len(dataset)))))
-        expected = FocalL2Loss(cfg.loss)(model(images), target, mask)[0].mean().item()
+        expected = FocalL2Loss(cfg.loss, COCO)(model(images), target, mask)[0].mean().item()
     assert val["loss"] == pytest.approx(expected, rel=1e-5)
     rank0, rank1 = dumps(run_dir)
     mean = sum(s["loss"] for s in rank0["steps"] + rank1["steps"]) / 6

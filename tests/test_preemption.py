@@ -25,11 +25,14 @@ import pytest
 import torch
 
 import train
+from config.skeleton import builtin
 from config.loader import build_config
 from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
 from engine.optim import lr_at
 from child_env import child_env
+
+COCO = builtin("coco")
 
 REPO = Path(__file__).resolve().parents[1]
 # A model of ~20k parameters on 64 px inputs: a step takes a fraction of a second on one core.
@@ -338,5 +341,5 @@ def test_fp16_scaler_overflows_are_skipped_and_counted(tmp_path, synthetic_h5):
     assert [r["skipped_steps"] for r in read_metrics(tmp_path / "fp16")] == [1, 2, 3]
     torch.manual_seed(0)
     from models import build_model
-    initial = build_model(build_config(str(tmp_path / "micro.yaml")).model).state_dict()
+    initial = build_model(build_config(str(tmp_path / "micro.yaml")).model, COCO).state_dict()
     assert all(torch.equal(initial[k], state["model"][k]) for k in initial)   # BatchNorm's stats too

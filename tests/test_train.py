@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import train
+from config.skeleton import builtin
 from config.errors import ConfigError, TrainingDiverged
 from engine.checkpoint import load_checkpoint
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
          "--set", "train.tensorboard=false"]
+
+COCO = builtin("coco")
 
 
 def run(tmp_path, synthetic_h5, *extra):
@@ -63,7 +66,7 @@ def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
     torch.manual_seed(0)
     from config import build_config
     from models import build_model
-    init = build_model(build_config("tiny").model).state_dict()
+    init = build_model(build_config("tiny").model, COCO).state_dict()
     changed = [k for k in init if init[k].is_floating_point() and not torch.equal(init[k], ckpt["model"][k])]
     assert changed, "no weight moved"
     if dtype == "float16" and level != "O0":
@@ -138,7 +141,7 @@ def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
     torch.manual_seed(0)
     from config import build_config
     from models import build_model
-    init = build_model(build_config("tiny").model).state_dict()
+    init = build_model(build_config("tiny").model, COCO).state_dict()
     assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)   # BN statistics included
 
 
