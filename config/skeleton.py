@@ -327,7 +327,8 @@ def infer_from_category(category: dict, source: str) -> tuple[Skeleton, str]:
     names = category.get("keypoints") or []
     links = category.get("skeleton") or []
     if not names:
-        _fail(source, f"the {category.get('name', '?')!r} category lists no keypoint names")
+        _fail(source, f"the {category.get('name', '?')!r} category has 0 keypoint names: not a keypoint "
+              "annotation file")
     known = matching_builtin(names)
     if known is not None:
         return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"

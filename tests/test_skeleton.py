@@ -1,0 +1,247 @@
+"""Skeletons from the data: COCO exactly as before, CrowdPose, inferred ones, fine-tuning across
+skeletons, and every bad skeleton as one error line."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import train
+from config.errors import run_cli
+from config.loader import build_config
+from config.schema import InferenceConfig, TargetConfig
+from config.skeleton import DEFAULT_SIGMA, builtin, from_checkpoint
+from data.dataset import KeypointDataset
+from data.h5format import KeypointH5
+from data.make_hdf5 import convert, main as make_hdf5
+from data.targets import render_targets
+from engine.checkpoint import load_checkpoint, load_weights
+from inference.evaluation import oracle_maps
+from inference.grouping import group_people
+from models import build_model
+
+DIGEST = Path(__file__).resolve().parent / "data" / "coco4_targets_digest.json"
+QUICK = ["--set", "data.workers=0", "--set", "train.tensorboard=false", "--epochs", "1",
+         "--set", "train.max_steps_per_epoch=1", "--batch-size", "2"]
+CROWDPOSE = builtin("crowdpose")
+
+
+# -- COCO: the targets of before, bit for bit ------------------------------------------------------
+def test_coco_builtin_gives_the_targets_of_before_bit_for_bit(coco4_dir, tmp_path):
+    """tests/data/coco4_targets_digest.json was computed by the code before skeletons existed
+    (commit 68f2375): augmented train samples (flips included) of two epochs, centred val samples
+    and the oracle maps at image size."""
+    expected = json.loads(DIGEST.read_text())
+    cfg = build_config("tiny", sets=["augment.flip_prob=0.5"])
+    found = {}
+    for split in ("train", "val"):
+        convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / f"{split}.h5", split=split,
+                progress=False)
+        dataset = KeypointDataset(tmp_path / f"{split}.h5", cfg, train=split == "train")
+        assert dataset.skeleton == builtin("coco")
+        for epoch in (0, 1):
+            dataset.set_epoch(epoch)
+            for i in range(len(dataset)):
+                sample = dataset.sample_arrays(i)
+                digest = hashlib.sha256(sample["target"].tobytes() + sample["people"].tobytes())
+                found[f"{split}/{epoch}/{i}/flip{int(sample['params'].flip)}"] = digest.hexdigest()[:16]
+    h5 = KeypointH5(tmp_path / "val.h5")
+    for img in range(h5.num_images):
+        found[f"oracle/{img}"] = hashlib.sha256(oracle_maps(h5, img, cfg).tobytes()).hexdigest()[:16]
+    assert found == expected
+    assert sum(k.endswith("flip1") for k in found) > 5
+
+
+def test_files_and_checkpoints_without_a_skeleton_are_coco(coco4_dir, tmp_path):
+    path = tmp_path / "old.h5"
+    convert(coco4_dir / "test_coco.json", coco4_dir, path, split="val", progress=False)
+    with h5py.File(path, "a") as f:          # as written before the skeleton was stored
+        del f.attrs["skeleton"]
+    h5 = KeypointH5(path)
+    assert h5.skeleton == builtin("coco") and h5.people(0).shape[1:] == (18, 3)
+    assert from_checkpoint({"model": {}}) == builtin("coco") and builtin("coco").num_channels == 50
+
+
+# -- CrowdPose ------------------------------------------------------------------------------------
+def crowdpose_json(coco4_dir: Path, out: Path) -> Path:
+    """coco4 in CrowdPose's layout: its 14 keypoints and order, head and neck, no area, and the
+    category's skeleton as CrowdPose's files have it (COCO's 1-based links, useless for 14)."""
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    coco = builtin("coco").dataset_keypoints
+    for ann in data["annotations"]:
+        kp = np.asarray(ann["keypoints"], float).reshape(17, 3)
+        rows = [kp[coco.index(n)] for n in CROWDPOSE.dataset_keypoints[:12]]
+        shoulders = kp[[coco.index("left_shoulder"), coco.index("right_shoulder")]]
+        neck = ([*shoulders[:, :2].mean(0), 2] if (shoulders[:, 2] > 0).all() else [0, 0, 0])
+        rows += [kp[coco.index("nose")], neck]                      # head: the nose stands in
+        ann["keypoints"] = np.asarray(rows).reshape(-1).round(2).tolist()
+        ann["num_keypoints"] = int((np.asarray(rows)[:, 2] > 0).sum())
+        ann.pop("area", None)
+    category = dict(data["categories"][0], keypoints=list(CROWDPOSE.dataset_keypoints))
+    data["categories"] = [category]
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_path, capsys):
+    ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
+    for split in ("train", "val"):
+        assert make_hdf5(["--ann", str(ann), "--images", str(coco4_dir), "--out",
+                          str(tmp_path / f"{split}.h5"), "--split", split, "--quiet"]) == 0
+        assert "built-in skeleton crowdpose" in capsys.readouterr().out
+    h5 = KeypointH5(tmp_path / "val.h5")
+    assert h5.skeleton == CROWDPOSE and h5.people(0).shape[1:] == (14, 3)
+    assert all("area" in a for a in h5.annotations(0))        # filled in for COCOeval
+    done = train.main(["--train-h5", str(tmp_path / "train.h5"), "--val-h5", str(tmp_path / "val.h5"),
+                       "--out-dir", str(tmp_path), "--run-name", "cp", "--ap-every", "1", "--set", "train.ap_max_images=2", *QUICK])
+    assert done["step"] == 1 and 0.0 <= done["AP"] <= 1.0
+    ckpt = load_checkpoint(tmp_path / "cp" / "last.pth")
+    assert from_checkpoint(ckpt) == CROWDPOSE
+    channels = {v.shape[0] for k, v in ckpt["model"].items() if k.endswith(".bias")}
+    assert 36 in channels and 50 not in channels                   # 20 limbs + 14 keypoints + 2
+    capsys.readouterr()
+    out = tmp_path / "results.json"
+    assert evaluate.main(["--weights", str(tmp_path / "cp" / "last.pth"), "--h5", str(tmp_path / "val.h5"),
+                          "--out", str(out), "--no-progress", "--max-images", "2"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stats["num_images"] == 2 and 0.0 <= stats["AP"] <= 1.0
+    assert all(len(r["keypoints"]) == 14 * 3 for r in json.loads(out.read_text()))
+
+
+def test_the_oracle_scores_with_the_skeleton_sigmas(coco4_dir, tmp_path, capsys):
+    ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
+    convert(ann, coco4_dir, tmp_path / "val.h5", split="val", progress=False)
+    assert evaluate.main(["--oracle", "--h5", str(tmp_path / "val.h5"), "--preset", "tiny",
+                          "--out", str(tmp_path / "o.json"), "--no-progress"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stats["AP"] > 0.9
+
+
+def test_grouping_decodes_people_of_another_skeleton(coco4_dir):
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    coco = builtin("coco")
+    info = next(img for img in data["images"] if img["id"] == 197388)
+    people = np.stack([coco.from_annotation(a["keypoints"]) for a in data["annotations"]
+                       if a["image_id"] == 197388 and a["num_keypoints"] > 0])
+    # CrowdPose's keypoints taken from COCO's: the nose stands in for the head
+    ours = people[:, [coco.keypoints.index({"head": "nose"}.get(k, k)) for k in CROWDPOSE.keypoints]]
+    height, width = info["height"], info["width"]
+    maps = render_targets(ours, height, width, 1, TargetConfig(), CROWDPOSE)
+    found, scores = group_people(maps, InferenceConfig(), CROWDPOSE)
+    assert found.shape == (5, 14, 3) and (scores > 0).all()
+    for person in ours:
+        labelled = person[:, 2] > 0
+        error = np.abs(found[:, labelled, :2] - person[labelled, :2]).max(axis=(1, 2))
+        assert error.min() <= 1.0
+
+
+# -- inferred skeletons ---------------------------------------------------------------------------
+def test_a_skeleton_is_inferred_from_the_json(coco4_dir, tmp_path, capsys):
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    keep = [0, 5, 6, 9, 10]                     # nose, shoulders, wrists, under other names
+    names = ["snout", "left_paw_top", "right_paw_top", "left_tip", "right_tip"]
+    for ann in data["annotations"]:
+        ann["keypoints"] = np.asarray(ann["keypoints"]).reshape(17, 3)[keep].reshape(-1).tolist()
+        ann.pop("num_keypoints")
+    data["categories"] = [{"id": 1, "name": "person", "keypoints": names,
+                           "skeleton": [[1, 2], [1, 3], [2, 4], [3, 5], [1, 4], [1, 5]]}]
+    ann = tmp_path / "mine.json"
+    ann.write_text(json.dumps(data))
+    assert make_hdf5(["--ann", str(ann), "--images", str(coco4_dir), "--out", str(tmp_path / "m.h5"),
+                      "--split", "val", "--quiet"]) == 0
+    said = capsys.readouterr().out
+    assert "inferred from the JSON" in said and "left_paw_top/right_paw_top" in said
+    assert f"OKS sigma {DEFAULT_SIGMA}" in said
+    skeleton = KeypointH5(tmp_path / "m.h5").skeleton
+    assert skeleton.keypoints[0] == "snout" and skeleton.main_limbs == 4 and skeleton.num_limbs == 6
+    assert skeleton.limbs[:4] == ((0, 1), (0, 2), (0, 3), (0, 4))      # a tree from the best-linked
+    assert skeleton.sigmas == (DEFAULT_SIGMA,) * 5 and skeleton.num_channels == 6 + 5 + 2
+    index = skeleton.keypoints.index
+    assert skeleton.flip[index("left_tip")] == index("right_tip")
+
+
+# -- fine-tuning a COCO model onto another skeleton -------------------------------------------------
+def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic_h5, tmp_path, capsys):
+    coco_train = synthetic_h5[0]
+    train.main(["--train-h5", str(coco_train), "--out-dir", str(tmp_path), "--run-name", "coco", *QUICK])
+    ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
+    convert(ann, coco4_dir, tmp_path / "cp.h5", split="train", progress=False)
+    weights = tmp_path / "coco" / "last.pth"
+    argv = ["--train-h5", str(tmp_path / "cp.h5"), "--out-dir", str(tmp_path), "--weights", str(weights),
+            *QUICK]
+    capsys.readouterr()
+    assert run_cli(train.main, [*argv, "--run-name", "refused"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"error: {weights} was trained on skeleton coco")
+    assert "--allow-partial" in error[0] and not (tmp_path / "refused").exists()
+    train.main([*argv, "--run-name", "tuned", "--allow-partial"])
+    said = capsys.readouterr().out
+    coco_model = load_checkpoint(weights)["model"]
+    tuned = load_checkpoint(tmp_path / "tuned" / "last.pth")
+    assert from_checkpoint(tuned) == CROWDPOSE
+    fresh = sorted(k for k in coco_model if coco_model[k].shape != tuned["model"][k].shape)
+    assert fresh and all(k.endswith((".weight", ".bias")) for k in fresh)
+    assert f"{len(coco_model) - len(fresh)} tensors; {len(fresh)} of another shape start fresh " \
+           f"(--allow-partial): " in said and all(k in said for k in fresh)
+    # everything else came from the COCO model: loaded into a fresh CrowdPose network, it is that
+    model = build_model(build_config("tiny").model, CROWDPOSE)
+    report = load_weights(model, weights, allow_partial=True)
+    assert sorted(n.split(" (")[0] for n in report["mismatched"]) == fresh
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in coco_model.items() if k not in fresh)
+
+
+# -- bad skeletons ----------------------------------------------------------------------------------
+GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
+        "limbs": [["head", "left_hand"], ["head", "right_hand"]]}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"limbs": [["head", "left_hand"], ["head", "tail"]]},
+     "limbs: ['head', 'tail'] names 'tail', which is not a keypoint (keypoints: head, left_hand, right_hand)"),
+    ({"flip": [["left_hand", "right_hand"], ["right_hand", "head"]]},
+     "flip pairs are not symmetric: 'right_hand' pairs with both 'left_hand' and 'head'"),
+    ({"limbs": [["head", "head"], ["head", "left_hand"], ["head", "right_hand"]]},
+     "limbs: ['head', 'head'] joins 'head' to itself"),
+    ({"keypoints": []}, "the skeleton has no keypoints"),
+    ({"flip": [["left_hand", "left_hand"]]},
+     "flip: ['left_hand', 'left_hand'] joins 'left_hand' to itself"),
+    ({"limbs": [["head", "left_hand"]], "flip": []},
+     "keypoint 'right_hand' is unreachable: no chain of limbs joins it to 'head', so the grouping "
+     "could never put it in a person (add a limb)"),
+    ({"limbs": [["head", "left_hand"], ["left_hand", "right_hand"]]},
+     "limb ['head', 'left_hand'] has no mirror limb ['head', 'right_hand'] (add it, or fix the flip pairs)"),
+])
+def test_each_bad_skeleton_is_one_error_line(change, message, coco4_dir, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps(dict(GOOD, **change)))            # JSON is YAML
+    code = make_hdf5(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                      "--out", str(tmp_path / "x.h5"), "--skeleton", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: --skeleton {path}: {message}"]
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_a_skeleton_of_other_keypoints_than_the_json_is_refused(coco4_dir, tmp_path, capsys):
+    code = make_hdf5(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                      "--out", str(tmp_path / "x.h5"), "--skeleton", "crowdpose"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "are not those of skeleton crowdpose" in err[0]
+
+
+def test_training_and_validation_files_of_different_skeletons_are_refused(
+        coco4_dir, synthetic_h5, tmp_path, capsys):
+    ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
+    convert(ann, coco4_dir, tmp_path / "cp_val.h5", split="val", progress=False)
+    code = run_cli(train.main, ["--train-h5", str(synthetic_h5[0]), "--val-h5", str(tmp_path / "cp_val.h5"),
+                       "--out-dir", str(tmp_path), *QUICK])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"error: --val-h5 {tmp_path / 'cp_val.h5'}: its skeleton (crowdpose, 14 "
+                             "keypoints, 36 channels) is not that of --train-h5")
