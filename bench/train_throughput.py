@@ -73,7 +73,7 @@ def synthetic_batches(batch: int, cfg, device):
     """An endless repeat of one batch on the device; sparse targets like real heatmaps."""
     s, o = cfg.data.input_size, cfg.data.input_size // cfg.data.stride
     images = torch.rand(batch, 3, s, s, device=device)
-    target = torch.rand(batch, 50, o, o, device=device)
+    target = torch.rand(batch, builtin("coco").num_channels, o, o, device=device)
     target = target * (target > 0.97)
     mask = torch.ones(batch, 1, o, o, device=device)
     while True:

@@ -332,7 +332,8 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
 
 
 def format_summary(summary: dict) -> str:
-    lines = [summary["skeleton_origin"], f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
+    lines = [summary["skeleton_origin"],
+             f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
              f"{summary['images']} images, {summary['samples']} samples, {summary['people']} people "
              f"with keypoints, {summary['people_without_keypoints']} without, "
              f"{summary['crowd_regions']} crowd regions"]

@@ -4,7 +4,8 @@
 
 Each sample gets two panels: the input with the keypoint maps (their max channel) and the joints
 on the main limbs, and the input with the limb maps (their max), the ignore mask (red) and the
-person-mask outline, all in the channels of the file's skeleton. Samples are drawn exactly as `data.dataset.KeypointDataset` serves them.
+person-mask outline, all in the channels of the file's skeleton. Samples are drawn exactly as
+`data.dataset.KeypointDataset` serves them.
 """
 from __future__ import annotations
 

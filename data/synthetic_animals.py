@@ -17,7 +17,8 @@ NAME = "quadruped"
 BODY, HEAD = (70, 90, 140), (60, 110, 170)
 LIMB_COLOURS = {"ear": (40, 200, 230), "tail": (200, 60, 200), "front": (60, 200, 60),
                 "back": (230, 150, 40)}
-JOINT_COLOURS = {"nose": (20, 20, 220), "neck": (240, 240, 240), "tail_base": (20, 20, 20), "tail_tip": (120, 0, 120),
+JOINT_COLOURS = {"nose": (20, 20, 220), "neck": (240, 240, 240), "tail_base": (20, 20, 20),
+                 "tail_tip": (120, 0, 120),
                  "knee": (220, 40, 40), "paw": (30, 120, 30)}
 
 

@@ -1,7 +1,8 @@
 """COCO keypoint AP of a list of results, scored by pycocotools (iouType='keypoints'), quietly.
 
 The ground truth is a COCO dataset dict (as `data.h5format.KeypointH5.coco_ground_truth()` gives);
-scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No results gives AP 0, not a crash.
+scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No
+results gives AP 0, not a crash.
 """
 from __future__ import annotations
 

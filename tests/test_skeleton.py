@@ -99,7 +99,8 @@ def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_pa
     assert h5.skeleton == CROWDPOSE and h5.people(0).shape[1:] == (14, 3)
     assert all("area" in a for a in h5.annotations(0))        # filled in for COCOeval
     done = train.main(["--train-h5", str(tmp_path / "train.h5"), "--val-h5", str(tmp_path / "val.h5"),
-                       "--out-dir", str(tmp_path), "--run-name", "cp", "--ap-every", "1", "--set", "train.ap_max_images=2", *QUICK])
+                       "--out-dir", str(tmp_path), "--run-name", "cp", "--ap-every", "1",
+                       "--set", "train.ap_max_images=2", *QUICK])
     assert done["step"] == 1 and 0.0 <= done["AP"] <= 1.0
     ckpt = load_checkpoint(tmp_path / "cp" / "last.pth")
     assert from_checkpoint(ckpt) == CROWDPOSE
@@ -204,7 +205,8 @@ GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
 
 @pytest.mark.parametrize("change, message", [
     ({"limbs": [["head", "left_hand"], ["head", "tail"]]},
-     "limbs: ['head', 'tail'] names 'tail', which is not a keypoint (keypoints: head, left_hand, right_hand)"),
+     "limbs: ['head', 'tail'] names 'tail', which is not a keypoint "
+     "(keypoints: head, left_hand, right_hand)"),
     ({"flip": [["left_hand", "right_hand"], ["right_hand", "head"]]},
      "flip pairs are not symmetric: 'right_hand' pairs with both 'left_hand' and 'head'"),
     ({"limbs": [["head", "head"], ["head", "left_hand"], ["head", "right_hand"]]},
