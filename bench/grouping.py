@@ -41,7 +41,7 @@ TARGET_MS_NOISE = {"blurred": 150.0, "pure": 400.0}
 
 
 def load_poses(path: Path) -> list[np.ndarray]:
-    """Poses [18, 3] (COCO) of the labelled people, shifted to their box's top-left, with >= 10 keypoints."""
+    """Poses [18, 3] of the labelled people, shifted to their box's top-left, with >= 10 keypoints."""
     poses = []
     for ann in json.loads(path.read_text())["annotations"]:
         if ann["num_keypoints"] >= 10:
