@@ -35,17 +35,17 @@ from config.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
-_SIDES = {"left": "right", "right": "left", "l": "r", "r": "l"}
+_SIDES = {"left": "right", "right": "left", "l": "r", "r": "l", "Left": "Right", "Right": "Left",
+          "L": "R", "R": "L", "LEFT": "RIGHT", "RIGHT": "LEFT"}
 
 
 def mirror_name(name: str) -> str:
     """`name` with left and right swapped (`left_eye` <-> `right_eye`, `l_knee` <-> `r_knee`)."""
     parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_SIDES.get(p.lower(), p) if p.lower() in _SIDES else p for p in parts]
+    swapped = [_SIDES.get(p, p) for p in parts]
     if swapped == parts:
-        lower = name.lower()
         for side, other in (("left", "right"), ("right", "left")):
-            if lower.startswith(side) and len(name) > len(side) and name[len(side)].isupper():
+            if name.startswith(side) and name[len(side):len(side) + 1].isupper():
                 return other + name[len(side):]      # leftEye <-> rightEye
     return "".join(swapped)
 
