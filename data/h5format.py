@@ -31,8 +31,7 @@ import cv2
 import h5py
 import numpy as np
 
-from config.errors import DataError
-from config.errors import ConfigError
+from config.errors import ConfigError, DataError
 from config.skeleton import Skeleton, builtin
 
 FORMAT_MARKER = "simplepose-keypoints"
