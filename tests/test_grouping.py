@@ -253,8 +253,8 @@ def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
     model, cfg = tiny_model
     cfg.inference.flip, cfg.inference.scales = True, [1.0]
     image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu", COCO)
-    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu", COCO)
+    maps = predict_maps(model, image, cfg, "cpu")
+    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu")
     assert maps.shape == (NUM_CHANNELS, 128, 192) and maps.dtype == np.float32
     mirrored = maps[:, :, ::-1][list(CHANNEL_FLIP)]
     np.testing.assert_allclose(maps_of_mirror, mirrored, atol=1e-5 * np.abs(maps).max())
@@ -265,10 +265,10 @@ def test_predict_maps_averages_scales_at_image_size(tiny_model):
     model, cfg = tiny_model
     cfg.inference.flip, cfg.inference.scales = False, [0.5, 1.0]
     image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu", COCO)
+    maps = predict_maps(model, image, cfg, "cpu")
     assert maps.shape == (NUM_CHANNELS, 90, 150)
     singles = []
     for scale in (0.5, 1.0):
         cfg.inference.scales = [scale]
-        singles.append(predict_maps(model, image, cfg, "cpu", COCO))
+        singles.append(predict_maps(model, image, cfg, "cpu"))
     np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)

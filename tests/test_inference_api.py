@@ -23,11 +23,14 @@ import demo
 import evaluate
 import export
 import inference.estimator
+from config.skeleton import builtin
 from config.loader import build_config, to_dict
 from engine.checkpoint import save_checkpoint
 from inference import Person, PoseEstimator, Prediction
 from inference.grouping import to_coco_results
 from models import build_model
+
+COCO = builtin("coco")
 
 REPO = Path(__file__).resolve().parent.parent
 # Loose grouping, so that the untrained network's small, random maps give people to compare.
@@ -40,7 +43,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny checkpoint whose saved config has the loose grouping and flip on."""
     cfg = build_config("tiny", sets=LOOSE)
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, COCO)
     model.reset_parameters(0.05)           # maps far from constant
     path = tmp_path_factory.mktemp("weights") / "best.pth"
     save_checkpoint(path, {"model": model.state_dict(), "config": to_dict(cfg)})
@@ -106,7 +109,7 @@ def test_the_api_finds_the_people_of_evaluate_py(estimator, checkpoint, coco4_di
     pictures = [cv2.imread(str(coco4_dir / f"{i:012d}.jpg")) for i in image_ids]
     by_api = [result for image_id, people in zip(image_ids, estimator(pictures))
               for result in to_coco_results(image_id, np.array([p.keypoints for p in people]),
-                                            np.array([p.score for p in people]))]
+                                            np.array([p.score for p in people]), COCO)]
     assert len(by_api) >= 40 and by_api == by_evaluate
 
 

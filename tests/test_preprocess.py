@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from config.skeleton import builtin
 from data.augment import warp_image
 from data.dataset import KeypointDataset
 from data.preprocess import GREY, normalise, picture_to_input, pictures_to_batch
 from inference.predict import predict_maps
+
+COCO = builtin("coco")
 
 
 def test_training_warp_and_inference_padding_give_the_same_tensor():
@@ -41,7 +44,7 @@ def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
     image = dataset[0][0]
     assert torch.equal(image, picture_to_input(dataset.sample_arrays(0)["image"]))
     seen = []
-    model = build_model(cfg.model).eval()
+    model = build_model(cfg.model, COCO).eval()
     model.stem.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     picture = np.full((100, 70, 3), 7, np.uint8)
     predict_maps(model, picture, cfg, "cpu")
