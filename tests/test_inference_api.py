@@ -121,8 +121,8 @@ def test_batched_equals_one_by_one(estimator, pictures):
         calls.append(tuple(batch.shape))
         return network(batch)
 
+    counted.device, counted.skeleton = network.device, network.skeleton   # a network's attributes
     batched = PoseEstimator(counted, estimator.cfg)
-    counted.device = network.device
     # two padded sizes among the four pictures at height 128 (widths 256 and 192): two passes of
     # two pictures, each with its mirror
     maps = batched.maps(pictures)
