@@ -58,15 +58,17 @@ def resume_state(reference: dict, source: str, model, optimizer, names: list[str
 def convert(source: str, out: str, cfg: Config) -> dict:
     """Write `source` (the authors' layout) as a checkpoint of this trainer at `out`, its config
     `cfg` included: weights, momentum, loss scale, and the epoch to continue at."""
+    from config.skeleton import builtin
     from engine.optim import build_optimizer
     from models import build_model
 
+    coco = builtin("coco")          # the authors trained on COCO persons
     reference = read_reference(source)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, coco)
     load_weights(model, reference)
     names = [name for name, _ in model.named_parameters()]
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     state = resume_state(reference, source, model, optimizer, names, cfg, strict=False)
-    state.update(model=model.state_dict(), config=to_dict(cfg), best_metric=None)
+    state.update(model=model.state_dict(), config=to_dict(cfg), best_metric=None, skeleton=coco.to_spec())
     save_checkpoint(out, state)
     return state

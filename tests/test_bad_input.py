@@ -139,7 +139,7 @@ def checkpoint_inputs(root: Path, preset: Path, run_dir: Path) -> None:
     data = (run_dir / "last.pth").read_bytes()
     (root / "truncated.pth").write_bytes(data[: len(data) // 2])
     torch.save({"model": Payload(root / "code_ran")}, root / "code.pth")
-    tiny = build_model(build_config("tiny").model)        # the authors' layout, for the tiny network
+    tiny = build_model(build_config("tiny").model, COCO)        # the authors' layout, for the tiny network
     reference_file(root / "authors_tiny.pth", rule_weights(model_entries(tiny, tiny.config.depth)))
 
 

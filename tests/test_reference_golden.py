@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from config.skeleton import builtin
 from config.loader import build_config
 from data.preprocess import picture_to_input
 from engine.checkpoint import load_weights
 from models import build_model
 from models.reference import PREFIX
 from reference_files import GOLDEN, model_entries, rule_weights, tsv_entries
+
+COCO = builtin("coco")
 
 TOLERANCE = 1e-6
 
@@ -24,7 +27,7 @@ def test_our_layout_maps_onto_every_reference_tensor_in_its_order():
     the file's own order (which is also the order of its optimiser's parameter indices)."""
     cfg = build_config("imhn512").model
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg, COCO)
     assert model_entries(model, cfg.depth) == tsv_entries()
     assert len(tsv_entries()) == 1560
 
@@ -45,7 +48,7 @@ def test_imhn_reproduces_the_reference_outputs_in_eval_and_train_mode():
     golden = np.load(GOLDEN)
     cfg = build_config("imhn").model
     with torch.device("meta"):                  # no initialisation: every tensor is loaded below
-        model = build_model(cfg)
+        model = build_model(cfg, COCO)
     model = model.to_empty(device="cpu").double()
     weights = rule_weights(tsv_entries(), int(golden["salt"]), torch.float64)
     report = load_weights(model, {"weights": {PREFIX + k: v for k, v in weights.items()}})
@@ -66,7 +69,7 @@ def test_imhn_reproduces_the_reference_outputs_in_eval_and_train_mode():
 def test_reference_order_puts_the_bottom_residual_after_the_deepest_level(depth):
     """Any hourglass depth maps: the bottom residual is slot 4 of the deepest level."""
     cfg = dataclasses.replace(build_config("tiny").model, depth=depth)
-    model = build_model(cfg)
+    model = build_model(cfg, COCO)
     keys = [k for k, _ in model_entries(model, depth)]
     bottom = [k for k in keys if k.startswith(f"hourglass.0.hg.{depth - 1}.4.")]
     assert bottom and keys.index(bottom[0]) > keys.index(f"hourglass.0.hg.{depth - 1}.3.bn.weight")

@@ -15,6 +15,7 @@ import evaluate
 import train
 import train_distributed
 import train_parallel
+from config.skeleton import builtin
 from config.errors import run_cli
 from config.loader import build_config
 from config.schema import AmpConfig
@@ -26,6 +27,8 @@ from models.convert_reference import main as convert_main
 from models.reference import FIRST_CONV, parameter_keys, to_reference
 from reference_files import model_entries, reference_file, rule_weights, tsv_entries
 
+COCO = builtin("coco")
+
 APEX = {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 37}}
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=1", "--batch-size", "2",
          "--set", "train.tensorboard=false", "--val-every", "0", "--set", "train.ap_every=0"]
@@ -34,7 +37,7 @@ QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=1", "--b
 @pytest.fixture(scope="module")
 def tiny():
     cfg = build_config("tiny").model
-    model = build_model(cfg)
+    model = build_model(cfg, COCO)
     return cfg, model, rule_weights(model_entries(model, cfg.depth))
 
 
@@ -48,7 +51,7 @@ def tiny_reference(tiny, tmp_path_factory):
 
 def test_the_authors_weights_load_with_names_mapped_and_the_first_conv_flipped(tiny, tiny_reference):
     cfg, _, weights = tiny
-    model = build_model(cfg)
+    model = build_model(cfg, COCO)
     report = load_weights(model, tiny_reference)
     assert report["converted"] and not report["missing"] and not report["unexpected"]
     state = model.state_dict()
@@ -82,7 +85,7 @@ def test_another_shape_names_the_settings_that_differ(script, tiny_reference, tm
     # where the network is built first (evaluate.py, demo.py with --set), the loader says the same
     cfg = build_config("tiny", sets=["model.stacks=3"]).model
     with pytest.raises(Exception, match=r"other settings \(model.stacks 2 there, 3 here\)"):
-        load_weights(build_model(cfg), tiny_reference)
+        load_weights(build_model(cfg, COCO), tiny_reference)
 
 
 def test_full_imhn_layout_loads_and_is_told_which_preset_builds_it(tmp_path, capsys):
@@ -95,7 +98,7 @@ def test_full_imhn_layout_loads_and_is_told_which_preset_builds_it(tmp_path, cap
     code = run_cli(train.main, ["--weights", str(path), "--out-dir", str(tmp_path)])   # tiny preset
     err = capsys.readouterr().err
     assert code == 2 and "model.stacks 4 there, 2 here" in err and "add --config imhn512 to build it" in err
-    model = build_model(build_config("imhn512").model)
+    model = build_model(build_config("imhn512").model, COCO)
     report = load_weights(model, path)
     assert report["converted"] and report["loaded"] == len(model.state_dict())
     assert torch.equal(model.stem.conv[0].weight, weights["pre.conv1.weight"].flip(1))
@@ -111,7 +114,7 @@ def test_converter_writes_a_checkpoint_of_this_trainer(tiny, tiny_reference, tmp
     state = load_checkpoint(out)
     assert state["config"]["model"] == build_config("tiny").model.__dict__ and state["epoch"] == 8
     assert state["scaler"] == {"scale": 512.0, "_growth_tracker": 37}
-    model = build_model(cfg)
+    model = build_model(cfg, COCO)
     load_weights(model, state)
     keys = parameter_keys(model, cfg.depth)              # reference parameter index -> our name
     ours = [name for name, _ in model.named_parameters()]
@@ -166,7 +169,7 @@ def test_resume_reference_continues_the_authors_run(tiny_reference, synthetic_h5
     assert last["epoch"] == 9 and last["step"] == 9
     assert last["scaler"]["scale"] in (512.0, 256.0)
     # their buffer of parameter index i was filled with i: one step later it is 0.9 i + gradient
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, COCO)
     ours = [name for name, _ in model.named_parameters()]
     means = [float(last["optimizer"]["state"][ours.index(key)]["momentum_buffer"].mean())
              for key in parameter_keys(model, cfg.model.depth)]
