@@ -46,9 +46,10 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 # -- reading the COCO JSON -------------------------------------------------------------------------
 def _keypoint_category(data: dict, ann_path: Path) -> dict:
     """The category annotated with keypoints: `person`, else the only one listing keypoints."""
-    persons = [c for c in data["categories"] if c.get("name") == "person"]
+    categories = [c for c in data["categories"] if isinstance(c, dict)]
+    persons = [c for c in categories if c.get("name") == "person"]
     if not persons:
-        persons = [c for c in data["categories"] if c.get("keypoints")]
+        persons = [c for c in categories if c.get("keypoints")]
         if len(persons) != 1:
             raise DataError(f"{ann_path}: no 'person' category among the categories, and "
                             f"{len(persons)} categories list keypoints (one is needed)")
@@ -89,24 +90,21 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
         raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
     category = _keypoint_category(data, ann_path)
     skeleton, origin = choose_skeleton(category, ann_path, skeleton)
-    if isinstance(data["annotations"], list):
-        data["annotations"] = [_with_eval_fields(a) if isinstance(a, dict) else a
-                               for a in data["annotations"]]
+    annotations = data["annotations"] if isinstance(data["annotations"], list) else []
+    if annotations and not any(isinstance(a, dict) and "area" in a for a in annotations):
+        for ann in annotations:          # a layout without areas (CrowdPose's): COCOeval needs them
+            _add_box_area(ann)
     selection = select_valid(data, category.get("id"), images_dir, skip_bad, ann_path, DataError,
                              len(skeleton.dataset_keypoints))
     return category, selection, skeleton, origin
 
 
-def _with_eval_fields(ann: dict) -> dict:
-    """The annotation with what COCOeval reads and some datasets leave out (CrowdPose has no
-    area): iscrowd 0, area of the box, num_keypoints counted."""
-    box, points = ann.get("bbox"), ann.get("keypoints")
-    if all(k in ann for k in ("iscrowd", "area", "num_keypoints")) or not isinstance(box, list):
-        return ann                                   # (a bad box is data.coco_checks' to report)
-    numbers = len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
-    labelled = sum(1 for v in points[2::3] if v != 0) if isinstance(points, list) else 0
-    return dict({"iscrowd": 0, "area": float(box[2] * box[3]) if numbers else None,
-                 "num_keypoints": labelled}, **ann)
+def _add_box_area(ann) -> None:
+    """`area` = the box's area, for files that give none at all (one missing among others is an
+    error of `data.coco_checks`, as is a bad box)."""
+    box = ann.get("bbox") if isinstance(ann, dict) else None
+    if isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box):
+        ann["area"] = float(box[2] * box[3])
 
 
 # -- images ----------------------------------------------------------------------------------------
