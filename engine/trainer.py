@@ -161,10 +161,10 @@ class Trainer:
                  f"{cfg.train.batch_size} in total"
                  + (f", {accumulate} batches per step ({cfg.train.batch_size * accumulate} samples)"
                     if accumulate > 1 else "") + f"; {self.precision.describe()}")
-        self.say(f"data: {self.skeleton.describe()}; {len(self.train_set)} training samples from "
-                 f"{self.train_h5}"
+        self.say(f"data: {len(self.train_set)} training samples from {self.train_h5}"
                  + (f", {len(self.val_set)} validation samples from {self.val_h5}" if self.val_set
-                    else "; no --val-h5, so no validation loss, no AP and no best.pth"))
+                    else "; no --val-h5, so no validation loss, no AP and no best.pth")
+                 + f"; {self.skeleton.describe()}")
         self.say(f"parameters: {n_train:,} trainable of {n_all:,}"
                  + (f" ({counts['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if counts else ""))
 
