@@ -10,6 +10,7 @@ Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
 from config.errors import UserError
 from engine import distributed as dist
+from engine.backend import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main
 from engine.trainer import Launch, Trainer
 
@@ -22,7 +23,7 @@ def main(argv=None) -> dict:
     cfg = config_from_args(args)
     ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
     try:
-        wrap = lambda module: dist.wrap_ddp(module, ctx, cfg.dist)  # noqa: E731
+        wrap = lambda module: wrap_ddp(module, ctx, cfg)  # noqa: E731
         return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp")).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)

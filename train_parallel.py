@@ -10,6 +10,7 @@ from torch import nn
 from tqdm import tqdm
 
 from config.errors import ConfigError
+from engine.backend import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
 
@@ -35,6 +36,7 @@ def main(argv=None) -> dict:
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel")).fit()
     ids = _gpu_ids(args.gpus)
+    check_data_parallel(cfg, len(ids))
     if cfg.train.batch_size % len(ids):
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
                           f"{len(ids)} GPUs")

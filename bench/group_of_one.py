@@ -1,5 +1,7 @@
 """Train through a real process group of ONE rank: DDP, ZeRO, SyncBN and the backend's collectives
-built and run on a single device (NCCL on one GPU; gloo on a CPU, to check the script).
+built and run on a single device (NCCL on one GPU; gloo on a CPU, to check the script). With
+`--amp-backend apex` the DDP and SyncBN are apex.parallel's (engine.backend chooses, as in
+train_distributed.py).
 
 A 1-process `torchrun` creates no process group (world size 1 trains as a single process), so it
 exercises none of the multi-process code; this script joins a group of one on purpose and then
@@ -20,6 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import distributed as dist                      # noqa: E402
+from engine.backend import wrap_ddp                         # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from engine.launch_env import find_free_port                # noqa: E402
 from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
@@ -38,10 +41,11 @@ def main(argv=None) -> dict:
                                   device_id=ctx.device if ctx.backend == "nccl" else None)
     ctx.distributed = True
     try:
-        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: dist.wrap_ddp(m, ctx, cfg.dist), mode="ddp"))
-        sync_bn = sum(isinstance(m, SYNC_BN) for m in trainer.model.modules())
+        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg), mode="ddp"))
+        sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
+                      for m in trainer.model.modules())
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "
-              f"{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
+              f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
               f"{sync_bn} SyncBN layers", flush=True)
         return trainer.fit()
     finally:

@@ -101,6 +101,7 @@ class AmpConfig:
                                          # H100, bench/RESULTS.md), off on CPU
     compile: bool = False         # torch.compile the model
     tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
+    backend: str = "native"       # native (torch.amp) | apex (NVIDIA Apex's amp, where installed)
 
 
 @dataclass
@@ -238,5 +239,5 @@ BOUNDS = {
 CHOICES = {
     "optim.name": ("sgd", "adamw"), "amp.opt_level": ("O0", "O1", "O2", "O3"),
     "amp.dtype": ("auto", "float16", "bfloat16"), "amp.channels_last": ("auto", True, False),
-    "amp.keep_batchnorm_fp32": (None, True, False),
+    "amp.keep_batchnorm_fp32": (None, True, False), "amp.backend": ("native", "apex"),
 }

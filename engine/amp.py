@@ -11,6 +11,11 @@ Loss scaling is only needed for float16 (bfloat16 has float32's range): with flo
 early) or static (a number); either way a step whose gradients overflow is skipped. With
 bfloat16 the scaler is disabled and saves an empty state. `Precision` owns all of this, so the
 engine calls the same five methods whatever the level.
+
+`Precision`'s public methods are the contract of a precision backend: `engine.apex_backend`'s
+`ApexPrecision` (`amp.backend: apex`) implements the same ones with NVIDIA Apex, and
+`engine.backend.build_precision` chooses. `attach` is called once the optimiser exists (Apex's
+`amp.initialize` needs both); here it changes nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from torch import nn
 
 from config.schema import AmpConfig
+from engine.loss_scale_state import grad_scaler_fields
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
@@ -72,14 +78,16 @@ class Precision:
                               else bool(cfg.channels_last))
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
-        use_scaler = self.level != "O0" and self.dtype == torch.float16
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
+        self.scaler = self._build_scaler(cfg)
+
+    def _build_scaler(self, cfg: AmpConfig):
+        use_scaler = self.level != "O0" and self.dtype == torch.float16
         init = self.static_scale or cfg.init_scale
         scaler_type = (_HalfParamsGradScaler if self.cast_model and not self.master_weights
                        else torch.amp.GradScaler)
-        self.scaler = scaler_type(
-            self.device_type, enabled=use_scaler, init_scale=init,
-            growth_interval=2 ** 30 if self.static_scale else 2000)
+        return scaler_type(self.device_type, enabled=use_scaler, init_scale=init,
+                           growth_interval=2 ** 30 if self.static_scale else 2000)
 
     def describe(self) -> str:
         text = f"opt level {self.level}"
@@ -103,10 +111,7 @@ class Precision:
         if self.master_weights:
             self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
                            for p in model.parameters() if p.requires_grad]
-            # frozen weights keep their float32 values for the checkpoint: a half copy saved as
-            # float32 would lose up to 1e-4 per fine-tune, compounding over chained ones
-            self._frozen_float32 = {id(p): p.detach().clone().float()
-                                    for p in model.parameters() if not p.requires_grad}
+            self._keep_frozen_float32(model)
         for module in model.modules():
             if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
                 continue
@@ -116,6 +121,16 @@ class Precision:
                 if buf.is_floating_point():
                     setattr(module, name, buf.to(self.dtype))
         return model
+
+    def _keep_frozen_float32(self, model: nn.Module) -> None:
+        """Frozen weights keep their float32 values for the checkpoint: a half copy saved as float32
+        would lose up to 1e-4 per fine-tune, compounding over chained ones."""
+        self._frozen_float32 = {id(p): p.detach().clone().float()
+                                for p in model.parameters() if not p.requires_grad}
+
+    def attach(self, model: nn.Module, optimizer):
+        """Called once the optimiser exists; the native backend has nothing to add."""
+        return model, optimizer
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
@@ -178,7 +193,9 @@ class Precision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved scaler state; fields it lacks (a converted Apex state has only the scale and the
-        steps since the last overflow) keep this scaler's values."""
+        """A saved scaler state, GradScaler's or Apex's (`engine.loss_scale_state`); fields it lacks
+        (an Apex state has only the scale and the steps since the last overflow) keep this
+        scaler's values."""
+        state = grad_scaler_fields(state)
         if state and self.scaler.is_enabled():
             self.scaler.load_state_dict({**self.scaler.state_dict(), **state})

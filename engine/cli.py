@@ -34,7 +34,7 @@ FLAG_KEYS = {
     "warmup_epochs": "optim.warmup_epochs",
     "opt_level": "amp.opt_level", "keep_batchnorm_fp32": "amp.keep_batchnorm_fp32",
     "loss_scale": "amp.loss_scale", "amp_dtype": "amp.dtype",
-    "channels_last": "amp.channels_last", "compile": "amp.compile",
+    "channels_last": "amp.channels_last", "compile": "amp.compile", "amp_backend": "amp.backend",
     "sync_bn": "dist.sync_bn", "delay_allreduce": "dist.delay_allreduce", "zero": "dist.zero",
 }
 
@@ -109,6 +109,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--channels-last", type=_bool, nargs="?", const=True, metavar="True|False",
                    help="NHWC memory format for model and inputs (default: on for CUDA, off on CPU)")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    g.add_argument("--amp-backend", metavar="native|apex",
+                   help="native: torch.amp (default); apex: NVIDIA Apex's amp.initialize, "
+                        "apex.parallel DDP and SyncBN (Apex 25.04 or older, CUDA only)")
     g = p.add_argument_group("multi-process")
     g.add_argument("--sync-bn", action="store_true", default=None, help="batch norm over all processes")
     g.add_argument("--delay-allreduce", action="store_true", default=None,
@@ -221,6 +224,15 @@ def _preset_model(preset: str) -> dict | None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The run's config from the flags; a backend that cannot run here (`--amp-backend apex`
+    without Apex, CUDA, ...) is refused now, before anything is built."""
+    from engine.backend import check_backend
+    cfg = _resolve_config(args)
+    check_backend(cfg)
+    return cfg
+
+
+def _resolve_config(args: argparse.Namespace):
     overrides: dict = {}
     for dest, key in FLAG_KEYS.items():
         value = getattr(args, dest, None)

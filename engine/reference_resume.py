@@ -15,7 +15,8 @@ from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.schema import Config
 from engine.checkpoint import load_weights, read_reference, save_checkpoint
-from models.reference import momentum_by_name, scaler_state
+from engine.loss_scale_state import grad_scaler_fields
+from models.reference import momentum_by_name
 
 
 def _param_groups(optimizer) -> list[dict]:
@@ -45,7 +46,7 @@ def resume_state(reference: dict, source: str, model, optimizer, names: list[str
             momentum = momentum_by_name(saved, model, cfg.model.depth)
         except ValueError as exc:
             raise CheckpointError(f"{source}: its optimiser state does not fit the model ({exc})") from None
-    epoch, scaler = reference.get("epoch"), scaler_state(reference.get("amp")) or {}
+    epoch, scaler = reference.get("epoch"), grad_scaler_fields(reference.get("amp"))
     state = {i: {"momentum_buffer": momentum[n].clone()} for i, n in enumerate(names) if n in momentum}
     origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
               else f"the authors' run: no momentum, optim.name is {cfg.optim.name}")

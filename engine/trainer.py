@@ -24,7 +24,8 @@ from config.loader import to_dict
 from config.schema import Config
 from config.skeleton import Skeleton, from_checkpoint
 from engine import distributed as dist
-from engine.amp import Precision, cudnn_autotuning_off, set_cuda_backends
+from engine.amp import cudnn_autotuning_off, set_cuda_backends
+from engine.backend import build_precision, convert_sync_bn
 from engine.checkpoint import (capture_rng_state, check_resumable, find_latest_checkpoint,
                                load_checkpoint, load_weights, read_file, read_reference,
                                remove_stale_temps, restore_rng_state, save_checkpoint, unwrap_model)
@@ -108,13 +109,18 @@ class Trainer:
         counts = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
         dist.seed_everything(cfg.train.seed, ctx.rank)
         if cfg.dist.sync_bn and ctx.distributed:
-            from engine.sync_bn import convert_sync_bn
-            model = convert_sync_bn(model, ctx)
+            model = convert_sync_bn(model, ctx, cfg)
         model = model.to(ctx.device)
         set_cuda_backends(cfg.amp, cfg.train.cudnn_benchmark)
-        self.precision = Precision(cfg.amp, ctx.device)
+        self.precision = build_precision(cfg.amp, ctx.device)
         model = self.precision.prepare_model(model)
         trainable = trainable_parameters(model)
+        self.opt_params = self.precision.optimizer_params(trainable)
+        self.optimizer = build_optimizer(self.opt_params, cfg.optim, zero=cfg.dist.zero and ctx.distributed,
+                                         device_type=ctx.device.type)
+        # before any wrapper (Apex's amp.initialize refuses a wrapped model); Apex O2: its masters
+        model, self.optimizer = self.precision.attach(model, self.optimizer)
+        self.opt_params = self.precision.optimizer_params(trainable)
         self.model = model
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
@@ -126,9 +132,6 @@ class Trainer:
         # batch would each be compiled again, minutes apiece
         eval_model = ModelWithLoss(model, loss, self.precision) if cfg.amp.compile else self.model_with_loss
         self.eval_net = launch.wrap(eval_model) if launch.wrapped_eval else eval_model
-        self.opt_params = self.precision.optimizer_params(trainable)
-        self.optimizer = build_optimizer(self.opt_params, cfg.optim, zero=cfg.dist.zero and ctx.distributed,
-                                         device_type=ctx.device.type)
 
         self.epoch, self.start_batch, self.step = 0, 0, 0
         self.best_metric, self.bad_validations, self.skipped_total, self.bad_streak = None, 0, 0, 0

@@ -182,11 +182,3 @@ def momentum_by_name(optimizer_state: dict, model: nn.Module, depth: int) -> dic
         found[key] = buffer.flip(1) if key == FIRST_CONV else buffer
     return found
 
-
-def scaler_state(amp_state) -> dict | None:
-    """An Apex amp state {'loss_scaler0': {'loss_scale': S, 'unskipped': N}} as the fields of
-    torch's GradScaler state (scale, and steps since the last overflow), or None."""
-    scaler = amp_state.get("loss_scaler0") if isinstance(amp_state, dict) else None
-    if not isinstance(scaler, dict) or "loss_scale" not in scaler:
-        return None
-    return {"scale": float(scaler["loss_scale"]), "_growth_tracker": int(scaler.get("unskipped", 0))}

@@ -1,0 +1,177 @@
+"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, DDP and SyncBN.
+
+What the reference ran, for users whose Apex still has `amp` (25.04 and older; checked by
+`engine.backend.check_backend` before anything is built). `ApexPrecision` keeps the contract of
+`engine.amp.Precision`, so the engine's step is the same code for both backends:
+
+- `attach`: `amp.initialize(model, optimizer, opt_level, keep_batchnorm_fp32, loss_scale)`. Apex
+  casts the model itself (O2/O3) and patches its forward to cast inputs to float16 and outputs
+  to float32; under O1 it patches torch's functions. A dynamic scale starts at `amp.init_scale`
+  (given to Apex through `amp.load_state_dict`), as the native one does.
+- `backward`: `amp.scale_loss(..., delay_unscale=True)` for every batch of the step; `unscale_`
+  then closes the step with one `amp.scale_loss` exit that unscales what they accumulated (into
+  the float32 master gradients under O2), checks for overflow and updates the scale: the same as
+  passing delay_unscale=False on the last batch, without the engine telling which one is last.
+- Clipping and the gradient norm use `amp.master_params(optimizer)` (`optimizer_params` after
+  `attach`). When Apex finds an overflow it has already decided to skip the step; `unscale_`
+  then marks the gradients non-finite, so the engine's skip vote, its count of skipped steps and
+  its restore of the BatchNorm statistics agree with Apex, and `step` lets Apex's skip run.
+- Checkpoints: weights in float32 (O2: the master values; frozen weights: their float32 values
+  from before Apex cast them), the optimiser state by index as the native backend saves it, and
+  `amp.state_dict()` as the `scaler` entry. Either layout loads in either backend
+  (`engine.loss_scale_state`).
+- `apex_ddp` and `apex_sync_bn` are `apex.parallel.DistributedDataParallel` (with `no_sync` for
+  gradient accumulation, through its `disable_allreduce`) and `apex.parallel.convert_syncbn_model`.
+
+Apex is imported only here and only when this backend is chosen; it is never a dependency.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+from torch import nn
+
+from config.schema import AmpConfig, DistConfig
+from engine.amp import Precision
+from engine.loss_scale_state import apex_amp_state
+
+
+def _apex(name: str):
+    return importlib.import_module(f"apex.{name}")
+
+
+class ApexPrecision(Precision):
+    """`Precision`'s contract on Apex's amp (float16 only; CUDA only)."""
+
+    def __init__(self, cfg: AmpConfig, device: torch.device):
+        super().__init__(cfg, device)
+        self.amp = _apex("amp")
+        self.dtype = torch.float16 if self.level != "O0" else torch.float32
+        self.init_scale = cfg.init_scale
+        self.dynamic = self.level != "O0" and self.static_scale is None
+        self._attached = False
+        self._apex_skips = False        # Apex found an overflow and patched this step into a skip
+        self._zero = torch.zeros((), device=device)
+
+    def _build_scaler(self, cfg: AmpConfig):
+        return None                     # Apex's loss scaler replaces GradScaler
+
+    def describe(self) -> str:
+        text = f"Apex amp {self.level}"
+        if self.level != "O0":
+            text += {"O1": ", torch functions patched to float16",
+                     "O2": ", model in float16, float32 master weights",
+                     "O3": ", model in float16"}[self.level]
+            if self.cast_model:
+                text += ", BatchNorm in float32" if self.keep_bn_fp32 else ", BatchNorm in float16"
+            text += (f", dynamic loss scale from {self.init_scale:g}" if self.dynamic
+                     else f", loss scale {self.static_scale:g}")
+        return text + (", channels_last" if self.channels_last else "")
+
+    # -- model and optimiser ------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """channels_last only: amp.initialize casts the model (it must receive it in float32)."""
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.master_weights:
+            self._keep_frozen_float32(model)
+        return model
+
+    def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Before `attach`: the model's trainable parameters (the optimiser is built on them, and
+        Apex swaps in its float32 copies under O2); after: `amp.master_params`, what it steps."""
+        if not self._attached:
+            return trainable
+        return list(self.amp.master_params(self._optimizer))
+
+    def attach(self, model: nn.Module, optimizer):
+        cast = self.level in ("O2", "O3")
+        loss_scale = None if self.level == "O0" else ("dynamic" if self.dynamic else self.static_scale)
+        model, optimizer = self.amp.initialize(
+            model, optimizer, opt_level=self.level, keep_batchnorm_fp32=self.keep_bn_fp32 if cast else None,
+            loss_scale=loss_scale, verbosity=0)
+        if self.dynamic:          # Apex starts at 2**16; the run's config says where to start
+            self.amp.load_state_dict({"loss_scaler0": {"loss_scale": float(self.init_scale), "unskipped": 0}})
+        if self.master_weights:
+            # Apex makes its float32 master copies lazily; its zero_grad makes them now, in the
+            # optimiser's order, so model parameter i pairs with master i
+            halves = list(self.amp.master_params(optimizer))
+            optimizer.zero_grad()
+            self._pairs = list(zip(halves, self.amp.master_params(optimizer)))
+        self._optimizer, self._attached = optimizer, True
+        return model, optimizer
+
+    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
+        """Apex's patched forward casts the input (O2/O3); only the memory format is set here."""
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
+
+    def autocast_context(self):
+        return contextlib.nullcontext()        # O1's casts are Apex's patched torch functions
+
+    # -- the step -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.amp.scale_loss(loss, self._optimizer, delay_unscale=True) as scaled:
+            scaled.backward()
+
+    def unscale_(self, optimizer) -> None:
+        """Unscale the step's accumulated gradients (Apex's scale_loss exit, with no further
+        backward); where Apex found an overflow, make the engine see non-finite gradients."""
+        before = self._scale()
+        with self.amp.scale_loss(self._zero, optimizer):
+            pass
+        self._apex_skips = self.dynamic and self._scale() < before
+        if self._apex_skips:
+            with torch.no_grad():
+                for param in self.amp.master_params(optimizer):
+                    if param.grad is not None:
+                        param.grad.fill_(float("nan"))
+
+    def _scale(self) -> float:
+        state = self.amp.state_dict().get("loss_scaler0")
+        return float(state["loss_scale"]) if state else 1.0
+
+    def step(self, optimizer, grads_finite: bool) -> None:
+        """Apex's step: the real one, or (after an overflow) its skip, which also restores the
+        real one for the next step. Apex updated the scale when it unscaled."""
+        if grads_finite or self._apex_skips:
+            optimizer.step()
+        self._apex_skips = False
+
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad()                  # Apex's under O2: model and master gradients
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Apex's amp state; empty at O0 (no scaling), as the native backend saves it."""
+        return {} if self.level == "O0" else dict(self.amp.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        """A saved scaler state of either backend; a static scale keeps the config's value."""
+        state = apex_amp_state(state)
+        if state and self.dynamic:
+            self.amp.load_state_dict(state)
+
+
+def apex_sync_bn(model: nn.Module) -> nn.Module:
+    """`--sync-bn` under the apex backend: `apex.parallel.convert_syncbn_model`."""
+    return _apex("parallel").convert_syncbn_model(model)
+
+
+def apex_ddp(model: nn.Module, dist_cfg: DistConfig) -> nn.Module:
+    """`apex.parallel.DistributedDataParallel(delay_allreduce=dist.delay_allreduce)`, with the
+    `no_sync()` the engine uses for gradient accumulation (Apex's disable_allreduce: no all-reduce
+    in the forward and backward passes under it; the last batch's backward all-reduces the sum)."""
+    base = _apex("parallel").DistributedDataParallel
+
+    class ApexDDP(base):
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.disable_allreduce()
+            try:
+                yield
+            finally:
+                self.enable_allreduce()
+
+    return ApexDDP(model, delay_allreduce=dist_cfg.delay_allreduce)

@@ -1,0 +1,177 @@
+"""The precision backend of a run (`amp.backend`): native PyTorch (`engine.amp`) or NVIDIA Apex
+(`engine.apex_backend`). The one place that chooses: the precision object, the SyncBN conversion,
+the DDP wrapper; and the one place that refuses, in one line and before anything is built, what
+the apex backend cannot run:
+
+- Apex not installed; an Apex without `amp` (25.07 removed `apex.amp` and `apex.parallel`: 25.04
+  is the last release that has them); an Apex that does not import with this PyTorch;
+- a PyTorch that lacks what Apex 25.04's amp patches or calls (`APEX_TORCH_NEEDS`);
+- no CUDA device (Apex's loss scaler is a `torch.cuda.IntTensor`, and `amp.initialize` refuses
+  parameters that are not on a GPU);
+- combinations Apex cannot run: bfloat16 (its casts are float16 only), `--compile` (amp works
+  by monkey-patching torch's functions and the model's forward, which predates torch.compile and
+  was never made traceable), ZeRO under O2 (Apex swaps the optimiser's parameters for float32
+  copies, which ZeroRedundancyOptimizer's inner, sharded optimiser never sees), DataParallel over
+  several GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module
+  on the first GPU).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+from torch import nn
+
+from config.errors import ConfigError
+from config.schema import AmpConfig, Config
+
+LAST_APEX_WITH_AMP = "25.04"
+
+# what Apex 25.04's amp and parallel use of torch (read from its source), as (object, attribute)
+APEX_TORCH_NEEDS = (
+    ("torch.cuda", "IntTensor"),                      # amp's LossScaler: its overflow flag
+    ("torch.nn.Module", "_register_state_dict_hook"),  # O2: float32 state dicts of a half model
+    ("torch.nn.modules.rnn", "_VF"),                  # O1: its RNN shim replaces this
+    ("torch.autograd.Variable", "_execution_engine"),  # apex.parallel DDP: end-of-backward callback
+    ("torch._utils", "_flatten_dense_tensors"),       # apex.parallel DDP: all-reduce buckets
+)
+
+
+def build_precision(cfg: AmpConfig, device: torch.device):
+    """The run's precision backend object (`engine.amp.Precision`'s contract). The apex backend
+    is checked again here for callers that did not come through `check_backend` (bench scripts)."""
+    if cfg.backend == "apex":
+        from engine.apex_backend import ApexPrecision
+        _check_apex_installed()
+        _check_torch()
+        _check_cuda(device.type)
+        return ApexPrecision(cfg, device)
+    from engine.amp import Precision
+    return Precision(cfg, device)
+
+
+def convert_sync_bn(model: nn.Module, ctx, cfg: Config) -> nn.Module:
+    """`--sync-bn`: apex.parallel's SyncBatchNorm under the apex backend, else engine.sync_bn's."""
+    if cfg.amp.backend == "apex":
+        from engine.apex_backend import apex_sync_bn
+        return apex_sync_bn(model)
+    from engine.sync_bn import convert_sync_bn as native
+    return native(model, ctx)
+
+
+def wrap_ddp(model: nn.Module, ctx, cfg: Config) -> nn.Module:
+    """train_distributed.py's wrapper: apex.parallel.DistributedDataParallel under the apex
+    backend, else torch's (engine.distributed.wrap_ddp); the model itself without a group."""
+    if cfg.amp.backend == "apex" and ctx.distributed:
+        from engine.apex_backend import apex_ddp
+        return apex_ddp(model, cfg.dist)
+    from engine.distributed import wrap_ddp as native
+    return native(model, ctx, cfg.dist)
+
+
+def check_data_parallel(cfg: Config, gpus: int) -> None:
+    """train_parallel.py over `gpus` GPUs: refused under Apex's O2/O3 (see the module's doc)."""
+    if cfg.amp.backend == "apex" and gpus > 1 and cfg.amp.opt_level in ("O2", "O3"):
+        raise ConfigError(f"--amp-backend apex with --opt-level {cfg.amp.opt_level} under DataParallel "
+                          f"over {gpus} GPUs: amp.initialize patches the model's forward, and every "
+                          "replica would run that patch, i.e. the original module on the first GPU; "
+                          "use one process per GPU (torchrun train_distributed.py), as the reference did")
+
+
+def check_backend(cfg: Config) -> None:
+    """ConfigError (one line) where `--amp-backend apex` cannot run; nothing for native."""
+    if cfg.amp.backend != "apex":
+        return
+    _check_combinations(cfg)
+    _check_apex_installed()
+    _check_torch()
+    _check_cuda(cfg.train.device)
+
+
+def _check_combinations(cfg: Config) -> None:
+    amp = cfg.amp
+    half = amp.opt_level != "O0"
+    if half and amp.dtype == "bfloat16":
+        raise ConfigError("--amp-backend apex with --amp-dtype bfloat16: Apex's amp casts to float16 "
+                          "only; use --amp-dtype float16 (or auto), or --amp-backend native for bfloat16")
+    if amp.compile:
+        raise ConfigError("--amp-backend apex with --compile: Apex's amp works by monkey-patching torch's "
+                          "functions (O1) and the model's forward (O2/O3), which torch.compile cannot "
+                          "trace as Apex meant; compile with --amp-backend native")
+    if cfg.dist.zero and amp.opt_level == "O2":
+        raise ConfigError("--amp-backend apex with --zero at O2: Apex replaces the optimiser's parameters "
+                          "by float32 master copies, which ZeroRedundancyOptimizer's sharded inner "
+                          "optimiser never sees (the masters would not be stepped); drop --zero or use "
+                          "--amp-backend native")
+
+
+def _apex_where() -> str:
+    spec = importlib.util.find_spec("apex")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    where = locations[0] if locations else (spec.origin if spec else "?")
+    try:
+        from importlib.metadata import version
+        return f"Apex {version('apex')} at {where}"
+    except Exception:            # a source checkout on PYTHONPATH has no package metadata
+        return f"the Apex at {where}"
+
+
+def _check_apex_installed() -> None:
+    if importlib.util.find_spec("apex") is None:
+        raise ConfigError(f"--amp-backend apex: Apex is not installed (import apex fails); install "
+                          f"NVIDIA Apex {LAST_APEX_WITH_AMP} or older (the last with apex.amp), e.g. from "
+                          "an NGC PyTorch container before 25.07, or use --amp-backend native")
+    try:
+        importlib.import_module("apex")
+        has_amp = all(importlib.util.find_spec(f"apex.{name}") is not None for name in ("amp", "parallel"))
+    except Exception as exc:                 # noqa: BLE001 - whatever this Apex raises on import
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigError(f"--amp-backend apex: {_apex_where()} does not import with PyTorch "
+                          f"{torch.__version__} ({type(exc).__name__}: {first}); use --amp-backend "
+                          "native") from None
+    if not has_amp:
+        raise ConfigError(f"--amp-backend apex: {_apex_where()} has no apex.amp / apex.parallel: NVIDIA "
+                          f"removed them in Apex 25.07; {LAST_APEX_WITH_AMP} is the last release that has "
+                          "them. Install that one, or use --amp-backend native (torch.amp)")
+
+
+def missing_torch_apis() -> list[str]:
+    """The names in APEX_TORCH_NEEDS that this PyTorch lacks."""
+    missing = []
+    for owner, attr in APEX_TORCH_NEEDS:
+        try:
+            obj = _resolve(owner)
+        except (ImportError, AttributeError):
+            missing.append(owner)
+            continue
+        if not hasattr(obj, attr):
+            missing.append(f"{owner}.{attr}")
+    return missing
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[:i + 1]))
+    return obj
+
+
+def _check_torch() -> None:
+    missing = missing_torch_apis()
+    if missing:
+        raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
+                          f"{torch.__version__}: it needs {', '.join(missing)}, which this PyTorch lacks; "
+                          "use --amp-backend native")
+
+
+def _check_cuda(device: str) -> None:
+    if device == "cpu" or not torch.cuda.is_available():
+        where = "--device cpu" if device == "cpu" else "no CUDA device is available"
+        raise ConfigError(f"--amp-backend apex: Apex's amp runs on CUDA only (its loss scaler is a "
+                          f"torch.cuda.IntTensor and amp.initialize refuses parameters off the GPU), "
+                          f"and {where}; use --amp-backend native")
