@@ -10,6 +10,13 @@
 #   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
 #   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
 #   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
+#   bash bench/gpu_checks.sh apex        # issue 21: Apex 25.04 on this torch; O1/O2 loss curves, images/s
+#                                        # and memory of both backends (bench/apex_compare.py); apex DDP +
+#                                        # convert_syncbn_model in a 1-rank NCCL group; resume across backends
+#   bash bench/gpu_checks.sh apex_speed  # bench/train_throughput.py, native against apex, batch 16
+#
+# The apex stages need the vendored Apex in the git-ignored vendor_local/ (carry it):
+#   mkdir -p vendor_local && cp ../shared/vendor/apex-25.04-python.tar.gz vendor_local/
 #
 # Logs go to $OUT/STAGE.log (or bench_out/). The GPU image lacks pycocotools, and coco4 lives
 # outside the repository, so before the first call, on the development machine:
@@ -19,7 +26,7 @@
 #   mkdir -p .bench_data && cp -r ../shared/data/coco4 .bench_data/
 # and name `.whl` and `.bench_data` in the call's carry.
 set -u -o pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader}
+stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader|apex|apex_speed}
 out=${OUT:-bench_out}
 mkdir -p "$out"
 log="$out/$stage.log"
@@ -29,6 +36,13 @@ if [ -d .whl ] && ! python3 -c "import pycocotools" 2>/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 runs=$(mktemp -d)
+case "$stage" in apex*)        # Apex's Python package, unpacked outside the repository's tracked files
+    tarball=vendor_local/apex-25.04-python.tar.gz
+    [ -f "$tarball" ] || { echo "no $tarball: see the header of bench/gpu_checks.sh"; exit 2; }
+    mkdir -p vendor_local/apex-25.04 && tar xzf "$tarball" -C vendor_local/apex-25.04
+    export PYTHONPATH="$PWD/vendor_local/apex-25.04${PYTHONPATH:+:$PYTHONPATH}"
+    ;;
+esac
 device=${DEVICE:-cuda}     # DEVICE=cpu runs the cuda stage's commands on a CPU, to check the script
 quick=(--epochs 2 --set train.max_steps_per_epoch=4 --ap-every 2 --set train.ap_max_images=8
        --out-dir "$runs" --device "$device")
@@ -70,6 +84,34 @@ compile)
     ;;
 loader)
     python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" "O1 bf16" --channels-last on --h5 coco4
+    ;;
+apex)
+    sha256sum vendor_local/apex-25.04-python.tar.gz
+    # point 2's finding: does Apex 25.04 import and patch this torch? (the exact failure, if any)
+    python3 -c "import apex, torch; from apex import amp; from apex.parallel import DistributedDataParallel, convert_syncbn_model; print('apex at', apex.__path__[0], 'imports with torch', torch.__version__)"
+    python3 -c "from engine.backend import missing_torch_apis as m; print('torch APIs Apex 25.04 needs and this torch lacks:', m() or 'none')"
+    # point 4: the loss curves (tolerance: see bench/apex_compare.py), images/s and memory
+    python3 bench/apex_compare.py --preset imhn512 --input 512 --batch 8 --steps 60 --levels O1 O2 || echo "apex_compare: exit $?"
+    # apex.parallel.DistributedDataParallel + convert_syncbn_model in a real 1-rank NCCL group, with
+    # accumulation (its no_sync) and then --delay-allreduce on resume
+    set -e
+    python3 bench/group_of_one.py --amp-backend apex --opt-level O1 --sync-bn --accumulate 2 --run-name ga \
+        "${quick[@]}"
+    python3 bench/group_of_one.py --amp-backend apex --opt-level O2 --sync-bn --delay-allreduce --run-name ga \
+        --resume auto --epochs 3 --out-dir "$runs" --device "$device"
+    # point 3: a run of each backend resumes with the other (O2: master weights, scaler state)
+    python3 train.py --amp-backend apex --opt-level O2 --freeze stem --run-name a2n "${quick[@]}"
+    python3 train.py --amp-backend native --resume auto --run-name a2n --epochs 3 --out-dir "$runs" --device "$device"
+    python3 train.py --amp-backend native --opt-level O2 --run-name n2a "${quick[@]}"
+    python3 train.py --amp-backend apex --resume auto --run-name n2a --epochs 3 --out-dir "$runs" --device "$device"
+    python3 train.py --amp-backend apex --opt-level O1 --accumulate 2 --clip-grad 1 --run-name acc "${quick[@]}"
+    ;;
+apex_speed)
+    for config in "O1 fp16" "O2 fp16"; do
+        for backend in native apex; do
+            python3 bench/train_throughput.py --batch 16 --configs "$config" --channels-last on --amp-backend "$backend"
+        done
+    done
     ;;
 *)
     echo "unknown stage $stage"; exit 2

@@ -14,6 +14,10 @@ the step time, against a large bf16 matmul timed in the same run). One JSON line
     python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
     python bench/train_throughput.py --h5 coco_train.h5 --workers 16
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
+    python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
+
+`--amp-backend apex` (NVIDIA Apex's amp, issue 21) runs one configuration per process: Apex's O1
+patches torch's functions process-wide, so a second configuration would run under the first's.
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ def loader_batches(trainer: Trainer):
 
 def engine_config(args, h5: str, work: Path, level: str, dtype: str, tf32: bool,
                   channels_last: bool, compile_model: bool):
-    sets = [f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
+    sets = [f"amp.backend={args.amp_backend}", f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
             f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
             f"data.input_size={args.input}", f"data.train_h5={h5}", f"data.workers={args.workers}",
             f"train.batch_size={args.batch}", f"train.device={args.device}", f"train.out_dir={work}",
@@ -101,7 +105,7 @@ def engine_config(args, h5: str, work: Path, level: str, dtype: str, tf32: bool,
 
 
 def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_last, compile_model) -> dict:
-    label = name + (" +cl" if channels_last else "") + (" +compile" if compile_model else "")
+    label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")) + (" +compile" if compile_model else "")
     cfg = engine_config(args, h5, work, level, dtype, tf32, channels_last, compile_model)
     with contextlib.redirect_stdout(io.StringIO()):       # the trainer's start-up lines
         trainer = Trainer(cfg, Launch(single_process_context(cfg.train.device)))
@@ -204,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="both")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
     p.add_argument("--configs", nargs="+", help="subset of: " + ", ".join(c[0] for c in CONFIGS))
+    p.add_argument("--amp-backend", choices=["native", "apex"], default="native",
+                   help="apex: NVIDIA Apex's amp (one configuration per process)")
     p.add_argument("--h5", help="feed the step from the engine's DataLoader over this HDF5 file; "
                                 "'coco4': the coco4 images, each listed --repeat times")
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
@@ -223,6 +229,9 @@ def main(argv=None) -> int:
     if args.configs:
         configs = [c for c in CONFIGS if c[0] in args.configs]
     both = {"off": [False], "on": [True], "both": [False, True]}
+    if args.amp_backend == "apex" and len(configs) * len(both[args.channels_last]) * len(both[args.compile]) != 1:
+        p.error("--amp-backend apex: name one configuration (--configs, --channels-last on|off, "
+                "--compile off): Apex's O1 patches torch process-wide, so one per process")
     macs, _ = count_macs(build_model(build_config(args.preset).model, builtin("coco")), args.input)
     flops_per_image = 3 * 2 * macs              # forward + backward (2x forward)
     # the bf16 matmul peak is a GPU figure: a CPU without native bf16 emulates it, so no share there
@@ -249,7 +258,8 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print_row(row, peak)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(json.dumps({"device": name, "torch": torch.__version__, "preset": args.preset,
+    print(json.dumps({"device": name, "torch": torch.__version__, "amp_backend": args.amp_backend,
+                      "preset": args.preset,
                       "input": args.input, "batch": args.batch, "steps": args.steps,
                       "gmac_per_image": macs / 1e9, "bf16_matmul_tflops": peak,
                       "data": source if args.from_loader else "synthetic",

@@ -16,8 +16,9 @@ What the reference ran, for users whose Apex still has `amp` (25.04 and older; c
   `attach`). When Apex finds an overflow it has already decided to skip the step; `unscale_`
   then marks the gradients non-finite, so the engine's skip vote, its count of skipped steps and
   its restore of the BatchNorm statistics agree with Apex, and `step` lets Apex's skip run.
-- Checkpoints: weights in float32 (O2: the master values; frozen weights: their float32 values
-  from before Apex cast them), the optimiser state by index as the native backend saves it, and
+- Checkpoints: weights in float32 (O2: the master values, which start from the float32 weights
+  rather than from Apex's float16 copy of them; frozen weights: their float32 values from before
+  Apex cast them), the optimiser state by index as the native backend saves it, and
   `amp.state_dict()` as the `scaler` entry. Either layout loads in either backend
   (`engine.loss_scale_state`).
 - `apex_ddp` and `apex_sync_bn` are `apex.parallel.DistributedDataParallel` (with `no_sync` for
@@ -88,6 +89,10 @@ class ApexPrecision(Precision):
 
     def attach(self, model: nn.Module, optimizer):
         cast = self.level in ("O2", "O3")
+        # Apex copies its masters from the float16 model: they start from these float32 values
+        # instead, so a resumed run (either backend's checkpoint) continues from identical weights
+        exact = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
+                 if self.master_weights else {})
         loss_scale = None if self.level == "O0" else ("dynamic" if self.dynamic else self.static_scale)
         model, optimizer = self.amp.initialize(
             model, optimizer, opt_level=self.level, keep_batchnorm_fp32=self.keep_bn_fp32 if cast else None,
@@ -100,6 +105,10 @@ class ApexPrecision(Precision):
             halves = list(self.amp.master_params(optimizer))
             optimizer.zero_grad()
             self._pairs = list(zip(halves, self.amp.master_params(optimizer)))
+            with torch.no_grad():
+                for half, master in self._pairs:
+                    if master is not half and id(half) in exact:
+                        master.copy_(exact[id(half)])
         self._optimizer, self._attached = optimizer, True
         return model, optimizer
 
