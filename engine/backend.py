@@ -10,8 +10,9 @@ the apex backend cannot run:
   parameters that are not on a GPU);
 - combinations Apex cannot run: bfloat16 (its casts are float16 only), `--compile` (amp works
   by monkey-patching torch's functions and the model's forward, which predates torch.compile and
-  was never made traceable), ZeRO under O2 (Apex swaps the optimiser's parameters for float32
-  copies, which ZeroRedundancyOptimizer's inner, sharded optimiser never sees), DataParallel over
+  was never made traceable), ZeRO under O2/O3 (amp.initialize reloads the optimiser's state dict,
+  which ZeroRedundancyOptimizer refuses unconsolidated; O2's masters would also replace the
+  parameters of its sharded inner optimiser), DataParallel over
   several GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module
   on the first GPU).
 """
@@ -99,11 +100,11 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("--amp-backend apex with --compile: Apex's amp works by monkey-patching torch's "
                           "functions (O1) and the model's forward (O2/O3), which torch.compile cannot "
                           "trace as Apex meant; compile with --amp-backend native")
-    if cfg.dist.zero and amp.opt_level == "O2":
-        raise ConfigError("--amp-backend apex with --zero at O2: Apex replaces the optimiser's parameters "
-                          "by float32 master copies, which ZeroRedundancyOptimizer's sharded inner "
-                          "optimiser never sees (the masters would not be stepped); drop --zero or use "
-                          "--amp-backend native")
+    if cfg.dist.zero and amp.opt_level in ("O2", "O3"):
+        raise ConfigError(f"--amp-backend apex with --zero at {amp.opt_level}: amp.initialize reloads the "
+                          "optimiser's state_dict() to cast it, which ZeroRedundancyOptimizer refuses before "
+                          "consolidate_state_dict (and O2's float32 master copies would replace parameters "
+                          "its sharded inner optimiser steps); drop --zero, use O1, or --amp-backend native")
 
 
 def _apex_where() -> str:

@@ -100,6 +100,7 @@ def test_apex_with_amp_but_no_cuda_is_refused(apex_on_path):
     (["amp.dtype=bfloat16"], "float16 only"),
     (["amp.compile=true"], "--compile"),
     (["dist.zero=true", "amp.opt_level=O2"], "ZeroRedundancyOptimizer"),
+    (["dist.zero=true", "amp.opt_level=O3"], "consolidate_state_dict"),
 ])
 def test_combinations_apex_cannot_run_are_refused(sets, words):
     assert words in refusal(apex_config(*sets))
