@@ -99,10 +99,13 @@ apex)
         "${quick[@]}"
     python3 bench/group_of_one.py --amp-backend apex --opt-level O2 --sync-bn --delay-allreduce --run-name ga \
         --resume auto --epochs 3 --out-dir "$runs" --device "$device"
-    # point 3: a run of each backend resumes with the other (O2: master weights, scaler state)
+    # point 3: a checkpoint of each backend resumes in the other with identical weights and loss
+    # scale (bench/cross_backend_resume.py compares, bit for bit), then trains on
     python3 train.py --amp-backend apex --opt-level O2 --freeze stem --run-name a2n "${quick[@]}"
+    python3 bench/cross_backend_resume.py --resume "$runs/a2n/last.pth" --amp-backend native --device "$device"
     python3 train.py --amp-backend native --resume auto --run-name a2n --epochs 3 --out-dir "$runs" --device "$device"
     python3 train.py --amp-backend native --opt-level O2 --run-name n2a "${quick[@]}"
+    python3 bench/cross_backend_resume.py --resume "$runs/n2a/last.pth" --amp-backend apex --device "$device"
     python3 train.py --amp-backend apex --resume auto --run-name n2a --epochs 3 --out-dir "$runs" --device "$device"
     python3 train.py --amp-backend apex --opt-level O1 --accumulate 2 --clip-grad 1 --run-name acc "${quick[@]}"
     ;;
