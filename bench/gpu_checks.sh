@@ -10,12 +10,14 @@
 #   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
 #   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
 #   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
-#   bash bench/gpu_checks.sh apex        # issue 21: Apex 25.04 on this torch; O1/O2 loss curves, images/s
-#                                        # and memory of both backends (bench/apex_compare.py); apex DDP +
-#                                        # convert_syncbn_model in a 1-rank NCCL group; resume across backends
+#   bash bench/gpu_checks.sh apex        # issue 21: does Apex 25.04 import and patch this torch; O1/O2
+#                                        # loss curves, images/s and memory of both backends
+#                                        # (bench/apex_compare.py)
+#   bash bench/gpu_checks.sh apex_runs   # apex DDP + convert_syncbn_model in a 1-rank NCCL group; resume
+#                                        # across backends (bench/cross_backend_resume.py); accumulation
 #   bash bench/gpu_checks.sh apex_speed  # bench/train_throughput.py, native against apex, batch 16
 #
-# The apex stages need the vendored Apex in the git-ignored vendor_local/ (carry it):
+# The apex stages need the vendored Apex in the git-ignored vendor_local/, named in the call's carry:
 #   mkdir -p vendor_local && cp ../shared/vendor/apex-25.04-python.tar.gz vendor_local/
 #
 # Logs go to $OUT/STAGE.log (or bench_out/). The GPU image lacks pycocotools, and coco4 lives
@@ -26,7 +28,7 @@
 #   mkdir -p .bench_data && cp -r ../shared/data/coco4 .bench_data/
 # and name `.whl` and `.bench_data` in the call's carry.
 set -u -o pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader|apex|apex_speed}
+stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader|apex|apex_runs|apex_speed}
 out=${OUT:-bench_out}
 mkdir -p "$out"
 log="$out/$stage.log"
@@ -91,7 +93,9 @@ apex)
     python3 -c "import apex, torch; from apex import amp; from apex.parallel import DistributedDataParallel, convert_syncbn_model; print('apex at', apex.__path__[0], 'imports with torch', torch.__version__)"
     python3 -c "from engine.backend import missing_torch_apis as m; print('torch APIs Apex 25.04 needs and this torch lacks:', m() or 'none')"
     # point 4: the loss curves (tolerance: see bench/apex_compare.py), images/s and memory
-    python3 bench/apex_compare.py --preset imhn512 --input 512 --batch 8 --steps 60 --levels O1 O2 || echo "apex_compare: exit $?"
+    python3 bench/apex_compare.py --preset imhn512 --input 512 --batch 8 --steps 60 --levels O1 O2
+    ;;
+apex_runs)
     # apex.parallel.DistributedDataParallel + convert_syncbn_model in a real 1-rank NCCL group, with
     # accumulation (its no_sync) and then --delay-allreduce on resume
     set -e
