@@ -8,13 +8,13 @@ the apex backend cannot run:
 - a PyTorch that lacks what Apex 25.04's amp patches or calls (`APEX_TORCH_NEEDS`);
 - no CUDA device (Apex's loss scaler is a `torch.cuda.IntTensor`, and `amp.initialize` refuses
   parameters that are not on a GPU);
-- combinations Apex cannot run: bfloat16 (its casts are float16 only), `--compile` (amp works
-  by monkey-patching torch's functions and the model's forward, which predates torch.compile and
-  was never made traceable), ZeRO under O2/O3 (amp.initialize reloads the optimiser's state dict,
-  which ZeroRedundancyOptimizer refuses unconsolidated; O2's masters would also replace the
-  parameters of its sharded inner optimiser), DataParallel over
-  several GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module
-  on the first GPU).
+- combinations Apex cannot run: bfloat16 (its casts are float16 only); `--compile` (amp works
+  by monkey-patching torch's functions (O1) and the model's forward (O2/O3) at run time, and
+  Apex 25.04 makes no provision for torch.compile); ZeRO under O2/O3 (amp.initialize reloads the
+  optimiser's state dict, which ZeroRedundancyOptimizer refuses unconsolidated; O2's masters
+  would also replace the parameters of its sharded inner optimiser); DataParallel over several
+  GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module on
+  the first GPU).
 """
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def _check_combinations(cfg: Config) -> None:
                           "only; use --amp-dtype float16 (or auto), or --amp-backend native for bfloat16")
     if amp.compile:
         raise ConfigError("--amp-backend apex with --compile: Apex's amp works by monkey-patching torch's "
-                          "functions (O1) and the model's forward (O2/O3), which torch.compile cannot "
-                          "trace as Apex meant; compile with --amp-backend native")
+                          "functions (O1) and the model's forward (O2/O3) at run time and makes no "
+                          "provision for torch.compile; compile with --amp-backend native")
     if cfg.dist.zero and amp.opt_level in ("O2", "O3"):
         raise ConfigError(f"--amp-backend apex with --zero at {amp.opt_level}: amp.initialize reloads the "
                           "optimiser's state_dict() to cast it, which ZeroRedundancyOptimizer refuses before "
