@@ -12,7 +12,9 @@ lists; the same dynamic loss scaling), so each is a float16 perturbation of the 
 run; the float32 run gives the size of that perturbation on this network and data, measured
 rather than assumed. Two independent perturbations of one size differ by about sqrt(2) of it;
 3 leaves room for Apex rounding more operations than autocast. A backend that mis-scaled,
-skipped or failed to step would drift from the other by the training progress itself, far more.
+skipped or failed to step would drift from the other by the training progress itself, which the
+script prints (the float32 loss's change from the first to the last tenth of the steps) and
+flags when it is not larger than the bound.
 The floor covers step 0, where both start from identical weights and only the forward differs.
 
     python bench/apex_compare.py                              # GPU: imhn512 at 512, O1 and O2, 60 steps
@@ -95,9 +97,14 @@ def compare(runs: dict, levels, factor: float, floor: float) -> list[dict]:
         native_fp16 = rel(native["losses"], ref)
         apex_fp16 = rel(apex["losses"], ref)
         bound = factor * rms(native_fp16) + floor
+        # how far float32 training moved the loss: a backend that did not step would be off by
+        # about this much, so the check can only tell such a backend apart where it exceeds the bound
+        tenth = max(1, len(ref) // 10)
+        progress = abs(sum(ref[:tenth]) - sum(ref[-tenth:])) / abs(sum(ref[:tenth]))
         verdicts.append({"level": level, "rms_apex_vs_native": rms(between), "max_apex_vs_native": max(between),
                          "rms_native_vs_fp32": rms(native_fp16), "rms_apex_vs_fp32": rms(apex_fp16),
-                         "bound": bound, "skipped_native": sum(native["skipped"]),
+                         "bound": bound, "fp32_progress": progress, "sensitive": progress > bound,
+                         "skipped_native": sum(native["skipped"]),
                          "skipped_apex": sum(apex["skipped"]), "agree": rms(between) <= bound})
     return verdicts
 
@@ -158,7 +165,10 @@ def main(argv=None) -> int:
     for v in verdicts:
         print(f"{v['level']}: apex vs native RMS {v['rms_apex_vs_native']:.2e} (max {v['max_apex_vs_native']:.2e}), "
               f"native vs fp32 {v['rms_native_vs_fp32']:.2e}, apex vs fp32 {v['rms_apex_vs_fp32']:.2e}; "
-              f"bound {v['bound']:.2e}: {'AGREE' if v['agree'] else 'DIFFER'}", flush=True)
+              f"bound {v['bound']:.2e}: {'AGREE' if v['agree'] else 'DIFFER'}; float32 loss moved "
+              f"{v['fp32_progress']:.1%}" + ("" if v["sensitive"] else
+                                           " (less than the bound: raise --set optim.lr=... to test the steps)"),
+              flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                       "torch": torch.__version__, "runs": {f"{b} {lv}": r for (b, lv), r in runs.items()},
                       "verdicts": verdicts}))
