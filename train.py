@@ -7,11 +7,12 @@
 """
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
+from inference.evaluation import training_evaluator
 
 
 def main(argv=None) -> dict:
     cfg = config_from_args(build_parser(__doc__).parse_args(argv))
-    return Trainer(cfg, Launch(single_process_context(cfg.train.device))).fit()
+    return Trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(cfg)).fit()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from config.errors import ConfigError
 from engine.backend import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
+from inference.evaluation import training_evaluator
 
 
 def _gpu_ids(spec: str) -> list[int]:
@@ -34,7 +35,8 @@ def main(argv=None) -> dict:
     cfg = config_from_args(args)
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
-        return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel")).fit()
+        return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
+                       training_evaluator(cfg)).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -46,7 +48,8 @@ def main(argv=None) -> dict:
                           "torchrun train_distributed.py")
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
-    return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True)).fit()
+    return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
+                   training_evaluator(cfg)).fit()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from engine.cli import build_parser, config_from_args, run_main, single_process_
 from engine.launch_env import find_free_port                # noqa: E402
 from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
 from engine.trainer import Launch, Trainer                  # noqa: E402
+from inference.evaluation import training_evaluator        # noqa: E402
 
 SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
 
@@ -41,7 +42,8 @@ def main(argv=None) -> dict:
                                   device_id=ctx.device if ctx.backend == "nccl" else None)
     ctx.distributed = True
     try:
-        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg), mode="ddp"))
+        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg), mode="ddp"),
+                          training_evaluator(cfg))
         sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
                       for m in trainer.model.modules())
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "

@@ -74,7 +74,10 @@ class LossConfig:
 class OptimConfig:
     name: str = "sgd"             # sgd | adamw
     lr: float = 2.5e-5
-    scale_lr_by_world_size: bool = False   # reference: lr x world size (its batch is per process)
+    reference_batch: int = 0      # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
+                                  # 0: lr at any total batch
+    scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs between modes; prefer
+                                           # reference_batch)
     momentum: float = 0.9
     weight_decay: float = 5e-4
     betas: list = field(default_factory=lambda: [0.9, 0.999])
@@ -230,7 +233,8 @@ BOUNDS = {
     "inference.max_peaks": Bounds(1, 10000), "inference.decode_threads": Bounds(0, 256),
     "inference.batch_size": Bounds(1, 4096),
     "train.epochs": Bounds(1, 10 ** 6), "train.batch_size": Bounds(1, 65536),
-    "train.accumulate": Bounds(1, 65536), "train.seed": Bounds(0, 2 ** 32 - 1),
+    "train.accumulate": Bounds(1, 65536),
+    "optim.reference_batch": Bounds(0, 2 ** 32), "train.seed": Bounds(0, 2 ** 32 - 1),
     "train.val_every": Bounds(0), "train.ap_every": Bounds(0), "train.ap_max_images": Bounds(0),
     "train.save_every": Bounds(0), "train.early_stop_patience": Bounds(0), "train.log_every": COUNT,
     "train.max_steps_per_epoch": Bounds(0),

@@ -138,6 +138,11 @@ class Precision:
             return [master for _, master in self._pairs]
         return trainable
 
+    def attach(self, model: nn.Module, optimizer):
+        """Called once the optimiser exists, before wrapping: a backend that must see both (Apex's
+        amp.initialize) returns them changed; this one returns them as they are."""
+        return model, optimizer
+
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

@@ -7,6 +7,7 @@ a resumed run trains with what it started with (plus any flag given now).
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -123,7 +124,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tuple[Path | None, dict | None]:
     """(checkpoint, the config stored in it) that --resume will load, if it can be found."""
-    from engine.checkpoint import find_latest_checkpoint, load_checkpoint
+    from engine.checkpoint import find_latest_checkpoint
+    from engine.resume import read_state
     from engine.run_setup import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
@@ -133,7 +135,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tup
         path = Path(resume)
     if not path or not path.is_file():
         return None, None
-    saved = load_checkpoint(path, mmap=True).get("config")
+    saved = copy.deepcopy(read_state(path).get("config"))   # read once: the trainer resumes from it
     if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("train"), dict)):
         raise CheckpointError(f"checkpoint {path}: its saved config is damaged (not a mapping of config "
                               "sections); resume with --config PRESET to give the settings anew")

@@ -5,6 +5,8 @@ gradient norm (in float32 at every opt level) with its clipping.
 step decay (x `decay_factor` at each milestone epoch, or every `decay_every` epochs). Because it
 depends only on where the run is, a resumed run, or one continued with another number of
 processes (the total batch, hence iterations per epoch, stays the same), follows the same curve.
+The peak is `lr`, or with `reference_batch` N the linear scaling rule `lr x total batch / N`, the
+total batch being batch_size x accumulate: the same in train.py, train_parallel.py and DDP.
 """
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ import torch
 from config.schema import OptimConfig
 
 
-def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
-          world_size: int = 1) -> float:
-    """The learning rate for iteration `iteration` (0-based) of epoch `epoch` (0-based)."""
+def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 1) -> float:
+    """The LR after warm-up and before decay: `lr`, scaled by total batch / `reference_batch` when
+    that is set (0: not scaled), or by the world size under the legacy `scale_lr_by_world_size`."""
     base = cfg.lr * (world_size if cfg.scale_lr_by_world_size else 1)
+    if cfg.reference_batch and total_batch:
+        base *= total_batch / cfg.reference_batch
+    return base
+
+
+def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
+          world_size: int = 1, total_batch: int | None = None) -> float:
+    """The learning rate for iteration `iteration` (0-based) of epoch `epoch` (0-based), at a total
+    batch (batch_size x accumulate, over all processes) of `total_batch`."""
+    base = peak_lr(cfg, total_batch, world_size)
     if cfg.milestones:
         drops = sum(1 for m in cfg.milestones if epoch >= int(m))
     elif cfg.decay_every > 0:

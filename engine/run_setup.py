@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from config.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
-from config.schema import Config
+from config.schema import Config, TrainConfig
 from engine import distributed as dist
 from engine.sampler import GlobalBatchSampler, ShardSampler
 
@@ -98,25 +98,26 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
 def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
     """Pick and claim the run directory on the main process; every rank gets the same path, or the
     same error. Returns (path, whether this call created it)."""
-    path, created = dist.decided_on_main(lambda: _pick_and_claim(cfg))
+    path, created = dist.decided_on_main(lambda: pick_and_claim(cfg.train))
     return Path(path), created
 
 
-def _pick_and_claim(cfg: Config) -> tuple[Path, bool]:
-    """A directory that holds a run is refused unless resumed or overwritten (`clear_run_dir`, once
-    every other check has passed); two runs never share one."""
-    out_dir = Path(cfg.train.out_dir)
+def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
+    """The run directory, claimed (on the main process): a directory that holds a run is refused
+    unless resumed or overwritten (`clear_run_dir`, once every other check has passed); two runs
+    never share one."""
+    out_dir = Path(train.out_dir)
     run_dir, created = None, False
-    named = out_dir / cfg.train.run_name if cfg.train.run_name else None
-    if cfg.train.resume and cfg.train.resume != "auto":
-        run_dir = Path(cfg.train.resume).resolve().parent     # writes next to the file resumed
+    named = out_dir / train.run_name if train.run_name else None
+    if train.resume and train.resume != "auto":
+        run_dir = Path(train.resume).resolve().parent     # writes next to the file resumed
         if named is not None and named.resolve() != run_dir:
-            raise ConfigError(f"--resume {cfg.train.resume} continues the run in {run_dir}, not "
-                              f"--run-name {cfg.train.run_name}: copy the checkpoint into {named} "
+            raise ConfigError(f"--resume {train.resume} continues the run in {run_dir}, not "
+                              f"--run-name {train.run_name}: copy the checkpoint into {named} "
                               "and resume it there, or leave out --run-name")
     elif named is not None:
         run_dir = named
-    elif cfg.train.resume == "auto":
+    elif train.resume == "auto":
         run_dir = newest_run_dir(out_dir)
     _make_out_dir(out_dir if run_dir is None else run_dir.parent)
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
@@ -130,7 +131,7 @@ def _pick_and_claim(cfg: Config) -> tuple[Path, bool]:
                 continue
     else:
         created = _claim(run_dir, exclusive=False)
-    if _holds_run(run_dir) and not cfg.train.resume and not cfg.train.overwrite:
+    if _holds_run(run_dir) and not train.resume and not train.overwrite:
         release_run_dir(run_dir)
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume auto to continue it, "

@@ -145,3 +145,11 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
 
 __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads", "eval_mode",
            "evaluate_h5", "oracle_maps"]
+
+
+def training_evaluator(cfg: Config):
+    """The AP part of a training run (`engine.trainer.Trainer(evaluator=...)`): `evaluate_h5` with
+    the run's config; the engine calls it without importing this layer."""
+    def evaluate(model, h5_path, device, **options):
+        return evaluate_h5(model, h5_path, cfg, device, **options)
+    return evaluate

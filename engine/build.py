@@ -1,0 +1,114 @@
+"""Building a run's parts, separate from running them: each `build_*` function takes its own
+sub-config and may be called, or replaced, on its own. `build_parts` calls them in the order the
+engine needs (the same seeds at the same points, so that N processes train exactly as one) and
+returns the `Parts` a `Trainer` runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from config.errors import DataError
+from config.schema import AmpConfig, Config, ModelConfig
+from config.skeleton import Skeleton
+from engine import distributed as dist
+from engine.amp import Precision, set_cuda_backends
+from engine.backend import build_precision as backend_precision, convert_sync_bn
+from engine.freeze import freeze, trainable_parameters
+from engine.model_with_loss import ModelWithLoss
+from engine.optim import build_optimizer
+from engine.optim_step import OptimStep
+from engine.resume import RunPlan, load_start, skeleton_words
+from engine.run_setup import resolve_data, train_loader
+
+
+@dataclass
+class Data:
+    train_set: object
+    loader: object
+    sampler: object
+    val_set: object | None
+    train_h5: str
+    val_h5: str | None
+
+    @property
+    def skeleton(self) -> Skeleton:      # the data's: heads, loss, checkpoints follow it
+        return self.train_set.skeleton
+
+
+@dataclass
+class Parts:
+    data: Data
+    model: nn.Module            # the network, unwrapped, prepared for its precision
+    precision: Precision        # the precision backend
+    optimizer: torch.optim.Optimizer
+    optim_step: OptimStep
+    net: nn.Module              # model and loss, wrapped for the launch mode: what trains
+    eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
+    start: tuple                # (resume state, the authors' checkpoint, its path), see resume.load_start
+    frozen: dict | None         # counts of freeze()
+
+
+def build_data(cfg: Config, ctx) -> Data:
+    from data.dataset import KeypointDataset
+    train_h5, val_h5 = resolve_data(cfg, ctx)
+    # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
+    # never gives a sample to two ranks, and N processes then train exactly as one process
+    train_set = KeypointDataset(train_h5, cfg, train=True, rank=0)
+    loader, sampler = train_loader(train_set, cfg, ctx)
+    val_set = KeypointDataset(val_h5, cfg, train=False) if val_h5 else None
+    if val_set is not None and val_set.skeleton != train_set.skeleton:
+        raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(val_set.skeleton)})"
+                        f" is not that of --train-h5 {train_h5} "
+                        f"({skeleton_words(train_set.skeleton)}); convert both with the same skeleton")
+    return Data(train_set, loader, sampler, val_set, train_h5, val_h5)
+
+
+def build_network(cfg: ModelConfig, skeleton: Skeleton, seed: int) -> nn.Module:
+    from models import build_model
+    torch.manual_seed(seed)          # the same initial weights on every rank
+    return build_model(cfg, skeleton)
+
+
+def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool) -> Precision:
+    """The precision backend of `amp.backend` (engine/backend.py: native or Apex)."""
+    set_cuda_backends(cfg, cudnn_benchmark)
+    return backend_precision(cfg, device)
+
+
+def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, compile_model: bool):
+    """(net, eval_net): model and loss as one module, wrapped by the launch mode."""
+    model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision)
+    net = launch.wrap(model_with_loss)
+    # validation runs the model eagerly: under --compile its no-grad graph and its smaller last
+    # batch would each be compiled again, minutes apiece
+    eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
+    return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
+
+
+def build_parts(cfg: Config, launch, plan: RunPlan, say=print) -> Parts:
+    from models import FocalL2Loss
+    ctx = launch.ctx
+    data = build_data(cfg, ctx)
+    model = build_network(cfg.model, data.skeleton, cfg.train.seed)
+    start = load_start(model, plan, cfg.train, data.skeleton, say)
+    frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
+    dist.seed_everything(cfg.train.seed, ctx.rank)
+    if cfg.dist.sync_bn and ctx.distributed:
+        model = convert_sync_bn(model, ctx, cfg)
+    model = model.to(ctx.device)
+    precision = build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
+    model = precision.prepare_model(model)
+    trainable = trainable_parameters(model)
+    optimizer = build_optimizer(precision.optimizer_params(trainable), cfg.optim,
+                                zero=cfg.dist.zero and ctx.distributed, device_type=ctx.device.type)
+    # before any wrapper (Apex's amp.initialize refuses a wrapped model); Apex O2: its masters
+    model, optimizer = precision.attach(model, optimizer)
+    params = precision.optimizer_params(trainable)
+    loss = FocalL2Loss(cfg.loss, data.skeleton).to(ctx.device)
+    net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp.compile)
+    optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
+                           static_graph=cfg.dist.static_graph)
+    return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)

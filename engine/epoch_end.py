@@ -1,0 +1,120 @@
+"""The end of an epoch, as a hook: validation loss, AP (through the evaluator part the entry script
+hands the trainer), best.pth, epoch_N.pth, the epoch's log line and early stopping.
+
+last.pth is saved by the loop before this runs, marked `validation_pending` when a validation is
+due: a stop signal during validation loses no training, and a resumed run validates that epoch
+again (`before_train`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine import distributed as dist
+from engine.amp import cudnn_autotuning_off
+from engine.hooks import Hook
+from engine.run_setup import val_loader
+
+AP_KEYS = ("AP", "AP50", "AP75", "APm", "APl", "AR")
+
+
+def validations_due(trainer, epoch: int) -> tuple[bool, bool]:
+    """(validation loss, AP) due after `epoch` (0-based)."""
+    cfg = trainer.cfg.train
+    if trainer.data.val_set is None:
+        return False, False
+    return (bool(cfg.val_every) and (epoch + 1) % cfg.val_every == 0,
+            bool(cfg.ap_every) and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs))
+
+
+class EpochEnd(Hook):
+    def before_train(self, trainer):
+        if trainer.validation_pending and trainer.epoch > 0:   # stopped while validating: again
+            self.after_epoch(trainer, trainer.epoch - 1, None)
+
+    def after_epoch(self, trainer, epoch, train_loss):
+        cfg = trainer.cfg.train
+        loss_due, ap_due = validations_due(trainer, epoch)
+        results = {}
+        if loss_due or ap_due:
+            with self.weights_evaluated(trainer):
+                results = validate(trainer, epoch, loss_due, ap_due)
+                for hook in trainer.hooks:
+                    hook.after_validation(trainer, epoch, results)
+        improved = self._improved(trainer, results)
+        if improved is not None:    # a loss-only pass between AP passes is no verdict either way
+            trainer.bad_validations = 0 if improved else trainer.bad_validations + 1
+        trained = {} if train_loss is None else {"train_loss": train_loss}
+        trainer.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
+        if loss_due or ap_due:   # last.pth again, now with the best metric and patience count
+            trainer.save("last.pth", epoch + 1, 0)
+        if improved:
+            with self.weights_evaluated(trainer):
+                trainer.save("best.pth", epoch + 1, 0)
+        if cfg.save_every and (epoch + 1) % cfg.save_every == 0:
+            trainer.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
+        trainer.logger.plot_curves()
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
+        trainer.say(f"epoch {epoch + 1}/{cfg.epochs}: "
+                    + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
+                    + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+        trainer.results = results
+        if cfg.early_stop_patience and trainer.bad_validations >= cfg.early_stop_patience:
+            trainer.say(f"early stop after epoch {epoch + 1}: no improvement in "
+                        f"{trainer.bad_validations} validations")
+            trainer.early_stopped = True
+
+    @staticmethod
+    def weights_evaluated(trainer):
+        """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
+        stack = contextlib.ExitStack()
+        for hook in trainer.hooks:
+            stack.enter_context(hook.evaluating(trainer))
+        return stack
+
+    @staticmethod
+    def _improved(trainer, results: dict) -> bool | None:
+        """Whether the run's metric (AP with --ap-every, else the validation loss) improved; None
+        when this validation did not measure it (a loss-only pass between AP passes)."""
+        key = "AP" if trainer.cfg.train.ap_every else "loss"
+        if key not in results:
+            return None
+        value, best = results[key], trainer.best_metric
+        better = best is None or (value > best if key == "AP" else value < best)
+        if better:
+            trainer.best_metric = value
+        return better
+
+
+@torch.no_grad()
+def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
+    """Validation loss (all ranks, sharded) and COCO AP. A stop signal is acted on within a batch
+    or an image (Interrupted; last.pth was saved before)."""
+    results = {}
+    ctx, cfg, val_set = trainer.ctx, trainer.cfg, trainer.data.val_set
+    where = f"while validating epoch {epoch + 1} (resuming validates it again)"
+    if loss_due:
+        trainer.eval_net.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        shards = ctx.world_size
+        # a stop vote per batch while every rank still has one (shards differ by one at most)
+        voted_batches = -(-(len(val_set) // shards) // max(1, cfg.train.batch_size // shards))
+        for n, batch in enumerate(val_loader(val_set, cfg, ctx)):
+            images, target, mask = (t.to(ctx.device) for t in batch)
+            per_sample, _ = trainer.eval_net(images, target, mask)
+            total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
+            if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):
+                raise trainer.stopped(where)
+        total = dist.all_reduce_sum(total)
+        results["loss"] = (total[0] / total[1].clamp(min=1)).item()
+    if ap_due and trainer.evaluator is not None:
+        with cudnn_autotuning_off():
+            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, ctx.device,
+                                      max_images=cfg.train.ap_max_images, progress=ctx.is_main,
+                                      stop=lambda: trainer.stop_signal is not None,
+                                      skeleton=trainer.skeleton)
+        if stats is None:
+            raise trainer.stopped(where)
+        results.update({k: stats[k] for k in AP_KEYS})
+    return results

@@ -1,0 +1,147 @@
+"""Hooks: what runs around the training loop, so that adding a feature never means editing it.
+
+A hook overrides any of the methods of `Hook`; `Trainer(..., hooks=[...])` runs the engine's own
+hooks (`default_hooks`) first, then the user's, in order. What a hook may read: the trainer's
+parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`, `run_dir`, `logger`, `cfg`) and its
+position (`epoch`, `step`). A hook with a `checkpoint_key` saves `state_dict()` under that key in
+every checkpoint and gets it back through `load_state_dict()` on resume; `evaluating()` wraps
+validation, AP and the checkpoint of the best weights (e.g. to swap other weights in).
+
+The engine's own hooks here: the LR schedule, the progress bar, the training log, the divergence
+stop and the pre-emption stop. Validation, AP, checkpoints and early stopping are `EpochEnd`
+(engine/epoch_end.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import torch
+from tqdm import tqdm
+
+from config.errors import TrainingDiverged, UserError
+from engine import distributed as dist
+from engine.optim import lr_at
+from engine.run_setup import STOP_SIGNALS, memory_gb
+
+
+class Hook:
+    checkpoint_key: str | None = None     # set to keep state_dict() in checkpoints
+
+    def before_train(self, trainer) -> None: ...
+    def before_epoch(self, trainer, epoch: int) -> None: ...
+    def before_step(self, trainer, epoch: int, first: int) -> None: ...
+    def after_step(self, trainer, out: dict) -> None: ...
+    def after_validation(self, trainer, epoch: int, results: dict) -> None: ...
+    def after_epoch(self, trainer, epoch: int, train_loss: float | None) -> None: ...
+    def on_stop(self, trainer) -> None:
+        """Always, when the run ends: finished, stopped or failed."""
+
+    def evaluating(self, trainer):
+        """A context around validation, AP and saving best.pth."""
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Interrupted(UserError):
+    """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
+
+    plain_message = True
+
+
+class LRSchedule(Hook):
+    """The LR of each step from `lr_at`: by where the run is, at the run's total batch."""
+
+    def before_step(self, trainer, epoch, first):
+        cfg = trainer.cfg
+        last_batch = first + cfg.train.accumulate - 1
+        trainer.optim_step.set_lr(lr_at(cfg.optim, epoch, last_batch, trainer.batches_per_epoch,
+                                        trainer.ctx.world_size,
+                                        cfg.train.batch_size * cfg.train.accumulate))
+
+
+class ProgressBar(Hook):
+    def before_epoch(self, trainer, epoch):
+        self.bar = tqdm(total=trainer.steps_this_epoch, desc=f"epoch {epoch + 1}/{trainer.cfg.train.epochs}",
+                        disable=not trainer.ctx.is_main, dynamic_ncols=True, leave=False)
+
+    def after_step(self, trainer, out):
+        self.bar.set_postfix(loss=f"{out['loss']:.4g}", lr=f"{out['lr']:.3g}",
+                             img_s=f"{out['samples_per_s']:.1f}", mem=f"{memory_gb(trainer.ctx.device):.2f}G")
+        self.bar.update()
+
+    def after_epoch(self, trainer, epoch, train_loss):
+        self.on_stop(trainer)
+
+    def on_stop(self, trainer):
+        if getattr(self, "bar", None) is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class TrainLog(Hook):
+    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks."""
+
+    def after_step(self, trainer, out):
+        if trainer.step % trainer.cfg.train.log_every and not out["last_of_epoch"]:
+            return
+        names = list(out["parts"])
+        means = dist.all_reduce_mean(torch.stack(
+            [out["parts"][k].float().cpu() for k in names] + [torch.tensor(out["loss"])])).tolist()
+        trainer.logger.log("train", trainer.step, epoch=out["epoch"], loss=means[-1], lr=out["lr"],
+                           samples_per_s=out["samples_per_s"],
+                           skipped_steps=trainer.optim_step.skipped_total,
+                           memory_gb=memory_gb(trainer.ctx.device), **dict(zip(names, means)))
+
+
+class DivergenceStop(Hook):
+    def after_step(self, trainer, out):
+        streak = trainer.optim_step.bad_streak
+        if streak >= trainer.cfg.optim.max_bad_steps:
+            raise TrainingDiverged(
+                f"{streak} consecutive steps had a non-finite or abnormal loss or "
+                f"gradients (last loss {out['loss']:.4g}); stopped. The last good checkpoint is "
+                f"{trainer.run_dir / 'last.pth'}: lower optim.lr, enable --clip-grad, or use O0")
+
+
+class Preemption(Hook):
+    """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved, then the run ends
+    with `Interrupted`, which says how to resume."""
+
+    def before_train(self, trainer):
+        def request_stop(signum, frame):
+            trainer.stop_signal = signum
+        self.previous = {}
+        for sig in STOP_SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, request_stop)
+            except ValueError:     # not the main thread (e.g. under a test runner thread)
+                pass
+
+    def after_step(self, trainer, out):
+        if out["stop"]:
+            batch = out["first"] + trainer.cfg.train.accumulate
+            trainer.save("last.pth", out["epoch"], batch)
+            raise trainer.stopped(f"at epoch {out['epoch'] + 1}, batch {batch}")
+
+    def on_stop(self, trainer):
+        # the handlers hold this trainer (model, process group): let both go after the run
+        for sig, handler in getattr(self, "previous", {}).items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+class Throughput:
+    """Samples per second since the epoch's first step (a helper of the loop, not a hook)."""
+
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step, self.tick, self.steps = samples_per_step, time.perf_counter(), 0
+
+    def step(self) -> float:
+        self.steps += 1
+        return self.samples_per_step * self.steps / (time.perf_counter() - self.tick)

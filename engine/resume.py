@@ -1,0 +1,142 @@
+"""Where a run starts from, decided once: `plan_run` picks (on rank 0, for every rank) the run
+directory and the checkpoint a resume continues; `read_state` reads a checkpoint once per process
+(the command line's look at its config and the trainer's load share the read); `load_start`
+puts the weights a run starts from (resume, the authors' run, --weights) into the model, and
+`restore` the rest (optimiser, scaler, RNG, position, hooks' states) once the optimiser exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.errors import CheckpointError, ConfigError
+from config.schema import Config, TrainConfig
+from config.skeleton import Skeleton, from_checkpoint
+from engine import checkpoint as ckpt
+from engine import distributed as dist
+from engine.run_setup import pick_and_claim
+
+_read: dict[str, dict] = {}        # resolved path -> the state read from it (one entry)
+
+
+@dataclass
+class RunPlan:
+    run_dir: Path
+    created: bool                     # this run created run_dir (removed again if it fails to start)
+    resume_path: Path | None          # the checkpoint this run continues, if any
+    config: Config                    # the main process's: the one every rank trains with
+
+
+def plan_run(cfg: Config) -> RunPlan:
+    """Decided on the main process, the same on every rank: one rank's view of a shared filesystem
+    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree."""
+    def decide():
+        run_dir, created = pick_and_claim(cfg.train)
+        return str(run_dir), created, _resume_path(cfg.train, run_dir), cfg
+    run_dir, created, path, config = dist.decided_on_main(decide)
+    return RunPlan(Path(run_dir), created, Path(path) if path else None, config)
+
+
+def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
+    if not train.resume:
+        return None
+    if train.resume == "auto":
+        path = ckpt.find_latest_checkpoint(run_dir)
+        return str(path) if path else None
+    if not Path(train.resume).is_file():
+        raise CheckpointError(f"--resume {train.resume}: no such file")
+    return train.resume
+
+
+def read_state(path) -> dict:
+    """The checkpoint at `path`, memory-mapped, read once per process."""
+    key = str(Path(path).resolve())
+    if key not in _read:
+        _read.clear()
+        _read[key] = ckpt.load_checkpoint(path, mmap=True)
+    return _read[key]
+
+
+def forget_state() -> None:
+    _read.clear()
+
+
+def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
+    """CheckpointError when a checkpoint's skeleton is not the data's (see the messages)."""
+    if theirs == ours:
+        return
+    fix = ("continue it on data of its skeleton, or start a new run from it with --weights "
+           "and --allow-partial" if how == "resume" else
+           "pass --allow-partial to load everything but the output heads and merges whose "
+           "shapes differ (they start fresh)")
+    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs)} but the data "
+                          f"has {skeleton_words(ours)}: {fix}")
+
+
+def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
+    """Load the weights the run starts from into `model`; returns (resume state or None, the
+    authors' checkpoint whose run continues or None, its path)."""
+    if plan.resume_path is not None:
+        state = read_state(plan.resume_path)
+        ckpt.check_resumable(state, plan.resume_path)
+        check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
+        ckpt.load_weights(model, state)
+        return state, None, plan.resume_path
+    if train.resume == "auto":
+        say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
+    if train.resume_reference:
+        if train.weights:
+            raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint "
+                              "already holds the weights)")
+        path = Path(train.resume_reference)
+        reference = ckpt.read_reference(path)
+        say(f"loaded weights from {path}: {load_summary(ckpt.load_weights(model, reference))}")
+        return None, reference, path
+    if train.weights:
+        weights = ckpt.read_file(train.weights)
+        if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
+            check_skeleton(from_checkpoint(weights), skeleton, train.weights, "weights")
+        report = ckpt.load_weights(model, weights, allow_partial=train.allow_partial,
+                                   source=str(train.weights))
+        say(f"loaded weights from {train.weights}: {load_summary(report)}")
+    return None, None, None
+
+
+def restore(trainer, state: dict, path: Path) -> None:
+    """Optimiser, scaler, RNG, the run's position and the hooks' states from `state`."""
+    try:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.precision.load_state_dict(state.get("scaler") or {})
+        if trainer.ctx.is_main and state.get("rng"):
+            ckpt.restore_rng_state(state["rng"])
+        for hook in trainer.hooks:
+            if hook.checkpoint_key and hook.checkpoint_key in state:
+                hook.load_state_dict(state[hook.checkpoint_key])
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "
+                              f"this run ({type(exc).__name__}: {first_line}); start from its "
+                              "weights with --weights instead of --resume") from None
+    trainer.epoch, trainer.start_batch, trainer.step = state["epoch"], state["iteration"], state["step"]
+    trainer.best_metric = state.get("best_metric")
+    trainer.bad_validations = state.get("bad_validations", 0)
+    trainer.optim_step.skipped_total = state.get("skipped_steps", 0)
+    trainer.validation_pending = bool(state.get("validation_pending", False))
+    origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "
+                                     f"{state.get('world_size', '?')} process(es)")
+    trainer.say(f"resumed from {path}: epoch {trainer.epoch + 1}, batch {trainer.start_batch}"
+                + (f", step {trainer.step}" if trainer.step is not None else "") + f" ({origin})")
+
+
+def load_summary(report: dict) -> str:
+    loaded = report.get("loaded", "?")
+    missing = report.get("missing") or []
+    fresh = [name.split(" (")[0] for name in report.get("mismatched") or []]
+    return (f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+            + (f"; {report['converted']}" if report.get("converted") else "")
+            + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
+               if fresh else ""))
+
+
+def skeleton_words(skeleton: Skeleton) -> str:
+    return f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"
