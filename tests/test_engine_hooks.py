@@ -1,0 +1,110 @@
+"""The engine's seams (issue 20): a user's hook runs, sees every step and keeps its state in the
+checkpoint; the README's example of one runs as printed; the LR follows the total batch, the
+same in every launch mode."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config
+from config import build_config
+from engine.checkpoint import load_checkpoint
+from engine.cli import single_process_context
+from engine.hooks import Hook, LRSchedule
+from engine.optim import lr_at
+from engine.trainer import Launch, Trainer
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def quick_sets(tmp_path, synthetic_h5, name: str) -> list[str]:
+    return [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
+            f"train.run_name={name}", "train.batch_size=4", "train.max_steps_per_epoch=2",
+            "train.epochs=2", "train.val_every=0", "train.ap_every=0", "train.tensorboard=false",
+            "train.device=cpu"]
+
+
+class Recorder(Hook):
+    checkpoint_key = "recorder"
+
+    def __init__(self):
+        self.events, self.losses, self.restored = [], [], None
+
+    def before_epoch(self, trainer, epoch):
+        self.events.append(("epoch", epoch))
+
+    def before_step(self, trainer, epoch, first):
+        self.events.append(("step", trainer.step, first))
+
+    def after_step(self, trainer, out):
+        self.losses.append((trainer.step, out["loss"], out["lr"], out["skipped"]))
+
+    def on_stop(self, trainer):
+        self.events.append(("stop",))
+
+    def state_dict(self):
+        return {"steps_seen": torch.tensor(len(self.losses))}
+
+    def load_state_dict(self, state):
+        self.restored = int(state["steps_seen"])
+
+
+def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_path, synthetic_h5):
+    hook = Recorder()
+    result = Trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),
+                     Launch(single_process_context("cpu")), hooks=[hook]).fit()
+    assert result["step"] == 4
+    assert hook.events == [("epoch", 0), ("step", 0, 0), ("step", 1, 1),
+                           ("epoch", 1), ("step", 2, 0), ("step", 3, 1), ("stop",)]
+    assert [s for s, *_ in hook.losses] == [1, 2, 3, 4]
+    assert all(loss > 0 and lr > 0 and not skipped for _, loss, lr, skipped in hook.losses)
+    saved = load_checkpoint(tmp_path / "hooked/last.pth")
+    assert int(saved["recorder"]["steps_seen"]) == 4
+    again = Recorder()          # resumed (nothing left to train): the hook gets its state back
+    sets = quick_sets(tmp_path, synthetic_h5, "hooked") + ["train.resume=auto"]
+    Trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")), hooks=[again]).fit()
+    assert again.restored == 4 and again.losses == []
+
+
+def test_the_readme_hook_example_runs_as_printed(tmp_path, synthetic_h5, monkeypatch, capsys):
+    text = README.read_text()
+    section = text[text.index("## Extending the engine"):]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len([line for line in example.splitlines() if line.strip()]) <= 16
+    build = config.build_config
+    fast = quick_sets(tmp_path, synthetic_h5, "x")[:-1]        # its own run name, the CPU already
+    fast = [s for s in fast if not s.startswith(("train.run_name", "train.epochs"))]
+    monkeypatch.setattr(config, "build_config", lambda preset, sets=(): build(preset, sets=[*sets, *fast]))
+    exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
+    assert "0 of 2 steps skipped" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "hooked/last.pth")["skipped_steps_hook"] == {"skipped": 0}
+
+
+def lr_of_mode(world_size: int, batch_size: int, accumulate: int, reference_batch: int) -> float:
+    """The LR the engine's schedule hook sets for the first step after warm-up, in a run of
+    `world_size` processes (1 for train.py and train_parallel.py)."""
+    cfg = build_config("tiny", sets=[f"train.batch_size={batch_size}", f"train.accumulate={accumulate}",
+                                     f"optim.reference_batch={reference_batch}", "optim.warmup_epochs=0"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    trainer = SimpleNamespace(cfg=cfg, batches_per_epoch=10 * accumulate,
+                              ctx=SimpleNamespace(world_size=world_size),
+                              optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0].update(lr=lr)))
+    LRSchedule().before_step(trainer, 0, 0)
+    return optimizer.param_groups[0]["lr"]
+
+
+def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
+    lr = build_config("tiny").optim.lr
+    # a total batch of 16: one process of 16, 2 processes of 8, 4 GPUs x 4 (DataParallel: one
+    # process), or 8 accumulated twice: the LR is the same, lr x 16 / 8
+    runs = [(1, 16, 1), (2, 16, 1), (4, 16, 1), (1, 8, 2), (2, 8, 2)]
+    assert [lr_of_mode(*run, reference_batch=8) for run in runs] == pytest.approx([2 * lr] * len(runs))
+    # no reference batch (the default): optim.lr at any total batch and in any mode, as before
+    assert [lr_of_mode(*run, reference_batch=0) for run in runs] == pytest.approx([lr] * len(runs))
+    assert build_config("tiny").optim.reference_batch == 0
+    optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
+    assert lr_at(optim, 50, 0, 10, total_batch=16) == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
