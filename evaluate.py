@@ -93,7 +93,7 @@ def _check_writable(path: Path) -> None:
 
 def _on_rank0(work, rank: int):
     """`work()` on rank 0 only; its result, or the exception it raised, on every rank."""
-    from engine.distributed import broadcast_object
+    from runtime.distributed import broadcast_object
 
     outcome = None
     if rank == 0:
@@ -110,7 +110,7 @@ def _on_rank0(work, rank: int):
 def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
     """(h5 path, temp dir to remove): rank 0 converts --ann/--images once (people in `skeleton`,
     the model's; None: as the JSON says), the others wait."""
-    from engine.distributed import barrier
+    from runtime.distributed import barrier
 
     if args.h5:
         return args.h5, None
@@ -134,7 +134,7 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
 
 def run(args) -> dict:
     from config.loader import build_config
-    from engine.distributed import barrier, cleanup, init_distributed
+    from runtime.distributed import barrier, cleanup, init_distributed
     from inference.evaluation import evaluate_h5
     from inference.estimator import PoseEstimator
     from inference.loading import inference_config

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint import load_checkpoint, unwrap_model          # noqa: E402
+from runtime.checkpoint import load_checkpoint, unwrap_model          # noqa: E402
 from engine.cli import build_parser, config_from_args, single_process_context  # noqa: E402
 from engine.loss_scale_state import grad_scaler_fields               # noqa: E402
 from engine.trainer import Launch, Trainer                            # noqa: E402

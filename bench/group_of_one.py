@@ -21,10 +21,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import distributed as dist                      # noqa: E402
+from runtime import distributed as dist                     # noqa: E402
 from engine.backend import wrap_ddp                         # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
-from engine.launch_env import find_free_port                # noqa: E402
+from runtime.launch_env import find_free_port                # noqa: E402
 from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
 from engine.trainer import Launch, Trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402

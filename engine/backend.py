@@ -63,11 +63,11 @@ def convert_sync_bn(model: nn.Module, ctx, cfg: Config) -> nn.Module:
 
 def wrap_ddp(model: nn.Module, ctx, cfg: Config) -> nn.Module:
     """train_distributed.py's wrapper: apex.parallel.DistributedDataParallel under the apex
-    backend, else torch's (engine.distributed.wrap_ddp); the model itself without a group."""
+    backend, else torch's (runtime.distributed.wrap_ddp); the model itself without a group."""
     if cfg.amp.backend == "apex" and ctx.distributed:
         from engine.apex_backend import apex_ddp
         return apex_ddp(model, cfg.dist)
-    from engine.distributed import wrap_ddp as native
+    from runtime.distributed import wrap_ddp as native
     return native(model, ctx, cfg.dist)
 
 

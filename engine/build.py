@@ -13,7 +13,7 @@ from torch import nn
 from config.errors import DataError
 from config.schema import AmpConfig, Config, ModelConfig
 from config.skeleton import Skeleton
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.amp import Precision, set_cuda_backends
 from engine.backend import build_precision as backend_precision, convert_sync_bn
 from engine.freeze import freeze, trainable_parameters

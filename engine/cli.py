@@ -124,7 +124,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tuple[Path | None, dict | None]:
     """(checkpoint, the config stored in it) that --resume will load, if it can be found."""
-    from engine.checkpoint import find_latest_checkpoint
+    from runtime.checkpoint import find_latest_checkpoint
     from engine.resume import read_state
     from engine.run_setup import newest_run_dir
     if resume == "auto":
@@ -181,7 +181,7 @@ def _weights_network(path: str) -> tuple[dict | None, tuple]:
     """(model settings, presets that may build it) of the network a --weights file holds, when the
     file says: a checkpoint of this trainer carries its config; a file of the authors', its shapes."""
     from config.errors import CheckpointError
-    from engine.checkpoint import load_checkpoint, reference_file_settings
+    from runtime.checkpoint import load_checkpoint, reference_file_settings
     try:
         saved = load_checkpoint(path, mmap=True).get("config")
     except CheckpointError:               # a bare state dict, or a bad file: the trainer says which
@@ -195,7 +195,7 @@ def _check_weights_network(cfg) -> None:
     """--weights or --resume-reference from a checkpoint of another network: say which model
     settings differ and how to build it, instead of a list of hundreds of mismatched tensors."""
     from config.loader import to_dict
-    from engine.checkpoint import listed_difference, settings_difference
+    from runtime.checkpoint import listed_difference, settings_difference
 
     for option, path, partial in (("--weights", cfg.train.weights, cfg.train.allow_partial),
                                   ("--resume-reference", cfg.train.resume_reference, False)):
@@ -265,8 +265,8 @@ def single_process_context(device: str):
     0 becomes the current device, or the DataLoader's pinning thread would open a CUDA context on
     GPU 0 as well."""
     import torch
-    from engine.distributed import DistContext
-    from engine.launch_env import Launch, resolve_device
+    from runtime.distributed import DistContext
+    from runtime.launch_env import Launch, resolve_device
     dev = resolve_device(device, Launch())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

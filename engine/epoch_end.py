@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.amp import cudnn_autotuning_off
 from engine.hooks import Hook
 from engine.run_setup import val_loader

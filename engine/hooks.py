@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from config.errors import TrainingDiverged, UserError
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.optim import lr_at
 from engine.run_setup import STOP_SIGNALS, memory_gb
 

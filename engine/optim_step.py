@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from config.schema import OptimConfig
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.optim import clip_grads, grad_norm, set_lr
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.schema import Config
-from engine.checkpoint import load_weights, read_reference, save_checkpoint
+from runtime.checkpoint import load_weights, read_reference, save_checkpoint
 from engine.loss_scale_state import grad_scaler_fields
 from models.reference import momentum_by_name
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from config.errors import CheckpointError, ConfigError
 from config.schema import Config, TrainConfig
 from config.skeleton import Skeleton, from_checkpoint
-from engine import checkpoint as ckpt
-from engine import distributed as dist
+from runtime import checkpoint as ckpt
+from runtime import distributed as dist
 from engine.run_setup import pick_and_claim
 
 _read: dict[str, dict] = {}        # resolved path -> the state read from it (one entry)

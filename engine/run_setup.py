@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from config.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.sampler import GlobalBatchSampler, ShardSampler
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")

@@ -163,7 +163,7 @@ def _to_plain(module: nn.Module) -> nn.Module:
 
 
 def convert_sync_bn(model: nn.Module, ctx) -> nn.Module:
-    """Batch norms of `model` made cross-process for `ctx` (an engine.distributed.DistContext):
+    """Batch norms of `model` made cross-process for `ctx` (an runtime.distributed.DistContext):
     nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU; unchanged when not distributed."""
     if not ctx.distributed:
         return model

@@ -19,9 +19,9 @@ from tqdm import tqdm
 from config.errors import UserError
 from config.loader import to_dict
 from config.schema import Config
-from engine import distributed as dist
+from runtime import distributed as dist
 from engine.build import Parts, build_parts
-from engine.checkpoint import capture_rng_state, remove_stale_temps, save_checkpoint, unwrap_model
+from runtime.checkpoint import capture_rng_state, remove_stale_temps, save_checkpoint, unwrap_model
 from engine.epoch_end import EpochEnd, validations_due
 from engine.freeze import set_frozen_bn_eval, trainable_parameters
 from engine.hooks import (DivergenceStop, Hook, Interrupted, LRSchedule, Preemption, ProgressBar,

@@ -66,7 +66,7 @@ def to_people(keypoints: np.ndarray, scores: np.ndarray) -> list[Person]:
 
 def decode_threads(cfg: InferenceConfig) -> int:
     """Grouping threads: the config's number, or this process's share of the machine's cores."""
-    from engine.distributed import current_context
+    from runtime.distributed import current_context
 
     if cfg.decode_threads > 0:
         return cfg.decode_threads

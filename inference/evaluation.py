@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from config.errors import DataError
 from config.schema import Config
-from engine.checkpoint import unwrap_model
-from engine.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
+from runtime.checkpoint import unwrap_model
+from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool
 from inference.grouping import to_coco_results

@@ -23,7 +23,7 @@ DEFAULT_PRESET = "imhn512"
 
 def pick_device(device) -> torch.device:
     """A torch.device from auto | cpu | cuda | cuda:N (or a torch.device); ConfigError if absent."""
-    from engine.launch_env import read_launch, resolve_device
+    from runtime.launch_env import read_launch, resolve_device
 
     if isinstance(device, torch.device):
         return device
@@ -59,7 +59,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     (its network read from its shapes; `say`, by default a line on stderr, tells that it was
     converted) or a bare weights file; the model's skeleton is `model.skeleton`
     (`config.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
-    from engine.checkpoint import load_checkpoint, load_weights, reference_file_settings
+    from runtime.checkpoint import load_checkpoint, load_weights, reference_file_settings
     from models import build_model
 
     try:

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from config.loader import build_config
-    from engine.checkpoint import reference_file_settings
+    from runtime.checkpoint import reference_file_settings
     from engine.reference_resume import convert
 
     source, out = Path(args.source), Path(args.out)

@@ -28,8 +28,8 @@ if str(REPO) not in sys.path:          # run as a script from tests/
 from child_env import child_env                  # noqa: E402
 from config import build_config                  # noqa: E402
 from config.skeleton import builtin              # noqa: E402
-from engine.checkpoint import load_checkpoint    # noqa: E402
-from engine.launch_env import find_free_port     # noqa: E402
+from runtime.checkpoint import load_checkpoint    # noqa: E402
+from runtime.launch_env import find_free_port     # noqa: E402
 from models import build_model                   # noqa: E402
 
 COCO = builtin("coco")
@@ -99,7 +99,7 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 # -- the driver (runs in the launched processes) ------------------------------------------------
 def _patch_trainer_and_run() -> None:
     from engine import trainer as engine_trainer
-    from engine.checkpoint import unwrap_model
+    from runtime.checkpoint import unwrap_model
     from engine.cli import run_main
     from engine.model_with_loss import ModelWithLoss
 
@@ -160,7 +160,8 @@ def _slow_validation_samples(seconds: float) -> None:
 
 
 def _stale_checkpoint_view(name: str) -> None:
-    from engine import checkpoint, trainer
+    from engine import trainer
+    from runtime import checkpoint
 
     def stale_latest(run_dir):
         return Path(run_dir) / name

@@ -17,7 +17,7 @@ from torch import nn
 import train
 from config import build_config
 from config.errors import ConfigError
-from engine.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.trainer import Interrupted, Launch, Trainer
 

@@ -27,8 +27,8 @@ import torch
 import train
 from config.loader import build_config
 from config.skeleton import builtin
-from engine.checkpoint import save_checkpoint
-from engine.launch_env import find_free_port
+from runtime.checkpoint import save_checkpoint
+from runtime.launch_env import find_free_port
 from models import build_model
 from child_env import child_env
 from reference_files import model_entries, reference_file, rule_weights

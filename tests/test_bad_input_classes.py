@@ -27,7 +27,7 @@ import train
 from config.errors import run_cli
 from data import make_hdf5
 from data.h5format import KeypointH5
-from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from runtime.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from engine.run_setup import LOCK_FILE
 from child_env import child_env
 from conftest import COCO4_DIR
@@ -137,7 +137,7 @@ def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_fil
 
 
 def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, capsys, monkeypatch):
-    from engine.distributed import DistContext
+    from runtime.distributed import DistContext
     from engine.run_setup import choose_run_dir, release_run_dir
     from config.loader import build_config
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from config.errors import CheckpointError
-from engine import checkpoint
-from engine.checkpoint import (FORMAT_VERSION, capture_rng_state, find_latest_checkpoint,
+from runtime import checkpoint
+from runtime.checkpoint import (FORMAT_VERSION, capture_rng_state, find_latest_checkpoint,
                                load_checkpoint, load_weights, model_state_dict, restore_rng_state,
                                save_checkpoint, unwrap_model)
 

@@ -8,7 +8,7 @@ import torch
 from config.skeleton import builtin
 from config.errors import ConfigError
 from config.loader import build_config, to_dict, to_yaml
-from engine.checkpoint import save_checkpoint
+from runtime.checkpoint import save_checkpoint
 from engine.cli import build_parser, config_from_args
 from models import build_model
 

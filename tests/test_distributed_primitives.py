@@ -20,10 +20,10 @@ from torch import nn
 
 from config.errors import ConfigError
 from config.schema import DistConfig
-from engine import distributed as D
+from runtime import distributed as D
 from child_env import child_env
-from engine import launch_env
-from engine.launch_env import Launch, find_free_port, read_launch, resolve_device
+from runtime import launch_env
+from runtime.launch_env import Launch, find_free_port, read_launch, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -310,7 +310,7 @@ LEGACY_SCRIPT = """
 import argparse, json, sys
 sys.path.insert(0, {repo!r})
 from config.schema import DistConfig
-from engine import distributed as D
+from runtime import distributed as D
 parser = argparse.ArgumentParser()
 parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
 args = parser.parse_args()

@@ -7,7 +7,7 @@ import os
 import re
 import signal
 
-from engine.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint
 from test_preemption import (finish, read_metrics, start, torchrun, wait_until, worker_log,
                              worker_pids, write_micro_preset)
 

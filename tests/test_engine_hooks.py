@@ -12,7 +12,7 @@ import torch
 
 import config
 from config import build_config
-from engine.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.hooks import Hook, LRSchedule
 from engine.optim import lr_at

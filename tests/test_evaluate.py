@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 import evaluate
 from config.skeleton import builtin
 from config.loader import build_config, to_dict
-from engine.checkpoint import save_checkpoint
-from engine.launch_env import find_free_port
+from runtime.checkpoint import save_checkpoint
+from runtime.launch_env import find_free_port
 from inference.coco_eval import STAT_NAMES
 from inference.evaluation import evaluate_h5
 from models import build_model

@@ -25,7 +25,7 @@ import export
 import inference.estimator
 from config.skeleton import builtin
 from config.loader import build_config, to_dict
-from engine.checkpoint import save_checkpoint
+from runtime.checkpoint import save_checkpoint
 from inference import Person, PoseEstimator, Prediction
 from inference.grouping import to_coco_results
 from models import build_model

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint, save_checkpoint
+from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 20
@@ -24,7 +24,7 @@ PAYLOAD = 500_000      # floats per checkpoint (2 MB): a save takes long enough 
 # without pause), reports the saver's pid, and reports how it died.
 HELPER = f"""
 import os, sys, torch
-from engine.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from runtime.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 run_dir = sys.argv[1]
 print("ready", flush=True)
 for _ in sys.stdin:
@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_latest_checkpoint(tm
 # torch.save after half of the checkpoint is written: the kill pattern of repeated pre-emptions.
 KILLED_MID_WRITE = """
 import os, signal, sys, torch
-from engine import checkpoint
+from runtime import checkpoint
 run_dir = sys.argv[1]
 with open(os.path.join(run_dir, ".last.pth.earlier" + checkpoint.TEMP_SUFFIX), "wb") as stale:
     stale.write(b"x" * 1000)

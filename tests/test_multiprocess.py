@@ -27,8 +27,8 @@ import train_parallel
 from config.skeleton import builtin
 from config import build_config
 from data.dataset import KeypointDataset
-from engine.checkpoint import load_checkpoint
-from engine.launch_env import find_free_port
+from runtime.checkpoint import load_checkpoint
+from runtime.launch_env import find_free_port
 from engine.sampler import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env

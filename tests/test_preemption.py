@@ -27,7 +27,7 @@ import torch
 import train
 from config.skeleton import builtin
 from config.loader import build_config
-from engine.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
+from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
 from engine.optim import lr_at
 from child_env import child_env

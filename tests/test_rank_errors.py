@@ -14,7 +14,7 @@ import pytest
 
 import train
 from child_env import child_env
-from engine.launch_env import find_free_port
+from runtime.launch_env import find_free_port
 from multiprocess_runs import BAD_DATA_MESSAGE, dumps, launch, ranks_identical
 from test_preemption import REPO, message_lines, write_micro_preset
 

@@ -12,7 +12,7 @@ import torch
 from config.skeleton import builtin
 from config.loader import build_config
 from data.preprocess import picture_to_input
-from engine.checkpoint import load_weights
+from runtime.checkpoint import load_weights
 from models import build_model
 from models.reference import PREFIX
 from reference_files import GOLDEN, model_entries, rule_weights, tsv_entries

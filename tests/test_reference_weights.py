@@ -20,7 +20,7 @@ from config.errors import run_cli
 from config.loader import build_config
 from config.schema import AmpConfig
 from engine.amp import Precision
-from engine.checkpoint import load_checkpoint, load_weights
+from runtime.checkpoint import load_checkpoint, load_weights
 from engine.optim import lr_at
 from models import build_model
 from models.convert_reference import main as convert_main

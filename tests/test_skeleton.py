@@ -21,7 +21,7 @@ from data.dataset import KeypointDataset
 from data.h5format import KeypointH5
 from data.make_hdf5 import convert, main as make_hdf5
 from data.targets import render_targets
-from engine.checkpoint import load_checkpoint, load_weights
+from runtime.checkpoint import load_checkpoint, load_weights
 from inference.evaluation import oracle_maps
 from inference.grouping import group_people
 from models import build_model

@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from config.schema import DistConfig
-from engine.distributed import DistContext, all_reduce_sum, cleanup, init_distributed, wrap_ddp
-from engine.launch_env import find_free_port
+from runtime.distributed import DistContext, all_reduce_sum, cleanup, init_distributed, wrap_ddp
+from runtime.launch_env import find_free_port
 from engine.sync_bn import CrossProcessBatchNorm, convert_sync_bn, revert_sync_bn
 
 TOTAL_BATCH = 4

@@ -10,7 +10,7 @@ import torch
 import train
 from config.skeleton import builtin
 from config.errors import ConfigError, TrainingDiverged
-from engine.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
          "--set", "train.tensorboard=false"]

@@ -1,7 +1,7 @@
 """Multi-process plumbing of training: who this process is (rank, device), the process group,
 the collectives the engine calls, per-rank seeding and the DistributedDataParallel wrapper.
 
-The launcher's environment is read by `engine.launch_env` (torchrun, the legacy launcher's
+The launcher's environment is read by `runtime.launch_env` (torchrun, the legacy launcher's
 --local-rank, hand-set variables, SLURM); a world of one process gets no process group.
 
 Ranks fail together: they meet in a store with a short timeout before the group exists, a rank
@@ -30,7 +30,7 @@ from torch import nn
 
 from config.errors import ConfigError, UserError
 from config.schema import DistConfig
-from engine.launch_env import check_port_free, read_launch, resolve_device
+from runtime.launch_env import check_port_free, read_launch, resolve_device
 
 BACKENDS = ("auto", "nccl", "gloo")
 

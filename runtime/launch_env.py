@@ -1,6 +1,6 @@
 """What the launcher tells this process: rank, local rank, world, master address and port, and
 the device it should use. Pure reading of the environment (no process group), so it can be tested
-without processes; `engine.distributed.init_distributed` acts on it.
+without processes; `runtime.distributed.init_distributed` acts on it.
 
 Launchers understood, first match wins:
 1. torchrun and the legacy `torch.distributed.launch`: RANK, LOCAL_RANK, WORLD_SIZE,
