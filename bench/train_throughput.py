@@ -89,8 +89,8 @@ def loader_batches(trainer: Trainer):
     epoch = 0
     while True:
         trainer.train_set.set_epoch(epoch)
-        trainer.sampler.set_epoch(epoch)
-        yield from trainer.loader
+        trainer.data.sampler.set_epoch(epoch)
+        yield from trainer.data.loader
         epoch += 1
 
 
