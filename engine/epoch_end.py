@@ -29,6 +29,8 @@ def validations_due(trainer, epoch: int) -> tuple[bool, bool]:
 
 
 class EpochEnd(Hook):
+    priority = 90
+
     def before_train(self, trainer):
         if trainer.validation_pending and trainer.epoch > 0:   # stopped while validating: again
             self.after_epoch(trainer, trainer.epoch - 1, None)

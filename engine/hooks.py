@@ -1,11 +1,17 @@
 """Hooks: what runs around the training loop, so that adding a feature never means editing it.
 
-A hook overrides any of the methods of `Hook`; `Trainer(..., hooks=[...])` runs the engine's own
-hooks (`default_hooks`) first, then the user's, in order. What a hook may read: the trainer's
-parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`, `run_dir`, `logger`, `cfg`) and its
-position (`epoch`, `step`). A hook with a `checkpoint_key` saves `state_dict()` under that key in
-every checkpoint and gets it back through `load_state_dict()` on resume; `evaluating()` wraps
-validation, AP and the checkpoint of the best weights (e.g. to swap other weights in).
+A hook overrides any of the methods of `Hook`. They run in this order: `after_build`,
+`before_train`, then per epoch `before_epoch`, per step `before_step` and `after_step`, then
+`after_validation` and `after_epoch`; `on_stop` last, whatever happened. `Trainer(..., hooks=[...])`
+runs them with the engine's own (`default_hooks`) by `priority`, lower first, then in the order
+given: a user's hook (50) runs after the LR, divergence and logging hooks and before the
+pre-emption save (80) and the end of the epoch (90), so that what it keeps is saved.
+
+What a hook may read: the trainer's parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`,
+`run_dir`, `logger`, `cfg`) and its position (`epoch`, `step`). A hook with a `checkpoint_key`
+saves `state_dict()` under that key in every checkpoint and gets it back through
+`load_state_dict()` on resume; `evaluating()` wraps validation, AP and the saving of best.pth
+(e.g. to swap other weights in).
 
 The engine's own hooks here: the LR schedule, the progress bar, the training log, the divergence
 stop and the pre-emption stop. Validation, AP, checkpoints and early stopping are `EpochEnd`
@@ -28,6 +34,10 @@ from engine.run_setup import STOP_SIGNALS, memory_gb
 
 class Hook:
     checkpoint_key: str | None = None     # set to keep state_dict() in checkpoints
+    priority: int = 50                    # lower runs first
+
+    def after_build(self, trainer) -> None:
+        """The parts exist, before a resume restores the hooks' states (e.g. to copy weights)."""
 
     def before_train(self, trainer) -> None: ...
     def before_epoch(self, trainer, epoch: int) -> None: ...
@@ -56,6 +66,8 @@ class Interrupted(UserError):
 
 class LRSchedule(Hook):
     """The LR of each step from `lr_at`: by where the run is, at the run's total batch."""
+    priority = 10
+
 
     def before_step(self, trainer, epoch, first):
         cfg = trainer.cfg
@@ -66,6 +78,8 @@ class LRSchedule(Hook):
 
 
 class ProgressBar(Hook):
+    priority = 30
+
     def before_epoch(self, trainer, epoch):
         self.bar = tqdm(total=trainer.steps_this_epoch, desc=f"epoch {epoch + 1}/{trainer.cfg.train.epochs}",
                         disable=not trainer.ctx.is_main, dynamic_ncols=True, leave=False)
@@ -86,6 +100,8 @@ class ProgressBar(Hook):
 
 class TrainLog(Hook):
     """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks."""
+    priority = 40
+
 
     def after_step(self, trainer, out):
         if trainer.step % trainer.cfg.train.log_every and not out["last_of_epoch"]:
@@ -100,6 +116,8 @@ class TrainLog(Hook):
 
 
 class DivergenceStop(Hook):
+    priority = 20
+
     def after_step(self, trainer, out):
         streak = trainer.optim_step.bad_streak
         if streak >= trainer.cfg.optim.max_bad_steps:
@@ -112,6 +130,8 @@ class DivergenceStop(Hook):
 class Preemption(Hook):
     """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved, then the run ends
     with `Interrupted`, which says how to resume."""
+    priority = 80
+
 
     def before_train(self, trainer):
         def request_stop(signum, frame):

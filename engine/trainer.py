@@ -54,7 +54,7 @@ class Trainer:
     def __init__(self, cfg: Config, launch: Launch, evaluator: Callable | None = None,
                  hooks: list[Hook] = (), build: Callable[..., Parts] = build_parts):
         self.launch, self.ctx, self.evaluator = launch, launch.ctx, evaluator
-        self.hooks = default_hooks() + list(hooks)
+        self.hooks = sorted(default_hooks() + list(hooks), key=lambda hook: hook.priority)
         plan = plan_run(cfg)
         self.cfg, self.run_dir = plan.config, plan.run_dir
         try:
@@ -75,6 +75,7 @@ class Trainer:
         self.epoch, self.start_batch, self.step = 0, 0, 0
         self.best_metric, self.bad_validations = None, 0
         self.validation_pending, self.stop_signal, self.early_stopped, self.results = False, None, False, {}
+        self._call("after_build")
         state, reference, path = parts.start
         if reference is not None:
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
@@ -97,7 +98,8 @@ class Trainer:
         self._describe(parts.frozen)
 
     def _describe(self, frozen: dict | None) -> None:
-        cfg, data, batch, accumulate = self.cfg, self.data, self.cfg.train.batch_size, self.cfg.train.accumulate
+        cfg, data = self.cfg, self.data
+        batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
         n_train = sum(p.numel() for p in trainable_parameters(self.model))
         self.say(f"run directory: {self.run_dir}")
         self.say(f"mode {self.launch.mode}, {self.ctx.world_size} process(es) on {self.ctx.device}; "

@@ -92,7 +92,8 @@ def lr_of_mode(world_size: int, batch_size: int, accumulate: int, reference_batc
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     trainer = SimpleNamespace(cfg=cfg, batches_per_epoch=10 * accumulate,
                               ctx=SimpleNamespace(world_size=world_size),
-                              optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0].update(lr=lr)))
+                              optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0]
+                                                         .update(lr=lr)))
     LRSchedule().before_step(trainer, 0, 0)
     return optimizer.param_groups[0]["lr"]
 
@@ -107,4 +108,5 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     assert [lr_of_mode(*run, reference_batch=0) for run in runs] == pytest.approx([lr] * len(runs))
     assert build_config("tiny").optim.reference_batch == 0
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
-    assert lr_at(optim, 50, 0, 10, total_batch=16) == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
+    quadruple = lr_at(optim, 50, 0, 10, total_batch=16)
+    assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
