@@ -48,6 +48,10 @@ class Hook:
     def on_stop(self, trainer) -> None:
         """Always, when the run ends: finished, stopped or failed."""
 
+    def before_save(self, trainer, name: str, state: dict) -> None:
+        """On the main process, the checkpoint `name` about to be written: a hook may change or add
+        entries (its own `state_dict()` is already there under `checkpoint_key`)."""
+
     def evaluating(self, trainer):
         """A context around validation, AP and saving best.pth."""
         return contextlib.nullcontext()

@@ -12,9 +12,9 @@ from pathlib import Path
 from config.errors import CheckpointError, ConfigError
 from config.schema import Config, TrainConfig
 from config.skeleton import Skeleton, from_checkpoint
+from engine.run_setup import pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
-from engine.run_setup import pick_and_claim
 
 _read: dict[str, dict] = {}        # resolved path -> the state read from it (one entry)
 
@@ -32,7 +32,11 @@ def plan_run(cfg: Config) -> RunPlan:
     (a newer file, a stale listing, hence another saved config) never makes the ranks disagree."""
     def decide():
         run_dir, created = pick_and_claim(cfg.train)
-        return str(run_dir), created, _resume_path(cfg.train, run_dir), cfg
+        try:
+            return str(run_dir), created, _resume_path(cfg.train, run_dir), cfg
+        except BaseException:      # a run that did not start leaves no directory behind
+            release_run_dir(run_dir, remove_if_empty=created)
+            raise
     run_dir, created, path, config = dist.decided_on_main(decide)
     return RunPlan(Path(run_dir), created, Path(path) if path else None, config)
 

@@ -191,6 +191,8 @@ class Trainer:
                 "mode": self.launch.mode, "world_size": self.ctx.world_size,
                 "validation_pending": validation_pending, **extra,
             }
+            for hook in self.hooks:
+                hook.before_save(self, name, state)
             save_checkpoint(self.run_dir / name, state)
         dist.barrier()
 
