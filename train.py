@@ -12,7 +12,7 @@ from inference.evaluation import training_evaluator
 
 def main(argv=None) -> dict:
     cfg = config_from_args(build_parser(__doc__).parse_args(argv))
-    return Trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(cfg)).fit()
+    return Trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator()).fit()
 
 
 if __name__ == "__main__":

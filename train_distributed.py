@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
     try:
         wrap = lambda module: wrap_ddp(module, ctx, cfg)  # noqa: E731
-        return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(cfg)).fit()
+        return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator()).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)
         raise

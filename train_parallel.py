@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                       training_evaluator(cfg)).fit()
+                       training_evaluator()).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                   training_evaluator(cfg)).fit()
+                   training_evaluator()).fit()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     ctx.distributed = True
     try:
         trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg), mode="ddp"),
-                          training_evaluator(cfg))
+                          training_evaluator())
         sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
                       for m in trainer.model.modules())
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "

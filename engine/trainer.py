@@ -48,8 +48,8 @@ def default_hooks() -> list[Hook]:
 
 
 class Trainer:
-    """`evaluator(model, val_h5, device, max_images=, progress=, stop=, skeleton=)` -> COCO stats
-    (or None when stopped) is the AP part, handed in by the entry script; without one, no AP."""
+    """`evaluator(model, val_h5, cfg, device, max_images=, progress=, stop=, skeleton=)` -> COCO
+    stats (or None when stopped) is the AP part, handed in by the entry script; without one, no AP."""
 
     def __init__(self, cfg: Config, launch: Launch, evaluator: Callable | None = None,
                  hooks: list[Hook] = (), build: Callable[..., Parts] = build_parts):

@@ -147,9 +147,9 @@ __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads
            "evaluate_h5", "oracle_maps"]
 
 
-def training_evaluator(cfg: Config):
-    """The AP part of a training run (`engine.trainer.Trainer(evaluator=...)`): `evaluate_h5` with
-    the run's config; the engine calls it without importing this layer."""
-    def evaluate(model, h5_path, device, **options):
+def training_evaluator():
+    """The AP part of a training run (`engine.trainer.Trainer(evaluator=...)`): `evaluate_h5`,
+    looked up when called (tests replace it); the engine calls it without importing this layer."""
+    def evaluate(model, h5_path, cfg: Config, device, **options):
         return evaluate_h5(model, h5_path, cfg, device, **options)
     return evaluate
