@@ -110,6 +110,8 @@ class Trainer:
                  + (f", {len(data.val_set)} validation samples from {data.val_h5}" if data.val_set
                     else "; no --val-h5, so no validation loss, no AP and no best.pth")
                  + f"; {self.skeleton.describe()}")
+        if data.val_set is not None and cfg.train.ap_every and self.evaluator is None:
+            self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
         self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
                  + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
 
