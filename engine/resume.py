@@ -16,7 +16,7 @@ from engine.run_setup import pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
-_read: dict[str, dict] = {}        # resolved path -> the state read from it (one entry)
+_read: dict[tuple, dict] = {}      # (resolved path, the file's identity) -> its state (one entry)
 
 
 @dataclass
@@ -53,8 +53,13 @@ def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
 
 
 def read_state(path) -> dict:
-    """The checkpoint at `path`, memory-mapped, read once per process."""
-    key = str(Path(path).resolve())
+    """The checkpoint at `path`, memory-mapped, read once per process (again if the file changed)."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        return ckpt.load_checkpoint(path, mmap=True)      # says what is wrong with it
     if key not in _read:
         _read.clear()
         _read[key] = ckpt.load_checkpoint(path, mmap=True)
