@@ -6,9 +6,11 @@ Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is 
 draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
 `KeypointDataset` with augmentation:
 read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
-targets (50 maps at stride 4), and the total of `dataset[i]` (tensors included). Rates are per
-CPU second of this process (one thread), so other load on the machine barely moves them. It
-prints a table, then the HDF5 bytes per image next to the raw-pixel size, then one JSON line.
+targets (50 maps at stride 4), and the total of `dataset.compact_item(i)`: all the host-side work
+of a loader worker per sample (tensors included; `data.transfer`). Rates are per CPU second of
+this process (one thread), so other load on the machine barely moves them. It prints a table, the
+bytes per sample sent from a worker to the device (against float32 tensors), then the HDF5 bytes
+per image next to the raw-pixel size, then one JSON line.
 """
 from __future__ import annotations
 
@@ -27,24 +29,26 @@ import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
+from data.transfer import batch_bytes  # noqa: E402
 from bench.bench_data import make_bench_h5  # noqa: E402
 
 
 def measure(dataset: KeypointDataset, samples: int) -> dict:
-    """CPU seconds per stage over `samples` staged samples, and for `samples` dataset[i] calls."""
+    """CPU seconds per stage over `samples` staged samples, and for `samples` compact items (what a
+    loader worker makes)."""
     count = len(dataset)
     dataset.sample_arrays(0)                                   # open the file, warm caches
     stages: dict = {}
     for n in range(samples):
-        dataset.set_epoch(n // count)
-        dataset.sample_arrays(n % count, stages)
+        dataset.sample_arrays((n // count, n % count), stages)
     start = time.process_time()
     wall = time.perf_counter()
     for n in range(samples):
-        dataset.set_epoch(n // count)
-        dataset[n % count]
+        dataset.compact_item((n // count, n % count))
     stages["total"] = time.process_time() - start
     stages["total_wall"] = time.perf_counter() - wall
+    stages["bytes"] = batch_bytes(dataset.compact_item(0))
+    stages["float32_bytes"] = batch_bytes(dataset[0])
     return stages
 
 
@@ -79,13 +83,17 @@ def main(argv=None) -> int:
         print(f"{stage:<10}{ms:>12.2f}{rates[stage]:>12.1f}")
     wall_rate = args.samples / stages["total_wall"]
     print(f"(total by wall clock: {wall_rate:.1f} samples/s; rates above are per CPU second)")
+    print(f"sent to the device: {stages['bytes'] / 1e6:.2f} MB/sample "
+          f"(float32 tensors: {stages['float32_bytes'] / 1e6:.2f} MB)")
     ratio = stored / (raw + raw_masks)
     print(f"HDF5 {stored / 1e3:.1f} kB/image; raw pixels {raw / 1e3:.1f} kB/image "
           f"(+ uncompressed masks {raw_masks / 1e3:.1f} kB): {ratio:.3f} of raw pixels + masks")
     print(json.dumps({"input_size": args.input_size, "samples": args.samples,
                       "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
-                      "total_wall_per_s": round(wall_rate, 1), "h5_bytes_per_image": round(stored),
+                      "total_wall_per_s": round(wall_rate, 1), "bytes_per_sample": stages["bytes"],
+                      "float32_bytes_per_sample": stages["float32_bytes"],
+                      "h5_bytes_per_image": round(stored),
                       "raw_bytes_per_image": round(raw),
                       "raw_with_masks_bytes_per_image": round(raw + raw_masks),
                       "size_ratio": round(ratio, 4)}))

@@ -41,6 +41,7 @@ from bench.bench_data import make_bench_h5            # noqa: E402
 from config import build_config                        # noqa: E402
 from config.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
+from engine.device_feed import DeviceFeed              # noqa: E402
 from engine.trainer import Launch, Trainer             # noqa: E402
 from models import build_model                         # noqa: E402
 from models.summary import count_macs                  # noqa: E402
@@ -85,12 +86,13 @@ def synthetic_batches(batch: int, cfg, device):
 
 
 def loader_batches(trainer: Trainer):
-    """The engine's DataLoader, epoch after epoch, as train_one_epoch iterates it."""
+    """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
+    iterates it."""
     epoch = 0
     while True:
         trainer.train_set.set_epoch(epoch)
         trainer.data.sampler.set_epoch(epoch)
-        yield from trainer.data.loader
+        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device)
         epoch += 1
 
 

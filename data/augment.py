@@ -112,18 +112,23 @@ def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
 
 def warp_masks(planes: np.ndarray | None, grid_matrix: np.ndarray,
                size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ignore, person): float32 size x size fractions of the masks through `grid_matrix`, 0 outside.
+    """(ignore, person): uint8 size x size masks through `grid_matrix` (255 = wholly masked, the
+    bilinear fraction x 255 on edges), 0 outside the image. `mask_fraction` makes them [0, 1].
 
     `planes` is `data.h5format.decode_mask_planes` output (channels 0 and 1 are the masks as
     0/255), warped in one 4-channel call; None (both masks empty) gives zeros without warping.
     """
     if planes is None:
-        zeros = np.zeros((size, size), np.float32)
+        zeros = np.zeros((size, size), np.uint8)
         return zeros, zeros.copy()
     out = cv2.warpAffine(planes, grid_matrix, (size, size), flags=cv2.INTER_LINEAR,
                          borderMode=cv2.BORDER_CONSTANT, borderValue=0)
-    scale = np.float32(1 / 255)
-    return out[:, :, 0].astype(np.float32) * scale, out[:, :, 1].astype(np.float32) * scale
+    return np.ascontiguousarray(out[:, :, 0]), np.ascontiguousarray(out[:, :, 1])
+
+
+def mask_fraction(mask: np.ndarray) -> np.ndarray:
+    """float32 [0, 1] of a uint8 0-255 mask of `warp_masks`."""
+    return mask.astype(np.float32) * np.float32(1 / 255)
 
 
 def tint(image: np.ndarray, params: AugmentParams) -> np.ndarray:

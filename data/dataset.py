@@ -1,17 +1,22 @@
 """The training/validation dataset: one sample per main person of a keypoint HDF5 file.
 
-`KeypointDataset(h5_path, cfg, train, rank)[i]` returns
+`KeypointDataset(h5_path, cfg, train, rank)[key]` returns
     image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = cfg.data.input_size
     target float32 [C, S/4, S/4] the maps of `data.targets.render_targets` (C: the file's
-                                 skeleton's channels, 50 for COCO)
+                                 skeleton's channels, 50 for COCO), rounded to float16
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
-With train=True (and cfg.augment.enabled) each sample gets the random affine and colour tint of
-`data.augment`, drawn from a generator seeded by (cfg.train.seed, epoch, rank, index): the same
-tuple redraws the same sample, and every worker, rank and index draws its own. With train=False
-the main person is centred and scaled to cfg.augment.person_height of the input, no randomness.
+which is `data.transfer.expand` of `compact_item(key)`, the uint8 / float16 form that the
+training loader's workers send (a third of the bytes; the device expands it).
 
-The HDF5 handle opens lazily in each worker; call `set_epoch` before creating the DataLoader
-iterator (non-persistent workers copy the dataset, epoch included, when the iterator starts).
+A key is a sample index, or an (epoch, index) pair: the training sampler sends pairs, so that
+workers that persist across epochs draw each epoch's augmentation; a bare index uses the epoch of
+`set_epoch`. With train=True (and cfg.augment.enabled) each sample gets the random affine and
+colour tint of `data.augment`, drawn from a generator seeded by (cfg.train.seed, epoch, rank,
+index): the same tuple redraws the same sample, and every worker, rank and index draws its own.
+With train=False the main person is centred and scaled to cfg.augment.person_height of the
+input, no randomness.
+
+The HDF5 handle opens lazily in each worker and stays open while the worker lives.
 The engine calls `check_split(dataset.h5, "train")` to refuse a val file for training.
 """
 from __future__ import annotations
@@ -25,13 +30,13 @@ import torch
 from torch.utils.data import Dataset
 
 from config.schema import Config
-from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, matrix_zoom,
-                          tint, to_grid, transform_people, warp_image, warp_masks)
+from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction,
+                          matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5, check_split
-from data.preprocess import picture_to_input
 from data.targets import render_targets
+from data.transfer import compact_sample, expand, supervised
 
-__all__ = ["KeypointDataset", "check_split"]
+__all__ = ["CompactSamples", "KeypointDataset", "check_split"]
 _REDUCTIONS = (8, 4, 2)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # glibc mallopt parameters
 _KEEP_FREED_BYTES = 64 << 20
@@ -89,20 +94,28 @@ class KeypointDataset(Dataset):
         return self.h5.num_samples
 
     # -- randomness -----------------------------------------------------------------------------
-    def rng(self, index: int) -> np.random.Generator:
-        """The generator of sample `index` in this epoch and rank."""
-        return np.random.default_rng([int(self.cfg.train.seed), self.epoch, self.rank, int(index)])
+    def split_key(self, key) -> tuple[int, int]:
+        """(epoch, index) of a key: an (epoch, index) pair, or an index in the `set_epoch` epoch."""
+        epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+        index = int(index)
+        return int(epoch), index + len(self) if index < 0 else index
 
-    def draw(self, index: int) -> AugmentParams:
-        """The augmentation of sample `index` (the identity in validation mode)."""
+    def rng(self, key) -> np.random.Generator:
+        """The generator of sample `key` (an index in this epoch, or an (epoch, index) pair)."""
+        epoch, index = self.split_key(key)
+        return np.random.default_rng([int(self.cfg.train.seed), epoch, self.rank, index])
+
+    def draw(self, key) -> AugmentParams:
+        """The augmentation of sample `key` (the identity in validation mode)."""
         if not (self.train and self.cfg.augment.enabled):
             return AugmentParams()
-        return draw_params(self.rng(index), self.cfg.augment, self.size)
+        return draw_params(self.rng(key), self.cfg.augment, self.size)
 
     # -- samples --------------------------------------------------------------------------------
-    def sample_arrays(self, index: int, timings: dict | None = None) -> dict:
-        """numpy view of sample `index`: image (uint8 SxSx3 BGR), people (input px), target,
-        mask (S/4 x S/4, 1 = supervise), params, matrix (image px -> input px).
+    def sample_arrays(self, key, timings: dict | None = None) -> dict:
+        """numpy view of sample `key`: image (uint8 SxSx3 BGR), people (input px), target (float32),
+        mask (float32 S/4 x S/4, 1 = supervise), ignore (its uint8 form, 255 = ignore), params,
+        matrix (image px -> input px).
 
         `timings`, if given, accumulates CPU seconds per stage: read (HDF5 + decode), augment, targets.
         """
@@ -110,10 +123,9 @@ class KeypointDataset(Dataset):
             keep_freed_memory()
             self._process = os.getpid()
         clock = _StageClock(timings)
-        if index < 0:
-            index += len(self)
+        _, index = self.split_key(key)
         img, person = self.h5.sample_ref(index)
-        params = self.draw(index)
+        params = self.draw(key)
         people = self.h5.people(img)
         x, y, w, h = self.h5.person_boxes(img)[person]
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
@@ -130,12 +142,30 @@ class KeypointDataset(Dataset):
         people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
         clock.lap("augment")
         target = render_targets(people, self.out_size, self.out_size, self.stride,
-                                self.cfg.targets, self.skeleton, person_mask)
+                                self.cfg.targets, self.skeleton, mask_fraction(person_mask))
         clock.lap("targets")
-        return {"image": image, "people": people, "target": target, "mask": 1.0 - ignore,
+        return {"image": image, "people": people, "target": target, "ignore": ignore,
+                "mask": supervised(torch.from_numpy(ignore)).numpy(),
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
-    def __getitem__(self, index: int):
-        sample = self.sample_arrays(index)
-        return (picture_to_input(sample["image"]), torch.from_numpy(sample["target"]),
-                torch.from_numpy(sample["mask"][None]))
+    def compact_item(self, key):
+        """(uint8 BGR image [S,S,3], float16 target, uint8 ignore [1,h,w]) of sample `key`: what a
+        loader worker sends (`data.transfer`)."""
+        sample = self.sample_arrays(key)
+        return compact_sample(sample["image"], sample["target"], sample["ignore"])
+
+    def __getitem__(self, key):
+        return expand(*self.compact_item(key))
+
+
+class CompactSamples(Dataset):
+    """`KeypointDataset.compact_item` as a dataset: what the training and validation loaders load."""
+
+    def __init__(self, dataset: KeypointDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset.compact_item(key)

@@ -2,7 +2,8 @@
 
 A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (the only place
 where the input's scale and offset are set: value / 255, no offset, as the authors' network takes
-it). Whatever lies outside the picture (the border of the training warp, the padding of inference
+it), through `bgr_to_input` on any device: training normalises its uint8 batches on the device
+(`data.transfer`), inference its padded canvas. Whatever lies outside the picture (the border of the training warp, the padding of inference
 up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
 value there in training and at inference. `data.dataset` (training and validation samples) and
 `inference.predict` (pictures of any size, padded and batched) both build their input here.
@@ -22,9 +23,15 @@ def normalise(rgb: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return rgb.to(dtype).div_(255)
 
 
+def bgr_to_input(pictures_bgr: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [..., H, W, 3] BGR (one picture or a batch, any device) -> contiguous [..., 3, H, W]
+    RGB network input in `dtype` (the reordering is done on the uint8 values, then `normalise`)."""
+    return normalise(pictures_bgr.movedim(-1, -3).flip(-3).contiguous(), dtype)
+
+
 def picture_to_input(picture_bgr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [H, W, 3] BGR -> [3, H, W] RGB network input (on the CPU), float32 unless `dtype`."""
-    return normalise(torch.from_numpy(np.ascontiguousarray(picture_bgr.transpose(2, 0, 1)[::-1])), dtype)
+    return bgr_to_input(torch.from_numpy(picture_bgr), dtype)
 
 
 def padded_size(height: int, width: int) -> tuple[int, int]:
@@ -42,5 +49,4 @@ def pictures_to_batch(pictures_bgr: list[np.ndarray], size: tuple[int, int], dev
     canvas[:] = GREY
     for slot, picture in zip(canvas, pictures_bgr):
         slot[: picture.shape[0], : picture.shape[1]] = picture
-    batch = torch.from_numpy(canvas).to(device, non_blocking=True)
-    return normalise(batch.permute(0, 3, 1, 2).flip(1)).contiguous()
+    return bgr_to_input(torch.from_numpy(canvas).to(device, non_blocking=True))

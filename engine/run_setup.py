@@ -7,10 +7,12 @@ only the trainer's own files, once every other check has passed), and the main p
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import signal
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -215,7 +217,22 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _stop_workers_at_exit(loader_ref) -> None:
+    """Shut down the persistent workers of a loader that is still alive when Python exits. Python's
+    own exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`), and then wait
+    for them forever; torch's own shut-down does nothing once the interpreter is exiting. Registered
+    after torch's and multiprocessing's exit functions, so it runs before them."""
+    loader = loader_ref()
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        loader._iterator = None
+        iterator._shutdown_workers()
+
+
 def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
+    """The training loader of a `KeypointDataset` and its sampler: compact batches
+    (`data.transfer`; `engine.device_feed` expands them on the device)."""
+    from data.dataset import CompactSamples
     if cfg.train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
                           f"{ctx.world_size} processes (it is the total batch)")
@@ -233,15 +250,21 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
         # parent used: so the parent sets it once, before any worker is forked.
         import cv2
         cv2.setNumThreads(1)
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.workers,
+    # Workers persist across epochs (and keep their HDF5 handle): the epoch travels with the
+    # sampler's (epoch, index) keys. They send compact samples, expanded on the device.
+    loader = DataLoader(CompactSamples(dataset), batch_sampler=sampler, num_workers=cfg.data.workers,
                         pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
-                        persistent_workers=False, worker_init_fn=ignore_stop_signals)
+                        persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
+    if cfg.data.workers > 0:
+        atexit.register(_stop_workers_at_exit, weakref.ref(loader))
     return loader, sampler
 
 
 def val_loader(dataset, cfg: Config, ctx) -> DataLoader:
+    """This rank's shard of a validation `KeypointDataset`, in compact batches."""
+    from data.dataset import CompactSamples
     per_process = max(1, cfg.train.batch_size // ctx.world_size)
-    return DataLoader(dataset, batch_size=per_process,
+    return DataLoader(CompactSamples(dataset), batch_size=per_process,
                       sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
                       num_workers=cfg.data.workers, worker_init_fn=ignore_stop_signals,
                       pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda")

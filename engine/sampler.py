@@ -4,7 +4,9 @@
 (seed, epoch) (call `set_epoch` every epoch), cuts it into global batches of `batch_size` and gives
 rank r the r-th slice of each global batch. Training with 2 processes of batch 2 therefore sees
 exactly the samples that 1 process of batch 4 sees, and a run resumed mid-epoch (`start_batch`),
-even with another number of processes, continues with the very next global batch.
+even with another number of processes, continues with the very next global batch. Its batches
+hold (epoch, index) pairs (`data.dataset.KeypointDataset` keys): the epoch travels with the
+indices, so DataLoader workers that persist across epochs draw each epoch's augmentation.
 
 `ShardSampler` splits an evaluation set into contiguous, disjoint shards (no padding, so no sample
 is counted twice).
@@ -16,7 +18,8 @@ from torch.utils.data import Sampler
 
 
 class GlobalBatchSampler(Sampler):
-    """Yields this rank's per-process batches (lists of indices); drops an incomplete last batch."""
+    """Yields this rank's per-process batches (lists of (epoch, index) pairs); drops an incomplete
+    last batch."""
 
     def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True):
@@ -50,7 +53,7 @@ class GlobalBatchSampler(Sampler):
             order = list(range(self.dataset_len))
         for b in range(self.start_batch, self.batches_per_epoch):
             first = b * self.batch_size + self.rank * self.per_rank
-            yield order[first:first + self.per_rank]
+            yield [(self.epoch, index) for index in order[first:first + self.per_rank]]
 
 
 class ShardSampler(Sampler):

@@ -21,6 +21,7 @@ from config.loader import to_dict
 from config.schema import Config
 from runtime import distributed as dist
 from engine.build import Parts, build_parts
+from engine.device_feed import DeviceFeed, to_model_input
 from runtime.checkpoint import capture_rng_state, remove_stale_temps, save_checkpoint, unwrap_model
 from engine.epoch_end import EpochEnd, validations_due
 from engine.freeze import set_frozen_bn_eval, trainable_parameters
@@ -132,7 +133,7 @@ class Trainer:
         update, parts = self.optim_step, {}
         update.begin(len(batches))
         for i, batch in enumerate(batches):
-            images, target, mask = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+            images, target, mask = to_model_input(batch, self.ctx.device)
             with update.accumulating(last=i == len(batches) - 1):
                 per_sample, losses = self.net(images, target, mask)
                 for k, v in losses.items():
@@ -154,7 +155,8 @@ class Trainer:
         self.steps_this_epoch = max(0, self.batches_per_epoch - start) // accumulate
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
-        rate, batches = Throughput(self.cfg.train.batch_size * accumulate), iter(self.data.loader)
+        rate = Throughput(self.cfg.train.batch_size * accumulate)
+        batches = iter(DeviceFeed(self.data.loader, self.ctx.device))
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
             self._call("before_step", epoch, first)

@@ -1,0 +1,94 @@
+"""What crosses from the loader's workers to the device: compact samples (uint8 image, float16
+targets, uint8 mask), under 2.5 MB at 512, expanded on the device into exactly what
+`KeypointDataset[i]` gives; and loader workers that persist across epochs yet draw each epoch's
+augmentation."""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from config.loader import build_config
+from data.dataset import KeypointDataset
+from data.transfer import batch_bytes, expand
+from engine.run_setup import train_loader
+
+
+def dataset_at(h5, size: int, **train) -> KeypointDataset:
+    cfg = build_config(None, {"data": {"input_size": size}, "train": dict({"seed": 3}, **train)})
+    return KeypointDataset(h5, cfg, train=True)
+
+
+def test_a_512_sample_sends_under_2_5_megabytes(synthetic_h5):
+    compact = dataset_at(synthetic_h5[0], 512).compact_item(0)
+    assert [t.dtype for t in compact] == [torch.uint8, torch.float16, torch.uint8]
+    assert batch_bytes(compact) <= 2.5e6                                  # float32: 6.6 MB
+    assert batch_bytes(compact) == 512 * 512 * 3 + 50 * 128 * 128 * 2 + 128 * 128
+
+
+def test_the_expanded_batch_is_the_stacked_dataset_items(synthetic_h5):
+    ds = dataset_at(synthetic_h5[0], 128)
+    keys = [(1, 0), (1, 5), (2, 5)]
+    expanded = expand(*default_collate([ds.compact_item(k) for k in keys]))
+    stacked = [torch.stack(t) for t in zip(*(ds[k] for k in keys))]
+    for got, want in zip(expanded, stacked):
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, want)
+
+
+def test_float16_targets_keep_the_float32_drawing_to_5e_4(synthetic_h5):
+    ds = dataset_at(synthetic_h5[0], 128)
+    for key in range(4):
+        drawn = ds.sample_arrays(key)
+        image, target, mask = ds[key]
+        sent = target.numpy()
+        np.testing.assert_allclose(sent, drawn["target"], rtol=2 ** -11, atol=0)
+        assert (sent > 0).sum() == (drawn["target"] > 0).sum() > 0       # no value flushed to 0
+        np.testing.assert_array_equal(mask[0].numpy(), drawn["mask"])
+        np.testing.assert_allclose(image.numpy(), drawn["image"].transpose(2, 0, 1)[::-1] / 255,
+                                   atol=1e-6)
+
+
+def loader_epochs(h5, epochs, workers: int = 2):
+    """{epoch: ({index: image}, worker pids)} of the engine's training loader of `h5`."""
+    cfg = build_config(None, {"data": {"input_size": 64, "workers": workers},
+                              "train": {"batch_size": 4, "seed": 3}})
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    dataset = PidDataset(KeypointDataset(h5, cfg, train=True))
+    loader, sampler = train_loader(dataset, cfg, ctx)
+    seen = {}
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        images, pids = {}, set()
+        for pid, index, image, _, _ in loader:
+            pids.update(pid.tolist())
+            images.update(zip(index.tolist(), image))
+        seen[epoch] = images, pids
+    return seen
+
+
+class PidDataset:
+    """A KeypointDataset whose compact items start with the worker's pid and the sample index."""
+
+    def __init__(self, dataset: KeypointDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def compact_item(self, key):
+        return (os.getpid(), key[1], *self.dataset.compact_item(key))
+
+
+def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthetic_h5):
+    persistent = loader_epochs(synthetic_h5[0], (0, 1))
+    fresh = loader_epochs(synthetic_h5[0], (1,))
+    (first, pids_first), (second, pids_second) = persistent[0], persistent[1]
+    assert len(pids_first) == 2 and pids_second == pids_first          # the same two processes
+    common = sorted(set(first) & set(second))
+    assert common and all(not torch.equal(first[i], second[i]) for i in common)
+    assert second.keys() == fresh[1][0].keys()
+    assert all(torch.equal(second[i], fresh[1][0][i]) for i in second)
