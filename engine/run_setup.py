@@ -217,16 +217,24 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _stop_workers_at_exit(loader_ref) -> None:
-    """Shut down the persistent workers of a loader that is still alive when Python exits. Python's
-    own exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`), and then wait
-    for them forever; torch's own shut-down does nothing once the interpreter is exiting. Registered
-    after torch's and multiprocessing's exit functions, so it runs before them."""
-    loader = loader_ref()
-    iterator = getattr(loader, "_iterator", None)
+def _stop_workers_at_exit(iterator_ref) -> None:
+    """Shut down the workers of a loader iterator still alive when Python exits."""
+    iterator = iterator_ref()
     if iterator is not None:
-        loader._iterator = None
         iterator._shutdown_workers()
+
+
+class PersistentWorkersLoader(DataLoader):
+    """A DataLoader whose worker processes are shut down when Python exits, wherever its iterator
+    is held. Python's exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`),
+    then wait for them forever, and torch's own shut-down does nothing once the interpreter exits.
+    The exit function is registered after torch's and multiprocessing's, so it runs before them."""
+
+    def _get_iterator(self):
+        iterator = super()._get_iterator()
+        if self.num_workers > 0:
+            atexit.register(_stop_workers_at_exit, weakref.ref(iterator))
+        return iterator
 
 
 def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
@@ -252,11 +260,11 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
         cv2.setNumThreads(1)
     # Workers persist across epochs (and keep their HDF5 handle): the epoch travels with the
     # sampler's (epoch, index) keys. They send compact samples, expanded on the device.
-    loader = DataLoader(CompactSamples(dataset), batch_sampler=sampler, num_workers=cfg.data.workers,
-                        pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
-                        persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
-    if cfg.data.workers > 0:
-        atexit.register(_stop_workers_at_exit, weakref.ref(loader))
+    loader = PersistentWorkersLoader(CompactSamples(dataset), batch_sampler=sampler,
+                                     num_workers=cfg.data.workers,
+                                     pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
+                                     persistent_workers=cfg.data.workers > 0,
+                                     worker_init_fn=ignore_stop_signals)
     return loader, sampler
 
 

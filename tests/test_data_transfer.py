@@ -1,10 +1,13 @@
 """What crosses from the loader's workers to the device: compact samples (uint8 image, float16
 targets, uint8 mask), under 2.5 MB at 512, expanded on the device into exactly what
 `KeypointDataset[i]` gives; and loader workers that persist across epochs yet draw each epoch's
-augmentation."""
+augmentation, and do not keep Python from exiting."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +18,8 @@ from config.loader import build_config
 from data.dataset import KeypointDataset
 from data.transfer import batch_bytes, expand
 from engine.run_setup import train_loader
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def dataset_at(h5, size: int, **train) -> KeypointDataset:
@@ -92,3 +97,25 @@ def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthet
     assert common and all(not torch.equal(first[i], second[i]) for i in common)
     assert second.keys() == fresh[1][0].keys()
     assert all(torch.equal(second[i], fresh[1][0][i]) for i in second)
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from types import SimpleNamespace
+from config.loader import build_config
+from data.dataset import KeypointDataset
+from engine.run_setup import train_loader
+cfg = build_config(None, {"data": {"input_size": 64, "workers": 2}, "train": {"batch_size": 4}})
+ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+loader, sampler = train_loader(KeypointDataset(sys.argv[1], cfg, train=True), cfg, ctx)
+held = iter(loader)
+held.cycle = held                     # alive until Python exits, as a trainer's loader may be
+next(held)
+print("one batch")
+"""
+
+
+def test_python_exits_while_persistent_workers_that_ignore_sigterm_are_alive(synthetic_h5):
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(synthetic_h5[0])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "one batch\n", proc.stderr
