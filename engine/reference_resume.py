@@ -7,7 +7,7 @@ and, in the successor project, an Apex `amp` state. `resume_state` turns these i
 optimiser's parameters (mapped by name through `models.reference`), the loss scale and the
 steps since the last overflow as GradScaler fields, the next epoch at its first batch. The LR is
 not taken from the file: it is a function of (epoch, batch), so the run continues on the curve.
-`convert` writes the whole as a checkpoint file (`python -m models.convert_reference`).
+`convert` writes the whole as a checkpoint file (`python -m engine.convert_reference`).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ABOVE = {                   # package -> the packages it must never import
     "config": {"data", "models", "runtime", "engine", "inference"},
     "data": {"runtime", "engine"},
+    "models": {"data", "runtime", "engine", "inference"},
     "runtime": {"engine", "inference"},
     "engine": {"inference"},
     "inference": {"engine"},

@@ -1,13 +1,14 @@
 """A checkpoint of the Simple Pose authors, written as a checkpoint of this trainer (an entry script).
 
-    python -m models.convert_reference IN.pth OUT.pth [--config imhn512] [--set KEY=VALUE]
+    python -m engine.convert_reference IN.pth OUT.pth [--config imhn512] [--set KEY=VALUE]
 
 OUT.pth holds the weights (names mapped by `models.reference`, first conv BGR -> RGB), the SGD
 momentum, the loss scale of an Apex amp state, the epoch to continue at and the config: the
 preset (default imhn512) with the network read from IN.pth's shapes. So `evaluate.py`, `demo.py`,
 `train.py --weights` and `train.py --resume` take OUT.pth alone. An existing OUT.pth is kept
-unless `--overwrite`. It sits next to `models.reference`, the layout it converts, but is an entry
-script: it uses the engine to write the checkpoint (atomically, as every checkpoint is written).
+unless `--overwrite`. It lives in the engine, not beside `models.reference` (the layout it
+converts), because it builds the run's optimiser to carry the momentum over: models import nothing
+above them.
 """
 from __future__ import annotations
 
