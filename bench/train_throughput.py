@@ -92,7 +92,7 @@ def loader_batches(trainer: Trainer):
     while True:
         trainer.train_set.set_epoch(epoch)
         trainer.data.sampler.set_epoch(epoch)
-        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device)
+        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device, trainer.train_set.painter)
         epoch += 1
 
 

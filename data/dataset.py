@@ -2,11 +2,13 @@
 
 `KeypointDataset(h5_path, cfg, train, rank)[key]` returns
     image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = cfg.data.input_size
-    target float32 [C, S/4, S/4] the maps of `data.targets.render_targets` (C: the file's
-                                 skeleton's channels, 50 for COCO), rounded to float16
+    target float32 [C, S/4, S/4] the maps of `data.targets` (C: the file's skeleton's channels,
+                                 50 for COCO), drawn by `data.device_targets.TargetPainter`
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
-which is `data.transfer.expand` of `compact_item(key)`, the uint8 / float16 form that the
-training loader's workers send (a third of the bytes; the device expands it).
+which is `data.transfer.expand` of `compact_item(key)`, the uint8 image and masks and the
+augmented keypoints that the training loader's workers send (an eighth of the float32 bytes; the
+device draws the targets). `sample_arrays(key)` gives the same sample with the CPU drawing of
+`data.targets.render_targets`.
 
 A key is a sample index, or an (epoch, index) pair: the training sampler sends pairs, so that
 workers that persist across epochs draw each epoch's augmentation; a bare index uses the epoch of
@@ -33,8 +35,9 @@ from config.schema import Config
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction,
                           matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5, check_split
+from data.device_targets import TargetPainter
 from data.targets import render_targets
-from data.transfer import compact_sample, expand, supervised
+from data.transfer import compact_sample, expand, pack_people, supervised
 
 __all__ = ["CompactSamples", "KeypointDataset", "check_split"]
 _REDUCTIONS = (8, 4, 2)
@@ -85,6 +88,8 @@ class KeypointDataset(Dataset):
         self.size = cfg.data.input_size
         self.stride = cfg.data.stride
         self.out_size = self.size // self.stride
+        self.painter = TargetPainter(self.skeleton, cfg.targets, self.stride)
+        self.person_slots = max(1, self.h5.max_people)     # people per compact sample
         self._process = None          # pid `keep_freed_memory` ran in
 
     def set_epoch(self, epoch: int) -> None:
@@ -113,12 +118,22 @@ class KeypointDataset(Dataset):
 
     # -- samples --------------------------------------------------------------------------------
     def sample_arrays(self, key, timings: dict | None = None) -> dict:
-        """numpy view of sample `key`: image (uint8 SxSx3 BGR), people (input px), target (float32),
-        mask (float32 S/4 x S/4, 1 = supervise), ignore (its uint8 form, 255 = ignore), params,
-        matrix (image px -> input px).
+        """numpy view of sample `key`: image (uint8 SxSx3 BGR), people (input px), target (float32,
+        `data.targets.render_targets`), mask (float32 S/4 x S/4, 1 = supervise), ignore and
+        person_mask (uint8, 0-255), params, matrix (image px -> input px).
 
         `timings`, if given, accumulates CPU seconds per stage: read (HDF5 + decode), augment, targets.
         """
+        sample = self.augmented(key, timings)
+        clock = _StageClock(timings)
+        sample["target"] = render_targets(sample["people"], self.out_size, self.out_size, self.stride,
+                                          self.cfg.targets, self.skeleton,
+                                          mask_fraction(sample["person_mask"]))
+        clock.lap("targets")
+        return sample
+
+    def augmented(self, key, timings: dict | None = None) -> dict:
+        """`sample_arrays(key, timings)` without the target: the host-side work of a loader worker."""
         if self._process != os.getpid():
             keep_freed_memory()
             self._process = os.getpid()
@@ -141,21 +156,19 @@ class KeypointDataset(Dataset):
         ignore, person_mask = warp_masks(mask_planes, grid, self.out_size)
         people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
         clock.lap("augment")
-        target = render_targets(people, self.out_size, self.out_size, self.stride,
-                                self.cfg.targets, self.skeleton, mask_fraction(person_mask))
-        clock.lap("targets")
-        return {"image": image, "people": people, "target": target, "ignore": ignore,
+        return {"image": image, "people": people, "ignore": ignore, "person_mask": person_mask,
                 "mask": supervised(torch.from_numpy(ignore)).numpy(),
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
-    def compact_item(self, key):
-        """(uint8 BGR image [S,S,3], float16 target, uint8 ignore [1,h,w]) of sample `key`: what a
-        loader worker sends (`data.transfer`)."""
-        sample = self.sample_arrays(key)
-        return compact_sample(sample["image"], sample["target"], sample["ignore"])
+    def compact_item(self, key, timings: dict | None = None):
+        """(uint8 BGR image [S,S,3], float32 people [slots,K,3], uint8 masks [2,h,w]) of sample
+        `key`: what a loader worker sends (`data.transfer`)."""
+        sample = self.augmented(key, timings)
+        return compact_sample(sample["image"], pack_people(sample["people"], self.person_slots),
+                              sample["ignore"], sample["person_mask"])
 
     def __getitem__(self, key):
-        return expand(*self.compact_item(key))
+        return expand(*self.compact_item(key), self.painter)
 
 
 class CompactSamples(Dataset):

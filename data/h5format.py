@@ -236,6 +236,12 @@ class KeypointH5:
     def num_samples(self) -> int:
         return len(self._load_meta()["samples"])
 
+    @property
+    def max_people(self) -> int:
+        """The most people with keypoints in one image of the file."""
+        counts = self._load_meta()["people"][:, 1]
+        return int(counts.max()) if len(counts) else 0
+
     def sample_ref(self, i: int) -> tuple[int, int]:
         """(image index, person index within `people(image)`) of sample `i`."""
         img, person = self._load_meta()["samples"][i]

@@ -1,18 +1,20 @@
 """What a training sample carries from the loader's workers to the device, and how it unpacks there.
 
-A compact sample is three tensors, about 2.45 MB at 512 input (COCO, 50 channels at 128 x 128)
-instead of the 6.6 MB of float32:
+A compact sample is three tensors, about 0.82 MB at 512 input (COCO: 50 channels at 128 x 128
+would be 6.6 MB as float32 tensors, 2.45 MB with float16 targets):
     image   uint8   [S, S, 3]       the warped BGR picture, as augmented (786 kB)
-    target  float16 [C, S/4, S/4]   the maps of `data.targets.render_targets` (1.64 MB)
-    ignore  uint8   [1, S/4, S/4]   the warped ignore mask, 255 = do not supervise (16 kB)
+    people  float32 [P, K, 3]       the augmented keypoints (input pixels, v > 0 labelled): the
+                                    people with a labelled keypoint first, then zero rows up to the
+                                    file's most people per image P (`pack_people`; 2.6 kB at P = 12)
+    masks   uint8   [2, S/4, S/4]   the warped ignore mask (255 = do not supervise) and person
+                                    mask (0-255), as `data.augment.warp_masks` gives them (32 kB)
 `expand` turns a compact sample or a collated batch of them, on whatever device it lies, into the
 network's float32 input, target and mask: the image through `data.preprocess.bgr_to_input` (the
-one convention, shared with inference), the mask as 1 - ignore / 255. `KeypointDataset[i]` is
-`expand` of `compact_sample` on the CPU, so what the network trains on does not depend on where
-the unpacking runs.
-
-The targets lie in [0, 1]; float16 keeps them to a relative 2^-11 (4.9e-4) and every value of
-the 0.01 cut-off upwards stays a normal number. `sample_arrays` still gives the float32 drawing.
+one convention, shared with inference), the targets drawn there by a
+`data.device_targets.TargetPainter` (the rules of `data.targets`, to float32 rounding), the mask
+as 1 - ignore / 255. `KeypointDataset[i]` is `expand` of `compact_item(i)` on the CPU, so what
+the network trains on does not depend on where the unpacking runs; `sample_arrays` still gives
+the CPU drawing of `data.targets`.
 """
 from __future__ import annotations
 
@@ -21,15 +23,27 @@ import torch
 
 from data.preprocess import bgr_to_input
 
-TARGET_DTYPE = torch.float16
 _IGNORE_SCALE = 1.0 / 255
 
 
-def compact_sample(image_bgr: np.ndarray, target: np.ndarray, ignore: np.ndarray):
-    """(uint8 image [S,S,3], float16 target [C,h,w], uint8 ignore [1,h,w]) tensors of one sample:
-    uint8 BGR picture, float32 target maps, uint8 ignore plane (0-255)."""
-    return (torch.from_numpy(image_bgr), torch.from_numpy(target).to(TARGET_DTYPE),
-            torch.from_numpy(ignore[None]))
+def pack_people(people: np.ndarray, slots: int) -> np.ndarray:
+    """float32 [slots, K, 3]: the people [P, K, 3] with a labelled keypoint, in their order, then
+    zero rows. Raises ValueError when more than `slots` people have a labelled keypoint."""
+    labelled = people[(people[:, :, 2] > 0).any(axis=1)]
+    if len(labelled) > slots:
+        raise ValueError(f"{len(labelled)} labelled people in a sample, more than the {slots} "
+                         "person slots of a compact sample")
+    packed = np.zeros((slots,) + people.shape[1:], np.float32)
+    packed[:len(labelled)] = labelled
+    return packed
+
+
+def compact_sample(image_bgr: np.ndarray, people: np.ndarray, ignore: np.ndarray,
+                   person_mask: np.ndarray):
+    """(uint8 image [S,S,3], float32 people [P,K,3], uint8 masks [2,h,w]) tensors of one sample:
+    uint8 BGR picture, packed people (`pack_people`), uint8 ignore and person masks (0-255)."""
+    return (torch.from_numpy(image_bgr), torch.from_numpy(people),
+            torch.from_numpy(np.stack([ignore, person_mask])))
 
 
 def is_compact(batch) -> bool:
@@ -37,15 +51,26 @@ def is_compact(batch) -> bool:
     return batch[0].dtype == torch.uint8
 
 
+def trim_people(people: torch.Tensor) -> torch.Tensor:
+    """The packed people of a batch [B, P, K, 3] (host memory) without the slots no sample uses:
+    the drawing skips them, and they would draw nothing. Left whole off the host (no sync)."""
+    if people.device.type != "cpu":
+        return people
+    used = int((people[..., 2] > 0).any(dim=-1).sum(dim=-1).max()) if people.numel() else 0
+    return people[:, :used]
+
+
 def supervised(ignore: torch.Tensor) -> torch.Tensor:
     """float32 mask, 1 = supervise, of a uint8 ignore mask (255 = ignore), on its device."""
     return ignore.to(torch.float32).mul_(_IGNORE_SCALE).neg_().add_(1.0)
 
 
-def expand(image: torch.Tensor, target: torch.Tensor, ignore: torch.Tensor):
+def expand(image: torch.Tensor, people: torch.Tensor, masks: torch.Tensor, painter):
     """Compact tensors (one sample or a batch, any device) -> float32 (input [..., 3, S, S] RGB,
-    target, mask with 1 = supervise) on the same device."""
-    return bgr_to_input(image), target.to(torch.float32), supervised(ignore)
+    target [..., C, h, w] drawn by `painter`, mask [..., 1, h, w] with 1 = supervise) on their device."""
+    if masks.dim() == 3:                                      # one sample
+        return tuple(t[0] for t in expand(image[None], people[None], masks[None], painter))
+    return bgr_to_input(image), painter(people, masks[:, 1:2]), supervised(masks[:, 0:1])
 
 
 def batch_bytes(batch) -> int:

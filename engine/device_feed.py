@@ -1,10 +1,12 @@
 """Loader batches onto the device as the network's input, one batch ahead on CUDA.
 
-`to_model_input(batch, device)` moves a batch (compact, `data.transfer`, or already float32) to
-`device` and expands it there: float32 input, target and mask. It is idempotent, so a batch that
-`DeviceFeed` already delivered passes through unchanged.
+`to_model_input(batch, device, painter)` moves a batch (compact, `data.transfer`, or already
+float32) to `device` and expands it there: float32 input, target (drawn there by `painter`, the
+dataset's `data.device_targets.TargetPainter`) and mask. The person slots that no sample of the
+batch uses are cut on the host before the copy. It is idempotent, so a batch that `DeviceFeed`
+already delivered passes through unchanged.
 
-`DeviceFeed(batches, device)` iterates loader batches as `to_model_input` gives them. On CUDA the
+`DeviceFeed(batches, device, painter)` iterates loader batches as `to_model_input` gives them. On CUDA the
 copy (from pinned memory, non-blocking) and the expansion of batch n + 1 are queued on a side
 stream before batch n is handed over, so they overlap batch n's compute; the compute stream waits
 for the side stream only when it takes the batch. Anywhere else it is a plain loop: no stream
@@ -16,13 +18,21 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from data.transfer import expand, is_compact
+from data.transfer import expand, is_compact, trim_people
 
 
-def to_model_input(batch, device: torch.device, non_blocking: bool = True):
+def to_model_input(batch, device: torch.device, painter, non_blocking: bool = True):
     """(input, target, mask) of `batch` on `device`, float32, whatever form the batch has."""
-    moved = tuple(t.to(device, non_blocking=non_blocking) for t in batch)
-    return expand(*moved) if is_compact(moved) else moved
+    moved = tuple(t.to(device, non_blocking=non_blocking) for t in _trimmed(batch))
+    return expand(*moved, painter) if is_compact(moved) else moved
+
+
+def _trimmed(batch):
+    """A compact batch without its unused person slots (`data.transfer.trim_people`); others as they are."""
+    if not is_compact(batch):
+        return batch
+    image, people, masks = batch
+    return image, trim_people(people).contiguous(), masks
 
 
 def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
@@ -43,23 +53,25 @@ def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
 class DeviceFeed:
     """Iterable of the model inputs of `batches` on `device` (see the module docstring)."""
 
-    def __init__(self, batches: Iterable, device: torch.device):
+    def __init__(self, batches: Iterable, device: torch.device, painter):
         self.batches = batches
         self.device = torch.device(device)
+        self.painter = painter
 
     def __iter__(self) -> Iterator:
         if self.device.type != "cuda":
-            return (to_model_input(batch, self.device) for batch in self.batches)
+            return (to_model_input(batch, self.device, self.painter) for batch in self.batches)
         stream = torch.cuda.Stream(self.device)
-        return one_ahead(self.batches, lambda batch: _start_copy(batch, self.device, stream),
+        return one_ahead(self.batches,
+                         lambda batch: _start_copy(batch, self.device, self.painter, stream),
                          lambda moved: _take(moved, self.device, stream))
 
 
-def _start_copy(batch, device: torch.device, stream):
-    """Queue batch's copy and expansion on `stream` (CUDA only)."""
-    pinned = [t if t.is_pinned() else t.pin_memory() for t in batch]
+def _start_copy(batch, device: torch.device, painter, stream):
+    """Queue batch's copy and expansion (the target drawing included) on `stream` (CUDA only)."""
+    pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
     with torch.cuda.stream(stream):
-        return to_model_input(pinned, device, non_blocking=True)
+        return to_model_input(pinned, device, painter, non_blocking=True)
 
 
 def _take(moved, device: torch.device, stream):

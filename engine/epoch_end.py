@@ -104,7 +104,7 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         # a stop vote per batch while every rank still has one (shards differ by one at most)
         voted_batches = -(-(len(val_set) // shards) // max(1, cfg.train.batch_size // shards))
         for n, batch in enumerate(val_loader(val_set, cfg, ctx)):
-            images, target, mask = to_model_input(batch, ctx.device, non_blocking=False)
+            images, target, mask = to_model_input(batch, ctx.device, val_set.painter, non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
             total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
             if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):

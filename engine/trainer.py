@@ -133,7 +133,7 @@ class Trainer:
         update, parts = self.optim_step, {}
         update.begin(len(batches))
         for i, batch in enumerate(batches):
-            images, target, mask = to_model_input(batch, self.ctx.device)
+            images, target, mask = to_model_input(batch, self.ctx.device, self.train_set.painter)
             with update.accumulating(last=i == len(batches) - 1):
                 per_sample, losses = self.net(images, target, mask)
                 for k, v in losses.items():
@@ -156,7 +156,7 @@ class Trainer:
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
         rate = Throughput(self.cfg.train.batch_size * accumulate)
-        batches = iter(DeviceFeed(self.data.loader, self.ctx.device))
+        batches = iter(DeviceFeed(self.data.loader, self.ctx.device, self.train_set.painter))
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
             self._call("before_step", epoch, first)

@@ -1,6 +1,6 @@
-"""What crosses from the loader's workers to the device: compact samples (uint8 image, float16
-targets, uint8 mask), under 2.5 MB at 512, expanded on the device into exactly what
-`KeypointDataset[i]` gives; and loader workers that persist across epochs yet draw each epoch's
+"""What crosses from the loader's workers to the device: compact samples (uint8 image, the
+augmented keypoints, uint8 masks), under 0.85 MB at 512, expanded on the device (targets drawn
+there) into exactly what `KeypointDataset[i]` gives; and loader workers that persist across epochs yet draw each epoch's
 augmentation, and do not keep Python from exiting."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import default_collate
 
 from config.loader import build_config
 from data.dataset import KeypointDataset
-from data.transfer import batch_bytes, expand
+from data.transfer import batch_bytes, expand, pack_people
 from engine.run_setup import train_loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,24 +28,33 @@ def dataset_at(h5, size: int, **train) -> KeypointDataset:
     return KeypointDataset(h5, cfg, train=True)
 
 
-def test_a_512_sample_sends_under_2_5_megabytes(synthetic_h5):
-    compact = dataset_at(synthetic_h5[0], 512).compact_item(0)
-    assert [t.dtype for t in compact] == [torch.uint8, torch.float16, torch.uint8]
-    assert batch_bytes(compact) <= 2.5e6                                  # float32: 6.6 MB
-    assert batch_bytes(compact) == 512 * 512 * 3 + 50 * 128 * 128 * 2 + 128 * 128
+def test_a_512_sample_sends_under_0_85_megabytes(synthetic_h5):
+    ds = dataset_at(synthetic_h5[0], 512)
+    compact = ds.compact_item(0)
+    assert [t.dtype for t in compact] == [torch.uint8, torch.float32, torch.uint8]
+    assert batch_bytes(compact) <= 0.85e6              # float32: 6.6 MB; float16 targets: 2.45 MB
+    slots = ds.h5.max_people
+    assert batch_bytes(compact) == 512 * 512 * 3 + slots * 18 * 3 * 4 + 2 * 128 * 128
+
+
+def test_a_sample_with_more_people_than_its_slots_is_refused():
+    people = np.ones((3, 18, 3), np.float32)
+    assert pack_people(people, 3).shape == (3, 18, 3)
+    with pytest.raises(ValueError, match="3 labelled people in a sample, more than the 2"):
+        pack_people(people, 2)
 
 
 def test_the_expanded_batch_is_the_stacked_dataset_items(synthetic_h5):
     ds = dataset_at(synthetic_h5[0], 128)
     keys = [(1, 0), (1, 5), (2, 5)]
-    expanded = expand(*default_collate([ds.compact_item(k) for k in keys]))
+    expanded = expand(*default_collate([ds.compact_item(k) for k in keys]), ds.painter)
     stacked = [torch.stack(t) for t in zip(*(ds[k] for k in keys))]
     for got, want in zip(expanded, stacked):
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert torch.equal(got, want)
 
 
-def test_float16_targets_keep_the_float32_drawing_to_5e_4(synthetic_h5):
+def test_the_device_drawing_keeps_the_float32_cpu_drawing_to_5e_4(synthetic_h5):
     ds = dataset_at(synthetic_h5[0], 128)
     for key in range(4):
         drawn = ds.sample_arrays(key)

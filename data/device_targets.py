@@ -1,0 +1,107 @@
+"""The maps of `data.targets.render_targets`, drawn in torch on whatever device holds the people.
+
+`TargetPainter(skeleton, cfg, stride)(people, person_mask)` turns a padded batch of people
+[B, P, K, 3] (output of `data.augment.transform_people`: input pixels, v > 0 labelled; padding
+rows are all 0) and the uint8 person masks [B, 1, h, w] (0-255, `data.augment.warp_masks`) into
+float32 targets [B, C, h, w] in the skeleton's channel layout, by the rules of `data.targets`:
+the same cell-centre grid (cell (i, j) samples x = (j + 0.5) * stride - 0.5, likewise y),
+keypoint Gaussians max-combined, limb Gaussians of the perpendicular distance (of the distance
+to the point for a degenerate limb) inside the limb's box widened by the margin, the mean of the
+limbs that reach a cell, every value below exp(-GAUSSIAN_CUTOFF) set to 0, the person mask
+eroded 3x3 (border replicated), and the max over the keypoint maps.
+
+Where `data.targets` stamps windows, this computes whole-grid maps one person slot at a time (a
+few kernels per slot on a GPU, no host sync), adding limbs in person order as the CPU does.
+Values agree with the CPU drawing to float32 rounding (tests/test_device_targets.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from config.schema import TargetConfig
+from config.skeleton import Skeleton
+from data.targets import GAUSSIAN_CUTOFF
+
+_MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
+_MASK_SCALE = 1 / 255
+
+
+class TargetPainter:
+    """Draws the targets of a skeleton from padded people batches (see the module docstring)."""
+
+    def __init__(self, skeleton: Skeleton, cfg: TargetConfig, stride: int):
+        self.skeleton = skeleton
+        self.cfg = cfg
+        self.stride = int(stride)
+        self.limb_ends = (list(a for a, _ in skeleton.limbs), list(b for _, b in skeleton.limbs))
+
+    def __call__(self, people: torch.Tensor, person_mask: torch.Tensor) -> torch.Tensor:
+        """float32 [B, C, h, w] targets of people [B, P, K, 3] and uint8 person_mask [B, 1, h, w]."""
+        sk = self.skeleton
+        batch, (height, width) = people.shape[0], person_mask.shape[-2:]
+        people = people.to(torch.float32)
+        out = torch.zeros(batch, sk.num_channels, height, width, device=people.device)
+        cells_x = self._cell_centres(width, people.device)
+        cells_y = self._cell_centres(height, people.device)
+        keypoints = out[:, sk.keypoint_channels]
+        limbs = out[:, sk.limb_channels]
+        counts = torch.zeros_like(limbs)
+        for slot in range(people.shape[1]):
+            person = people[:, slot]
+            torch.maximum(keypoints, self._keypoint_maps(person, cells_x, cells_y), out=keypoints)
+            values, reached = self._limb_maps(person, cells_x, cells_y)
+            limbs += values
+            counts += reached
+        limbs.copy_(torch.where(counts > 1, limbs / counts.clamp(min=1), limbs))
+        mask = person_mask.to(torch.float32).mul_(_MASK_SCALE).clamp_(0.0, 1.0)
+        out[:, sk.person_mask_channel] = -F.max_pool2d(-mask, 3, stride=1, padding=1)[:, 0]
+        out[:, sk.keypoint_max_channel] = keypoints.amax(dim=1)
+        return out
+
+    def _cell_centres(self, count: int, device) -> torch.Tensor:
+        return (torch.arange(count, device=device, dtype=torch.float32) + 0.5) * self.stride - 0.5
+
+    def _keypoint_maps(self, person, cells_x, cells_y) -> torch.Tensor:
+        """[B, K, h, w] Gaussians of one person slot's labelled keypoints (0 elsewhere)."""
+        scale = -0.5 / self.cfg.keypoint_sigma ** 2
+        labelled = (person[:, :, 2] > 0).to(torch.float32)
+        gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
+        gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
+        maps = gy[:, :, :, None] * gx[:, :, None, :]
+        return maps.masked_fill_(maps < _MIN_VALUE, 0.0)
+
+    def _limb_maps(self, person, cells_x, cells_y):
+        """([B, L, h, w] limb Gaussians of one person slot, bool [B, L, h, w] where one is drawn)."""
+        a, b = person[:, self.limb_ends[0]], person[:, self.limb_ends[1]]     # [B, L, 3]
+        labelled = (a[..., 2] > 0) & (b[..., 2] > 0)
+        delta = (b[..., :2] - a[..., :2]).to(torch.float64)
+        length = torch.hypot(delta[..., 0], delta[..., 1])
+        point = length < 1e-6
+        unit = torch.where(point[..., None], torch.tensor([1.0, 0.0], dtype=torch.float64,
+                                                           device=person.device),
+                           delta / length.clamp(min=1e-6)[..., None])
+        root = math.sqrt(0.5) / self.cfg.limb_sigma
+        ux = (unit[..., 0] * root).to(torch.float32)[..., None, None]
+        uy = (unit[..., 1] * root).to(torch.float32)[..., None, None]
+        dx = (cells_x - a[..., 0, None])[:, :, None, :]                       # [B, L, 1, w]
+        dy = (cells_y - a[..., 1, None])[:, :, :, None]                       # [B, L, h, 1]
+        across = dx * uy - dy * ux
+        along = dx * ux * point[..., None, None]     # a point: unit (1, 0), so along = dx * ux
+        dist2 = across.square_().add_(along.square_())
+        inside_x = self._in_box(a[..., 0], b[..., 0], cells_x.numel()) & labelled[..., None]
+        inside_y = self._in_box(a[..., 1], b[..., 1], cells_y.numel())
+        reached = (inside_y[..., :, None] & inside_x[..., None, :]).logical_and_(dist2 <= GAUSSIAN_CUTOFF)
+        return torch.exp(dist2.neg_()).mul_(reached), reached
+
+    def _in_box(self, a, b, count: int) -> torch.Tensor:
+        """[B, L, count] cells whose sample points lie in [min(a, b) - margin, max + margin] (the
+        cell ranges of `data.targets._cell_range`, computed the same way in float64)."""
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        margin, stride = self.cfg.limb_margin, self.stride
+        first = torch.ceil((torch.minimum(a, b) - margin + 0.5) / stride - 0.5)
+        last = torch.floor((torch.maximum(a, b) + margin + 0.5) / stride - 0.5)
+        cells = torch.arange(count, device=a.device, dtype=torch.float64)
+        return (cells >= first[..., None]) & (cells <= last[..., None])
