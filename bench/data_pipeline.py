@@ -1,16 +1,18 @@
 """Benchmark of the data pipeline: samples/s of one process with one thread, and file size.
 
-    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--h5 FILE.h5]
+    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--batch 16] [--h5 FILE.h5]
 
 Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is looked for; it
 draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
 `KeypointDataset` with augmentation:
 read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
-targets (50 maps at stride 4), and the total of `dataset.compact_item(i)`: all the host-side work
-of a loader worker per sample (tensors included; `data.transfer`). Rates are per CPU second of
-this process (one thread), so other load on the machine barely moves them. It prints a table, the
-bytes per sample sent from a worker to the device (against float32 tensors), then the HDF5 bytes
-per image next to the raw-pixel size, then one JSON line.
+targets (the CPU drawing of `data.targets`, 50 maps at stride 4: no longer a worker's job), and the
+total of `dataset.compact_item(i)`: all the host-side work of a loader worker per sample (tensors
+included; `data.transfer`). Rates are per CPU second of this process (one thread), so other load
+on the machine barely moves them. Then it times the device's share run here on the CPU: the
+target drawing of `data.device_targets` on batches of --batch compact samples (CPU ms per batch).
+It prints a table, the bytes per sample sent from a worker to the device (against float32
+tensors), then the HDF5 bytes per image next to the raw-pixel size, then one JSON line.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
-from data.transfer import batch_bytes  # noqa: E402
+from data.transfer import batch_bytes, trim_people  # noqa: E402
 from bench.bench_data import make_bench_h5  # noqa: E402
 
 
@@ -52,10 +54,23 @@ def measure(dataset: KeypointDataset, samples: int) -> dict:
     return stages
 
 
+def device_drawing(dataset: KeypointDataset, samples: int, batch: int) -> float:
+    """CPU seconds per batch of `batch` samples of the device's target drawing, run on the CPU."""
+    items = [dataset.compact_item((0, n % len(dataset))) for n in range(max(batch, min(samples, 4 * batch)))]
+    batches = [items[n:n + batch] for n in range(0, len(items) - batch + 1, batch)]
+    stacked = [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))
+               for b in batches]
+    start = time.process_time()
+    for people, person_mask in stacked:
+        dataset.painter(people, person_mask)
+    return (time.process_time() - start) / len(stacked)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input-size", type=int, default=512)
     parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16, help="samples per batch of the device drawing")
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
     parser.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
     args = parser.parse_args(argv)
@@ -67,6 +82,7 @@ def main(argv=None) -> int:
                            else make_bench_h5(Path(tmp), 1, args.coco_dir))
         dataset = KeypointDataset(h5_path, cfg, train=True)
         stages = measure(dataset, args.samples)
+        drawing = device_drawing(dataset, args.samples, args.batch)
         h5 = dataset.h5
         pixels = [h5.image_size(i) for i in range(h5.num_images)]
         raw = sum(h * w * 3 for h, w in pixels) / len(pixels)
@@ -80,10 +96,14 @@ def main(argv=None) -> int:
     for stage in ("read", "augment", "targets", "total"):
         ms = stages[stage] / args.samples * 1e3
         rates[stage] = 1e3 / ms if ms > 0 else float("inf")
-        print(f"{stage:<10}{ms:>12.2f}{rates[stage]:>12.1f}")
+        note = {"targets": "  (CPU drawing; not in total: the device draws)",
+                "total": "  (host work of a worker per sample)"}.get(stage, "")
+        print(f"{stage:<10}{ms:>12.2f}{rates[stage]:>12.1f}{note}")
     wall_rate = args.samples / stages["total_wall"]
     print(f"(total by wall clock: {wall_rate:.1f} samples/s; rates above are per CPU second)")
-    print(f"sent to the device: {stages['bytes'] / 1e6:.2f} MB/sample "
+    print(f"device target drawing, run on this CPU: {drawing * 1e3:.1f} ms per batch of {args.batch} "
+          f"({drawing * 1e3 / args.batch:.2f} ms/sample)")
+    print(f"sent to the device: {stages['bytes'] / 1e6:.3f} MB/sample "
           f"(float32 tensors: {stages['float32_bytes'] / 1e6:.2f} MB)")
     ratio = stored / (raw + raw_masks)
     print(f"HDF5 {stored / 1e3:.1f} kB/image; raw pixels {raw / 1e3:.1f} kB/image "
@@ -92,6 +112,7 @@ def main(argv=None) -> int:
                       "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
                       "total_wall_per_s": round(wall_rate, 1), "bytes_per_sample": stages["bytes"],
+                      "device_targets_cpu_ms_per_batch": round(drawing * 1e3, 1), "batch": args.batch,
                       "float32_bytes_per_sample": stages["float32_bytes"],
                       "h5_bytes_per_image": round(stored),
                       "raw_bytes_per_image": round(raw),
