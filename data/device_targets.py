@@ -80,12 +80,10 @@ class TargetPainter:
         delta = (b[..., :2] - a[..., :2]).to(torch.float64)
         length = torch.hypot(delta[..., 0], delta[..., 1])
         point = length < 1e-6
-        unit = torch.where(point[..., None], torch.tensor([1.0, 0.0], dtype=torch.float64,
-                                                           device=person.device),
-                           delta / length.clamp(min=1e-6)[..., None])
-        root = math.sqrt(0.5) / self.cfg.limb_sigma
-        ux = (unit[..., 0] * root).to(torch.float32)[..., None, None]
-        uy = (unit[..., 1] * root).to(torch.float32)[..., None, None]
+        unit = delta / length.clamp(min=1e-6)[..., None]
+        root = math.sqrt(0.5) / self.cfg.limb_sigma         # a point: unit (1, 0)
+        ux = (torch.where(point, 1.0, unit[..., 0]) * root).to(torch.float32)[..., None, None]
+        uy = (torch.where(point, 0.0, unit[..., 1]) * root).to(torch.float32)[..., None, None]
         dx = (cells_x - a[..., 0, None])[:, :, None, :]                       # [B, L, 1, w]
         dy = (cells_y - a[..., 1, None])[:, :, :, None]                       # [B, L, h, 1]
         across = dx * uy - dy * ux
