@@ -1,7 +1,7 @@
 """What crosses from the loader's workers to the device: compact samples (uint8 image, the
 augmented keypoints, uint8 masks), under 0.85 MB at 512, expanded on the device (targets drawn
-there) into exactly what `KeypointDataset[i]` gives; and loader workers that persist across epochs yet draw each epoch's
-augmentation, and do not keep Python from exiting."""
+there) into exactly what `KeypointDataset[i]` gives; and loader workers that persist across
+epochs yet draw each epoch's augmentation, and do not keep Python from exiting."""
 from __future__ import annotations
 
 import os
