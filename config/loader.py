@@ -204,10 +204,10 @@ def _check_bounds(key: str, value: Any) -> None:
         if bounds is None:
             continue
         low_ok = bounds.low is None or (item > bounds.low if bounds.low_open else item >= bounds.low)
-        high_ok = bounds.high is None or item <= bounds.high
+        high_ok = bounds.high is None or (item < bounds.high if bounds.high_open else item <= bounds.high)
         if not (low_ok and high_ok):
             low = "" if bounds.low is None else f"{'>' if bounds.low_open else '>='} {_shown(bounds.low)}"
-            high = "" if bounds.high is None else f"<= {_shown(bounds.high)}"
+            high = "" if bounds.high is None else f"{'<' if bounds.high_open else '<='} {_shown(bounds.high)}"
             raise ConfigError(f"option {key}: {where} must be {' and '.join(t for t in (low, high) if t)}")
 
 

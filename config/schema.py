@@ -167,6 +167,10 @@ class TrainConfig:
     overwrite: bool = False
     tensorboard: bool = True
     cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
+    ema: float = 0.0              # decay of an exponential moving average of the weights (0: off),
+                                  # validated, AP-scored and saved when on (engine/ema.py)
+    ema_tau: float = 2000.0       # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
+    val_pictures: int = 4         # validation images drawn after each AP pass (0: none)
 
 
 @dataclass
@@ -188,10 +192,12 @@ class Config:
 @dataclass(frozen=True)
 class Bounds:
     """The values a number field accepts, or each item of a list field: `low` <= value <= `high`
-    (`low_open`: `low` < value). Floats must also be finite, whatever their bounds."""
+    (`low_open`: `low` < value; `high_open`: value < `high`). Floats must also be finite, whatever
+    their bounds."""
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    high_open: bool = False       # value < `high`
     items: type | None = None     # list fields: int or float items
     min_items: int = 0
     max_items: int | None = None
@@ -237,7 +243,8 @@ BOUNDS = {
     "optim.reference_batch": Bounds(0, 2 ** 32), "train.seed": Bounds(0, 2 ** 32 - 1),
     "train.val_every": Bounds(0), "train.ap_every": Bounds(0), "train.ap_max_images": Bounds(0),
     "train.save_every": Bounds(0), "train.early_stop_patience": Bounds(0), "train.log_every": COUNT,
-    "train.max_steps_per_epoch": Bounds(0),
+    "train.max_steps_per_epoch": Bounds(0), "train.ema": Bounds(0, 1, high_open=True),
+    "train.ema_tau": POSITIVE, "train.val_pictures": Bounds(0, 64),
 }
 
 CHOICES = {

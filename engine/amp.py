@@ -183,16 +183,23 @@ class Precision:
             param.grad = None
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def float32_state_dict(self, model: nn.Module) -> dict:
-        """The model's weights in float32 (master values under O2, the frozen ones' float32 values
-        too), loadable in any mode."""
+    def weight_sources(self, model: nn.Module) -> dict:
+        """The model's state dict as live tensors (nothing copied), where the float32 values are
+        kept: O2's master copies and frozen weights' float32 values, the model's own tensors
+        otherwise (half under O3). A weights EMA reads these after every step."""
         masters = {id(p): m for p, m in self._pairs} | self._frozen_float32
         by_id = {id(p): name for name, p in model.named_parameters()}
         state = model.state_dict()
         for pid, master in masters.items():
             if pid in by_id:
                 state[by_id[pid]] = master.detach()
-        return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in state.items()}
+        return state
+
+    def float32_state_dict(self, model: nn.Module) -> dict:
+        """The model's weights in float32 (master values under O2, the frozen ones' float32 values
+        too), loadable in any mode."""
+        return {k: (v.float() if v.is_floating_point() else v).clone()
+                for k, v in self.weight_sources(model).items()}
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict()

@@ -32,7 +32,7 @@ FLAG_KEYS = {
     "val_every": "train.val_every", "save_every": "train.save_every",
     "early_stop": "train.early_stop_patience",
     "lr": "optim.lr", "optimizer": "optim.name", "clip_grad": "optim.clip_grad_norm",
-    "warmup_epochs": "optim.warmup_epochs",
+    "warmup_epochs": "optim.warmup_epochs", "ema": "train.ema",
     "opt_level": "amp.opt_level", "keep_batchnorm_fp32": "amp.keep_batchnorm_fp32",
     "loss_scale": "amp.loss_scale", "amp_dtype": "amp.dtype",
     "channels_last": "amp.channels_last", "compile": "amp.compile", "amp_backend": "amp.backend",
@@ -98,6 +98,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=["sgd", "adamw"])
     g.add_argument("--clip-grad", type=float, metavar="MAX_NORM")
     g.add_argument("--warmup-epochs", type=float)
+    g.add_argument("--ema", type=float, metavar="DECAY",
+                   help="validate, score and keep in best.pth an exponential moving average of the "
+                        "weights with this decay, e.g. 0.9998 (warmed up over train.ema_tau steps; "
+                        "default 0: off)")
     g = p.add_argument_group("mixed precision (Apex's names)")
     g.add_argument("--opt-level", help="O0 float32 | O1 autocast | O2 half model, "
                                        "float32 BN and master weights | O3 all half")

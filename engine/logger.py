@@ -1,4 +1,4 @@
-"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events, curves.png.
+"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events (pictures too), curves.png.
 
 Only the main process logs; the others get a `RunLogger` whose methods do nothing, so the engine
 never branches on the rank to log.
@@ -67,6 +67,16 @@ class RunLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def log_image(self, tag: str, path, step: int) -> None:
+        """Send the picture at `path` (written by the run, e.g. its validation pictures) to
+        TensorBoard; without TensorBoard the file alone is the record."""
+        if self.tb is None:
+            return
+        import cv2
+        picture = cv2.imread(str(path), cv2.IMREAD_COLOR)
+        if picture is not None:
+            self.tb.add_image(tag, picture[:, :, ::-1].copy(), step, dataformats="HWC")
 
     def read(self) -> list[dict]:
         """The records of the training that counts: those a later resume rolled back are left out."""

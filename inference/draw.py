@@ -1,8 +1,10 @@
 """Pictures of the decoded people: skeletons in one colour per person, a panel of the maps, and
-writing a picture to a file (demo.py, data.preview)."""
+writing a picture to a file (demo.py, data.preview, the validation pictures)."""
 from __future__ import annotations
 
 import colorsys
+import contextlib
+import os
 from pathlib import Path
 
 import cv2
@@ -59,16 +61,22 @@ def check_picture_path(path, option: str = "--out") -> Path:
 
 
 def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
-    """Write a BGR picture to `path` (its folder made if needed); `DataError` naming `option` and the
+    """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
+    same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
     path when the extension is not a picture format or the place is not writable."""
     path = check_picture_path(path, option)
+    temp = path.with_name(f".{path.stem}.tmp{path.suffix}")    # the extension tells OpenCV the format
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        written = cv2.imwrite(str(path), picture)
+        written = cv2.imwrite(str(temp), picture)
+        if written:
+            os.replace(temp, path)
     except (cv2.error, OSError) as exc:
         written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"
     else:
         reason = "the folder is not writable?"
     if not written:
+        with contextlib.suppress(OSError):
+            temp.unlink()
         raise DataError(f"{option} {path}: cannot write the picture there ({reason})")
     return path

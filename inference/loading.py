@@ -59,7 +59,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     (its network read from its shapes; `say`, by default a line on stderr, tells that it was
     converted) or a bare weights file; the model's skeleton is `model.skeleton`
     (`config.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
-    from runtime.checkpoint import load_checkpoint, load_weights, reference_file_settings
+    from runtime.checkpoint import load_checkpoint, load_weights, preferred_weights, reference_file_settings
     from models import build_model
 
     try:
@@ -78,8 +78,9 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
                           "Fix it with --set KEY=VALUE, or export the bare weights and pass --preset"
                           ) from None
     model = build_model(cfg.model, from_checkpoint(state))
+    chosen, ema_note = preferred_weights(state)
     try:
-        report = load_weights(model, state if state is not None else weights)
+        report = load_weights(model, chosen if state is not None else weights, source=weights)
     except CheckpointError as exc:
         # the same message twice: the file itself cannot be read (missing, corrupt, unsafe), and
         # the preset has nothing to do with it
@@ -87,6 +88,8 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
             raise
         raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "
                               f"{preset or DEFAULT_PRESET}; give the --preset of its run)") from None
-    if report["converted"]:
-        (say or (lambda text: print(text, file=sys.stderr)))(f"{weights}: {report['converted']}")
+    say = say or (lambda text: print(text, file=sys.stderr))
+    for note in (report["converted"], ema_note):
+        if note:
+            say(f"{weights}: {note}")
     return model.to(device).eval(), cfg

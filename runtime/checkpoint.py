@@ -180,7 +180,8 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
 # what a checkpoint must hold to be resumed, and the type of each value
 RESUME_FIELDS = {"model": dict, "optimizer": dict, "epoch": int, "iteration": int, "step": int}
 RESUME_OPTIONAL = {"scaler": (dict, type(None)), "best_metric": (int, float, type(None)),
-                   "bad_validations": int, "skipped_steps": int, "rng": (dict, type(None))}
+                   "bad_validations": int, "skipped_steps": int, "rng": (dict, type(None)),
+                   "ema": dict}
 
 
 def check_resumable(state: dict, path) -> None:
@@ -300,6 +301,19 @@ def _find_weights(obj, source: str) -> dict:
         obj = inner
     raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
                           f"under a key {', '.join(WEIGHTS_KEYS)}")
+
+
+def preferred_weights(obj) -> tuple[object, str]:
+    """(what to load, a note): the EMA weights of a checkpoint of a run with `--ema`
+    (`engine.ema`), which its validation, AP and best.pth were measured with, with a note saying
+    so; anything else as it is, with no note. A resume loads the training weights instead."""
+    ema = obj.get("ema") if isinstance(obj, dict) else None
+    averaged = ema.get("model") if isinstance(ema, dict) else None
+    if not _is_state_dict(averaged):
+        return obj, ""
+    updates = ema.get("updates")
+    return averaged, (f"the EMA weights (decay {ema.get('decay', '?')}, {updates} updates), not the "
+                      "training weights")
 
 
 def _listed(names: list[str]) -> str:

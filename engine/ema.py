@@ -1,0 +1,127 @@
+"""An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
+and kept in `best.pth` when it is on.
+
+After every optimiser step that was not skipped, each floating-point parameter becomes
+`ema = d * ema + (1 - d) * weight` with a decay that warms up as YOLO and RTMO do,
+`d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`, 2000 steps by default), so that the
+average does not drag the random initial weights along for thousands of steps. Buffers (BatchNorm
+statistics and counters) are copied, not averaged. The average is float32 whatever the opt level:
+it reads O2's float32 master weights (and frozen weights' float32 values), the float32 model
+under O0 and O1, and the half model cast to float32 under O3 (`Precision.weight_sources`). It is a
+deterministic function of the weights, which are identical on every rank, so every rank holds the
+same average without any communication.
+
+`WeightsEMA` is a hook of the training run: `after_step(trainer, out)` updates it,
+`before_validation(trainer)` puts the averaged weights into the model (keeping the training
+weights aside) and `after_validation(trainer)` puts the training weights back, bit for bit. Its
+`state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
+averaged float32 state dict}) and `load_state_dict` restores it exactly, so a resumed run continues
+the average as the uninterrupted one would. `--weights`, evaluate.py and demo.py take the "ema"
+weights of a checkpoint that has them (`engine.checkpoint.preferred_weights`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from config.errors import CheckpointError
+from engine.amp import Precision
+
+CHECKPOINT_KEY = "ema"
+
+
+class WeightsEMA:
+    checkpoint_key = CHECKPOINT_KEY
+
+    def __init__(self, model: nn.Module, precision: Precision, decay: float, tau: float = 2000.0):
+        if not 0.0 <= decay < 1.0 or not tau > 0:
+            raise ValueError(f"EMA decay {decay} must be in [0, 1) and tau {tau} positive")
+        self.model, self.decay, self.tau, self.updates = model, float(decay), float(tau), 0
+        sources = precision.weight_sources(model)
+        self._targets = model.state_dict()                # the model's own tensors, live
+        parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}
+        self.averaged = {name: (t.detach().float() if t.is_floating_point() else t.detach()).clone()
+                         for name, t in sources.items()}
+        self._average = [(self.averaged[k], sources[k]) for k in sources if k in parameters]
+        self._copied = [(self.averaged[k], sources[k]) for k in sources if k not in parameters]
+        self._kept: list[torch.Tensor] | None = None      # the training weights during validation
+
+    def describe(self) -> str:
+        return f"EMA of the weights, decay {self.decay:g} warmed up over tau {self.tau:g} steps"
+
+    def current_decay(self) -> float:
+        """The decay the last update used (0 before the first)."""
+        return self.decay * (1.0 - math.exp(-self.updates / self.tau))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the average towards the weights (after an optimiser step that was taken)."""
+        self.updates += 1
+        weight = 1.0 - self.current_decay()
+        if self._average:
+            averaged, sources = zip(*self._average)
+            sources = [s if s.dtype == torch.float32 else s.float() for s in sources]
+            torch._foreach_lerp_(list(averaged), sources, weight)
+        for averaged, source in self._copied:
+            averaged.copy_(source)
+
+    # -- the hook ---------------------------------------------------------------------------------
+    def after_step(self, trainer, out: dict) -> None:
+        if not out["skipped"]:          # a skipped step changed no weight: the average stays too
+            self.update()
+
+    @torch.no_grad()
+    def before_validation(self, trainer=None, epoch=None) -> None:
+        """The averaged weights into the model (in its precision); the training ones kept aside."""
+        if self._kept is not None:
+            return
+        self._kept = [t.clone() for t in self._targets.values()]
+        for name, target in self._targets.items():
+            target.copy_(self.averaged[name])
+
+    @torch.no_grad()
+    def after_validation(self, trainer=None, epoch=None, results=None) -> None:
+        """The training weights back into the model, exactly as they were."""
+        if self._kept is None:
+            return
+        for target, kept in zip(self._targets.values(), self._kept):
+            target.copy_(kept)
+        self._kept = None
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The averaged weights in the model inside the block (a validation), whatever happens."""
+        self.before_validation()
+        try:
+            yield
+        finally:
+            self.after_validation()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "tau": self.tau, "updates": self.updates,
+                "model": {k: v.clone() for k, v in self.averaged.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state, source="the checkpoint") -> None:
+        """Continue the average saved in `state` (this run's decay and tau are kept); a
+        CheckpointError naming `source` when it does not fit this model."""
+        saved = state.get("model") if isinstance(state, dict) else None
+        updates = state.get("updates") if isinstance(state, dict) else None
+        if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
+                or updates < 0:
+            raise CheckpointError(f"checkpoint {source}: its EMA state is damaged (expected "
+                                  "'updates' and 'model'); start from its weights with --weights")
+        differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
+            k for k in saved.keys() & self.averaged.keys()
+            if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)
+        if differ:
+            raise CheckpointError(f"checkpoint {source}: its EMA weights do not fit this model "
+                                  f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
+                                  "start from its weights with --weights")
+        for name, tensor in self.averaged.items():
+            tensor.copy_(saved[name])
+        self.updates = updates

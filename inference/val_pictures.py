@@ -1,0 +1,103 @@
+"""Validation pictures: what the model finds on a few fixed validation images, beside the truth.
+
+After each AP validation of a training run, `RUN/val_pictures/epoch_N.png` (N counted from 1) shows
+the first `train.val_pictures` images of the validation file, one per row: on the left the
+ground-truth people, on the right the people the model finds, by the same inference code as the
+AP (`inference.estimator`: the run's scales, flip and grouping settings), each person in its own
+colour (`inference.draw`). Every image is fitted into a TILE x TILE square (grey around it) below
+a one-line header. The picture is also sent to TensorBoard when the run logs there.
+
+`ValidationPictures` is the hook a training run calls after each validation (with the averaged
+weights still in the model when `--ema` is on); `write_val_pictures` is the function behind it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from config.schema import Config
+from config.skeleton import Skeleton
+from data.preprocess import GREY
+from inference.draw import draw_people, write_image
+from inference.estimator import PoseEstimator
+from inference.evaluation import eval_mode
+from inference.predict import TorchNetwork
+
+TILE = 256          # pixels of the square each image is fitted into
+HEADER = 24         # pixels of the header line above the rows
+FOLDER = "val_pictures"
+
+
+def fitted(picture: np.ndarray, size: int = TILE) -> np.ndarray:
+    """The picture scaled to fit a size x size square (aspect kept), centred on grey."""
+    height, width = picture.shape[:2]
+    scale = size / max(height, width)
+    h, w = max(1, round(height * scale)), max(1, round(width * scale))
+    tile = np.full((size, size, 3), GREY, np.uint8)
+    top, left = (size - h) // 2, (size - w) // 2
+    tile[top:top + h, left:left + w] = cv2.resize(picture, (w, h), interpolation=cv2.INTER_AREA)
+    return tile
+
+
+def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: list[np.ndarray],
+                  skeleton: Skeleton, title: str) -> np.ndarray:
+    """BGR uint8: `title`, then one row per picture: its true people [P, K, 3] drawn on the left,
+    the people found on the right."""
+    rows = [np.hstack([fitted(draw_people(picture, truth, skeleton)),
+                       fitted(draw_people(picture, people, skeleton))])
+            for picture, truth, people in zip(pictures, truths, found)]
+    header = np.zeros((HEADER, 2 * TILE, 3), np.uint8)
+    cv2.putText(header, title, (6, HEADER - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1,
+                cv2.LINE_AA)
+    return np.vstack([header, *rows])
+
+
+def found_people(model, pictures: list[np.ndarray], cfg: Config, device) -> list[np.ndarray]:
+    """The keypoints [P, K, 3] of the people `model` (a model of this project) finds in each picture,
+    as the AP's inference finds them."""
+    with eval_mode(model):
+        people = PoseEstimator(TorchNetwork(model, device), cfg)(pictures)
+    k = model.skeleton.num_keypoints
+    return [np.stack([p.keypoints for p in found]) if found else np.zeros((0, k, 3), np.float32)
+            for found in people]
+
+
+def val_pictures_path(run_dir, epoch: int) -> Path:
+    return Path(run_dir) / FOLDER / f"epoch_{epoch}.png"
+
+
+def write_val_pictures(model, val_h5, skeleton: Skeleton, cfg: Config, epoch: int, run_dir, device,
+                       count: int = 4) -> Path:
+    """Draw the first `count` images of `val_h5` with their true people and those `model` finds into
+    RUN/val_pictures/epoch_`epoch`.png (1-based epoch), written atomically; returns its path."""
+    from data.h5format import KeypointH5
+
+    h5 = KeypointH5(val_h5)
+    try:
+        chosen = range(min(count, h5.num_images))
+        pictures = [h5.decode_image(img) for img in chosen]
+        truths = [h5.people(img) for img in chosen]
+    finally:
+        h5.close()
+    found = found_people(model, pictures, cfg, device)
+    title = (f"epoch {epoch}: left ground truth ({sum(map(len, truths))} people), "
+             f"right found ({sum(map(len, found))})")
+    grid = pictures_grid(pictures, truths, found, skeleton, title)
+    return write_image(val_pictures_path(run_dir, epoch), grid, option="validation picture")
+
+
+class ValidationPictures:
+    """Hook of a training run: after each validation that measured AP, the main process writes
+    `write_val_pictures` of the model as validated and sends the picture to the run's logger."""
+
+    def __init__(self, val_h5, cfg: Config, count: int):
+        self.val_h5, self.cfg, self.count = val_h5, cfg, count
+
+    def after_validation(self, trainer, epoch: int, results: dict) -> None:
+        if "AP" not in results or not trainer.ctx.is_main:
+            return
+        path = write_val_pictures(trainer.model, self.val_h5, trainer.skeleton, self.cfg, epoch + 1,
+                                  trainer.run_dir, trainer.ctx.device, self.count)
+        trainer.logger.log_image(FOLDER, path, trainer.step)
