@@ -1,8 +1,9 @@
 """Multi-process training runs for tests: helpers to launch and read them, and the driver script.
 
 Run as a script (under torchrun or the legacy launcher), this file is train_distributed.py whose
-ranks also dump their own weights, per-step record (loss, skipped, LR), arguments and every
-torch.load they made (file name, memory-mapped or not) to RUN/rankN.pt after training, where
+ranks also dump their own weights, their weights EMA (--ema), per-step record (loss, skipped, LR),
+arguments and every torch.load they made (file name, memory-mapped or not) to RUN/rankN.pt after
+training, where
 TEST_BLOW_UP="RANK:STEP" multiplies that rank's training loss by 1e9 at that step,
 TEST_BAD_DATA="RANK:STEP" makes that rank meet a bad image (DataError) at that step,
 TEST_SLOW_VAL=SECONDS makes reading each validation sample take that long (in the DataLoader
@@ -126,7 +127,8 @@ def _patch_trainer_and_run() -> None:
     def fit_and_dump(self):
         result = fit(self)
         state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
-        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads),
+        ema = [h.state_dict() for h in getattr(self, "hooks", []) if getattr(h, "checkpoint_key", "") == "ema"]
+        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads, ema=ema[0] if ema else None),
                    self.run_dir / f"rank{rank}.pt")
         return result
 

@@ -1,0 +1,86 @@
+"""Validation pictures (inference/val_pictures.py): the grid shows the ground truth on the left and,
+on the right, the people the model finds (nothing drawn where it finds none); the hook writes it
+only after an AP validation, on the main process, and sends it to TensorBoard."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from config import build_config
+from config.skeleton import builtin
+from data.h5format import KeypointH5
+from engine.logger import RunLogger
+from inference.val_pictures import HEADER, TILE, ValidationPictures, fitted, write_val_pictures
+from models import build_model
+
+COCO = builtin("coco")
+# loose grouping, so that a network with random but far from constant maps finds people
+LOOSE = ["inference.peak_threshold=0.0003", "inference.max_peaks=6", "inference.limb_threshold=-1",
+         "inference.min_mean_score=0", "inference.scales=[1.0]"]
+NOBODY = ["inference.peak_threshold=2"]           # maps never reach it: no person is ever found
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    network = build_model(build_config("tiny").model, COCO)
+    network.reset_parameters(0.05)
+    return network.eval()
+
+
+def tiles(path, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    picture = cv2.imread(str(path))
+    assert picture.shape == (HEADER + count * TILE, 2 * TILE, 3)
+    rows = [picture[HEADER + r * TILE: HEADER + (r + 1) * TILE] for r in range(count)]
+    return [(row[:, :TILE], row[:, TILE:]) for row in rows]
+
+
+def test_the_grid_has_the_truth_on_the_left_and_what_the_model_finds_on_the_right(model, synthetic_h5,
+                                                                                   tmp_path):
+    val_h5 = synthetic_h5[1]
+    h5 = KeypointH5(val_h5)
+    plain = [fitted(h5.decode_image(img)) for img in range(2)]
+    assert all(len(h5.people(img)) for img in range(2))
+    h5.close()
+    finds = write_val_pictures(model, val_h5, COCO, build_config("tiny", sets=LOOSE), 3, tmp_path / "a",
+                               torch.device("cpu"), count=2)
+    assert finds == tmp_path / "a/val_pictures/epoch_3.png"
+    blind = write_val_pictures(model, val_h5, COCO, build_config("tiny", sets=NOBODY), 3, tmp_path / "b",
+                               torch.device("cpu"), count=2)
+    for (truth, found), (truth_blind, found_blind), image in zip(tiles(finds, 2), tiles(blind, 2), plain):
+        assert not np.array_equal(truth, image)             # the true people are drawn
+        assert np.array_equal(truth, truth_blind)
+        assert np.array_equal(found_blind, image)           # nobody found: the picture as it is
+        assert not np.array_equal(found, image)             # people found: drawn over it
+    assert not list((tmp_path / "a/val_pictures").glob(".*"))     # written atomically: no temp left
+
+
+class Recorder:
+    def __init__(self):
+        self.images = []
+
+    def add_image(self, tag, picture, step, dataformats):
+        self.images.append((tag, picture.shape, step, dataformats))
+
+    def close(self):
+        pass
+
+
+def test_the_hook_draws_after_an_ap_validation_on_the_main_process(model, synthetic_h5, tmp_path):
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.tb = Recorder()
+    trainer = SimpleNamespace(model=model, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
+                              ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")))
+    hook = ValidationPictures(synthetic_h5[1], build_config("tiny", sets=NOBODY), count=1)
+    hook.after_validation(trainer, 0, {"loss": 1.0})               # no AP: no picture
+    trainer.ctx.is_main = False
+    hook.after_validation(trainer, 1, {"AP": 0.0})                 # not the main process
+    assert not (tmp_path / "val_pictures").exists() and not logger.tb.images
+    trainer.ctx.is_main = True
+    hook.after_validation(trainer, 4, {"AP": 0.0, "loss": 1.0})
+    assert (tmp_path / "val_pictures/epoch_5.png").is_file()
+    assert logger.tb.images == [("val_pictures", (HEADER + TILE, 2 * TILE, 3), 12, "HWC")]
