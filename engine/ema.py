@@ -46,7 +46,8 @@ class WeightsEMA:
         self.averaged = {name: (t.detach().float() if t.is_floating_point() else t.detach()).clone()
                          for name, t in sources.items()}
         self._average = [(self.averaged[k], sources[k]) for k in sources if k in parameters]
-        self._copied = [(self.averaged[k], sources[k]) for k in sources if k not in parameters]
+        copied = [k for k in sources if k not in parameters]
+        self._copied = ([self.averaged[k] for k in copied], [sources[k] for k in copied])
         self._kept: list[torch.Tensor] | None = None      # the training weights during validation
 
     def describe(self) -> str:
@@ -65,8 +66,8 @@ class WeightsEMA:
             averaged, sources = zip(*self._average)
             sources = [s if s.dtype == torch.float32 else s.float() for s in sources]
             torch._foreach_lerp_(list(averaged), sources, weight)
-        for averaged, source in self._copied:
-            averaged.copy_(source)
+        if self._copied[0]:               # one multi-tensor copy, not a kernel per buffer
+            torch._foreach_copy_(*self._copied)
 
     # -- the hook ---------------------------------------------------------------------------------
     def after_step(self, trainer, out: dict) -> None:
@@ -79,16 +80,14 @@ class WeightsEMA:
         if self._kept is not None:
             return
         self._kept = [t.clone() for t in self._targets.values()]
-        for name, target in self._targets.items():
-            target.copy_(self.averaged[name])
+        torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
 
     @torch.no_grad()
     def after_validation(self, trainer=None, epoch=None, results=None) -> None:
         """The training weights back into the model, exactly as they were."""
         if self._kept is None:
             return
-        for target, kept in zip(self._targets.values(), self._kept):
-            target.copy_(kept)
+        torch._foreach_copy_(list(self._targets.values()), self._kept)
         self._kept = None
 
     @contextlib.contextmanager

@@ -20,6 +20,7 @@ import numpy as np
 from config.schema import Config
 from config.skeleton import Skeleton
 from data.preprocess import GREY
+from engine.amp import cudnn_autotuning_off
 from inference.draw import draw_people, write_image
 from inference.estimator import PoseEstimator
 from inference.evaluation import eval_mode
@@ -98,6 +99,7 @@ class ValidationPictures:
     def after_validation(self, trainer, epoch: int, results: dict) -> None:
         if "AP" not in results or not trainer.ctx.is_main:
             return
-        path = write_val_pictures(trainer.model, self.val_h5, trainer.skeleton, self.cfg, epoch + 1,
-                                  trainer.run_dir, trainer.ctx.device, self.count)
+        with cudnn_autotuning_off():       # pictures of several sizes: none worth timing algorithms for
+            path = write_val_pictures(trainer.model, self.val_h5, trainer.skeleton, self.cfg, epoch + 1,
+                                      trainer.run_dir, trainer.ctx.device, self.count)
         trainer.logger.log_image(FOLDER, path, trainer.step)
