@@ -42,6 +42,8 @@ class WeightsEMA:
         self.model, self.decay, self.tau, self.updates = model, float(decay), float(tau), 0
         sources = precision.weight_sources(model)
         self._targets = model.state_dict()                # the model's own tensors, live
+        # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
+        self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
         parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}
         self.averaged = {name: (t.detach().float() if t.is_floating_point() else t.detach()).clone()
                          for name, t in sources.items()}
@@ -89,6 +91,15 @@ class WeightsEMA:
             return
         torch._foreach_copy_(list(self._targets.values()), self._kept)
         self._kept = None
+
+    def before_save(self, trainer, name: str, state: dict) -> None:
+        """A checkpoint saved while the averaged weights are in the model (best.pth, right after
+        the validation that chose it) still holds the training weights under "model"."""
+        if self._kept is None or not isinstance(state.get("model"), dict):
+            return
+        for (key, target), kept in zip(self._targets.items(), self._kept):
+            if key in self._from_model:
+                state["model"][key] = kept.float() if kept.is_floating_point() else kept.clone()
 
     @contextlib.contextmanager
     def applied(self):

@@ -107,10 +107,14 @@ def test_validation_sees_the_average_and_training_gets_its_weights_back_bit_for_
     ema.update()
     nudge(model, precision, 2)
     training = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_outside = precision.float32_state_dict(model)
     with ema.applied():
         inside = model.state_dict()
         assert all(torch.equal(inside[k], ema.averaged[k].to(inside[k].dtype)) for k in inside)
         assert any(not torch.equal(inside[k], training[k]) for k in inside)
+        state = {"model": precision.float32_state_dict(model)}     # best.pth, saved meanwhile
+        ema.before_save(None, "best.pth", state)
+        assert all(torch.equal(state["model"][k], saved_outside[k]) for k in saved_outside)
     after = model.state_dict()
     assert all(torch.equal(after[k], training[k]) for k in training)
     with pytest.raises(RuntimeError, match="boom"), ema.applied():   # restored when validation fails
