@@ -127,9 +127,10 @@ def _patch_trainer_and_run() -> None:
     def fit_and_dump(self):
         result = fit(self)
         state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
-        ema = [h.state_dict() for h in getattr(self, "hooks", []) if getattr(h, "checkpoint_key", "") == "ema"]
-        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads, ema=ema[0] if ema else None),
-                   self.run_dir / f"rank{rank}.pt")
+        ema = [h.state_dict() for h in getattr(self, "hooks", [])
+               if getattr(h, "checkpoint_key", "") == "ema"]
+        torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads,
+                        ema=ema[0] if ema else None), self.run_dir / f"rank{rank}.pt")
         return result
 
     loads, load = [], torch.load
