@@ -11,9 +11,10 @@ under O0 and O1, and the half model cast to float32 under O3 (`Precision.weight_
 deterministic function of the weights, which are identical on every rank, so every rank holds the
 same average without any communication.
 
-`WeightsEMA` is a hook of the training run: `after_step(trainer, out)` updates it,
-`before_validation(trainer)` puts the averaged weights into the model (keeping the training
-weights aside) and `after_validation(trainer)` puts the training weights back, bit for bit. Its
+`WeightsEMA` is a hook of the training run: `after_build(trainer)` starts it at the model's
+weights, `after_step(trainer, out)` updates it, `evaluating(trainer)` is a context in which the
+averaged weights are in the model (validation, AP, best.pth), the training weights put back bit
+for bit after it, and `before_save` keeps the training weights in a checkpoint saved meanwhile. Its
 `state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
 averaged float32 state dict}) and `load_state_dict` restores it exactly, so a resumed run continues
 the average as the uninterrupted one would. `--weights`, evaluate.py and demo.py take the "ema"
@@ -36,10 +37,15 @@ CHECKPOINT_KEY = "ema"
 class WeightsEMA:
     checkpoint_key = CHECKPOINT_KEY
 
-    def __init__(self, model: nn.Module, precision: Precision, decay: float, tau: float = 2000.0):
+    def __init__(self, decay: float, tau: float = 2000.0):
         if not 0.0 <= decay < 1.0 or not tau > 0:
             raise ValueError(f"EMA decay {decay} must be in [0, 1) and tau {tau} positive")
-        self.model, self.decay, self.tau, self.updates = model, float(decay), float(tau), 0
+        self.decay, self.tau, self.updates = float(decay), float(tau), 0
+        self.averaged: dict[str, torch.Tensor] = {}
+
+    def attach(self, model: nn.Module, precision: Precision) -> "WeightsEMA":
+        """Start the average at the weights of `model` (loaded, frozen, cast and wrapped as it
+        trains; under Apex, after its masters exist); returns self."""
         sources = precision.weight_sources(model)
         self._targets = model.state_dict()                # the model's own tensors, live
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
@@ -51,6 +57,7 @@ class WeightsEMA:
         copied = [k for k in sources if k not in parameters]
         self._copied = ([self.averaged[k] for k in copied], [sources[k] for k in copied])
         self._kept: list[torch.Tensor] | None = None      # the training weights during validation
+        return self
 
     def describe(self) -> str:
         return f"EMA of the weights, decay {self.decay:g} warmed up over tau {self.tau:g} steps"
@@ -76,21 +83,13 @@ class WeightsEMA:
         if not out["skipped"]:          # a skipped step changed no weight: the average stays too
             self.update()
 
-    @torch.no_grad()
-    def before_validation(self, trainer=None, epoch=None) -> None:
-        """The averaged weights into the model (in its precision); the training ones kept aside."""
-        if self._kept is not None:
-            return
-        self._kept = [t.clone() for t in self._targets.values()]
-        torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
+    def after_build(self, trainer) -> None:
+        self.attach(trainer.model, trainer.precision)
+        trainer.say(self.describe())
 
-    @torch.no_grad()
-    def after_validation(self, trainer=None, epoch=None, results=None) -> None:
-        """The training weights back into the model, exactly as they were."""
-        if self._kept is None:
-            return
-        torch._foreach_copy_(list(self._targets.values()), self._kept)
-        self._kept = None
+    def evaluating(self, trainer=None):
+        """Validation, AP and saving best.pth see the averaged weights (`applied`)."""
+        return self.applied()
 
     def before_save(self, trainer, name: str, state: dict) -> None:
         """A checkpoint saved while the averaged weights are in the model (best.pth, right after
@@ -103,12 +102,17 @@ class WeightsEMA:
 
     @contextlib.contextmanager
     def applied(self):
-        """The averaged weights in the model inside the block (a validation), whatever happens."""
-        self.before_validation()
+        """The averaged weights in the model (in its precision) inside the block, the training
+        weights kept aside and put back exactly as they were after it, whatever happens."""
+        with torch.no_grad():
+            self._kept = [t.clone() for t in self._targets.values()]
+            torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
         try:
             yield
         finally:
-            self.after_validation()
+            with torch.no_grad():
+                torch._foreach_copy_(list(self._targets.values()), self._kept)
+            self._kept = None
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -91,15 +91,14 @@ def write_val_pictures(model, val_h5, skeleton: Skeleton, cfg: Config, epoch: in
 
 class ValidationPictures:
     """Hook of a training run: after each validation that measured AP, the main process writes
-    `write_val_pictures` of the model as validated and sends the picture to the run's logger."""
-
-    def __init__(self, val_h5, cfg: Config, count: int):
-        self.val_h5, self.cfg, self.count = val_h5, cfg, count
+    `write_val_pictures` of the model as validated (`train.val_pictures` images of the run's
+    validation file, the run's inference settings) and sends the picture to the run's logger."""
 
     def after_validation(self, trainer, epoch: int, results: dict) -> None:
-        if "AP" not in results or not trainer.ctx.is_main:
+        count = trainer.cfg.train.val_pictures
+        if "AP" not in results or not count or not trainer.ctx.is_main:
             return
         with cudnn_autotuning_off():       # pictures of several sizes: none worth timing algorithms for
-            path = write_val_pictures(trainer.model, self.val_h5, trainer.skeleton, self.cfg, epoch + 1,
-                                      trainer.run_dir, trainer.ctx.device, self.count)
+            path = write_val_pictures(trainer.model, trainer.val_h5, trainer.skeleton, trainer.cfg,
+                                      epoch + 1, trainer.run_dir, trainer.ctx.device, count)
         trainer.logger.log_image(FOLDER, path, trainer.step)

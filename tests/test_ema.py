@@ -49,7 +49,7 @@ def nudge(model, precision, seed: int) -> None:
 
 def test_decay_warms_up_and_the_average_follows_the_formula():
     model, precision = prepared("O0")
-    ema = WeightsEMA(model, precision, decay=0.9, tau=2.0)
+    ema = WeightsEMA(0.9, 2.0).attach(model, precision)
     name = "stem.0.weight" if "stem.0.weight" in ema.averaged else next(
         n for n, p in model.named_parameters())
     expected = dict(model.named_parameters())[name].detach().double().clone()
@@ -68,7 +68,7 @@ def test_decay_warms_up_and_the_average_follows_the_formula():
 
 def test_a_skipped_step_leaves_the_average_as_it_was():
     model, precision = prepared("O0")
-    ema = WeightsEMA(model, precision, decay=0.9, tau=1.0)
+    ema = WeightsEMA(0.9, 1.0).attach(model, precision)
     nudge(model, precision, 1)
     ema.after_step(None, {"skipped": False})
     before = {k: v.clone() for k, v in ema.averaged.items()}
@@ -80,7 +80,7 @@ def test_a_skipped_step_leaves_the_average_as_it_was():
 
 def test_o2_averages_the_float32_masters_and_o3_the_half_model_in_float32():
     model, precision = prepared("O2")
-    ema = WeightsEMA(model, precision, decay=0.5, tau=1e-9)     # d = 0.5 from the first update
+    ema = WeightsEMA(0.5, 1e-9).attach(model, precision)     # d = 0.5 from the first update
     masters = {id(p): m for p, m in precision._pairs}
     names = {id(p): n for n, p in model.named_parameters()}
     start = {names[pid]: m.detach().clone() for pid, m in masters.items()}
@@ -93,7 +93,7 @@ def test_o2_averages_the_float32_masters_and_o3_the_half_model_in_float32():
         name = names[pid]
         assert torch.equal(ema.averaged[name], torch.lerp(start[name], master.detach(), 0.5))
     model3, precision3 = prepared("O3")
-    ema3 = WeightsEMA(model3, precision3, decay=0.5, tau=1e-9)
+    ema3 = WeightsEMA(0.5, 1e-9).attach(model3, precision3)
     assert all(v.dtype == torch.float32 for v in ema3.averaged.values() if v.is_floating_point())
     weight = next(p for p in model3.parameters())
     assert weight.dtype == torch.bfloat16
@@ -102,13 +102,13 @@ def test_o2_averages_the_float32_masters_and_o3_the_half_model_in_float32():
 
 def test_validation_sees_the_average_and_training_gets_its_weights_back_bit_for_bit():
     model, precision = prepared("O2")
-    ema = WeightsEMA(model, precision, decay=0.9, tau=1.0)
+    ema = WeightsEMA(0.9, 1.0).attach(model, precision)
     nudge(model, precision, 1)
     ema.update()
     nudge(model, precision, 2)
     training = {k: v.clone() for k, v in model.state_dict().items()}
     saved_outside = precision.float32_state_dict(model)
-    with ema.applied():
+    with ema.evaluating():
         inside = model.state_dict()
         assert all(torch.equal(inside[k], ema.averaged[k].to(inside[k].dtype)) for k in inside)
         assert any(not torch.equal(inside[k], training[k]) for k in inside)
@@ -124,13 +124,13 @@ def test_validation_sees_the_average_and_training_gets_its_weights_back_bit_for_
 
 def test_state_round_trip_is_exact_and_a_damaged_state_is_one_error():
     model, precision = prepared("O0")
-    ema = WeightsEMA(model, precision, decay=0.99, tau=3.0)
+    ema = WeightsEMA(0.99, 3.0).attach(model, precision)
     for k in range(3):
         nudge(model, precision, k)
         ema.update()
     state = ema.state_dict()
     other_model, other_precision = prepared("O0")
-    other = WeightsEMA(other_model, other_precision, decay=0.99, tau=3.0)
+    other = WeightsEMA(0.99, 3.0).attach(other_model, other_precision)
     other.load_state_dict(state)
     assert other.updates == 3
     assert all(torch.equal(other.averaged[k], ema.averaged[k]) for k in ema.averaged)

@@ -74,8 +74,10 @@ def test_the_hook_draws_after_an_ap_validation_on_the_main_process(model, synthe
     logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
     logger.tb = Recorder()
     trainer = SimpleNamespace(model=model, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
-                              ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")))
-    hook = ValidationPictures(synthetic_h5[1], build_config("tiny", sets=NOBODY), count=1)
+                              ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
+                              cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
+                              val_h5=synthetic_h5[1])
+    hook = ValidationPictures()
     hook.after_validation(trainer, 0, {"loss": 1.0})               # no AP: no picture
     trainer.ctx.is_main = False
     hook.after_validation(trainer, 1, {"AP": 0.0})                 # not the main process
