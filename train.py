@@ -7,12 +7,15 @@
 """
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
+from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
+from inference.val_pictures import write_val_pictures
 
 
 def main(argv=None) -> dict:
     cfg = config_from_args(build_parser(__doc__).parse_args(argv))
-    return Trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator()).fit()
+    return Trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(),
+                   hooks=[ValidationPictures(write_val_pictures)]).fit()
 
 
 if __name__ == "__main__":

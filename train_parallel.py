@@ -13,7 +13,9 @@ from config.errors import ConfigError
 from engine.backend import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
+from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
+from inference.val_pictures import write_val_pictures
 
 
 def _gpu_ids(spec: str) -> list[int]:
@@ -36,7 +38,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                       training_evaluator()).fit()
+                       training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -49,7 +51,7 @@ def main(argv=None) -> dict:
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                   training_evaluator()).fit()
+                   training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
 
 
 if __name__ == "__main__":

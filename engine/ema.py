@@ -18,7 +18,8 @@ for bit after it, and `before_save` keeps the training weights in a checkpoint s
 `state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
 averaged float32 state dict}) and `load_state_dict` restores it exactly, so a resumed run continues
 the average as the uninterrupted one would. `--weights`, evaluate.py and demo.py take the "ema"
-weights of a checkpoint that has them (`engine.checkpoint.preferred_weights`).
+weights of a checkpoint that has them (`runtime.checkpoint.preferred_weights`). The trainer adds
+this hook itself when `train.ema` is set (`engine.trainer.default_hooks`).
 """
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ from torch import nn
 
 from config.errors import CheckpointError
 from engine.amp import Precision
+from engine.hooks import Hook
 
 CHECKPOINT_KEY = "ema"
 
 
-class WeightsEMA:
+class WeightsEMA(Hook):
     checkpoint_key = CHECKPOINT_KEY
 
     def __init__(self, decay: float, tau: float = 2000.0):
@@ -120,20 +122,20 @@ class WeightsEMA:
                 "model": {k: v.clone() for k, v in self.averaged.items()}}
 
     @torch.no_grad()
-    def load_state_dict(self, state, source="the checkpoint") -> None:
+    def load_state_dict(self, state, source="the checkpoint resumed") -> None:
         """Continue the average saved in `state` (this run's decay and tau are kept); a
         CheckpointError naming `source` when it does not fit this model."""
         saved = state.get("model") if isinstance(state, dict) else None
         updates = state.get("updates") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
                 or updates < 0:
-            raise CheckpointError(f"checkpoint {source}: its EMA state is damaged (expected "
+            raise CheckpointError(f"{source}: its EMA state is damaged (expected "
                                   "'updates' and 'model'); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
             k for k in saved.keys() & self.averaged.keys()
             if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)
         if differ:
-            raise CheckpointError(f"checkpoint {source}: its EMA weights do not fit this model "
+            raise CheckpointError(f"{source}: its EMA weights do not fit this model "
                                   f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
                                   "start from its weights with --weights")
         for name, tensor in self.averaged.items():

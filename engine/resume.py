@@ -105,9 +105,11 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
         weights = ckpt.read_file(train.weights)
         if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
             check_skeleton(from_checkpoint(weights), skeleton, train.weights, "weights")
+        weights, ema_note = ckpt.preferred_weights(weights)
         report = ckpt.load_weights(model, weights, allow_partial=train.allow_partial,
                                    source=str(train.weights))
-        say(f"loaded weights from {train.weights}: {load_summary(report)}")
+        say(f"loaded weights from {train.weights}: {load_summary(report)}"
+            + (f"; {ema_note}" if ema_note else ""))
     return None, None, None
 
 

@@ -21,6 +21,7 @@ from config.loader import to_dict
 from config.schema import Config
 from runtime import distributed as dist
 from engine.build import Parts, build_parts
+from engine.ema import WeightsEMA
 from engine.device_feed import DeviceFeed, to_model_input
 from runtime.checkpoint import capture_rng_state, remove_stale_temps, save_checkpoint, unwrap_model
 from engine.epoch_end import EpochEnd, validations_due
@@ -44,8 +45,12 @@ class Launch:
     wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
 
 
-def default_hooks() -> list[Hook]:
-    return [LRSchedule(), DivergenceStop(), ProgressBar(), TrainLog(), Preemption(), EpochEnd()]
+def default_hooks(cfg: Config | None = None) -> list[Hook]:
+    """The engine's own hooks; with `cfg`, also those its settings ask for (`--ema`)."""
+    hooks = [LRSchedule(), DivergenceStop(), ProgressBar(), TrainLog(), Preemption(), EpochEnd()]
+    if cfg is not None and cfg.train.ema:
+        hooks.append(WeightsEMA(cfg.train.ema, cfg.train.ema_tau))
+    return hooks
 
 
 class Trainer:
@@ -55,9 +60,10 @@ class Trainer:
     def __init__(self, cfg: Config, launch: Launch, evaluator: Callable | None = None,
                  hooks: list[Hook] = (), build: Callable[..., Parts] = build_parts):
         self.launch, self.ctx, self.evaluator = launch, launch.ctx, evaluator
-        self.hooks = sorted(default_hooks() + list(hooks), key=lambda hook: hook.priority)
         plan = plan_run(cfg)
         self.cfg, self.run_dir = plan.config, plan.run_dir
+        # the run's config (a resumed run's own): its settings choose hooks such as --ema
+        self.hooks = sorted(default_hooks(self.cfg) + list(hooks), key=lambda hook: hook.priority)
         try:
             self._set_up(build(self.cfg, launch, plan, self.say))
         except BaseException:               # a run that did not start leaves no directory behind

@@ -7,8 +7,9 @@ AP (`inference.estimator`: the run's scales, flip and grouping settings), each p
 colour (`inference.draw`). Every image is fitted into a TILE x TILE square (grey around it) below
 a one-line header. The picture is also sent to TensorBoard when the run logs there.
 
-`ValidationPictures` is the hook a training run calls after each validation (with the averaged
-weights still in the model when `--ema` is on); `write_val_pictures` is the function behind it.
+`write_val_pictures` is the drawing part the entry scripts hand the training engine's hook
+(`engine.picture_hook.ValidationPictures`), which calls it after each AP validation, with the
+averaged weights still in the model when `--ema` is on.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import numpy as np
 from config.schema import Config
 from config.skeleton import Skeleton
 from data.preprocess import GREY
-from engine.amp import cudnn_autotuning_off
 from inference.draw import draw_people, write_image
 from inference.estimator import PoseEstimator
 from inference.evaluation import eval_mode
@@ -87,18 +87,3 @@ def write_val_pictures(model, val_h5, skeleton: Skeleton, cfg: Config, epoch: in
              f"right found ({sum(map(len, found))})")
     grid = pictures_grid(pictures, truths, found, skeleton, title)
     return write_image(val_pictures_path(run_dir, epoch), grid, option="validation picture")
-
-
-class ValidationPictures:
-    """Hook of a training run: after each validation that measured AP, the main process writes
-    `write_val_pictures` of the model as validated (`train.val_pictures` images of the run's
-    validation file, the run's inference settings) and sends the picture to the run's logger."""
-
-    def after_validation(self, trainer, epoch: int, results: dict) -> None:
-        count = trainer.cfg.train.val_pictures
-        if "AP" not in results or not count or not trainer.ctx.is_main:
-            return
-        with cudnn_autotuning_off():       # pictures of several sizes: none worth timing algorithms for
-            path = write_val_pictures(trainer.model, trainer.val_h5, trainer.skeleton, trainer.cfg,
-                                      epoch + 1, trainer.run_dir, trainer.ctx.device, count)
-        trainer.logger.log_image(FOLDER, path, trainer.step)

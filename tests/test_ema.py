@@ -13,7 +13,7 @@ from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.skeleton import builtin
 from engine.amp import Precision
-from engine.checkpoint import preferred_weights, save_checkpoint
+from runtime.checkpoint import preferred_weights, save_checkpoint
 from engine.ema import WeightsEMA
 from models import build_model
 

@@ -11,7 +11,7 @@ import torch
 
 import train
 from config.loader import build_config
-from engine.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint
 from inference.val_pictures import HEADER, TILE
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
@@ -38,7 +38,8 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     """The validation loss of `weights`, computed as the trainer's validation computes it."""
     from data.dataset import KeypointDataset
     from engine.amp import Precision
-    from engine.distributed import DistContext
+    from engine.device_feed import to_model_input
+    from runtime.distributed import DistContext
     from engine.model_with_loss import ModelWithLoss
     from engine.run_setup import val_loader
     from models import FocalL2Loss, build_model
@@ -51,8 +52,8 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     net = ModelWithLoss(model, FocalL2Loss(cfg.loss, dataset.skeleton), Precision(cfg.amp, ctx.device)).eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for images, target, mask in val_loader(dataset, cfg, ctx):
-            per_sample, _ = net(images, target, mask)
+        for batch in val_loader(dataset, cfg, ctx):
+            per_sample, _ = net(*to_model_input(batch, ctx.device))
             total, count = total + per_sample.double().sum().item(), count + per_sample.numel()
     return total / count
 

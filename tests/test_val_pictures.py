@@ -14,7 +14,8 @@ from config import build_config
 from config.skeleton import builtin
 from data.h5format import KeypointH5
 from engine.logger import RunLogger
-from inference.val_pictures import HEADER, TILE, ValidationPictures, fitted, write_val_pictures
+from engine.picture_hook import ValidationPictures
+from inference.val_pictures import HEADER, TILE, fitted, write_val_pictures
 from models import build_model
 
 COCO = builtin("coco")
@@ -76,8 +77,8 @@ def test_the_hook_draws_after_an_ap_validation_on_the_main_process(model, synthe
     trainer = SimpleNamespace(model=model, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
                               ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
                               cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
-                              val_h5=synthetic_h5[1])
-    hook = ValidationPictures()
+                              data=SimpleNamespace(val_h5=synthetic_h5[1]))
+    hook = ValidationPictures(write_val_pictures)
     hook.after_validation(trainer, 0, {"loss": 1.0})               # no AP: no picture
     trainer.ctx.is_main = False
     hook.after_validation(trainer, 1, {"AP": 0.0})                 # not the main process
