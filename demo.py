@@ -27,7 +27,7 @@ import numpy as np
 
 from config.errors import DataError, run_cli
 from config.paths import refuse_output_as_input, same_file
-from inference.draw import check_picture_path
+from data.picture_files import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -107,7 +107,7 @@ def read_pictures(pairs):
 
 
 def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
-    from inference.draw import write_image
+    from data.picture_files import write_image
 
     written = []
     for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from config.errors import ConfigError, DataError, UserError, run_cli
+from config.paths import written_whole
 
 FORMATS = ("onnx",)
 CHECK_PICTURES = Path(__file__).resolve().parent / "tests" / "data" / "coco4"
@@ -141,13 +141,9 @@ def run(args) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    temp = out.with_name(f".{out.name}.partial")
-    try:
+    with written_whole(out) as temp:
         write_onnx(model, cfg, temp, args.opset)
         errors = compare_maps(model, cfg, temp, pictures, args.tolerance)
-        os.replace(temp, out)
-    finally:
-        temp.unlink(missing_ok=True)
     print(f"written {out} ({out.stat().st_size / 2 ** 20:.1f} MiB): onnxruntime's maps agree with "
           f"PyTorch's on {len(errors)} pictures within {max(errors):.1e} of their largest value "
           f"(tolerance {args.tolerance:g})", flush=True)

@@ -1,10 +1,12 @@
-"""Checks on the paths a command is given: no output may be one of the command's inputs.
+"""The paths a command writes: no output may be one of the command's inputs, and an output
+appears whole or not at all (`written_whole`).
 
 Paths are compared resolved (links, `..` and relative paths followed), so `--out ./a/../ann.json`
 is recognised as `ann.json`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -28,3 +30,26 @@ def refuse_output_as_input(out_option: str, out, inputs: dict) -> None:
         if path and same_file(out, path):
             raise ConfigError(f"{out_option} {out} is the same file as {option} {path}: writing it would "
                               f"destroy the input; choose another {out_option}")
+
+
+def temporary_twin(path) -> Path:
+    """The hidden file next to `path` that an output is written to before it takes `path`'s name:
+    same folder (so the rename is atomic), same extension (OpenCV picks the format by it), this
+    process's id (two writers never share one)."""
+    path = Path(path)
+    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
+@contextlib.contextmanager
+def written_whole(path):
+    """Write an output atomically: yields the temporary twin of `path` to write; when the block
+    ends without an exception and the twin exists, it replaces `path`; otherwise the twin is
+    removed and `path` (a file the user already had, or nothing) is left as it was."""
+    temp = temporary_twin(path)
+    try:
+        yield temp
+        if temp.is_file():
+            os.replace(temp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            temp.unlink()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import struct
 import sys
@@ -31,7 +30,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from config.errors import DataError, run_cli
-from config.paths import refuse_output_as_input
+from config.paths import refuse_output_as_input, written_whole
 from config.skeleton import Skeleton, infer_from_category, load_skeleton
 from data.coco_checks import Selection, select_valid
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -244,7 +243,6 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         images = images[:max_images]
     for info in images if out_path.resolve().is_relative_to(images_dir.resolve()) else []:
         refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
-    tmp_path = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
                "skeleton": skeleton, "skeleton_origin": origin}
@@ -253,17 +251,13 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         summary["bad"].append(message)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(tmp_path, "w") as f:
+        with written_whole(out_path) as tmp_path, h5py.File(tmp_path, "w") as f:
             _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
                    skip_bad, progress, summary)
-        os.replace(tmp_path, out_path)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
         raise DataError(f"--out {out_path}: cannot write the file there ({reason})") from None
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
     summary["skipped"] = dict(summary["skipped"])
     summary["bytes"] = out_path.stat().st_size
     return summary

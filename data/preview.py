@@ -19,7 +19,7 @@ from config.errors import ConfigError, DataError, run_cli
 from config.loader import build_config
 from config.paths import refuse_output_as_input
 from data.dataset import KeypointDataset
-from inference.draw import write_image
+from data.picture_files import write_image
 
 SAMPLES_PER_ROW = 4
 

@@ -1,16 +1,12 @@
-"""Pictures of the decoded people: skeletons in one colour per person, a panel of the maps, and
-writing a picture to a file (demo.py, data.preview, the validation pictures)."""
+"""Pictures of the decoded people: skeletons in one colour per person, and a panel of the maps
+(demo.py, the validation pictures; `data.picture_files` writes them)."""
 from __future__ import annotations
 
 import colorsys
-import contextlib
-import os
-from pathlib import Path
 
 import cv2
 import numpy as np
 
-from config.errors import DataError
 from config.skeleton import Skeleton
 
 
@@ -49,34 +45,3 @@ def maps_panel(image_bgr: np.ndarray, maps: np.ndarray, skeleton: Skeleton) -> n
     heat = cv2.applyColorMap((total * 255).astype(np.uint8), cv2.COLORMAP_JET)
     grey = cv2.cvtColor(cv2.cvtColor(image_bgr, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
     return cv2.addWeighted(grey, 0.4, heat, 0.6, 0.0)
-
-
-def check_picture_path(path, option: str = "--out") -> Path:
-    """`path`, or `DataError` naming `option` when its extension is not a format OpenCV writes."""
-    path = Path(path)
-    if not cv2.haveImageWriter(str(path)):
-        raise DataError(f"{option} {path}: {path.suffix or 'no extension'} is not a picture format "
-                        "OpenCV writes; end the name with .png or .jpg")
-    return path
-
-
-def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
-    """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
-    same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
-    path when the extension is not a picture format or the place is not writable."""
-    path = check_picture_path(path, option)
-    temp = path.with_name(f".{path.stem}.tmp{path.suffix}")    # the extension tells OpenCV the format
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        written = cv2.imwrite(str(temp), picture)
-        if written:
-            os.replace(temp, path)
-    except (cv2.error, OSError) as exc:
-        written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"
-    else:
-        reason = "the folder is not writable?"
-    if not written:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        raise DataError(f"{option} {path}: cannot write the picture there ({reason})")
-    return path

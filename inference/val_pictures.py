@@ -21,7 +21,8 @@ import numpy as np
 from config.schema import Config
 from config.skeleton import Skeleton
 from data.preprocess import GREY
-from inference.draw import draw_people, write_image
+from data.picture_files import write_image
+from inference.draw import draw_people
 from inference.estimator import PoseEstimator
 from inference.evaluation import eval_mode
 from inference.predict import TorchNetwork

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 
 from config.errors import DataError
+from config.paths import written_whole
 
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}     # containers and codecs every OpenCV build writes
 DEFAULT_FPS = 25.0                              # when the file does not say
@@ -91,7 +92,7 @@ class VideoOut:
 
     def __init__(self, path, fps: float, size: tuple[int, int]):
         self.path = check_video_out(path)
-        self.temp = self.path.with_name(f".{self.path.stem}.partial{self.path.suffix}")
+        self.whole = written_whole(self.path)
         self.fps, self.size = fps, size
         self.writer = None
         self.closed = False          # a live window can be closed; a file is written to the end
@@ -102,7 +103,7 @@ class VideoOut:
         except OSError as exc:
             raise DataError(f"--out {self.path}: cannot write there ({exc.strerror or exc})") from None
         fourcc = cv2.VideoWriter_fourcc(*FOURCC[self.path.suffix.lower()])
-        self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
+        self.writer = cv2.VideoWriter(str(self.whole.__enter__()), fourcc, self.fps, self.size)
         if not self.writer.isOpened():
             raise DataError(f"--out {self.path}: OpenCV cannot write a video there (folder not writable?)")
         return self
@@ -112,7 +113,4 @@ class VideoOut:
 
     def __exit__(self, kind, value, traceback) -> None:
         self.writer.release()
-        if kind is None and self.temp.is_file():
-            os.replace(self.temp, self.path)
-        else:
-            self.temp.unlink(missing_ok=True)
+        self.whole.__exit__(kind, value, traceback)     # the video takes its name only when whole

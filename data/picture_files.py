@@ -1,0 +1,38 @@
+"""Picture files a command writes (demo.py, data.preview, the validation pictures): the name must
+be a format OpenCV writes, and the file appears whole or not at all."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from config.errors import DataError
+from config.paths import written_whole
+
+
+def check_picture_path(path, option: str = "--out") -> Path:
+    """`path`, or `DataError` naming `option` when its extension is not a format OpenCV writes."""
+    path = Path(path)
+    if not cv2.haveImageWriter(str(path)):
+        raise DataError(f"{option} {path}: {path.suffix or 'no extension'} is not a picture format "
+                        "OpenCV writes; end the name with .png or .jpg")
+    return path
+
+
+def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
+    """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
+    same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
+    path when the extension is not a picture format or the place is not writable."""
+    path = check_picture_path(path, option)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(path) as temp:
+            written = cv2.imwrite(str(temp), picture)
+    except (cv2.error, OSError) as exc:
+        written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"
+    else:
+        reason = "the folder is not writable?"
+    if not written:
+        raise DataError(f"{option} {path}: cannot write the picture there ({reason})")
+    return path
