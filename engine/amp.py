@@ -78,6 +78,7 @@ class Precision:
                               else bool(cfg.channels_last))
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
+        self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self.scaler = self._build_scaler(cfg)
 
@@ -158,23 +159,51 @@ class Precision:
         self.scaler.scale(loss).backward()
 
     def unscale_(self, optimizer) -> None:
-        """Bring gradients to the optimiser's parameters in true scale (before clipping)."""
-        for param, master in self._pairs:
-            master.grad = None if param.grad is None else param.grad.detach().float()
+        """Bring gradients to the optimiser's parameters in true scale (before clipping); no host
+        sync. Under O2 the half gradients reach the float32 master copies in one multi-tensor copy."""
+        if self._pairs:
+            self._copy_grads_to_masters()
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer, grads_finite: bool) -> None:
-        """Step unless the gradients are not finite; update the loss scale either way."""
+    def _copy_grads_to_masters(self) -> None:
+        """master.grad = param.grad in float32 (None where param.grad is None): the master gradients
+        are views of one flat float32 buffer, freed with them by `zero_grad` as before, each with
+        its master's strides (channels_last too), filled by one `_foreach_copy_`."""
+        if self._grad_layout is None:
+            self._grad_layout, total = [], 0
+            for _, master in self._pairs:
+                self._grad_layout.append((master.shape, master.stride(), total))
+                total += -(-master.numel() // 4) * 4     # 16-byte aligned starts
+            self._grad_numel = total
+        flat = torch.empty(self._grad_numel, dtype=torch.float32, device=self._pairs[0][1].device)
+        halves, fulls = [], []
+        for (param, master), (shape, stride, offset) in zip(self._pairs, self._grad_layout):
+            if param.grad is None:
+                master.grad = None
+                continue
+            master.grad = flat.as_strided(shape, stride, offset)
+            halves.append(param.grad.detach())
+            fulls.append(master.grad)
+        if halves:
+            torch._foreach_copy_(fulls, halves)
+
+    def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
+        """Step unless the gradients are not finite; update the loss scale either way, except after
+        a bad loss (`bad_loss`: the engine made the gradients NaN on purpose, which says nothing
+        about their range). `unscale_` has already looked for overflows, so the step itself does
+        not read them back on the host (GradScaler.step would)."""
         if grads_finite:
-            if self.scaler.is_enabled():
-                self.scaler.step(optimizer)
-            else:
-                optimizer.step()
-            with torch.no_grad():
-                for param, master in self._pairs:
-                    param.copy_(master)
-        if self.scaler.is_enabled():
+            optimizer.step()
+            if self._pairs:
+                with torch.no_grad():        # one multi-tensor copy back to the half weights
+                    torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+        if not self.scaler.is_enabled():
+            return
+        if bad_loss and self.static_scale is None:
+            # a rare step: reading the scale to keep it as it was costs one more sync here only
+            self.scaler.update(self.scaler.get_scale())
+        else:
             self.scaler.update(self.static_scale)
 
     def zero_grad(self, optimizer) -> None:

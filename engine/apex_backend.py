@@ -54,6 +54,7 @@ class ApexPrecision(Precision):
         self.dynamic = self.level != "O0" and self.static_scale is None
         self._attached = False
         self._apex_skips = False        # Apex found an overflow and patched this step into a skip
+        self._state_before = {}         # Apex's amp state before this step's unscale
         self._zero = torch.zeros((), device=device)
 
     def _build_scaler(self, cfg: AmpConfig):
@@ -127,6 +128,7 @@ class ApexPrecision(Precision):
     def unscale_(self, optimizer) -> None:
         """Unscale the step's accumulated gradients (Apex's scale_loss exit, with no further
         backward); where Apex found an overflow, make the engine see non-finite gradients."""
+        self._state_before = dict(self.amp.state_dict())
         before = self._scale()
         with self.amp.scale_loss(self._zero, optimizer):
             pass
@@ -141,11 +143,14 @@ class ApexPrecision(Precision):
         state = self.amp.state_dict().get("loss_scaler0")
         return float(state["loss_scale"]) if state else 1.0
 
-    def step(self, optimizer, grads_finite: bool) -> None:
+    def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
         """Apex's step: the real one, or (after an overflow) its skip, which also restores the
-        real one for the next step. Apex updated the scale when it unscaled."""
+        real one for the next step. Apex updated the scale when it unscaled; after a bad loss
+        (gradients made NaN by the engine) the scale goes back to what it was."""
         if grads_finite or self._apex_skips:
             optimizer.step()
+        if bad_loss and self.dynamic and self._state_before:
+            self.amp.load_state_dict(self._state_before)
         self._apex_skips = False
 
     def zero_grad(self, optimizer) -> None:

@@ -9,13 +9,21 @@ The engine drives it per step:
     for i, batch in enumerate(batches):
         with optim_step.accumulating(last=i == len(batches) - 1):
             loss = forward(batch)
-            if not optim_step.backward(loss, stop_requested):
-                break
+            optim_step.backward(loss, stop_requested)
     outcome = optim_step.finish()
 
 The precision backend (`engine.amp.Precision`, or another with the same methods) does the scaling,
 unscaling and stepping; this object decides when. Every decision that needs all ranks to agree (the
 skip vote) is taken here, in one place.
+
+One host sync per step (issue 22): the losses stay on the device. A bad loss (not finite, or above
+`optim.skip_loss_above`) is not read before its backward: it poisons the step instead, its backward
+being that of `loss * nan`, so every gradient is NaN, and DDP's all-reduce carries the NaN to every
+rank. Every rank runs every backward (SyncBN's backward is a collective even under `no_sync`), so
+none waits alone. `finish` then reads one small tensor, [norm, loss sum, bad loss, non-finite norm,
+stop], whose flags are first all-reduced (max) in one small collective: every rank takes the same
+decision. A step poisoned by its loss leaves the loss scale as it was (it says nothing about the
+gradients' range); gradients that overflow by themselves lower it, as before.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ from engine.optim import clip_grads, grad_norm, set_lr
 
 @dataclass
 class StepOutcome:
-    loss: float          # the mean of the batches' losses (those computed before a skip)
+    loss: float          # the mean of the batches' losses (a skipped step's too)
     skipped: bool        # no update: a bad loss on some rank, or non-finite gradients
     stop: bool           # some rank was asked to stop (signal) during the step
 
@@ -46,7 +54,7 @@ class OptimStep:
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.skipped_total, self.bad_streak = 0, 0
-        self._losses, self._count, self._abnormal, self._stop = [], 1, False, False
+        self._count, self._stop, self._loss_sum, self._bad, self._batches = 1, False, None, None, 0
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -57,7 +65,7 @@ class OptimStep:
 
     def begin(self, count: int) -> None:
         """A step over `count` batches starts."""
-        self._losses, self._count, self._abnormal, self._stop = [], count, False, False
+        self._count, self._stop, self._loss_sum, self._bad, self._batches = count, False, None, None, 0
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
 
@@ -71,29 +79,41 @@ class OptimStep:
         return no_sync()
 
     def backward(self, loss: torch.Tensor, stop_requested: bool = False) -> bool:
-        """Vote on the batch's loss (and a stop) with every rank, then backward through the loss
-        scaler; False when the step is to be skipped (no more batches should run)."""
-        self._losses.append(loss.item())
-        bad = not math.isfinite(self._losses[-1]) or self._losses[-1] > self.cfg.skip_loss_above
-        # voted before every backward: SyncBN's backward is a collective even under no_sync
-        abnormal, stop_now = dist.any_ranks([bad, stop_requested])
-        self._stop = self._stop or stop_now
-        if abnormal:
-            self._abnormal = True
-            return False
-        self.precision.backward(loss / self._count)
+        """Backward of the batch's share of the step's loss through the loss scaler, without reading
+        the loss on the host: a bad loss makes every gradient NaN (the step is then skipped by all
+        ranks). Always True: every batch of the step runs, on every rank."""
+        self._stop = self._stop or bool(stop_requested)
+        value = loss.detach().float()
+        bad = torch.logical_not(torch.isfinite(value)) | (value > self.cfg.skip_loss_above)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._bad = bad if self._bad is None else self._bad | bad
+        self._batches += 1
+        poison = torch.where(bad, torch.full_like(value, math.nan), torch.ones_like(value))
+        self.precision.backward(loss * poison.to(loss.dtype) / self._count)
         return True
 
+    def _read_step(self, norm: torch.Tensor) -> tuple[float, float, bool, bool, bool]:
+        """The step's one host read: (norm, loss sum, bad loss on some rank, non-finite norm on some
+        rank, stop asked on some rank); the flags all-reduced (max) in one small collective."""
+        norm = norm.detach().float().reshape(())
+        bad = self._bad.float().to(norm.device)
+        # the stop flag joins as a fill of a device tensor: no host-to-device copy that would sync
+        flags = torch.stack([bad, torch.logical_not(torch.isfinite(norm)).float(),
+                             torch.full_like(bad, float(self._stop))])
+        flags = dist.all_reduce_max(flags)
+        norm_value, loss_sum, bad, not_finite, stop = torch.cat(
+            [norm.reshape(1), self._loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
+        return norm_value, loss_sum, bad > 0, not_finite > 0, stop > 0
+
     def finish(self) -> StepOutcome:
-        """Unscale, norm (float32), clip, step (or skip), zero the gradients, count skips."""
-        grads_finite = False
-        if not self._abnormal:
-            self.precision.unscale_(self.optimizer)
-            norm = grad_norm(self.params)                 # float32 whatever the gradients' dtype
-            grads_finite = bool(torch.isfinite(norm))
-            if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
-                clip_grads(self.params, self.cfg.clip_grad_norm, norm)
-            self.precision.step(self.optimizer, grads_finite)
+        """Unscale, norm (float32), one read, clip, step (or skip), zero the gradients, count skips."""
+        self.precision.unscale_(self.optimizer)
+        norm = grad_norm(self.params).to(self._loss_sum.device)   # float32 whatever the grads' dtype
+        _, loss_sum, bad_loss, not_finite, self._stop = self._read_step(norm)
+        grads_finite = not (bad_loss or not_finite)
+        if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
+            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
+        self.precision.step(self.optimizer, grads_finite, bad_loss=bad_loss)
         self.precision.zero_grad(self.optimizer)
         skipped = not grads_finite
         if skipped and self.buffers:   # a skipped step leaves no trace, not even in BN statistics
@@ -101,4 +121,4 @@ class OptimStep:
                 torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        return StepOutcome(sum(self._losses) / len(self._losses), skipped, self._stop)
+        return StepOutcome(loss_sum / self._batches, skipped, self._stop)

@@ -293,6 +293,12 @@ def all_reduce_mean(value):
     return _all_reduce(value, dist.ReduceOp.SUM, divide=True)
 
 
+def all_reduce_max(value):
+    """Element-wise maximum of a tensor (or number) over ranks; the input itself when not
+    distributed. With NCCL the tensor stays on the device (no host sync)."""
+    return _all_reduce(value, dist.ReduceOp.MAX, divide=False)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when at least one rank passes True (to skip a step or stop together)."""
     return any_ranks([flag])[0]
