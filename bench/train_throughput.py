@@ -7,7 +7,9 @@ already on the device or (--h5) by the engine's own DataLoader. It prints images
 the first step's time (under --compile, mostly the compilation), the time the step waited for data
 (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
 that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
-the step time, against a large bf16 matmul timed in the same run). One JSON line last.
+the step time, against a large bf16 matmul timed in the same run), and the host syncs per timed
+step (reads of tensor values on the host, counted by bench/host_syncs.py; issue 22: one per
+step outside logging steps). One JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
@@ -38,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_data import make_bench_h5            # noqa: E402
+from bench.host_syncs import count_host_syncs, optimizer_step_counters  # noqa: E402
 from config import build_config                        # noqa: E402
 from config.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
@@ -132,11 +135,13 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
             i += 1
         sync(device)
         start = time.perf_counter()
-        for i in range(i + 1, i + 1 + args.steps):
-            tick = time.perf_counter()
-            batch = next(data)
-            waited += time.perf_counter() - tick
-            skipped += trainer.run_step([batch], epoch, i)["skipped"]
+        # the steps' reads of tensor values on the host (the optimiser's CPU step counters aside)
+        with count_host_syncs(optimizer_step_counters(trainer.optimizer)) as syncs:
+            for i in range(i + 1, i + 1 + args.steps):
+                tick = time.perf_counter()
+                batch = next(data)
+                waited += time.perf_counter() - tick
+                skipped += trainer.run_step([batch], epoch, i)["skipped"]
         sync(device)
         seconds = (time.perf_counter() - start) / args.steps
         time_by_op = profile_steps(lambda i: trainer.run_step([next(data)], epoch, i), args.profile, device)
@@ -153,7 +158,8 @@ def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_las
     return {"config": label, "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
             "first_step_s": first_step,
             "data_wait_share": waited / (seconds * args.steps), "peak_mem_gib": memory,
-            "skipped_steps": int(skipped), **({"time_by_op": time_by_op} if time_by_op else {})}
+            "skipped_steps": int(skipped), "host_syncs_per_step": syncs.count / args.steps,
+            "host_syncs_by_kind": syncs.by_kind, **({"time_by_op": time_by_op} if time_by_op else {})}
 
 
 OP_KINDS = (("inductor_fused", r"^triton_"),    # torch.compile's kernels, named after the ops they fuse
@@ -190,7 +196,8 @@ def print_row(row: dict, peak: float | None) -> None:
     share = f"{100 * row['share_of_bf16_peak']:5.1f} % of bf16 matmul peak" if peak else ""
     print(f"{row['config']:<24} {row['images_per_s']:9.2f} img/s {row['step_ms']:9.1f} ms/step "
           f"{row['peak_mem_gib'] or float('nan'):7.2f} GiB {row['tflops']:7.2f} TFLOP/s "
-          f"data wait {100 * row['data_wait_share']:4.1f} % {share}"
+          f"data wait {100 * row['data_wait_share']:4.1f} % "
+          f"host syncs/step {row['host_syncs_per_step']:g} {share}"
           + (f" first step {row['first_step_s']:.0f} s" if row['first_step_s'] >= 10 else "")
           + (f"  ({row['skipped_steps']} steps skipped: timing invalid)" if row["skipped_steps"] else ""),
           flush=True)

@@ -39,3 +39,13 @@ def test_real_loading_from_coco4_with_an_op_profile(capsys, coco4_dir):
     assert 0 <= row["data_wait_share"] <= 1
     assert ("convolution" in row["time_by_op"]
             and sum(row["time_by_op"].values()) == pytest.approx(1, abs=1e-3))
+
+
+def test_a_training_step_reads_the_host_once(capsys):
+    """Issue 22: outside logging steps, one host sync per optimiser step (its one read of the norm,
+    the loss and the skip flags), whatever the precision."""
+    assert train_throughput.main([*TINY, "--configs", "O0 fp32", "O1 bf16", "--channels-last", "off"]) == 0
+    rows = last_json(capsys)["rows"]
+    assert [row["config"] for row in rows] == ["O0 fp32", "O1 bf16"]
+    for row in rows:
+        assert row["host_syncs_per_step"] == 1 and row["host_syncs_by_kind"] == {"tolist": 2}

@@ -1,0 +1,65 @@
+"""Counting host syncs: the calls by which Python reads a tensor's value on the host (`item`,
+`tolist`, `bool()`, `float()`, `int()`, `numpy()`), each of which waits for the device's queue on a
+GPU. Counted on any device, CPU included, by wrapping those methods of `torch.Tensor` while the
+context is open, so the figure of a training step can be measured and tested without a GPU.
+(Copies to the host, `.cpu()` / `.to("cpu")`, are not counted: on a CPU run they are no-ops.)
+Tensors that live on the host in a GPU run too, such as the optimiser's step counters (PyTorch
+keeps them on the CPU unless the optimiser is fused or capturable; Adam reads them per parameter),
+are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`).
+
+    with count_host_syncs() as syncs:
+        trainer.run_step(batches, epoch, first)
+    print(syncs.count, syncs.by_kind)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+
+@dataclass
+class HostSyncs:
+    by_kind: dict = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_kind.values())
+
+
+def optimizer_step_counters(optimizer) -> list:
+    """The optimiser's per-parameter step counters that live on the CPU (see the module's docstring)."""
+    states = getattr(optimizer, "state", {}).values()
+    return [s["step"] for s in states if torch.is_tensor(s.get("step")) and s["step"].device.type == "cpu"]
+
+
+@contextlib.contextmanager
+def count_host_syncs(host_tensors=()):
+    """Count host reads of tensor values inside the block (see the module's docstring)."""
+    syncs = HostSyncs()
+    ignored = {id(t) for t in host_tensors}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    inside = [0]     # a read made by another read (float() through item()) is not counted again
+
+    def counting(name, read):
+        def wrapper(self, *args, **kwargs):
+            if not inside[0] and id(self) not in ignored:
+                syncs.by_kind[name] = syncs.by_kind.get(name, 0) + 1
+            inside[0] += 1
+            try:
+                return read(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return wrapper
+
+    for name, read in originals.items():
+        setattr(torch.Tensor, name, counting(name, read))
+    try:
+        yield syncs
+    finally:
+        for name, read in originals.items():
+            setattr(torch.Tensor, name, read)
