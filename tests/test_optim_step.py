@@ -1,0 +1,139 @@
+"""OptimStep's one host sync per step (issue 22): a bad loss poisons the gradients instead of being
+read and voted before every backward. Checked on CPU: the count of host reads per step, the loss
+scale after a bad loss and after an overflow, and two real gloo ranks of which one has a bad loss
+(both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from bench.host_syncs import count_host_syncs
+from config.schema import AmpConfig, DistConfig, OptimConfig
+from engine.amp import Precision
+from engine.optim_step import OptimStep
+from engine.sync_bn import convert_sync_bn
+from runtime.distributed import cleanup, init_distributed, wrap_ddp
+from runtime.launch_env import find_free_port
+
+WORLD = 2
+BLOWN = 1e9          # far above optim.skip_loss_above
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.01),
+                         nn.Conv2d(4, 2, 1))
+
+
+def build_step(net: nn.Module, amp: AmpConfig, optim: OptimConfig = OptimConfig(), wrapped=None):
+    precision = Precision(amp, torch.device("cpu"))
+    net = precision.prepare_model(net)
+    params = precision.optimizer_params([p for p in net.parameters() if p.requires_grad])
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return net, precision, OptimStep(precision, optimizer, params, net, optim, net=wrapped)
+
+
+def take_step(step: OptimStep, net, precision, inputs: list, factors: list):
+    """One step over the batches `inputs`, batch i's loss multiplied by factors[i]."""
+    step.begin(len(inputs))
+    for i, (x, factor) in enumerate(zip(inputs, factors)):
+        with step.accumulating(last=i == len(inputs) - 1), precision.autocast_context():
+            loss = net(precision.cast_input(x)).float().pow(2).mean() * factor
+            step.backward(loss)
+    return step.finish()
+
+
+def state_of(net: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("level, dtype", [("O0", "auto"), ("O1", "bfloat16"), ("O2", "float16"),
+                                          ("O3", "float16")])
+def test_one_host_read_per_step_of_two_batches_skipped_or_not(level, dtype):
+    net, precision, step = build_step(small_net(), AmpConfig(opt_level=level, dtype=dtype),
+                                      OptimConfig(clip_grad_norm=1.0))
+    inputs = [torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6)]
+    for factors, skipped in (([1, 1], False), ([1, BLOWN], True), ([1, 1], False)):
+        with count_host_syncs() as syncs:
+            outcome = take_step(step, net, precision, inputs, factors)
+        assert outcome.skipped is skipped
+        # a step skipped for its loss under a dynamic float16 scale reads the scale once more
+        extra = int(skipped and precision.scaler.is_enabled())
+        assert syncs.count == 1 + extra, syncs.by_kind
+
+
+def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():
+    net, precision, step = build_step(small_net(), AmpConfig(opt_level="O2", dtype="float16"))
+    inputs = [torch.randn(2, 3, 6, 6)]
+    before = state_of(net)
+    outcome = take_step(step, net, precision, inputs, [float("nan")])
+    assert outcome.skipped and precision.scaler.get_scale() == 1024.0
+    assert all(torch.equal(before[k], v) for k, v in state_of(net).items())
+    # a finite loss whose scaled gradients overflow float16: skipped, and the scale halves
+    outcome = take_step(step, net, precision, inputs, [1e5])
+    assert outcome.skipped and precision.scaler.get_scale() == 512.0
+    assert all(torch.equal(before[k], v) for k, v in state_of(net).items())
+    outcome = take_step(step, net, precision, inputs, [1])
+    assert not outcome.skipped and not torch.equal(before["0.weight"], net.state_dict()["0.weight"])
+
+
+def test_a_skipped_steps_loss_is_the_mean_of_its_batches():
+    net, precision, step = build_step(small_net(), AmpConfig())
+    inputs = [torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6)]
+    with torch.no_grad():
+        losses = [net(x).pow(2).mean().item() for x in inputs]
+    outcome = take_step(step, net, precision, inputs, [BLOWN, 1])
+    assert outcome.skipped
+    assert outcome.loss == pytest.approx((losses[0] * BLOWN + losses[1]) / 2, rel=1e-5)
+
+
+# -- two gloo ranks, a bad loss on one ----------------------------------------------------------
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = init_distributed(DistConfig(), device="cpu")
+    try:
+        torch.save(_steps(rank, ctx), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        cleanup()
+
+
+def _steps(rank: int, ctx) -> dict:
+    """Three steps of two batches each, SyncBN (a collective in every backward) under DDP; at the
+    second step rank 1's first batch has a blown-up loss."""
+    model = convert_sync_bn(small_net(), ctx)
+    ddp = wrap_ddp(model, ctx, DistConfig())
+    _, precision, step = build_step(model, AmpConfig(), wrapped=ddp)
+    gen = torch.Generator().manual_seed(10 + rank)
+    record = {"states": [state_of(model)], "outcomes": []}
+    for n in range(3):
+        inputs = [torch.randn(2, 3, 6, 6, generator=gen) for _ in range(2)]
+        factors = [BLOWN if (n == 1 and rank == 1) else 1, 1]
+        outcome = take_step(step, ddp, precision, inputs, factors)
+        record["outcomes"].append((outcome.loss, outcome.skipped, outcome.stop))
+        record["states"].append(state_of(model))
+    return record
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bad_loss_on_one_rank")
+    mp.spawn(_worker, args=(find_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_a_bad_loss_on_one_rank_skips_the_step_on_both(two_ranks):
+    threshold = OptimConfig().skip_loss_above
+    for rank, record in enumerate(two_ranks):
+        assert [skipped for _, skipped, _ in record["outcomes"]] == [False, True, False]
+        assert (record["outcomes"][1][0] > threshold) is (rank == 1)     # only rank 1's was bad
+        before, after = record["states"][1], record["states"][2]
+        for key in before:          # weights and BatchNorm statistics untouched by the skip
+            assert torch.equal(before[key], after[key]), key
+        assert not torch.equal(record["states"][2]["0.weight"], record["states"][3]["0.weight"])
+    for key, value in two_ranks[0]["states"][3].items():                 # still identical ranks
+        torch.testing.assert_close(two_ranks[1]["states"][3][key], value, msg=key)
