@@ -144,8 +144,7 @@ class Trainer:
                 per_sample, losses = self.net(images, target, mask)
                 for k, v in losses.items():
                     parts[k] = parts.get(k, 0) + v.detach().mean() / len(batches)
-                if not update.backward(per_sample.mean(), stop_requested=self.stop_signal is not None):
-                    break
+                update.backward(per_sample.mean(), stop_requested=self.stop_signal is not None)
         outcome = update.finish()
         return {"loss": outcome.loss, "lr": update.lr, "skipped": outcome.skipped,
                 "stop": outcome.stop, "parts": parts}
