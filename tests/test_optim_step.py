@@ -137,3 +137,24 @@ def test_a_bad_loss_on_one_rank_skips_the_step_on_both(two_ranks):
         assert not torch.equal(record["states"][2]["0.weight"], record["states"][3]["0.weight"])
     for key, value in two_ranks[0]["states"][3].items():                 # still identical ranks
         torch.testing.assert_close(two_ranks[1]["states"][3][key], value, msg=key)
+
+
+def test_o2_master_gradients_are_the_half_gradients_in_float32_and_none_stays_none():
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"used": nn.Conv2d(3, 2, 3), "unused": nn.Conv2d(2, 2, 1)})
+    precision = Precision(AmpConfig(opt_level="O2", dtype="bfloat16", channels_last=True),
+                          torch.device("cpu"))
+    net = precision.prepare_model(net)
+    optimizer = torch.optim.SGD(precision.optimizer_params(list(net.parameters())), lr=0.1)
+    precision.backward(net["used"](precision.cast_input(torch.randn(2, 3, 5, 5))).float().sum())
+    precision.unscale_(optimizer)
+    for param, master in precision._pairs:
+        if param.grad is None:
+            assert master.grad is None
+        else:
+            assert master.grad.dtype == torch.float32 and master.grad.stride() == master.stride()
+            assert torch.equal(master.grad, param.grad.float())
+    assert sum(m.grad is None for _, m in precision._pairs) == 2          # the unused conv's
+    precision.step(optimizer, grads_finite=True)
+    for param, master in precision._pairs:
+        assert torch.equal(param, master.to(param.dtype))
