@@ -4,11 +4,8 @@ scale after a bad loss and after an overflow, and two real gloo ranks of which o
 (both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from bench.host_syncs import count_host_syncs
@@ -16,8 +13,8 @@ from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.amp import Precision
 from engine.optim_step import OptimStep
 from engine.sync_bn import convert_sync_bn
-from runtime.distributed import cleanup, init_distributed, wrap_ddp
-from runtime.launch_env import find_free_port
+from runtime.distributed import wrap_ddp
+from gloo_ranks import on_gloo_ranks
 
 WORLD = 2
 BLOWN = 1e9          # far above optim.skip_loss_above
@@ -92,16 +89,6 @@ def test_a_skipped_steps_loss_is_the_mean_of_its_batches():
 
 
 # -- two gloo ranks, a bad loss on one ----------------------------------------------------------
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(DistConfig(), device="cpu")
-    try:
-        torch.save(_steps(rank, ctx), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        cleanup()
-
-
 def _steps(rank: int, ctx) -> dict:
     """Three steps of two batches each, SyncBN (a collective in every backward) under DDP; at the
     second step rank 1's first batch has a blown-up loss."""
@@ -121,9 +108,7 @@ def _steps(rank: int, ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("bad_loss_on_one_rank")
-    mp.spawn(_worker, args=(find_free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return on_gloo_ranks(_steps, WORLD, tmp_path_factory.mktemp("bad_loss_on_one_rank"))
 
 
 def test_a_bad_loss_on_one_rank_skips_the_step_on_both(two_ranks):

@@ -2,17 +2,14 @@
 (outputs, running statistics, input and weight gradients, and a DDP training step)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from config.schema import DistConfig
-from runtime.distributed import DistContext, all_reduce_sum, cleanup, init_distributed, wrap_ddp
-from runtime.launch_env import find_free_port
+from runtime.distributed import DistContext, all_reduce_sum, wrap_ddp
 from engine.sync_bn import CrossProcessBatchNorm, convert_sync_bn, revert_sync_bn
+from gloo_ranks import on_gloo_ranks
 
 TOTAL_BATCH = 4
 WORLD = 2
@@ -69,16 +66,6 @@ def ddp_step(net, shard: slice, mean_over: int):
     return [p.detach().clone() for p in net.parameters()]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(DistConfig(), device="cpu")
-    try:   # the networks live in _record's frame: gone before the process group is destroyed
-        torch.save(_record(rank, ctx), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        cleanup()
-
-
 def _record(rank: int, ctx) -> dict:
     shard = slice(rank * TOTAL_BATCH // WORLD, (rank + 1) * TOTAL_BATCH // WORLD)
     net = convert_sync_bn(small_net(), ctx)
@@ -93,9 +80,7 @@ def _record(rank: int, ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def two_rank_records(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("syncbn")
-    mp.spawn(_worker, args=(find_free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return on_gloo_ranks(_record, WORLD, tmp_path_factory.mktemp("syncbn"))
 
 
 def test_two_processes_match_one_process_with_the_whole_batch(two_rank_records):

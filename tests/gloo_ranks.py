@@ -1,0 +1,30 @@
+"""Run a function on real gloo ranks of one machine (torch.multiprocessing) and collect what each
+rank's call returned: `records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)` a
+module-level function (it is pickled to the children), its result saved by each rank to out_dir."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from config.schema import DistConfig
+from runtime.distributed import cleanup, init_distributed
+from runtime.launch_env import find_free_port
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, record) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = init_distributed(DistConfig(), device="cpu")
+    try:   # the networks live in record's frame: gone before the process group is destroyed
+        torch.save(record(rank, ctx), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        cleanup()
+
+
+def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
+    """[record(0, ctx) of rank 0, record(1, ctx) of rank 1, ...]."""
+    mp.spawn(_worker, args=(world, find_free_port(), str(out_dir), record), nprocs=world, join=True)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
