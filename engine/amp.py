@@ -129,10 +129,6 @@ class Precision:
         self._frozen_float32 = {id(p): p.detach().clone().float()
                                 for p in model.parameters() if not p.requires_grad}
 
-    def attach(self, model: nn.Module, optimizer):
-        """Called once the optimiser exists; the native backend has nothing to add."""
-        return model, optimizer
-
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
         if self.master_weights:
