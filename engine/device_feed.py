@@ -23,7 +23,12 @@ from data.transfer import expand, is_compact, trim_people
 
 def to_model_input(batch, device: torch.device, painter, non_blocking: bool = True):
     """(input, target, mask) of `batch` on `device`, float32, whatever form the batch has."""
-    moved = tuple(t.to(device, non_blocking=non_blocking) for t in _trimmed(batch))
+    return _moved_and_expanded(_trimmed(batch), device, painter, non_blocking)
+
+
+def _moved_and_expanded(batch, device: torch.device, painter, non_blocking: bool):
+    """`to_model_input` of a batch whose unused person slots are already cut."""
+    moved = tuple(t.to(device, non_blocking=non_blocking) for t in batch)
     return expand(*moved, painter) if is_compact(moved) else moved
 
 
@@ -71,7 +76,7 @@ def _start_copy(batch, device: torch.device, painter, stream):
     """Queue batch's copy and expansion (the target drawing included) on `stream` (CUDA only)."""
     pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
     with torch.cuda.stream(stream):
-        return to_model_input(pinned, device, painter, non_blocking=True)
+        return _moved_and_expanded(pinned, device, painter, non_blocking=True)
 
 
 def _take(moved, device: torch.device, stream):
