@@ -19,7 +19,7 @@ With train=False the main person is centred and scaled to cfg.augment.person_hei
 input, no randomness.
 
 The HDF5 handle opens lazily in each worker and stays open while the worker lives.
-The engine calls `check_split(dataset.h5, "train")` to refuse a val file for training.
+The engine refuses a val file as --train-h5 with `data.h5format.check_split`.
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from torch.utils.data import Dataset
 from config.schema import Config
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction,
                           matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
-from data.h5format import KeypointH5, check_split
+from data.h5format import KeypointH5
 from data.device_targets import TargetPainter
 from data.targets import render_targets
 from data.transfer import compact_sample, expand, pack_people, supervised
 
-__all__ = ["CompactSamples", "KeypointDataset", "check_split"]
+__all__ = ["CompactSamples", "KeypointDataset"]
 _REDUCTIONS = (8, 4, 2)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # glibc mallopt parameters
 _KEEP_FREED_BYTES = 64 << 20

@@ -382,8 +382,11 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def check_split(h5: KeypointH5, expected: str) -> None:
-    """Raise `DataError` unless the file holds split `expected` (a val file never feeds training)."""
+def check_split(h5: KeypointH5, expected: str, option: str = "") -> None:
+    """Raise `DataError` (naming `option`, e.g. --train-h5, when given) unless the file holds split
+    `expected` (a val file never feeds training)."""
     if h5.split != expected:
-        raise DataError(f"{h5.path}: holds the {h5.split!r} split, but {expected!r} is needed here "
-                        f"(a {h5.split} file never feeds {'training' if expected == 'train' else expected})")
+        raise DataError(f"{option + ' ' if option else ''}{h5.path}: holds the {h5.split!r} split, but "
+                        f"{expected!r} is needed here (a {h5.split} file never feeds "
+                        f"{'training' if expected == 'train' else expected}); convert the {expected} "
+                        f"split with --split {expected}")

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from config.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
+from data.h5format import KeypointH5, check_split
 from runtime import distributed as dist
 from engine.sampler import GlobalBatchSampler, ShardSampler
 
@@ -181,7 +182,7 @@ def _resolve_data(cfg: Config) -> tuple[str, str]:
         for option, path in (("--train-h5", cfg.data.train_h5), ("--val-h5", cfg.data.val_h5)):
             if path and not Path(path).is_file():
                 raise ConfigError(f"{option} {path}: no such file")
-        check_split(cfg.data.train_h5, "train")
+        check_split(KeypointH5(cfg.data.train_h5), "train", "--train-h5")
         return cfg.data.train_h5, cfg.data.val_h5
     paths = _synthetic(cfg.data.synthetic_dir)
     return str(paths[0]), str(paths[1])
@@ -194,15 +195,6 @@ def _synthetic(folder: str):
     except OSError as exc:
         raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
                           f"({os_reason(exc)}); choose a writable folder") from None
-
-
-def check_split(path: str, expected: str) -> None:
-    """A validation file must never feed training."""
-    from data.h5format import KeypointH5
-    split = KeypointH5(path).split
-    if expected == "train" and split == "val":
-        raise ConfigError(f"--train-h5 {path}: this file was converted as a validation split "
-                          f"(--split val); convert the training split for training")
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))

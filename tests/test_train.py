@@ -244,3 +244,15 @@ def test_a_compiled_run_compiles_the_training_graph_only_and_trains_like_an_eage
     with_compile, without = (weights(tmp_path / name / "last.pth") for name in ("compiled", "eager"))
     assert with_compile.keys() == without.keys()          # no "_orig_mod." prefix
     assert all(torch.allclose(with_compile[k].float(), without[k].float(), atol=1e-5) for k in without)
+
+
+def test_a_validation_file_given_as_training_data_is_one_error_line(tmp_path, synthetic_h5, capsys):
+    from config.errors import run_cli
+    val = synthetic_h5[1]
+    before = val.read_bytes()
+    code = run_cli(train.main, ["--train-h5", str(val), "--out-dir", str(tmp_path), "--run-name", "r", *QUICK])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: --train-h5 {val}: holds the 'val' split, but 'train' is needed "
+                                 "here (a val file never feeds training); convert the train split with "
+                                 "--split train"]
+    assert not (tmp_path / "r").exists() and val.read_bytes() == before
