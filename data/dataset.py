@@ -126,6 +126,7 @@ class KeypointDataset(Dataset):
         """
         sample = self.augmented(key, timings)
         clock = _StageClock(timings)
+        sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()
         sample["target"] = render_targets(sample["people"], self.out_size, self.out_size, self.stride,
                                           self.cfg.targets, self.skeleton,
                                           mask_fraction(sample["person_mask"]))
@@ -133,7 +134,7 @@ class KeypointDataset(Dataset):
         return sample
 
     def augmented(self, key, timings: dict | None = None) -> dict:
-        """`sample_arrays(key, timings)` without the target: the host-side work of a loader worker."""
+        """`sample_arrays(key, timings)` without target and mask: the host-side work of a loader worker."""
         if self._process != os.getpid():
             keep_freed_memory()
             self._process = os.getpid()
@@ -157,7 +158,6 @@ class KeypointDataset(Dataset):
         people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
         clock.lap("augment")
         return {"image": image, "people": people, "ignore": ignore, "person_mask": person_mask,
-                "mask": supervised(torch.from_numpy(ignore)).numpy(),
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
     def compact_item(self, key, timings: dict | None = None):
