@@ -184,7 +184,7 @@ def run(args) -> list[Path]:
     if args.image is not None:
         return draw_pictures(estimator, pairs, args.heatmaps)
     if target is None:      # live: show each frame as soon as it is done
-        estimator.cfg.inference.batch_size = estimator.cfg.inference.decode_threads = 1
+        estimator.settings.inference.batch_size = estimator.settings.inference.decode_threads = 1
     total = int(opened[0].get(cv2.CAP_PROP_FRAME_COUNT)) if target is not None else 0
     draw_video(estimator, opened, max(total, 0), frame_rate(opened[0]), target, args.heatmaps)
     return [target] if target is not None else []

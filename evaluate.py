@@ -134,6 +134,7 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
 
 def run(args) -> dict:
     from config.loader import build_config
+    from config.views import PredictSettings
     from runtime.distributed import barrier, cleanup, init_distributed
     from inference.evaluation import evaluate_h5
     from inference.estimator import PoseEstimator
@@ -149,20 +150,22 @@ def run(args) -> dict:
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
                                                 scales=args.scales, flip=args.flip)
-            network, cfg = estimator.network, estimator.cfg
+            network, settings = estimator.network, estimator.settings
             model = getattr(network, "model", network)     # evaluate_h5 sets a model's eval mode
         else:
-            model, cfg = None, inference_config(None, args.preset or "", args.set, args.scales, args.flip)
+            model = None
+            settings = PredictSettings.of(inference_config(None, args.preset or "", args.set,
+                                                           args.scales, args.flip))
         skeleton = model.skeleton if model is not None else None
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
         start = time.perf_counter()
-        stats = evaluate_h5(model, h5_path, cfg, ctx.device, max_images=args.max_images,
+        stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,
                             skeleton=skeleton)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("ground-truth maps at each image's size (oracle)" if args.oracle else
-                   f"scales {cfg.inference.scales}, flip {cfg.inference.flip}")
+                   f"scales {settings.inference.scales}, flip {settings.inference.flip}")
             print(f"{'oracle' if args.oracle else args.weights} on {args.ann or h5_path}: "
                   f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
             for name in STAT_NAMES:

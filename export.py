@@ -136,7 +136,7 @@ def run(args) -> Path:
                         "(nothing is overwritten)")
     pictures = check_pictures(args.check_images)
     estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
-    model, cfg = estimator.network.model, estimator.cfg
+    model, cfg = estimator.network.model, estimator.config
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

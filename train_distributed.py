@@ -26,7 +26,7 @@ def main(argv=None) -> dict:
     cfg = config_from_args(args)
     ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
     try:
-        wrap = lambda module: wrap_ddp(module, ctx, cfg)  # noqa: E731
+        wrap = lambda module: wrap_ddp(module, ctx, cfg.amp, cfg.dist)  # noqa: E731
         return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(),
                        hooks=[ValidationPictures(write_val_pictures)]).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave

@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
         return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
                        training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
     ids = _gpu_ids(args.gpus)
-    check_data_parallel(cfg, len(ids))
+    check_data_parallel(cfg.amp, len(ids))
     if cfg.train.batch_size % len(ids):
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
                           f"{len(ids)} GPUs")

@@ -31,6 +31,7 @@ import cv2  # noqa: E402
 import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
+from config.views import SampleSettings  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
 from data.transfer import batch_bytes, trim_people  # noqa: E402
 from bench.bench_data import make_bench_h5  # noqa: E402
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         h5_path, source = ((Path(args.h5), Path(args.h5).name) if args.h5
                            else make_bench_h5(Path(tmp), 1, args.coco_dir))
-        dataset = KeypointDataset(h5_path, cfg, train=True)
+        dataset = KeypointDataset(h5_path, SampleSettings.of(cfg), train=True)
         stages = measure(dataset, args.samples, max(1, args.repeats))
         drawing = device_drawing(dataset, args.samples, args.batch)
         h5 = dataset.h5

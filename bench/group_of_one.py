@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
                                   device_id=ctx.device if ctx.backend == "nccl" else None)
     ctx.distributed = True
     try:
-        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg), mode="ddp"),
+        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist), mode="ddp"),
                           training_evaluator())
         sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
                       for m in trainer.model.modules())

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
 from config.skeleton import builtin  # noqa: E402
+from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
@@ -38,7 +39,7 @@ COCO = builtin("coco")      # coco4's people; a model without --weights is built
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
-def coco4_pictures_and_truth(cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The coco4 pictures (BGR) and the ground-truth maps [50, H, W] of their labelled people."""
     data = json.loads((COCO4 / "test_coco.json").read_text())
     pictures, truths = [], []
@@ -46,7 +47,7 @@ def coco4_pictures_and_truth(cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
         pictures.append(cv2.imread(str(COCO4 / info["file_name"])))
         people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, cfg.targets,
+        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets,
                                      COCO))
     return pictures, truths
 
@@ -61,7 +62,8 @@ def build_estimator(args) -> PoseEstimator:
     from models import build_model
 
     cfg = build_config(args.preset, sets=sets)
-    return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(), cfg)
+    return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
+                         PredictSettings.of(cfg))
 
 
 def synchronise(device: torch.device) -> None:
@@ -71,8 +73,8 @@ def synchronise(device: torch.device) -> None:
 
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
     """Seconds of the network alone, of grouping alone (one thread) and of both in the stream."""
-    estimator.cfg.inference.batch_size = batch_size
-    inference_cfg = estimator.cfg.inference
+    estimator.settings.inference.batch_size = batch_size
+    inference_cfg = estimator.settings.inference
     list(estimator.maps_stream(pictures))      # warm-up: the first pass of each input shape is slow
     synchronise(estimator.device)
     start = time.perf_counter()
@@ -111,16 +113,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     estimator = build_estimator(args)
-    pictures, truths = coco4_pictures_and_truth(estimator.cfg)
+    pictures, truths = coco4_pictures_and_truth(estimator.settings.targets)
     pictures, truths = pictures * args.repeat, truths * args.repeat
     truths = None if args.weights else truths
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
-    cfg = estimator.cfg
+    settings = estimator.settings
     machine = platform.processor() or platform.machine()
     print(f"{args.weights or args.preset} on {estimator.device} ({machine}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-          f"{decode_threads(cfg.inference)} grouping threads): {len(pictures)} coco4 pictures, "
-          f"input_size {cfg.data.input_size}, scales {cfg.inference.scales}, flip {cfg.inference.flip}; "
+          f"{decode_threads(settings.inference)} grouping threads): {len(pictures)} coco4 pictures, "
+          f"input_size {settings.input_size}, scales {settings.inference.scales}, "
+          f"flip {settings.inference.flip}; "
           f"grouping on {'the network' if args.weights else 'ground-truth'} maps")
     print("| batch | network pictures/s | grouping pictures/s (1 thread) | both, pictures/s | "
           "network share |")
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
               f"{row['grouping_pictures_per_s']:.2f} | {row['pictures_per_s']:.2f} | "
               f"{100 * row['network_share']:.0f} % |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
-                      "pictures": len(pictures), "scales": cfg.inference.scales, "flip": cfg.inference.flip,
+                      "pictures": len(pictures), "scales": settings.inference.scales,
+                      "flip": settings.inference.flip,
                       "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)
     return 0
 

@@ -1,7 +1,8 @@
 """The training/validation dataset: one sample per main person of a keypoint HDF5 file.
 
-`KeypointDataset(h5_path, cfg, train, rank)[key]` returns
-    image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = cfg.data.input_size
+`KeypointDataset(h5_path, settings, train, rank)[key]` (`settings`: a `config.views.SampleSettings`,
+`SampleSettings.of(cfg)` of a run's config) returns
+    image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = settings.input_size
     target float32 [C, S/4, S/4] the maps of `data.targets` (C: the file's skeleton's channels,
                                  50 for COCO), drawn by `data.device_targets.TargetPainter`
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
@@ -12,10 +13,10 @@ device draws the targets). `sample_arrays(key)` gives the same sample with the C
 
 A key is a sample index, or an (epoch, index) pair: the training sampler sends pairs, so that
 workers that persist across epochs draw each epoch's augmentation; a bare index uses the epoch of
-`set_epoch`. With train=True (and cfg.augment.enabled) each sample gets the random affine and
-colour tint of `data.augment`, drawn from a generator seeded by (cfg.train.seed, epoch, rank,
+`set_epoch`. With train=True (and settings.augment.enabled) each sample gets the random affine and
+colour tint of `data.augment`, drawn from a generator seeded by (settings.seed, epoch, rank,
 index): the same tuple redraws the same sample, and every worker, rank and index draws its own.
-With train=False the main person is centred and scaled to cfg.augment.person_height of the
+With train=False the main person is centred and scaled to settings.augment.person_height of the
 input, no randomness.
 
 The HDF5 handle opens lazily in each worker and stays open while the worker lives.
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from config.schema import Config
+from config.views import SampleSettings
 from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction,
                           matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5
@@ -78,17 +79,17 @@ class _StageClock:
 class KeypointDataset(Dataset):
     """Samples of one keypoint HDF5 file, augmented (train) or centred (validation)."""
 
-    def __init__(self, h5_path, cfg: Config, train: bool, rank: int = 0):
+    def __init__(self, h5_path, settings: SampleSettings, train: bool, rank: int = 0):
         self.h5 = KeypointH5(h5_path).open()
         self.skeleton = self.h5.skeleton
-        self.cfg = cfg
+        self.settings = settings
         self.train = train
         self.rank = int(rank)
         self.epoch = 0
-        self.size = cfg.data.input_size
-        self.stride = cfg.data.stride
+        self.size = settings.input_size
+        self.stride = settings.stride
         self.out_size = self.size // self.stride
-        self.painter = TargetPainter(self.skeleton, cfg.targets, self.stride)
+        self.painter = TargetPainter(self.skeleton, settings.targets, self.stride)
         self.person_slots = max(1, self.h5.max_people)     # people per compact sample
         self._process = None          # pid `keep_freed_memory` ran in
 
@@ -108,13 +109,13 @@ class KeypointDataset(Dataset):
     def rng(self, key) -> np.random.Generator:
         """The generator of sample `key` (an index in this epoch, or an (epoch, index) pair)."""
         epoch, index = self.split_key(key)
-        return np.random.default_rng([int(self.cfg.train.seed), epoch, self.rank, index])
+        return np.random.default_rng([int(self.settings.seed), epoch, self.rank, index])
 
     def draw(self, key) -> AugmentParams:
         """The augmentation of sample `key` (the identity in validation mode)."""
-        if not (self.train and self.cfg.augment.enabled):
+        if not (self.train and self.settings.augment.enabled):
             return AugmentParams()
-        return draw_params(self.rng(key), self.cfg.augment, self.size)
+        return draw_params(self.rng(key), self.settings.augment, self.size)
 
     # -- samples --------------------------------------------------------------------------------
     def sample_arrays(self, key, timings: dict | None = None) -> dict:
@@ -128,7 +129,7 @@ class KeypointDataset(Dataset):
         clock = _StageClock(timings)
         sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()
         sample["target"] = render_targets(sample["people"], self.out_size, self.out_size, self.stride,
-                                          self.cfg.targets, self.skeleton,
+                                          self.settings.targets, self.skeleton,
                                           mask_fraction(sample["person_mask"]))
         clock.lap("targets")
         return sample
@@ -145,7 +146,7 @@ class KeypointDataset(Dataset):
         people = self.h5.people(img)
         x, y, w, h = self.h5.person_boxes(img)[person]
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
-                               self.cfg.augment.person_height, params)
+                               self.settings.augment.person_height, params)
         reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
         image = self.h5.decode_image(img, reduce)
         mask_planes = self.h5.mask_planes(img)

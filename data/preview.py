@@ -18,6 +18,7 @@ import numpy as np
 from config.errors import ConfigError, DataError, run_cli
 from config.loader import build_config
 from config.paths import refuse_output_as_input
+from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.picture_files import write_image
 
@@ -84,7 +85,7 @@ def _main(argv=None) -> int:
         raise ConfigError(f"option --n: {args.n} must be at least 1")
     refuse_output_as_input("--out", args.out, {"--h5": args.h5})
     cfg = build_config(args.config or None)
-    dataset = KeypointDataset(args.h5, cfg, train=not args.val)
+    dataset = KeypointDataset(args.h5, SampleSettings.of(cfg), train=not args.val)
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")
     grid = render_preview(dataset, args.n, args.seed)

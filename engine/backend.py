@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from config.errors import ConfigError
-from config.schema import AmpConfig, Config
+from config.schema import AmpConfig, Config, DistConfig
 
 LAST_APEX_WITH_AMP = "25.04"
 
@@ -52,29 +52,30 @@ def build_precision(cfg: AmpConfig, device: torch.device):
     return Precision(cfg, device)
 
 
-def convert_sync_bn(model: nn.Module, ctx, cfg: Config) -> nn.Module:
+def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
     """`--sync-bn`: apex.parallel's SyncBatchNorm under the apex backend, else engine.sync_bn's."""
-    if cfg.amp.backend == "apex":
+    if amp.backend == "apex":
         from engine.apex_backend import apex_sync_bn
         return apex_sync_bn(model)
     from engine.sync_bn import convert_sync_bn as native
     return native(model, ctx)
 
 
-def wrap_ddp(model: nn.Module, ctx, cfg: Config) -> nn.Module:
+def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist: DistConfig) -> nn.Module:
     """train_distributed.py's wrapper: apex.parallel.DistributedDataParallel under the apex
-    backend, else torch's (runtime.distributed.wrap_ddp); the model itself without a group."""
-    if cfg.amp.backend == "apex" and ctx.distributed:
+    backend (`amp.backend`), else torch's (runtime.distributed.wrap_ddp), with the options of
+    `dist`; the model itself without a group."""
+    if amp.backend == "apex" and ctx.distributed:
         from engine.apex_backend import apex_ddp
-        return apex_ddp(model, cfg.dist)
+        return apex_ddp(model, dist)
     from runtime.distributed import wrap_ddp as native
-    return native(model, ctx, cfg.dist)
+    return native(model, ctx, dist)
 
 
-def check_data_parallel(cfg: Config, gpus: int) -> None:
+def check_data_parallel(amp: AmpConfig, gpus: int) -> None:
     """train_parallel.py over `gpus` GPUs: refused under Apex's O2/O3 (see the module's doc)."""
-    if cfg.amp.backend == "apex" and gpus > 1 and cfg.amp.opt_level in ("O2", "O3"):
-        raise ConfigError(f"--amp-backend apex with --opt-level {cfg.amp.opt_level} under DataParallel "
+    if amp.backend == "apex" and gpus > 1 and amp.opt_level in ("O2", "O3"):
+        raise ConfigError(f"--amp-backend apex with --opt-level {amp.opt_level} under DataParallel "
                           f"over {gpus} GPUs: amp.initialize patches the model's forward, and every "
                           "replica would run that patch, i.e. the original module on the first GPU; "
                           "use one process per GPU (torchrun train_distributed.py), as the reference did")

@@ -13,6 +13,7 @@ from torch import nn
 from config.errors import DataError
 from config.schema import AmpConfig, Config, ModelConfig
 from config.skeleton import Skeleton
+from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.amp import Precision, set_cuda_backends
 from engine.backend import build_precision as backend_precision, convert_sync_bn
@@ -53,12 +54,13 @@ class Parts:
 
 def build_data(cfg: Config, ctx) -> Data:
     from data.dataset import KeypointDataset
-    train_h5, val_h5 = resolve_data(cfg, ctx)
+    train_h5, val_h5 = resolve_data(cfg.data, ctx)
     # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
     # never gives a sample to two ranks, and N processes then train exactly as one process
-    train_set = KeypointDataset(train_h5, cfg, train=True, rank=0)
-    loader, sampler = train_loader(train_set, cfg, ctx)
-    val_set = KeypointDataset(val_h5, cfg, train=False) if val_h5 else None
+    samples = SampleSettings.of(cfg)
+    train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
+    loader, sampler = train_loader(train_set, cfg.data, cfg.train, ctx)
+    val_set = KeypointDataset(val_h5, samples, train=False) if val_h5 else None
     if val_set is not None and val_set.skeleton != train_set.skeleton:
         raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(val_set.skeleton)})"
                         f" is not that of --train-h5 {train_h5} "
@@ -97,7 +99,7 @@ def build_parts(cfg: Config, launch, plan: RunPlan, say=print) -> Parts:
     frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
     dist.seed_everything(cfg.train.seed, ctx.rank)
     if cfg.dist.sync_bn and ctx.distributed:
-        model = convert_sync_bn(model, ctx, cfg)
+        model = convert_sync_bn(model, ctx, cfg.amp)
     model = model.to(ctx.device)
     precision = build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
     model = precision.prepare_model(model)

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from config.views import PredictSettings
 from runtime import distributed as dist
 from engine.amp import cudnn_autotuning_off
 from engine.hooks import Hook
@@ -103,7 +104,7 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         shards = ctx.world_size
         # a stop vote per batch while every rank still has one (shards differ by one at most)
         voted_batches = -(-(len(val_set) // shards) // max(1, cfg.train.batch_size // shards))
-        for n, batch in enumerate(val_loader(val_set, cfg, ctx)):
+        for n, batch in enumerate(val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)):
             images, target, mask = to_model_input(batch, ctx.device, val_set.painter, non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
             total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
@@ -113,7 +114,7 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         results["loss"] = (total[0] / total[1].clamp(min=1)).item()
     if ap_due and trainer.evaluator is not None:
         with cudnn_autotuning_off():
-            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, cfg, ctx.device,
+            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg), ctx.device,
                                       max_images=cfg.train.ap_max_images, progress=ctx.is_main,
                                       stop=lambda: trainer.stop_signal is not None,
                                       skeleton=trainer.skeleton)

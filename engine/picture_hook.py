@@ -3,15 +3,17 @@ what the model finds on a few validation images (`train.val_pictures`, 0: none) 
 picture to TensorBoard.
 
 The drawing is a part the entry script hands in, as it hands in the AP evaluator (the engine
-imports no inference): `draw(model, val_h5, skeleton, cfg, epoch, run_dir, device, count)` writes
-RUN/val_pictures/epoch_N.png (N from 1) and returns its path (`inference.val_pictures.
-write_val_pictures`). It runs inside the other hooks' `evaluating()` contexts, so with `--ema` it
-draws the averaged weights, as the AP measured them.
+imports no inference): `draw(model, val_h5, skeleton, settings, epoch, run_dir, device, count)`,
+`settings` the run's `config.views.PredictSettings`, writes RUN/val_pictures/epoch_N.png (N from
+1) and returns its path (`inference.val_pictures.write_val_pictures`). It runs inside the other
+hooks' `evaluating()` contexts, so with `--ema` it draws the averaged weights, as the AP measured
+them.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from config.views import PredictSettings
 from engine.amp import cudnn_autotuning_off
 from engine.hooks import Hook
 
@@ -27,6 +29,7 @@ class ValidationPictures(Hook):
         if "AP" not in results or not count or not trainer.ctx.is_main:
             return
         with cudnn_autotuning_off():       # pictures of several sizes: none worth timing algorithms for
-            path = self.draw(trainer.model, trainer.data.val_h5, trainer.skeleton, trainer.cfg,
-                             epoch + 1, trainer.run_dir, trainer.ctx.device, count)
+            path = self.draw(trainer.model, trainer.data.val_h5, trainer.skeleton,
+                             PredictSettings.of(trainer.cfg), epoch + 1, trainer.run_dir,
+                             trainer.ctx.device, count)
         trainer.logger.log_image(TENSORBOARD_TAG, path, trainer.step)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
-from config.schema import Config
+from config.schema import Config, OptimConfig
 from runtime.checkpoint import load_weights, read_reference, save_checkpoint
 from engine.loss_scale_state import grad_scaler_fields
 from models.reference import momentum_by_name
@@ -30,26 +30,27 @@ def _param_groups(optimizer) -> list[dict]:
     return groups
 
 
-def resume_state(reference: dict, source: str, model, optimizer, names: list[str], cfg: Config,
-                 strict: bool = True) -> dict:
-    """The resume state of `reference` (a file of the authors' layout, already loaded into `model`)
-    for `optimizer`, whose parameters are `model`'s parameters `names`, in that order. Another
-    optimiser than SGD with momentum is refused when `strict`, else it starts without momentum."""
-    sgd = cfg.optim.name == "sgd" and bool(cfg.optim.momentum)
+def resume_state(reference: dict, source: str, model, optimizer, names: list[str], optim: OptimConfig,
+                 depth: int, strict: bool = True) -> dict:
+    """The resume state of `reference` (a file of the authors' layout, already loaded into `model`,
+    an hourglass of `depth` levels) for `optimizer`, whose parameters are `model`'s parameters
+    `names`, in that order. Another optimiser than SGD with momentum (`optim`) is refused when
+    `strict`, else it starts without momentum."""
+    sgd = optim.name == "sgd" and bool(optim.momentum)
     if strict and not sgd:
         raise ConfigError(f"{source}: the authors trained with SGD and momentum; continuing their run "
-                          f"needs optim.name=sgd with momentum (this config: {cfg.optim.name})")
+                          f"needs optim.name=sgd with momentum (this config: {optim.name})")
     saved = reference.get("optimizer_weight") if sgd else None
     momentum = {}
     if saved is not None:
         try:
-            momentum = momentum_by_name(saved, model, cfg.model.depth)
+            momentum = momentum_by_name(saved, model, depth)
         except ValueError as exc:
             raise CheckpointError(f"{source}: its optimiser state does not fit the model ({exc})") from None
     epoch, scaler = reference.get("epoch"), grad_scaler_fields(reference.get("amp"))
     state = {i: {"momentum_buffer": momentum[n].clone()} for i, n in enumerate(names) if n in momentum}
     origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
-              else f"the authors' run: no momentum, optim.name is {cfg.optim.name}")
+              else f"the authors' run: no momentum, optim.name is {optim.name}")
     origin += f", loss scale {scaler['scale']:g}" if scaler else ""
     return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
             "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
@@ -69,7 +70,8 @@ def convert(source: str, out: str, cfg: Config) -> dict:
     load_weights(model, reference)
     names = [name for name, _ in model.named_parameters()]
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    state = resume_state(reference, source, model, optimizer, names, cfg, strict=False)
+    state = resume_state(reference, source, model, optimizer, names, cfg.optim, cfg.model.depth,
+                         strict=False)
     state.update(model=model.state_dict(), config=to_dict(cfg), best_metric=None, skeleton=coco.to_spec())
     save_checkpoint(out, state)
     return state

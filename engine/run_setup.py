@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from config.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
-from config.schema import Config, TrainConfig
+from config.schema import Config, DataConfig, TrainConfig
 from data.h5format import KeypointH5, check_split
 from runtime import distributed as dist
 from engine.sampler import GlobalBatchSampler, ShardSampler
@@ -98,10 +98,10 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
         Path(run_dir).rmdir()
 
 
-def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
+def choose_run_dir(train: TrainConfig, ctx) -> tuple[Path, bool]:
     """Pick and claim the run directory on the main process; every rank gets the same path, or the
     same error. Returns (path, whether this call created it)."""
-    path, created = dist.decided_on_main(lambda: pick_and_claim(cfg.train))
+    path, created = dist.decided_on_main(lambda: pick_and_claim(train))
     return Path(path), created
 
 
@@ -142,9 +142,9 @@ def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
     return run_dir, created
 
 
-def clear_run_dir(cfg: Config, run_dir: Path) -> None:
+def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
     """--overwrite: remove what an earlier run of this trainer wrote in `run_dir`, nothing else."""
-    if not cfg.train.overwrite or cfg.train.resume:
+    if not train.overwrite or train.resume:
         return
     for pattern in WRITTEN:
         for path in run_dir.glob(pattern):
@@ -168,23 +168,23 @@ def save_resolved_config(cfg: Config, run_dir: Path) -> None:
                           "choose a writable --out-dir with free space") from None
 
 
-def resolve_data(cfg: Config, ctx) -> tuple[str, str]:
+def resolve_data(data: DataConfig, ctx) -> tuple[str, str]:
     """(train_h5, val_h5): the user's files, or the project's synthetic dataset made once; checked
     (or made) by rank 0, whose answer or error every rank gets."""
-    paths = dist.decided_on_main(lambda: _resolve_data(cfg))
-    if not cfg.data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
-        paths = _resolve_data(cfg)
+    paths = dist.decided_on_main(lambda: _resolve_data(data))
+    if not data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
+        paths = _resolve_data(data)
     return paths
 
 
-def _resolve_data(cfg: Config) -> tuple[str, str]:
-    if cfg.data.train_h5:
-        for option, path in (("--train-h5", cfg.data.train_h5), ("--val-h5", cfg.data.val_h5)):
+def _resolve_data(data: DataConfig) -> tuple[str, str]:
+    if data.train_h5:
+        for option, path in (("--train-h5", data.train_h5), ("--val-h5", data.val_h5)):
             if path and not Path(path).is_file():
                 raise ConfigError(f"{option} {path}: no such file")
-        check_split(KeypointH5(cfg.data.train_h5), "train", "--train-h5")
-        return cfg.data.train_h5, cfg.data.val_h5
-    paths = _synthetic(cfg.data.synthetic_dir)
+        check_split(KeypointH5(data.train_h5), "train", "--train-h5")
+        return data.train_h5, data.val_h5
+    paths = _synthetic(data.synthetic_dir)
     return str(paths[0]), str(paths[1])
 
 
@@ -229,22 +229,24 @@ class PersistentWorkersLoader(DataLoader):
         return iterator
 
 
-def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
+def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
+                 ) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` and its sampler: compact batches
-    (`data.transfer`; `engine.device_feed` expands them on the device)."""
+    (`data.transfer`; `engine.device_feed` expands them on the device), `train.batch_size` in
+    total over the processes, in `data.workers` worker processes."""
     from data.dataset import CompactSamples
-    if cfg.train.batch_size % ctx.world_size:
-        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
+    if train.batch_size % ctx.world_size:
+        raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
                           f"{ctx.world_size} processes (it is the total batch)")
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.batch_size, ctx.rank, ctx.world_size,
-                                 seed=cfg.train.seed)
+    sampler = GlobalBatchSampler(len(dataset), train.batch_size, ctx.rank, ctx.world_size,
+                                 seed=train.seed)
     if sampler.batches_per_epoch == 0:
-        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} is larger than the "
+        raise ConfigError(f"option train.batch_size: {train.batch_size} is larger than the "
                           f"{len(dataset)} training samples")
-    if sampler.batches_per_epoch < cfg.train.accumulate:
-        raise ConfigError(f"option train.accumulate: {cfg.train.accumulate} batches per step, but an "
-                          f"epoch has only {sampler.batches_per_epoch} batches of {cfg.train.batch_size}")
-    if cfg.data.workers > 0:
+    if sampler.batches_per_epoch < train.accumulate:
+        raise ConfigError(f"option train.accumulate: {train.accumulate} batches per step, but an "
+                          f"epoch has only {sampler.batches_per_epoch} batches of {train.batch_size}")
+    if data.workers > 0:
         # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
         # changing OpenCV's thread count inside a forked worker can deadlock on the pool the
         # parent used: so the parent sets it once, before any worker is forked.
@@ -253,21 +255,22 @@ def train_loader(dataset, cfg: Config, ctx) -> tuple[DataLoader, GlobalBatchSamp
     # Workers persist across epochs (and keep their HDF5 handle): the epoch travels with the
     # sampler's (epoch, index) keys. They send compact samples, expanded on the device.
     loader = PersistentWorkersLoader(CompactSamples(dataset), batch_sampler=sampler,
-                                     num_workers=cfg.data.workers,
-                                     pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda",
-                                     persistent_workers=cfg.data.workers > 0,
+                                     num_workers=data.workers,
+                                     pin_memory=data.pin_memory and ctx.device.type == "cuda",
+                                     persistent_workers=data.workers > 0,
                                      worker_init_fn=ignore_stop_signals)
     return loader, sampler
 
 
-def val_loader(dataset, cfg: Config, ctx) -> DataLoader:
-    """This rank's shard of a validation `KeypointDataset`, in compact batches."""
+def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
+    """This rank's shard of a validation `KeypointDataset`, in compact batches of its share of
+    the total `batch_size`."""
     from data.dataset import CompactSamples
-    per_process = max(1, cfg.train.batch_size // ctx.world_size)
+    per_process = max(1, batch_size // ctx.world_size)
     return DataLoader(CompactSamples(dataset), batch_size=per_process,
                       sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
-                      num_workers=cfg.data.workers, worker_init_fn=ignore_stop_signals,
-                      pin_memory=cfg.data.pin_memory and ctx.device.type == "cuda")
+                      num_workers=data.workers, worker_init_fn=ignore_stop_signals,
+                      pin_memory=data.pin_memory and ctx.device.type == "cuda")
 
 
 def memory_gb(device: torch.device) -> float:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from config.errors import UserError
 from config.loader import to_dict
-from config.schema import Config
+from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from engine.build import Parts, build_parts
 from engine.ema import WeightsEMA
@@ -45,17 +45,18 @@ class Launch:
     wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
 
 
-def default_hooks(cfg: Config | None = None) -> list[Hook]:
-    """The engine's own hooks; with `cfg`, also those its settings ask for (`--ema`)."""
+def default_hooks(train: TrainConfig | None = None) -> list[Hook]:
+    """The engine's own hooks; with `train`, also those its settings ask for (`--ema`)."""
     hooks = [LRSchedule(), DivergenceStop(), ProgressBar(), TrainLog(), Preemption(), EpochEnd()]
-    if cfg is not None and cfg.train.ema:
-        hooks.append(WeightsEMA(cfg.train.ema, cfg.train.ema_tau))
+    if train is not None and train.ema:
+        hooks.append(WeightsEMA(train.ema, train.ema_tau))
     return hooks
 
 
 class Trainer:
-    """`evaluator(model, val_h5, cfg, device, max_images=, progress=, stop=, skeleton=)` -> COCO
-    stats (or None when stopped) is the AP part, handed in by the entry script; without one, no AP."""
+    """`evaluator(model, val_h5, settings, device, max_images=, progress=, stop=, skeleton=)` -> COCO
+    stats (or None when stopped) is the AP part, handed in by the entry script; without one, no AP.
+    `settings` is the run's `config.views.PredictSettings`."""
 
     def __init__(self, cfg: Config, launch: Launch, evaluator: Callable | None = None,
                  hooks: list[Hook] = (), build: Callable[..., Parts] = build_parts):
@@ -63,7 +64,7 @@ class Trainer:
         plan = plan_run(cfg)
         self.cfg, self.run_dir = plan.config, plan.run_dir
         # the run's config (a resumed run's own): its settings choose hooks such as --ema
-        self.hooks = sorted(default_hooks(self.cfg) + list(hooks), key=lambda hook: hook.priority)
+        self.hooks = sorted(default_hooks(self.cfg.train) + list(hooks), key=lambda hook: hook.priority)
         try:
             self._set_up(build(self.cfg, launch, plan, self.say))
         except BaseException:               # a run that did not start leaves no directory behind
@@ -86,7 +87,8 @@ class Trainer:
         state, reference, path = parts.start
         if reference is not None:
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-            state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg)
+            state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
+                                 cfg.model.depth)
         if state is not None:
             restore(self, state, path)
         # loader batches per epoch, a whole number of steps of `accumulate` batches each
@@ -97,7 +99,7 @@ class Trainer:
         if self.step is None:      # a run started elsewhere: the steps of the epochs it finished
             self.step = self.epoch * steps
         if ctx.is_main:     # the run directory is written only once everything above has worked
-            clear_run_dir(cfg, self.run_dir)
+            clear_run_dir(cfg.train, self.run_dir)
             save_resolved_config(cfg, self.run_dir)
             remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,

@@ -12,7 +12,10 @@ pixels, score, box), best first; `estimator([p1, p2, ...])` a list of those per 
 `estimator.stream(pictures)` over any iterable (video frames), goes through the network in
 batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads.
 Scales, flip and grouping settings are the checkpoint's (`inference` section of its config),
-changed by `sets` ("inference.flip=true") or `scales` / `flip`. demo.py and evaluate.py use this.
+changed by `sets` ("inference.flip=true") or `scales` / `flip`; `estimator.settings` holds them
+(`config.views.PredictSettings`) and `estimator.config` the whole config read from the file.
+`PoseEstimator(network, PredictSettings(InferenceConfig(...), input_size))` builds one from parts.
+demo.py and evaluate.py use this.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 from config.errors import CheckpointError
 from config.schema import Config, InferenceConfig
+from config.views import PredictSettings
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.predict import TorchNetwork, predict_maps_batch
@@ -96,12 +100,20 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
 
 
 class PoseEstimator:
-    """A network (a model of this project, or `inference.onnx_network.OnnxNetwork`) with its config."""
+    """A network (a model of this project, or `inference.onnx_network.OnnxNetwork`) with the
+    settings it runs at (`config.views.PredictSettings`)."""
 
-    def __init__(self, network, cfg: Config):
+    def __init__(self, network, settings: PredictSettings):
         self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
-        self.cfg = cfg
+        self.settings = settings
         self.skeleton = self.network.skeleton       # what its channels are (`config.skeleton`)
+        self.config: Config | None = None           # the whole config of the file it came from
+
+    @classmethod
+    def _loaded(cls, network, config: Config) -> "PoseEstimator":
+        estimator = cls(network, PredictSettings.of(config))
+        estimator.config = config
+        return estimator
 
     @classmethod
     def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
@@ -111,8 +123,8 @@ class PoseEstimator:
         if str(path).endswith(".onnx"):
             raise CheckpointError(f"{path} is an ONNX file, not a checkpoint: load it with "
                                   "PoseEstimator.from_onnx (demo.py takes it as --weights too)")
-        model, cfg = load_model(str(path), preset, list(sets), pick_device(device), scales, flip)
-        return cls(model, cfg)
+        model, config = load_model(str(path), preset, list(sets), pick_device(device), scales, flip)
+        return cls._loaded(model, config)
 
     @classmethod
     def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
@@ -120,7 +132,7 @@ class PoseEstimator:
         from inference.onnx_network import OnnxNetwork
 
         network = OnnxNetwork(path)
-        return cls(network, network.config(list(sets), scales, flip))
+        return cls._loaded(network, network.config(list(sets), scales, flip))
 
     @classmethod
     def from_file(cls, path, device="auto", **options) -> "PoseEstimator":
@@ -135,12 +147,12 @@ class PoseEstimator:
 
     def maps(self, pictures_bgr: list[np.ndarray]) -> list[np.ndarray]:
         """The maps [C, H, W] of each picture at its own size, batched (`inference.predict`)."""
-        return predict_maps_batch(self.network, pictures_bgr, self.cfg)
+        return predict_maps_batch(self.network, pictures_bgr, self.settings)
 
     def maps_stream(self, pictures: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """`maps` of an iterable of pictures, read `inference.batch_size` at a time, or fewer when
         they are larger than COCO's 640 x 480 (their maps at picture size are held together)."""
-        batch_size = self.cfg.inference.batch_size
+        batch_size = self.settings.inference.batch_size
         chunk, pixels = [], 0
         for picture in pictures:
             chunk.append(picture)
@@ -154,7 +166,7 @@ class PoseEstimator:
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
         for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures),
-                                                               self.cfg.inference, self.skeleton):
+                                                               self.settings.inference, self.skeleton):
             people = to_people(keypoints, scores)
             yield Prediction(people, picture_maps) if maps else people
 

@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from config.errors import DataError
-from config.schema import Config
+from config.schema import TargetConfig
+from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
@@ -41,18 +42,18 @@ def eval_mode(model):
             module.train(was_training)
 
 
-def oracle_maps(h5, img: int, cfg: Config) -> np.ndarray:
-    """The ground-truth target maps [C, H, W] of image `img` at its own size (stride 1), in the
-    channels of the file's skeleton."""
+def oracle_maps(h5, img: int, targets: TargetConfig) -> np.ndarray:
+    """The ground-truth target maps [C, H, W] of image `img` at its own size (stride 1), drawn with
+    the widths of `targets`, in the channels of the file's skeleton."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
     _, person_mask = h5.masks(img)
-    return render_targets(h5.people(img), height, width, 1, cfg.targets, h5.skeleton,
+    return render_targets(h5.people(img), height, width, 1, targets, h5.skeleton,
                           person_mask=person_mask)
 
 
-def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progress=True,
+def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
     """{image id: COCO results} for the image indices given: pictures through the model in batches
     and people grouped in a thread pool by `inference.estimator` (the ground-truth maps with
@@ -68,14 +69,14 @@ def decode_images(model, h5, indices, cfg: Config, device, oracle=False, progres
     chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
                   dynamic_ncols=True)
     if oracle:
-        maps_stream = (oracle_maps(h5, img, cfg) for img in chosen)
+        maps_stream = (oracle_maps(h5, img, settings.targets) for img in chosen)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
-        estimator = PoseEstimator(network, cfg)
+        estimator = PoseEstimator(network, settings)
         maps_stream = estimator.maps_stream(h5.decode_image(img) for img in chosen)
     found = {}
     skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
-    for _, keypoints, scores in grouped_in_pool(maps_stream, cfg.inference, skeleton):
+    for _, keypoints, scores in grouped_in_pool(maps_stream, settings.inference, skeleton):
         image_id = h5.image_info(taken.popleft())["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
     return found
@@ -89,11 +90,12 @@ def check_same_skeleton(model_skeleton, h5) -> None:
                         f"{model_skeleton.name} ({model_skeleton.num_keypoints} keypoints)")
 
 
-def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progress: bool = True,
+def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
                 oracle: bool = False, results_path=None, stop=None, skeleton=None) -> dict | None:
     """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
     of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of `h5_path` (0:
-    all), OKS with the file's skeleton's sigmas. `oracle` decodes the ground-truth maps instead (no
+    all), OKS with the file's skeleton's sigmas, at `settings` (`config.views.PredictSettings`:
+    scales, flip, grouping, input size). `oracle` decodes the ground-truth maps instead (no
     model needed). `skeleton`: the model's, refused when it is not the file's.
     `results_path`: where rank 0 writes the COCO results JSON. `stop()`, asked before each image,
     True on any rank: every rank returns None, unscored (a training run asked to stop).
@@ -110,7 +112,7 @@ def evaluate_h5(model, h5_path, cfg: Config, device, max_images: int = 0, progre
     total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
     rank, world = get_rank(), get_world_size()
     with eval_mode(model):
-        found = decode_images(model, h5, range(rank, total, world), cfg, device, oracle,
+        found = decode_images(model, h5, range(rank, total, world), settings, device, oracle,
                               progress and rank == 0, stop)
     if stop is not None and any_rank(stop()):
         h5.close()
@@ -150,6 +152,6 @@ __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads
 def training_evaluator():
     """The AP part of a training run (`engine.trainer.Trainer(evaluator=...)`): `evaluate_h5`,
     looked up when called (tests replace it); the engine calls it without importing this layer."""
-    def evaluate(model, h5_path, cfg: Config, device, **options):
-        return evaluate_h5(model, h5_path, cfg, device, **options)
+    def evaluate(model, h5_path, settings: PredictSettings, device, **options):
+        return evaluate_h5(model, h5_path, settings, device, **options)
     return evaluate

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from config.schema import Config
+from config.views import PredictSettings
 from data.preprocess import padded_size, pictures_to_batch
 
 
@@ -65,9 +65,9 @@ def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> 
                       else cv2.INTER_LINEAR)
 
 
-def pictures_per_forward(size: tuple[int, int], cfg: Config) -> int:
+def pictures_per_forward(size: tuple[int, int], settings: PredictSettings) -> int:
     """`inference.batch_size` pictures of input_size x input_size, fewer of a larger padded size."""
-    return max(1, cfg.inference.batch_size * cfg.data.input_size ** 2 // (size[0] * size[1]))
+    return max(1, settings.inference.batch_size * settings.input_size ** 2 // (size[0] * size[1]))
 
 
 def _as_network(model):
@@ -75,40 +75,43 @@ def _as_network(model):
 
 
 @torch.no_grad()
-def predict_maps_batch(model, pictures_bgr: list[np.ndarray], cfg: Config) -> list[np.ndarray]:
-    """float32 [C, H, W] maps of each picture at its own size (see the module doc).
+def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictSettings
+                       ) -> list[np.ndarray]:
+    """float32 [C, H, W] maps of each picture at its own size (see the module doc), at the scales
+    and flip of `settings.inference`.
 
     `model`: a model of this project (in eval mode) or a network of this module.
     """
+    inference = settings.inference
     network = _as_network(model)
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     totals: list = [None] * len(pictures_bgr)
-    for scale in cfg.inference.scales:
-        resized = [resize_for_scale(p, scale, cfg.data.input_size) for p in pictures_bgr]
+    for scale in inference.scales:
+        resized = [resize_for_scale(p, scale, settings.input_size) for p in pictures_bgr]
         by_size: dict[tuple[int, int], list[int]] = {}
         for k, picture in enumerate(resized):
             by_size.setdefault(padded_size(*picture.shape[:2]), []).append(k)
         for size, members in by_size.items():
-            step = pictures_per_forward(size, cfg)
+            step = pictures_per_forward(size, settings)
             for lo in range(0, len(members), step):
                 chunk = members[lo: lo + step]
                 batch = pictures_to_batch([resized[k] for k in chunk], size, network.device)
-                if cfg.inference.flip:
+                if inference.flip:
                     batch = torch.cat([batch, batch.flip(-1)])
                 out = network(batch)
                 stride = size[0] // out.shape[-2]
-                if cfg.inference.flip:
+                if inference.flip:
                     # Mirror back the whole padded map, so the crop region is the same for both.
                     out = out[: len(chunk)] + out[len(chunk):].flip(-1)[:, flip_index]
                 for row, k in enumerate(chunk):
                     maps = resample_to_image(out[row: row + 1], stride, resized[k].shape[:2],
                                              pictures_bgr[k].shape[:2])[0]
                     totals[k] = maps if totals[k] is None else totals[k] + maps
-    count = len(cfg.inference.scales) * (2 if cfg.inference.flip else 1)
+    count = len(inference.scales) * (2 if inference.flip else 1)
     return [(total / count).cpu().numpy() for total in totals]
 
 
-def predict_maps(model, picture_bgr: np.ndarray, cfg: Config, device=None) -> np.ndarray:
+def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:
     """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
     network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
-    return predict_maps_batch(network, [picture_bgr], cfg)[0]
+    return predict_maps_batch(network, [picture_bgr], settings)[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.schema import Config
+from config.views import PredictSettings
 from config.skeleton import Skeleton
 from data.preprocess import GREY
 from data.picture_files import write_image
@@ -56,11 +56,11 @@ def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: l
     return np.vstack([header, *rows])
 
 
-def found_people(model, pictures: list[np.ndarray], cfg: Config, device) -> list[np.ndarray]:
+def found_people(model, pictures: list[np.ndarray], settings: PredictSettings, device) -> list[np.ndarray]:
     """The keypoints [P, K, 3] of the people `model` (a model of this project) finds in each picture,
-    as the AP's inference finds them."""
+    as the AP's inference finds them (at `settings`)."""
     with eval_mode(model):
-        people = PoseEstimator(TorchNetwork(model, device), cfg)(pictures)
+        people = PoseEstimator(TorchNetwork(model, device), settings)(pictures)
     k = model.skeleton.num_keypoints
     return [np.stack([p.keypoints for p in found]) if found else np.zeros((0, k, 3), np.float32)
             for found in people]
@@ -70,8 +70,8 @@ def val_pictures_path(run_dir, epoch: int) -> Path:
     return Path(run_dir) / FOLDER / f"epoch_{epoch}.png"
 
 
-def write_val_pictures(model, val_h5, skeleton: Skeleton, cfg: Config, epoch: int, run_dir, device,
-                       count: int = 4) -> Path:
+def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
+                       run_dir, device, count: int = 4) -> Path:
     """Draw the first `count` images of `val_h5` with their true people and those `model` finds into
     RUN/val_pictures/epoch_`epoch`.png (1-based epoch), written atomically; returns its path."""
     from data.h5format import KeypointH5
@@ -83,7 +83,7 @@ def write_val_pictures(model, val_h5, skeleton: Skeleton, cfg: Config, epoch: in
         truths = [h5.people(img) for img in chosen]
     finally:
         h5.close()
-    found = found_people(model, pictures, cfg, device)
+    found = found_people(model, pictures, settings, device)
     title = (f"epoch {epoch}: left ground truth ({sum(map(len, truths))} people), "
              f"right found ({sum(map(len, found))})")
     grid = pictures_grid(pictures, truths, found, skeleton, title)

@@ -108,9 +108,9 @@ def test_combinations_apex_cannot_run_are_refused(sets, words):
 
 def test_dataparallel_over_gpus_is_refused_under_o2_and_o3_only():
     with pytest.raises(ConfigError, match="first GPU"):
-        backend.check_data_parallel(apex_config("amp.opt_level=O2"), 2)
-    backend.check_data_parallel(apex_config("amp.opt_level=O2"), 1)
-    backend.check_data_parallel(apex_config("amp.opt_level=O1"), 4)
+        backend.check_data_parallel(apex_config("amp.opt_level=O2").amp, 2)
+    backend.check_data_parallel(apex_config("amp.opt_level=O2").amp, 1)
+    backend.check_data_parallel(apex_config("amp.opt_level=O1").amp, 4)
 
 
 def test_the_cli_refuses_in_one_line_before_the_run_directory_exists(tmp_path):

@@ -143,8 +143,8 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
 
     cfg = build_config(str(env["preset"]), sets=[f"train.out_dir={env['runs']}"])
     monkeypatch.setattr("time.strftime", lambda fmt: "run-20260101-000000")   # the same second
-    first, made_first = choose_run_dir(cfg, DistContext())
-    second, made_second = choose_run_dir(cfg, DistContext())
+    first, made_first = choose_run_dir(cfg.train, DistContext())
+    second, made_second = choose_run_dir(cfg.train, DistContext())
     assert first != second and made_first and made_second and second.name == "run-20260101-000000-2"
     release_run_dir(first, remove_if_empty=True)
     release_run_dir(second, remove_if_empty=True)

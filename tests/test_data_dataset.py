@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from config.loader import build_config
 from config.skeleton import builtin
+from config.views import SampleSettings
 from data.augment import AugmentParams
 from data.dataset import KeypointDataset
 from data.make_hdf5 import convert
@@ -30,8 +31,9 @@ def coco4_train(coco4_dir, tmp_path_factory):
     return out
 
 
-def config(**train):
-    return build_config(None, {"data": {"input_size": SIZE}, "train": dict({"seed": 7}, **train)})
+def settings(**train) -> SampleSettings:
+    cfg = build_config(None, {"data": {"input_size": SIZE}, "train": dict({"seed": 7}, **train)})
+    return SampleSettings.of(cfg)
 
 
 def to_cell(matrix, x, y):
@@ -41,7 +43,7 @@ def to_cell(matrix, x, y):
 
 def test_every_labelled_joint_peaks_where_the_json_says(coco4_train, coco4_dir):
     coco = json.loads((coco4_dir / "test_coco.json").read_text())
-    ds = KeypointDataset(coco4_train, config(), train=False)
+    ds = KeypointDataset(coco4_train, settings(), train=False)
     checked = 0
     for index in range(len(ds)):
         sample = ds.sample_arrays(index)
@@ -68,7 +70,7 @@ def test_every_labelled_joint_peaks_where_the_json_says(coco4_train, coco4_dir):
 
 
 def test_validation_mode_centres_and_scales_the_main_person(coco4_train):
-    ds = KeypointDataset(coco4_train, config(), train=False)
+    ds = KeypointDataset(coco4_train, settings(), train=False)
     for index in range(len(ds)):
         sample = ds.sample_arrays(index)
         x, y, w, h = ds.h5.person_boxes(sample["image_index"])[sample["person_index"]]
@@ -78,7 +80,7 @@ def test_validation_mode_centres_and_scales_the_main_person(coco4_train):
 
 
 def test_tensors_shapes_and_ranges(coco4_train):
-    ds = KeypointDataset(coco4_train, config(), train=True)
+    ds = KeypointDataset(coco4_train, settings(), train=True)
     for index in range(4):
         image, target, mask = ds[index]
         assert image.shape == (3, SIZE, SIZE) and target.shape == (50, SIZE // 4, SIZE // 4)
@@ -86,14 +88,14 @@ def test_tensors_shapes_and_ranges(coco4_train):
         for t in (target, mask):
             assert t.dtype == torch.float32 and t.min() >= 0 and t.max() <= 1
         assert image.dtype == torch.float32 and image.min() >= 0 and image.max() <= 1
-    image, _, _ = KeypointDataset(coco4_train, config(), train=False)[0]
+    image, _, _ = KeypointDataset(coco4_train, settings(), train=False)[0]
     sample = ds.sample_arrays(0)
     assert image.shape[0] == 3                                 # RGB from BGR
     np.testing.assert_allclose(ds[0][0][0].numpy(), sample["image"][:, :, 2] / 255, atol=1e-6)
 
 
 def test_ignore_mask_covers_people_without_keypoints(coco4_train):
-    ds = KeypointDataset(coco4_train, config(), train=False)
+    ds = KeypointDataset(coco4_train, settings(), train=False)
     found = 0
     for index in range(len(ds)):
         sample = ds.sample_arrays(index)
@@ -111,7 +113,7 @@ def test_ignore_mask_covers_people_without_keypoints(coco4_train):
 
 
 def test_crowd_regions_are_not_supervised(synthetic_h5):
-    ds = KeypointDataset(synthetic_h5[0], build_config("tiny"), train=False)
+    ds = KeypointDataset(synthetic_h5[0], SampleSettings.of(build_config("tiny")), train=False)
     found = 0
     for index in range(len(ds)):
         img, _ = ds.h5.sample_ref(index)
@@ -133,7 +135,7 @@ def test_crowd_regions_are_not_supervised(synthetic_h5):
 
 
 def test_flip_mirrors_image_and_swaps_left_right_targets(coco4_train):
-    ds = KeypointDataset(coco4_train, config(), train=True)
+    ds = KeypointDataset(coco4_train, settings(), train=True)
     plain, flipped = AugmentParams(), AugmentParams(flip=True)
     ds.draw = lambda index: plain
     a = ds.sample_arrays(3)
@@ -145,10 +147,10 @@ def test_flip_mirrors_image_and_swaps_left_right_targets(coco4_train):
 
 
 def test_random_streams_reproducible_and_distinct(coco4_train):
-    cfg = config()
-    ds = KeypointDataset(coco4_train, cfg, train=True, rank=0)
-    again = KeypointDataset(coco4_train, cfg, train=True, rank=0)
-    other_rank = KeypointDataset(coco4_train, cfg, train=True, rank=1)
+    same = settings()
+    ds = KeypointDataset(coco4_train, same, train=True, rank=0)
+    again = KeypointDataset(coco4_train, same, train=True, rank=0)
+    other_rank = KeypointDataset(coco4_train, same, train=True, rank=1)
     for t1, t2 in zip(ds[2], again[2]):
         assert torch.equal(t1, t2)
     assert not torch.equal(ds[2][0], other_rank[2][0])
@@ -159,11 +161,11 @@ def test_random_streams_reproducible_and_distinct(coco4_train):
     assert ds.draw(2) != before
     ds.set_epoch(0)
     assert ds.draw(2) == before
-    assert KeypointDataset(coco4_train, config(seed=8), train=True).draw(2) != before
+    assert KeypointDataset(coco4_train, settings(seed=8), train=True).draw(2) != before
 
 
 def test_dataloader_workers_open_lazily_and_match_the_main_process(coco4_train):
-    ds = KeypointDataset(coco4_train, config(), train=True, rank=1)
+    ds = KeypointDataset(coco4_train, settings(), train=True, rank=1)
     ds.set_epoch(4)
     ds[0]                                                     # handle opened in the parent
     loader = DataLoader(ds, batch_size=1, num_workers=2, shuffle=False)

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from config.loader import build_config
+from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.transfer import batch_bytes, expand, pack_people
 from engine.run_setup import train_loader
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def dataset_at(h5, size: int, **train) -> KeypointDataset:
     cfg = build_config(None, {"data": {"input_size": size}, "train": dict({"seed": 3}, **train)})
-    return KeypointDataset(h5, cfg, train=True)
+    return KeypointDataset(h5, SampleSettings.of(cfg), train=True)
 
 
 def test_a_512_sample_sends_under_0_85_megabytes(synthetic_h5):
@@ -72,8 +73,8 @@ def loader_epochs(h5, epochs, workers: int = 2):
     cfg = build_config(None, {"data": {"input_size": 64, "workers": workers},
                               "train": {"batch_size": 4, "seed": 3}})
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    dataset = PidDataset(KeypointDataset(h5, cfg, train=True))
-    loader, sampler = train_loader(dataset, cfg, ctx)
+    dataset = PidDataset(KeypointDataset(h5, SampleSettings.of(cfg), train=True))
+    loader, sampler = train_loader(dataset, cfg.data, cfg.train, ctx)
     seen = {}
     for epoch in epochs:
         sampler.set_epoch(epoch)
@@ -113,11 +114,13 @@ EXIT_SCRIPT = """
 import sys, torch
 from types import SimpleNamespace
 from config.loader import build_config
+from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from engine.run_setup import train_loader
 cfg = build_config(None, {"data": {"input_size": 64, "workers": 2}, "train": {"batch_size": 4}})
 ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-loader, sampler = train_loader(KeypointDataset(sys.argv[1], cfg, train=True), cfg, ctx)
+dataset = KeypointDataset(sys.argv[1], SampleSettings.of(cfg), train=True)
+loader, sampler = train_loader(dataset, cfg.data, cfg.train, ctx)
 held = iter(loader)
 held.cycle = held                     # alive until Python exits, as a trainer's loader may be
 next(held)

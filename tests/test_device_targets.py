@@ -11,6 +11,7 @@ import torch
 from config.loader import build_config
 from config.schema import TargetConfig
 from config.skeleton import builtin
+from config.views import SampleSettings
 from data.augment import flip_people, mask_fraction
 from data.dataset import KeypointDataset
 from data.device_targets import TargetPainter
@@ -85,7 +86,7 @@ def coco4_dataset(coco4_dir, tmp_path_factory):
     convert(coco4_dir / "test_coco.json", coco4_dir, out, split="train", progress=False)
     cfg = build_config(None, {"data": {"input_size": 256},
                               "train": {"seed": 5}, "augment": {"flip_prob": 0.5}})
-    return KeypointDataset(out, cfg, train=True)
+    return KeypointDataset(out, SampleSettings.of(cfg), train=True)
 
 
 def test_coco4_samples_draw_the_same_on_the_device_as_in_the_workers_before(coco4_dataset):

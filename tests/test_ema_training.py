@@ -36,6 +36,7 @@ def straight(tmp_path_factory, synthetic_h5):
 
 def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     """The validation loss of `weights`, computed as the trainer's validation computes it."""
+    from config.views import SampleSettings
     from data.dataset import KeypointDataset
     from engine.amp import Precision
     from engine.device_feed import to_model_input
@@ -45,14 +46,14 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     from models import FocalL2Loss, build_model
 
     cfg = build_config(None, overrides={k: v for k, v in saved_config.items() if k != "preset"})
-    dataset = KeypointDataset(val_h5, cfg, train=False)
+    dataset = KeypointDataset(val_h5, SampleSettings.of(cfg), train=False)
     model = build_model(cfg.model, dataset.skeleton)
     model.load_state_dict(weights)
     ctx = DistContext(device=torch.device("cpu"))
     net = ModelWithLoss(model, FocalL2Loss(cfg.loss, dataset.skeleton), Precision(cfg.amp, ctx.device)).eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in val_loader(dataset, cfg, ctx):
+        for batch in val_loader(dataset, cfg.data, cfg.train.batch_size, ctx):
             per_sample, _ = net(*to_model_input(batch, ctx.device, dataset.painter))
             total, count = total + per_sample.double().sum().item(), count + per_sample.numel()
     return total / count

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import evaluate
 from config.skeleton import builtin
 from config.loader import build_config, to_dict
+from config.views import PredictSettings
 from runtime.checkpoint import save_checkpoint
 from runtime.launch_env import find_free_port
 from inference.coco_eval import STAT_NAMES
@@ -87,7 +88,8 @@ def test_grouping_in_threads_gives_the_results_of_grouping_in_line(coco4_h5):
     found = {}
     for threads in (1, 3):
         cfg = build_config("tiny", sets=[f"inference.decode_threads={threads}"])
-        found[threads] = decode_images(None, h5, range(4), cfg, "cpu", oracle=True, progress=False)
+        found[threads] = decode_images(None, h5, range(4), PredictSettings.of(cfg), "cpu", oracle=True,
+                                        progress=False)
     assert list(found[3]) == list(found[1]) == COCO4_IDS
     assert found[3] == found[1] and sum(len(people) for people in found[1].values()) >= 10
 
@@ -95,7 +97,8 @@ def test_grouping_in_threads_gives_the_results_of_grouping_in_line(coco4_h5):
 def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     cfg = build_config("tiny")
     model = build_model(cfg.model, COCO).train()
-    stats = evaluate_h5(model, coco4_h5, cfg, torch.device("cpu"), max_images=1, progress=False)
+    stats = evaluate_h5(model, coco4_h5, PredictSettings.of(cfg), torch.device("cpu"), max_images=1,
+                        progress=False)
     assert model.training and stats["num_images"] == 1 and set(STAT_NAMES) <= set(stats)
     assert all(p.grad is None for p in model.parameters())
 

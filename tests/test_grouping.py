@@ -10,6 +10,7 @@ import torch
 from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
 from config.skeleton import builtin
+from config.views import PredictSettings
 from data.targets import render_targets
 from inference import grouping
 from inference.grouping import group_people, limb_connections, to_coco_results
@@ -246,15 +247,15 @@ def tiny_model():
     torch.manual_seed(0)
     model = build_model(cfg.model, COCO)
     model.reset_parameters(0.05)          # outputs far from constant, so the flip test can fail
-    return model.eval(), cfg
+    return model.eval(), PredictSettings.of(cfg)
 
 
 def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
-    model, cfg = tiny_model
-    cfg.inference.flip, cfg.inference.scales = True, [1.0]
+    model, settings = tiny_model
+    settings.inference.flip, settings.inference.scales = True, [1.0]
     image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu")
-    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), cfg, "cpu")
+    maps = predict_maps(model, image, settings, "cpu")
+    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), settings, "cpu")
     assert maps.shape == (NUM_CHANNELS, 128, 192) and maps.dtype == np.float32
     mirrored = maps[:, :, ::-1][list(CHANNEL_FLIP)]
     np.testing.assert_allclose(maps_of_mirror, mirrored, atol=1e-5 * np.abs(maps).max())
@@ -262,13 +263,13 @@ def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
 
 
 def test_predict_maps_averages_scales_at_image_size(tiny_model):
-    model, cfg = tiny_model
-    cfg.inference.flip, cfg.inference.scales = False, [0.5, 1.0]
+    model, settings = tiny_model
+    settings.inference.flip, settings.inference.scales = False, [0.5, 1.0]
     image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, cfg, "cpu")
+    maps = predict_maps(model, image, settings, "cpu")
     assert maps.shape == (NUM_CHANNELS, 90, 150)
     singles = []
     for scale in (0.5, 1.0):
-        cfg.inference.scales = [scale]
-        singles.append(predict_maps(model, image, cfg, "cpu"))
+        settings.inference.scales = [scale]
+        singles.append(predict_maps(model, image, settings, "cpu"))
     np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)

@@ -82,8 +82,8 @@ def test_docstring_example_runs(checkpoint, coco4_dir, tmp_path, monkeypatch):
 
 
 def test_settings_come_from_the_checkpoint_and_people_are_plain_records(estimator, pictures):
-    assert estimator.cfg.inference.flip is True and estimator.cfg.inference.peak_threshold == 0.0003
-    assert estimator.cfg.model == build_config("tiny").model and estimator.device == torch.device("cpu")
+    assert estimator.settings.inference.flip is True and estimator.settings.inference.peak_threshold == 0.0003
+    assert estimator.config.model == build_config("tiny").model and estimator.device == torch.device("cpu")
     people = estimator(pictures[0])
     assert people and all(isinstance(p, Person) for p in people)
     assert [p.score for p in people] == sorted((p.score for p in people), reverse=True)
@@ -122,7 +122,7 @@ def test_batched_equals_one_by_one(estimator, pictures):
         return network(batch)
 
     counted.device, counted.skeleton = network.device, network.skeleton   # a network's attributes
-    batched = PoseEstimator(counted, estimator.cfg)
+    batched = PoseEstimator(counted, estimator.settings)
     # two padded sizes among the four pictures at height 128 (widths 256 and 192): two passes of
     # two pictures, each with its mirror
     maps = batched.maps(pictures)
@@ -146,7 +146,7 @@ def test_onnx_export_agrees_with_pytorch_and_gives_the_same_people(checkpoint, e
     assert {"(128, 256)", "(128, 192)"} <= set(re.findall(r"\(\d+, \d+\)", printed))   # dynamic size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pose.onnx"]                # no temp left
     exported = PoseEstimator.from_onnx(out)
-    assert exported.cfg == estimator.cfg
+    assert exported.config == estimator.config and exported.settings == estimator.settings
     from_onnx, from_torch = exported(pictures), estimator(pictures)
     assert [len(p) for p in from_onnx] == [len(p) for p in from_torch]
     for people_onnx, people_torch in zip(from_onnx, from_torch):
@@ -241,7 +241,7 @@ def test_large_pictures_go_in_smaller_chunks(estimator, monkeypatch):
     """A chunk holds the maps of at most batch_size COCO-sized pictures (HD video frames: fewer)."""
     seen = []
     monkeypatch.setattr(estimator, "maps", lambda chunk: seen.append(len(chunk)) or [None] * len(chunk))
-    assert estimator.cfg.inference.batch_size == 8
+    assert estimator.settings.inference.batch_size == 8
     assert len(list(estimator.maps_stream([np.zeros((480, 640, 3), np.uint8)] * 10))) == 10
     assert seen == [8, 2]
     seen.clear()

@@ -26,6 +26,7 @@ import train
 import train_parallel
 from config.skeleton import builtin
 from config import build_config
+from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from runtime.checkpoint import load_checkpoint
 from runtime.launch_env import find_free_port
@@ -98,7 +99,7 @@ def test_sync_bn_ddp_trains_like_one_process_on_the_same_total_batch(single, ddp
 def first_step_loss(single: Path) -> float:
     """Loss of the first step of the single-process run, recomputed from the initial weights."""
     cfg = build_config(None, load_checkpoint(single / "epoch_1.pth")["config"])
-    dataset = KeypointDataset(cfg.data.train_h5, cfg, train=True)
+    dataset = KeypointDataset(cfg.data.train_h5, SampleSettings.of(cfg), train=True)
     batch = next(iter(GlobalBatchSampler(len(dataset), 4, seed=cfg.train.seed)))
     images, target, mask = (torch.stack(t) for t in zip(*(dataset[i] for i in batch)))
     torch.manual_seed(cfg.train.seed)
@@ -130,7 +131,7 @@ def test_ranks_draw_different_augmentations(synthetic_h5):
     never hands a sample to two ranks, so the ranks' samples of a step are augmented differently,
     and N processes draw exactly what one process draws (which the test above relies on)."""
     cfg = build_config("tiny")
-    dataset = KeypointDataset(synthetic_h5[0], cfg, train=True)
+    dataset = KeypointDataset(synthetic_h5[0], SampleSettings.of(cfg), train=True)
     for epoch in (0, 1):
         dataset.set_epoch(epoch)
         per_rank = []
@@ -156,7 +157,7 @@ def test_ddp_validation_on_uneven_shards_counts_every_sample_once(ddp_sync):
     assert 0 <= val["AP"] <= 1
     ckpt = load_checkpoint(run_dir / "last.pth")
     cfg = build_config(None, ckpt["config"])
-    dataset = KeypointDataset(cfg.data.val_h5, cfg, train=False)
+    dataset = KeypointDataset(cfg.data.val_h5, SampleSettings.of(cfg), train=False)
     assert len(dataset) == 13
     torch.manual_seed(0)
     model = build_model(cfg.model, COCO)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from config.skeleton import builtin
+from config.views import PredictSettings, SampleSettings
 from data.augment import warp_image
 from data.dataset import KeypointDataset
 from data.preprocess import GREY, normalise, picture_to_input, pictures_to_batch
@@ -40,14 +41,14 @@ def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
     from models import build_model
 
     cfg = build_config("tiny", sets=["inference.scales=[1.0]"])
-    dataset = KeypointDataset(synthetic_h5[1], cfg, train=False)
+    dataset = KeypointDataset(synthetic_h5[1], SampleSettings.of(cfg), train=False)
     image = dataset[0][0]
     assert torch.equal(image, picture_to_input(dataset.sample_arrays(0)["image"]))
     seen = []
     model = build_model(cfg.model, COCO).eval()
     model.stem.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     picture = np.full((100, 70, 3), 7, np.uint8)
-    predict_maps(model, picture, cfg, "cpu")
+    predict_maps(model, picture, PredictSettings.of(cfg), "cpu")
     # resized to height 128, width 90 -> padded to 128 x 128: grey to the right, the picture's 7 left
     assert torch.equal(seen[0][0, :, :, 100:], normalise(torch.full((3, 128, 28), 128, dtype=torch.uint8)))
     assert torch.equal(seen[0][0, :, :, :80], normalise(torch.full((3, 128, 80), 7, dtype=torch.uint8)))

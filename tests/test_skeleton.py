@@ -17,6 +17,7 @@ from config.errors import run_cli
 from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
 from config.skeleton import DEFAULT_SIGMA, builtin, from_checkpoint
+from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.h5format import KeypointH5
 from data.make_hdf5 import convert, main as make_hdf5
@@ -43,7 +44,7 @@ def test_coco_builtin_gives_the_targets_of_before_bit_for_bit(coco4_dir, tmp_pat
     for split in ("train", "val"):
         convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / f"{split}.h5", split=split,
                 progress=False)
-        dataset = KeypointDataset(tmp_path / f"{split}.h5", cfg, train=split == "train")
+        dataset = KeypointDataset(tmp_path / f"{split}.h5", SampleSettings.of(cfg), train=split == "train")
         assert dataset.skeleton == builtin("coco")
         for epoch in (0, 1):
             dataset.set_epoch(epoch)
@@ -53,7 +54,7 @@ def test_coco_builtin_gives_the_targets_of_before_bit_for_bit(coco4_dir, tmp_pat
                 found[f"{split}/{epoch}/{i}/flip{int(sample['params'].flip)}"] = digest.hexdigest()[:16]
     h5 = KeypointH5(tmp_path / "val.h5")
     for img in range(h5.num_images):
-        found[f"oracle/{img}"] = hashlib.sha256(oracle_maps(h5, img, cfg).tobytes()).hexdigest()[:16]
+        found[f"oracle/{img}"] = hashlib.sha256(oracle_maps(h5, img, cfg.targets).tobytes()).hexdigest()[:16]
     assert found == expected
     assert sum(k.endswith("flip1") for k in found) > 5
 

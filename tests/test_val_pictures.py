@@ -12,6 +12,7 @@ import torch
 
 from config import build_config
 from config.skeleton import builtin
+from config.views import PredictSettings
 from data.h5format import KeypointH5
 from engine.logger import RunLogger
 from engine.picture_hook import ValidationPictures
@@ -23,6 +24,10 @@ COCO = builtin("coco")
 LOOSE = ["inference.peak_threshold=0.0003", "inference.max_peaks=6", "inference.limb_threshold=-1",
          "inference.min_mean_score=0", "inference.scales=[1.0]"]
 NOBODY = ["inference.peak_threshold=2"]           # maps never reach it: no person is ever found
+
+
+def settings(sets: list[str]) -> PredictSettings:
+    return PredictSettings.of(build_config("tiny", sets=sets))
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,10 @@ def test_the_grid_has_the_truth_on_the_left_and_what_the_model_finds_on_the_righ
     plain = [fitted(h5.decode_image(img)) for img in range(2)]
     assert all(len(h5.people(img)) for img in range(2))
     h5.close()
-    finds = write_val_pictures(model, val_h5, COCO, build_config("tiny", sets=LOOSE), 3, tmp_path / "a",
+    finds = write_val_pictures(model, val_h5, COCO, settings(LOOSE), 3, tmp_path / "a",
                                torch.device("cpu"), count=2)
     assert finds == tmp_path / "a/val_pictures/epoch_3.png"
-    blind = write_val_pictures(model, val_h5, COCO, build_config("tiny", sets=NOBODY), 3, tmp_path / "b",
+    blind = write_val_pictures(model, val_h5, COCO, settings(NOBODY), 3, tmp_path / "b",
                                torch.device("cpu"), count=2)
     for (truth, found), (truth_blind, found_blind), image in zip(tiles(finds, 2), tiles(blind, 2), plain):
         assert not np.array_equal(truth, image)             # the true people are drawn

@@ -1,0 +1,44 @@
+"""What a layer below the engine needs of a run's `Config`, where that spans sections.
+
+The data and inference layers never receive the whole `Config`: a function that needs one section
+takes that section (`InferenceConfig`, `TargetConfig`, ...), and one that needs a few fields of
+several takes one of the small frozen views here, built from a `Config` by its `of`. What such a
+layer reads is then in its signature, and it can be called without building a whole run's config.
+The engine (and the entry scripts) hold the `Config` and hand each part down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How `data.dataset.KeypointDataset` makes a sample: the network input (`input_size` square),
+    the targets' stride and widths, the augmentation, and the seed its random draws start from."""
+
+    input_size: int
+    stride: int
+    augment: AugmentConfig
+    targets: TargetConfig
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config) -> "SampleSettings":
+        return cls(cfg.data.input_size, cfg.data.stride, cfg.augment, cfg.targets, cfg.train.seed)
+
+
+@dataclass(frozen=True)
+class PredictSettings:
+    """How the inference layer turns pictures into people: its `inference` section (scales, flip,
+    grouping, batches), the network's input size a scale is relative to, and the target widths the
+    evaluation's oracle draws ground-truth maps with."""
+
+    inference: InferenceConfig
+    input_size: int
+    targets: TargetConfig = field(default_factory=TargetConfig)
+
+    @classmethod
+    def of(cls, cfg: Config) -> "PredictSettings":
+        return cls(cfg.inference, cfg.data.input_size, cfg.targets)
