@@ -1,9 +1,12 @@
 """Layers import one way (README, "The layout"): config, then data and models, then runtime
 (checkpoint files, collectives), then engine, then inference and the entry scripts. A module that
-imports a layer above its own, even inside a function, fails here."""
+imports a layer above its own, even inside a function, fails here. And the data and inference
+layers receive their own part of the configuration (a section, or a view of `config.views`),
+never the whole `Config`: a public function or method there that takes one fails here."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -33,4 +36,45 @@ def imported_packages(path: Path) -> set[str]:
 def test_a_layer_imports_nothing_above_it(package):
     wrong = {f"{path.relative_to(ROOT)}: {sorted(imported_packages(path) & ABOVE[package])}"
              for path in sorted((ROOT / package).rglob("*.py")) if imported_packages(path) & ABOVE[package]}
+    assert not wrong, wrong
+
+
+# -- the data and inference layers take their part of the config -------------------------------------
+WHOLE_CONFIG = re.compile(r"\bConfig\b")         # the whole Config; InferenceConfig etc. do not match
+READS_A_CHECKPOINT = {"inference/loading.py"}    # turns a file's saved whole config into the parts
+
+
+def whole_config_parameters(source: str, name: str = "<source>") -> list[str]:
+    """'function(parameter)' of each public function or method (nested ones included: they are
+    returned as parts) with a parameter annotated as the whole `Config`, or an unannotated one
+    named cfg or config."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if node.name.startswith("_") and not (node.name.startswith("__") and node.name.endswith("__")):
+            continue
+        arguments = node.args
+        for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                    *filter(None, [arguments.vararg, arguments.kwarg])]:
+            annotation = ast.unparse(arg.annotation) if arg.annotation is not None else None
+            if (WHOLE_CONFIG.search(annotation) if annotation is not None
+                    else arg.arg in ("cfg", "config")):
+                found.append(f"{node.name}({arg.arg})")
+    return found
+
+
+def test_the_check_finds_a_whole_config_parameter():
+    assert whole_config_parameters("def f(x, cfg: Config): ...") == ["f(cfg)"]
+    assert whole_config_parameters("class A:\n    def __init__(self, c: 'schema.Config | None'): ...\n"
+                                   "    def _private(self, cfg: Config): ...") == ["__init__(c)"]
+    assert whole_config_parameters("def g():\n    def evaluate(model, cfg): ...") == ["evaluate(cfg)"]
+    assert whole_config_parameters("def f(settings: PredictSettings, inference: InferenceConfig): ...") == []
+
+
+@pytest.mark.parametrize("package", ["data", "inference"])
+def test_data_and_inference_take_their_part_of_the_config(package):
+    wrong = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / package).rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in READS_A_CHECKPOINT
+             and (found := whole_config_parameters(path.read_text(), str(path)))}
     assert not wrong, wrong
