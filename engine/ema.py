@@ -17,7 +17,8 @@ averaged weights are in the model (validation, AP, best.pth), the training weigh
 for bit after it, and `before_save` keeps the training weights in a checkpoint saved meanwhile. Its
 `state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
 averaged float32 state dict}) and `load_state_dict` restores it exactly, so a resumed run continues
-the average as the uninterrupted one would. `--weights`, evaluate.py and demo.py take the "ema"
+the average as the uninterrupted one would; resuming a checkpoint without one says that the
+average starts from its weights. `--weights`, evaluate.py and demo.py take the "ema"
 weights of a checkpoint that has them (`runtime.checkpoint.preferred_weights`). The trainer adds
 this hook itself when `train.ema` is set (`engine.trainer.default_hooks`).
 """
@@ -89,6 +90,10 @@ class WeightsEMA(Hook):
         self.attach(trainer.model, trainer.precision)
         trainer.say(self.describe())
 
+    def state_missing(self, trainer, path) -> None:
+        trainer.say(f"checkpoint {path} has no EMA of the weights (its run had no --ema): the "
+                    "average starts from its weights now, its decay warming up again")
+
     def evaluating(self, trainer=None):
         """Validation, AP and saving best.pth see the averaged weights (`applied`)."""
         return self.applied()
@@ -122,20 +127,21 @@ class WeightsEMA(Hook):
                 "model": {k: v.clone() for k, v in self.averaged.items()}}
 
     @torch.no_grad()
-    def load_state_dict(self, state, source="the checkpoint resumed") -> None:
+    def load_state_dict(self, state, source: str | None = None) -> None:
         """Continue the average saved in `state` (this run's decay and tau are kept); a
-        CheckpointError naming `source` when it does not fit this model."""
+        CheckpointError (naming `source`, if given) when it does not fit this model."""
+        named = f"{source}: its" if source else "its"
         saved = state.get("model") if isinstance(state, dict) else None
         updates = state.get("updates") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
                 or updates < 0:
-            raise CheckpointError(f"{source}: its EMA state is damaged (expected "
+            raise CheckpointError(f"{named} EMA state is damaged (expected "
                                   "'updates' and 'model'); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
             k for k in saved.keys() & self.averaged.keys()
             if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)
         if differ:
-            raise CheckpointError(f"{source}: its EMA weights do not fit this model "
+            raise CheckpointError(f"{named} EMA weights do not fit this model "
                                   f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
                                   "start from its weights with --weights")
         for name, tensor in self.averaged.items():

@@ -10,8 +10,8 @@ pre-emption save (80) and the end of the epoch (90), so that what it keeps is sa
 What a hook may read: the trainer's parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`,
 `run_dir`, `logger`, `cfg`) and its position (`epoch`, `step`). A hook with a `checkpoint_key`
 saves `state_dict()` under that key in every checkpoint and gets it back through
-`load_state_dict()` on resume; `evaluating()` wraps validation, AP and the saving of best.pth
-(e.g. to swap other weights in).
+`load_state_dict()` on resume (`state_missing()` when the checkpoint has none); `evaluating()`
+wraps validation, AP and the saving of best.pth (e.g. to swap other weights in).
 
 The engine's own hooks here: the LR schedule, the progress bar, the training log, the divergence
 stop and the pre-emption stop. Validation, AP, checkpoints and early stopping are `EpochEnd`
@@ -59,7 +59,13 @@ class Hook:
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`, this hook's entry of the checkpoint resumed; a CheckpointError
+        saying what does not fit (the engine adds the file's name)."""
+
+    def state_missing(self, trainer, path) -> None:
+        """The checkpoint resumed (`path`) holds no entry under `checkpoint_key` (its run had no
+        such hook): this hook goes on from its fresh state."""
 
 
 class Interrupted(UserError):

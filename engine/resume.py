@@ -16,6 +16,7 @@ from engine.run_setup import pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
+_STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
 _read: dict[tuple, dict] = {}      # (resolved path, the file's identity) -> its state (one entry)
 
 
@@ -114,16 +115,24 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
 
 
 def restore(trainer, state: dict, path: Path) -> None:
-    """Optimiser, scaler, RNG, the run's position and the hooks' states from `state`."""
+    """Optimiser, scaler, RNG, the run's position and the hooks' states from `state` (the
+    checkpoint at `path`)."""
     try:
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.precision.load_state_dict(state.get("scaler") or {})
         if trainer.ctx.is_main and state.get("rng"):
             ckpt.restore_rng_state(state["rng"])
         for hook in trainer.hooks:
-            if hook.checkpoint_key and hook.checkpoint_key in state:
+            if not hook.checkpoint_key:
+                continue
+            if hook.checkpoint_key not in state:
+                hook.state_missing(trainer, path)
+                continue
+            try:
                 hook.load_state_dict(state[hook.checkpoint_key])
-    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
+            except CheckpointError as exc:          # what does not fit, in the hook's words
+                raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    except _STATE_ERRORS as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "
                               f"this run ({type(exc).__name__}: {first_line}); start from its "

@@ -107,3 +107,37 @@ def test_two_ranks_hold_the_same_ema_and_rank_0_saves_it(tmp_path, synthetic_h5)
     saved = load_checkpoint(tmp_path / "ddp/last.pth")["ema"]["model"]
     assert all(torch.equal(saved[k], rank0["model"][k]) for k in saved)
     assert (tmp_path / "ddp/val_pictures/epoch_1.png").is_file()      # drawn by rank 0 alone
+
+
+def test_a_damaged_ema_in_the_checkpoint_resumed_is_one_error_line_naming_it(straight, tmp_path, synthetic_h5,
+                                                                              capsys):
+    from config.errors import run_cli
+    from runtime.checkpoint import save_checkpoint
+
+    state = load_checkpoint(straight / "last.pth")
+    state["ema"] = {"decay": 0.9, "model": {}}                   # no "updates"
+    damaged = tmp_path / "damaged" / "last.pth"
+    damaged.parent.mkdir()
+    save_checkpoint(damaged, state)
+    before = damaged.read_bytes()
+    capsys.readouterr()
+    train_h5, val_h5 = synthetic_h5
+    code = run_cli(train.main, ["--train-h5", str(train_h5), "--val-h5", str(val_h5), "--resume", str(damaged),
+                                "--epochs", "3", *QUICK, *EMA])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and lines == [f"error: checkpoint {damaged}: its EMA state is damaged (expected 'updates' "
+                                   "and 'model'); start from its weights with --weights"], lines
+    assert damaged.read_bytes() == before
+    assert {p.name for p in damaged.parent.iterdir()} - {".run.lock"} == {"last.pth"}
+
+
+def test_resuming_a_checkpoint_without_ema_under_ema_says_where_the_average_starts(tmp_path, synthetic_h5, capsys):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "plain", "--val-every", "0")
+    capsys.readouterr()
+    run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "plain", "--resume", "auto", "--ema", "0.9",
+        "--val-every", "0")
+    last = tmp_path / "plain" / "last.pth"
+    said = [line for line in capsys.readouterr().out.splitlines() if "no EMA" in line]
+    assert said == [f"checkpoint {last} has no EMA of the weights (its run had no --ema): the average starts "
+                    "from its weights now, its decay warming up again"], said
+    assert load_checkpoint(last)["ema"]["updates"] == 3
