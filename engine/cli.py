@@ -128,13 +128,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tuple[Path | None, dict | None]:
     """(checkpoint, the config stored in it) that --resume will load, if it can be found."""
-    from runtime.checkpoint import find_latest_checkpoint
-    from engine.resume import read_state
+    from engine.resume import latest_checkpoint, read_state
     from engine.run_setup import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
         run_dir = base / run_name if run_name else newest_run_dir(base)
-        path = find_latest_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
+        path = latest_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
     else:
         path = Path(resume)
     if not path or not path.is_file():

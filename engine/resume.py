@@ -1,6 +1,7 @@
 """Where a run starts from, decided once: `plan_run` picks (on rank 0, for every rank) the run
-directory and the checkpoint a resume continues; `read_state` reads a checkpoint once per process
-(the command line's look at its config and the trainer's load share the read); `load_start`
+directory and the checkpoint a resume continues; `latest_checkpoint` scans a run directory for
+`--resume auto` once per process and `read_state` reads a checkpoint once per process (the command
+line's look at its config and the trainer's plan and load share them); `load_start`
 puts the weights a run starts from (resume, the authors' run, --weights) into the model, and
 `restore` the rest (optimiser, scaler, RNG, position, hooks' states) once the optimiser exists.
 """
@@ -18,6 +19,7 @@ from runtime import distributed as dist
 
 _STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
 _read: dict[tuple, dict] = {}      # (resolved path, the file's identity) -> its state (one entry)
+_latest: dict[tuple, str | None] = {}    # (run directory, its checkpoints' identities) -> latest's name
 
 
 @dataclass
@@ -46,11 +48,29 @@ def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
     if not train.resume:
         return None
     if train.resume == "auto":
-        path = ckpt.find_latest_checkpoint(run_dir)
+        path = latest_checkpoint(run_dir)
         return str(path) if path else None
     if not Path(train.resume).is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
     return train.resume
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there,
+    done once per process while the directory's checkpoints stay the same files (names, sizes,
+    times): the command line's look at the resumed config and `plan_run` share the scan."""
+    run_dir = Path(run_dir)
+    try:
+        files = tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                             for p in run_dir.glob("*.pth") for st in [p.stat()]))
+    except OSError:
+        return ckpt.find_latest_checkpoint(run_dir)       # says what is wrong
+    key = (str(run_dir.resolve()), files)
+    if key not in _latest:
+        _latest.clear()
+        found = ckpt.find_latest_checkpoint(run_dir)
+        _latest[key] = found.name if found else None
+    return run_dir / _latest[key] if _latest[key] else None
 
 
 def read_state(path) -> dict:
@@ -69,6 +89,7 @@ def read_state(path) -> dict:
 
 def forget_state() -> None:
     _read.clear()
+    _latest.clear()
 
 
 def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:

@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,6 +222,45 @@ def test_find_latest_refuses_a_file_it_cannot_read_rather_than_save_over_it(tmp_
     torch.save({"format_version": FORMAT_VERSION + 1, "step": 500}, tmp_path / "epoch_4.pth")
     with pytest.raises(CheckpointError, match="format version 2, newer than this trainer's 1"):
         find_latest_checkpoint(tmp_path)
+
+
+def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeypatch):
+    """The command line (to take over the saved config) and the run's plan both look for the
+    latest checkpoint: one scan serves both, and a checkpoint written in between is seen."""
+    from config.loader import build_config, to_dict
+    from engine.cli import build_parser, config_from_args
+    from engine.resume import forget_state, plan_run
+    from engine.run_setup import release_run_dir
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    saved = to_dict(build_config("tiny", sets=["train.epochs=7"]))
+    save_checkpoint(run_dir / "epoch_1.pth", {"step": 3, "epoch": 1, "config": saved})
+    save_checkpoint(run_dir / "epoch_2.pth", {"step": 6, "epoch": 2, "config": saved})
+    reads, load = [], checkpoint.load_checkpoint
+
+    def counted(path, *args, **kwargs):
+        reads.append(Path(path))
+        return load(path, *args, **kwargs)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", counted)
+
+    def plan():
+        cfg = config_from_args(build_parser("t").parse_args(["--resume", "auto", "--run-name", "r",
+                                                             "--out-dir", str(tmp_path)]))
+        found = plan_run(cfg)
+        release_run_dir(found.run_dir)
+        forget_state()
+        return cfg, found.resume_path
+    try:
+        cfg, resumed = plan()
+        assert resumed == run_dir / "epoch_2.pth" and cfg.train.epochs == 7
+        assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "epoch_2.pth"]  # scan, config
+        save_checkpoint(run_dir / "last.pth", {"step": 9, "epoch": 3, "config": saved})
+        reads.clear()
+        assert plan()[1] == run_dir / "last.pth"
+        assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "last.pth", "last.pth"]
+    finally:
+        forget_state()
 
 
 def draws():
