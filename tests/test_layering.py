@@ -1,8 +1,9 @@
 """Layers import one way (README, "The layout"): config, then data and models, then runtime
 (checkpoint files, collectives), then engine, then inference and the entry scripts. A module that
-imports a layer above its own, even inside a function, fails here. And the data and inference
-layers receive their own part of the configuration (a section, or a view of `config.views`),
-never the whole `Config`: a public function or method there that takes one fails here."""
+imports a layer above its own, even inside a function, fails here. And the layers below the
+engine (data, models, runtime) and inference receive their own part of the configuration (a
+section, or a view of `config.views`), never the whole `Config`: a public function or method there
+that takes one fails here."""
 from __future__ import annotations
 
 import ast
@@ -39,7 +40,7 @@ def test_a_layer_imports_nothing_above_it(package):
     assert not wrong, wrong
 
 
-# -- the data and inference layers take their part of the config -------------------------------------
+# -- the layers below the engine, and inference, take their part of the config ----------------------
 WHOLE_CONFIG = re.compile(r"\bConfig\b")         # the whole Config; InferenceConfig etc. do not match
 READS_A_CHECKPOINT = {"inference/loading.py"}    # turns a file's saved whole config into the parts
 
@@ -72,8 +73,8 @@ def test_the_check_finds_a_whole_config_parameter():
     assert whole_config_parameters("def f(settings: PredictSettings, inference: InferenceConfig): ...") == []
 
 
-@pytest.mark.parametrize("package", ["data", "inference"])
-def test_data_and_inference_take_their_part_of_the_config(package):
+@pytest.mark.parametrize("package", ["data", "models", "runtime", "inference"])
+def test_layers_below_the_engine_and_inference_take_their_part_of_the_config(package):
     wrong = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / package).rglob("*.py"))
              if str(path.relative_to(ROOT)) not in READS_A_CHECKPOINT
              and (found := whole_config_parameters(path.read_text(), str(path)))}
