@@ -108,6 +108,7 @@ class PoseEstimator:
         self.settings = settings
         self.skeleton = self.network.skeleton       # what its channels are (`config.skeleton`)
         self.config: Config | None = None           # the whole config of the file it came from
+                                                    # (None when built from a network and settings)
 
     @classmethod
     def _loaded(cls, network, config: Config) -> "PoseEstimator":
