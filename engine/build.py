@@ -33,6 +33,7 @@ class Data:
     val_set: object | None
     train_h5: str
     val_h5: str | None
+    val_loader: object | None = None    # made at the first validation; its workers then persist
 
     @property
     def skeleton(self) -> Skeleton:      # the data's: heads, loss, checkpoints follow it

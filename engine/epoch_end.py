@@ -104,7 +104,9 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         shards = ctx.world_size
         # a stop vote per batch while every rank still has one (shards differ by one at most)
         voted_batches = -(-(len(val_set) // shards) // max(1, cfg.train.batch_size // shards))
-        for n, batch in enumerate(val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)):
+        if trainer.data.val_loader is None:       # made once: its workers serve every validation
+            trainer.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
+        for n, batch in enumerate(trainer.data.val_loader):
             images, target, mask = to_model_input(batch, ctx.device, val_set.painter, non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
             total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])

@@ -264,13 +264,15 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
 
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     """This rank's shard of a validation `KeypointDataset`, in compact batches of its share of
-    the total `batch_size`."""
+    the total `batch_size`. Built once per run: its workers persist from one validation to the
+    next (and keep their HDF5 handle), as the training loader's do."""
     from data.dataset import CompactSamples
     per_process = max(1, batch_size // ctx.world_size)
-    return DataLoader(CompactSamples(dataset), batch_size=per_process,
-                      sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
-                      num_workers=data.workers, worker_init_fn=ignore_stop_signals,
-                      pin_memory=data.pin_memory and ctx.device.type == "cuda")
+    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,
+                                   sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
+                                   num_workers=data.workers, worker_init_fn=ignore_stop_signals,
+                                   persistent_workers=data.workers > 0,
+                                   pin_memory=data.pin_memory and ctx.device.type == "cuda")
 
 
 def memory_gb(device: torch.device) -> float:

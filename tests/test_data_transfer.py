@@ -19,7 +19,7 @@ from config.loader import build_config
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.transfer import batch_bytes, expand, pack_people
-from engine.run_setup import train_loader
+from engine.run_setup import train_loader, val_loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,8 @@ class PidDataset:
         return len(self.dataset)
 
     def compact_item(self, key):
-        return (os.getpid(), key[1], *self.dataset.compact_item(key))
+        index = key[1] if isinstance(key, tuple) else key      # training keys carry their epoch
+        return (os.getpid(), index, *self.dataset.compact_item(key))
 
 
 def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthetic_h5):
@@ -108,6 +109,24 @@ def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthet
     assert common and all(not torch.equal(first[i], second[i]) for i in common)
     assert second.keys() == fresh[1][0].keys()
     assert all(torch.equal(second[i], fresh[1][0][i]) for i in second)
+
+
+def test_validation_workers_persist_from_one_validation_to_the_next(synthetic_h5):
+    cfg = build_config(None, {"data": {"input_size": 64, "workers": 2}, "train": {"batch_size": 4}})
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    dataset = PidDataset(KeypointDataset(synthetic_h5[1], SampleSettings.of(cfg), train=False))
+    loader = val_loader(dataset, cfg.data, cfg.train.batch_size, ctx)
+    passes = []
+    for _ in range(2):
+        pids, images = set(), {}
+        for pid, index, image, _, _ in loader:
+            pids.update(pid.tolist())
+            images.update(zip(index.tolist(), image))
+        passes.append((pids, images))
+    (pids_first, first), (pids_second, second) = passes
+    assert len(pids_first) == 2 and pids_second == pids_first and os.getpid() not in pids_first
+    assert sorted(first) == list(range(len(dataset)))          # every sample, once, both times
+    assert first.keys() == second.keys() and all(torch.equal(first[i], second[i]) for i in first)
 
 
 EXIT_SCRIPT = """

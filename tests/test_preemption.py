@@ -183,6 +183,20 @@ def resume_hint(stderr: str, run_dir: Path) -> str:
     return line
 
 
+def signal_those_past_two_steps(waiting: dict, out_dir: Path) -> dict:
+    """Send each run of `waiting` ({signal: process}, run named after the signal) its signal once
+    it has logged two steps, and drop it from `waiting`; returns what still waits."""
+    for sig, process in list(waiting.items()):
+        if process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"the {sig.name} run ended (rc {process.returncode}) before two "
+                                 f"logged steps:\n{err[-3000:]}")
+        if logged_steps(out_dir / sig.name) >= 2:
+            process.send_signal(sig)
+            del waiting[sig]
+    return waiting
+
+
 def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curve(
         tmp_path, synthetic_h5):
     preset = write_micro_preset(tmp_path)
@@ -193,9 +207,15 @@ def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curv
                          str(synthetic_h5[0]), "--out-dir", str(tmp_path), "--run-name", sig.name,
                          "--epochs", str(SIGNAL_EPOCHS), *sets]
         processes[sig] = start(commands[sig])
-    for sig, process in processes.items():
-        wait_until(lambda: logged_steps(tmp_path / sig.name) >= 2, process, "two logged steps")
-        process.send_signal(sig)
+    # each is signalled as soon as it has logged two steps: waiting on one first would let the
+    # other run on into its second epoch
+    waiting, deadline = dict(processes), time.monotonic() + 120
+    while signal_those_past_two_steps(waiting, tmp_path):
+        if time.monotonic() > deadline:
+            for process in processes.values():
+                process.kill()
+            raise AssertionError(f"no two logged steps within 120 s: {[s.name for s in waiting]}")
+        time.sleep(0.02)
     resumed = {}
     for sig, process in processes.items():
         run_dir = tmp_path / sig.name
