@@ -95,7 +95,8 @@ def loader_batches(trainer: Trainer):
     while True:
         trainer.train_set.set_epoch(epoch)
         trainer.data.sampler.set_epoch(epoch)
-        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device, trainer.train_set.painter)
+        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device,
+                              trainer.train_set.painter_for(trainer.ctx.device))
         epoch += 1
 
 

@@ -4,12 +4,12 @@
 `SampleSettings.of(cfg)` of a run's config) returns
     image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = settings.input_size
     target float32 [C, S/4, S/4] the maps of `data.targets` (C: the file's skeleton's channels,
-                                 50 for COCO), drawn by `data.device_targets.TargetPainter`
+                                 50 for COCO), as a CPU device draws them (`painter_for`)
     mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
 which is `data.transfer.expand` of `compact_item(key)`, the uint8 image and masks and the
 augmented keypoints that the training loader's workers send (an eighth of the float32 bytes; the
-device draws the targets). `sample_arrays(key)` gives the same sample with the CPU drawing of
-`data.targets.render_targets`.
+device draws the targets, with `painter_for(device)`). `sample_arrays(key)` gives the same
+sample as numpy arrays, its target drawn by `data.targets.render_targets` (equal to `[key]`'s).
 
 A key is a sample index, or an (epoch, index) pair: the training sampler sends pairs, so that
 workers that persist across epochs draw each epoch's augmentation; a bare index uses the epoch of
@@ -37,7 +37,7 @@ from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduce
                           matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5
 from data.device_targets import TargetPainter
-from data.targets import render_targets
+from data.targets import HostTargetPainter, render_targets
 from data.transfer import compact_sample, expand, pack_people, supervised
 
 __all__ = ["CompactSamples", "KeypointDataset"]
@@ -89,9 +89,16 @@ class KeypointDataset(Dataset):
         self.size = settings.input_size
         self.stride = settings.stride
         self.out_size = self.size // self.stride
-        self.painter = TargetPainter(self.skeleton, settings.targets, self.stride)
+        self.painter = TargetPainter(self.skeleton, settings.targets, self.stride)    # whole grid
+        self.host_painter = HostTargetPainter(self.skeleton, settings.targets, self.stride)
         self.person_slots = max(1, self.h5.max_people)     # people per compact sample
         self._process = None          # pid `keep_freed_memory` ran in
+
+    def painter_for(self, device: torch.device):
+        """What draws a batch's targets on `device`: on a CPU the windowed drawing of `data.targets`
+        sample by sample (some 40x cheaper there), elsewhere the whole-grid `TargetPainter`
+        (a few kernels per person slot, no host sync). They agree to float32 rounding."""
+        return self.host_painter if torch.device(device).type == "cpu" else self.painter
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -169,7 +176,7 @@ class KeypointDataset(Dataset):
                               sample["ignore"], sample["person_mask"])
 
     def __getitem__(self, key):
-        return expand(*self.compact_item(key), self.painter)
+        return expand(*self.compact_item(key), self.host_painter)
 
 
 class CompactSamples(Dataset):

@@ -107,7 +107,8 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         if trainer.data.val_loader is None:       # made once: its workers serve every validation
             trainer.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
         for n, batch in enumerate(trainer.data.val_loader):
-            images, target, mask = to_model_input(batch, ctx.device, val_set.painter, non_blocking=False)
+            images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
+                                                  non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
             total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
             if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):

@@ -80,6 +80,7 @@ class Trainer:
         self.optimizer, self.optim_step = parts.optimizer, parts.optim_step
         self.net, self.eval_net = parts.net, parts.eval_net
         self.skeleton, self.train_set = self.data.skeleton, self.data.train_set
+        self.painter = self.train_set.painter_for(ctx.device)     # draws the batches' targets
         self.epoch, self.start_batch, self.step = 0, 0, 0
         self.best_metric, self.bad_validations = None, 0
         self.validation_pending, self.stop_signal, self.early_stopped, self.results = False, None, False, {}
@@ -141,7 +142,7 @@ class Trainer:
         update, parts = self.optim_step, {}
         update.begin(len(batches))
         for i, batch in enumerate(batches):
-            images, target, mask = to_model_input(batch, self.ctx.device, self.train_set.painter)
+            images, target, mask = to_model_input(batch, self.ctx.device, self.painter)
             with update.accumulating(last=i == len(batches) - 1):
                 per_sample, losses = self.net(images, target, mask)
                 for k, v in losses.items():
@@ -163,7 +164,7 @@ class Trainer:
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
         rate = Throughput(self.cfg.train.batch_size * accumulate)
-        batches = iter(DeviceFeed(self.data.loader, self.ctx.device, self.train_set.painter))
+        batches = iter(DeviceFeed(self.data.loader, self.ctx.device, self.painter))
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
             self._call("before_step", epoch, first)

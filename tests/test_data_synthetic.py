@@ -107,7 +107,8 @@ def test_benchmark_prints_table_and_json_last():
     lines = proc.stdout.strip().splitlines()
     figures = json.loads(lines[-1])
     assert {"read_per_s", "augment_per_s", "targets_per_s", "total_per_s", "h5_bytes_per_image",
-            "raw_bytes_per_image", "size_ratio"} <= set(figures)
+            "raw_bytes_per_image", "size_ratio", "device_targets_cpu_ms_per_batch",
+            "host_targets_cpu_ms_per_batch"} <= set(figures)
     assert figures["total_per_s"] > 0 and figures["size_ratio"] < 0.2
     # the total is the fastest of the passes, never slower than their median
     assert figures["repeats"] == 3 and figures["total_per_s"] >= figures["total_median_per_s"] > 0

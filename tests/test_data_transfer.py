@@ -48,7 +48,8 @@ def test_a_sample_with_more_people_than_its_slots_is_refused():
 def test_the_expanded_batch_is_the_stacked_dataset_items(synthetic_h5):
     ds = dataset_at(synthetic_h5[0], 128)
     keys = [(1, 0), (1, 5), (2, 5)]
-    expanded = expand(*default_collate([ds.compact_item(k) for k in keys]), ds.painter)
+    expanded = expand(*default_collate([ds.compact_item(k) for k in keys]),
+                      ds.painter_for(torch.device("cpu")))
     stacked = [torch.stack(t) for t in zip(*(ds[k] for k in keys))]
     for got, want in zip(expanded, stacked):
         assert got.dtype == torch.float32 and got.is_contiguous()

@@ -100,5 +100,11 @@ def test_coco4_samples_draw_the_same_on_the_device_as_in_the_workers_before(coco
                        torch.stack([masks[1:] for _, _, masks in compact])).numpy()
     for got, sample in zip(drawn, arrays):
         assert_same_drawing(got, sample["target"])
-    single = [ds[key][1].numpy() for key in keys[:3]]                # dataset[i]: the same drawing
-    assert all(np.array_equal(a, b) for a, b in zip(single, drawn))
+    # a CPU device draws sample by sample (`painter_for`): the maps of sample_arrays, bit for bit,
+    # and dataset[i] is what it trains on
+    host = ds.painter_for(torch.device("cpu"))(torch.stack([people for _, people, _ in compact]),
+                                               torch.stack([masks[1:] for _, _, masks in compact]))
+    assert all(np.array_equal(got, sample["target"]) for got, sample in zip(host.numpy(), arrays))
+    single = [ds[key][1].numpy() for key in keys[:3]]
+    assert all(np.array_equal(a, b) for a, b in zip(single, host.numpy()))
+    assert ds.painter_for(torch.device("cuda")) is ds.painter           # the whole-grid drawing

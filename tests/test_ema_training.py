@@ -54,7 +54,7 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in val_loader(dataset, cfg.data, cfg.train.batch_size, ctx):
-            per_sample, _ = net(*to_model_input(batch, ctx.device, dataset.painter))
+            per_sample, _ = net(*to_model_input(batch, ctx.device, dataset.painter_for(ctx.device)))
             total, count = total + per_sample.double().sum().item(), count + per_sample.numel()
     return total / count
 
