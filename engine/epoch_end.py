@@ -117,8 +117,8 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         results["loss"] = (total[0] / total[1].clamp(min=1)).item()
     if ap_due and trainer.evaluator is not None:
         with cudnn_autotuning_off():
-            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg), ctx.device,
-                                      max_images=cfg.train.ap_max_images, progress=ctx.is_main,
+            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg),
+                                      ctx.device, max_images=cfg.train.ap_max_images, progress=ctx.is_main,
                                       stop=lambda: trainer.stop_signal is not None,
                                       skeleton=trainer.skeleton)
         if stats is None:

@@ -122,16 +122,18 @@ def test_a_damaged_ema_in_the_checkpoint_resumed_is_one_error_line_naming_it(str
     before = damaged.read_bytes()
     capsys.readouterr()
     train_h5, val_h5 = synthetic_h5
-    code = run_cli(train.main, ["--train-h5", str(train_h5), "--val-h5", str(val_h5), "--resume", str(damaged),
-                                "--epochs", "3", *QUICK, *EMA])
+    code = run_cli(train.main, ["--train-h5", str(train_h5), "--val-h5", str(val_h5),
+                                "--resume", str(damaged), "--epochs", "3", *QUICK, *EMA])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2 and lines == [f"error: checkpoint {damaged}: its EMA state is damaged (expected 'updates' "
-                                   "and 'model'); start from its weights with --weights"], lines
+    assert code == 2 and lines == [f"error: checkpoint {damaged}: its EMA state is damaged "
+                                   "(expected 'updates' and 'model'); start from its weights with "
+                                   "--weights"], lines
     assert damaged.read_bytes() == before
     assert {p.name for p in damaged.parent.iterdir()} - {".run.lock"} == {"last.pth"}
 
 
-def test_resuming_a_checkpoint_without_ema_under_ema_says_where_the_average_starts(tmp_path, synthetic_h5, capsys):
+def test_resuming_a_checkpoint_without_ema_under_ema_says_where_the_average_starts(tmp_path, synthetic_h5,
+                                                                                  capsys):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "plain", "--val-every", "0")
     capsys.readouterr()
     run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "plain", "--resume", "auto", "--ema", "0.9",
