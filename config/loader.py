@@ -181,8 +181,9 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def _check_bounds(key: str, value: Any) -> None:
-    """Finite floats everywhere; `BOUNDS` and `CHOICES` of config.schema where declared."""
+def check_value(key: str, value: Any) -> None:
+    """Raise `ConfigError` for a value of option `key` (e.g. "train.seed") that is not a finite
+    number, or outside `BOUNDS` and `CHOICES` of config.schema where they declare it."""
     if key in CHOICES and value not in CHOICES[key]:
         shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
                  for c in CHOICES[key]]
@@ -221,7 +222,29 @@ def _check_fields(section: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _check_fields(value, f"{prefix}{f.name}.")
         else:
-            _check_bounds(prefix + f.name, value)
+            check_value(prefix + f.name, value)
+
+
+def check_section(section: Any, prefix: str) -> None:
+    """Raise `ConfigError` for a value of one section (e.g. an `InferenceConfig` built in code,
+    `prefix` "inference") outside what `BOUNDS` and `CHOICES` of config.schema accept."""
+    _check_fields(section, prefix.rstrip(".") + ".")
+
+
+def check_input_size(size: Any) -> None:
+    """Raise `ConfigError` unless `size` is an input size the network takes (data.input_size):
+    an integer multiple of 64 within `BOUNDS`."""
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise ConfigError(f"option data.input_size: {size!r} is not a whole number of pixels")
+    check_value("data.input_size", size)
+    if size % 64:
+        raise ConfigError(f"option data.input_size: {size} is not a positive multiple of 64")
+
+
+def check_stride(stride: Any) -> None:
+    """Raise `ConfigError` unless `stride` (data.stride) is the network's output stride, 4."""
+    if stride != 4 or isinstance(stride, bool):
+        raise ConfigError(f"option data.stride: {stride!r}: the network's output stride is 4")
 
 
 def _check_run_name(name: str) -> None:
@@ -253,10 +276,8 @@ def validate(cfg: Config) -> None:
     if cfg.optim.milestones != sorted(set(cfg.optim.milestones)):
         raise ConfigError(f"option optim.milestones: {cfg.optim.milestones} must be increasing epochs")
     size = cfg.data.input_size
-    if size % 64:
-        raise ConfigError(f"option data.input_size: {size} is not a positive multiple of 64")
-    if cfg.data.stride != 4:
-        raise ConfigError("option data.stride: the network's output stride is 4")
+    check_input_size(size)
+    check_stride(cfg.data.stride)
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":
         try:

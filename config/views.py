@@ -4,12 +4,16 @@ The data and inference layers never receive the whole `Config`: a function that 
 takes that section (`InferenceConfig`, `TargetConfig`, ...), and one that needs a few fields of
 several takes one of the small frozen views here, built from a `Config` by its `of`. What such a
 layer reads is then in its signature, and it can be called without building a whole run's config.
-The engine (and the entry scripts) hold the `Config` and hand each part down.
+The engine (and the entry scripts) hold the `Config` and hand each part down. A view built in code
+is checked as a config is (`config.loader`): a value it cannot work with is a `ConfigError` naming
+the option.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from config.errors import ConfigError
+from config.loader import check_input_size, check_section, check_stride, check_value
 from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
 
 
@@ -23,6 +27,15 @@ class SampleSettings:
     augment: AugmentConfig
     targets: TargetConfig
     seed: int = 0
+
+    def __post_init__(self):
+        check_input_size(self.input_size)
+        check_stride(self.stride)
+        check_section(self.augment, "augment")
+        check_section(self.targets, "targets")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"option train.seed: {self.seed!r} is not a whole number")
+        check_value("train.seed", self.seed)
 
     @classmethod
     def of(cls, cfg: Config) -> "SampleSettings":
@@ -38,6 +51,11 @@ class PredictSettings:
     inference: InferenceConfig
     input_size: int
     targets: TargetConfig = field(default_factory=TargetConfig)
+
+    def __post_init__(self):
+        check_input_size(self.input_size)
+        check_section(self.inference, "inference")
+        check_section(self.targets, "targets")
 
     @classmethod
     def of(cls, cfg: Config) -> "PredictSettings":

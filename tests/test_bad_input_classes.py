@@ -112,6 +112,8 @@ def env(tmp_path_factory, synthetic_h5):
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),
     (["--set", "model.stacks=16", "--set", "model.channels=2048"],
      ["option model.max_params_m", "million parameters", "--set model.max_params_m=N"]),
+    (["--set", "data.input_size=500"], ["option data.input_size", "500 is not a positive multiple of 64"]),
+    (["--set", "data.stride=8"], ["option data.stride", "the network's output stride is 4"]),
     (["--run-name", "..", "--overwrite"], ["option train.run_name", "'..' is not a plain folder name"]),
     (["--run-name", ".", "--overwrite"], ["option train.run_name", "'.' is not a plain folder name"]),
     (["--run-name", "../runs", "--overwrite"], ["option train.run_name", "not a plain folder name"]),
