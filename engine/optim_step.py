@@ -78,10 +78,10 @@ class OptimStep:
             return contextlib.nullcontext()
         return no_sync()
 
-    def backward(self, loss: torch.Tensor, stop_requested: bool = False) -> bool:
+    def backward(self, loss: torch.Tensor, stop_requested: bool = False) -> None:
         """Backward of the batch's share of the step's loss through the loss scaler, without reading
         the loss on the host: a bad loss makes every gradient NaN (the step is then skipped by all
-        ranks). Always True: every batch of the step runs, on every rank."""
+        ranks). Every batch of the step runs its backward, on every rank."""
         self._stop = self._stop or bool(stop_requested)
         value = loss.detach().float()
         bad = torch.logical_not(torch.isfinite(value)) | (value > self.cfg.skip_loss_above)
@@ -90,7 +90,6 @@ class OptimStep:
         self._batches += 1
         poison = torch.where(bad, torch.full_like(value, math.nan), torch.ones_like(value))
         self.precision.backward(loss * poison.to(loss.dtype) / self._count)
-        return True
 
     def _read_step(self, norm: torch.Tensor) -> tuple[float, float, bool, bool, bool]:
         """The step's one host read: (norm, loss sum, bad loss on some rank, non-finite norm on some
