@@ -101,12 +101,12 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
     if loss_due:
         trainer.eval_net.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        shards = ctx.world_size
-        # a stop vote per batch while every rank still has one (shards differ by one at most)
-        voted_batches = -(-(len(val_set) // shards) // max(1, cfg.train.batch_size // shards))
         if trainer.data.val_loader is None:       # made once: its workers serve every validation
             trainer.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
-        for n, batch in enumerate(trainer.data.val_loader):
+        loader = trainer.data.val_loader
+        # a stop vote per batch while every rank still has one (shards differ by one at most)
+        voted_batches = -(-(len(val_set) // ctx.world_size) // loader.batch_size)
+        for n, batch in enumerate(loader):
             images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
                                                   non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
