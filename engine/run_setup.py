@@ -246,19 +246,10 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
     if sampler.batches_per_epoch < train.accumulate:
         raise ConfigError(f"option train.accumulate: {train.accumulate} batches per step, but an "
                           f"epoch has only {sampler.batches_per_epoch} batches of {train.batch_size}")
-    if data.workers > 0:
-        # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
-        # changing OpenCV's thread count inside a forked worker can deadlock on the pool the
-        # parent used: so the parent sets it once, before any worker is forked.
-        import cv2
-        cv2.setNumThreads(1)
     # Workers persist across epochs (and keep their HDF5 handle): the epoch travels with the
     # sampler's (epoch, index) keys. They send compact samples, expanded on the device.
     loader = PersistentWorkersLoader(CompactSamples(dataset), batch_sampler=sampler,
-                                     num_workers=data.workers,
-                                     pin_memory=data.pin_memory and ctx.device.type == "cuda",
-                                     persistent_workers=data.workers > 0,
-                                     worker_init_fn=ignore_stop_signals)
+                                     **_worker_options(data, ctx))
     return loader, sampler
 
 
@@ -270,9 +261,21 @@ def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     per_process = max(1, batch_size // ctx.world_size)
     return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,
                                    sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
-                                   num_workers=data.workers, worker_init_fn=ignore_stop_signals,
-                                   persistent_workers=data.workers > 0,
-                                   pin_memory=data.pin_memory and ctx.device.type == "cuda")
+                                   **_worker_options(data, ctx))
+
+
+def _worker_options(data: DataConfig, ctx) -> dict:
+    """The DataLoader options of both loaders: `data.workers` persistent worker processes that
+    ignore stop signals, pinned batches for CUDA."""
+    if data.workers > 0:
+        # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
+        # changing OpenCV's thread count inside a forked worker can deadlock on the pool the
+        # parent used: so the parent sets it once, before any worker is forked.
+        import cv2
+        cv2.setNumThreads(1)
+    return {"num_workers": data.workers, "persistent_workers": data.workers > 0,
+            "worker_init_fn": ignore_stop_signals,
+            "pin_memory": data.pin_memory and ctx.device.type == "cuda"}
 
 
 def memory_gb(device: torch.device) -> float:
