@@ -61,16 +61,21 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
     return stages
 
 
-def device_drawing(dataset: KeypointDataset, samples: int, batch: int, painter) -> float:
-    """CPU seconds per batch of `batch` samples of `painter`'s target drawing, run on the CPU."""
+def drawing_batches(dataset: KeypointDataset, samples: int, batch: int) -> list:
+    """[(people, person masks)] of compact batches of `batch` samples, as the engine hands them to a
+    target drawing (unused person slots cut)."""
     items = [dataset.compact_item((0, n % len(dataset))) for n in range(max(batch, min(samples, 4 * batch)))]
     batches = [items[n:n + batch] for n in range(0, len(items) - batch + 1, batch)]
-    stacked = [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))
-               for b in batches]
+    return [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))
+            for b in batches]
+
+
+def drawing_time(painter, batches: list) -> float:
+    """CPU seconds per batch of `painter`'s target drawing of `batches`, run on the CPU."""
     start = time.process_time()
-    for people, person_mask in stacked:
+    for people, person_mask in batches:
         painter(people, person_mask)
-    return (time.process_time() - start) / len(stacked)
+    return (time.process_time() - start) / len(batches)
 
 
 def main(argv=None) -> int:
@@ -91,8 +96,9 @@ def main(argv=None) -> int:
                            else make_bench_h5(Path(tmp), 1, args.coco_dir))
         dataset = KeypointDataset(h5_path, SampleSettings.of(cfg), train=True)
         stages = measure(dataset, args.samples, max(1, args.repeats))
-        drawing = device_drawing(dataset, args.samples, args.batch, dataset.painter)
-        host_drawing = device_drawing(dataset, args.samples, args.batch, dataset.host_painter)
+        batches = drawing_batches(dataset, args.samples, args.batch)
+        drawing = drawing_time(dataset.painter, batches)
+        host_drawing = drawing_time(dataset.host_painter, batches)
         h5 = dataset.h5
         pixels = [h5.image_size(i) for i in range(h5.num_images)]
         raw = sum(h * w * 3 for h, w in pixels) / len(pixels)
