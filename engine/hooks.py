@@ -78,7 +78,6 @@ class LRSchedule(Hook):
     """The LR of each step from `lr_at`: by where the run is, at the run's total batch."""
     priority = 10
 
-
     def before_step(self, trainer, epoch, first):
         cfg = trainer.cfg
         last_batch = first + cfg.train.accumulate - 1
@@ -112,7 +111,6 @@ class TrainLog(Hook):
     """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks."""
     priority = 40
 
-
     def after_step(self, trainer, out):
         if trainer.step % trainer.cfg.train.log_every and not out["last_of_epoch"]:
             return
@@ -141,7 +139,6 @@ class Preemption(Hook):
     """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved, then the run ends
     with `Interrupted`, which says how to resume."""
     priority = 80
-
 
     def before_train(self, trainer):
         def request_stop(signum, frame):
