@@ -207,6 +207,8 @@ def ignore_stop_signals(worker_id: int) -> None:
     end with it (they watch their parent)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    # forked with them blocked (`PersistentWorkersLoader`): one that came since is dropped now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _stop_workers_at_exit(iterator_ref) -> None:
@@ -223,9 +225,18 @@ class PersistentWorkersLoader(DataLoader):
     The exit function is registered after torch's and multiprocessing's, so it runs before them."""
 
     def _get_iterator(self):
-        iterator = super()._get_iterator()
-        if self.num_workers > 0:
-            atexit.register(_stop_workers_at_exit, weakref.ref(iterator))
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        # A worker installs torch's SIGTERM handler (which kills it when anyone but its parent
+        # signals) before it runs `worker_init_fn`. The workers are forked with the stop signals
+        # blocked, so one sent to the process group in between waits, then is ignored; this
+        # process takes its own copy when they are unblocked here.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            iterator = super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        atexit.register(_stop_workers_at_exit, weakref.ref(iterator))
         return iterator
 
 

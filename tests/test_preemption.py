@@ -1,7 +1,7 @@
 """A stopped run loses nothing: real `train.py` processes SIGKILLed at random moments resume with
 `--resume auto` to the same weights as a run never stopped; SIGTERM / SIGUSR1 (one process, or one
 rank of two under torchrun) finish the step, save once, say how to resume, and the resumed run
-stays on the same epoch, step and LR curve; K consecutive bad steps (non-finite loss) stop the run
+stays on the same epoch, step and LR curve; DataLoader workers signalled while they start live on; K consecutive bad steps (non-finite loss) stop the run
 with one error line and leave the last good checkpoint untouched; fp16 scaler overflows are
 skipped and counted.
 
@@ -29,6 +29,7 @@ from config.skeleton import builtin
 from config.loader import build_config
 from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
+from engine.run_setup import PersistentWorkersLoader, ignore_stop_signals
 from engine.optim import lr_at
 from child_env import child_env
 
@@ -294,6 +295,25 @@ def test_sigterm_to_the_process_group_of_torchrun_with_two_dataloader_workers_sa
         err = worker_log(logs, 0, rank, "stderr")
         assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
         assert resume_hint(err, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
+
+
+def _slow_to_start(worker_id: int) -> None:
+    time.sleep(1.5)     # torch's SIGTERM handler is in place, ours not yet: the window a signal can hit
+    ignore_stop_signals(worker_id)
+
+
+def test_dataloader_workers_signalled_while_they_start_live_on_and_serve_every_sample():
+    # torchrun and SLURM signal the whole group, possibly as the workers of a loader are forked
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loader = PersistentWorkersLoader(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True,
+                                     worker_init_fn=_slow_to_start)
+    iterator = iter(loader)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask    # this process's mask is back
+    pids = [str(worker.pid) for worker in iterator._workers]
+    subprocess.run(["kill", "-TERM", *pids], check=True)      # sent by another process, as they do
+    assert sorted(int(x) for batch in iterator for x in batch) == list(range(8))
+    assert all(worker.is_alive() for worker in iterator._workers)
+    iterator._shutdown_workers()
 
 
 def test_sigterm_to_the_process_group_during_validation_stops_within_a_batch_and_resume_validates_again(
