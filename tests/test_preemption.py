@@ -1,9 +1,9 @@
 """A stopped run loses nothing: real `train.py` processes SIGKILLed at random moments resume with
 `--resume auto` to the same weights as a run never stopped; SIGTERM / SIGUSR1 (one process, or one
 rank of two under torchrun) finish the step, save once, say how to resume, and the resumed run
-stays on the same epoch, step and LR curve; DataLoader workers signalled while they start live on; K consecutive bad steps (non-finite loss) stop the run
-with one error line and leave the last good checkpoint untouched; fp16 scaler overflows are
-skipped and counted.
+stays on the same epoch, step and LR curve; DataLoader workers signalled while they start live on;
+K consecutive bad steps (non-finite loss) stop the run with one error line and leave the last good
+checkpoint untouched; fp16 scaler overflows are skipped and counted.
 
 The helpers at the top (micro model preset, clean environment, torchrun command, stderr without
 progress bars, worker pids of a torchrun agent) are shared with test_elastic_restart.py and
