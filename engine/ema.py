@@ -127,21 +127,20 @@ class WeightsEMA(Hook):
                 "model": {k: v.clone() for k, v in self.averaged.items()}}
 
     @torch.no_grad()
-    def load_state_dict(self, state, source: str | None = None) -> None:
+    def load_state_dict(self, state) -> None:
         """Continue the average saved in `state` (this run's decay and tau are kept); a
-        CheckpointError (naming `source`, if given) when it does not fit this model."""
-        named = f"{source}: its" if source else "its"
+        CheckpointError when it does not fit this model (the caller names the checkpoint)."""
         saved = state.get("model") if isinstance(state, dict) else None
         updates = state.get("updates") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
                 or updates < 0:
-            raise CheckpointError(f"{named} EMA state is damaged (expected "
+            raise CheckpointError("its EMA state is damaged (expected "
                                   "'updates' and 'model'); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
             k for k in saved.keys() & self.averaged.keys()
             if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)
         if differ:
-            raise CheckpointError(f"{named} EMA weights do not fit this model "
+            raise CheckpointError(f"its EMA weights do not fit this model "
                                   f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
                                   "start from its weights with --weights")
         for name, tensor in self.averaged.items():

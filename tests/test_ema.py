@@ -140,11 +140,11 @@ def test_state_round_trip_is_exact_and_a_damaged_state_is_one_error():
     ema.update()
     other.update()
     assert all(torch.equal(other.averaged[k], ema.averaged[k]) for k in ema.averaged)
-    with pytest.raises(CheckpointError, match="x.pth: its EMA state is damaged"):
-        other.load_state_dict({"model": {}}, "x.pth")
+    with pytest.raises(CheckpointError, match="^its EMA state is damaged"):
+        other.load_state_dict({"model": {}})
     broken = dict(state, model={k: v for k, v in state["model"].items() if "stem" not in k})
-    with pytest.raises(CheckpointError, match="x.pth: its EMA weights do not fit this model"):
-        other.load_state_dict(broken, "x.pth")
+    with pytest.raises(CheckpointError, match=r"^its EMA weights do not fit this model \("):
+        other.load_state_dict(broken)
 
 
 def test_a_checkpoint_with_ema_gives_its_ema_weights_and_says_so(tmp_path, capsys):
