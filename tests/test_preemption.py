@@ -298,7 +298,11 @@ def test_sigterm_to_the_process_group_of_torchrun_with_two_dataloader_workers_sa
 
 
 def _slow_to_start(worker_id: int) -> None:
-    time.sleep(1.5)     # torch's SIGTERM handler is in place, ours not yet: the window a signal can hit
+    """Waits in the window a signal can hit (torch's SIGTERM handler is in place, ours not yet)
+    until the test's SIGTERM has come: it is pending (blocked), or it killed this worker."""
+    deadline = time.monotonic() + 60
+    while signal.SIGTERM not in signal.sigpending() and time.monotonic() < deadline:
+        time.sleep(0.01)
     ignore_stop_signals(worker_id)
 
 
@@ -310,7 +314,9 @@ def test_dataloader_workers_signalled_while_they_start_live_on_and_serve_every_s
     iterator = iter(loader)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask    # this process's mask is back
     pids = [str(worker.pid) for worker in iterator._workers]
-    subprocess.run(["kill", "-TERM", *pids], check=True)      # sent by another process, as they do
+    # sent by another process, as torchrun and SLURM send it (torch's handler spares the parent's)
+    subprocess.run([sys.executable, "-c", "import os, signal, sys\n"
+                    "for pid in sys.argv[1:]: os.kill(int(pid), signal.SIGTERM)", *pids], check=True)
     assert sorted(int(x) for batch in iterator for x in batch) == list(range(8))
     assert all(worker.is_alive() for worker in iterator._workers)
     iterator._shutdown_workers()
