@@ -140,7 +140,7 @@ class WeightsEMA(Hook):
             k for k in saved.keys() & self.averaged.keys()
             if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)
         if differ:
-            raise CheckpointError(f"its EMA weights do not fit this model "
+            raise CheckpointError("its EMA weights do not fit this model "
                                   f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
                                   "start from its weights with --weights")
         for name, tensor in self.averaged.items():

@@ -219,10 +219,11 @@ def _stop_workers_at_exit(iterator_ref) -> None:
 
 
 class PersistentWorkersLoader(DataLoader):
-    """A DataLoader whose worker processes are shut down when Python exits, wherever its iterator
-    is held. Python's exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`),
-    then wait for them forever, and torch's own shut-down does nothing once the interpreter exits.
-    The exit function is registered after torch's and multiprocessing's, so it runs before them."""
+    """A DataLoader whose worker processes start safe from stop signals (see `_get_iterator`) and
+    are shut down when Python exits, wherever its iterator is held. Python's exit would stop them
+    with SIGTERM, which they ignore (`ignore_stop_signals`), then wait for them forever, and
+    torch's own shut-down does nothing once the interpreter exits. The exit function is
+    registered after torch's and multiprocessing's, so it runs before them."""
 
     def _get_iterator(self):
         if self.num_workers == 0:
