@@ -25,15 +25,15 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import DataError, run_cli
+from config.errors import ArgumentParser, DataError, run_cli
 from config.paths import refuse_output_as_input, same_file
 from data.picture_files import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True,
                    help="checkpoint, bare state dict, or ONNX file written by export.py")
     source = p.add_mutually_exclusive_group(required=True)

@@ -19,13 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.errors import ConfigError, DataError, run_cli
+from config.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.paths import refuse_output_as_input
 from inference.coco_eval import STAT_NAMES
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", help="checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
                    "written by export.py")
     p.add_argument("--oracle", action="store_true",

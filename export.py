@@ -25,7 +25,7 @@ import cv2
 import numpy as np
 import torch
 
-from config.errors import ConfigError, DataError, UserError, run_cli
+from config.errors import ArgumentParser, ConfigError, DataError, UserError, run_cli
 from config.paths import written_whole
 
 FORMATS = ("onnx",)
@@ -38,8 +38,8 @@ class ExportMismatch(UserError):
     exit_code = 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True, help="checkpoint of this trainer or bare state dict")
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
     p.add_argument("--out", required=True, help="the file to write (never overwritten)")

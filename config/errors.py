@@ -1,9 +1,13 @@
 """Errors a user can fix: each says what is wrong and where (file, option, item).
 
 Entry scripts catch `UserError` and print its message on one line, then exit with its code, so
-bad input never ends in a bare traceback. Everything else is a bug and keeps its traceback.
+bad input never ends in a bare traceback. Everything else is a bug and keeps its traceback. Their
+command lines are read by `ArgumentParser`, whose mistakes (an unknown option, a value of the wrong
+type) are one such line too.
 """
 from __future__ import annotations
+
+import argparse
 
 
 class UserError(Exception):
@@ -28,6 +32,15 @@ class TrainingDiverged(UserError):
     """Too many consecutive steps with non-finite or abnormal loss or gradients."""
 
     exit_code = 3
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that a mistake on the command line ends like any other bad input:
+    one `error:` line naming the option, exit code 2, instead of the whole usage first (`--help`
+    still prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def os_reason(exc: OSError) -> str:

@@ -14,7 +14,6 @@ Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import struct
@@ -29,7 +28,7 @@ import numpy as np
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from config.errors import DataError, run_cli
+from config.errors import ArgumentParser, DataError, run_cli
 from config.paths import refuse_output_as_input, written_whole
 from config.skeleton import Skeleton, infer_from_category, load_skeleton
 from data.coco_checks import Selection, select_valid
@@ -336,7 +335,7 @@ def format_summary(summary: dict) -> str:
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.make_hdf5", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m data.make_hdf5", description=__doc__.split("\n")[0])
     parser.add_argument("--ann", required=True, help="COCO person-keypoints JSON")
     parser.add_argument("--images", required=True, help="folder of the JSON's images")
     parser.add_argument("--out", required=True, help="HDF5 file to write")

@@ -9,13 +9,12 @@ person-mask outline, all in the channels of the file's skeleton. Samples are dra
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import cv2
 import numpy as np
 
-from config.errors import ConfigError, DataError, run_cli
+from config.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.loader import build_config
 from config.paths import refuse_output_as_input
 from config.views import SampleSettings
@@ -72,7 +71,7 @@ def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarra
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
     parser.add_argument("--h5", required=True, help="keypoint HDF5 file (data.make_hdf5)")
     parser.add_argument("--out", required=True, help="picture to write (.png or .jpg)")
     parser.add_argument("--n", type=int, default=8, help="number of samples (default 8)")

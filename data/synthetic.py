@@ -14,7 +14,6 @@ exercised. `ensure_synthetic_h5(cache_dir)` makes and converts it once.
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import math
@@ -26,7 +25,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import DataError
+from config.errors import ArgumentParser, DataError
 from config.skeleton import builtin
 from data import synthetic_animals
 
@@ -302,7 +301,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")
     parser.add_argument("--train-images", type=int, default=400)
     parser.add_argument("--val-images", type=int, default=50)

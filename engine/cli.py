@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from config.errors import CheckpointError, ConfigError, run_cli
+from config.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
 
 DEFAULT_PRESET = "tiny"
@@ -57,8 +57,8 @@ def _loss_scale(text: str):
         raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number, got {text!r}") from None
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
+def build_parser(description: str) -> ArgumentParser:
+    p = ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--config", default=None, help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")

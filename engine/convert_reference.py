@@ -16,13 +16,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.errors import ConfigError, run_cli
+from config.errors import ArgumentParser, ConfigError, run_cli
 
 DEFAULT_PRESET = "imhn512"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m engine.convert_reference", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="IN.pth", help="checkpoint in the authors' layout")
     p.add_argument("out", metavar="OUT.pth", help="checkpoint of this trainer to write")
     p.add_argument("--config", default=DEFAULT_PRESET,

@@ -13,7 +13,6 @@ prints the per-module breakdown and ends with one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from config.errors import run_cli
+from config.errors import ArgumentParser, run_cli
 from config.skeleton import load_skeleton
 
 COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
@@ -97,7 +96,7 @@ def _main(argv: list[str] | None = None) -> int:
     from config.loader import build_config
     from models.imhn import build_model
 
-    parser = argparse.ArgumentParser(prog="python -m models.summary",
+    parser = ArgumentParser(prog="python -m models.summary",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--config", default="imhn",
                         help="config preset name or YAML path (default imhn, the paper's network)")

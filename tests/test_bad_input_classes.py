@@ -493,6 +493,8 @@ def test_one_case_per_class_in_a_real_process(env, tmp_path):
         "traceback": (make + ["--ann", str(tmp_path / "empty.json"), "--out", str(tmp_path / "e.h5"),
                               "--skip-bad"], ["no image was kept"]),
         "unclear": (trainer + ["--device", "tpu"], ["option train.device", "'tpu'"]),
+        "command line": (trainer + ["--epochs", "ten"], ["argument --epochs", "invalid int value: 'ten'",
+                                                         "(see train.py --help)"]),
         "environment variable": ([py, "train_distributed.py", "--device", "cpu"] + trainer[2:],
                                  ["MASTER_PORT 99999 is not a port"]),
     }

@@ -1,0 +1,50 @@
+"""A mistake on any command line of the project (an unknown option, a value of the wrong type or
+choice, a missing argument) is one `error:` line naming the option, exit code 2, like every other
+bad input: not argparse's whole usage block first. `--help` still prints the usage.
+
+Each case calls the command's `main(argv)` in this process; `tests/test_bad_input_classes.py` runs
+one through a real `train.py` process.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from test_bad_input_classes import one_error_line
+
+CASES = [   # module, argv, texts of the error line
+    ("train", ["--epochs", "ten"], ["argument --epochs", "invalid int value: 'ten'"]),
+    ("train", ["--optimizer", "adam"], ["argument --optimizer", "invalid choice: 'adam'"]),
+    ("train", ["--no-such-option"], ["unrecognized arguments: --no-such-option"]),
+    ("train_parallel", ["--gpus"], ["argument --gpus: expected one argument"]),
+    ("train_distributed", ["--local_rank", "q"], ["argument --local_rank", "invalid int value: 'q'"]),
+    ("evaluate", ["--scales", "x"], ["argument --scales", "invalid float value: 'x'"]),
+    ("demo", ["--weights", "w.pth", "--camera", "front"], ["argument --camera", "'front'"]),
+    ("export", ["--weights", "w.pth", "--out", "o.onnx", "--opset", "17.5"], ["argument --opset"]),
+    ("engine.convert_reference", ["in.pth"], ["required: OUT.pth", "python -m engine.convert_reference"]),
+    ("data.make_hdf5", ["--ann", "a.json"], ["required: --images, --out", "python -m data.make_hdf5"]),
+    ("data.preview", ["--h5", "f.h5", "--out", "o.png", "--n", "many"], ["argument --n"]),
+    ("data.synthetic", ["--out", "d", "--size", "1e3"], ["argument --size", "'1e3'"]),
+    ("models.summary", ["--no-such-option"], ["unrecognized arguments", "python -m models.summary"]),
+]
+
+
+@pytest.mark.parametrize("module,argv,says", CASES, ids=[f"{c[0]}:{c[1][-1]}" for c in CASES])
+def test_a_command_line_mistake_is_one_error_line_naming_the_option(capsys, module, argv, says):
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main(argv)
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err)
+    assert captured.out == ""
+    for text in says + ["--help)"]:
+        assert text in line, line
+
+
+def test_help_still_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module("train").main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and "--epochs EPOCHS" in out
