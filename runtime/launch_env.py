@@ -130,8 +130,10 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
     else:
         launch = Launch(local_rank=local_rank_arg or 0)
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or launch.local_rank < 0:
+        names = ("SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS" if launch.launcher == "slurm"
+                 else "RANK, LOCAL_RANK, WORLD_SIZE")
         raise ConfigError(f"rank {launch.rank} / local rank {launch.local_rank} do not fit a world "
-                          f"of {launch.world_size} processes (check RANK, LOCAL_RANK, WORLD_SIZE)")
+                          f"of {launch.world_size} processes (check {names})")
     if launch.world_size > 1 and not 0 < launch.master_port < 65536:
         raise ConfigError(f"MASTER_PORT {launch.master_port} is not a port (1 to 65535)")
     return launch

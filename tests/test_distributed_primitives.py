@@ -91,8 +91,11 @@ def test_bad_launcher_variables_are_named():
         read_launch(dict(RANK="abc", WORLD_SIZE="2"), None)
     with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
         read_launch(dict(RANK="0", WORLD_SIZE="2"), None)
-    with pytest.raises(ConfigError, match="rank 2"):
+    with pytest.raises(ConfigError, match=r"rank 2 .*\(check RANK, LOCAL_RANK, WORLD_SIZE\)"):
         read_launch(dict(RANK="2", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), None)
+    slurm_names = r"world of 0 processes \(check SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS\)"
+    with pytest.raises(ConfigError, match=slurm_names):
+        read_launch(dict(SLURM_PROCID="0", SLURM_NTASKS="0"), None)
     assert read_launch({}, None) == Launch()
 
 
