@@ -18,6 +18,7 @@ import yaml
 
 from config.errors import ConfigError
 from config.schema import BOUNDS, CHOICES, Config
+from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -42,10 +43,7 @@ def _read_preset(name: str, seen: tuple = ()) -> dict:
     path = _preset_path(name)
     if str(path) in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must hold a mapping of config sections")
     base = data.pop("base", None)

@@ -29,9 +29,9 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from config.errors import ConfigError
+from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
@@ -271,15 +271,6 @@ def builtin_names() -> list:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
 
 
-def _read_yaml(path: Path, source: str):
-    try:
-        return yaml.safe_load(path.read_text())
-    except OSError as exc:
-        _fail(source, f"cannot be read ({exc.strerror})")
-    except yaml.YAMLError as exc:
-        _fail(source, f"malformed YAML ({' '.join(str(exc).split())})")
-
-
 _BUILTINS: dict = {}
 
 
@@ -290,7 +281,7 @@ def builtin(name: str) -> Skeleton:
         if not path.is_file():
             raise ConfigError(f"unknown skeleton {name!r}: choose one of "
                               f"{', '.join(builtin_names())} or give a path to a YAML file")
-        _BUILTINS[name] = Skeleton.from_spec(_read_yaml(path, str(path)), str(path))
+        _BUILTINS[name] = Skeleton.from_spec(read_yaml(path, str(path)), str(path))
     return _BUILTINS[name]
 
 
@@ -301,7 +292,7 @@ def load_skeleton(name_or_path: str, option: str = "--skeleton") -> Skeleton:
         return builtin(name_or_path)
     if not path.is_file():
         raise ConfigError(f"{option} {path}: no such skeleton file")
-    return Skeleton.from_spec(_read_yaml(path, f"{option} {path}"), f"{option} {path}")
+    return Skeleton.from_spec(read_yaml(path, f"{option} {path}"), f"{option} {path}")
 
 
 def matching_builtin(dataset_keypoints) -> Skeleton | None:

@@ -11,10 +11,9 @@ import copy
 import sys
 from pathlib import Path
 
-import yaml
-
 from config.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
+from config.yaml_file import read_yaml
 
 DEFAULT_PRESET = "tiny"
 REFERENCE_PRESET = "imhn512"     # the authors' published network
@@ -174,8 +173,8 @@ def _is_saved_run_config(config: str | None) -> bool:
     if not config or not Path(config).is_file():
         return False
     try:
-        data = yaml.safe_load(Path(config).read_text())
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        data = read_yaml(config)
+    except ConfigError:
         return False                      # build_config reports it
     return isinstance(data, dict) and "preset" in data
 

@@ -72,3 +72,24 @@ def test_a_switch_is_not_taken_for_a_loss_scale():
                        match="option amp.loss_scale: True is not 'dynamic' or a positive number"):
         config_of("--set", "amp.loss_scale=true")
     assert config_of("--loss-scale", "128").amp.loss_scale == 128
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"train: [1, 2\n", "malformed YAML at line 2, column 1: expected ',' or ']'"),
+    (b"\xff\xfe\x00binary", "not a YAML file (not UTF-8 text)"),
+    (b"#" * (17 << 20), "17 MiB is too large for a YAML config or skeleton file"),
+    (b"- 1\n- 2\n", "must hold a mapping of config sections"),
+])
+def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, content, says):
+    """--config and --skeleton read their files the same way (config.yaml_file.read_yaml)."""
+    from config.skeleton import load_skeleton
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as refusal:
+        config_of("--config", path)
+    message = str(refusal.value)
+    assert message.startswith(f"{path}: ") and says in message and "\n" not in message
+    if "mapping" not in says:       # a list is a fine YAML document: the skeleton says what it lacks
+        with pytest.raises(ConfigError) as refusal:
+            load_skeleton(str(path))
+        assert str(refusal.value) == f"--skeleton {message}"
