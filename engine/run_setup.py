@@ -184,6 +184,9 @@ def _resolve_data(data: DataConfig) -> tuple[str, str]:
                 raise ConfigError(f"{option} {path}: no such file")
         check_split(KeypointH5(data.train_h5), "train", "--train-h5")
         return data.train_h5, data.val_h5
+    if data.val_h5:
+        raise ConfigError(f"--val-h5 {data.val_h5} without --train-h5: the run would train and validate "
+                          "on the project's synthetic dataset and ignore it; give --train-h5 too")
     paths = _synthetic(data.synthetic_dir)
     return str(paths[0]), str(paths[1])
 

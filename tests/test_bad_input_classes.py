@@ -122,6 +122,14 @@ def test_bad_config_values_are_refused_before_anything_is_written(env, capsys, a
     refused(capsys, train_cli, env["trainer"] + args, says, env["root"])
 
 
+def test_a_validation_file_without_training_data_is_refused_not_ignored(env, capsys, synthetic_h5):
+    """Without --train-h5 the run trains on the synthetic dataset; it validated on that too, silently
+    leaving the user's --val-h5 unread."""
+    without_data = [a for a in env["trainer"] if a not in ("--train-h5", synthetic_h5[0])]
+    refused(capsys, train_cli, without_data + ["--val-h5", synthetic_h5[1]],
+            [f"--val-h5 {synthetic_h5[1]} without --train-h5", "give --train-h5 too"], env["root"])
+
+
 # -- run directories --------------------------------------------------------------------------------
 def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_files(env, capsys,
                                                                                    synthetic_h5):
