@@ -143,6 +143,7 @@ def read_file(path, mmap: bool = False):
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     try:
+        mmap = mmap and zipfile.is_zipfile(path)     # only torch.save's zip format maps; others read whole
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         code = re.search(r"GLOBAL ([\w.]+)", str(exc))

@@ -106,6 +106,20 @@ def test_truncated_and_empty_files_name_the_file(tmp_path):
         assert str(tmp_path / name) in str(error.value)
 
 
+def test_memory_mapped_reads_take_torchs_older_format_and_name_a_foreign_file(tmp_path):
+    """A resume reads its checkpoint memory-mapped, which only torch.save's zip format allows: a
+    checkpoint in the older format still loads, and a file torch did not write is named as such
+    (torch's own message spoke of mmap and _use_new_zipfile_serialization)."""
+    old_format = tmp_path / "old_format.pth"
+    torch.save({"format_version": FORMAT_VERSION, "w": torch.ones(3)}, old_format,
+               _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(old_format, mmap=True)["w"], torch.ones(3))
+    (tmp_path / "foreign.pth").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(CheckpointError, match="truncated or corrupt, or not written by torch.save") as error:
+        load_checkpoint(tmp_path / "foreign.pth", mmap=True)
+    assert "mmap" not in str(error.value)
+
+
 def test_missing_file_and_foreign_file_and_newer_version(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope.pth")
