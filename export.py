@@ -29,6 +29,7 @@ from config.errors import ArgumentParser, ConfigError, DataError, UserError, run
 from config.paths import written_whole
 
 FORMATS = ("onnx",)
+MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
 CHECK_PICTURES = Path(__file__).resolve().parent / "tests" / "data" / "coco4"
 
 
@@ -43,7 +44,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--weights", required=True, help="checkpoint of this trainer or bare state dict")
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
     p.add_argument("--out", required=True, help="the file to write (never overwritten)")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--opset", type=int, default=17,
+                   help=f"ONNX opset, {MIN_OPSET} to {max_opset()} with this torch (default 17)")
     p.add_argument("--check-images", default=str(CHECK_PICTURES),
                    help="folder of .jpg/.png pictures to compare the maps on (default: tests/data/coco4)")
     p.add_argument("--tolerance", type=float, default=1e-4,
@@ -52,6 +54,24 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. inference.flip=true (stored in the file)")
     return p
+
+
+def max_opset() -> int:
+    """The newest opset this torch's ONNX exporter writes."""
+    from torch.onnx import _constants
+    return int(getattr(_constants, "ONNX_MAX_OPSET", 20))
+
+
+def check_options(args) -> None:
+    """ConfigError naming the option, before anything is loaded or written."""
+    if args.format not in FORMATS:
+        raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
+                          f"{', '.join(FORMATS)}")
+    if not MIN_OPSET <= args.opset <= max_opset():
+        raise ConfigError(f"--opset {args.opset}: this export needs an opset from {MIN_OPSET} to "
+                          f"{max_opset()} (torch {torch.__version__} writes up to {max_opset()})")
+    if not 0 <= args.tolerance < float("inf"):
+        raise ConfigError(f"--tolerance {args.tolerance}: must be a finite number >= 0")
 
 
 class LastStackMaps(torch.nn.Module):
@@ -97,9 +117,9 @@ def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
     onnx.save(graph, str(path))
 
 
-def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float) -> list[float]:
-    """Relative map differences ONNX vs PyTorch per picture (at scale 1); ExportMismatch beyond
-    `tolerance`."""
+def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float, name: Path) -> list[float]:
+    """Relative map differences ONNX (the file at `path`, to be written as `name`) vs PyTorch per
+    picture (at scale 1); ExportMismatch beyond `tolerance`."""
     from data.preprocess import padded_size, pictures_to_batch
     from inference.onnx_network import OnnxNetwork
     from inference.predict import TorchNetwork, resize_for_scale
@@ -117,7 +137,7 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float)
         print(f"{picture_path.name} {tuple(batch.shape[2:])}: max |onnx - torch| = {error:.2e} of the "
               f"largest map value", flush=True)
         if not error <= tolerance:
-            raise ExportMismatch(f"{path}: onnxruntime's maps of {picture_path} differ from PyTorch's by "
+            raise ExportMismatch(f"{name}: onnxruntime's maps of {picture_path} differ from PyTorch's by "
                                  f"{error:.2e} of their largest value (tolerance {tolerance:g}); "
                                  "the file was not written")
         errors.append(error)
@@ -127,9 +147,7 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float)
 def run(args) -> Path:
     from inference.estimator import PoseEstimator
 
-    if args.format not in FORMATS:
-        raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
-                          f"{', '.join(FORMATS)}")
+    check_options(args)
     out = Path(args.out)
     if out.exists():
         raise DataError(f"--out {out} already exists; remove it or choose another --out "
@@ -143,7 +161,7 @@ def run(args) -> Path:
         raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     with written_whole(out) as temp:
         write_onnx(model, cfg, temp, args.opset)
-        errors = compare_maps(model, cfg, temp, pictures, args.tolerance)
+        errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
     print(f"written {out} ({out.stat().st_size / 2 ** 20:.1f} MiB): onnxruntime's maps agree with "
           f"PyTorch's on {len(errors)} pictures within {max(errors):.1e} of their largest value "
           f"(tolerance {args.tolerance:g})", flush=True)
