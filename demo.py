@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 
 from config.errors import ArgumentParser, DataError, run_cli
-from config.paths import refuse_output_as_input, same_file
+from config.paths import refuse_existing, refuse_output_as_input, same_file
 from data.picture_files import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -43,6 +43,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
                    "folder, the folder to write into (default: FOLDER_pose next to it); for a video, "
                    "the video to write, .mp4 or .avi (default: VIDEO_pose.mp4 next to it)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
     p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
                    "input_size (1: input_size px; default: the config's)")
@@ -173,9 +174,11 @@ def run(args) -> list[Path]:
         for _, target in pairs:             # a picture drawn over an input picture or the weights
             clash = next((source for source, _ in pairs if same_file(source, target)), None)
             refuse_output_as_input("--out", target, {"--weights": args.weights, "--image": clash})
+            refuse_existing("--out", target, args.overwrite)
     elif args.video is not None:
         target = check_video_out(args.out or Path(args.video).with_name(Path(args.video).stem + "_pose.mp4"))
         refuse_output_as_input("--out", target, {"--weights": args.weights, "--video": args.video})
+        refuse_existing("--out", target, args.overwrite)
         opened = open_video(args.video)
     else:
         opened, target = open_camera(args.camera), None

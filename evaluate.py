@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from config.errors import ArgumentParser, ConfigError, DataError, run_cli
-from config.paths import refuse_output_as_input
+from config.paths import refuse_existing, refuse_output_as_input
 from inference.coco_eval import STAT_NAMES
 
 
@@ -42,6 +42,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
     p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
                    "weights, or ./oracle_DATA_keypoints.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--preset", help="config preset for a bare state dict or --oracle (default: "
                    "imhn512); a checkpoint of this trainer carries its own config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -146,6 +147,7 @@ def run(args) -> dict:
     try:
         out = _results_path(args, args.ann or args.h5)
         refuse_output_as_input("--out", out, {"--weights": args.weights, "--h5": args.h5, "--ann": args.ann})
+        refuse_existing("--out", out, args.overwrite)
         _on_rank0(lambda: _check_writable(out), ctx.rank)
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,

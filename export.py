@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from config.errors import ArgumentParser, ConfigError, DataError, UserError, run_cli
-from config.paths import written_whole
+from config.paths import refuse_existing, written_whole
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
@@ -50,6 +50,7 @@ def build_parser() -> ArgumentParser:
                    help="folder of .jpg/.png pictures to compare the maps on (default: tests/data/coco4)")
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest map difference allowed, as a fraction of the maps' largest magnitude")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--preset", help="config preset for a bare state dict (default: imhn512)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. inference.flip=true (stored in the file)")
@@ -149,9 +150,7 @@ def run(args) -> Path:
 
     check_options(args)
     out = Path(args.out)
-    if out.exists():
-        raise DataError(f"--out {out} already exists; remove it or choose another --out "
-                        "(nothing is overwritten)")
+    refuse_existing("--out", out, args.overwrite)
     pictures = check_pictures(args.check_images)
     estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
     model, cfg = estimator.network.model, estimator.config

@@ -1,5 +1,6 @@
-"""The paths a command writes: no output may be one of the command's inputs, and an output
-appears whole or not at all (`written_whole`).
+"""The paths a command writes: no output may be one of the command's inputs, none replaces a file
+that exists unless the user passed --overwrite, and an output appears whole or not at all
+(`written_whole`).
 
 Paths are compared resolved (links, `..` and relative paths followed), so `--out ./a/../ann.json`
 is recognised as `ann.json`.
@@ -30,6 +31,15 @@ def refuse_output_as_input(out_option: str, out, inputs: dict) -> None:
         if path and same_file(out, path):
             raise ConfigError(f"{out_option} {out} is the same file as {option} {path}: writing it would "
                               f"destroy the input; choose another {out_option}")
+
+
+def refuse_existing(out_option: str, out, overwrite: bool) -> None:
+    """ConfigError when a file `out` (given by `out_option`, or its default) exists and --overwrite
+    was not given: a command never replaces a file the user has without being asked to. (A folder
+    there is for the command to refuse in its own words.)"""
+    if Path(out).exists() and not Path(out).is_dir() and not overwrite:
+        raise ConfigError(f"{out_option} {out} already exists; remove it, choose another {out_option} "
+                          "or pass --overwrite to replace it (nothing was written)")
 
 
 def temporary_twin(path) -> Path:

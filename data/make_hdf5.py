@@ -29,7 +29,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from config.errors import ArgumentParser, DataError, run_cli
-from config.paths import refuse_output_as_input, written_whole
+from config.paths import refuse_existing, refuse_output_as_input, written_whole
 from config.skeleton import Skeleton, infer_from_category, load_skeleton
 from data.coco_checks import Selection, select_valid
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -223,10 +223,12 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) 
 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
-            progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None) -> dict:
+            progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
+            overwrite: bool = True) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
     returns the summary (counts, skipped images, the skeleton and where it came from).
-    `skeleton` None: the built-in the JSON's keypoints name, or one inferred from the JSON."""
+    `skeleton` None: the built-in the JSON's keypoints name, or one inferred from the JSON.
+    `overwrite` False: an existing `out_path` is refused (the command line's default)."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
@@ -242,6 +244,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         images = images[:max_images]
     for info in images if out_path.resolve().is_relative_to(images_dir.resolve()) else []:
         refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
+    refuse_existing("--out", out_path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
                "skeleton": skeleton, "skeleton_origin": origin}
@@ -348,13 +351,15 @@ def _main(argv=None) -> int:
     parser.add_argument("--skeleton", metavar="NAME|FILE.yaml",
                         help="the keypoints and limbs to learn: a built-in (coco, crowdpose, ...) or "
                         "a YAML file (README: 'Your own keypoints'); default: from the JSON")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.max_images < 0:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
     skeleton = load_skeleton(args.skeleton) if args.skeleton else None
     summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                      progress=not args.quiet, max_images=args.max_images, skeleton=skeleton)
+                      progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
+                      overwrite=args.overwrite)
     print(format_summary(summary))
     return 0
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from config.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.loader import build_config
-from config.paths import refuse_output_as_input
+from config.paths import refuse_existing, refuse_output_as_input
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.picture_files import write_image
@@ -77,12 +77,14 @@ def _main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=8, help="number of samples (default 8)")
     parser.add_argument("--config", default="", help="preset name or YAML path, for the input size, "
                         "augmentation and targets (default: the schema's defaults, 512 px as imhn512)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--val", action="store_true", help="no augmentation (validation mode)")
     parser.add_argument("--seed", type=int, default=0, help="picks the samples (default 0)")
     args = parser.parse_args(argv)
     if args.n < 1:
         raise ConfigError(f"option --n: {args.n} must be at least 1")
     refuse_output_as_input("--out", args.out, {"--h5": args.h5})
+    refuse_existing("--out", args.out, args.overwrite)
     cfg = build_config(args.config or None)
     dataset = KeypointDataset(args.h5, SampleSettings.of(cfg), train=not args.val)
     if len(dataset) == 0:

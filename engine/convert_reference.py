@@ -16,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.errors import ArgumentParser, ConfigError, run_cli
+from config.errors import ArgumentParser, run_cli
+from config.paths import refuse_existing, refuse_output_as_input
 
 DEFAULT_PRESET = "imhn512"
 
@@ -39,10 +40,8 @@ def run(args) -> dict:
     from engine.reference_resume import convert
 
     source, out = Path(args.source), Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise ConfigError(f"{out} already exists: choose another name or pass --overwrite")
-    if out.resolve() == source.resolve():
-        raise ConfigError(f"{out} is the file being converted: write to another name")
+    refuse_output_as_input("OUT.pth", out, {"IN.pth": source})
+    refuse_existing("OUT.pth", out, args.overwrite)
     # the network the file holds; a file of another layout is refused by `convert`, naming it
     settings = reference_file_settings(source)
     cfg = build_config(args.config, overrides={"model": settings} if settings else None, sets=args.set)

@@ -2,7 +2,7 @@
 
 Opening errors are `DataError`s naming the option (FFmpeg's own log lines are silenced, so a bad
 file gives one line). The annotated video is written to a temporary file beside its target and
-renamed onto it when complete; a target that exists already is refused, so nothing is overwritten.
+renamed onto it when complete (demo.py refuses a target that exists unless --overwrite is given).
 """
 from __future__ import annotations
 
@@ -75,14 +75,11 @@ def frame_rate(capture: cv2.VideoCapture) -> float:
 
 
 def check_video_out(path) -> Path:
-    """`path` if a new video can be written there; DataError naming --out otherwise."""
+    """`path` if it names a video format this demo writes; DataError naming --out otherwise."""
     path = Path(path)
     if path.suffix.lower() not in FOURCC:
         raise DataError(f"--out {path}: {path.suffix or 'no extension'} is not a video format this demo "
                         f"writes; end the name with {' or '.join(FOURCC)}")
-    if path.exists():
-        raise DataError(f"--out {path} already exists; remove it or choose another --out "
-                        "(nothing is overwritten)")
     return path
 
 

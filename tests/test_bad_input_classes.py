@@ -225,6 +225,34 @@ def test_an_output_equal_to_an_input_is_refused(env, capsys):
                                     "--device", "cpu"], ["--out", "same file as --weights"], root)
 
 
+def test_an_existing_output_is_kept_unless_overwrite_is_given(env, capsys, tmp_path, synthetic_h5):
+    """Every command that writes a file refuses one that is there (a user's own file, or an output of
+    an earlier run) and leaves it byte-identical; --overwrite replaces it."""
+    from data import preview
+    import demo
+    import export
+    weights, picture, val_h5 = env["runs"] / "done" / "last.pth", env["images"] / IMAGE, synthetic_h5[1]
+    commands = {   # the file each writes: (main, argv)
+        "mine.h5": (make_hdf5.main, ["--ann", env["root"] / "coco.json", "--images", env["images"],
+                                     "--quiet"]),
+        "mine.json": (evaluate.main, ["--oracle", "--h5", val_h5, "--max-images", "1", "--no-progress"]),
+        "mine.png": (preview.main, ["--h5", val_h5, "--n", "1"]),
+        "mine.jpg": (demo.main, ["--weights", weights, "--image", picture]),
+        "mine.avi": (demo.main, ["--weights", weights, "--video", env["root"] / "no_video_needed.avi"]),
+        "mine.onnx": (export.main, ["--weights", weights]),
+    }
+    for name, (main, argv) in commands.items():
+        (tmp_path / name).write_bytes(b"a file the user has")
+        refused(capsys, main, argv + ["--out", tmp_path / name],
+                [f"--out {tmp_path / name} already exists", "pass --overwrite to replace it"], tmp_path)
+    for name in ("mine.h5", "mine.json", "mine.png", "mine.jpg"):
+        main, argv = commands[name]
+        assert main([str(a) for a in argv + ["--out", tmp_path / name, "--overwrite"]]) == 0, name
+        assert (tmp_path / name).read_bytes() != b"a file the user has", name
+    assert KeypointH5(tmp_path / "mine.h5").num_images == 4
+    assert cv2.imread(str(tmp_path / "mine.jpg")) is not None
+
+
 # -- COCO JSON, field by field ------------------------------------------------------------------------
 def _first_ann(coco):
     return next(a for a in coco["annotations"] if a["num_keypoints"] > 0)

@@ -116,7 +116,7 @@ def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_pa
     assert all(len(r["keypoints"]) == 14 * 3 for r in json.loads(out.read_text()))
     convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "coco.h5", split="val", progress=False)
     assert evaluate.main(["--weights", str(tmp_path / "cp" / "last.pth"), "--h5", str(tmp_path / "coco.h5"),
-                          "--out", str(out), "--no-progress"]) == 2
+                          "--out", str(out), "--overwrite", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {tmp_path / 'coco.h5'}: its people have skeleton coco (18 keypoints) but the model was "
         "trained on crowdpose (14 keypoints)"]
