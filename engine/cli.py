@@ -85,7 +85,8 @@ def build_parser(description: str) -> ArgumentParser:
                         f"momentum, loss scale, next epoch (default config {REFERENCE_PRESET})")
     g.add_argument("--allow-partial", action="store_true", default=None,
                    help="with --weights: load the keys that match")
-    g.add_argument("--freeze", nargs="+", metavar="PATTERN", help="module-name prefixes or globs to freeze")
+    g.add_argument("--freeze", nargs="+", action="extend", metavar="PATTERN",
+                   help="module-name prefixes or globs to freeze (repeatable: the patterns add up)")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace an existing run directory")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--val-every", type=int, help="epochs between validation-loss passes (0: off)")

@@ -93,3 +93,9 @@ def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, content, says):
         with pytest.raises(ConfigError) as refusal:
             load_skeleton(str(path))
         assert str(refusal.value) == f"--skeleton {message}"
+
+
+def test_repeated_freeze_flags_add_up():
+    assert config_of("--freeze", "stem", "--freeze", "stacks.0", "stacks.1.b").train.freeze == \
+        ["stem", "stacks.0", "stacks.1.b"]
+    assert config_of("--freeze", "stem").train.freeze == ["stem"]
