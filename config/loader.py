@@ -256,6 +256,21 @@ def _check_run_name(name: str) -> None:
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
+def _check_start(train) -> None:
+    """One way to start a run. `--resume auto` beside --weights or --resume-reference is a job that
+    may be requeued: the first start takes the weights and every later one resumes the run."""
+    if train.resume_reference and train.weights:
+        raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint already "
+                          "holds the weights)")
+    other = "--weights" if train.weights else "--resume-reference" if train.resume_reference else ""
+    if train.resume and train.resume != "auto" and other:
+        raise ConfigError(f"--resume {train.resume} and {other}: give one (a resume continues its run "
+                          f"with the checkpoint's own weights; {other} starts a run)")
+    if train.resume and train.overwrite:
+        raise ConfigError(f"--resume {train.resume} and --overwrite: give one (--overwrite removes the "
+                          "checkpoints a resume would continue from)")
+
+
 def validate(cfg: Config) -> None:
     """Raise `ConfigError` for settings that cannot work, naming the option."""
     _check_fields(cfg)
@@ -265,6 +280,7 @@ def validate(cfg: Config) -> None:
     if not DEVICE_PATTERN.fullmatch(device.replace(" ", "")):
         raise ConfigError(f"option train.device: {cfg.train.device!r} is not auto, cpu, cuda, cuda:N "
                           "or a list of GPU numbers like 2,3")
+    _check_start(cfg.train)
     if not all(isinstance(p, str) and p for p in cfg.train.freeze):
         raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names "
                           "or globs")

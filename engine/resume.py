@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.errors import CheckpointError, ConfigError
+from config.errors import CheckpointError
 from config.schema import Config, TrainConfig
 from config.skeleton import Skeleton, from_checkpoint
 from engine.run_setup import pick_and_claim, release_run_dir
@@ -108,6 +108,9 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
     """Load the weights the run starts from into `model`; returns (resume state or None, the
     authors' checkpoint whose run continues or None, its path)."""
     if plan.resume_path is not None:
+        for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
+            if path:
+                say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
         state = read_state(plan.resume_path)
         ckpt.check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
@@ -116,9 +119,6 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
     if train.resume == "auto":
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
     if train.resume_reference:
-        if train.weights:
-            raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint "
-                              "already holds the weights)")
         path = Path(train.resume_reference)
         reference = ckpt.read_reference(path)
         say(f"loaded weights from {path}: {load_summary(ckpt.load_weights(model, reference))}")

@@ -211,6 +211,22 @@ def test_resume_auto_refuses_a_newer_or_damaged_checkpoint_and_keeps_it(env, cap
     shutil.rmtree(work)
 
 
+def test_a_requeued_job_resumes_and_says_its_weights_are_not_loaded(env, capsys):
+    """`--resume auto --weights W` in a job script: the first start loads W, a restart resumes the run
+    from its checkpoint and says W was not loaded."""
+    work = env["runs"] / "requeued"
+    shutil.copytree(env["runs"] / "done", work)
+    weights = env["runs"] / "done" / "last.pth"
+    capsys.readouterr()
+    assert train_cli(env["trainer"] + ["--run-name", "requeued", "--resume", "auto", "--weights", weights,
+                                       "--epochs", "2", "--set", "train.max_steps_per_epoch=1"]) == 0
+    printed = capsys.readouterr()
+    lines = (printed.out + printed.err).splitlines()
+    assert f"--weights {weights} not loaded: --resume auto continues the run from {work / 'last.pth'}" in lines
+    assert any(line.startswith(f"resumed from {work / 'last.pth'}: epoch 2") for line in lines)
+    shutil.rmtree(work)
+
+
 # -- outputs are never inputs -------------------------------------------------------------------------
 def test_an_output_equal_to_an_input_is_refused(env, capsys):
     root = env["root"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from config.skeleton import builtin
 from config.errors import ConfigError
-from config.loader import build_config, to_dict, to_yaml
+from config.loader import build_config, to_dict
 from runtime.checkpoint import save_checkpoint
 from engine.cli import build_parser, config_from_args
 from models import build_model
@@ -20,9 +21,10 @@ def config_of(*argv):
 
 
 def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
-    saved = build_config("tiny", sets=["train.run_name=old", "train.resume=auto", "train.overwrite=true",
-                                       "train.weights=pre.pth", "optim.lr=0.0123", "train.epochs=7"])
-    (tmp_path / "config.yaml").write_text(to_yaml(saved))
+    saved = to_dict(build_config("tiny", sets=["train.run_name=old", "train.resume=auto",
+                                               "train.weights=pre.pth", "optim.lr=0.0123", "train.epochs=7"]))
+    saved["train"]["overwrite"] = True      # as a run saved it before --resume and --overwrite were refused
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     cfg = config_of("--config", tmp_path / "config.yaml", "--epochs", 9)
     identity = (cfg.train.run_name, cfg.train.resume, cfg.train.weights, cfg.train.overwrite)
     assert identity == ("", "", "", False)
@@ -99,3 +101,19 @@ def test_repeated_freeze_flags_add_up():
     assert config_of("--freeze", "stem", "--freeze", "stacks.0", "stacks.1.b").train.freeze == \
         ["stem", "stacks.0", "stacks.1.b"]
     assert config_of("--freeze", "stem").train.freeze == ["stem"]
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["train.resume=run/last.pth", "train.weights=w.pth"], "--resume run/last.pth and --weights: give one"),
+    (["train.resume=run/last.pth", "train.resume_reference=r.pth"],
+     "--resume run/last.pth and --resume-reference: give one"),
+    (["train.resume=auto", "train.overwrite=true"], "--resume auto and --overwrite: give one"),
+    (["train.resume_reference=r.pth", "train.weights=w.pth"], "--resume-reference and --weights: give one"),
+])
+def test_a_run_starts_one_way(sets, says):
+    """Two ways to start were resolved silently (the resume won, --overwrite removed what --resume auto
+    would continue); they are refused before anything is read or written."""
+    with pytest.raises(ConfigError, match=f"^{says}"):
+        build_config("tiny", sets=sets)
+    # a requeued job: the first start takes the weights, every later one resumes its run
+    assert build_config("tiny", sets=["train.resume=auto", "train.weights=w.pth"]).train.weights == "w.pth"
