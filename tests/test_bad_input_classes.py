@@ -222,7 +222,8 @@ def test_a_requeued_job_resumes_and_says_its_weights_are_not_loaded(env, capsys)
                                        "--epochs", "2", "--set", "train.max_steps_per_epoch=1"]) == 0
     printed = capsys.readouterr()
     lines = (printed.out + printed.err).splitlines()
-    assert f"--weights {weights} not loaded: --resume auto continues the run from {work / 'last.pth'}" in lines
+    not_loaded = f"--weights {weights} not loaded: --resume auto continues the run from {work / 'last.pth'}"
+    assert not_loaded in lines
     assert any(line.startswith(f"resumed from {work / 'last.pth'}: epoch 2") for line in lines)
     shutil.rmtree(work)
 
