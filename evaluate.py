@@ -59,6 +59,9 @@ def _check_args(args) -> None:
         raise ConfigError("option --ann needs --images, the folder of the annotated images")
     if not args.oracle and not args.weights:
         raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps)")
+    if args.oracle and args.weights:
+        raise ConfigError("options --oracle and --weights: give one (the oracle scores the ground-truth "
+                          "maps; no network runs)")
     if args.oracle and (args.scales or args.flip is not None):
         raise ConfigError("options --scales and --flip do not apply to --oracle: it decodes the "
                           "ground-truth maps drawn once at each image's own size (stride 1)")

@@ -256,6 +256,13 @@ def _check_run_name(name: str) -> None:
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
+def check_device(spec: str, option: str) -> None:
+    """ConfigError naming `option` unless `spec` is a device this project knows how to pick."""
+    if not isinstance(spec, str) or not DEVICE_PATTERN.fullmatch(spec.strip().lower().replace(" ", "")):
+        raise ConfigError(f"{option}: {spec!r} is not auto, cpu, cuda, cuda:N or a list of GPU numbers "
+                          "like 2,3")
+
+
 def _check_start(train) -> None:
     """One way to start a run. `--resume auto` beside --weights or --resume-reference is a job that
     may be requeued: the first start takes the weights and every later one resumes the run."""
@@ -276,10 +283,7 @@ def validate(cfg: Config) -> None:
     _check_fields(cfg)
     if cfg.train.run_name:
         _check_run_name(cfg.train.run_name)
-    device = cfg.train.device.strip().lower()
-    if not DEVICE_PATTERN.fullmatch(device.replace(" ", "")):
-        raise ConfigError(f"option train.device: {cfg.train.device!r} is not auto, cpu, cuda, cuda:N "
-                          "or a list of GPU numbers like 2,3")
+    check_device(cfg.train.device, "option train.device")
     _check_start(cfg.train)
     if not all(isinstance(p, str) and p for p in cfg.train.freeze):
         raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names "

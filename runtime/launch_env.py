@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from config.errors import ConfigError
+from config.loader import check_device
 
 # set by torchrun's agent, which holds the rendezvous store on MASTER_PORT itself
 _AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
@@ -141,7 +142,8 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
 
 def resolve_device(spec: str, launch: Launch) -> torch.device:
     """The device of this process from --device and its local rank; refuses impossible choices."""
-    spec = (spec or "auto").strip().lower()
+    check_device(spec or "auto", "--device")
+    spec = (spec or "auto").strip().lower().replace(" ", "")
     if spec == "cpu":
         return torch.device("cpu")
     if spec == "auto":
@@ -162,16 +164,13 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
             raise ConfigError(f"{needed} processes on this node but only {visible} CUDA GPU(s) are "
                               f"visible; start at most {visible} per node (--nproc_per_node) or {pick_hint}")
         return torch.device("cuda", launch.local_rank)
-    try:
-        if spec.startswith("cuda:"):
-            ids = [int(spec[5:])]
-            if needed > 1:
-                raise ConfigError(f"--device {spec} names one GPU for {needed} processes on this node; "
-                                  "list one per process, e.g. --device 0,1")
-        else:
-            ids = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"--device {spec!r}: expected auto, cpu, cuda, cuda:N or a list like 2,3") from None
+    if spec.startswith("cuda:"):              # the spelling was checked above
+        ids = [int(spec[5:])]
+        if needed > 1:
+            raise ConfigError(f"--device {spec} names one GPU for {needed} processes on this node; "
+                              "list one per process, e.g. --device 0,1")
+    else:
+        ids = [int(part) for part in spec.split(",")]
     bad = [i for i in ids if not 0 <= i < visible]
     if bad or not ids:
         raise ConfigError(f"--device {spec}: GPU {bad or ids} does not exist; "

@@ -124,7 +124,7 @@ def test_device_refusals(two_gpus):
         resolve_device("cuda:0", Launch(local_world_size=2))
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_device("2,3", Launch())
-    with pytest.raises(ConfigError, match="expected auto, cpu"):
+    with pytest.raises(ConfigError, match="--device: 'gpu' is not auto, cpu, cuda, cuda:N"):
         resolve_device("gpu", Launch())
 
 

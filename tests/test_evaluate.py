@@ -111,6 +111,9 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--h5", "{h5}", "--set", "inference.nonsense=1"], "inference.nonsense"),
     (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1"], "--scales and --flip do not apply to --oracle"),
     (["--oracle", "--h5", "{h5}", "--flip"], "--scales and --flip do not apply to --oracle"),
+    (["--oracle", "--weights", "{h5}", "--h5", "{h5}"], "options --oracle and --weights: give one"),
+    (["--weights", "{h5}", "--h5", "{h5}", "--device", "tpu"],
+     "--device: 'tpu' is not auto, cpu, cuda, cuda:N or a list of GPU numbers"),
 ])
 def test_user_errors_are_one_line_with_exit_code(argv, message, coco4_h5, tmp_path, capsys):
     names = {"h5": coco4_h5, "missing": tmp_path / "missing.file"}
