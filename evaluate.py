@@ -79,10 +79,12 @@ def _results_path(args, data_path: str) -> Path:
     return weights.with_name(f"{weights.stem}_{stem}_keypoints.json")
 
 
-def _check_writable(path: Path) -> None:
-    """Fail before the evaluation, not after it, when the results JSON cannot be written there."""
+def _check_writable(path: Path, overwrite: bool) -> None:
+    """Fail before the evaluation, not after it, when the results JSON cannot be written there (or
+    would replace a file without --overwrite)."""
     if path.is_dir():
         raise DataError(f"--out {path}: a folder; give the path of the results JSON to write")
+    refuse_existing("--out", path, overwrite)
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,8 +152,7 @@ def run(args) -> dict:
     try:
         out = _results_path(args, args.ann or args.h5)
         refuse_output_as_input("--out", out, {"--weights": args.weights, "--h5": args.h5, "--ann": args.ann})
-        refuse_existing("--out", out, args.overwrite)
-        _on_rank0(lambda: _check_writable(out), ctx.rank)
+        _on_rank0(lambda: _check_writable(out, args.overwrite), ctx.rank)
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
                                                 scales=args.scales, flip=args.flip)

@@ -43,7 +43,7 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True, help="checkpoint of this trainer or bare state dict")
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
-    p.add_argument("--out", required=True, help="the file to write (never overwritten)")
+    p.add_argument("--out", required=True, help="the file to write (an existing one only with --overwrite)")
     p.add_argument("--opset", type=int, default=17,
                    help=f"ONNX opset, {MIN_OPSET} to {max_opset()} with this torch (default 17)")
     p.add_argument("--check-images", default=str(CHECK_PICTURES),

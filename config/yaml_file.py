@@ -16,8 +16,9 @@ def read_yaml(path, source: str | None = None):
     """The parsed content of the YAML file at `path`; `source` is how errors name it (the path)."""
     path, source = Path(path), source or str(path)
     try:
-        if path.stat().st_size > MAX_BYTES:
-            raise ConfigError(f"{source}: {path.stat().st_size >> 20} MiB is too large for a YAML "
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ConfigError(f"{source}: {size >> 20} MiB is too large for a YAML "
                               "config or skeleton file; is it the file you meant?")
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:

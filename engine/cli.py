@@ -57,8 +57,7 @@ def _loss_scale(text: str):
 
 
 def build_parser(description: str) -> ArgumentParser:
-    p = ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--config", default=None, help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")
     add("--set", action="append", default=[], metavar="KEY=VALUE",

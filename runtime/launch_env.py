@@ -172,8 +172,8 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     else:
         ids = [int(part) for part in spec.split(",")]
     bad = [i for i in ids if not 0 <= i < visible]
-    if bad or not ids:
-        raise ConfigError(f"--device {spec}: GPU {bad or ids} does not exist; "
+    if bad:
+        raise ConfigError(f"--device {spec}: GPU {bad} does not exist; "
                           f"{visible} are visible (0..{visible - 1})")
     if needed > len(ids):
         raise ConfigError(f"{needed} processes on this node but --device {spec} lists {len(ids)} GPU(s); "
