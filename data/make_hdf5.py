@@ -350,7 +350,7 @@ def _main(argv=None) -> int:
                         help="only the JSON's first N images (0: all), e.g. for a quick trial")
     parser.add_argument("--skeleton", metavar="NAME|FILE.yaml",
                         help="the keypoints and limbs to learn: a built-in (coco, crowdpose, ...) or "
-                        "a YAML file (README: 'Your own keypoints'); default: from the JSON")
+                        "a YAML file (docs/data.md: 'Your own keypoints'); default: from the JSON")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Every row of the README table "Bad input and what it gets", run through the real command line.
+"""Every row of the table in docs/bad-input.md, run through the real command line.
 
 Each case is a fresh process of `python -m data.make_hdf5`, `train.py` or `train_distributed.py`
 (under torchrun where the row is about processes), all started together by one fixture. What every
@@ -265,9 +265,8 @@ def test_bad_input_gets_one_error_line_naming_what_to_fix(cases, row):
         assert text in line, line
 
 
-def test_every_row_is_in_the_readme_table(cases):
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Bad input and what it gets", 1)[1].split("\n## ", 1)[0]
+def test_every_row_is_in_the_docs_table(cases):
+    section = (REPO / "docs" / "bad-input.md").read_text()
     assert sorted(cases["table"]) == sorted(ROWS)
     for row in ROWS:
         assert f"| {row} |" in section, row

@@ -1,5 +1,5 @@
 """The engine's seams (issue 20): a user's hook runs, sees every step and keeps its state in the
-checkpoint; the README's example of one runs as printed; the LR follows the total batch, the
+checkpoint; docs/extending.md's example of one runs as printed; the LR follows the total batch, the
 same in every launch mode."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine.hooks import Hook, LRSchedule
 from engine.optim import lr_at
 from engine.trainer import Launch, Trainer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
 def quick_sets(tmp_path, synthetic_h5, name: str) -> list[str]:
@@ -72,16 +72,14 @@ def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_p
     assert again.restored == 2 and again.losses == []
 
 
-def test_the_readme_hook_example_runs_as_printed(tmp_path, synthetic_h5, monkeypatch, capsys):
-    text = README.read_text()
-    section = text[text.index("## Extending the engine"):]
-    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_the_docs_hook_example_runs_as_printed(tmp_path, synthetic_h5, monkeypatch, capsys):
+    example = re.search(r"```python\n(.*?)```", EXTENDING.read_text(), re.S).group(1)
     assert len([line for line in example.splitlines() if line.strip()]) <= 16
     build = config.build_config
     fast = quick_sets(tmp_path, synthetic_h5, "x")[:-1]        # its own run name, the CPU already
     fast = [s for s in fast if not s.startswith(("train.run_name", "train.epochs"))]
     monkeypatch.setattr(config, "build_config", lambda preset, sets=(): build(preset, sets=[*sets, *fast]))
-    exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
+    exec(compile(example, str(EXTENDING), "exec"), {"__name__": "readme_example"})
     assert "0 of 1 steps skipped" in capsys.readouterr().out
     assert load_checkpoint(tmp_path / "hooked/last.pth")["skipped_steps_hook"] == {"skipped": 0}
 
