@@ -132,6 +132,7 @@ class InferenceConfig:
     limb_min_ratio: float = 0.8
     max_limb_ratio: float = 16.0
     merge_ratio: float = 0.7
+    bridge_ratio: float = 2.5     # join partial people across keypoints missing in both (0: off)
     min_parts: int = 2
     min_mean_score: float = 0.45
     max_people: int = 20
@@ -234,7 +235,8 @@ BOUNDS = {
     "inference.refine_radius": Bounds(0, 32),      # score thresholds: finite, any value (-1: keep all)
     "inference.limb_samples": Bounds(1, 1000),
     "inference.limb_min_ratio": FRACTION, "inference.max_limb_ratio": POSITIVE,
-    "inference.merge_ratio": FRACTION, "inference.min_parts": Bounds(1, 18),
+    "inference.merge_ratio": FRACTION, "inference.bridge_ratio": NON_NEGATIVE,
+    "inference.min_parts": Bounds(1, 18),
     "inference.max_people": Bounds(1, 10000),
     "inference.max_peaks": Bounds(1, 10000), "inference.decode_threads": Bounds(0, 256),
     "inference.batch_size": Bounds(1, 4096),

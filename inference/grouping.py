@@ -20,6 +20,7 @@ from inference.peaks import find_peaks
 PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
 ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
 BLOCK_SLACK = 1 << 16  # cells allowed beyond 4 per candidate in one matching block of all limbs
+BRIDGE_HOPS = 3     # partial people are joined across at most this many limbs (2 missing keypoints)
 
 
 def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig):
@@ -41,10 +42,10 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     index = pixel.astype(np.intp)
     index += (limb * (height * width))[:, None]
     samples = limb_maps.reshape(-1).take(index, mode="clip")           # (indices all inside)
-    score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1e-6) - 1.0, 0.0)
+    score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1.0) - 1.0, 0.0)
     above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
     support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
-    return score, length, support & (score > 0) & (length >= 1e-6)
+    return score, length, support & (score > 0)
 
 
 def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
@@ -136,16 +137,29 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
 
 
 class _Person:
-    """A partial person during assembly: peak id per keypoint slot, running scores."""
+    """A partial person during assembly: peak id per keypoint slot, running scores, and per slot
+    the longest connection that reaches it."""
 
-    __slots__ = ("slots", "total", "parts", "weakest", "longest")
+    __slots__ = ("slots", "reach", "total", "parts", "weakest", "longest")
 
     def __init__(self, num_keypoints: int):
         self.slots = [-1] * num_keypoints
+        self.reach = [0.0] * num_keypoints
         self.total = 0.0
         self.parts = 0
         self.weakest = float("inf")
         self.longest = 0.0
+
+    def absorb(self, other: "_Person", score: float) -> None:
+        """Take `other`'s keypoints (no slot in common), joined by a link of `score`."""
+        for slot, peak in enumerate(other.slots):
+            if peak >= 0:
+                self.slots[slot] = peak
+                self.reach[slot] = other.reach[slot]
+        self.total += other.total + score
+        self.parts += other.parts
+        self.weakest = min(self.weakest, other.weakest)
+        self.longest = max(self.longest, other.longest)
 
 
 def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton) -> list[_Person]:
@@ -156,6 +170,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
     def add(pid: int, slot: int, peak: int, score: float, length: float) -> None:
         person = people[pid]
         person.slots[slot] = peak
+        person.reach[slot] = max(person.reach[slot], length)
         person.total += peak_score[peak] + score
         person.parts += 1
         person.weakest = min(person.weakest, score)
@@ -168,6 +183,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
             if pa is None and pb is None:
                 person = _Person(skeleton.num_keypoints)
                 person.slots[slot_a] = peak_a
+                person.reach[slot_a] = length
                 person.total = peak_score[peak_a]
                 person.parts = 1
                 people.append(person)
@@ -178,6 +194,8 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                 person = people[pid]
                 if person.slots[slot] < 0 and length <= cfg.max_limb_ratio * person.longest:
                     add(pid, slot, peak, score, length)
+                    other = slot_a if pb is None else slot_b
+                    person.reach[other] = max(person.reach[other], length)
             elif pa != pb:
                 first, second = people[pa], people[pb]
                 clash = any(x >= 0 and y >= 0 for x, y in zip(first.slots, second.slots))
@@ -185,16 +203,87 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                 longest = max(first.longest, second.longest)
                 if clash or score < cfg.merge_ratio * weakest or length > cfg.max_limb_ratio * longest:
                     continue
-                for slot, peak in enumerate(second.slots):
+                first.absorb(second, score)
+                first.weakest = min(first.weakest, score)
+                first.longest = max(first.longest, length)
+                first.reach[slot_a] = max(first.reach[slot_a], length)
+                first.reach[slot_b] = max(first.reach[slot_b], length)
+                for peak in second.slots:
                     if peak >= 0:
-                        first.slots[slot] = peak
                         owner[peak] = pa
-                first.total += second.total + score
-                first.parts += second.parts
-                first.weakest = min(weakest, score)
-                first.longest = max(longest, length)
                 people[pb] = None
     return [p for p in people if p is not None]
+
+
+_HOPS: dict = {}
+
+
+def limb_hops(skeleton: Skeleton) -> np.ndarray:
+    """[K, K] int: the fewest limbs joining two keypoints of `skeleton` (breadth-first)."""
+    key = (skeleton.num_keypoints, skeleton.limbs)
+    if key not in _HOPS:
+        k = skeleton.num_keypoints
+        adjacent = np.zeros((k, k), bool)
+        ends = np.array(skeleton.limbs)
+        adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
+        hops = np.where(adjacent, 1, k + 1)
+        np.fill_diagonal(hops, 0)
+        reached = adjacent | np.eye(k, dtype=bool)
+        step = reached.copy()
+        for distance in range(2, k):
+            step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
+            new = step & ~reached
+            if not new.any():
+                break
+            hops[new] = distance
+            reached |= new
+        _HOPS[key] = hops
+    return _HOPS[key]
+
+
+def _bridge(people: list[_Person], xy: np.ndarray, hops: np.ndarray, ratio: float) -> list[_Person]:
+    """Join partial people that only keypoints missing from both could link (a chain broken where
+    a keypoint was not found): two people with no keypoint in common are joined when, between
+    their closest keypoints in the skeleton (h >= 2 limbs apart), the image distance is at most
+    `ratio` x h x the longest connection reaching either end, for h up to BRIDGE_HOPS. Pairs are
+    joined closest first (distance over h x that length); a pair whose people, as joined so far,
+    now share a keypoint is skipped."""
+    if ratio <= 0 or len(people) < 2:
+        return people
+    slots = np.array([p.slots for p in people])
+    present = slots >= 0
+    reach = np.array([p.reach for p in people], np.float32)
+    clash = (present.astype(np.uint8) @ present.T.astype(np.uint8)) > 0
+    candidates = []
+    for i, j in zip(*np.nonzero(np.triu(~clash, 1))):
+        mine, theirs = np.flatnonzero(present[i]), np.flatnonzero(present[j])
+        apart = hops[np.ix_(mine, theirs)]
+        closest = apart.min()
+        if not 2 <= closest <= BRIDGE_HOPS:
+            continue
+        a, b = np.nonzero(apart == closest)
+        ka, kb = mine[a], theirs[b]
+        gap = np.hypot(*(xy[slots[i, ka]] - xy[slots[j, kb]]).T)
+        scale = np.maximum(reach[i, ka], reach[j, kb]) * closest
+        relative = gap / np.maximum(scale, 1.0)
+        best = relative.min()
+        if best <= ratio:
+            candidates.append((float(best), int(i), int(j)))
+    if not candidates:
+        return people
+    group = list(range(len(people)))
+
+    def root(n: int) -> int:
+        while group[n] != n:
+            n = group[n]
+        return n
+    for _, i, j in sorted(candidates):
+        ri, rj = root(i), root(j)
+        if ri == rj or any(x >= 0 and y >= 0 for x, y in zip(people[ri].slots, people[rj].slots)):
+            continue
+        people[ri].absorb(people[rj], 0.0)
+        group[rj] = ri
+    return [p for n, p in enumerate(people) if group[n] == n]
 
 
 def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
@@ -214,6 +303,7 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
                                    skeleton.limbs)
     people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
+    people = _bridge(people, xy, limb_hops(skeleton), cfg.bridge_ratio)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)
