@@ -10,6 +10,8 @@ join every keypoint (`config.skeleton` refuses one that does not).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from config.schema import InferenceConfig
@@ -18,18 +20,17 @@ from inference.peaks import find_peaks
 
 
 PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
+PROBE_FROM = 256    # candidate pairs from which a few samples first reject the hopeless ones
 ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
 BLOCK_SLACK = 1 << 16  # cells allowed beyond 4 per candidate in one matching block of all limbs
 BRIDGE_HOPS = 3     # partial people are joined across at most this many limbs (2 missing keypoints)
 
 
-def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig):
-    """(score, length, accepted) of candidate segments (x_a, y_a) -> (x_b, y_b) on their limbs' maps."""
+def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, t: np.ndarray) -> np.ndarray:
+    """[N, len(t)] values of limb `limb[n]`'s map at the points (x_a, y_a) + t * (dx, dy) of each
+    candidate segment, rounded to the nearest pixel inside the map."""
     _, height, width = limb_maps.shape
-    dx, dy = x_b - x_a, y_b - y_a
-    length = np.sqrt(dx * dx + dy * dy)
-    t = np.linspace(0.0, 1.0, cfg.limb_samples, dtype=np.float32)
-    columns, rows = t * dx[:, None], t * dy[:, None]                      # [N, S] sample points
+    columns, rows = t * (x_b - x_a)[:, None], t * (y_b - y_a)[:, None]      # [N, S] sample points
     columns += x_a[:, None]
     rows += y_a[:, None]
     for values, size in ((columns, width), (rows, height)):
@@ -41,11 +42,35 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     pixel += columns
     index = pixel.astype(np.intp)
     index += (limb * (height * width))[:, None]
-    samples = limb_maps.reshape(-1).take(index, mode="clip")           # (indices all inside)
+    return limb_maps.reshape(-1).take(index, mode="clip")             # (indices all inside)
+
+
+def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig):
+    """(score, length, accepted) of candidate segments (x_a, y_a) -> (x_b, y_b) on their limbs' maps."""
+    height = limb_maps.shape[1]
+    dx, dy = x_b - x_a, y_b - y_a
+    length = np.sqrt(dx * dx + dy * dy)
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples))
     score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1.0) - 1.0, 0.0)
     above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
     support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
     return score, length, support & (score > 0)
+
+
+def _sample_steps(count: int) -> np.ndarray:
+    return np.linspace(0.0, 1.0, count, dtype=np.float32)
+
+
+def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig) -> np.ndarray:
+    """False for the segments that surely fail the support rule: more of a few of their samples
+    (the same points `_score_pairs` samples) are at or under `limb_threshold` than the rule allows
+    of all of them."""
+    needed = math.ceil(cfg.limb_min_ratio * cfg.limb_samples)     # samples above, at least
+    allowed = cfg.limb_samples - needed                            # samples under, at most
+    probes = np.unique(np.linspace(0, cfg.limb_samples - 1, min(cfg.limb_samples, allowed + 1)).round()
+                       .astype(np.intp))
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples)[probes])
+    return (samples <= cfg.limb_threshold).sum(-1) <= allowed
 
 
 def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
@@ -118,10 +143,15 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
                                  count_b[limb])
     shape = (len(limbs), count_a.max(), count_b.max())
     peak_a, peak_b = start_a[limb] + local_a, start_b[limb] + local_b
+    x, y = np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1])
+    if len(limb) > PROBE_FROM:               # most pairs join two people: a few samples reject them
+        hopeful = np.flatnonzero(_may_be_supported(limb_maps, limb, x[peak_a], y[peak_a], x[peak_b],
+                                                   y[peak_b], cfg))
+        limb, local_a, local_b = limb[hopeful], local_a[hopeful], local_b[hopeful]
+        peak_a, peak_b = peak_a[hopeful], peak_b[hopeful]
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
     accepted = np.empty(len(limb), bool)
-    x, y = np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1])
     for lo in range(0, len(limb), PAIR_CHUNK):
         part = slice(lo, lo + PAIR_CHUNK)
         a, b = peak_a[part], peak_b[part]
