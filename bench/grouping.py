@@ -1,6 +1,7 @@
 """Grouping time per image (from ready maps, one CPU thread) against the number of people.
 
-    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise]
+    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise] [--cpu-time]
+    taskset -c 0 python bench/grouping.py --against ../other_checkout --rounds 5 --cpu-time
 
 Each image is a random composition of real COCO poses (tests/data/coco4) scaled to 80-300 px
 tall on a COCO-sized canvas; its ground-truth maps (data.targets, stride 1) are rendered untimed,
@@ -11,12 +12,19 @@ The target of the project: under 20 ms for 5 people (the reference: 5.2 images/s
 (uniform noise in [0, 0.3], Gaussian blur sigma 2, times 3: smooth, ~0.45 everywhere) and "pure"
 (uniform noise in [0, 1]); both give the decoder its most peaks (`max_peaks` per keypoint type).
 Targets: under 150 ms and 400 ms.
+
+`--cpu-time` times with the process's CPU time instead of the wall clock (steadier on a shared
+machine). `--against DIR` compares with the grouping of another checkout (DIR, e.g. a `git
+worktree` of an older commit): `--rounds` rounds, each running this script once with DIR's code
+(`--code DIR`) and once with this one's, alternately, on the same maps; it prints each round's
+medians and, per row, the median over rounds of both and their ratio (this / DIR).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +32,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--code" in sys.argv[:-1]:            # time another checkout's grouping (see --against)
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
@@ -75,15 +85,15 @@ def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
     return np.stack([cv2.GaussianBlur(m, (0, 0), 2) for m in maps]) * 3
 
 
-def time_grouping(make_maps, reps: int, cfg: InferenceConfig) -> dict:
+def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter) -> dict:
     """{median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`."""
     times, found = [], []
     for _ in range(reps):
         maps = make_maps()
         group_people(maps, cfg, COCO)                   # warm caches
-        start = time.perf_counter()
+        start = clock()
         keypoints, _ = group_people(maps, cfg, COCO)
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((clock() - start) * 1e3)
         found.append(len(keypoints))
     return {"median_ms": round(float(np.median(times)), 2),
             "p90_ms": round(float(np.percentile(times, 90)), 2),
@@ -107,23 +117,30 @@ def main(argv=None) -> int:
     p.add_argument("--noise", action="store_true", help="add the rows of blurred and pure noise maps")
     p.add_argument("--pool", type=int, default=0, metavar="THREADS",
                    help="also group --reps blurred-noise maps in a pool of this many threads (as evaluation)")
+    p.add_argument("--cpu-time", action="store_true", help="time with CPU time, not the wall clock")
+    p.add_argument("--code", metavar="DIR", help="time the grouping of the checkout DIR (its inference/)")
+    p.add_argument("--against", metavar="DIR", help="alternate rounds of DIR's grouping and this one's")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of --against")
     args = p.parse_args(argv)
+    if args.against:
+        return alternate(args, argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
     rng = np.random.default_rng(args.seed)
     poses = load_poses(COCO4)
     height, width = args.size
     cfg, targets = InferenceConfig(), TargetConfig()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     report, noise = {}, {}
     print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
     for count in args.people:
         row = time_grouping(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
-                                                   1, targets, COCO), args.reps, cfg)
+                                                   1, targets, COCO), args.reps, cfg, clock)
         report[str(count)] = row
         print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     for kind in ("blurred", "pure") if args.noise else ():
-        row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg)
+        row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
         target = TARGET_MS_NOISE[kind]
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
@@ -136,9 +153,51 @@ def main(argv=None) -> int:
               f"(1 thread: {pool['ms_per_image_1_thread']:.1f})")
     five = report.get("5", {}).get("median_ms")
     print(json.dumps({"bench": "grouping", "image_hw": [height, width], "threads": 1,
+                      "clock": "cpu" if args.cpu_time else "wall", "code": args.code or ".",
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
                       **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {})}))
+    return 0
+
+
+def _without(argv: list, option: str, takes_value: bool) -> list:
+    out, skip = [], False
+    for n, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = takes_value
+        else:
+            out.append(arg)
+    return out
+
+
+def alternate(args, argv: list) -> int:
+    """Rounds of (DIR's grouping, this one's) in fresh processes; medians per row and the ratio."""
+    base = _without(_without(argv, "--against", True), "--rounds", True)
+    runs: dict = {"against": [], "this": []}
+    for round_ in range(args.rounds):
+        for side, extra in (("against", ["--code", args.against]), ("this", [])):
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *base, *extra],
+                                 check=True, capture_output=True, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            runs[side].append(result)
+            rows = {k: v["median_ms"] for k, v in result["per_people"].items()}
+            rows.update({k: v["median_ms"] for k, v in result.get("noise", {}).items()})
+            print(f"round {round_ + 1} {side:>7}: " + "  ".join(f"{k} {v:.2f}" for k, v in rows.items()),
+                  flush=True)
+    summary = {}
+    for row in runs["this"][0]["per_people"].keys() | runs["this"][0].get("noise", {}).keys():
+        def medians(side):
+            return [r["per_people"][row]["median_ms"] if row in r["per_people"] else r["noise"][row]["median_ms"]
+                    for r in runs[side]]
+        theirs, ours = float(np.median(medians("against"))), float(np.median(medians("this")))
+        summary[row] = {"against_ms": round(theirs, 2), "this_ms": round(ours, 2), "ratio": round(ours / theirs, 3)}
+    print(f"{'row':>8} {'against ms':>11} {'this ms':>8} {'ratio':>6}")
+    for row, v in summary.items():
+        print(f"{row:>8} {v['against_ms']:>11.2f} {v['this_ms']:>8.2f} {v['ratio']:>6.3f}")
+    print(json.dumps({"bench": "grouping_against", "against": args.against, "rounds": args.rounds,
+                      "clock": "cpu" if args.cpu_time else "wall", "rows": summary}))
     return 0
 
 

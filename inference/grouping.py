@@ -62,13 +62,16 @@ def _sample_steps(count: int) -> np.ndarray:
 
 
 def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig) -> np.ndarray:
-    """False for the segments that surely fail the support rule: more of a few of their samples
-    (the same points `_score_pairs` samples) are at or under `limb_threshold` than the rule allows
-    of all of them."""
+    """False for the segments that surely fail the support rule: more of a few of their inner
+    samples (points that `_score_pairs` samples too; a wrong pair's ends lie on its people's maps,
+    its middle does not) are at or under `limb_threshold` than the rule allows of all of them."""
     needed = math.ceil(cfg.limb_min_ratio * cfg.limb_samples)     # samples above, at least
     allowed = cfg.limb_samples - needed                            # samples under, at most
-    probes = np.unique(np.linspace(0, cfg.limb_samples - 1, min(cfg.limb_samples, allowed + 1)).round()
-                       .astype(np.intp))
+    inner = np.arange(1, cfg.limb_samples - 1)
+    probes = inner[np.unique(np.linspace(0, len(inner) - 1, min(len(inner), allowed + 2)).round()
+                             .astype(np.intp))]
+    if len(probes) <= allowed:
+        return np.ones(len(limb), bool)
     samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples)[probes])
     return (samples <= cfg.limb_threshold).sum(-1) <= allowed
 
