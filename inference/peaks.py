@@ -42,18 +42,21 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
 
 
 def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
-    """Per map: a pixel equal to its 3x3 dilation (the border does not count) and above threshold."""
+    """Per map: a pixel above threshold and equal to its 3x3 dilation (the border does not count),
+    the dilation taken over the rows from the first to the last such pixel (and one more each side)."""
     _, height, width = heatmaps.shape
     neighbourhood_max = np.empty((height, width), np.float32)
-    is_max, is_above = np.empty((height, width), bool), np.empty((height, width), bool)
+    is_above = np.empty(height * width, bool)
     found = []
     for index, heatmap in enumerate(heatmaps):
-        cv2.dilate(heatmap, _SQUARE_3X3, dst=neighbourhood_max)
-        np.equal(heatmap, neighbourhood_max, out=is_max)
-        np.greater(heatmap, threshold, out=is_above)
-        np.logical_and(is_max, is_above, out=is_max)
-        found.append(np.flatnonzero(is_max) + index * height * width)
-    return np.concatenate(found)
+        cand = np.flatnonzero(np.greater(heatmap.reshape(-1), threshold, out=is_above))
+        if cand.size == 0:
+            continue
+        top, bottom = max(cand[0] // width - 1, 0), min(cand[-1] // width + 2, height)
+        cv2.dilate(heatmap[top:bottom], _SQUARE_3X3, dst=neighbourhood_max[:bottom - top])
+        peak = heatmap.reshape(-1)[cand] == neighbourhood_max.reshape(-1)[cand - top * width]
+        found.append(cand[peak] + index * height * width)
+    return np.concatenate(found) if found else np.zeros(0, np.intp)
 
 
 def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
