@@ -187,7 +187,7 @@ def alternate(args, argv: list) -> int:
             print(f"round {round_ + 1} {side:>7}: " + "  ".join(f"{k} {v:.2f}" for k, v in rows.items()),
                   flush=True)
     summary = {}
-    for row in runs["this"][0]["per_people"].keys() | runs["this"][0].get("noise", {}).keys():
+    for row in [*runs["this"][0]["per_people"], *runs["this"][0].get("noise", {})]:
         def medians(side):
             return [r["per_people"][row]["median_ms"] if row in r["per_people"] else r["noise"][row]["median_ms"]
                     for r in runs[side]]

@@ -100,3 +100,18 @@ def test_people_found_on_coco4_are_those_stored(coco4_dir):
         np.testing.assert_array_equal(keypoints[:, :, 2] > 0, np.array(stored["keypoints"])[:, :, 2] > 0)
         np.testing.assert_allclose(keypoints, stored["keypoints"], atol=1e-3)
         np.testing.assert_allclose(scores, stored["scores"], atol=1e-5)
+
+
+def test_grouping_bench_alternates_two_checkouts(capsys):
+    from bench import grouping as bench
+
+    repo = Path(__file__).resolve().parents[1]
+    assert bench.main(["--people", "1", "3", "--reps", "1", "--size", "96", "128", "--cpu-time",
+                       "--against", str(repo), "--rounds", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("round ") for line in out) == 4
+    result = json.loads(out[-1])
+    assert result["bench"] == "grouping_against" and result["clock"] == "cpu" and result["rounds"] == 2
+    assert set(result["rows"]) == {"1", "3"}
+    for row in result["rows"].values():
+        assert row["against_ms"] > 0 and row["ratio"] == pytest.approx(row["this_ms"] / row["against_ms"], abs=1e-3)
