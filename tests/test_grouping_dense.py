@@ -102,6 +102,7 @@ def test_people_found_on_coco4_are_those_stored(coco4_dir):
         np.testing.assert_allclose(scores, stored["scores"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_grouping_bench_alternates_two_checkouts(capsys):
     from bench import grouping as bench
 
@@ -114,4 +115,4 @@ def test_grouping_bench_alternates_two_checkouts(capsys):
     assert result["bench"] == "grouping_against" and result["clock"] == "cpu" and result["rounds"] == 2
     assert set(result["rows"]) == {"1", "3"}
     for row in result["rows"].values():
-        assert row["against_ms"] > 0 and row["ratio"] == pytest.approx(row["this_ms"] / row["against_ms"], abs=1e-3)
+        assert row["against_ms"] > 0 and row["ratio"] == pytest.approx(row["this_ms"] / row["against_ms"], rel=0.02)
