@@ -130,7 +130,8 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     `bounds[k]:bounds[k + 1]` are the peaks of keypoint k in `xy` / `peak_score`. Every candidate
     pair of every limb is sampled at `cfg.limb_samples` points on its segment; a pair is kept when
     at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score, the mean
-    sample plus min(0.5 * image_height / length - 1, 0), is positive. Per limb, pairs are taken in
+    sample plus min(0.5 * image_height / max(length, 1) - 1, 0), is positive (two keypoints on the
+    same spot, length 0, are a pair too: Halpe's hand roots on the wrists). Per limb, pairs are taken in
     decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
     """
     ends = np.asarray(limbs)
