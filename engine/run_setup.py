@@ -214,19 +214,34 @@ def ignore_stop_signals(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _stop_workers_at_exit(iterator_ref) -> None:
-    """Shut down the workers of a loader iterator still alive when Python exits."""
-    iterator = iterator_ref()
+def _stop_workers(iterator, workers) -> None:
+    """Shut down a loader iterator's worker processes (`iterator` None: it is gone) and kill any
+    that outlive torch's own shut-down: they ignore SIGTERM, which is all that shut-down and
+    Python's exit send a worker that did not leave when asked."""
     if iterator is not None:
         iterator._shutdown_workers()
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
+
+
+def _stop_workers_at_exit(iterator_ref, workers) -> None:
+    """Shut down the workers of a loader iterator still alive when Python exits."""
+    _stop_workers(iterator_ref(), workers)
 
 
 class PersistentWorkersLoader(DataLoader):
-    """A DataLoader whose worker processes start safe from stop signals (see `_get_iterator`) and
-    are shut down when Python exits, wherever its iterator is held. Python's exit would stop them
-    with SIGTERM, which they ignore (`ignore_stop_signals`), then wait for them forever, and
-    torch's own shut-down does nothing once the interpreter exits. The exit function is
-    registered after torch's and multiprocessing's, so it runs before them."""
+    """A DataLoader whose worker processes start safe from stop signals (see `_get_iterator`),
+    end with `close()`, and are shut down when Python exits, wherever its iterator is held.
+    Python's exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`), then
+    wait for them forever, and torch's own shut-down does nothing once the interpreter exits. The
+    exit function is registered after torch's and multiprocessing's, so it runs before them.
+
+    A run calls `close()` when it ends: left to the garbage collector, the iterator's queues can
+    be finalised before the iterator itself (they are in the same garbage cycle), so its shut-down
+    cannot send the workers their stop message, waits 10 s per worker in vain, and the workers
+    live on until the exit function kills them."""
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -240,8 +255,21 @@ class PersistentWorkersLoader(DataLoader):
             iterator = super()._get_iterator()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        atexit.register(_stop_workers_at_exit, weakref.ref(iterator))
+        atexit.register(_stop_workers_at_exit, weakref.ref(iterator), list(iterator._workers))
         return iterator
+
+    def close(self) -> None:
+        """End the worker processes now; iterating again starts new ones."""
+        iterator, self._iterator = getattr(self, "_iterator", None), None
+        if iterator is not None and self.num_workers > 0:
+            _stop_workers(iterator, iterator._workers)
+
+
+def close_loaders(*loaders) -> None:
+    """End the worker processes of the run's loaders (those that have them), once it is over."""
+    for loader in loaders:
+        if isinstance(loader, PersistentWorkersLoader):
+            loader.close()
 
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx

@@ -31,7 +31,7 @@ from engine.hooks import (DivergenceStop, Hook, Interrupted, LRSchedule, Preempt
 from engine.logger import RunLogger
 from engine.reference_resume import resume_state
 from engine.resume import forget_state, plan_run, restore
-from engine.run_setup import clear_run_dir, release_run_dir, save_resolved_config
+from engine.run_setup import clear_run_dir, close_loaders, release_run_dir, save_resolved_config
 
 __all__ = ["Launch", "Trainer", "Interrupted", "Hook", "default_hooks"]
 
@@ -221,6 +221,7 @@ class Trainer:
             raise self._out_of_memory(exc) from None
         finally:
             self._call("on_stop")
+            close_loaders(self.data.loader, self.data.val_loader)   # before the group is left
             if self.ctx.is_main:
                 release_run_dir(self.run_dir)
 
