@@ -8,9 +8,12 @@ already delivered passes through unchanged.
 
 `DeviceFeed(batches, device, painter)` iterates loader batches as `to_model_input` gives them. On CUDA the
 copy (from pinned memory, non-blocking) and the expansion of batch n + 1 are queued on a side
-stream before batch n is handed over, so they overlap batch n's compute; the compute stream waits
-for the side stream only when it takes the batch. Anywhere else it is a plain loop: no stream
-call is ever made off CUDA.
+stream before batch n is handed over, so they overlap batch n's compute. An event recorded on the
+side stream right after batch n's work marks its end, and the compute stream waits on that event
+when it takes batch n: on batch n's copy alone, never on batch n + 1's, queued since. The side
+stream is one per device for the whole run (the caching allocator keeps its free blocks per
+stream, so a new stream each epoch would strand the last one's). Anywhere else it is a plain loop:
+no stream call is ever made off CUDA.
 """
 from __future__ import annotations
 
@@ -66,23 +69,39 @@ class DeviceFeed:
     def __iter__(self) -> Iterator:
         if self.device.type != "cuda":
             return (to_model_input(batch, self.device, self.painter) for batch in self.batches)
-        stream = torch.cuda.Stream(self.device)
+        stream = side_stream(self.device)
         return one_ahead(self.batches,
                          lambda batch: _start_copy(batch, self.device, self.painter, stream),
-                         lambda moved: _take(moved, self.device, stream))
+                         lambda started: _take(*started, self.device))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device):
+    """The side stream of `device` that every feed of this process queues its copies on."""
+    device = torch.device(device)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _start_copy(batch, device: torch.device, painter, stream):
-    """Queue batch's copy and expansion (the target drawing included) on `stream` (CUDA only)."""
+    """Queue batch's copy and expansion (the target drawing included) on `stream`, then an event
+    that marks their end (CUDA only); returns (the tensors, the event)."""
     pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
     with torch.cuda.stream(stream):
-        return _moved_and_expanded(pinned, device, painter, non_blocking=True)
+        moved = _moved_and_expanded(pinned, device, painter, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return moved, ready
 
 
-def _take(moved, device: torch.device, stream):
-    """Make the compute stream wait for `stream`, and tell the allocator it uses the tensors."""
+def _take(moved, ready, device: torch.device):
+    """Make the compute stream wait for this batch's work (its event), and tell the allocator
+    that stream uses the tensors."""
     current = torch.cuda.current_stream(device)
-    current.wait_stream(stream)
+    current.wait_event(ready)
     for tensor in moved:
         tensor.record_stream(current)
     return moved

@@ -1,6 +1,8 @@
 """The device feed: off CUDA a plain loop that never touches a CUDA stream; its one-ahead order
-(batch n + 1 is queued before batch n is handed over, never further); and batches of either form
-(compact or float32) reach the model as the same float32 tensors."""
+(batch n + 1 is queued before batch n is handed over, never further); on CUDA (a recording
+stand-in for the stream and event API) batch n's compute waits for batch n's copy alone, on one
+side stream for every epoch; and batches of either form (compact or float32) reach the model as
+the same float32 tensors."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +68,86 @@ def test_one_ahead_starts_the_next_item_before_handing_over_and_no_further(count
         assert started[-1] == min(value // 10 + 1, count - 1)
     assert got == [10 * i for i in range(count)]
     assert [i for kind, i in log if kind == "finish"] == list(range(count))
+
+
+class RecordingCuda:
+    """A stand-in for torch.cuda's stream and event API that records, in order, the work queued
+    on the side stream and what the compute stream waits for (no GPU needed). Side-stream work is
+    the copy and expansion of a batch; a wait covers the side-stream work queued before the event
+    (or, for `wait_stream`, everything queued so far), as on a real CUDA stream."""
+
+    def __init__(self):
+        self.side_work: list[int] = []            # batch numbers, in the order they were queued
+        self.log: list[tuple] = []                # ("waits for", [batches]) and ("forward", n)
+        self.streams_made, self.in_side_stream = 0, False
+        recorder = self
+
+        class Stream:
+            def __init__(self, device=None):
+                recorder.streams_made += 1
+
+            def record_event(self, event=None):
+                event = event or Event()
+                event.record(self)
+                return event
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                self.covers = None
+
+            def record(self, stream=None):
+                self.covers = list(recorder.side_work)
+
+        class ComputeStream:
+            def wait_event(self, event):
+                recorder.log.append(("waits for", event.covers))
+
+            def wait_stream(self, stream):
+                recorder.log.append(("waits for", list(recorder.side_work)))
+
+        class StreamContext:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                recorder.in_side_stream = True
+
+            def __exit__(self, *exc):
+                recorder.in_side_stream = False
+
+        self.Stream, self.Event, self.stream, self.compute = Stream, Event, StreamContext, ComputeStream()
+
+    def queued_copy(self, batch, device, painter, non_blocking):
+        assert self.in_side_stream, "a batch's copy was not queued on the side stream"
+        self.side_work.append(int(batch[0][0]))
+        return tuple(batch)
+
+    def install(self, monkeypatch) -> None:
+        import engine.device_feed as feed
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.compute)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        monkeypatch.setattr(feed, "_moved_and_expanded", self.queued_copy)
+        monkeypatch.setattr(feed, "_SIDE_STREAMS", {}, raising=False)
+
+
+def test_on_cuda_batch_n_waits_for_its_own_copy_only_and_one_side_stream_serves_every_epoch(monkeypatch):
+    cuda = RecordingCuda()
+    cuda.install(monkeypatch)
+    batches = [tuple(torch.full((1,), float(n)) for _ in range(3)) for n in range(4)]
+    feed = DeviceFeed(batches, torch.device("cuda", 0), PAINTER)
+    for epoch in range(2):
+        cuda.side_work.clear()
+        cuda.log.clear()
+        for batch in feed:
+            cuda.log.append(("forward", (int(batch[0][0]), list(cuda.side_work))))
+        forwards = [i for i, (kind, _) in enumerate(cuda.log) if kind == "forward"]
+        assert [cuda.log[i][1][0] for i in forwards] == [0, 1, 2, 3]
+        for n, at in enumerate(forwards):
+            assert cuda.log[at][1][1] == list(range(min(n + 2, 4)))   # batch n + 1 already queued
+            kind, covered = cuda.log[at - 1]               # the wait right before batch n's compute
+            assert kind == "waits for" and covered == list(range(n + 1)), (n, cuda.log)
+    assert cuda.streams_made == 1
