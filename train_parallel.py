@@ -4,6 +4,8 @@ Model and loss are replicated together, so every GPU computes the loss of its pa
 and only per-sample loss values come back to the first GPU (which is then not overloaded).
 
     python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
+
+--sync-bn is refused: DataParallel cannot synchronise BatchNorm; use train_distributed.py for it.
 """
 import torch
 from torch import nn
@@ -35,6 +37,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
+    if cfg.dist.sync_bn:
+        raise ConfigError("--sync-bn under train_parallel.py: DataParallel keeps the batch statistics "
+                          "of the first GPU's share of the batch; for synchronised BatchNorm run one "
+                          "process per GPU: torchrun --nproc_per_node N train_distributed.py --sync-bn")
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),

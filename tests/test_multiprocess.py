@@ -30,6 +30,7 @@ from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from runtime.checkpoint import load_checkpoint
 from runtime.launch_env import find_free_port
+from engine.cli import run_main
 from engine.sampler import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env
@@ -291,3 +292,15 @@ def test_train_parallel_runs_on_the_cpu_and_says_so(out_dir, synthetic_h5, singl
     assert ckpt["mode"] == "dataparallel"
     one = weights(single / "epoch_1.pth")             # the very computation of train.py
     assert all(torch.equal(one[k], ckpt["model"][k]) for k in one)
+
+
+def test_train_parallel_refuses_sync_bn_in_one_line_and_writes_nothing(tmp_path, synthetic_h5, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(train_parallel.main, [*data_args(synthetic_h5, tmp_path), "--sync-bn"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "error: --sync-bn under train_parallel.py: DataParallel keeps the batch statistics of the "
+        "first GPU's share of the batch; for synchronised BatchNorm run one process per GPU: "
+        "torchrun --nproc_per_node N train_distributed.py --sync-bn"]
+    assert list(tmp_path.iterdir()) == []
