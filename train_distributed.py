@@ -8,7 +8,7 @@ r"""Train with one process per GPU (DistributedDataParallel), on one machine or 
 
 Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
-from config.errors import UserError
+from config.errors import ConfigError, UserError
 from runtime import distributed as dist
 from engine.backend import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main
@@ -22,8 +22,13 @@ def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                         help="set by the legacy torch.distributed.launch")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    parser.error = lambda message: _refuse(message, parser.prog)
+    try:
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args)
+    except UserError as err:            # the others would wait for this rank to join: tell them
+        dist.fail_before_group(err)
+        raise
     ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
     try:
         wrap = lambda module: wrap_ddp(module, ctx, cfg.amp, cfg.dist)  # noqa: E731
@@ -39,6 +44,12 @@ def main(argv=None) -> dict:
         raise other from None
     finally:
         dist.cleanup()
+
+
+def _refuse(message: str, prog: str):
+    """A mistake on the command line as the usual one-line error, raised so that this rank can
+    hand it to the others first."""
+    raise ConfigError(f"{' '.join(message.split())} (see {prog} --help)")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
 _ERROR_KEY, _JOINED_KEY, _ENDED_KEY = "error", "joined", "ended"
 _STORE = None                       # the rendezvous store of the group, while it exists
 _READ_WAIT_S = 10.0                 # how long rank 0 keeps serving an error for the others to read
+_SAY_WAITING_S = 10.0               # how long rank 0 waits for the others before it says so
 
 
 def end_with_error(err: UserError) -> None:
@@ -176,17 +177,36 @@ def _rendezvous_store(launch, timeout: timedelta):
                           "running there, and MASTER_ADDR / MASTER_PORT the same on every rank?") from None
 
 
-def _leave_error_before_group(launch, err: UserError, timeout_s: float) -> None:
+def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None:
+    """A rank that fails before `init_distributed` (on its command line, say) leaves its error
+    where the others meet, so they end with it instead of waiting for it to join. Rank 0 serves
+    it for at most `_READ_WAIT_S` (the ones already waiting read it; one that starts later finds
+    no rank 0 and says so). Nothing in a world of one process, or where the launcher's variables
+    cannot be read."""
+    try:
+        launch = read_launch(os.environ, local_rank_arg)
+    except UserError:
+        return
+    if launch.world_size > 1 and not dist.is_initialized():
+        _leave_error_before_group(launch, err, DistConfig().rendezvous_timeout_s, _READ_WAIT_S)
+
+
+def _leave_error_before_group(launch, err: UserError, timeout_s: float,
+                              serve_s: float | None = None) -> None:
     """Best effort: put this rank's set-up error where the others wait to meet. Rank 0 serves the
-    store until they have all read it (at most the rendezvous timeout: some may start late);
-    another rank tries to reach it for at most 30 s (rank 0 may start later, or not at all)."""
+    store until they have all read it or ended (at most `serve_s`, by default the rendezvous
+    timeout: some may start late); another rank tries to reach it for at most 30 s (rank 0 may
+    start later, or not at all), and counts itself as ended there."""
     wait = timeout_s
+    serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(wait, 30.0)):
         return                            # no rank 0 there: the store's own attempt would log a trace
     try:
         store = _rendezvous_store(launch, timedelta(seconds=wait if launch.rank == 0 else 5))
         store.compare_set(_ERROR_KEY, "", f"rank {launch.rank}: {err}")
-        deadline = time.monotonic() + wait
+        if launch.rank != 0:
+            store.add(_ENDED_KEY, 1)
+        deadline = time.monotonic() + serve_s
         while launch.rank == 0 and store.add(_ENDED_KEY, 0) < launch.world_size - 1 \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -208,10 +228,19 @@ def _reachable(host: str, port: int, within_s: float) -> bool:
 
 
 def _meet(store, launch, timeout_s: float) -> None:
-    """Wait until every rank has joined; raise the error a rank left instead, or say who is missing."""
+    """Wait until every rank has joined; raise the error a rank left instead, or say who is missing.
+    Rank 0 says that it waits, where and for how long, once the others are `_SAY_WAITING_S` late."""
     store.add(_JOINED_KEY, 1)
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline, said = started + timeout_s, launch.rank != 0
     while True:
+        if not said and time.monotonic() - started > _SAY_WAITING_S:
+            joined = store.add(_JOINED_KEY, 0)
+            print(f"rank 0: {joined} of {launch.world_size} processes have joined at "
+                  f"{launch.master_addr}:{launch.master_port}; waiting for the others at most "
+                  f"{timeout_s - _SAY_WAITING_S:g} s more (dist.rendezvous_timeout_s {timeout_s:g} s)",
+                  flush=True)
+            said = True
         if store.check([_ERROR_KEY]):
             message = store.get(_ERROR_KEY).decode()
             store.add(_ENDED_KEY, 1)

@@ -101,3 +101,32 @@ def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank_memory_mapped(tmp_pa
     for dump in (rank0, rank1):
         checkpoints = [(name, mmap) for name, mmap in dump["loads"] if name.endswith(".pth")]
         assert checkpoints and all(mmap for _, mmap in checkpoints), checkpoints
+
+
+@pytest.mark.slow
+def test_rank_0_says_that_it_waits_and_ends_with_the_error_of_a_late_rank_refused_on_its_options(
+        tmp_path, synthetic_h5):
+    port = str(find_free_port())
+    args = common_args(tmp_path, synthetic_h5) + ["--device", "cpu"]
+
+    def start(rank: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "train_distributed.py", *args, *extra], cwd=REPO,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    rank0 = start(0)
+    said = rank0.stdout.readline()             # the first line it writes, once it waits 10 s
+    rank1 = start(1, "--no-such-option")
+    try:
+        out1, err1 = rank1.communicate(timeout=120)
+        out0, err0 = rank0.communicate(timeout=60)   # within seconds of rank 1's end
+    finally:
+        for process in (rank0, rank1):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    assert said.strip() == (f"rank 0: 1 of 2 processes have joined at 127.0.0.1:{port}; waiting for "
+                            "the others at most 110 s more (dist.rendezvous_timeout_s 120 s)")
+    refused = "unrecognized arguments: --no-such-option (see train_distributed.py --help)"
+    assert rank1.returncode == 2 and message_lines(err1) == [f"error: {refused}"], err1[-2000:]
+    assert rank0.returncode == 2 and message_lines(err0) == [f"error: rank 1: {refused}"], err0[-2000:]
