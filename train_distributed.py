@@ -37,9 +37,10 @@ def main(argv=None) -> dict:
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)
         raise
-    except Exception:                   # a collective that failed because another rank left with an error
-        other = dist.error_of_another_rank()
+    except Exception as exc:            # a collective failed as another rank left with an error,
+        other = dist.error_of_another_rank()    # or this rank failed on its own: tell the others
         if other is None:
+            dist.end_with_error(UserError(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"))
             raise
         raise other from None
     finally:

@@ -6,7 +6,10 @@ The launcher's environment is read by `runtime.launch_env` (torchrun, the legacy
 
 Ranks fail together: they meet in a store with a short timeout before the group exists, a rank
 whose set-up or training fails leaves its error there for the others (`end_with_error`,
-`error_of_another_rank`), and what only rank 0 checks it decides for all (`decided_on_main`).
+`error_of_another_rank`, `fail_before_group`), and what only rank 0 checks it decides for all
+(`decided_on_main`). Under gloo the failed rank's closed connections end the others' collectives
+at once; under NCCL a collective would wait for it until `dist.timeout_s`, so each rank watches the
+store for an error (`ErrorWatch`) and aborts its communicators when one appears.
 
 The master port is checked on rank 0 only when no torchrun agent runs: the agent already holds
 its store on that port and the workers join it, so a bind test there would always fail.
@@ -19,6 +22,7 @@ import math
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -88,11 +92,13 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     _meet(store, launch, dist_cfg.rendezvous_timeout_s)
     timeout = timedelta(seconds=dist_cfg.timeout_s)
     store.set_timeout(timeout)
-    global _STORE
+    global _STORE, _WATCH
     _STORE = store
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)
+    if ctx.backend == "nccl":
+        _WATCH = ErrorWatch(store, lambda: dist.distributed_c10d._abort_process_group())
     return ctx
 
 
@@ -108,16 +114,54 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
 
 _ERROR_KEY, _JOINED_KEY, _ENDED_KEY = "error", "joined", "ended"
 _STORE = None                       # the rendezvous store of the group, while it exists
+_WATCH = None                       # the ErrorWatch of an NCCL group, while it exists
+_WATCH_EVERY_S = 1.0                # how often it looks
 _READ_WAIT_S = 10.0                 # how long rank 0 keeps serving an error for the others to read
 _SAY_WAITING_S = 10.0               # how long rank 0 waits for the others before it says so
+
+
+class ErrorWatch:
+    """A thread that looks in `store` for a rank's error every `every_s` seconds and calls
+    `abort()` once when one is there: under NCCL the communicators' abort makes a collective that
+    waits for a rank which has left fail at once, instead of at `dist.timeout_s`; the rank then
+    ends with that rank's error (`error_of_another_rank`). `stop()` ends the watch."""
+
+    def __init__(self, store, abort, every_s: float = _WATCH_EVERY_S):
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(store, abort, every_s),
+                                        name="rank-error-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self, store, abort, every_s: float) -> None:
+        while not self._stopped.wait(every_s):
+            try:
+                found = store.check([_ERROR_KEY])
+            except (RuntimeError, dist.DistError):    # the store is gone: the run is over
+                return
+            if found and not self._stopped.is_set():
+                abort()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _WATCH_EVERY_S + 5)
+
+
+def _stop_watch() -> None:
+    global _WATCH
+    watch, _WATCH = _WATCH, None
+    if watch is not None:
+        watch.stop()
 
 
 def end_with_error(err: UserError) -> None:
     """This rank ends with `err` while others may wait in a collective: leave its message in the
     store (the first error wins), leave the process group, whose gloo connections then fail the
-    others' pending collectives at once, and on rank 0, which serves the store, wait up to 10 s
-    for the others to end too. With NCCL the others only notice at `dist.timeout_s`."""
+    others' pending collectives at once (under NCCL their `ErrorWatch` aborts them within a
+    second), and on rank 0, which serves the store, wait up to 10 s for the others to end too."""
     global _STORE
+    _stop_watch()                       # this rank's own error is no reason to abort under it
     store, _STORE = _STORE, None
     if store is None or not _active():
         return
@@ -135,17 +179,21 @@ def end_with_error(err: UserError) -> None:
 
 def error_of_another_rank() -> UserError | None:
     """The error another rank left with `end_with_error`, once a collective failed because that
-    rank left; None when there is none (the failure is then this rank's own)."""
+    rank left; None when there is none (the failure is then this rank's own, which it can still
+    leave for the others with `end_with_error`)."""
     global _STORE
-    store, _STORE = _STORE, None
+    _stop_watch()
+    store = _STORE
     if store is None:
         return None
     try:
         if not store.check([_ERROR_KEY]):
             return None
+        _STORE = None
         message = store.get(_ERROR_KEY).decode()
         store.add(_ENDED_KEY, 1)
     except (RuntimeError, dist.DistError):
+        _STORE = None
         return None
     return UserError(message)
 
@@ -258,6 +306,7 @@ def _meet(store, launch, timeout_s: float) -> None:
 def cleanup() -> None:
     """Leave the process group (if any); safe to call twice."""
     global _CONTEXT, _STORE
+    _stop_watch()
     _STORE = None
     if dist.is_available() and dist.is_initialized():
         gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first

@@ -6,8 +6,10 @@ arguments and every torch.load they made (file name, memory-mapped or not) to RU
 training, where
 TEST_BLOW_UP="RANK:STEP" multiplies that rank's training loss by 1e9 at that step,
 TEST_BAD_DATA="RANK:STEP" makes that rank meet a bad image (DataError) at that step,
+TEST_CRASH="RANK:STEP" makes that rank fail with a RuntimeError (a bug, not bad input) there,
 TEST_SLOW_VAL=SECONDS makes reading each validation sample take that long (in the DataLoader
-workers), and TEST_STALE_VIEW=NAME makes rank 1 see RUN/NAME as the newest checkpoint (a shared
+workers), TEST_FLAT_VAL=1 makes every validation's loss the same (no improvement after the first:
+early stopping), and TEST_STALE_VIEW=NAME makes rank 1 see RUN/NAME as the newest checkpoint (a shared
 filesystem that shows it an older state). The patches are made here, in the test's process tree
 only: the product has no hook for them. Imported, it gives the tests the launch and comparison
 helpers.
@@ -45,6 +47,7 @@ SCHEDULE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "0",
 LR_EPOCH_2 = 0.005
 NO_VALIDATION = ["--val-every", "0", "--ap-every", "0"]
 BAD_DATA_MESSAGE = "train.h5: image 7 is not a readable image"
+CRASH_MESSAGE = "a failure of the test's own making"
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -106,6 +109,7 @@ def _patch_trainer_and_run() -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")
+    crash = os.environ.get("TEST_CRASH")
     Trainer = engine_trainer.Trainer
     forward, fit, run_step = ModelWithLoss.forward, Trainer.fit, Trainer.run_step
     steps = []
@@ -115,6 +119,8 @@ def _patch_trainer_and_run() -> None:
         if self.training and bad_data == f"{rank}:{len(steps) + 1}":
             from config.errors import DataError
             raise DataError(BAD_DATA_MESSAGE)
+        if self.training and crash == f"{rank}:{len(steps) + 1}":
+            raise RuntimeError(CRASH_MESSAGE)
         if self.training and blow_up == f"{rank}:{len(steps) + 1}":
             per_sample = per_sample * 1e9
         return per_sample, parts
@@ -144,6 +150,8 @@ def _patch_trainer_and_run() -> None:
     ModelWithLoss.forward, Trainer.run_step, Trainer.fit = blown_forward, recorded_step, fit_and_dump
     if os.environ.get("TEST_SLOW_VAL"):
         _slow_validation_samples(float(os.environ["TEST_SLOW_VAL"]))
+    if os.environ.get("TEST_FLAT_VAL"):
+        _flat_validation_loss()
     if os.environ.get("TEST_STALE_VIEW") and rank == 1:
         _stale_checkpoint_view(os.environ["TEST_STALE_VIEW"])
     import train_distributed
@@ -160,6 +168,18 @@ def _slow_validation_samples(seconds: float) -> None:
             time.sleep(seconds)
         return get_item(self, index)
     KeypointDataset.__getitem__ = slow_get_item
+
+
+def _flat_validation_loss() -> None:
+    from engine import epoch_end
+    validate = epoch_end.validate
+
+    def flat_validate(*args, **kwargs):
+        results = validate(*args, **kwargs)          # the validation loader still runs
+        if "loss" in results:
+            results["loss"] = 1.0
+        return results
+    epoch_end.validate = flat_validate
 
 
 def _stale_checkpoint_view(name: str) -> None:

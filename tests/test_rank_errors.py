@@ -15,7 +15,7 @@ import pytest
 import train
 from child_env import child_env
 from runtime.launch_env import find_free_port
-from multiprocess_runs import BAD_DATA_MESSAGE, dumps, launch, ranks_identical
+from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, launch, ranks_identical
 from test_preemption import REPO, message_lines, write_micro_preset
 
 
@@ -88,6 +88,19 @@ def test_bad_data_met_by_one_rank_mid_training_ends_every_rank_with_its_error(tm
     assert spread < 10
 
 
+def test_a_failure_of_one_ranks_own_mid_training_ends_the_other_with_its_line(tmp_path, synthetic_h5):
+    # not bad input but a bug: that rank shows its traceback, the other one line naming it
+    args = common_args(tmp_path, synthetic_h5)[:-4] + ["--set", "train.max_steps_per_epoch=4",
+                                                        "--device", "cpu"]
+    results, spread = hand_set_ranks(lambda rank: args, script="tests/multiprocess_runs.py",
+                                     TEST_CRASH="1:2")
+    (rc0, err0), (rc1, err1) = results
+    assert rc1 == 1 and f"RuntimeError: {CRASH_MESSAGE}" in err1, err1[-2000:]
+    assert rc0 == 2 and "Traceback" not in err0, err0[-2000:]
+    assert message_lines(err0)[-1] == f"error: rank 1: RuntimeError: {CRASH_MESSAGE}"
+    assert spread < 10
+
+
 def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank_memory_mapped(tmp_path, synthetic_h5):
     args = common_args(tmp_path, synthetic_h5)[:-4] + ["--set", "train.max_steps_per_epoch=2",
                                                         "--set", "dist.timeout_s=30"]
@@ -130,3 +143,29 @@ def test_rank_0_says_that_it_waits_and_ends_with_the_error_of_a_late_rank_refuse
     refused = "unrecognized arguments: --no-such-option (see train_distributed.py --help)"
     assert rank1.returncode == 2 and message_lines(err1) == [f"error: {refused}"], err1[-2000:]
     assert rank0.returncode == 2 and message_lines(err0) == [f"error: rank 1: {refused}"], err0[-2000:]
+
+
+def test_the_error_watch_aborts_once_when_a_rank_leaves_its_error_and_never_after_stop():
+    # what ends an NCCL rank that waits in a collective for a rank which failed (no GPU needed)
+    from datetime import timedelta
+
+    import torch.distributed as torch_dist
+    from runtime.distributed import ErrorWatch
+
+    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True,
+                                timeout=timedelta(seconds=10))
+    aborted = []
+    watch = ErrorWatch(store, lambda: aborted.append(time.monotonic()), every_s=0.05)
+    time.sleep(0.3)
+    assert aborted == []                                  # no error yet: no abort
+    posted = time.monotonic()
+    store.set("error", "rank 1: something failed")
+    deadline = posted + 10
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    assert len(aborted) == 1 and aborted[0] - posted < 2
+    quiet = ErrorWatch(store, lambda: aborted.append(time.monotonic()), every_s=0.05)
+    quiet.stop()                                          # stopped first: the error is no reason
+    time.sleep(0.2)
+    assert len(aborted) == 1
