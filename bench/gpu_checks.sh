@@ -6,9 +6,13 @@
 #                                        # train_parallel.py and torchrun on the one GPU
 #                                        # (a 1-process torchrun creates no process group: see group1)
 #   bash bench/gpu_checks.sh group1      # a real NCCL process group of one rank (bench/group_of_one.py):
-#                                        # DDP, ZeRO, CUDA SyncBN and NCCL collectives built and run
+#                                        # DDP, ZeRO, CUDA SyncBN (forced through its distributed
+#                                        # function) and NCCL collectives built and run
 #   bash bench/gpu_checks.sh synthetic   # bench/train_throughput.py, all configs, channels_last off/on
-#   bash bench/gpu_checks.sh compile     # the O1 configs under torch.compile
+#   bash bench/gpu_checks.sh compile_fp16       # O1 fp16 under torch.compile, channels_last on
+#   bash bench/gpu_checks.sh compile_bf16       # O1 bf16 under torch.compile, channels_last on
+#   bash bench/gpu_checks.sh compile_fp16_nchw  # O1 fp16 under torch.compile, channels_last off
+#                                        # (one cold compile each, about 330 s: one call each)
 #   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
 #   bash bench/gpu_checks.sh apex        # issue 21: does Apex 25.04 import and patch this torch; O1/O2
 #                                        # loss curves, images/s and memory of both backends
@@ -23,26 +27,23 @@
 # Logs go to $OUT/STAGE.log (or bench_out/). The GPU image lacks pycocotools, and coco4 lives
 # outside the repository, so before the first call, on the development machine:
 #   printf '/.whl/\n/.bench_data/\n' >> .git/info/exclude
-#   python3 -m pip download --isolated --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux2014_x86_64 -d .whl pycocotools
+#   for version in 3.10 3.11 3.12 3.13; do
+#       python3 -m pip download --isolated --no-deps --only-binary=:all: --python-version $version \
+#           --implementation cp --platform manylinux2014_x86_64 -d .whl pycocotools; done
 #   mkdir -p .bench_data && cp -r ../shared/data/coco4 .bench_data/
-# and name `.whl` and `.bench_data` in the call's carry.
+# and name `.whl` and `.bench_data` in the call's carry (bench/gpu_env.sh installs the wheel of
+# the machine's python3).
 set -u -o pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile|loader|apex|apex_runs|apex_speed}
+stage=${1:?usage: bash bench/gpu_checks.sh cuda|group1|synthetic|compile_fp16|compile_bf16|compile_fp16_nchw|loader|apex|apex_runs|apex_speed}
 out=${OUT:-bench_out}
 mkdir -p "$out"
 log="$out/$stage.log"
-export PYTHONUNBUFFERED=1 SIMPLEPOSE_COCO4=${SIMPLEPOSE_COCO4:-.bench_data/coco4}
-if [ -d .whl ] && ! python3 -c "import pycocotools" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+export SIMPLEPOSE_COCO4=${SIMPLEPOSE_COCO4:-.bench_data/coco4}
+source "$(dirname "$0")/gpu_env.sh"
 runs=$(mktemp -d)
-case "$stage" in apex*)        # Apex's Python package, unpacked outside the repository's tracked files
-    tarball=vendor_local/apex-25.04-python.tar.gz
-    [ -f "$tarball" ] || { echo "no $tarball: see the header of bench/gpu_checks.sh"; exit 2; }
-    mkdir -p vendor_local/apex-25.04 && tar xzf "$tarball" -C vendor_local/apex-25.04
-    export PYTHONPATH="$PWD/vendor_local/apex-25.04${PYTHONPATH:+:$PYTHONPATH}"
+case "$stage" in apex*)
+    [ -f vendor_local/apex-25.04-python.tar.gz ] || {
+        echo "no vendor_local/apex-25.04-python.tar.gz: see the header of bench/gpu_checks.sh"; exit 2; }
     ;;
 esac
 device=${DEVICE:-cuda}     # DEVICE=cpu runs the cuda stage's commands on a CPU, to check the script
@@ -70,19 +71,21 @@ cuda)
     ;;
 group1)
     set -e
-    python3 bench/group_of_one.py --opt-level O1 --sync-bn --zero --accumulate 2 --run-name g1 \
-        "${quick[@]}"
-    python3 bench/group_of_one.py --opt-level O1 --sync-bn --delay-allreduce --run-name g1 --resume auto \
-        --epochs 3 --out-dir "$runs" --device "$device"
+    python3 bench/group_of_one.py --opt-level O1 --sync-bn --force-sync-function --zero --accumulate 2 \
+        --run-name g1 "${quick[@]}"
+    python3 bench/group_of_one.py --opt-level O1 --sync-bn --force-sync-function --delay-allreduce \
+        --run-name g1 --resume auto --epochs 3 --out-dir "$runs" --device "$device"
     ;;
 synthetic)
     python3 bench/train_throughput.py --batch 16
     ;;
-compile)
-    # channels_last first: the CUDA default; the first step of each row is mostly compilation
-    python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" "O1 bf16" --channels-last on --compile on \
+compile_fp16|compile_bf16|compile_fp16_nchw)
+    # one cold compile per call; the first step of the row is mostly compilation
+    config="O1 fp16"; layout=on
+    [ "$stage" = compile_bf16 ] && config="O1 bf16"
+    [ "$stage" = compile_fp16_nchw ] && layout=off
+    python3 bench/train_throughput.py --batch 16 --configs "$config" --channels-last $layout --compile on \
         "${@:2}"
-    python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" --channels-last off --compile on "${@:2}"
     ;;
 loader)
     python3 bench/train_throughput.py --batch 16 --configs "O1 fp16" "O1 bf16" --channels-last on --h5 coco4

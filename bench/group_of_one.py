@@ -9,6 +9,10 @@ runs the same `Trainer` that train_distributed.py runs, with every train.py flag
 
     python bench/group_of_one.py --device cuda --sync-bn --zero --accumulate 2 --opt-level O1 ...
     python bench/group_of_one.py --device cpu --epochs 1 --set train.max_steps_per_epoch=2
+
+In a group of one, nn.SyncBatchNorm takes the plain batch-norm path (nothing to synchronise);
+`--force-sync-function` sends its training forward through torch's distributed SyncBatchNorm
+function anyway, so that its NCCL collectives run (CUDA only).
 """
 from __future__ import annotations
 
@@ -32,8 +36,35 @@ from inference.evaluation import training_evaluator        # noqa: E402
 SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
 
 
+def force_sync_function(model: nn.Module) -> int:
+    """Route every nn.SyncBatchNorm's training forward through torch's distributed function (its
+    statistics all-gathered over the group), whatever the group's size; returns how many."""
+    from torch.nn.modules._functions import SyncBatchNorm as SyncFunction
+    layers = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    for layer in layers:
+        plain = layer.forward
+
+        def forward(input, layer=layer, plain=plain):
+            if not layer.training:
+                return plain(input)
+            if layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.add_(1)
+            momentum = layer.momentum if layer.momentum is not None else \
+                1.0 / float(layer.num_batches_tracked)
+            group = layer.process_group or torch_dist.group.WORLD
+            return SyncFunction.apply(input, layer.weight, layer.bias, layer.running_mean,
+                                      layer.running_var, layer.eps, momentum, group,
+                                      torch_dist.get_world_size(group))
+        layer.forward = forward
+    return len(layers)
+
+
 def main(argv=None) -> dict:
-    cfg = config_from_args(build_parser(__doc__).parse_args(argv))
+    parser = build_parser(__doc__)
+    parser.add_argument("--force-sync-function", action="store_true",
+                        help="run nn.SyncBatchNorm's distributed function in the group of one")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
     ctx = single_process_context(cfg.train.device)
     ctx.backend = "nccl" if ctx.device.type == "cuda" else "gloo"
     store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
@@ -46,6 +77,9 @@ def main(argv=None) -> dict:
                           training_evaluator())
         sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
                       for m in trainer.model.modules())
+        if args.force_sync_function:
+            print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "
+                  "the distributed function", flush=True)
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "
               f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
               f"{sync_bn} SyncBN layers", flush=True)
