@@ -6,6 +6,7 @@ signal to the process group, and an error on one rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -72,17 +73,33 @@ class TimedLines:
         return "\n".join(line for _, line in self.lines)
 
 
-def processes_in_session(session: int) -> list[int]:
-    """Pids of the processes still in `session` (from /proc)."""
-    pids = []
+def _process_table() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, state)} of every process (from /proc)."""
+    table = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+        table[int(stat.parent.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes `pid` started, and theirs (the launcher's ranks run in sessions of their own,
+    so the launcher's process group does not hold them)."""
+    table, found, todo = _process_table(), set(), [pid]
+    while todo:
+        parent = todo.pop()
+        children = [child for child, (ppid, _) in table.items() if ppid == parent]
+        found.update(children)
+        todo += children
+    return found
+
+
+def still_running(pids: set[int]) -> list[int]:
+    table = _process_table()
+    return sorted(pid for pid in pids if pid in table and table[pid][1] != "Z")
 
 
 @pytest.mark.slow
@@ -100,35 +117,44 @@ def test_a_two_rank_run_with_dataloader_workers_ends_by_itself(tmp_path, synthet
                "--set", "train.tensorboard=false", "--set", "dist.timeout_s=120",
                *(["--sync-bn"] if sync_bn else []), *extra]
     process = subprocess.Popen(command, cwd=REPO, env=child_env(**env), text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, start_new_session=True)
+                               stderr=subprocess.PIPE)
     lines = TimedLines(process)
-    deadline = time.monotonic() + RUN_LIMIT_S
+    started, deadline = set(), time.monotonic() + RUN_LIMIT_S
     try:
-        if end == "pre-emption":          # as torchrun and SLURM send it: launcher, ranks, workers
+        if end == "pre-emption":
             while logged_steps(tmp_path / "run") < 2 and process.poll() is None \
                     and time.monotonic() < deadline:
-                time.sleep(0.05)
-            os.killpg(process.pid, signal.SIGTERM)
+                started |= descendants(process.pid)
+                time.sleep(0.1)
+            for pid in [process.pid, *descendants(process.pid)]:   # as torchrun and SLURM send it:
+                with contextlib.suppress(ProcessLookupError):       # launcher, ranks and workers
+                    os.kill(pid, signal.SIGTERM)
         while process.poll() is None and time.monotonic() < deadline:
+            started |= descendants(process.pid)
             said = lines.last_matching(ending_line)
             if said is not None and time.monotonic() - said > ENDS_WITHIN_S:
                 break                     # it should have ended by now
-            time.sleep(0.05)
+            time.sleep(0.1)
         ended = time.monotonic()
     finally:
+        started |= descendants(process.pid)
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             process.wait()
+        grace = time.monotonic() + 10     # a worker notices within 5 s that its rank has gone
+        while still_running(started) and time.monotonic() < grace:
+            time.sleep(0.2)
+        left = still_running(started)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for reader in lines.readers:
             reader.join(timeout=10)
-    left = processes_in_session(process.pid)
-    if left:
-        os.killpg(process.pid, signal.SIGKILL)
     said = lines.last_matching(ending_line)
     assert said is not None, f"no line like {ending_line!r}:\n{lines.text()[-4000:]}"
     assert ended - said <= ENDS_WITHIN_S, (f"still running {ended - said:.0f} s after its last line "
                                            f"(rc {process.returncode}):\n{lines.text()[-3000:]}")
-    assert not left, f"processes left behind: {left}"
+    assert not left, f"processes left behind 10 s after the launcher ended: {left}"
     assert (process.returncode == 0) == succeeds, lines.text()[-3000:]
     if succeeds:
         assert "Traceback" not in lines.text(), lines.text()[-3000:]
