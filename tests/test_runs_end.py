@@ -1,8 +1,9 @@
 """Every distributed run ends by itself: two real ranks under torchrun or the legacy launcher, each
 with two DataLoader workers in its training and its validation loader, with and without --sync-bn,
 end within 30 s of the line that says how the run ended (and leave no process behind), for each way
-a run ends: its last epoch, a steps limit, early stopping, the divergence stop, pre-emption by a
-signal to the process group, and an error on one rank.
+a run ends: its last epoch, a steps limit, early stopping, the divergence stop, pre-emption
+(SIGTERM to the launcher, the ranks and their workers, as SLURM sends it), and an error on one
+rank.
 """
 from __future__ import annotations
 
