@@ -114,3 +114,17 @@ def test_person_mask_channel_is_eroded_and_no_people_give_zeros():
     assert not target[:48].any() and not target[49].any()
     with pytest.raises(ValueError):
         render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), COCO, person_mask=np.ones((10, 10)))
+
+
+def test_targets_drawn_into_a_batch_array_equal_fresh_ones_and_a_wrong_array_is_refused():
+    rng = np.random.default_rng(8)
+    cfg, batch = TargetConfig(), np.zeros((2, NUM_CHANNELS, 30, 30), np.float32)
+    people = [random_people(rng, count, 120, 120) for count in (3, 5)]
+    for n, each in enumerate(people):
+        assert np.shares_memory(render_targets(each, 30, 30, 4, cfg, COCO, out=batch[n]), batch[n])
+        np.testing.assert_array_equal(batch[n], render_targets(each, 30, 30, 4, cfg, COCO))
+    assert batch.any()
+    for wrong in (np.zeros((NUM_CHANNELS, 30, 31), np.float32), np.zeros((NUM_CHANNELS, 30, 30)),
+                  batch[:, :, :, 0]):
+        with pytest.raises(ValueError, match="expected a contiguous float32"):
+            render_targets(people[0], 30, 30, 4, cfg, COCO, out=wrong)
