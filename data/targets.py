@@ -30,6 +30,7 @@ from data.augment import mask_fraction
 GAUSSIAN_CUTOFF = 4.6052          # exp(-4.6052) = 0.01: values below are set to 0
 _MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
 _ERODE_KERNEL = np.ones((3, 3), np.uint8)
+_CHUNK_CELLS = 1 << 19            # limb cells computed at once (a few MB per temporary array)
 
 
 def _cell_range(lo: np.ndarray, hi: np.ndarray, stride: int, count: int):
@@ -80,10 +81,10 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
                 margin: float) -> None:
     """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W].
 
-    The cells of every limb's window are laid end to end in one flat array (no padding to a
-    common window size), so numpy works on a few arrays as long as the windows' total area. The
-    limbs of one channel add up in person order, then cells reached by several are divided by
-    their count.
+    The cells of the limbs' windows are laid end to end in flat arrays (no padding to a common
+    window size; at most `_CHUNK_CELLS` cells at a time), so numpy works on a few arrays as long
+    as the windows' total area. The limbs of one channel add up in person order, then cells
+    reached by several are divided by their count.
     """
     height, width = maps.shape[1:]
     limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
@@ -96,26 +97,35 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
     root = math.sqrt(0.5) / sigma                          # g = exp(-(root * distance)^2)
     cols = j1 - j0
     area = (i1 - i0) * cols
-    owner = np.repeat(np.arange(limb.size), area)          # the limb of each flat cell
-    local = np.arange(owner.size) - np.repeat(np.cumsum(area) - area, area)
-    row, col = i0[owner] + local // cols[owner], j0[owner] + local % cols[owner]
-    dx = (col + 0.5) * stride - 0.5 - a[owner, 0]
-    dy = (row + 0.5) * stride - 0.5 - a[owner, 1]
-    ux, uy = unit[owner, 0] * root, unit[owner, 1] * root
-    across = dx * uy - dy * ux
-    dist2 = across * across
-    if point.any():
-        along = (dx * ux + dy * uy) * point[owner]
-        dist2 += along * along
-    reached = dist2 <= GAUSSIAN_CUTOFF
-    cell = ((limb[owner] * height + row) * width + col)[reached]
     flat = maps.reshape(-1)
-    np.add.at(flat, cell, np.exp(-dist2[reached]).astype(np.float32))
-    shared, counts = np.unique(cell, return_counts=True)
+    ends = np.cumsum(area)
+    reached_cells = []
+    first = 0
+    while first < limb.size:            # limbs in order, a bounded number of cells at a time
+        last = max(first + 1, int(np.searchsorted(ends, ends[first] - area[first] + _CHUNK_CELLS,
+                                                  side="right")))
+        part = np.arange(first, last)
+        owner = np.repeat(part, area[part])                    # the limb of each flat cell
+        starts = ends[part] - area[part]
+        local = np.arange(owner.size) - np.repeat(starts - starts[0], area[part])
+        row, col = i0[owner] + local // cols[owner], j0[owner] + local % cols[owner]
+        dx = (col + 0.5) * stride - 0.5 - a[owner, 0]
+        dy = (row + 0.5) * stride - 0.5 - a[owner, 1]
+        ux, uy = unit[owner, 0] * root, unit[owner, 1] * root
+        across = dx * uy - dy * ux
+        dist2 = across * across
+        if point[part].any():
+            along = (dx * ux + dy * uy) * point[owner]
+            dist2 += along * along
+        reached = dist2 <= GAUSSIAN_CUTOFF
+        cell = ((limb[owner] * height + row) * width + col)[reached]
+        np.add.at(flat, cell, np.exp(-dist2[reached]).astype(np.float32))
+        reached_cells.append(cell)
+        first = last
+    shared, counts = np.unique(np.concatenate(reached_cells), return_counts=True)
     several = counts > 1
     if several.any():
-        shared = shared[several]
-        flat[shared] /= counts[several].astype(np.float32)
+        flat[shared[several]] /= counts[several].astype(np.float32)
 
 
 def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig, skeleton: Skeleton,

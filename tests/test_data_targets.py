@@ -128,3 +128,19 @@ def test_targets_drawn_into_a_batch_array_equal_fresh_ones_and_a_wrong_array_is_
                   batch[:, :, :, 0]):
         with pytest.raises(ValueError, match="expected a contiguous float32"):
             render_targets(people[0], 30, 30, 4, cfg, COCO, out=wrong)
+
+
+def test_limbs_drawn_a_few_cells_at_a_time_are_the_same(monkeypatch):
+    """Limb windows computed in small chunks (as large crowds at stride 1 are) give the same maps
+    bit for bit, overlapping people averaged across chunks."""
+    import data.targets as targets
+
+    rng = np.random.default_rng(11)
+    base = random_people(rng, 1, 160, 160)
+    base[..., 2] = 2
+    crowd = np.concatenate([base + np.float32([dx, 0, 0]) for dx in (0, 4, 9)]
+                           + [random_people(rng, 3, 160, 160)])
+    whole = render_targets(crowd, 40, 40, 4, TargetConfig(), COCO)
+    monkeypatch.setattr(targets, "_CHUNK_CELLS", 50)
+    np.testing.assert_array_equal(render_targets(crowd, 40, 40, 4, TargetConfig(), COCO), whole)
+    np.testing.assert_allclose(whole[:48], direct_targets(crowd, 40, 40, 4, TargetConfig()), atol=1e-6)
