@@ -9,7 +9,10 @@ read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint
 targets (the CPU drawing of `data.targets`, 50 maps at stride 4: no longer a worker's job), and the
 total of `dataset.compact_item(i)`: all the host-side work of a loader worker per sample (tensors
 included; `data.transfer`). Rates are per CPU second of this process (one thread), so other load
-on the machine barely moves them. Then it times the device's share run here on the CPU: the
+on the machine barely moves them. Then the CPU path, what a CPU-only run does per sample: the
+worker's share, then batches of --batch collated and expanded on the CPU device (float input,
+targets drawn by `KeypointDataset.painter_for(cpu)`, mask), fastest of the --repeats passes; every
+pass of both is printed. Then it times the device's share run here on the CPU: the
 target drawing on batches of --batch compact samples (CPU ms per batch), both ways: the whole-grid
 drawing of `data.device_targets` (what a GPU runs) and the windowed one of `data.targets` that a
 CPU device uses (`KeypointDataset.painter_for`).
@@ -35,7 +38,7 @@ import torch  # noqa: E402
 from config.loader import build_config  # noqa: E402
 from config.views import SampleSettings  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
-from data.transfer import batch_bytes, trim_people  # noqa: E402
+from data.transfer import batch_bytes, expand, trim_people  # noqa: E402
 from bench.bench_data import make_bench_h5  # noqa: E402
 
 
@@ -56,9 +59,28 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
         passes.append((time.process_time() - start, time.perf_counter() - wall))
     stages["total"], stages["total_wall"] = min(passes)
     stages["total_median"] = statistics.median(cpu for cpu, _ in passes)
+    stages["total_passes"] = [cpu for cpu, _ in passes]
     stages["bytes"] = batch_bytes(dataset.compact_item(0))
     stages["float32_bytes"] = batch_bytes(dataset[0])
     return stages
+
+
+def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -> tuple[float, list]:
+    """(fastest, every pass's) CPU seconds of what a CPU-only run does for `samples` samples: the
+    worker's compact items, collated in batches of `batch` (the last one shorter), then expanded
+    on the CPU device (`data.transfer.expand` with `painter_for(cpu)`: float input, targets
+    drawn, mask), as `engine.device_feed.to_model_input` does."""
+    count, painter = len(dataset), dataset.painter_for(torch.device("cpu"))
+    passes = []
+    for _ in range(repeats):
+        start = time.process_time()
+        for first in range(0, samples, batch):
+            items = [dataset.compact_item((n // count, n % count))
+                     for n in range(first, min(first + batch, samples))]
+            image, people, masks = (torch.stack(t) for t in zip(*items))
+            expand(image, trim_people(people), masks, painter)
+        passes.append(time.process_time() - start)
+    return min(passes), passes
 
 
 def drawing_batches(dataset: KeypointDataset, samples: int, batch: int) -> list:
@@ -96,6 +118,7 @@ def main(argv=None) -> int:
                            else make_bench_h5(Path(tmp), 1, args.coco_dir))
         dataset = KeypointDataset(h5_path, SampleSettings.of(cfg), train=True)
         stages = measure(dataset, args.samples, max(1, args.repeats))
+        cpu_best, cpu_passes = cpu_path(dataset, args.samples, max(1, args.repeats), args.batch)
         batches = drawing_batches(dataset, args.samples, args.batch)
         drawing = drawing_time(dataset.painter, batches)
         host_drawing = drawing_time(dataset.host_painter, batches)
@@ -119,6 +142,12 @@ def main(argv=None) -> int:
     median_rate = args.samples / stages["total_median"]
     print(f"(total: the fastest of {max(1, args.repeats)} passes; their median {median_rate:.1f} samples/s; "
           f"by wall clock {wall_rate:.1f} samples/s; rates are per CPU second)")
+    print(f"CPU path (worker's share + expansion on the CPU device: input, targets, mask, batches of "
+          f"{args.batch}): {cpu_best / args.samples * 1e3:.2f} ms/sample, "
+          f"{args.samples / cpu_best:.1f} samples/s (fastest of {len(cpu_passes)})")
+    print("passes, samples/s per CPU second: worker's share "
+          + " ".join(f"{args.samples / t:.1f}" for t in stages["total_passes"])
+          + "; CPU path " + " ".join(f"{args.samples / t:.1f}" for t in cpu_passes))
     print(f"device target drawing, run on this CPU: {drawing * 1e3:.1f} ms per batch of {args.batch} "
           f"({drawing * 1e3 / args.batch:.2f} ms/sample); windowed, as a CPU device draws: "
           f"{host_drawing * 1e3:.1f} ms")
@@ -132,6 +161,9 @@ def main(argv=None) -> int:
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
                       "total_median_per_s": round(median_rate, 1), "repeats": max(1, args.repeats),
                       "total_wall_per_s": round(wall_rate, 1), "bytes_per_sample": stages["bytes"],
+                      "total_passes_per_s": [round(args.samples / t, 1) for t in stages["total_passes"]],
+                      "cpu_path_per_s": round(args.samples / cpu_best, 1),
+                      "cpu_path_passes_per_s": [round(args.samples / t, 1) for t in cpu_passes],
                       "device_targets_cpu_ms_per_batch": round(drawing * 1e3, 1),
                       "host_targets_cpu_ms_per_batch": round(host_drawing * 1e3, 1), "batch": args.batch,
                       "float32_bytes_per_sample": stages["float32_bytes"],

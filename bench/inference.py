@@ -10,7 +10,11 @@ works on the ground-truth maps of the same pictures instead (data.targets, what 
 network approaches), after the network has run on the batch as usual. Per batch size it prints
 pictures/s of the network alone (resize, preprocessing, forward, maps back at picture size), of
 grouping alone (one thread), of both through the estimator's stream, and the network's share of
-the serial time; then one JSON line.
+the serial time. Then, per --threads count (torch threads and grouping threads), pictures/s of
+evaluation's stream from the JPEG bytes (decode, network, grouping on the network's maps), the
+decoding done in turn serially before each batch (the order of work of `evaluate_h5` until it
+read ahead) and read ahead in a thread (`inference.evaluation.read_ahead`, what it does now):
+--rounds alternating rounds, the fastest of each by wall clock. Then one JSON line.
 """
 from __future__ import annotations
 
@@ -32,11 +36,33 @@ from config.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
+from inference.evaluation import read_ahead  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 from inference.loading import pick_device  # noqa: E402
 
 COCO = builtin("coco")      # coco4's people; a model without --weights is built for them
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
+
+
+def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, rounds: int) -> dict:
+    """Fastest pictures/s over `rounds` of decoding `encoded` (JPEG bytes) serially and read ahead,
+    alternating, with `threads` torch and grouping threads (see the module doc)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    inference_cfg = estimator.settings.inference
+    inference_cfg.decode_threads = threads
+    best = {"serial": 0.0, "read_ahead": 0.0}
+    for _ in range(rounds):
+        for mode in best:
+            pictures = (cv2.imdecode(data, cv2.IMREAD_COLOR) for data in encoded)
+            if mode == "read_ahead":
+                pictures = read_ahead(pictures, inference_cfg.batch_size)
+            start = time.perf_counter()
+            for _ in grouped_in_pool(estimator.maps_stream(pictures), inference_cfg, estimator.skeleton):
+                pass
+            best[mode] = max(best[mode], len(encoded) / (time.perf_counter() - start))
+    torch.set_num_threads(before)
+    return {"threads": threads, **{f"{mode}_pictures_per_s": rate for mode, rate in best.items()}}
 
 
 def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -110,6 +136,9 @@ def main(argv=None) -> int:
     p.add_argument("--flip", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--threads", type=int, nargs="*", default=[1, 2],
+                   help="thread counts of the evaluation stream rows (none: skip them)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the evaluation stream")
     args = p.parse_args(argv)
 
     estimator = build_estimator(args)
@@ -117,6 +146,11 @@ def main(argv=None) -> int:
     pictures, truths = pictures * args.repeat, truths * args.repeat
     truths = None if args.weights else truths
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
+    encoded = [np.fromfile(str(COCO4 / name), np.uint8) for name in sorted(
+        info["file_name"] for info in json.loads((COCO4 / "test_coco.json").read_text())["images"])]
+    estimator.settings.inference.batch_size = args.batch_sizes[-1]
+    evaluation = [evaluation_rates(estimator, encoded * args.repeat, t, max(1, args.rounds))
+                  for t in args.threads]
     settings = estimator.settings
     machine = platform.processor() or platform.machine()
     print(f"{args.weights or args.preset} on {estimator.device} ({machine}, "
@@ -132,7 +166,18 @@ def main(argv=None) -> int:
         print(f"| {row['batch_size']} | {row['network_pictures_per_s']:.2f} | "
               f"{row['grouping_pictures_per_s']:.2f} | {row['pictures_per_s']:.2f} | "
               f"{100 * row['network_share']:.0f} % |")
+    if evaluation:
+        print(f"evaluation stream from JPEG bytes, batch {args.batch_sizes[-1]}, fastest of "
+              f"{max(1, args.rounds)} alternating rounds (wall clock):")
+        print("| threads | decoded serially, pictures/s | read ahead, pictures/s | ratio |")
+        print("| --- | --- | --- | --- |")
+        for row in evaluation:
+            print(f"| {row['threads']} torch + {row['threads']} grouping | "
+                  f"{row['serial_pictures_per_s']:.2f} | "
+                  f"{row['read_ahead_pictures_per_s']:.2f} | "
+                  f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
+                      "evaluation": evaluation,
                       "pictures": len(pictures), "scales": settings.inference.scales,
                       "flip": settings.inference.flip,
                       "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)

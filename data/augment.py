@@ -132,12 +132,12 @@ def mask_fraction(mask: np.ndarray) -> np.ndarray:
 
 
 def tint(image: np.ndarray, params: AugmentParams) -> np.ndarray:
-    """HSV jitter of a uint8 BGR image (hue shift, saturation and value scaling)."""
+    """HSV jitter of a uint8 BGR image (hue shift, saturation and value scaling): one 3-channel
+    lookup table between the two conversions."""
     hsv = cv2.cvtColor(image, cv2.COLOR_BGR2HSV)
     levels = np.arange(256, dtype=np.float32)
-    hue = np.mod(levels + params.hue, 180).astype(np.uint8)
-    sat = np.clip(levels * params.saturation, 0, 255).astype(np.uint8)
-    val = np.clip(levels * params.value, 0, 255).astype(np.uint8)
-    h, s, v = cv2.split(hsv)
-    hsv = cv2.merge([cv2.LUT(h, hue), cv2.LUT(s, sat), cv2.LUT(v, val)])
-    return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
+    table = np.empty((256, 1, 3), np.uint8)
+    table[:, 0, 0] = np.mod(levels + params.hue, 180).astype(np.uint8)
+    table[:, 0, 1] = np.clip(levels * params.saturation, 0, 255).astype(np.uint8)
+    table[:, 0, 2] = np.clip(levels * params.value, 0, 255).astype(np.uint8)
+    return cv2.cvtColor(cv2.LUT(hsv, table), cv2.COLOR_HSV2BGR)

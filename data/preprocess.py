@@ -1,8 +1,8 @@
 """Pictures to network input: the one convention that training and inference share.
 
-A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (the only place
-where the input's scale and offset are set: value / 255, no offset, as the authors' network takes
-it), through `bgr_to_input` on any device: training normalises its uint8 batches on the device
+A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (value / 255, no
+offset, as the authors' network takes it; `_FULL_SCALE` is the only place where the scale is set),
+through `bgr_to_input` on any device: training normalises its uint8 batches on the device
 (`data.transfer`), inference its padded canvas. Whatever lies outside the picture (the border of the training warp, the padding of inference
 up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
 value there in training and at inference. `data.dataset` (training and validation samples) and
@@ -15,17 +15,28 @@ import torch
 
 GREY = (128, 128, 128)       # BGR uint8 outside the picture: training's warp border, inference's padding
 PAD_MULTIPLE = 64            # inference pads a picture (bottom, right) to a multiple of this
+_FULL_SCALE = 255            # the uint8 value that becomes 1.0
 
 
 def normalise(rgb: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 RGB values (any shape, any device) -> the network's input: value / 255, no offset (the
     authors' convention, so their weights compute their maps here), in `dtype`."""
-    return rgb.to(dtype).div_(255)
+    return rgb.to(dtype).div_(_FULL_SCALE)
 
 
 def bgr_to_input(pictures_bgr: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [..., H, W, 3] BGR (one picture or a batch, any device) -> contiguous [..., 3, H, W]
-    RGB network input in `dtype` (the reordering is done on the uint8 values, then `normalise`)."""
+    RGB network input in `dtype` (the reordering is done on the uint8 values, then `normalise`).
+
+    float32 on the CPU is one numpy division per channel into a numpy array (numpy's huge pages
+    spare most page faults of a fresh batch): the values of `normalise`, in a third of the time."""
+    if pictures_bgr.device.type == "cpu" and dtype == torch.float32:
+        bgr = pictures_bgr.numpy()
+        rgb = np.empty(bgr.shape[:-3] + (3,) + bgr.shape[-3:-1], np.float32)
+        for channel in range(3):
+            np.divide(bgr[..., 2 - channel], np.float32(_FULL_SCALE), out=rgb[..., channel, :, :],
+                      dtype=np.float32)
+        return torch.from_numpy(rgb)
     return normalise(pictures_bgr.movedim(-1, -3).flip(-3).contiguous(), dtype)
 
 

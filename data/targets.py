@@ -6,12 +6,14 @@ samples the input point x = (j + 0.5) * stride - 0.5, y = (i + 0.5) * stride - 0
 cv2.resize upsampling inverts). Keypoints are Gaussians (several people: max); limbs are Gaussians
 of the perpendicular distance to the segment inside its box widened by a margin (several people:
 mean of the contributing ones). Each Gaussian is computed only in a window around its joint or
-limb (batched into a few numpy arrays), and set to 0 below exp(-GAUSSIAN_CUTOFF), so the cost
-grows with the people, not the grid.
+limb (the cells of all windows laid out in a few flat numpy arrays), and set to 0 below
+exp(-GAUSSIAN_CUTOFF), so the cost grows with the people, not the grid.
 
-`HostTargetPainter` draws a batch of compact samples (`data.transfer`) this way, sample by sample:
-what a CPU device uses instead of the whole-grid drawing of `data.device_targets`, which suits a
-GPU but costs some 40x more on a CPU.
+`HostTargetPainter` draws a batch of compact samples (`data.transfer`) this way, sample by sample,
+straight into the batch's array: what a CPU device uses instead of the whole-grid drawing of
+`data.device_targets`, which suits a GPU but costs some 40x more on a CPU. The batch array is
+numpy's (numpy asks the kernel for huge pages for large arrays, so the tens of megabytes of a
+fresh batch cost a fraction of the page faults of a torch allocation).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from data.augment import mask_fraction
 GAUSSIAN_CUTOFF = 4.6052          # exp(-4.6052) = 0.01: values below are set to 0
 _MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
 _ERODE_KERNEL = np.ones((3, 3), np.uint8)
-_BATCH_ELEMENTS = 1 << 18         # limb windows are padded into one batch up to this size
+_CHUNK_CELLS = 1 << 19            # limb cells computed at once (a few MB per temporary array)
 
 
 def _cell_range(lo: np.ndarray, hi: np.ndarray, stride: int, count: int):
@@ -54,14 +56,11 @@ def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: fl
     gy = np.exp(-0.5 / sigma ** 2 * (((i_start[:, None] + steps) + 0.5) * stride - 0.5 - y[:, None]) ** 2)
     stamps = (gy[:, :, None] * gx[:, None, :]).astype(np.float32)
     stamps[stamps < _MIN_VALUE] = 0
-    j0, i0 = np.maximum(j_start, 0), np.maximum(i_start, 0)
-    j1, i1 = np.minimum(j_start + span, width), np.minimum(i_start + span, height)
-    rows = zip(kind.tolist(), i0.tolist(), i1.tolist(), j0.tolist(), j1.tolist(),
-               (i0 - i_start).tolist(), (j0 - j_start).tolist())
-    for n, (k, a0, a1, b0, b1, da, db) in enumerate(rows):
-        if a1 > a0 and b1 > b0:
-            window = maps[k, a0:a1, b0:b1]
-            np.maximum(window, stamps[n, da:da + a1 - a0, db:db + b1 - b0], out=window)
+    rows, cols = i_start[:, None] + steps, j_start[:, None] + steps          # [n, span] cells
+    inside = (((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :]
+              & (stamps > 0))
+    cell = (kind[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
+    np.maximum.at(maps.reshape(-1), cell[inside], stamps[inside])
 
 
 def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height: int, width: int):
@@ -82,8 +81,10 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
                 margin: float) -> None:
     """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W].
 
-    Windows are padded into one batch (or, when that gets large, one batch per size class:
-    next power of two per side), so numpy works on a few arrays, not one per limb.
+    The cells of the limbs' windows are laid end to end in flat arrays (no padding to a common
+    window size; at most `_CHUNK_CELLS` cells at a time), so numpy works on a few arrays as long
+    as the windows' total area. The limbs of one channel add up in person order, then cells
+    reached by several are divided by their count.
     """
     height, width = maps.shape[1:]
     limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
@@ -94,62 +95,55 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
     point = length < 1e-6                                  # degenerate limb: distance to a point
     unit = np.where(point[:, None], [1.0, 0.0], delta / np.maximum(length, 1e-6)[:, None])
     root = math.sqrt(0.5) / sigma                          # g = exp(-(root * distance)^2)
-    h, w = i1 - i0, j1 - j0
-    if limb.size * int(h.max()) * int(w.max()) <= _BATCH_ELEMENTS:
-        size_class = np.zeros(limb.size, np.int64)         # one batch
-    else:
-        size_class = (np.ceil(np.log2(h)).astype(np.int64) << 8) | np.ceil(np.log2(w)).astype(np.int64)
-    stamps: list = [None] * limb.size
-    for cls in np.unique(size_class):
-        idx = np.nonzero(size_class == cls)[0]
-        hb, wb = int(h[idx].max()), int(w[idx].max())
-        dx = ((j0[idx, None] + np.arange(wb)) + 0.5) * stride - 0.5 - a[idx, 0:1]
-        dy = ((i0[idx, None] + np.arange(hb)) + 0.5) * stride - 0.5 - a[idx, 1:2]
-        ux, uy = unit[idx, 0, None, None] * root, unit[idx, 1, None, None] * root
-        across = dx[:, None, :] * uy - dy[:, :, None] * ux
+    cols = j1 - j0
+    area = (i1 - i0) * cols
+    flat = maps.reshape(-1)
+    ends = np.cumsum(area)
+    reached_cells = []
+    first = 0
+    while first < limb.size:            # limbs in order, a bounded number of cells at a time
+        last = max(first + 1, int(np.searchsorted(ends, ends[first] - area[first] + _CHUNK_CELLS,
+                                                  side="right")))
+        part = np.arange(first, last)
+        owner = np.repeat(part, area[part])                    # the limb of each flat cell
+        starts = ends[part] - area[part]
+        local = np.arange(owner.size) - np.repeat(starts - starts[0], area[part])
+        row, col = i0[owner] + local // cols[owner], j0[owner] + local % cols[owner]
+        dx = (col + 0.5) * stride - 0.5 - a[owner, 0]
+        dy = (row + 0.5) * stride - 0.5 - a[owner, 1]
+        ux, uy = unit[owner, 0] * root, unit[owner, 1] * root
+        across = dx * uy - dy * ux
         dist2 = across * across
-        if point[idx].any():
-            along = (dx[:, None, :] * ux + dy[:, :, None] * uy) * point[idx, None, None]
+        if point[part].any():
+            along = (dx * ux + dy * uy) * point[owner]
             dist2 += along * along
-        g = np.exp(-dist2).astype(np.float32)
-        g[dist2 > GAUSSIAN_CUTOFF] = 0
-        for n, k in enumerate(idx.tolist()):
-            stamps[k] = g[n, :h[k], :w[k]]
-    boxes = np.stack([i0, i1, j0, j1], 1).tolist()
-    by_limb: dict = {}
-    for k, l in enumerate(limb.tolist()):
-        by_limb.setdefault(l, []).append(k)
-    for l, members in by_limb.items():
-        for k in members:
-            r0, r1, c0, c1 = boxes[k]
-            maps[l, r0:r1, c0:c1] += stamps[k]
-        if len(members) > 1 and _any_overlap([boxes[k] for k in members]):
-            counts = np.zeros((height, width), np.float32)
-            for k in members:
-                r0, r1, c0, c1 = boxes[k]
-                counts[r0:r1, c0:c1] += stamps[k] > 0
-            np.divide(maps[l], counts, out=maps[l], where=counts > 1)
-
-
-def _any_overlap(boxes: list) -> bool:
-    for n, (r0, r1, c0, c1) in enumerate(boxes):
-        for s0, s1, d0, d1 in boxes[n + 1:]:
-            if r0 < s1 and s0 < r1 and c0 < d1 and d0 < c1:
-                return True
-    return False
+        reached = dist2 <= GAUSSIAN_CUTOFF
+        cell = ((limb[owner] * height + row) * width + col)[reached]
+        np.add.at(flat, cell, np.exp(-dist2[reached]).astype(np.float32))
+        reached_cells.append(cell)
+        first = last
+    shared, counts = np.unique(np.concatenate(reached_cells), return_counts=True)
+    several = counts > 1
+    if several.any():
+        flat[shared[several]] /= counts[several].astype(np.float32)
 
 
 def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig, skeleton: Skeleton,
-                   person_mask=None) -> np.ndarray:
+                   person_mask=None, out: np.ndarray | None = None) -> np.ndarray:
     """float32 [C, out_h, out_w] targets of `people` [P,K,3] (input pixels, v > 0 labelled), in
     the channel layout of `skeleton` (COCO: C = 50, K = 18).
 
     `person_mask` (out_h x out_w, values in [0, 1]) fills the person-mask channel after a 3x3
     erosion; without it that channel is 0. The last channel is the max over the keypoint maps.
-    Values lie in [0, 1].
+    Values lie in [0, 1]. `out`, if given, is a zeroed float32 C-contiguous [C, out_h, out_w]
+    array to draw into (a view of a batch's buffer), and is returned.
     """
     people = np.asarray(people, np.float32).reshape(-1, skeleton.num_keypoints, 3)
-    out = np.zeros((skeleton.num_channels, out_h, out_w), np.float32)
+    shape = (skeleton.num_channels, out_h, out_w)
+    if out is None:
+        out = np.zeros(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out is {out.dtype} {out.shape}, expected a contiguous float32 {shape}")
     keypoint_maps = out[skeleton.keypoint_channels]
     _draw_keypoints(keypoint_maps, people, stride, cfg.keypoint_sigma)
     _draw_limbs(out[skeleton.limb_channels], people, skeleton.limbs, stride, cfg.limb_sigma,
@@ -177,8 +171,8 @@ class HostTargetPainter:
 
     def __call__(self, people: torch.Tensor, person_mask: torch.Tensor) -> torch.Tensor:
         height, width = person_mask.shape[-2:]
-        out = torch.empty(people.shape[0], self.skeleton.num_channels, height, width)
+        maps = np.zeros((people.shape[0], self.skeleton.num_channels, height, width), np.float32)
         for n, (person, mask) in enumerate(zip(people.cpu().numpy(), person_mask.cpu().numpy())):
-            out[n] = torch.from_numpy(render_targets(person, height, width, self.stride, self.cfg,
-                                                     self.skeleton, mask_fraction(mask[0])))
-        return out
+            render_targets(person, height, width, self.stride, self.cfg, self.skeleton,
+                           mask_fraction(mask[0]), out=maps[n])
+        return torch.from_numpy(maps)

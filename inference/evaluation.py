@@ -3,14 +3,18 @@
 Used by evaluate.py and by the training engine's validation. Under torch.distributed each rank
 decodes images rank, rank + world, ... (each image exactly once, no padding), the per-image
 results are gathered on rank 0, which scores them; the stats are broadcast so every rank returns
-the same numbers.
+the same numbers. On each rank the next batch of pictures is read and decoded in a thread while
+the network runs the current one, and people are grouped in a pool of threads meanwhile.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import queue
+import threading
 from collections import deque
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -53,11 +57,53 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> np.ndarray:
                           person_mask=person_mask)
 
 
+def read_ahead(items: Iterable, count: int) -> Iterator:
+    """The items of `items`, in order, made by a background thread up to `count` ahead of the
+    consumer (JPEG decoding and HDF5 reads release the GIL, so picture n + 1 is decoded while the
+    network runs picture n). An exception of `items` is raised to the consumer in its place; when
+    the consumer stops early the thread stops at its next item and is joined."""
+    finished, quit = object(), threading.Event()
+    slots: queue.Queue = queue.Queue(maxsize=max(1, count))
+
+    def offer(entry) -> bool:
+        while not quit.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not offer((item, None)):
+                    return
+            offer((finished, None))
+        except BaseException as exc:        # handed to the consumer, raised there
+            offer((finished, exc))
+
+    worker = threading.Thread(target=produce, name="read_ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = slots.get()
+            if item is finished:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        quit.set()
+        worker.join()
+
+
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
-    """{image id: COCO results} for the image indices given: pictures through the model in batches
-    and people grouped in a thread pool by `inference.estimator` (the ground-truth maps with
-    `oracle`), as the inference API finds them. `stop()` True before an image: the images so far."""
+    """{image id: COCO results} for the image indices given: pictures read and decoded a batch ahead
+    in a thread (`read_ahead`), through the model in batches and people grouped in a thread pool by
+    `inference.estimator` (the ground-truth maps with `oracle`), as the inference API finds them.
+    `stop()` True before an image: the images so far."""
     taken: deque = deque()
 
     def until_stopped():
@@ -73,7 +119,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         estimator = PoseEstimator(network, settings)
-        maps_stream = estimator.maps_stream(h5.decode_image(img) for img in chosen)
+        pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
+        maps_stream = estimator.maps_stream(pictures)
     found = {}
     skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
     for _, keypoints, scores in grouped_in_pool(maps_stream, settings.inference, skeleton):
@@ -146,7 +193,7 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
 
 
 __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads", "eval_mode",
-           "evaluate_h5", "oracle_maps"]
+           "evaluate_h5", "oracle_maps", "read_ahead"]
 
 
 def training_evaluator():

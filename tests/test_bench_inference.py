@@ -9,7 +9,8 @@ from bench import inference as bench_inference
 
 def test_rows_per_batch_size_with_shares(capsys):
     assert bench_inference.main(["--preset", "tiny", "--repeat", "1", "--batch-sizes", "1", "4",
-                                 "--scales", "0.5", "--device", "cpu"]) == 0
+                                 "--scales", "0.5", "--device", "cpu", "--threads", "1", "2",
+                                 "--rounds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert [row["batch_size"] for row in result["rows"]] == [1, 4] and result["pictures"] == 4
@@ -19,3 +20,6 @@ def test_rows_per_batch_size_with_shares(capsys):
         assert 0 < row["network_share"] < 1
         assert min(row["network_pictures_per_s"], row["grouping_pictures_per_s"], row["pictures_per_s"]) > 0
     assert sum(line.startswith("| 1 |") or line.startswith("| 4 |") for line in lines) == 2
+    assert [row["threads"] for row in result["evaluation"]] == [1, 2]
+    assert all(min(row["serial_pictures_per_s"], row["read_ahead_pictures_per_s"]) > 0
+               for row in result["evaluation"])

@@ -175,3 +175,18 @@ def test_dataloader_workers_open_lazily_and_match_the_main_process(coco4_train):
         for got, want in zip(batches[index], ds[index]):
             assert torch.equal(got[0], want)
     assert not torch.equal(batches[0][0], batches[1][0])
+
+
+def test_colour_tint_shifts_hue_and_scales_saturation_and_value_of_every_pixel():
+    """`data.augment.tint` against its definition, pixel by pixel in OpenCV's uint8 HSV: hue + shift
+    modulo 180, saturation and value scaled and clipped to 255 (truncated to integers)."""
+    import cv2
+    from data.augment import tint
+
+    image = np.random.default_rng(4).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    params = AugmentParams(color=True, hue=-7.5, saturation=1.3, value=0.8)
+    h, s, v = (c.astype(np.float32) for c in cv2.split(cv2.cvtColor(image, cv2.COLOR_BGR2HSV)))
+    hsv = np.stack([np.mod(h + params.hue, 180), np.clip(s * params.saturation, 0, 255),
+                    np.clip(v * params.value, 0, 255)], axis=-1).astype(np.uint8)
+    np.testing.assert_array_equal(tint(image, params), cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR))
+    assert not np.array_equal(tint(image, params), image)

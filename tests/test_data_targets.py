@@ -114,3 +114,33 @@ def test_person_mask_channel_is_eroded_and_no_people_give_zeros():
     assert not target[:48].any() and not target[49].any()
     with pytest.raises(ValueError):
         render_targets(np.zeros((0, 18, 3)), 20, 20, 4, TargetConfig(), COCO, person_mask=np.ones((10, 10)))
+
+
+def test_targets_drawn_into_a_batch_array_equal_fresh_ones_and_a_wrong_array_is_refused():
+    rng = np.random.default_rng(8)
+    cfg, batch = TargetConfig(), np.zeros((2, NUM_CHANNELS, 30, 30), np.float32)
+    people = [random_people(rng, count, 120, 120) for count in (3, 5)]
+    for n, each in enumerate(people):
+        assert np.shares_memory(render_targets(each, 30, 30, 4, cfg, COCO, out=batch[n]), batch[n])
+        np.testing.assert_array_equal(batch[n], render_targets(each, 30, 30, 4, cfg, COCO))
+    assert batch.any()
+    for wrong in (np.zeros((NUM_CHANNELS, 30, 31), np.float32), np.zeros((NUM_CHANNELS, 30, 30)),
+                  batch[:, :, :, 0]):
+        with pytest.raises(ValueError, match="expected a contiguous float32"):
+            render_targets(people[0], 30, 30, 4, cfg, COCO, out=wrong)
+
+
+def test_limbs_drawn_a_few_cells_at_a_time_are_the_same(monkeypatch):
+    """Limb windows computed in small chunks (as large crowds at stride 1 are) give the same maps
+    bit for bit, overlapping people averaged across chunks."""
+    import data.targets as targets
+
+    rng = np.random.default_rng(11)
+    base = random_people(rng, 1, 160, 160)
+    base[..., 2] = 2
+    crowd = np.concatenate([base + np.float32([dx, 0, 0]) for dx in (0, 4, 9)]
+                           + [random_people(rng, 3, 160, 160)])
+    whole = render_targets(crowd, 40, 40, 4, TargetConfig(), COCO)
+    monkeypatch.setattr(targets, "_CHUNK_CELLS", 50)
+    np.testing.assert_array_equal(render_targets(crowd, 40, 40, 4, TargetConfig(), COCO), whole)
+    np.testing.assert_allclose(whole[:48], direct_targets(crowd, 40, 40, 4, TargetConfig()), atol=1e-6)

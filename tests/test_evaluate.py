@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import evaluate
+from config.errors import DataError
 from config.skeleton import builtin
 from config.loader import build_config, to_dict
 from config.views import PredictSettings
@@ -223,3 +225,28 @@ def test_people_are_drawn_in_their_own_colours():
     assert first != second
     assert tuple(picture[40, 20]) == first and tuple(picture[40, 80]) == second   # mid-limb
     assert picture[:, 40:60].max() == 0                                           # nothing between
+
+
+def test_pictures_are_read_ahead_in_order_while_the_consumer_works_and_errors_reach_it():
+    from inference.evaluation import read_ahead
+
+    second_made = threading.Event()
+
+    def pictures():
+        yield 0
+        second_made.set()
+        yield 1
+        yield 2
+        raise DataError("picture 3 cannot be decoded")
+
+    stream = read_ahead(pictures(), 1)
+    assert next(stream) == 0
+    assert second_made.wait(30)          # made while the consumer still holds picture 0
+    assert [next(stream), next(stream)] == [1, 2]
+    with pytest.raises(DataError, match="picture 3"):
+        next(stream)
+    before = threading.active_count()
+    endless = read_ahead(iter(int, 1), 2)
+    assert [next(endless) for _ in range(3)] == [0, 0, 0]
+    endless.close()                      # the consumer stops early: the thread ends
+    assert threading.active_count() == before

@@ -9,7 +9,7 @@ from config.skeleton import builtin
 from config.views import PredictSettings, SampleSettings
 from data.augment import warp_image
 from data.dataset import KeypointDataset
-from data.preprocess import GREY, normalise, picture_to_input, pictures_to_batch
+from data.preprocess import GREY, bgr_to_input, normalise, picture_to_input, pictures_to_batch
 from inference.predict import predict_maps
 
 COCO = builtin("coco")
@@ -52,3 +52,17 @@ def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
     # resized to height 128, width 90 -> padded to 128 x 128: grey to the right, the picture's 7 left
     assert torch.equal(seen[0][0, :, :, 100:], normalise(torch.full((3, 128, 28), 128, dtype=torch.uint8)))
     assert torch.equal(seen[0][0, :, :, :80], normalise(torch.full((3, 128, 80), 7, dtype=torch.uint8)))
+
+
+def test_the_cpu_input_has_the_values_of_the_device_conversion():
+    """`bgr_to_input` on the CPU (numpy, float32) gives the values of the torch conversion any other
+    device runs: the channels reversed, then `normalise`; one picture and a batch."""
+    batch = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (2, 5, 7, 3), dtype=np.uint8))
+    batch[0, 0, 0] = torch.tensor([0, 128, 255], dtype=torch.uint8)
+    for pictures in (batch, batch[1]):
+        expected = normalise(pictures.movedim(-1, -3).flip(-3).contiguous())
+        got = bgr_to_input(pictures)
+        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, expected)
+    assert torch.equal(bgr_to_input(batch)[0, :, 0, 0], torch.tensor([255.0, 128.0, 0.0]) / 255)
+    half = bgr_to_input(batch, torch.float16)
+    assert torch.equal(half, normalise(batch.movedim(-1, -3).flip(-3).contiguous(), torch.float16))

@@ -1,0 +1,19 @@
+"""bench/data_pipeline.py on coco4: the worker's share and the CPU path, every pass of each in its
+JSON line. Timings are not asserted (benchmarks report them); what a user reads off the output is."""
+from __future__ import annotations
+
+import json
+
+from bench import data_pipeline
+
+
+def test_every_pass_of_the_worker_share_and_of_the_cpu_path_is_reported(capsys, coco4_dir):
+    assert data_pipeline.main(["--input-size", "128", "--samples", "10", "--repeats", "2",
+                               "--batch", "4", "--coco-dir", str(coco4_dir)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert len(result["total_passes_per_s"]) == len(result["cpu_path_passes_per_s"]) == 2
+    assert result["total_per_s"] == max(result["total_passes_per_s"])
+    assert result["cpu_path_per_s"] == max(result["cpu_path_passes_per_s"]) > 0
+    assert result["cpu_path_per_s"] < result["total_per_s"]       # the CPU path holds the worker's share
+    assert any(line.startswith("CPU path") for line in lines) and "coco4" in lines[0]
