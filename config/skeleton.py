@@ -37,17 +37,39 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
 _SIDES = {"left": "right", "right": "left", "l": "r", "r": "l", "Left": "Right", "Right": "Left",
           "L": "R", "R": "L", "LEFT": "RIGHT", "RIGHT": "LEFT"}
+_SIDE_PREFIX = re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])")
+_SIDE_SUFFIX = re.compile(r"(?<=[a-z0-9])(Left|Right|L|R)(?=\d*$)")
+
+
+def mirror_names(name: str) -> list:
+    """The names `name` may have on the other side, most likely first: a left/right word between
+    separators (`left_eye`, `l_knee`, `L_ear`, `paw_l`), or glued to the name in camel case
+    (`leftEye`, `LeftEye`, `LEye`, `eyeL`, `forelegL1`, `eyeLeft`). Empty: no side in the name."""
+    out = []
+    parts = re.split(r"([_\-\s.]+)", name)
+    swapped = [_SIDES.get(p, p) for p in parts]
+    if swapped != parts:
+        out.append("".join(swapped))
+    for pattern in (_SIDE_PREFIX, _SIDE_SUFFIX):
+        match = pattern.search(name)
+        if match:
+            side = match.group(1)
+            other = _SIDES.get(side) or _SIDES[side.lower()]
+            out.append(name[:match.start()] + other + name[match.end():])
+    return [n for n in dict.fromkeys(out) if n != name]
 
 
 def mirror_name(name: str) -> str:
-    """`name` with left and right swapped (`left_eye` <-> `right_eye`, `l_knee` <-> `r_knee`)."""
-    parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_SIDES.get(p, p) for p in parts]
-    if swapped == parts:
-        for side, other in (("left", "right"), ("right", "left")):
-            if name.startswith(side) and name[len(side):len(side) + 1].isupper():
-                return other + name[len(side):]      # leftEye <-> rightEye
-    return "".join(swapped)
+    """`name` with left and right swapped (`left_eye` <-> `right_eye`, `eyeL` <-> `eyeR`); `name`
+    itself when it names no side."""
+    found = mirror_names(name)
+    return found[0] if found else name
+
+
+def unpaired_sided(names) -> list:
+    """The names that name a side but whose other side is not among `names`."""
+    known = set(names)
+    return [n for n in names if mirror_names(n) and not any(m in known for m in mirror_names(n))]
 
 
 @dataclass(frozen=True)
@@ -188,7 +210,10 @@ def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
     flip = list(range(len(names)))
     if spec.get("flip") is None:                 # from the names: left_x <-> right_x
         for k, name in enumerate(names):
-            flip[k] = index.get(mirror_name(name), k)
+            flip[k] = next((index[m] for m in mirror_names(name) if m in index), k)
+        for k in range(len(names)):      # a pairing must be mutual (eyeL->eyeR but eyeR->eye_r: none)
+            if flip[flip[k]] != k:
+                flip[k] = k
         return flip
     for a, b in _pairs(spec["flip"], "flip", index, source):
         for k, other in ((a, b), (b, a)):
@@ -238,6 +263,12 @@ def _build(spec, source: str) -> Skeleton:
         _fail(source, "channels must list every keypoint and derived keypoint once "
               f"({', '.join(dataset + extra)})")
     index = {name: k for k, name in enumerate(names)}
+    for n in extra:
+        parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []
+        outside = next((p for p in parts if p in index and p not in dataset), None)
+        if outside is not None:
+            _fail(source, f"derived {n}: {list(parts)} uses {outside!r}, which is not a keypoint of the "
+                  "annotations (a derived keypoint is the middle of two annotated ones)")
     derived = tuple((index[n], *_pairs([derived_spec[n]], f"derived {n}", index, source)[0])
                     for n in extra)
     main = _pairs(spec.get("limbs"), "limbs", index, source)
@@ -295,62 +326,7 @@ def load_skeleton(name_or_path: str, option: str = "--skeleton") -> Skeleton:
     return Skeleton.from_spec(read_yaml(path, f"{option} {path}"), f"{option} {path}")
 
 
-def matching_builtin(dataset_keypoints) -> Skeleton | None:
-    """The built-in whose annotation keypoints are exactly these, in this order."""
-    for name in builtin_names():
-        if builtin(name).dataset_keypoints == tuple(dataset_keypoints):
-            return builtin(name)
-    return None
-
-
 def from_checkpoint(state) -> Skeleton:
     """The skeleton a checkpoint (or its loaded dict) was trained on; COCO when it names none."""
     spec = state.get("skeleton") if isinstance(state, dict) else None
     return Skeleton.from_spec(spec, "the checkpoint's skeleton") if spec else builtin("coco")
-
-
-def infer_from_category(category: dict, source: str) -> tuple[Skeleton, str]:
-    """(skeleton, what was inferred) from a COCO category's `keypoints` and 1-based `skeleton` links.
-
-    The main limbs are a breadth-first tree from the best-linked keypoint, the other links are
-    redundant; flip pairs come from left/right in the names; every sigma is DEFAULT_SIGMA.
-    """
-    names = category.get("keypoints") or []
-    links = category.get("skeleton") or []
-    if not names:
-        _fail(source, f"the {category.get('name', '?')!r} category has 0 keypoint names: not a keypoint "
-              "annotation file")
-    known = matching_builtin(names)
-    if known is not None:
-        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
-    if not links:
-        _fail(source, f"the {category.get('name')!r} category has no skeleton links to learn; give "
-              "--skeleton FILE.yaml")
-    pairs = []
-    for link in links:
-        if (not isinstance(link, (list, tuple)) or len(link) != 2
-                or not all(isinstance(i, int) and 1 <= i <= len(names) for i in link)):
-            _fail(source, f"skeleton link {link!r} is not a pair of keypoint numbers 1-{len(names)}")
-        pairs.append((link[0] - 1, link[1] - 1))
-    degree = np.bincount(np.array(pairs).reshape(-1), minlength=len(names))
-    root = int(np.argmax(degree))
-    main, reached, todo = [], {root}, deque([root])
-    while todo:
-        here = todo.popleft()
-        for a, b in pairs:
-            other = b if a == here else a if b == here else None
-            if other is not None and other not in reached:
-                reached.add(other)
-                todo.append(other)
-                main.append((here, other))
-    redundant = [p for p in pairs if p not in main and p[::-1] not in main]
-    spec = {"name": category.get("name") or "custom", "keypoints": list(names),
-            "channels": [names[root]] + [n for k, n in enumerate(names) if k != root],
-            "limbs": [[names[a], names[b]] for a, b in main],
-            "redundant": [[names[a], names[b]] for a, b in redundant]}
-    skeleton = Skeleton.from_spec(spec, source)
-    flips = [f"{skeleton.keypoints[k]}/{skeleton.keypoints[f]}"
-             for k, f in enumerate(skeleton.flip) if k < f]
-    return skeleton, (f"{skeleton.describe()} inferred from the JSON (main limbs: a tree from "
-                      f"{names[root]}); flip pairs {', '.join(flips) or 'none'}; OKS sigma "
-                      f"{DEFAULT_SIGMA} for every keypoint (give --skeleton FILE.yaml to choose)")

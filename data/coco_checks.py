@@ -2,13 +2,18 @@
 
 Each check returns the problem as text (naming the image or annotation id), or None when the entry
 is sound, so that `data.make_hdf5` can stop at the first problem or, with `--skip-bad`, skip the
-image and list why. Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
+image and list why. Fields that published datasets leave out or get wrong in a harmless way are
+completed with COCO's meaning and counted (`Selection.repairs`): a missing `iscrowd` is 0, a missing
+`area` is the segment's (else the box's), a `num_keypoints` that disagrees with the labelled points
+is recounted. Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
 all checked, because a wrong value would otherwise be trained on silently (a NaN keypoint, a box of
 no size, an image read from outside `--images`, the same image trained twice).
 """
 from __future__ import annotations
 
 import math
+import os
+from collections import Counter
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
@@ -54,10 +59,16 @@ def image_problem(info, images_dir: Path) -> str | None:
         value = info.get(side)
         if not is_int(value) or not 0 < value <= MAX_SIDE:
             return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
-    resolved = (images_dir / name).resolve()
-    if not resolved.is_relative_to(images_dir.resolve()):
-        return f"{where}: file_name {name!r} leads outside --images {images_dir} (through a link)"
+    try:                                 # links the user made inside --images are followed
+        (images_dir / name).resolve()
+    except (RuntimeError, OSError):      # a loop of links: pathlib raises RuntimeError on 3.11
+        return f"{where}: file_name {name!r} is a loop of symbolic links under --images {images_dir}"
     return None
+
+
+def same_file_key(name: str) -> str:
+    """The spelling-independent form of a file_name (`a/./b.jpg` and `a/b.jpg` are one picture)."""
+    return os.path.normpath(name.replace("\\", "/"))
 
 
 def _numbers(value, count: int | None, what: str) -> str | None:
@@ -126,7 +137,7 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
     problem = problem or _numbers(ann.get("bbox"), 4, "bbox")
     if problem is None and not (ann["bbox"][2] > 0 and ann["bbox"][3] > 0):
         problem = f"bbox {ann['bbox']} has no positive width and height"
-    if problem is None and not (is_number(ann.get("area")) and ann["area"] >= 0):
+    if problem is None and "area" in ann and not (is_number(ann["area"]) and ann["area"] >= 0):
         problem = f"area {_short(ann.get('area'))} is not a finite number >= 0"
     if problem is None and (not crowd or "keypoints" in ann):
         problem = _keypoints_problem(ann, info, keypoints)
@@ -136,7 +147,11 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
 
 def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     values = 3 * keypoints
-    problem = _numbers(ann.get("keypoints"), values, "keypoints")
+    given = ann.get("keypoints")
+    if isinstance(given, list) and len(given) != values:
+        return (f"keypoints has {len(given)} values ({_triples(len(given))}) but the category lists "
+                f"{keypoints} keypoints ({values} values)")
+    problem = _numbers(given, values, "keypoints")
     if problem:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
@@ -152,11 +167,48 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     if outside.any():
         k = int(np.argmax(outside))
         return f"keypoint {k} at ({x[k]:g}, {y[k]:g}) lies far outside the {width}x{height} image"
-    labelled = int((points[:, 2] > 0).sum())
-    count = ann.get("num_keypoints", labelled)
-    if count != labelled:
-        return f"num_keypoints {count!r} but {labelled} keypoints are labelled"
     return None
+
+
+def _triples(count: int) -> str:
+    return f"{count // 3} keypoints" if count % 3 == 0 else "not a multiple of 3"
+
+
+def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> None:
+    """Give a checked annotation the fields COCO defines but the file left out, with COCO's
+    meaning, and recount a `num_keypoints` that disagrees with its labelled points; each kind of
+    change is counted in `repairs`."""
+    if "iscrowd" not in ann:
+        ann["iscrowd"] = 0
+        repairs["no iscrowd: 0 (not a crowd)"] += 1
+    if "area" not in ann:
+        ann["area"] = _area(ann, info)
+        repairs["no area: the segment's area (else the box's)"] += 1
+    if not ann.get("segmentation"):
+        repairs["no segmentation: the box is the person's region"] += 1
+    if "keypoints" not in ann:            # a crowd region without: COCOeval reads them
+        ann["keypoints"] = [0] * 3 * keypoints
+    labelled = sum(1 for v in ann["keypoints"][2::3] if v > 0)
+    if "num_keypoints" not in ann:
+        repairs["no num_keypoints: counted from the keypoints"] += 1
+    elif ann["num_keypoints"] != labelled:
+        repairs["num_keypoints disagreed with the labelled keypoints: recounted"] += 1
+    ann["num_keypoints"] = labelled
+
+
+def _area(ann: dict, info: dict) -> float:
+    seg = ann.get("segmentation")
+    try:
+        if isinstance(seg, list) and seg:
+            rles = mask_utils.frPyObjects([p for p in seg if len(p) >= 6], info["height"], info["width"])
+            return float(mask_utils.area(mask_utils.merge(rles)))
+        if isinstance(seg, dict):
+            rle = (mask_utils.frPyObjects(seg, info["height"], info["width"])
+                   if isinstance(seg["counts"], list) else dict(seg, counts=seg["counts"].encode()))
+            return float(mask_utils.area(rle))
+    except (ValueError, TypeError, IndexError):
+        pass
+    return float(ann["bbox"][2] * ann["bbox"][3])
 
 
 class Selection:
@@ -165,47 +217,61 @@ class Selection:
     def __init__(self):
         self.images: list[dict] = []
         self.by_image: dict[int, list[dict]] = {}
-        self.rejected: list[tuple[str, str]] = []      # (kind, message): kind "bad image" etc.
+        self.rejected: list[dict] = []       # {"kind": "bad image"|..., "image_id", "reason"}
+        self.repairs: Counter = Counter()    # what `complete_fields` did, and how often
 
 
-def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_path: Path,
+def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann_path: Path,
                  error, keypoints: int = 17) -> Selection:
-    """Check every image and person annotation of `data` (`keypoints` per person: the skeleton's
-    annotated ones); a problem raises `error(message)`, or
-    with `skip_bad` drops the image it concerns (a person left out would be trained as background)
-    and is listed in `rejected`."""
+    """Check every image and person annotation of `data` (those of the categories `category_ids`,
+    a set or one id; `keypoints` per person: the skeleton's annotated ones); a problem raises
+    `error(message)`, or with `skip_bad` drops the image it concerns (a person left out would be
+    trained as background) and is listed in `rejected`. The kept annotations get the first
+    category's id (the categories are merged) and the fields `complete_fields` gives."""
     out = Selection()
+    category_ids = list(category_ids) if isinstance(category_ids, (list, tuple, set)) else [category_ids]
+    wanted = set(category_ids)
 
-    def reject(kind: str, message: str) -> None:
+    def reject(kind: str, message: str, image_id=None) -> None:
         if not skip_bad:
             raise error(f"{ann_path}: {message}")
-        out.rejected.append((kind, message))
+        out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
     for key in ("images", "annotations"):
         if not isinstance(data[key], list):
             raise error(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
-    good, bad_ids = {}, set()
+    good, bad_ids, by_file = {}, set(), {}
     for info in data["images"]:
         problem = image_problem(info, images_dir)
         if problem is None and info["id"] in good:
             problem = f"image id {info['id']} appears twice in images (it would be trained twice)"
+        if problem is None:
+            first = by_file.setdefault(same_file_key(info["file_name"]), info["id"])
+            if first != info["id"]:
+                problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
+                           "(one picture listed twice: its people would be split between them)")
+                if first in good:
+                    del good[first]
+                    bad_ids.add(first)
+        image_id = info.get("id") if isinstance(info, dict) and is_int(info.get("id")) else None
         if problem is not None:
-            if isinstance(info, dict) and is_int(info.get("id")) and info["id"] not in good:
-                bad_ids.add(info["id"])
-            reject("bad image", problem)
+            if image_id is not None and image_id not in good:
+                bad_ids.add(image_id)
+            reject("bad image", problem, image_id)
             continue
         good[info["id"]] = info
     by_image: dict = {i: [] for i in good}
     ann_ids, persons = set(), 0
     for ann in data["annotations"]:
-        if isinstance(ann, dict) and ann.get("category_id") != category_id:
+        if isinstance(ann, dict) and ann.get("category_id") not in wanted:
             continue
         persons += 1
         raw_id = ann.get("image_id") if isinstance(ann, dict) else None
         image_id = raw_id if is_int(raw_id) else None
         if isinstance(ann, dict) and image_id not in good:
             if image_id is None or image_id not in bad_ids:
-                reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}")
+                reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}",
+                       image_id)
             continue
         problem = (annotation_problem(ann, good[image_id], keypoints) if isinstance(ann, dict)
                    else f"an entry of annotations is a {type(ann).__name__}, not an object")
@@ -216,16 +282,16 @@ def select_valid(data: dict, category_id, images_dir: Path, skip_bad: bool, ann_
                 del good[image_id]
                 bad_ids.add(image_id)
                 problem += "; its image is skipped" if skip_bad else ""
-            reject("image with a bad annotation", problem)
+            reject("image with a bad annotation", problem, image_id)
             continue
         ann_ids.add(ann["id"])
-        ann.setdefault("keypoints", [0] * 3 * keypoints)   # a crowd region without: COCOeval reads them
-        ann.setdefault("num_keypoints", 0 if ann.get("iscrowd", 0)
-                       else sum(1 for v in ann["keypoints"][2::3] if v))
+        ann["category_id"] = category_ids[0]
+        complete_fields(ann, good[image_id], keypoints, out.repairs)
         by_image[image_id].append(ann)
     if data["annotations"] and not persons:
         found = sorted({str(a.get("category_id")) for a in data["annotations"] if isinstance(a, dict)})
-        raise error(f"{ann_path}: no annotation has the person category's id {category_id!r} "
+        named = ", ".join(str(i) for i in category_ids)
+        raise error(f"{ann_path}: no annotation has the person category's id {named} "
                     f"(annotations have category ids {', '.join(found[:10])})")
     out.images = [info for info in data["images"]
                   if isinstance(info, dict) and is_int(info.get("id")) and good.get(info["id"]) is info]

@@ -28,9 +28,10 @@ import numpy as np
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from config.errors import ArgumentParser, DataError, run_cli
+from config.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.paths import refuse_existing, refuse_output_as_input, written_whole
-from config.skeleton import Skeleton, infer_from_category, load_skeleton
+from config.skeleton import Skeleton, builtin, builtin_names, load_skeleton
+from config.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
 from data.coco_checks import Selection, select_valid
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
@@ -42,36 +43,56 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 
 # -- reading the COCO JSON -------------------------------------------------------------------------
-def _keypoint_category(data: dict, ann_path: Path) -> dict:
-    """The category annotated with keypoints: `person`, else the only one listing keypoints."""
+def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> list:
+    """The categories to convert, as one: `wanted` (names or ids, from --categories), else
+    `person`, else those that list keypoints when they all list the same ones."""
     categories = [c for c in data["categories"] if isinstance(c, dict)]
-    persons = [c for c in categories if c.get("name") == "person"]
-    if not persons:
-        persons = [c for c in categories if c.get("keypoints")]
-        if len(persons) != 1:
-            raise DataError(f"{ann_path}: no 'person' category among the categories, and "
-                            f"{len(persons)} categories list keypoints (one is needed)")
-    return persons[0]
+    if wanted:
+        chosen = []
+        for item in wanted:
+            found = [c for c in categories if str(c.get("id")) == item or c.get("name") == item]
+            if not found:
+                known = ", ".join(f"{c.get('name')} ({c.get('id')})" for c in categories[:SHOWN_CATEGORIES])
+                raise DataError(f"--categories {item!r}: no category of {ann_path} has this name or id "
+                                f"(categories: {known})")
+            chosen.extend(c for c in found if c not in chosen)
+    else:
+        chosen = [c for c in categories if c.get("name") == "person"][:1]
+        if not chosen:
+            chosen = [c for c in categories if c.get("keypoints")]
+        if not chosen:
+            raise DataError(f"{ann_path}: no 'person' category among the categories, and none lists "
+                            "keypoints (choose with --categories NAME_OR_ID,...)")
+    lists = {tuple(c.get("keypoints") or ()) for c in chosen}
+    if len(lists) > 1:
+        names = ", ".join(f"{c.get('name')} ({len(c.get('keypoints') or ())} keypoints)"
+                          for c in chosen[:SHOWN_CATEGORIES])
+        raise DataError(f"{ann_path}: the categories {names} list different keypoints; convert one "
+                        "kind at a time with --categories NAME_OR_ID,...")
+    return chosen
 
 
-def choose_skeleton(category: dict, ann_path: Path, skeleton: Skeleton | None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, a line saying where it came from) or `DataError`."""
-    names = category.get("keypoints") or []
-    if skeleton is None:
-        return infer_from_category(category, str(ann_path))
-    if names and tuple(names) != skeleton.dataset_keypoints:
-        raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
-                        f"({', '.join(names[:4])}, ...: {len(names)}) are not those of skeleton "
-                        f"{skeleton.name} ({', '.join(skeleton.dataset_keypoints[:4])}, ...: "
-                        f"{len(skeleton.dataset_keypoints)}), in the same order")
-    return skeleton, f"{skeleton.describe()} (given by --skeleton)"
+SHOWN_CATEGORIES = 6
 
 
-def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
-              skeleton: Skeleton | None = None) -> tuple[dict, Selection, Skeleton, str]:
-    """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
-    skeleton, where the skeleton came from) or `DataError`; with `skip_bad` the selection lists
-    what was left out; `skeleton` None: the built-in the category names, or one inferred from it."""
+def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
+                    skeleton: Skeleton | None) -> tuple[Skeleton, str]:
+    """(the skeleton of the file, lines saying where it came from) or `DataError`."""
+    if skeleton is not None:
+        if tuple(names) != skeleton.dataset_keypoints:
+            raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
+                            f"({', '.join(names[:4])}, ...: {len(names)}) are not those of skeleton "
+                            f"{skeleton.name} ({', '.join(skeleton.dataset_keypoints[:4])}, ...: "
+                            f"{len(skeleton.dataset_keypoints)}), in the same order")
+        return skeleton, f"{skeleton.describe()} (given by --skeleton)"
+    known = matching_builtin(names)
+    if known is not None:
+        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
+    inferred, report = infer_skeleton(category, names, points, str(ann_path))
+    return inferred, "\n".join(report)
+
+
+def _read_json(ann_path: Path) -> dict:
     try:
         data = json.loads(Path(ann_path).read_text())
     except FileNotFoundError:
@@ -86,23 +107,41 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
         raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
     if not isinstance(data["categories"], list):
         raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
-    category = _keypoint_category(data, ann_path)
-    skeleton, origin = choose_skeleton(category, ann_path, skeleton)
-    annotations = data["annotations"] if isinstance(data["annotations"], list) else []
-    if annotations and not any(isinstance(a, dict) and "area" in a for a in annotations):
-        for ann in annotations:          # a layout without areas (CrowdPose's): COCOeval needs them
-            _add_box_area(ann)
-    selection = select_valid(data, category.get("id"), images_dir, skip_bad, ann_path, DataError,
-                             len(skeleton.dataset_keypoints))
-    return category, selection, skeleton, origin
+    return data
 
 
-def _add_box_area(ann) -> None:
-    """`area` = the box's area, for files that give none at all (one missing among others is an
-    error of `data.coco_checks`, as is a bad box)."""
-    box = ann.get("bbox") if isinstance(ann, dict) else None
-    if isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box):
-        ann["area"] = float(box[2] * box[3])
+def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
+              skeleton: Skeleton | None = None, categories: list | None = None
+              ) -> tuple[dict, Selection, Skeleton, str]:
+    """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
+    skeleton, what was decided: one line each) or `DataError`; with `skip_bad` the selection lists
+    what was left out; `skeleton` None: the built-in the category names, or one inferred from it;
+    `categories` (names or ids): the categories to convert as one (default: see
+    `_keypoint_categories`)."""
+    data = _read_json(ann_path)
+    chosen = _keypoint_categories(data, ann_path, categories)
+    category = dict(chosen[0])
+    ids = {c.get("id") for c in chosen}
+    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids] \
+        if isinstance(data["annotations"], list) else []
+    if skeleton is not None and not category.get("keypoints"):
+        names, said = list(skeleton.dataset_keypoints), []
+    else:
+        names, said = keypoint_names(category, own, str(ann_path))
+    category["keypoints"] = names
+    if len(chosen) > 1:
+        said.append(f"{len(chosen)} categories with the same {len(names)} keypoints converted as one "
+                    f"({', '.join(str(c.get('name')) for c in chosen[:SHOWN_CATEGORIES])}"
+                    f"{', ...' if len(chosen) > SHOWN_CATEGORIES else ''}), as category "
+                    f"{category.get('name')!r}")
+    selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path,
+                             DataError, len(names))
+    points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
+              for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
+    points = np.stack(points) if points else np.zeros((0, len(names), 3), np.float32)
+    skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton)
+    said.extend(f"{reason} ({count} annotations)" for reason, count in sorted(selection.repairs.items()))
+    return category, selection, skeleton, "\n".join([origin, *said])
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -224,11 +263,13 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
-            overwrite: bool = True) -> dict:
+            overwrite: bool = True, categories: list | None = None) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
-    returns the summary (counts, skipped images, the skeleton and where it came from).
-    `skeleton` None: the built-in the JSON's keypoints name, or one inferred from the JSON.
-    `overwrite` False: an existing `out_path` is refused (the command line's default)."""
+    returns the summary (counts, skipped images and annotations with their reasons, the skeleton
+    and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
+    inferred from the JSON; `categories`: see `load_coco`. `overwrite` False: an existing
+    `out_path` is refused (the command line's default). A `DataError` raised once the JSON was
+    read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
@@ -238,7 +279,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     refuse_output_as_input("--out", out_path, {"--ann": ann_path})
-    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton)
+    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
@@ -248,9 +289,9 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
                "skeleton": skeleton, "skeleton_origin": origin}
-    for kind, message in selection.rejected:
-        summary["skipped"][kind] += 1
-        summary["bad"].append(message)
+    for item in selection.rejected:
+        summary["skipped"][item["kind"]] += 1
+        summary["bad"].append(item)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(out_path) as tmp_path, h5py.File(tmp_path, "w") as f:
@@ -260,6 +301,9 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
         raise DataError(f"--out {out_path}: cannot write the file there ({reason})") from None
+    except DataError as exc:
+        exc.summary = summary
+        raise
     summary["skipped"] = dict(summary["skipped"])
     summary["bytes"] = out_path.stat().st_size
     return summary
@@ -285,13 +329,16 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
         except DataError as exc:
             if not skip_bad:
                 raise
-            summary["bad"].append(str(exc))
+            summary["bad"].append({"kind": "bad image", "image_id": info["id"], "reason": str(exc)})
             summary["skipped"]["bad image"] += 1
             continue
         anns = by_image[info["id"]]
         record = image_record(anns, info["height"], info["width"], skeleton)
         if split == "train" and not record["main"]:
             summary["skipped"]["no main person"] += 1
+            summary["bad"].append({"kind": "no main person", "image_id": info["id"], "reason":
+                                   f"image {info['id']} ({info['file_name']}): no person large enough "
+                                   "with 5 labelled keypoints (train split)"})
             continue
         row = len(ids)
         encoded[row] = np.frombuffer(data, np.uint8)
@@ -326,42 +373,135 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
 
 
 def format_summary(summary: dict) -> str:
+    """What was converted (stdout): where the skeleton came from, what was completed, the counts."""
     lines = [summary["skeleton_origin"],
              f"wrote {summary['out']} ({summary['split']} split, {summary['bytes'] / 1e6:.1f} MB): "
              f"{summary['images']} images, {summary['samples']} samples, {summary['people']} people "
-             f"with keypoints, {summary['people_without_keypoints']} without, "
-             f"{summary['crowd_regions']} crowd regions"]
+             f"with keypoints, {summary['crowd_regions']} crowd regions"]
+    if summary["people_without_keypoints"]:
+        lines.append(f"{summary['people_without_keypoints']} people without a labelled keypoint: "
+                     "masked out of the loss like crowds")
     for reason, count in sorted(summary["skipped"].items()):
-        lines.append(f"skipped {count} images: {reason}")
-    lines.extend(f"  bad: {message}" for message in summary["bad"])
+        lines.append(f"skipped {count} images: {reason}" if reason != "bad annotation" else
+                     f"skipped {count} annotations of unknown images")
     return "\n".join(lines)
 
 
-def _main(argv=None) -> int:
+def skipped_lines(summary: dict) -> list:
+    """One line per skipped image or annotation, with its reason (stderr)."""
+    return [f"skipped: {item['reason']}" for item in summary.get("bad", [])
+            if item["kind"] != "no main person"]
+
+
+def write_skipped(summary: dict, path: Path, overwrite: bool) -> None:
+    """Every skipped image and annotation, with its kind and reason, as a JSON list at `path`."""
+    refuse_existing("--skipped", path, overwrite)
+    try:
+        with written_whole(path) as tmp:
+            tmp.write_text(json.dumps(summary.get("bad", []), indent=1) + "\n")
+    except OSError as exc:
+        raise DataError(f"--skipped {path}: cannot write the file there ({exc.strerror or exc})") from None
+
+
+def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
+    """The skeleton as a YAML file to edit and give back with --skeleton."""
+    import yaml
+
+    refuse_existing("--dump-skeleton", path, overwrite)
+    text = ("# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) and convert again\n"
+            "# with --skeleton THIS_FILE. Fields: config/skeleton.py.\n"
+            + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100))
+    try:
+        with written_whole(path) as tmp:
+            tmp.write_text(text)
+    except OSError as exc:
+        raise DataError(f"--dump-skeleton {path}: cannot write the file there "
+                        f"({exc.strerror or exc})") from None
+
+
+def list_skeletons() -> str:
+    return "\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names())
+
+
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m data.make_hdf5", description=__doc__.split("\n")[0])
-    parser.add_argument("--ann", required=True, help="COCO person-keypoints JSON")
-    parser.add_argument("--images", required=True, help="folder of the JSON's images")
-    parser.add_argument("--out", required=True, help="HDF5 file to write")
+    parser.add_argument("--ann", help="COCO keypoints JSON")
+    parser.add_argument("--images", help="folder of the JSON's images")
+    parser.add_argument("--out", help="HDF5 file to write (may be left out with --dump-skeleton)")
     parser.add_argument("--split", default="train", choices=SPLITS,
                         help="train keeps images with a main person; val keeps every image")
     parser.add_argument("--skip-bad", action="store_true",
-                        help="skip missing, unreadable or mis-sized images and list them")
+                        help="skip bad images and the images of bad annotations, listing each with "
+                        "its reason on stderr")
+    parser.add_argument("--skipped", metavar="FILE.json",
+                        help="with --skip-bad: also write what was skipped, and why, to this file")
     parser.add_argument("--max-images", type=int, default=0, metavar="N",
                         help="only the JSON's first N images (0: all), e.g. for a quick trial")
     parser.add_argument("--skeleton", metavar="NAME|FILE.yaml",
-                        help="the keypoints and limbs to learn: a built-in (coco, crowdpose, ...) or "
+                        help="the keypoints and limbs to learn: a built-in (--list-skeletons) or "
                         "a YAML file (docs/data.md: 'Your own keypoints'); default: from the JSON")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--categories", metavar="NAME_OR_ID,...",
+                        help="the categories to convert, as one (they must list the same keypoints); "
+                        "default: 'person', else every category that lists keypoints")
+    parser.add_argument("--dump-skeleton", metavar="FILE.yaml",
+                        help="write the skeleton used (built-in, given or inferred) to edit and pass "
+                        "back with --skeleton")
+    parser.add_argument("--list-skeletons", action="store_true", help="print the built-in skeletons")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_skeletons:
+        print(list_skeletons())
+        return 0
+    missing = [o for o, v in (("--ann", args.ann), ("--images", args.images)) if not v]
+    if not args.out and not args.dump_skeleton:
+        missing.append("--out")
+    if missing:
+        raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
+                          "(see python -m data.make_hdf5 --help)")
     if args.max_images < 0:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
+    if args.skipped and not args.skip_bad:
+        raise ConfigError("option --skipped lists what --skip-bad skips: give --skip-bad too")
+    for option, path in (("--skipped", args.skipped), ("--dump-skeleton", args.dump_skeleton)):
+        if path:
+            refuse_output_as_input(option, path, {"--ann": args.ann, "--out": args.out})
+            refuse_existing(option, path, args.overwrite)
     skeleton = load_skeleton(args.skeleton) if args.skeleton else None
-    summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                      progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
-                      overwrite=args.overwrite)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    if not args.out:
+        _, _, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
+                                           categories)
+        print(origin)
+        dump_skeleton(skeleton, Path(args.dump_skeleton), args.overwrite)
+        print(f"wrote {args.dump_skeleton} (nothing converted: no --out)")
+        return 0
+    try:
+        summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
+                          progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
+                          overwrite=args.overwrite, categories=categories)
+    except DataError as exc:         # what was skipped before the error is still listed
+        _report_skipped(getattr(exc, "summary", None), args)
+        raise
+    _report_skipped(summary, args)
     print(format_summary(summary))
+    if args.dump_skeleton:
+        dump_skeleton(summary["skeleton"], Path(args.dump_skeleton), args.overwrite)
+        print(f"wrote {args.dump_skeleton}: the skeleton, to edit and pass back with --skeleton")
     return 0
+
+
+def _report_skipped(summary: dict | None, args) -> None:
+    if not summary:
+        return
+    for line in skipped_lines(summary):
+        print(line, file=sys.stderr)
+    if args.skipped:
+        write_skipped(summary, Path(args.skipped), args.overwrite)
 
 
 def main(argv=None) -> int:

@@ -189,9 +189,11 @@ def test_skip_bad_lists_skipped_images(coco_copy, tmp_path, capsys):
     (images / "000000040083.jpg").unlink()
     code = main(["--ann", str(ann), "--images", str(images), "--out", str(tmp_path / "o.h5"),
                  "--skip-bad", "--quiet", "--split", "val"])
-    out = capsys.readouterr().out
+    said = capsys.readouterr()
+    out = said.out
     assert code == 0 and "3 images" in out and "skipped 1 images: bad image" in out
-    assert "000000040083.jpg" in out
+    assert [line for line in said.err.splitlines() if "000000040083.jpg" in line] == [
+        f"skipped: {images / '000000040083.jpg'}: image 40083 listed in {ann} is missing"]
     assert KeypointH5(tmp_path / "o.h5").num_images == 3
 
 

@@ -1,0 +1,200 @@
+"""A skeleton for a COCO keypoint category: a built-in when the category's keypoints are one's,
+else one inferred from the category and completed from the data.
+
+Published files differ in what they give: keypoint names or none (then the count of values in the
+annotations names a built-in, or the keypoints are numbered), links 1-based (COCO's rule) or
+0-based, no links at all, or links that leave keypoints unconnected. The inferred skeleton keeps
+the file's links, adds each one's mirror, and joins what is left unconnected by a minimum spanning
+tree over the mean distance between keypoints in the annotations (relative to the person's box);
+main limbs are a breadth-first tree from the best-linked keypoint, the other links are redundant.
+Every decision is one short line of the returned report.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+from config.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, mirror_names,
+                             unpaired_sided)
+
+MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
+SHOWN = 12                 # names or links listed in one report line
+
+
+def _plain(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def matching_builtin(names) -> Skeleton | None:
+    """The built-in whose annotation keypoints are `names`, in this order (spelling of case and
+    separators aside: `Left-Eye` is `left_eye`)."""
+    wanted = tuple(_plain(n) for n in names)
+    for name in builtin_names():
+        if tuple(_plain(n) for n in builtin(name).dataset_keypoints) == wanted:
+            return builtin(name)
+    return None
+
+
+def _listed(items) -> str:
+    items = list(items)
+    more = f", ... ({len(items)} in all)" if len(items) > SHOWN else ""
+    return ", ".join(str(i) for i in items[:SHOWN]) + more
+
+
+def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list, list]:
+    """(the category's keypoint names, report lines). A category without names: those of the
+    one built-in with as many keypoints as the annotations' arrays hold, else `keypoint_1`, ..."""
+    names = category.get("keypoints")
+    if names:
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            _fail(source, f"the {category.get('name')!r} category's keypoints are not a list of names")
+        return list(names), []
+    lengths = Counter(len(a["keypoints"]) for a in annotations
+                      if isinstance(a, dict) and isinstance(a.get("keypoints"), list) and a["keypoints"])
+    if not lengths:
+        _fail(source, f"the {category.get('name', '?')!r} category has no keypoint names and no "
+              "annotation has keypoints: not a keypoint annotation file")
+    values = lengths.most_common(1)[0][0]
+    if values % 3:
+        _fail(source, f"the {category.get('name', '?')!r} category has no keypoint names and its "
+              f"annotations' keypoints hold {values} values, not (x, y, v) triples")
+    count = values // 3
+    same = [n for n in builtin_names() if len(builtin(n).dataset_keypoints) == count]
+    if len(same) == 1:
+        return list(builtin(same[0]).dataset_keypoints), [
+            f"the category names no keypoints; its annotations have {count}: those of built-in "
+            f"skeleton {same[0]}"]
+    which = f" (built-ins with {count}: {', '.join(same)}; give --skeleton NAME)" if same else ""
+    return [f"keypoint_{k + 1}" for k in range(count)], [
+        f"the category names no keypoints; its annotations have {count}: named keypoint_1 to "
+        f"keypoint_{count}{which}"]
+
+
+def _links(category: dict, count: int, source: str) -> tuple[list, list]:
+    """The category's `skeleton` links as 0-based index pairs, and a report line when they were
+    0-based in the file (COCO's are 1-based; a 0 or no index `count` tells them apart)."""
+    links = category.get("skeleton") or []
+    if not isinstance(links, list):
+        _fail(source, "the category's skeleton is not a list of keypoint pairs")
+    flat = []
+    for link in links:
+        if (not isinstance(link, (list, tuple)) or len(link) != 2
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in link)):
+            _fail(source, f"skeleton link {link!r} is not a pair of keypoint numbers")
+        flat.extend(link)
+    zero_based = bool(flat) and min(flat) == 0
+    low, high = (0, count - 1) if zero_based else (1, count)
+    bad = next((link for link in links if not all(low <= i <= high for i in link)), None)
+    if bad is not None:
+        _fail(source, f"skeleton link {list(bad)} is not a pair of keypoint numbers {low}-{high} "
+              f"(the category lists {count} keypoints)")
+    pairs = []
+    for a, b in links:
+        a, b = (a, b) if zero_based else (a - 1, b - 1)
+        if a != b and (a, b) not in pairs and (b, a) not in pairs:
+            pairs.append((a, b))
+    return pairs, (["skeleton links are 0-based in the JSON: read as such"] if zero_based else [])
+
+
+def _flip(names: list) -> list:
+    index = {n: k for k, n in enumerate(names)}
+    flip = [next((index[m] for m in mirror_names(n) if m in index), k) for k, n in enumerate(names)]
+    return [f if flip[f] == k else k for k, f in enumerate(flip)]
+
+
+def _mean_distances(points: np.ndarray) -> np.ndarray:
+    """[K, K] mean distance between two keypoints over the people where both are labelled, in units
+    of the person's size (the spread of their labelled keypoints); inf where never both."""
+    count = points.shape[1]
+    total, seen = np.zeros((count, count)), np.zeros((count, count))
+    for person in points[:MAX_PEOPLE]:
+        on = person[:, 2] > 0
+        if on.sum() < 2:
+            continue
+        xy = person[on, :2]
+        size = max(float(np.ptp(xy, axis=0).max()), 1.0)
+        where = np.flatnonzero(on)
+        d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) / size
+        total[np.ix_(where, where)] += d
+        seen[np.ix_(where, where)] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(seen > 0, total / np.maximum(seen, 1), np.inf)
+
+
+def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, list]:
+    """(all links, mirrors added, links added to join the parts): the file's links, each one's
+    mirror, and a minimum spanning forest over the mean distances joining what they leave apart."""
+    count = len(flip)
+    parent = list(range(count))
+
+    def root(k):
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    links, mirrors, joins = [], [], []
+
+    def add(a, b, into) -> None:
+        if a == b or (a, b) in links or (b, a) in links:
+            return
+        links.append((a, b))
+        into.append((a, b))
+        parent[root(a)] = root(b)
+
+    for a, b in pairs:
+        add(a, b, [])
+    for a, b in list(links):
+        add(flip[a], flip[b], mirrors)
+    distance = _mean_distances(points) if len(points) else np.full((count, count), np.inf)
+    order = sorted((distance[a, b], a, b) for a in range(count) for b in range(a + 1, count))
+    for d, a, b in order:
+        if root(a) != root(b):
+            add(a, b, joins)
+            add(flip[a], flip[b], joins)
+    return links, mirrors, joins
+
+
+def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str) -> tuple[Skeleton, list]:
+    """(skeleton, report lines) for a category with keypoints `names` no built-in has; `points`
+    [N, K, 3]: the labelled people, whose keypoints measure the distances of added links."""
+    pairs, report = _links(category, len(names), source)
+    flip = _flip(names)
+    links, mirrors, joins = _complete(pairs, flip, points)
+    degree = np.bincount(np.array(links, int).reshape(-1), minlength=len(names))
+    start = int(np.argmax(degree))
+    main, reached, todo = [], {start}, deque([start])
+    while todo:
+        here = todo.popleft()
+        for a, b in links:
+            other = b if a == here else a if b == here else None
+            if other is not None and other not in reached:
+                reached.add(other)
+                todo.append(other)
+                main.append((here, other))
+    redundant = [p for p in links if p not in main and p[::-1] not in main]
+    spec = {"name": category.get("name") or "custom", "keypoints": list(names),
+            "channels": [names[start]] + [n for k, n in enumerate(names) if k != start],
+            "limbs": [[names[a], names[b]] for a, b in main],
+            "redundant": [[names[a], names[b]] for a, b in redundant],
+            "flip": [[names[k], names[f]] for k, f in enumerate(flip) if k < f],
+            "sigmas": DEFAULT_SIGMA}
+    skeleton = Skeleton.from_spec(spec, source)
+    given = f"{len(pairs)} links from the JSON" if pairs else "no links in the JSON"
+    report.insert(0, f"{skeleton.describe()} inferred from the JSON ({given}; main limbs: a tree "
+                  f"from {names[start]})")
+    show = lambda found: _listed(f"{names[a]}-{names[b]}" for a, b in found)   # noqa: E731
+    if mirrors:
+        report.append(f"links added as mirrors of the JSON's: {show(mirrors)}")
+    if joins:
+        report.append(f"links added to reach every keypoint (nearest in the data): {show(joins)}")
+    pairs_found = [f"{names[k]}/{names[f]}" for k, f in enumerate(flip) if k < f]
+    report.append(f"flip pairs: {_listed(pairs_found) if pairs_found else 'none found in the names'}")
+    alone = unpaired_sided(names)
+    if alone:
+        report.append(f"warning: keypoints that name a side have no partner: {_listed(alone)} "
+                      "(flip augmentation leaves them in place; give flip pairs with --skeleton)")
+    report.append(f"OKS sigma {DEFAULT_SIGMA} for every keypoint (none published for these "
+                  "keypoints); --dump-skeleton FILE.yaml writes this skeleton to edit")
+    return skeleton, report
