@@ -5,8 +5,9 @@
     python evaluate.py --oracle --h5 coco_val.h5      # ground-truth maps through the decoder
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
-Prints AP, AP50, AP75, APm, APl, AR, writes the COCO results JSON (--out) and ends with one JSON
-line of the stats. Under torchrun every image is decoded by exactly one process.
+Prints AP, AP50, AP75, APm, APl, AR (with --oracle also each keypoint's recall: the share of its
+labelled points that end up in a found person at the right place, lowest first), writes the COCO
+results JSON (--out) and ends with one JSON line of the stats. Under torchrun every image is decoded by exactly one process.
 """
 from __future__ import annotations
 
@@ -138,6 +139,35 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
     return str(Path(tmp) / "val.h5"), (tmp if rank == 0 else None)
 
 
+RECALL_LINES = 24     # keypoints listed on stderr (the lowest recall); the JSON line has them all
+
+
+def _print_recall(h5_path: str, results_path: Path, num_images: int) -> dict:
+    """Per keypoint of the file's skeleton, the share of labelled points the decoded people hold
+    at the right place (stderr, lowest first); {name: share}."""
+    from data.h5format import KeypointH5
+    from inference.coco_eval import format_recall, keypoint_recall
+
+    h5 = KeypointH5(h5_path)
+    try:
+        gt, skeleton = h5.coco_ground_truth(), h5.skeleton
+    finally:
+        h5.close()
+    results = json.loads(Path(results_path).read_text())
+    ids = [img["id"] for img in gt["images"][:num_images]]
+    recall = keypoint_recall(gt, results, skeleton.sigmas, ids)
+    names = skeleton.dataset_keypoints
+    print("  recall per keypoint (labelled points in a found person at the right place), lowest first:",
+          file=sys.stderr)
+    lines = format_recall(names, recall)
+    for line in lines[:RECALL_LINES]:
+        print(line, file=sys.stderr)
+    if len(lines) > RECALL_LINES:
+        print(f"  ... and {len(lines) - RECALL_LINES} more keypoints, recalled at least as well "
+              "(all of them in the JSON line below)", file=sys.stderr)
+    return {name: round(r / n, 4) if n else None for name, (n, r) in zip(names, recall)}
+
+
 def run(args) -> dict:
     from config.loader import build_config
     from config.views import PredictSettings
@@ -176,6 +206,8 @@ def run(args) -> dict:
                   f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
             for name in STAT_NAMES:
                 print(f"  {name:<5} {stats[name]:.4f}", file=sys.stderr)
+            if args.oracle:
+                stats["keypoint_recall"] = _print_recall(h5_path, out, stats["num_images"])
             print(f"results written to {out}", file=sys.stderr)
             print(json.dumps(dict(stats, seconds=round(seconds, 2), results=str(out))), flush=True)
         barrier()

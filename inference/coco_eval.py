@@ -2,7 +2,9 @@
 
 The ground truth is a COCO dataset dict (as `data.h5format.KeypointH5.coco_ground_truth()` gives);
 scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No
-results gives AP 0, not a crash.
+results gives AP 0, not a crash. Annotations without `iscrowd`, `area` or `num_keypoints` (files
+converted before those were completed) get COCO's meaning here too. `keypoint_recall` says, per
+keypoint, how many labelled keypoints ended up in a found person at the right place.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         return {name: 0.0 for name in STAT_NAMES}
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
-        gt.dataset = dict(gt_dict, annotations=[dict(a) for a in gt_dict.get("annotations", [])])
+        gt.dataset = dict(gt_dict, annotations=[_complete(a) for a in gt_dict.get("annotations", [])])
         gt.createIndex()
         dt = gt.loadRes(results)
         evaluator = COCOeval(gt, dt, iouType="keypoints")
@@ -52,3 +54,75 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
 def format_stats(stats: dict) -> str:
     """One readable line: 'AP 0.712  AP50 0.880 ...'."""
     return "  ".join(f"{name} {stats[name]:.3f}" for name in STAT_NAMES if name in stats)
+
+
+def _complete(ann: dict) -> dict:
+    """A copy of a ground-truth annotation with the fields COCOeval reads, COCO's meaning when absent."""
+    out = dict(ann)
+    out.setdefault("iscrowd", 0)
+    if "area" not in out and isinstance(out.get("bbox"), list) and len(out["bbox"]) == 4:
+        out["area"] = float(out["bbox"][2] * out["bbox"][3])
+    if "num_keypoints" not in out and isinstance(out.get("keypoints"), list):
+        out["num_keypoints"] = sum(1 for v in out["keypoints"][2::3] if v > 0)
+    return out
+
+
+RIGHT_PLACE = 0.5          # a keypoint's own OKS term exp(-d^2 / (2 s^2 k^2)) at least this
+
+
+def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
+    """Per keypoint (the annotations' order): (labelled, recalled). A labelled keypoint of a person
+    (not a crowd) is recalled when the found person matched to that person (pairs taken greedily,
+    highest OKS first, each person and each found person once) has the keypoint with an OKS term
+    >= RIGHT_PLACE: within about 2.4 sigma x sqrt(area) of where it is labelled."""
+    sigmas = np.asarray(sigmas, np.float64)
+    count = len(sigmas)
+    wanted = None if image_ids is None else {int(i) for i in image_ids}
+    found: dict = {}
+    for r in results:
+        found.setdefault(int(r["image_id"]), []).append(np.asarray(r["keypoints"], np.float64).reshape(-1, 3))
+    labelled, recalled = np.zeros(count, np.int64), np.zeros(count, np.int64)
+    people: dict = {}
+    for ann in gt_dict.get("annotations", []):
+        if ann.get("iscrowd", 0) or (wanted is not None and int(ann["image_id"]) not in wanted):
+            continue
+        points = np.asarray(ann.get("keypoints", []), np.float64).reshape(-1, 3)
+        if len(points) == count and (points[:, 2] > 0).any():
+            people.setdefault(int(ann["image_id"]), []).append((points, _scale(ann)))
+    variance = (2 * sigmas) ** 2
+    for image_id, persons in people.items():
+        candidates = found.get(image_id, [])
+        terms = np.zeros((len(persons), len(candidates), count))
+        for i, (points, scale) in enumerate(persons):
+            for j, guess in enumerate(candidates):
+                d2 = ((guess[:, :2] - points[:, :2]) ** 2).sum(1)
+                terms[i, j] = np.exp(-d2 / (2 * variance * (scale + np.spacing(1))))
+        visible = [points[:, 2] > 0 for points, _ in persons]
+        for on in visible:
+            labelled += on
+        pairs = sorted(((terms[i, j][on].mean(), i, j) for i, on in enumerate(visible)
+                        for j in range(len(candidates))), reverse=True)
+        people_taken, found_taken = set(), set()
+        for oks, i, j in pairs:
+            if oks <= 0 or i in people_taken or j in found_taken:
+                continue
+            people_taken.add(i)
+            found_taken.add(j)
+            recalled += visible[i] & (terms[i, j] >= RIGHT_PLACE)
+    return [(int(n), int(r)) for n, r in zip(labelled, recalled)]
+
+
+def _scale(ann: dict) -> float:
+    area = ann.get("area")
+    if isinstance(area, (int, float)) and area > 0:
+        return float(area)
+    box = ann.get("bbox") or [0, 0, 1, 1]
+    return float(max(box[2] * box[3], 1.0))
+
+
+def format_recall(names, recall: list[tuple], worst: int = 0) -> list[str]:
+    """Lines 'name  recalled/labelled  percent', the lowest recall first (`worst` > 0: only so many)."""
+    rows = sorted(((r / n if n else 1.0), name, n, r) for name, (n, r) in zip(names, recall))
+    rows = rows[:worst] if worst > 0 else rows
+    width = max((len(name) for _, name, _, _ in rows), default=0)
+    return [f"  {name:<{width}}  {r:>6}/{n:<6} {100 * share:5.1f}%" for share, name, n, r in rows]
