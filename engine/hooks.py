@@ -108,10 +108,12 @@ class ProgressBar(Hook):
 
 
 class TrainLog(Hook):
-    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks."""
+    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks
+    (and every step's loss, for curves.png)."""
     priority = 40
 
     def after_step(self, trainer, out):
+        trainer.logger.log_step(trainer.step, out["loss"])
         if trainer.step % trainer.cfg.train.log_every and not out["last_of_epoch"]:
             return
         names = list(out["parts"])

@@ -1,5 +1,9 @@
 """What a run writes besides checkpoints: metrics.jsonl, TensorBoard events (pictures too), curves.png.
 
+metrics.jsonl holds a "train" record every `log_every` steps and a "val" record per validation;
+train_steps.jsonl holds the loss of every step (`log_step`), so that curves.png shows the training
+loss of a short run step by step.
+
 Only the main process logs; the others get a `RunLogger` whose methods do nothing, so the engine
 never branches on the rank to log.
 
@@ -36,6 +40,7 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.steps_path = self.run_dir / "train_steps.jsonl"
         self.curves_path = self.run_dir / "curves.png"
         self.tb = None
         if enabled and tensorboard:
@@ -45,24 +50,34 @@ class RunLogger:
                 self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
             except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
                 self.tb = None
-        if enabled and self.metrics_path.exists():   # a line cut by a crash must not swallow ours
-            with writing(self.metrics_path), open(self.metrics_path, "rb+") as fh:
-                size = fh.seek(0, 2)
-                if size:
-                    fh.seek(size - 1)
-                    if fh.read(1) != b"\n":
-                        fh.write(b"\n")
+        for path in (self.metrics_path, self.steps_path):
+            if enabled and path.exists():    # a line cut by a crash must not swallow ours
+                with writing(path), open(path, "rb+") as fh:
+                    size = fh.seek(0, 2)
+                    if size:
+                        fh.seek(size - 1)
+                        if fh.read(1) != b"\n":
+                            fh.write(b"\n")
         if resumed_step is not None:
             self.log("resume", resumed_step)
+            self._append(self.steps_path, {"kind": "resume", "step": resumed_step})
+
+    def _append(self, path: Path, record: dict) -> None:
+        with writing(path):
+            with open(path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def log_step(self, step: int, loss: float) -> None:
+        """The training loss of one step (this process's), for curves.png."""
+        if self.enabled:
+            self._append(self.steps_path, {"kind": "step", "step": step, "loss": float(loss)})
 
     def log(self, kind: str, step: int, **values) -> None:
         """Append one record ({"kind": "train"|"val"|..., "step": N, ...}) to metrics.jsonl."""
         if not self.enabled:
             return
-        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        with writing(self.metrics_path):
-            with open(self.metrics_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        self._append(self.metrics_path, {"kind": kind, "step": step, "time": round(time.time(), 3),
+                                         **values})
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -78,12 +93,14 @@ class RunLogger:
         if picture is not None:
             self.tb.add_image(tag, picture[:, :, ::-1].copy(), step, dataformats="HWC")
 
-    def read(self) -> list[dict]:
-        """The records of the training that counts: those a later resume rolled back are left out."""
-        if not self.metrics_path.exists():
+    def read(self, path: Path | None = None) -> list[dict]:
+        """The records of the training that counts (of metrics.jsonl, or `path`): those a later
+        resume rolled back are left out."""
+        path = path or self.metrics_path
+        if not path.exists():
             return []
         out = []
-        for line in self.metrics_path.read_text(errors="replace").splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:   # a line cut by a kill: skip it
@@ -97,7 +114,7 @@ class RunLogger:
         return out
 
     def plot_curves(self) -> None:
-        """Loss (train and validation), AP and LR against the step, in curves.png."""
+        """Loss (train per step, validation) with AP, and LR, against the step, in curves.png."""
         if not self.enabled:
             return
         import matplotlib
@@ -106,26 +123,40 @@ class RunLogger:
 
         records = self.read()
         train = [r for r in records if r["kind"] == "train"]
+        steps = [r for r in self.read(self.steps_path) if r["kind"] == "step"
+                 and isinstance(r.get("loss"), (int, float))] or train
         val = [r for r in records if r["kind"] == "val"]
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+        dots = "." if len(steps) < 60 else None        # a short run: each step visible
+        axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], marker=dots, lw=1,
+                     label="train loss (each step)" if steps is not train else "train loss")
         with_loss = [r for r in val if "loss" in r]
         if with_loss:
             axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
                          label="val loss")
         axes[0].set_yscale("log")
         axes[0].set_xlabel("step")
+        axes[0].set_ylabel("loss")
+        handles, labels = axes[0].get_legend_handles_labels()
         with_ap = [r for r in val if "AP" in r]
         if with_ap:
             ap_axis = axes[0].twinx()
-            ap_axis.plot([r["step"] for r in with_ap], [r["AP"] for r in with_ap], "s-", color="g",
-                         label="val AP")
+            ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r["AP"] for r in with_ap], "s-",
+                                    color="g", label=f"val AP (last {with_ap[-1]['AP']:.3f})")
             ap_axis.set_ylabel("AP")
             ap_axis.set_ylim(0, 1)
-        axes[0].legend(loc="upper right")
-        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+            handles, labels = handles + [ap_line], labels + [ap_line.get_label()]
+        if handles:
+            axes[0].legend(handles, labels, loc="upper right", fontsize="small")
+        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], marker="." if len(train) < 60 else None)
         axes[1].set_xlabel("step")
         axes[1].set_ylabel("learning rate")
+        every = [r["step"] for r in steps + val + train]
+        if every:                     # a margin either side: points at the ends stay inside
+            low, high = min(every), max(every)
+            pad = max(0.05 * (high - low), 0.5)
+            for axis in axes:
+                axis.set_xlim(low - pad, high + pad)
         fig.tight_layout()
         tmp = self.curves_path.with_suffix(".tmp.png")
         try:

@@ -239,7 +239,9 @@ class Trainer:
         dist.barrier()   # ranks leave together: none tears down its process group while one still works
         self.say(f"done. checkpoints: {self.run_dir / 'last.pth'}"
                  + (f", {self.run_dir / 'best.pth'}" if (self.run_dir / 'best.pth').exists() else "")
-                 + f"; metrics: {self.run_dir / 'metrics.jsonl'}; curves: {self.run_dir / 'curves.png'}")
+                 + f"; metrics: {self.run_dir / 'metrics.jsonl'}; curves: {self.run_dir / 'curves.png'}"
+                 + (f"; pictures: {self.run_dir / 'val_pictures'}/" if (self.run_dir / "val_pictures").is_dir()
+                    else ""))
         return {"run_dir": str(self.run_dir), "epoch": epochs_done, "step": self.step,
                 "best_metric": self.best_metric, "early_stopped": self.early_stopped, **self.results}
 
