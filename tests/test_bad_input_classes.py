@@ -302,7 +302,8 @@ COCO_CASES = {
     "category matching nothing": (_edit(lambda c: [a.__setitem__("category_id", 7)
                                                    for a in c["annotations"]]),
                                   ["no annotation has the person category's id 1", "category ids 7"]),
-    "missing area": (_edit(lambda c: _first_ann(c).pop("area")), ["area None is not a finite number"]),
+    "negative area": (_edit(lambda c: _first_ann(c).__setitem__("area", -5)),
+                      ["area -5 is not a finite number >= 0"]),
     "missing bbox": (_edit(lambda c: _first_ann(c).pop("bbox")), ["bbox None is not a list of 4 numbers"]),
     "missing file_name": (_edit(lambda c: c["images"][0].pop("file_name")), ["file_name None"]),
     "float height": (_edit(lambda c: c["images"][0].__setitem__("height", 425.5)), ["height 425.5"]),

@@ -1,0 +1,371 @@
+"""Keypoint files as their authors ship them: each test makes a small COCO-format file from the four
+coco4 images with one quirk of a published dataset (no copy of any dataset) and checks that the
+converter takes it, says in one line what it did, and that evaluation and training work on it."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import demo
+import evaluate
+import train
+from config.skeleton import Skeleton, builtin, mirror_names, unpaired_sided
+from data.h5format import KeypointH5
+from data.make_hdf5 import main as make_hdf5
+from inference.coco_eval import keypoint_recall
+
+COCO = builtin("coco")
+COCO_NAMES = list(COCO.dataset_keypoints)
+QUICK = ["--set", "data.workers=0", "--set", "train.tensorboard=false", "--epochs", "1",
+         "--set", "train.max_steps_per_epoch=3", "--batch-size", "2"]
+
+
+def glued(name: str) -> str:
+    """COCO's `left_eye` in the `eyeL` style (zebra, locust and fly files)."""
+    for side, mark in (("left_", "L"), ("right_", "R")):
+        if name.startswith(side):
+            return name[len(side):] + mark
+    return name
+
+
+def shipped(coco4_dir: Path, tmp_path: Path, change, name: str = "shipped.json") -> Path:
+    """coco4's JSON with `change(data)` applied, written to tmp_path/name."""
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    change(data)
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def convert(ann: Path, images: Path, out: Path, capsys, *extra) -> tuple[int, str, str]:
+    code = make_hdf5(["--ann", str(ann), "--images", str(images), "--out", str(out), "--split", "val",
+                      "--quiet", *map(str, extra)])
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def oracle(h5: Path, tmp_path: Path, capsys) -> dict:
+    assert evaluate.main(["--oracle", "--h5", str(h5), "--out", str(tmp_path / "oracle.json"),
+                          "--overwrite", "--no-progress"]) == 0
+    said = capsys.readouterr()
+    return dict(json.loads(said.out.strip().splitlines()[-1]), err=said.err)
+
+
+def renamed(names, links=None):
+    """A change giving the category other keypoint names (and links, None: none)."""
+    def change(data):
+        data["categories"][0]["keypoints"] = list(names)
+        data["categories"][0].pop("skeleton")
+        if links is not None:
+            data["categories"][0]["skeleton"] = links
+    return change
+
+
+# -- fields published files leave out or get wrong ------------------------------------------------
+def test_num_keypoints_that_disagree_are_recounted(coco4_dir, tmp_path, capsys):
+    def change(data):
+        for ann in data["annotations"][:3]:
+            ann["num_keypoints"] += 2
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0
+    assert "num_keypoints disagreed with the labelled keypoints: recounted (3 annotations)" in out
+    stored = [a for i in range(4) for a in KeypointH5(tmp_path / "o.h5").annotations(i)]
+    assert all(a["num_keypoints"] == sum(v > 0 for v in a["keypoints"][2::3]) for a in stored)
+
+
+def test_a_file_without_iscrowd_and_area_converts_and_scores(coco4_dir, tmp_path, capsys):
+    """AI Challenger's layout: no iscrowd, no area, no segmentation. pycocotools needs iscrowd."""
+    def change(data):
+        for ann in data["annotations"]:
+            for key in ("iscrowd", "area", "segmentation"):
+                ann.pop(key)
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0
+    for line in ("no iscrowd: 0 (not a crowd) (14 annotations)",
+                 "no area: the segment's area (else the box's) (14 annotations)",
+                 "no segmentation: the box is the person's region (14 annotations)"):
+        assert line in out.splitlines()
+    stats = oracle(tmp_path / "o.h5", tmp_path, capsys)
+    assert stats["AP"] >= 0.85
+
+
+def test_people_without_a_labelled_keypoint_are_counted_and_masked(coco4_dir, tmp_path, capsys):
+    code, out, _ = convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0 and "2 people without a labelled keypoint: masked out of the loss like crowds" in out
+    h5 = KeypointH5(tmp_path / "o.h5")
+    ignore = sum(int(h5.masks(i)[0].sum()) for i in range(h5.num_images))
+    assert ignore > 0
+
+
+def test_several_categories_with_the_same_keypoints_are_merged_or_chosen(coco4_dir, tmp_path, capsys):
+    """AP-10K's layout: one category per species, all with the same keypoints, no 'person'."""
+    def change(data):
+        first = dict(data["categories"][0], name="zebra", id=3)
+        data["categories"] = [first, dict(first, name="horse", id=7)]
+        for k, ann in enumerate(data["annotations"]):
+            ann["category_id"] = 3 if k % 2 else 7
+    ann = shipped(coco4_dir, tmp_path, change)
+    code, out, _ = convert(ann, coco4_dir, tmp_path / "all.h5", capsys)
+    assert code == 0
+    assert "2 categories with the same 17 keypoints converted as one (zebra, horse), as category " \
+           "'zebra'" in out
+    everyone = [a for i in range(4) for a in KeypointH5(tmp_path / "all.h5").annotations(i)]
+    assert len(everyone) == 14 and {a["category_id"] for a in everyone} == {3}
+    assert oracle(tmp_path / "all.h5", tmp_path, capsys)["AP"] >= 0.85
+    code, out, _ = convert(ann, coco4_dir, tmp_path / "horse.h5", capsys, "--categories", "horse")
+    horses = [a for i in range(KeypointH5(tmp_path / "horse.h5").num_images)
+              for a in KeypointH5(tmp_path / "horse.h5").annotations(i)]
+    assert code == 0 and len(horses) == 7 and {a["category_id"] for a in horses} == {7}
+    code, _, err = convert(ann, coco4_dir, tmp_path / "x.h5", capsys, "--categories", "cat")
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --categories 'cat': no category of " + str(ann) + " has this name or id "
+        "(categories: zebra (3), horse (7))"]
+
+
+def test_keypoint_arrays_of_another_length_are_one_line_naming_both_counts(coco4_dir, tmp_path, capsys):
+    """Human-Art's layout: 21 names in the category, 17 points in the annotations."""
+    def change(data):
+        data["categories"][0]["keypoints"] += [f"extra_{k}" for k in range(4)]
+    code, _, err = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1
+    assert "keypoints has 51 values (17 keypoints) but the category lists 21 keypoints (63 values)" \
+        in lines[0] and "[" not in lines[0]
+
+
+# -- skeletons the JSON does not fully give ------------------------------------------------------
+def test_no_links_are_completed_dumped_and_given_back(coco4_dir, tmp_path, capsys):
+    """Horse-10's layout: no skeleton links. The converter links every keypoint, says which links
+    it added, writes the skeleton with --dump-skeleton, and takes the edited file back."""
+    ann = shipped(coco4_dir, tmp_path, renamed([glued(n) for n in COCO_NAMES]))
+    dumped = tmp_path / "mine.yaml"
+    code, out, _ = convert(ann, coco4_dir, tmp_path / "o.h5", capsys, "--dump-skeleton", dumped)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("skeleton person: 17 keypoints, 16 main + ") and "no links in the JSON" in lines[0]
+    assert any(line.startswith("links added to reach every keypoint (nearest in the data): ") for line in lines)
+    assert "flip pairs: eyeL/eyeR, earL/earR, shoulderL/shoulderR, elbowL/elbowR, wristL/wristR, " \
+           "hipL/hipR, kneeL/kneeR, ankleL/ankleR" in lines
+    skeleton = KeypointH5(tmp_path / "o.h5").skeleton
+    assert all(f != k for k, f in enumerate(skeleton.flip) if skeleton.keypoints[k] != "nose")
+    assert oracle(tmp_path / "o.h5", tmp_path, capsys)["AP"] >= 0.6
+    # the written file is the skeleton used; edited (a sigma), it is taken back as it is
+    import yaml
+    spec = yaml.safe_load(dumped.read_text())
+    assert Skeleton.from_spec(spec, "dumped") == skeleton
+    spec["sigmas"] = [0.05] * 17
+    dumped.write_text(yaml.safe_dump(spec))
+    code, out, _ = convert(ann, coco4_dir, tmp_path / "again.h5", capsys, "--skeleton", dumped)
+    assert code == 0 and "(given by --skeleton)" in out
+    assert KeypointH5(tmp_path / "again.h5").skeleton.sigmas == (0.05,) * 17
+
+
+def test_dump_skeleton_alone_converts_nothing(coco4_dir, tmp_path, capsys):
+    code = make_hdf5(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                      "--dump-skeleton", str(tmp_path / "coco.yaml")])
+    out = capsys.readouterr().out
+    assert code == 0 and "built-in skeleton coco" in out and "nothing converted" in out
+    assert list(tmp_path.iterdir()) == [tmp_path / "coco.yaml"]
+    assert Skeleton.from_spec(__import__("yaml").safe_load((tmp_path / "coco.yaml").read_text()), "x") == COCO
+
+
+def test_links_that_leave_keypoints_unreachable_are_completed(coco4_dir, tmp_path, capsys):
+    """Locust and fly files: links among the body, none to the antennae."""
+    names = [glued(n) for n in COCO_NAMES]
+    links = [[6, 7], [6, 8], [8, 10], [7, 9], [9, 11], [6, 12], [7, 13], [12, 13]]   # 1-based
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(names, links)), coco4_dir,
+                           tmp_path / "o.h5", capsys)
+    assert code == 0 and "8 links from the JSON" in out
+    skeleton = KeypointH5(tmp_path / "o.h5").skeleton
+    joined = {frozenset((skeleton.keypoints[a], skeleton.keypoints[b])) for a, b in skeleton.limbs}
+    assert {frozenset(("elbowL", "wristL")), frozenset(("hipL", "hipR"))} <= joined      # the file's
+    assert len(skeleton.limbs) >= 16                       # and enough to reach all 17 keypoints
+
+
+def test_zero_based_links_are_recognised(coco4_dir, tmp_path, capsys):
+    """ATRW's layout: links counted from 0."""
+    names = [glued(n) for n in COCO_NAMES]
+    links = [[a - 1, b - 1] for a, b in json.loads((coco4_dir / "test_coco.json").read_text())
+             ["categories"][0]["skeleton"]]
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(names, links)), coco4_dir,
+                           tmp_path / "o.h5", capsys)
+    assert code == 0 and "skeleton links are 0-based in the JSON: read as such" in out
+    skeleton = KeypointH5(tmp_path / "o.h5").skeleton
+    index = skeleton.keypoints.index
+    limbs = {frozenset(limb) for limb in skeleton.limbs}
+    assert frozenset((index("ankleL"), index("kneeL"))) in limbs          # COCO's [16, 14], 1-based
+    assert "links added to reach" not in out
+
+
+def test_a_category_without_keypoint_names_is_numbered(coco4_dir, tmp_path, capsys):
+    """Halpe's layout: the category has no keypoint names, only the annotations' arrays."""
+    def change(data):
+        data["categories"][0].pop("keypoints")
+        data["categories"][0].pop("skeleton")
+        for ann in data["annotations"]:             # 11 keypoints: no built-in has as many
+            ann["keypoints"] = ann["keypoints"][:33]
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0
+    assert "the category names no keypoints; its annotations have 11: named keypoint_1 to keypoint_11" in out
+    assert KeypointH5(tmp_path / "o.h5").skeleton.dataset_keypoints[10] == "keypoint_11"
+
+
+@pytest.mark.parametrize("left, right", [
+    ("left_eye", "right_eye"), ("l_eye", "r_eye"), ("L_eye", "R_eye"), ("eye_l", "eye_r"),
+    ("eyeL", "eyeR"), ("forelegL1", "forelegR1"), ("LeftEye", "RightEye"), ("leftEye", "rightEye"),
+    ("eye-left", "eye-right"), ("LEye", "REye"), ("eyeLeft", "eyeRight"),
+])
+def test_sided_names_of_each_style_pair(left, right):
+    assert right in mirror_names(left) and left in mirror_names(right)
+    assert unpaired_sided([left, right, "nose"]) == []
+
+
+def test_names_that_name_no_side_have_no_mirror():
+    assert all(mirror_names(n) == [] for n in ("nose", "Lip", "tailbase", "Rump", "thorax", "neck"))
+
+
+def test_sided_names_left_unpaired_are_a_warning_line(coco4_dir, tmp_path, capsys):
+    names = [glued(n) for n in COCO_NAMES]
+    names[names.index("earR")] = "ear_right_tip"
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(names)), coco4_dir, tmp_path / "o.h5",
+                           capsys)
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warning) == 1 and "earL, ear_right_tip" in warning[0]
+
+
+# -- --skip-bad lists what it skips ----------------------------------------------------------------
+def test_skip_bad_lists_every_skipped_item_and_writes_them(coco4_dir, tmp_path, capsys):
+    def change(data):
+        data["annotations"][0]["bbox"] = [1, 1, 0, 5]
+        data["annotations"].append(dict(data["annotations"][1], id=99, image_id=12345))
+    ann = shipped(coco4_dir, tmp_path, change)
+    listed = tmp_path / "skipped.json"
+    code, out, err = convert(ann, coco4_dir, tmp_path / "o.h5", capsys, "--skip-bad", "--skipped", listed)
+    assert code == 0 and "skipped 1 images: image with a bad annotation" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("skipped: annotation ") for line in lines)
+    assert "has no positive width and height; its image is skipped" in lines[0]
+    assert "refers to unknown image 12345" in lines[1]
+    items = json.loads(listed.read_text())
+    assert [i["kind"] for i in items] == ["image with a bad annotation", "bad annotation"]
+    assert items[0]["image_id"] == data_image(coco4_dir, 0)
+
+
+def data_image(coco4_dir, k):
+    return json.loads((coco4_dir / "test_coco.json").read_text())["annotations"][k]["image_id"]
+
+
+def test_skip_bad_that_keeps_nothing_still_lists_why(coco4_dir, tmp_path, capsys):
+    def change(data):
+        for ann in data["annotations"]:
+            ann["keypoints"] = ann["keypoints"][:-3]
+    code, _, err = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys,
+                           "--skip-bad")
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: ") and "no image was kept" in lines[-1]
+    assert sum(line.startswith("skipped: annotation") for line in lines) == 4       # one per image
+    assert not (tmp_path / "o.h5").exists()
+
+
+# -- issue-30 cases: a self-made keypoint, links in a loop, a picture listed twice -----------------
+def test_a_derived_keypoint_made_from_itself_is_refused(coco4_dir, tmp_path, capsys):
+    spec = COCO.to_spec()
+    spec["derived"] = {"neck": ["neck", "left_shoulder"]}
+    path = tmp_path / "self.yaml"
+    path.write_text(json.dumps(spec))
+    code, _, err = convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "o.h5", capsys,
+                           "--skeleton", path)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --skeleton {path}: derived neck: ['neck', 'left_shoulder'] uses 'neck', which is not "
+        "a keypoint of the annotations (a derived keypoint is the middle of two annotated ones)"]
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_a_loop_of_links_among_the_images_is_one_line_or_skipped(coco4_dir, tmp_path, capsys):
+    images = tmp_path / "images"
+    images.mkdir()
+    for p in coco4_dir.glob("*.jpg"):
+        os.symlink(p, images / p.name)                 # linked images are read where they lead
+    loop = images / "000000000785.jpg"
+    loop.unlink()
+    os.symlink(images / "other.jpg", loop)
+    os.symlink(loop, images / "other.jpg")
+    ann = coco4_dir / "test_coco.json"
+    code, _, err = convert(ann, images, tmp_path / "o.h5", capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: {ann}: image 785: file_name '000000000785.jpg' is a loop of symbolic links under "
+        f"--images {images}"]
+    code, out, err = convert(ann, images, tmp_path / "o.h5", capsys, "--skip-bad")
+    assert code == 0 and "3 images" in out and "is a loop of symbolic links" in err
+    assert KeypointH5(tmp_path / "o.h5").num_images == 3
+
+
+def test_a_picture_listed_twice_is_refused(coco4_dir, tmp_path, capsys):
+    def change(data):
+        twin = dict(data["images"][1], id=777)
+        twin["file_name"] = "./" + twin["file_name"]
+        data["images"].append(twin)
+        data["annotations"][-1]["image_id"] = 777
+    ann = shipped(coco4_dir, tmp_path, change)
+    code, _, err = convert(ann, coco4_dir, tmp_path / "o.h5", capsys)
+    first = json.loads((coco4_dir / "test_coco.json").read_text())["images"][1]
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: {ann}: image 777: file_name './{first['file_name']}' is also image {first['id']} "
+        "(one picture listed twice: its people would be split between them)"]
+
+
+# -- evaluation: each keypoint's recall ------------------------------------------------------------
+def test_keypoint_recall_counts_keypoints_found_at_the_right_place():
+    person = [10, 10, 2, 50, 10, 2, 90, 90, 0]
+    gt = {"images": [{"id": 1}], "annotations": [
+        {"image_id": 1, "iscrowd": 0, "area": 1000.0, "keypoints": person}]}
+    right = {"image_id": 1, "keypoints": [10, 10, 1, 50, 11, 1, 0, 0, 1], "score": 1}
+    far = {"image_id": 1, "keypoints": [10, 10, 1, 80, 40, 1, 0, 0, 1], "score": 1}
+    assert keypoint_recall(gt, [right], [0.05] * 3) == [(1, 1), (1, 1), (0, 0)]
+    assert keypoint_recall(gt, [far], [0.05] * 3) == [(1, 1), (1, 0), (0, 0)]
+    assert keypoint_recall(gt, [], [0.05] * 3) == [(1, 0), (1, 0), (0, 0)]
+
+
+def test_the_oracle_prints_each_keypoints_recall(coco4_dir, tmp_path, capsys):
+    convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "o.h5", capsys)
+    stats = oracle(tmp_path / "o.h5", tmp_path, capsys)
+    recall = stats["keypoint_recall"]
+    assert list(recall) == COCO_NAMES and all(0.8 <= v <= 1.0 for v in recall.values())
+    assert "recall per keypoint" in stats["err"]
+    lines = stats["err"].split("lowest first:\n")[1].splitlines()[:17]
+    shares = [float(line.split()[-1].rstrip("%")) for line in lines]
+    assert shares == sorted(shares) and {line.split()[0] for line in lines} == set(COCO_NAMES)
+
+
+# -- end to end: an inferred skeleton through training, curves.png and demo.py --------------------
+@pytest.mark.slow
+def test_an_inferred_skeleton_trains_and_the_demo_draws_it(coco4_dir, tmp_path, capsys):
+    def change(data):
+        renamed([glued(n) for n in COCO_NAMES])(data)
+        for ann in data["annotations"]:
+            for key in ("iscrowd", "area"):
+                ann.pop(key)
+            ann["num_keypoints"] = 1
+    ann = shipped(coco4_dir, tmp_path, change)
+    for split in ("train", "val"):
+        assert make_hdf5(["--ann", str(ann), "--images", str(coco4_dir), "--out", str(tmp_path / f"{split}.h5"),
+                          "--split", split, "--quiet"]) == 0
+    done = train.main(["--train-h5", str(tmp_path / "train.h5"), "--val-h5", str(tmp_path / "val.h5"),
+                       "--out-dir", str(tmp_path), "--run-name", "mine", "--ap-every", "1",
+                       "--set", "train.ap_max_images=2", "--set", "train.log_every=100",
+                       "--set", "train.val_pictures=1", *QUICK])
+    run = tmp_path / "mine"
+    out = capsys.readouterr().out
+    assert done["step"] == 3 and 0.0 <= done["AP"] <= 1.0
+    assert f"; pictures: {run / 'val_pictures'}/" in out
+    steps = [json.loads(line) for line in (run / "train_steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in steps)
+    assert (run / "curves.png").stat().st_size > 0
+    picture = tmp_path / "drawn.png"
+    assert demo.main(["--weights", str(run / "last.pth"), "--image", str(coco4_dir / "000000000785.jpg"),
+                      "--out", str(picture), "--device", "cpu"]) == 0
+    assert picture.stat().st_size > 0
