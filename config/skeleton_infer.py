@@ -53,7 +53,7 @@ def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list
     lengths = Counter(len(a["keypoints"]) for a in annotations
                       if isinstance(a, dict) and isinstance(a.get("keypoints"), list) and a["keypoints"])
     if not lengths:
-        _fail(source, f"the {category.get('name', '?')!r} category has no keypoint names and no "
+        _fail(source, f"the {category.get('name', '?')!r} category has 0 keypoint names and no "
               "annotation has keypoints: not a keypoint annotation file")
     values = lengths.most_common(1)[0][0]
     if values % 3:
@@ -189,6 +189,8 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str)
         report.append(f"links added as mirrors of the JSON's: {show(mirrors)}")
     if joins:
         report.append(f"links added to reach every keypoint (nearest in the data): {show(joins)}")
+        report.append("these links depend on this file's people: give the other split this same "
+                      "skeleton (--dump-skeleton FILE.yaml here, --skeleton FILE.yaml there)")
     pairs_found = [f"{names[k]}/{names[f]}" for k, f in enumerate(flip) if k < f]
     report.append(f"flip pairs: {_listed(pairs_found) if pairs_found else 'none found in the names'}")
     alone = unpaired_sided(names)
