@@ -11,6 +11,7 @@ Every decision is one short line of the returned report.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter, deque
 
 import numpy as np
@@ -22,13 +23,19 @@ MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the f
 SHOWN = 12                 # names or links listed in one report line
 
 
+_WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
+
+
 def _plain(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
+    """`name` as lower-case words run together, single-letter sides and ends written out:
+    `L_F_Paw`, `left_front_paw` and `LeftFrontPaw` are all `leftfrontpaw`."""
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)
+    return "".join(_WORDS.get(w.lower(), w.lower()) for w in words)
 
 
 def matching_builtin(names) -> Skeleton | None:
-    """The built-in whose annotation keypoints are `names`, in this order (spelling of case and
-    separators aside: `Left-Eye` is `left_eye`)."""
+    """The built-in whose annotation keypoints are `names`, in this order (spelling aside: case,
+    separators, and L/R/F/B for left/right/front/back: `L_F_Paw` is `left_front_paw`)."""
     wanted = tuple(_plain(n) for n in names)
     for name in builtin_names():
         if tuple(_plain(n) for n in builtin(name).dataset_keypoints) == wanted:
