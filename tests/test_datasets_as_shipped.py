@@ -369,3 +369,55 @@ def test_an_inferred_skeleton_trains_and_the_demo_draws_it(coco4_dir, tmp_path, 
     assert demo.main(["--weights", str(run / "last.pth"), "--image", str(coco4_dir / "000000000785.jpg"),
                       "--out", str(picture), "--device", "cpu"]) == 0
     assert picture.stat().st_size > 0
+
+
+# -- built-in skeletons of published datasets ------------------------------------------------------
+PUBLISHED = {"aic": 14, "ap10k": 17, "animalpose": 20, "horse10": 22, "zebra": 9, "locust": 35,
+             "fly": 32, "atrw": 15, "halpe26": 26, "halpe136": 136, "humanart21": 21, "mhp": 16}
+
+
+def test_list_skeletons_prints_the_built_ins(capsys):
+    assert make_hdf5(["--list-skeletons"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    for name, count in PUBLISHED.items():
+        assert name in listed and f"skeleton {name}: " in listed[name]
+        assert len(builtin(name).dataset_keypoints) == count
+    assert {"coco", "crowdpose", "quadruped"} <= set(listed)
+
+
+def test_published_sigmas_and_flips_are_the_datasets():
+    aic = builtin("aic")
+    assert aic.sigmas[0] == pytest.approx(0.01388152) and aic.sigmas[13] == pytest.approx(0.01236173)
+    assert builtin("halpe136").sigmas[26:] == (0.015,) * 110                # face and hands
+    index = builtin("halpe136").keypoints.index
+    assert builtin("halpe136").flip[index("face-0")] == index("face-16")
+    assert builtin("zebra").sigmas == (0.067,) * 9                      # none published: the default
+    locust = builtin("locust")
+    assert locust.flip[locust.keypoints.index("forelegL1")] == locust.keypoints.index("forelegR1")
+    assert builtin("horse10").flip == tuple(range(22))                  # near/off: not mirrored
+
+
+def points_of(data, count):
+    """coco4's people with `count` keypoints: COCO's 17 first (or cut), the others unlabelled."""
+    for ann in data["annotations"]:
+        values = ann["keypoints"][:3 * count]
+        ann["keypoints"] = values + [0] * (3 * count - len(values))
+
+
+def test_a_nameless_halpe_file_is_recognised_by_its_136_keypoints(coco4_dir, tmp_path, capsys):
+    def change(data):
+        points_of(data, 136)
+        data["categories"][0].pop("keypoints")
+        data["categories"][0].pop("skeleton")
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0 and "its annotations have 136: those of built-in skeleton halpe136" in out
+    assert KeypointH5(tmp_path / "o.h5").skeleton == builtin("halpe136")
+
+
+@pytest.mark.parametrize("spelling", [
+    ["L_Eye", "R_Eye", "Nose", "Neck", "Root of tail", "L_Shoulder", "L_Elbow", "L_F_Paw", "R_Shoulder",
+     "R_Elbow", "R_F_Paw", "L_Hip", "L_Knee", "L_B_Paw", "R_Hip", "R_Knee", "R_B_Paw"],
+    list(builtin("ap10k").dataset_keypoints)])
+def test_a_published_layout_is_recognised_by_its_names(spelling, coco4_dir, tmp_path, capsys):
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(spelling)), coco4_dir, tmp_path / "o.h5", capsys)
+    assert code == 0 and out.splitlines()[0] == "the keypoints are ap10k's 17: built-in skeleton ap10k"
