@@ -1,16 +1,20 @@
-"""Convert a COCO person-keypoint split (JSON + image folder) into the project's HDF5 file.
+"""Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file.
 
     python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
-        --out coco_train.h5 [--split train|val] [--skip-bad] [--skeleton NAME|FILE.yaml]
+        --out coco_train.h5 [--split train|val] [--skip-bad [--skipped FILE.json]]
+        [--skeleton NAME|FILE.yaml] [--categories NAME_OR_ID,...] [--dump-skeleton FILE.yaml]
+    python -m data.make_hdf5 --list-skeletons
 
-The skeleton (`config.skeleton`) is `--skeleton`'s, else the built-in whose keypoints the JSON's
-category lists, else one inferred from the category's `keypoints` and `skeleton` links (what was
-inferred is printed); it is stored in the file, and everything downstream reads it from there.
+The JSON is read by `data.coco_intake` (categories, keypoint names, the skeleton: `--skeleton`'s,
+else the built-in whose keypoints the JSON lists, else one inferred and completed from the JSON;
+what was decided is printed); the skeleton is stored in the file, and everything downstream reads
+it from there.
 
 Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
-"main person" rule of SPEC. The file is written under a temporary name and renamed at the end.
-Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the item;
-`skip_bad` skips bad images and lists them in the summary instead.
+"main person" rule of SPEC; people without a labelled keypoint are masked out of the loss like
+crowds. The file is written under a temporary name and renamed at the end. Layout and reader:
+`data.h5format`. Bad input raises `DataError` naming the file and the item; `skip_bad` skips bad
+images and lists each one with its reason instead.
 """
 from __future__ import annotations
 
@@ -31,8 +35,7 @@ from tqdm import tqdm
 from config.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.paths import refuse_existing, refuse_output_as_input, written_whole
 from config.skeleton import Skeleton, builtin, builtin_names, load_skeleton
-from config.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
-from data.coco_checks import Selection, select_valid
+from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
@@ -40,108 +43,6 @@ MAIN_MIN_AREA = 32 * 32
 MAIN_MIN_DISTANCE = 0.3   # x the person's largest box side
 EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keypoints",
                "num_keypoints")
-
-
-# -- reading the COCO JSON -------------------------------------------------------------------------
-def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> list:
-    """The categories to convert, as one: `wanted` (names or ids, from --categories), else
-    `person`, else those that list keypoints when they all list the same ones."""
-    categories = [c for c in data["categories"] if isinstance(c, dict)]
-    if wanted:
-        chosen = []
-        for item in wanted:
-            found = [c for c in categories if str(c.get("id")) == item or c.get("name") == item]
-            if not found:
-                known = ", ".join(f"{c.get('name')} ({c.get('id')})" for c in categories[:SHOWN_CATEGORIES])
-                raise DataError(f"--categories {item!r}: no category of {ann_path} has this name or id "
-                                f"(categories: {known})")
-            chosen.extend(c for c in found if c not in chosen)
-    else:
-        chosen = [c for c in categories if c.get("name") == "person"][:1]
-        if not chosen:
-            chosen = [c for c in categories if c.get("keypoints")]
-        if not chosen:
-            raise DataError(f"{ann_path}: no 'person' category among the categories, and none lists "
-                            "keypoints (choose with --categories NAME_OR_ID,...)")
-    lists = {tuple(c.get("keypoints") or ()) for c in chosen}
-    if len(lists) > 1:
-        names = ", ".join(f"{c.get('name')} ({len(c.get('keypoints') or ())} keypoints)"
-                          for c in chosen[:SHOWN_CATEGORIES])
-        raise DataError(f"{ann_path}: the categories {names} list different keypoints; convert one "
-                        "kind at a time with --categories NAME_OR_ID,...")
-    return chosen
-
-
-SHOWN_CATEGORIES = 6
-
-
-def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
-                    skeleton: Skeleton | None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, lines saying where it came from) or `DataError`."""
-    if skeleton is not None:
-        if tuple(names) != skeleton.dataset_keypoints:
-            raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
-                            f"({', '.join(names[:4])}, ...: {len(names)}) are not those of skeleton "
-                            f"{skeleton.name} ({', '.join(skeleton.dataset_keypoints[:4])}, ...: "
-                            f"{len(skeleton.dataset_keypoints)}), in the same order")
-        return skeleton, f"{skeleton.describe()} (given by --skeleton)"
-    known = matching_builtin(names)
-    if known is not None:
-        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
-    inferred, report = infer_skeleton(category, names, points, str(ann_path))
-    return inferred, "\n".join(report)
-
-
-def _read_json(ann_path: Path) -> dict:
-    try:
-        data = json.loads(Path(ann_path).read_text())
-    except FileNotFoundError:
-        raise DataError(f"{ann_path}: no such annotation file") from None
-    except IsADirectoryError:
-        raise DataError(f"{ann_path}: a folder; --ann takes the COCO JSON file") from None
-    except OSError as exc:
-        raise DataError(f"{ann_path}: cannot be read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
-    if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
-        raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
-    if not isinstance(data["categories"], list):
-        raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
-    return data
-
-
-def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
-              skeleton: Skeleton | None = None, categories: list | None = None
-              ) -> tuple[dict, Selection, Skeleton, str]:
-    """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
-    skeleton, what was decided: one line each) or `DataError`; with `skip_bad` the selection lists
-    what was left out; `skeleton` None: the built-in the category names, or one inferred from it;
-    `categories` (names or ids): the categories to convert as one (default: see
-    `_keypoint_categories`)."""
-    data = _read_json(ann_path)
-    chosen = _keypoint_categories(data, ann_path, categories)
-    category = dict(chosen[0])
-    ids = {c.get("id") for c in chosen}
-    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids] \
-        if isinstance(data["annotations"], list) else []
-    if skeleton is not None and not category.get("keypoints"):
-        names, said = list(skeleton.dataset_keypoints), []
-    else:
-        names, said = keypoint_names(category, own, str(ann_path))
-    category["keypoints"] = names
-    if len(chosen) > 1:
-        said.append(f"{len(chosen)} categories with the same {len(names)} keypoints converted as one "
-                    f"({', '.join(str(c.get('name')) for c in chosen[:SHOWN_CATEGORIES])}"
-                    f"{', ...' if len(chosen) > SHOWN_CATEGORIES else ''}), as category "
-                    f"{category.get('name')!r}")
-    selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path,
-                             DataError, len(names))
-    points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
-              for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
-    points = np.stack(points) if points else np.zeros((0, len(names), 3), np.float32)
-    skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton)
-    said.extend(f"{reason} ({count} annotations)" for reason, count in sorted(selection.repairs.items()))
-    return category, selection, skeleton, "\n".join([origin, *said])
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -278,6 +179,10 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
+    try:
+        out_path.resolve()
+    except RuntimeError:                 # pathlib's answer to a loop of links
+        raise DataError(f"--out {out_path}: a loop of symbolic links; give another path") from None
     refuse_output_as_input("--out", out_path, {"--ann": ann_path})
     category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
     images, by_image = selection.images, selection.by_image

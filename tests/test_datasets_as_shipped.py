@@ -421,3 +421,11 @@ def test_a_nameless_halpe_file_is_recognised_by_its_136_keypoints(coco4_dir, tmp
 def test_a_published_layout_is_recognised_by_its_names(spelling, coco4_dir, tmp_path, capsys):
     code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(spelling)), coco4_dir, tmp_path / "o.h5", capsys)
     assert code == 0 and out.splitlines()[0] == "the keypoints are ap10k's 17: built-in skeleton ap10k"
+
+
+def test_an_output_that_is_a_loop_of_links_is_one_line(coco4_dir, tmp_path, capsys):
+    os.symlink(tmp_path / "b.h5", tmp_path / "a.h5")
+    os.symlink(tmp_path / "a.h5", tmp_path / "b.h5")
+    code, _, err = convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "a.h5", capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --out {tmp_path / 'a.h5'}: a loop of symbolic links; give another path"]
