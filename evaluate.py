@@ -206,10 +206,9 @@ def run(args) -> dict:
                   f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
             for name in STAT_NAMES:
                 print(f"  {name:<5} {stats[name]:.4f}", file=sys.stderr)
-            if args.oracle:
-                stats["keypoint_recall"] = _print_recall(h5_path, out, stats["num_images"])
+            recall = {"keypoint_recall": _print_recall(h5_path, out, stats["num_images"])} if args.oracle else {}
             print(f"results written to {out}", file=sys.stderr)
-            print(json.dumps(dict(stats, seconds=round(seconds, 2), results=str(out))), flush=True)
+            print(json.dumps(dict(stats, **recall, seconds=round(seconds, 2), results=str(out))), flush=True)
         barrier()
         return stats
     finally:
