@@ -16,7 +16,7 @@ import train
 from config.skeleton import Skeleton, builtin, mirror_names, unpaired_sided
 from data.h5format import KeypointH5
 from data.make_hdf5 import main as make_hdf5
-from inference.coco_eval import keypoint_recall
+from inference.coco_eval import coco_keypoint_stats, keypoint_recall
 
 COCO = builtin("coco")
 COCO_NAMES = list(COCO.dataset_keypoints)
@@ -328,6 +328,16 @@ def test_keypoint_recall_counts_keypoints_found_at_the_right_place():
     assert keypoint_recall(gt, [right], [0.05] * 3) == [(1, 1), (1, 1), (0, 0)]
     assert keypoint_recall(gt, [far], [0.05] * 3) == [(1, 1), (1, 0), (0, 0)]
     assert keypoint_recall(gt, [], [0.05] * 3) == [(1, 0), (1, 0), (0, 0)]
+
+
+def test_ground_truth_without_iscrowd_or_area_scores_instead_of_a_keyerror():
+    """A file converted before these fields were completed holds annotations without them."""
+    person = [10.0, 10.0, 2, 50.0, 10.0, 2, 90.0, 90.0, 2]
+    gt = {"images": [{"id": 1, "width": 100, "height": 100}], "categories": [{"id": 1}],
+          "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [5, 5, 90, 90],
+                           "keypoints": person}]}
+    found = [{"image_id": 1, "category_id": 1, "keypoints": person, "score": 1.0}]
+    assert coco_keypoint_stats(gt, found, sigmas=[0.05] * 3)["AP"] == pytest.approx(1.0)
 
 
 def test_the_oracle_prints_each_keypoints_recall(coco4_dir, tmp_path, capsys):
