@@ -188,6 +188,10 @@ def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_th
     assert [(r["kind"], r["step"]) for r in kept] == [("train", 3), ("val", 3), ("resume", 3),
                                                       ("train", 6), ("val", 6)]
     assert kept[-1]["time"] == raw[-1]["time"]          # the record of the resumed run, not the first
+    logger = RunLogger(run_dir, enabled=True, tensorboard=False)
+    steps = [(r["kind"], r["step"]) for r in logger.read(logger.steps_path)]   # each step's loss
+    assert steps == [("step", 1), ("step", 2), ("step", 3), ("resume", 3), ("step", 4), ("step", 5),
+                     ("step", 6)]
 
 
 def test_ap_validation_runs_without_cudnn_autotuning_and_gives_it_back(tmp_path, synthetic_h5, monkeypatch):
