@@ -18,6 +18,11 @@ machine). `--against DIR` compares with the grouping of another checkout (DIR, e
 worktree` of an older commit): `--rounds` rounds, each running this script once with DIR's code
 (`--code DIR`) and once with this one's, alternately, on the same maps; it prints each round's
 medians and, per row, the median over rounds of both and their ratio (this / DIR).
+
+`--stages` also splits each row's time, on the same maps, into the peak search (`find_peaks`),
+the limbs (`limb_connections`) and the rest (assembly, bridging, output), and times one max over
+the keypoint maps: every exact peak search reads each of their pixels once, so that read is the
+least the peak search can cost (medians per row, in ms).
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ import torch  # noqa: E402
 from config.schema import InferenceConfig, TargetConfig  # noqa: E402
 from config.skeleton import builtin  # noqa: E402
 from data.targets import render_targets  # noqa: E402
-from inference.grouping import group_people  # noqa: E402
+from inference.grouping import group_people, limb_connections  # noqa: E402
+from inference.peaks import find_peaks  # noqa: E402
 
 COCO = builtin("coco")
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4" / "test_coco.json"
@@ -100,6 +106,30 @@ def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_co
             "mean_found": round(float(np.mean(found)), 2)}
 
 
+def time_stages(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter) -> dict:
+    """Median ms per image of `group_people`, its stages and one max over the keypoint maps, each
+    timed once per map after a warm-up call, in turn on the same maps."""
+    times: dict = {"total": [], "peaks": [], "limbs": [], "read_once": []}
+    for _ in range(reps):
+        maps = make_maps()
+        keypoint_maps, limb_maps = maps[COCO.keypoint_channels], maps[COCO.limb_channels]
+        group_people(maps, cfg, COCO)                   # warm caches
+
+        def peaks():
+            return find_peaks(keypoint_maps, cfg.peak_threshold, cfg.refine_radius, cfg.max_peaks)
+        channel, xy, score = peaks()
+        bounds = np.searchsorted(channel, np.arange(COCO.num_keypoints + 1))
+        for name, run in (("total", lambda: group_people(maps, cfg, COCO)), ("peaks", peaks),
+                          ("limbs", lambda: limb_connections(limb_maps, bounds, xy, score, cfg, COCO.limbs)),
+                          ("read_once", keypoint_maps.max)):
+            start = clock()
+            run()
+            times[name].append((clock() - start) * 1e3)
+    row = {name: round(float(np.median(values)), 2) for name, values in times.items()}
+    row["rest"] = round(row["total"] - row["peaks"] - row["limbs"], 2)
+    return row
+
+
 def pool_ms_per_image(maps: list, threads: int, cfg: InferenceConfig) -> float:
     """Wall ms per image of grouping `maps` in a pool of `threads`, as evaluation does."""
     with ThreadPoolExecutor(threads) as pool:
@@ -118,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--pool", type=int, default=0, metavar="THREADS",
                    help="also group --reps blurred-noise maps in a pool of this many threads (as evaluation)")
     p.add_argument("--cpu-time", action="store_true", help="time with CPU time, not the wall clock")
+    p.add_argument("--stages", action="store_true",
+                   help="also split each row's time into peaks, limbs and the rest, and time one read of the maps")
     p.add_argument("--code", metavar="DIR", help="time the grouping of the checkout DIR (its inference/)")
     p.add_argument("--against", metavar="DIR", help="alternate rounds of DIR's grouping and this one's")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --against")
@@ -131,7 +163,7 @@ def main(argv=None) -> int:
     height, width = args.size
     cfg, targets = InferenceConfig(), TargetConfig()
     clock = time.process_time if args.cpu_time else time.perf_counter
-    report, noise = {}, {}
+    report, noise, stages = {}, {}, {}
     print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
     for count in args.people:
@@ -139,6 +171,14 @@ def main(argv=None) -> int:
                                                    1, targets, COCO), args.reps, cfg, clock)
         report[str(count)] = row
         print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
+    if args.stages:
+        print(f"{'people':>7} {'total':>7} {'peaks':>7} {'limbs':>7} {'rest':>7} {'read once':>10}")
+        for count in args.people:
+            row = time_stages(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
+                                                     1, targets, COCO), args.reps, cfg, clock)
+            stages[str(count)] = row
+            print(f"{count:>7} {row['total']:>7.2f} {row['peaks']:>7.2f} {row['limbs']:>7.2f} "
+                  f"{row['rest']:>7.2f} {row['read_once']:>10.2f}")
     for kind in ("blurred", "pure") if args.noise else ():
         row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
         target = TARGET_MS_NOISE[kind]
@@ -156,7 +196,8 @@ def main(argv=None) -> int:
                       "clock": "cpu" if args.cpu_time else "wall", "code": args.code or ".",
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
-                      **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {})}))
+                      **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {}),
+                      **({"stages_ms": stages} if stages else {})}))
     return 0
 
 

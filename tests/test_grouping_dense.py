@@ -116,3 +116,14 @@ def test_grouping_bench_alternates_two_checkouts(capsys):
     assert set(result["rows"]) == {"1", "3"}
     for row in result["rows"].values():
         assert row["against_ms"] > 0 and row["ratio"] == pytest.approx(row["this_ms"] / row["against_ms"], rel=0.02)
+
+
+def test_grouping_bench_splits_the_time_into_stages(capsys):
+    from bench import grouping as bench
+
+    assert bench.main(["--people", "2", "--reps", "2", "--size", "96", "128", "--stages"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = result["stages_ms"]["2"]
+    assert set(row) == {"total", "peaks", "limbs", "rest", "read_once"}
+    assert row["total"] > 0 and row["peaks"] > 0 and row["read_once"] > 0
+    assert row["rest"] == pytest.approx(row["total"] - row["peaks"] - row["limbs"], abs=0.02)
