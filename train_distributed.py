@@ -10,7 +10,7 @@ Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
 from config.errors import ConfigError, UserError
 from runtime import distributed as dist
-from engine.backend import wrap_ddp
+from engine.precision import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main
 from engine.trainer import Launch, Trainer
 from engine.picture_hook import ValidationPictures

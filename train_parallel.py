@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from config.errors import ConfigError
-from engine.backend import check_data_parallel
+from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.trainer import Launch, Trainer
 from engine.picture_hook import ValidationPictures

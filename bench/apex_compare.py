@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_data import make_bench_h5                 # noqa: E402
 from bench.train_throughput import loader_batches, sync     # noqa: E402
 from config import build_config                             # noqa: E402
-from engine.loss_scale_state import grad_scaler_fields      # noqa: E402
+from engine.precision.loss_scale import grad_scaler_fields      # noqa: E402
 
 
 def child(args) -> dict:

@@ -4,7 +4,7 @@ identical weights and the same loss scale.
 Builds the `Trainer` that `train.py --resume CKPT --amp-backend BACKEND` builds (nothing is
 trained) and compares what it would save at once with what the checkpoint holds: every weight
 bit for bit (float32 in both backends; O2's master copies included) and the loss scale with the
-steps since its last change (`engine.loss_scale_state`). Exit 1 when anything differs. Like any
+steps since its last change (`engine.precision.loss_scale`). Exit 1 when anything differs. Like any
 resume it claims the run's folder and writes its config.yaml and a resume record there.
 
     python bench/cross_backend_resume.py --resume RUN/last.pth --amp-backend native
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.checkpoint import load_checkpoint, unwrap_model          # noqa: E402
 from engine.cli import build_parser, config_from_args, single_process_context  # noqa: E402
-from engine.loss_scale_state import grad_scaler_fields               # noqa: E402
+from engine.precision.loss_scale import grad_scaler_fields               # noqa: E402
 from engine.trainer import Launch, Trainer                            # noqa: E402
 
 

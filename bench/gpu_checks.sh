@@ -94,7 +94,7 @@ apex)
     sha256sum vendor_local/apex-25.04-python.tar.gz
     # point 2's finding: does Apex 25.04 import and patch this torch? (the exact failure, if any)
     python3 -c "import apex, torch; from apex import amp; from apex.parallel import DistributedDataParallel, convert_syncbn_model; print('apex at', apex.__path__[0], 'imports with torch', torch.__version__)"
-    python3 -c "from engine.backend import missing_torch_apis as m; print('torch APIs Apex 25.04 needs and this torch lacks:', m() or 'none')"
+    python3 -c "from engine.precision.apex_checks import missing_torch_apis as m; print('torch APIs Apex 25.04 needs and this torch lacks:', m() or 'none')"
     # point 4: the loss curves (tolerance: see bench/apex_compare.py), images/s and memory
     python3 bench/apex_compare.py --preset imhn512 --input 512 --batch 8 --steps 60 --levels O1 O2
     ;;

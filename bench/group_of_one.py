@@ -1,6 +1,6 @@
 """Train through a real process group of ONE rank: DDP, ZeRO, SyncBN and the backend's collectives
 built and run on a single device (NCCL on one GPU; gloo on a CPU, to check the script). With
-`--amp-backend apex` the DDP and SyncBN are apex.parallel's (engine.backend chooses, as in
+`--amp-backend apex` the DDP and SyncBN are apex.parallel's (engine.precision chooses, as in
 train_distributed.py).
 
 A 1-process `torchrun` creates no process group (world size 1 trains as a single process), so it
@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import distributed as dist                     # noqa: E402
-from engine.backend import wrap_ddp                         # noqa: E402
+from engine.precision import wrap_ddp                         # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from runtime.launch_env import find_free_port                # noqa: E402
 from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402

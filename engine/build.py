@@ -11,12 +11,11 @@ import torch
 from torch import nn
 
 from config.errors import DataError
-from config.schema import AmpConfig, Config, ModelConfig
+from config.schema import Config, ModelConfig
 from config.skeleton import Skeleton
 from config.views import SampleSettings
 from runtime import distributed as dist
-from engine.amp import Precision, set_cuda_backends
-from engine.backend import build_precision as backend_precision, convert_sync_bn
+from engine.precision import PrecisionBackend, build_precision, convert_sync_bn
 from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer
@@ -44,7 +43,7 @@ class Data:
 class Parts:
     data: Data
     model: nn.Module            # the network, unwrapped, prepared for its precision
-    precision: Precision        # the precision backend
+    precision: PrecisionBackend  # the precision backend
     optimizer: torch.optim.Optimizer
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
@@ -73,12 +72,6 @@ def build_network(cfg: ModelConfig, skeleton: Skeleton, seed: int) -> nn.Module:
     from models import build_model
     torch.manual_seed(seed)          # the same initial weights on every rank
     return build_model(cfg, skeleton)
-
-
-def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool) -> Precision:
-    """The precision backend of `amp.backend` (engine/backend.py: native or Apex)."""
-    set_cuda_backends(cfg, cudnn_benchmark)
-    return backend_precision(cfg, device)
 
 
 def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, compile_model: bool):

@@ -230,7 +230,7 @@ def _preset_model(preset: str) -> dict | None:
 def config_from_args(args: argparse.Namespace):
     """The run's config from the flags; a backend that cannot run here (`--amp-backend apex`
     without Apex, CUDA, ...) is refused now, before anything is built."""
-    from engine.backend import check_backend
+    from engine.precision import check_backend
     cfg = _resolve_config(args)
     check_backend(cfg)
     return cfg

@@ -7,7 +7,7 @@ After every optimiser step that was not skipped, each floating-point parameter b
 average does not drag the random initial weights along for thousands of steps. Buffers (BatchNorm
 statistics and counters) are copied, not averaged. The average is float32 whatever the opt level:
 it reads O2's float32 master weights (and frozen weights' float32 values), the float32 model
-under O0 and O1, and the half model cast to float32 under O3 (`Precision.weight_sources`). It is a
+under O0 and O1, and the half model cast to float32 under O3 (`PrecisionBackend.weight_sources`). It is a
 deterministic function of the weights, which are identical on every rank, so every rank holds the
 same average without any communication.
 
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from config.errors import CheckpointError
-from engine.amp import Precision
+from engine.precision import PrecisionBackend, live_state_dict
 from engine.hooks import Hook
 
 CHECKPOINT_KEY = "ema"
@@ -46,11 +46,13 @@ class WeightsEMA(Hook):
         self.decay, self.tau, self.updates = float(decay), float(tau), 0
         self.averaged: dict[str, torch.Tensor] = {}
 
-    def attach(self, model: nn.Module, precision: Precision) -> "WeightsEMA":
+    def attach(self, model: nn.Module, precision: PrecisionBackend) -> "WeightsEMA":
         """Start the average at the weights of `model` (loaded, frozen, cast and wrapped as it
         trains; under Apex, after its masters exist); returns self."""
         sources = precision.weight_sources(model)
-        self._targets = model.state_dict()                # the model's own tensors, live
+        # the model's own tensors, live (not model.state_dict(): under Apex O2/O3 a hook makes
+        # that return float32 copies, which the average would never follow nor write into)
+        self._targets = live_state_dict(model)
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
         self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
         parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}

@@ -8,12 +8,13 @@ again (`before_train`).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from config.views import PredictSettings
 from runtime import distributed as dist
-from engine.amp import cudnn_autotuning_off
+from engine.precision import cudnn_autotuning_off
 from engine.hooks import Hook
 from engine.device_feed import to_model_input
 from engine.run_setup import val_loader
@@ -100,7 +101,9 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
     where = f"while validating epoch {epoch + 1} (resuming validates it again)"
     if loss_due:
         trainer.eval_net.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        # summed on the host in Python floats: under Apex's O1, torch's functions and operators are
+        # patched (float64 += float32 raises, a float64 sum is cast to float32)
+        loss_sum, count = 0.0, 0
         if trainer.data.val_loader is None:       # made once: its workers serve every validation
             trainer.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
         loader = trainer.data.val_loader
@@ -110,11 +113,13 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
             images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
                                                   non_blocking=False)
             per_sample, _ = trainer.eval_net(images, target, mask)
-            total += torch.tensor([per_sample.double().sum().item(), per_sample.numel()])
+            loss_sum += math.fsum(per_sample.detach().float().cpu().tolist())
+            count += per_sample.numel()
             if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):
                 raise trainer.stopped(where)
-        total = dist.all_reduce_sum(total)
-        results["loss"] = (total[0] / total[1].clamp(min=1)).item()
+        total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
+        loss_sum, count = total.tolist()
+        results["loss"] = loss_sum / max(count, 1.0)
     if ap_due and trainer.evaluator is not None:
         with cudnn_autotuning_off():
             stats = trainer.evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg),

@@ -12,8 +12,9 @@ The engine drives it per step:
             optim_step.backward(loss, stop_requested)
     outcome = optim_step.finish()
 
-The precision backend (`engine.amp.Precision`, or another with the same methods) does the scaling,
-unscaling and stepping; this object decides when. Every decision that needs all ranks to agree (the
+The precision backend (`engine.precision.PrecisionBackend`) does the scaling, unscaling and
+stepping, in one `update(optimizer, decide)` per step; this object decides when, and `decide` is
+its part of that update (norm, skip vote, clipping). Every decision that needs all ranks to agree (the
 skip vote) is taken here, in one place.
 
 One host sync per step (issue 22): the losses stay on the device. A bad loss (not finite, or above
@@ -37,6 +38,7 @@ from torch import nn
 from config.schema import OptimConfig
 from runtime import distributed as dist
 from engine.optim import clip_grads, grad_norm, set_lr
+from engine.precision import StepDecision
 
 
 @dataclass
@@ -105,19 +107,22 @@ class OptimStep:
         return norm_value, loss_sum, bad > 0, not_finite > 0, stop > 0
 
     def finish(self) -> StepOutcome:
-        """Unscale, norm (float32), one read, clip, step (or skip), zero the gradients, count skips."""
-        self.precision.unscale_(self.optimizer)
-        norm = grad_norm(self.params).to(self._loss_sum.device)   # float32 whatever the grads' dtype
-        _, loss_sum, bad_loss, not_finite, self._stop = self._read_step(norm)
-        grads_finite = not (bad_loss or not_finite)
-        if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
-            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
-        self.precision.step(self.optimizer, grads_finite, bad_loss=bad_loss)
-        self.precision.zero_grad(self.optimizer)
-        skipped = not grads_finite
+        """One precision update (unscale, `_decide`, step or skip, zero the gradients); skips
+        counted and, on a skip, the BatchNorm statistics put back."""
+        decision = self.precision.update(self.optimizer, self._decide)
+        skipped = not decision.grads_finite
         if skipped and self.buffers:   # a skipped step leaves no trace, not even in BN statistics
             with torch.no_grad():
                 torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        return StepOutcome(loss_sum / self._batches, skipped, self._stop)
+        return StepOutcome(self._loss_sum_read / self._batches, skipped, self._stop)
+
+    def _decide(self) -> StepDecision:
+        """On unscaled gradients: the float32 norm, the step's one read, clipping; step or skip."""
+        norm = grad_norm(self.params).to(self._loss_sum.device)   # float32 whatever the grads' dtype
+        _, self._loss_sum_read, bad_loss, not_finite, self._stop = self._read_step(norm)
+        grads_finite = not (bad_loss or not_finite)
+        if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
+            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
+        return StepDecision(grads_finite, bad_loss)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from config.views import PredictSettings
-from engine.amp import cudnn_autotuning_off
+from engine.precision import cudnn_autotuning_off
 from engine.hooks import Hook
 
 TENSORBOARD_TAG = "val_pictures"

@@ -15,7 +15,7 @@ from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.schema import Config, OptimConfig
 from runtime.checkpoint import load_weights, read_reference, save_checkpoint
-from engine.loss_scale_state import grad_scaler_fields
+from engine.precision.loss_scale import grad_scaler_fields
 from models.reference import momentum_by_name
 
 

@@ -17,10 +17,10 @@ from child_env import child_env
 from config.errors import ConfigError
 from config.loader import build_config
 from config.schema import AmpConfig
-from engine import backend
-from engine.amp import Precision
 from engine.cli import build_parser, config_from_args
-from engine.loss_scale_state import apex_amp_state, grad_scaler_fields
+from engine.precision import NativePrecision as Precision, apex_checks as backend, registry
+from engine.precision.apex import ApexPrecision
+from engine.precision.loss_scale import apex_amp_state, grad_scaler_fields
 
 REPO = Path(__file__).resolve().parents[1]
 APEX_STATE = {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 37}}
@@ -55,7 +55,7 @@ def apex_config(*sets):
 
 def refusal(cfg) -> str:
     with pytest.raises(ConfigError) as err:
-        backend.check_backend(cfg)
+        registry.check_backend(cfg)
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -147,7 +147,6 @@ def test_the_native_backend_resumes_an_apex_checkpoints_scale_and_writes_it_back
 
 def test_the_apex_backend_loads_a_native_checkpoints_scale_as_apex_amp_state(apex_on_path, monkeypatch):
     apex_on_path()
-    from engine.apex_backend import ApexPrecision
     native = native_fp16()
     native.scaler.load_state_dict({**native.scaler.state_dict(), "scale": 2048.0, "_growth_tracker": 5})
     loaded = []
@@ -161,7 +160,6 @@ def test_the_apex_backend_loads_a_native_checkpoints_scale_as_apex_amp_state(ape
 
 def test_o0_and_a_static_scale_keep_the_configs_scale(apex_on_path, monkeypatch):
     apex_on_path()
-    from engine.apex_backend import ApexPrecision
     loaded = []
     monkeypatch.setattr(importlib.import_module("apex.amp"), "load_state_dict", loaded.append, raising=False)
     for cfg in (AmpConfig(opt_level="O0"), AmpConfig(opt_level="O1", dtype="float16", loss_scale=128.0)):
@@ -180,12 +178,12 @@ def test_amp_backend_flag_sets_the_config_and_native_is_the_default():
 
 
 def test_build_precision_constructs_the_configured_backend(apex_on_path, monkeypatch):
-    assert type(backend.build_precision(AmpConfig(), torch.device("cpu"))) is Precision
+    assert type(registry.build_precision(AmpConfig(), torch.device("cpu"))) is Precision
     apex_on_path()
     with pytest.raises(ConfigError, match="CUDA only"):        # checked again where it is built
-        backend.build_precision(AmpConfig(backend="apex"), torch.device("cpu"))
+        registry.build_precision(AmpConfig(backend="apex"), torch.device("cpu"))
     monkeypatch.setattr(backend, "_check_cuda", lambda device: None)
-    precision = backend.build_precision(AmpConfig(backend="apex", opt_level="O2"), torch.device("cpu"))
+    precision = registry.build_precision(AmpConfig(backend="apex", opt_level="O2"), torch.device("cpu"))
     assert type(precision).__name__ == "ApexPrecision" and precision.master_weights
     assert precision.describe().startswith("Apex amp O2")
 

@@ -56,7 +56,7 @@ def test_weights_of_another_network_say_which_settings_build_it(tmp_path):
 
 
 def test_channels_last_is_on_for_cuda_by_default_and_can_be_turned_off():
-    from engine.amp import Precision
+    from engine.precision import NativePrecision as Precision
     auto = config_of().amp
     assert auto.channels_last == "auto"
     assert Precision(auto, torch.device("cuda")).channels_last          # measured faster on an H100

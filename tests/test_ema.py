@@ -12,7 +12,7 @@ from config import build_config
 from config.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.skeleton import builtin
-from engine.amp import Precision
+from engine.precision import NativePrecision as Precision
 from runtime.checkpoint import preferred_weights, save_checkpoint
 from engine.ema import WeightsEMA
 from models import build_model

@@ -38,7 +38,7 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     """The validation loss of `weights`, computed as the trainer's validation computes it."""
     from config.views import SampleSettings
     from data.dataset import KeypointDataset
-    from engine.amp import Precision
+    from engine.precision import NativePrecision as Precision
     from engine.device_feed import to_model_input
     from runtime.distributed import DistContext
     from engine.model_with_loss import ModelWithLoss

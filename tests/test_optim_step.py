@@ -10,7 +10,7 @@ from torch import nn
 
 from bench.host_syncs import count_host_syncs
 from config.schema import AmpConfig, DistConfig, OptimConfig
-from engine.amp import Precision
+from engine.precision import NativePrecision as Precision
 from engine.optim_step import OptimStep
 from engine.sync_bn import convert_sync_bn
 from runtime.distributed import wrap_ddp

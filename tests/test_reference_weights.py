@@ -19,7 +19,7 @@ from config.skeleton import builtin
 from config.errors import run_cli
 from config.loader import build_config
 from config.schema import AmpConfig
-from engine.amp import Precision
+from engine.precision import NativePrecision as Precision
 from runtime.checkpoint import load_checkpoint, load_weights
 from engine.optim import lr_at
 from models import build_model

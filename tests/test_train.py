@@ -93,7 +93,7 @@ def test_o3_float16_steps_with_a_finite_gradient_norm_above_the_float16_range(tm
                                                                                monkeypatch):
     # after the real unscale, every gradient becomes 1.5 x 65504 / sqrt(N): each one finite in
     # float16, their norm 1.5 x 65504 (inf when computed in float16)
-    from engine.amp import Precision
+    from engine.precision import NativePrecision as Precision
     unscale = Precision.unscale_
 
     def large_finite_gradients(self, optimizer):

@@ -1,4 +1,5 @@
-"""Mixed precision with Apex's opt levels, on native PyTorch (../shared/SPEC.md, "Apex, then and now").
+"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp
+(../shared/SPEC.md, "Apex, then and now").
 
 - O0: float32.
 - O1: autocast (float16 on CUDA by default, bfloat16 on CPU) and a loss scaler.
@@ -9,13 +10,8 @@
 Loss scaling is only needed for float16 (bfloat16 has float32's range): with float16 the
 `GradScaler` is dynamic (`loss_scale="dynamic"`, starting at `init_scale`, since 65536 overflows
 early) or static (a number); either way a step whose gradients overflow is skipped. With
-bfloat16 the scaler is disabled and saves an empty state. `Precision` owns all of this, so the
-engine calls the same five methods whatever the level.
-
-`Precision`'s public methods are the contract of a precision backend: `engine.apex_backend`'s
-`ApexPrecision` (`amp.backend: apex`) implements the same ones with NVIDIA Apex, and
-`engine.backend.build_precision` chooses. `attach` is called once the optimiser exists (Apex's
-`amp.initialize` needs both); here it changes nothing.
+bfloat16 the scaler is disabled and saves an empty state. SyncBN is `engine.sync_bn`'s, DDP
+torch's (`runtime.distributed.wrap_ddp`).
 """
 from __future__ import annotations
 
@@ -24,30 +20,11 @@ import contextlib
 import torch
 from torch import nn
 
-from config.schema import AmpConfig
-from engine.loss_scale_state import grad_scaler_fields
+from config.schema import AmpConfig, DistConfig
+from engine.precision.interface import PrecisionBackend, sources_with_masters
+from engine.precision.loss_scale import grad_scaler_fields
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
-
-
-def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
-    """Process-wide CUDA switches of a training run (no effect on CPU): TF32 for float32 convolutions
-    and matmuls (PyTorch's own default is on for convolutions, off for matmuls), and cuDNN autotuning,
-    which pays off because every training batch has the same shape."""
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.benchmark = cudnn_benchmark
-
-
-@contextlib.contextmanager
-def cudnn_autotuning_off():
-    """For evaluation inside a training run: images of many sizes would each be autotuned anew."""
-    previous = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = previous
 
 
 class _HalfParamsGradScaler(torch.amp.GradScaler):
@@ -59,10 +36,13 @@ class _HalfParamsGradScaler(torch.amp.GradScaler):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
-class Precision:
+class NativePrecision(PrecisionBackend):
+    """Apex's opt levels on torch.amp: autocast, GradScaler, this class's own master weights."""
+
+    name = "native"
+
     def __init__(self, cfg: AmpConfig, device: torch.device):
-        self.level = cfg.opt_level
-        self.device_type = device.type
+        super().__init__(cfg, device)
         if self.level == "O0":
             self.dtype = torch.float32
         elif cfg.dtype == "auto":
@@ -70,17 +50,19 @@ class Precision:
         else:
             self.dtype = getattr(torch, cfg.dtype)
         self.autocast = self.level == "O1"
-        self.cast_model = self.level in ("O2", "O3")
-        keep = cfg.keep_batchnorm_fp32
-        self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
-        self.master_weights = self.level == "O2"
-        self.channels_last = ((device.type == "cuda") if cfg.channels_last == "auto"
-                              else bool(cfg.channels_last))
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
-        self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
-        self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self.scaler = self._build_scaler(cfg)
+
+    @classmethod
+    def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
+        from engine.sync_bn import convert_sync_bn
+        return convert_sync_bn(model, ctx)
+
+    @classmethod
+    def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
+        from runtime.distributed import wrap_ddp
+        return wrap_ddp(model, ctx, dist_cfg)
 
     def _build_scaler(self, cfg: AmpConfig):
         use_scaler = self.level != "O0" and self.dtype == torch.float16
@@ -123,22 +105,11 @@ class Precision:
                     setattr(module, name, buf.to(self.dtype))
         return model
 
-    def _keep_frozen_float32(self, model: nn.Module) -> None:
-        """Frozen weights keep their float32 values for the checkpoint: a half copy saved as float32
-        would lose up to 1e-4 per fine-tune, compounding over chained ones."""
-        self._frozen_float32 = {id(p): p.detach().clone().float()
-                                for p in model.parameters() if not p.requires_grad}
-
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
         if self.master_weights:
             return [master for _, master in self._pairs]
         return trainable
-
-    def attach(self, model: nn.Module, optimizer):
-        """Called once the optimiser exists, before wrapping: a backend that must see both (Apex's
-        amp.initialize) returns them changed; this one returns them as they are."""
-        return model, optimizer
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -212,25 +183,13 @@ class Precision:
         """The model's state dict as live tensors (nothing copied), where the float32 values are
         kept: O2's master copies and frozen weights' float32 values, the model's own tensors
         otherwise (half under O3). A weights EMA reads these after every step."""
-        masters = {id(p): m for p, m in self._pairs} | self._frozen_float32
-        by_id = {id(p): name for name, p in model.named_parameters()}
-        state = model.state_dict()
-        for pid, master in masters.items():
-            if pid in by_id:
-                state[by_id[pid]] = master.detach()
-        return state
-
-    def float32_state_dict(self, model: nn.Module) -> dict:
-        """The model's weights in float32 (master values under O2, the frozen ones' float32 values
-        too), loadable in any mode."""
-        return {k: (v.float() if v.is_floating_point() else v).clone()
-                for k, v in self.weight_sources(model).items()}
+        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved scaler state, GradScaler's or Apex's (`engine.loss_scale_state`); fields it lacks
+        """A saved scaler state, GradScaler's or Apex's (`engine.precision.loss_scale`); fields it lacks
         (an Apex state has only the scale and the steps since the last overflow) keep this
         scaler's values."""
         state = grad_scaler_fields(state)

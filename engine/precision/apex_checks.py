@@ -1,7 +1,5 @@
-"""The precision backend of a run (`amp.backend`): native PyTorch (`engine.amp`) or NVIDIA Apex
-(`engine.apex_backend`). The one place that chooses: the precision object, the SyncBN conversion,
-the DDP wrapper; and the one place that refuses, in one line and before anything is built, what
-the apex backend cannot run:
+"""What the apex backend needs, checked in one line each before anything is built, and which Apex
+build is installed:
 
 - Apex not installed; an Apex without `amp` (25.07 removed `apex.amp` and `apex.parallel`: 25.04
   is the last release that has them); an Apex that does not import with this PyTorch;
@@ -15,17 +13,21 @@ the apex backend cannot run:
   would also replace the parameters of its sharded inner optimiser); DataParallel over several
   GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module on
   the first GPU).
+
+`apex_build()` says whether Apex's compiled extensions are there (`amp_C`: fused unscale and
+overflow check; `apex_C`: DDP's flatten; `syncbn`: the optimized SyncBatchNorm), or whether this
+is the Python-only build, whose fallbacks read every gradient on the host.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from config.errors import ConfigError
-from config.schema import AmpConfig, Config, DistConfig
+from config.schema import AmpConfig, Config
 
 LAST_APEX_WITH_AMP = "25.04"
 
@@ -39,37 +41,55 @@ APEX_TORCH_NEEDS = (
 )
 
 
-def build_precision(cfg: AmpConfig, device: torch.device):
-    """The run's precision backend object (`engine.amp.Precision`'s contract). The apex backend
-    is checked again here for callers that did not come through `check_backend` (bench scripts)."""
-    if cfg.backend == "apex":
-        from engine.apex_backend import ApexPrecision
-        _check_apex_installed()
-        _check_torch()
-        _check_cuda(device.type)
-        return ApexPrecision(cfg, device)
-    from engine.amp import Precision
-    return Precision(cfg, device)
+APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn")
 
 
-def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-    """`--sync-bn`: apex.parallel's SyncBatchNorm under the apex backend, else engine.sync_bn's."""
-    if amp.backend == "apex":
-        from engine.apex_backend import apex_sync_bn
-        return apex_sync_bn(model)
-    from engine.sync_bn import convert_sync_bn as native
-    return native(model, ctx)
+@dataclass(frozen=True)
+class ApexBuild:
+    where: str                  # "Apex 25.04 at PATH" or "the Apex at PATH"
+    extensions: tuple           # the compiled extensions that import
+
+    @property
+    def python_only(self) -> bool:
+        return not self.extensions
+
+    def describe(self, gradient_tensors: int | None = None) -> str:
+        """One line: the build, and what a Python-only one costs."""
+        if len(self.extensions) == len(APEX_EXTENSIONS):
+            return f"{self.where}, with its CUDA extensions ({', '.join(self.extensions)})"
+        missing = [name for name in APEX_EXTENSIONS if name not in self.extensions]
+        syncs = (f"{gradient_tensors} host syncs per step here" if gradient_tensors
+                 else "one host sync per gradient tensor per step")
+        kind = "Python-only" if self.python_only else "partial"
+        return (f"{self.where}, {kind} build (no {', '.join(missing)}): its loss scaler reads every "
+                f"gradient on the host ({syncs}), SyncBN and DDP run Python fallbacks; figures of "
+                "this build are not those of Apex built with --cpp_ext --cuda_ext")
 
 
-def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist: DistConfig) -> nn.Module:
-    """train_distributed.py's wrapper: apex.parallel.DistributedDataParallel under the apex
-    backend (`amp.backend`), else torch's (runtime.distributed.wrap_ddp), with the options of
-    `dist`; the model itself without a group."""
-    if amp.backend == "apex" and ctx.distributed:
-        from engine.apex_backend import apex_ddp
-        return apex_ddp(model, dist)
-    from runtime.distributed import wrap_ddp as native
-    return native(model, ctx, dist)
+def apex_build() -> ApexBuild:
+    """The installed Apex's location and which of its compiled extensions import."""
+    present = []
+    for name in APEX_EXTENSIONS:
+        try:
+            importlib.import_module(name)
+            present.append(name)
+        except Exception:        # noqa: BLE001 - absent, or built for another torch/CUDA
+            pass
+    return ApexBuild(_apex_where(), tuple(present))
+
+
+def check_backend(cfg: Config) -> None:
+    """ConfigError (one line) where `--amp-backend apex` cannot run `cfg`."""
+    _check_combinations(cfg)
+    check_installed(cfg.train.device)
+
+
+def check_installed(device: str) -> None:
+    """ConfigError (one line) unless an Apex with amp imports, can patch this PyTorch, and a CUDA
+    device is there (`device`: the run's train.device)."""
+    _check_apex_installed()
+    _check_torch()
+    _check_cuda(device)
 
 
 def check_data_parallel(amp: AmpConfig, gpus: int) -> None:
@@ -79,16 +99,6 @@ def check_data_parallel(amp: AmpConfig, gpus: int) -> None:
                           f"over {gpus} GPUs: amp.initialize patches the model's forward, and every "
                           "replica would run that patch, i.e. the original module on the first GPU; "
                           "use one process per GPU (torchrun train_distributed.py), as the reference did")
-
-
-def check_backend(cfg: Config) -> None:
-    """ConfigError (one line) where `--amp-backend apex` cannot run; nothing for native."""
-    if cfg.amp.backend != "apex":
-        return
-    _check_combinations(cfg)
-    _check_apex_installed()
-    _check_torch()
-    _check_cuda(cfg.train.device)
 
 
 def _check_combinations(cfg: Config) -> None:

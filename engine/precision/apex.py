@@ -1,8 +1,9 @@
 """The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, DDP and SyncBN.
 
 What the reference ran, for users whose Apex still has `amp` (25.04 and older; checked by
-`engine.backend.check_backend` before anything is built). `ApexPrecision` keeps the contract of
-`engine.amp.Precision`, so the engine's step is the same code for both backends:
+`engine.precision.apex_checks` before anything is built). `ApexPrecision` implements
+`engine.precision.interface.PrecisionBackend`, as the native backend does, so the engine's step
+is the same code for both:
 
 - `attach`: `amp.initialize(model, optimizer, opt_level, keep_batchnorm_fp32, loss_scale)`. Apex
   casts the model itself (O2/O3) and patches its forward to cast inputs to float16 and outputs
@@ -16,15 +17,18 @@ What the reference ran, for users whose Apex still has `amp` (25.04 and older; c
   `attach`). When Apex finds an overflow it has already decided to skip the step; `unscale_`
   then marks the gradients non-finite, so the engine's skip vote, its count of skipped steps and
   its restore of the BatchNorm statistics agree with Apex, and `step` lets Apex's skip run.
-- Checkpoints: weights in float32 (O2: the master values, which start from the float32 weights
+- Checkpoints and the EMA read the model's own tensors (`interface.live_state_dict`), never
+  `model.state_dict()`, which under O2/O3 runs the float32-copy hook Apex puts on every module.
+  Weights are saved in float32 (O2: the master values, which start from the float32 weights
   rather than from Apex's float16 copy of them; frozen weights: their float32 values from before
   Apex cast them), the optimiser state by index as the native backend saves it, and
   `amp.state_dict()` as the `scaler` entry. Either layout loads in either backend
-  (`engine.loss_scale_state`).
-- `apex_ddp` and `apex_sync_bn` are `apex.parallel.DistributedDataParallel` (with `no_sync` for
-  gradient accumulation, through its `disable_allreduce`) and `apex.parallel.convert_syncbn_model`.
+  (`engine.precision.loss_scale`).
+- SyncBN and DDP are `apex.parallel`'s (`engine.precision.apex_parallel`).
+- `describe` names the Apex build (with its CUDA extensions, or Python-only and what that costs:
+  `apex_checks.apex_build`).
 
-Apex is imported only here and only when this backend is chosen; it is never a dependency.
+Apex is imported only when this backend is chosen; it is never a dependency.
 """
 from __future__ import annotations
 
@@ -35,30 +39,47 @@ import torch
 from torch import nn
 
 from config.schema import AmpConfig, DistConfig
-from engine.amp import Precision
-from engine.loss_scale_state import apex_amp_state
+from engine.precision import apex_checks, apex_parallel
+from engine.precision.interface import PrecisionBackend, channels_last_for, sources_with_masters
+from engine.precision.loss_scale import apex_amp_state
 
 
-def _apex(name: str):
-    return importlib.import_module(f"apex.{name}")
+class ApexPrecision(PrecisionBackend):
+    """The precision backend on Apex's amp (float16 only; CUDA only)."""
 
-
-class ApexPrecision(Precision):
-    """`Precision`'s contract on Apex's amp (float16 only; CUDA only)."""
+    name = "apex"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         super().__init__(cfg, device)
-        self.amp = _apex("amp")
+        self.amp = importlib.import_module("apex.amp")
+        self.build = apex_checks.apex_build()
         self.dtype = torch.float16 if self.level != "O0" else torch.float32
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, Apex's master)
+        self._optimizer = None
         self._attached = False
         self._apex_skips = False        # Apex found an overflow and patched this step into a skip
         self._state_before = {}         # Apex's amp state before this step's unscale
         self._zero = torch.zeros((), device=device)
 
-    def _build_scaler(self, cfg: AmpConfig):
-        return None                     # Apex's loss scaler replaces GradScaler
+    @classmethod
+    def check(cls, cfg) -> None:
+        apex_checks.check_backend(cfg)
+
+    @classmethod
+    def create(cls, cfg: AmpConfig, device: torch.device) -> "ApexPrecision":
+        """Checked again here for callers that did not come through `check` (bench scripts)."""
+        apex_checks.check_installed(device.type)
+        return cls(cfg, device)
+
+    @classmethod
+    def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
+        return apex_parallel.convert_sync_bn(model, channels_last_for(amp, ctx.device))
+
+    @classmethod
+    def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
+        return apex_parallel.wrap_ddp(model, dist_cfg, ctx.world_size)
 
     def describe(self) -> str:
         text = f"Apex amp {self.level}"
@@ -70,7 +91,9 @@ class ApexPrecision(Precision):
                 text += ", BatchNorm in float32" if self.keep_bn_fp32 else ", BatchNorm in float16"
             text += (f", dynamic loss scale from {self.init_scale:g}" if self.dynamic
                      else f", loss scale {self.static_scale:g}")
-        return text + (", channels_last" if self.channels_last else "")
+        text += ", channels_last" if self.channels_last else ""
+        gradients = len(list(self.amp.master_params(self._optimizer))) if self._attached else None
+        return f"{text}; {self.build.describe(gradients)}"
 
     # -- model and optimiser ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -157,6 +180,11 @@ class ApexPrecision(Precision):
         optimizer.zero_grad()                  # Apex's under O2: model and master gradients
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def weight_sources(self, model: nn.Module) -> dict:
+        """The model's own tensors (not `model.state_dict()`: Apex's hook copies them), O2's
+        masters and the frozen weights' float32 values in place of theirs."""
+        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
+
     def state_dict(self) -> dict:
         """Apex's amp state; empty at O0 (no scaling), as the native backend saves it."""
         return {} if self.level == "O0" else dict(self.amp.state_dict())
@@ -166,26 +194,3 @@ class ApexPrecision(Precision):
         state = apex_amp_state(state)
         if state and self.dynamic:
             self.amp.load_state_dict(state)
-
-
-def apex_sync_bn(model: nn.Module) -> nn.Module:
-    """`--sync-bn` under the apex backend: `apex.parallel.convert_syncbn_model`."""
-    return _apex("parallel").convert_syncbn_model(model)
-
-
-def apex_ddp(model: nn.Module, dist_cfg: DistConfig) -> nn.Module:
-    """`apex.parallel.DistributedDataParallel(delay_allreduce=dist.delay_allreduce)`, with the
-    `no_sync()` the engine uses for gradient accumulation (Apex's disable_allreduce: no all-reduce
-    in the forward and backward passes under it; the last batch's backward all-reduces the sum)."""
-    base = _apex("parallel").DistributedDataParallel
-
-    class ApexDDP(base):
-        @contextlib.contextmanager
-        def no_sync(self):
-            self.disable_allreduce()
-            try:
-                yield
-            finally:
-                self.enable_allreduce()
-
-    return ApexDDP(model, delay_allreduce=dist_cfg.delay_allreduce)
