@@ -1,0 +1,210 @@
+"""The apex backend against Apex 25.04's own code (its CUDA-only pieces stood in: see
+tests/apex_cpu_standins.py): what broke on first contact with it, each case on its own.
+
+- O1's patched operators and validation's loss total;
+- Apex's Python SyncBatchNorm under O2 (its output dtype) and its running statistics (their
+  tensors, which a skipped step's BN restore and the EMA hold);
+- the EMA and checkpoints under Apex's O2/O3 state-dict hook (live sources, and the hook's cost);
+- the arguments given to Apex's CUDA-extension SyncBN and to its DDP (stand-in classes record them:
+  those need a CUDA build).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from apex_cpu_standins import apex_cpu, requires_apex  # noqa: F401 - apex_cpu is a fixture
+from config.schema import AmpConfig, DistConfig, OptimConfig
+from engine.ema import WeightsEMA
+from engine.optim_step import OptimStep
+from engine.precision import registry
+from engine.precision.apex import ApexPrecision
+
+CPU = torch.device("cpu")
+DISTRIBUTED = SimpleNamespace(device=CPU, distributed=True, world_size=1)
+
+
+def conv_bn_net(blocks: int = 1) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1)]
+    for _ in range(blocks):
+        layers += [nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)]
+    return nn.Sequential(*layers)
+
+
+def apex_attached(model: nn.Module, level: str, **amp):
+    """(precision, model, optimizer) after Apex's real amp.initialize at `level`."""
+    precision = ApexPrecision(AmpConfig(backend="apex", opt_level=level, dtype="float16",
+                                        channels_last=False, **amp), CPU)
+    model = precision.prepare_model(model)
+    optimizer = torch.optim.SGD(precision.optimizer_params([p for p in model.parameters()
+                                                            if p.requires_grad]), lr=0.1)
+    model, optimizer = precision.attach(model, optimizer)
+    return precision, model, optimizer
+
+
+# -- O1: validation's loss total under Apex's patched operators --------------------------------------
+@requires_apex
+def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5):
+    from config.loader import build_config
+    from data.dataset import KeypointDataset
+    from config.views import SampleSettings
+    from engine.epoch_end import validate
+    from runtime.distributed import DistContext
+
+    precision, model, _ = apex_attached(conv_bn_net(), "O1")
+    from apex.amp._amp_state import _amp_state
+    assert _amp_state.handle.is_active()             # torch's functions are patched now
+    cfg = build_config("tiny", sets=["data.workers=0", "train.batch_size=4"])
+    val_set = KeypointDataset(str(synthetic_h5[1]), SampleSettings.of(cfg), train=False)
+    seen = []
+
+    def eval_net(images, target, mask):       # a float32 per-sample loss, as the model gives it
+        per_sample = torch.arange(len(target), dtype=torch.float32) + 0.1 * len(seen)
+        seen.append(per_sample)
+        return per_sample, {}
+
+    class EvalNet:
+        def eval(self):
+            pass
+
+        def __call__(self, images, target, mask):
+            return eval_net(images, target, mask)
+
+    trainer = SimpleNamespace(ctx=DistContext(), cfg=cfg, stop_signal=None, evaluator=None,
+                              data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
+    results = validate(trainer, 0, loss_due=True, ap_due=False)
+    every = torch.cat(seen).double()
+    assert results["loss"] == pytest.approx(float(every.sum() / every.numel()), rel=1e-12)
+
+
+# -- Apex's Python SyncBatchNorm ---------------------------------------------------------------------
+@requires_apex
+def test_apex_python_syncbn_under_o2_hands_float16_to_the_next_convolution(apex_cpu):
+    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)      # the Python one
+    _, model, _ = apex_attached(model, "O2")
+    assert model[1].weight.dtype == torch.float32 and model[3].weight.dtype == torch.float16
+    inside = []
+    model[3].register_forward_pre_hook(lambda module, args: inside.append(args[0].dtype))
+    out = model(torch.randn(2, 3, 8, 8))          # Apex's patched forward casts the input
+    assert inside == [torch.float16] and out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@requires_apex
+def test_apex_python_syncbn_updates_its_running_statistics_in_their_own_tensors(apex_cpu):
+    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    bn = model[1]
+    mean, var = bn.running_mean, bn.running_var
+    model(torch.randn(4, 3, 8, 8) * 3 + 1)
+    assert bn.running_mean is mean and bn.running_var is var
+    assert not torch.equal(mean, torch.zeros(8)) and not torch.equal(var, torch.ones(8))
+
+
+@requires_apex
+def test_a_skipped_step_under_apex_syncbn_leaves_the_running_statistics_as_they_were(apex_cpu):
+    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    precision, model, optimizer = apex_attached(model, "O2", init_scale=2.0 ** 10)
+    step = OptimStep(precision, optimizer, precision.optimizer_params([]), model, OptimConfig())
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    step.begin(1)
+    with step.accumulating(last=True):
+        loss = model(torch.randn(4, 3, 8, 8) * 3 + 1).float().mean() * float("inf")  # overflows
+        step.backward(loss)
+    assert step.finish().skipped
+    after = {k: v for k, v in model.state_dict().items() if "running" in k}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- Apex's O2/O3 state-dict hook: the EMA and checkpoints read the live tensors ----------------------
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@requires_apex
+def test_the_ema_follows_the_weights_and_is_what_validation_sees_under_apex(apex_cpu, level):
+    precision, model, optimizer = apex_attached(conv_bn_net(), level)
+    ema = WeightsEMA(0.5, tau=1e-9).attach(model, precision)   # decay 0.5 from the first update
+    weight = model[0].weight
+    source = dict(precision.weight_sources(model))["0.weight"]  # O2: the master; O3: the weight
+    start = source.detach().float().clone()
+    with torch.no_grad():
+        source.add_(1.0)
+        if level == "O2":
+            weight.copy_(source)
+    ema.update()
+    assert torch.allclose(ema.averaged["0.weight"], start + 0.5, atol=1e-2)
+    with ema.applied():
+        assert torch.allclose(weight.float(), ema.averaged["0.weight"], atol=1e-3)
+    assert torch.allclose(weight.float(), start + 1.0, atol=1e-2)
+
+
+@requires_apex
+def test_saving_and_ema_attach_under_apex_o2_run_no_state_dict_hook(apex_cpu, monkeypatch):
+    from apex.amp._initialize import O2StateDictHook
+    precision, model, _ = apex_attached(conv_bn_net(blocks=20), "O2")
+    calls = []
+    hook_call = O2StateDictHook.__call__
+    monkeypatch.setattr(O2StateDictHook, "__call__",
+                        lambda self, *args: (calls.append(1), hook_call(self, *args))[1])
+    saved = precision.float32_state_dict(model)
+    WeightsEMA(0.9).attach(model, precision)
+    assert calls == []
+    reference = model.state_dict()               # Apex's way: one hook per module, each over all keys
+    assert len(calls) == len(list(model.modules())) > 60
+    assert saved.keys() == reference.keys()
+    assert all(saved[k].dtype == reference[k].dtype for k in saved)
+    masters = dict(zip([id(p) for p, _ in precision._pairs], [m for _, m in precision._pairs]))
+    assert torch.equal(saved["0.weight"], masters[id(model[0].weight)])
+
+
+# -- what a CUDA build of Apex is given (recording stand-ins for its CUDA-only classes) ---------------
+@pytest.fixture
+def recording_apex_parallel(monkeypatch):
+    """`apex.parallel` as a CUDA build has it, its classes recording their arguments."""
+    made = []
+
+    class SyncBatchNorm(nn.BatchNorm2d):
+        pass
+    SyncBatchNorm.__module__ = "apex.parallel.optimized_sync_batchnorm"
+
+    def convert_syncbn_model(module, process_group=None, channel_last=False):
+        made.append(("syncbn", {"channel_last": channel_last}))
+        return module
+
+    class DistributedDataParallel(nn.Module):
+        def __init__(self, module, **kwargs):
+            super().__init__()
+            made.append(("ddp", kwargs))
+            self.module = module
+
+        def disable_allreduce(self):
+            pass
+
+        def enable_allreduce(self):
+            pass
+
+    parallel = types.ModuleType("apex.parallel")
+    parallel.SyncBatchNorm, parallel.convert_syncbn_model = SyncBatchNorm, convert_syncbn_model
+    parallel.DistributedDataParallel = DistributedDataParallel
+    monkeypatch.setitem(sys.modules, "apex.parallel", parallel)
+    return made
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_apex_optimized_syncbn_is_built_for_the_models_memory_format(recording_apex_parallel, channels_last):
+    registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED,
+                             AmpConfig(backend="apex", opt_level="O2", channels_last=channels_last))
+    assert recording_apex_parallel == [("syncbn", {"channel_last": channels_last})]
+
+
+def test_apex_ddp_divides_by_the_world_size_before_summing(recording_apex_parallel):
+    ctx = SimpleNamespace(device=CPU, distributed=True, world_size=4)
+    net = registry.wrap_ddp(conv_bn_net(), ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
+    (kind, kwargs), = recording_apex_parallel
+    assert kind == "ddp" and kwargs["gradient_predivide_factor"] == 4.0
+    assert kwargs.get("gradient_average", True) and kwargs["delay_allreduce"] is True
+    with net.no_sync():
+        pass
