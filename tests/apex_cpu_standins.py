@@ -23,13 +23,17 @@ each as narrowly as its use allows (`install()`; `remove()` gives everything bac
    master weights, DDP's buckets) and refuses any other. Calls from anywhere else are untouched.
 5. Apex's `_amp_state.allow_incoming_model_not_fp32` is set: its own switch that skips the check
    refusing parameters off the GPU (the model it is given is float32 either way).
-6. The engine's refusal of the apex backend without CUDA (`apex_checks._check_cuda`) passes.
+6. `Tensor.record_stream(s)` does nothing for that placeholder stream: Apex's DDP records its
+   all-reduced bucket on its stream.
+7. Apex's O1 casts (`apex.amp.utils.maybe_half` / `maybe_float`) cast CPU tensors too: Apex's
+   own ones return any tensor that is not on CUDA as it is, so O1 would run in float32 here, and
+   its cast cache, holding the uncast weight itself, fails its own parent check at the next
+   lookup. With this, O1 runs in float16 on a CPU as it does on a GPU.
+8. The engine's refusal of the apex backend without CUDA (`apex_checks._check_cuda`) passes.
 
-Not stood in: `Tensor.is_cuda`. Apex's O1 casts (`amp.utils.maybe_half`) act on CUDA tensors only,
-so O1 on a CPU runs Apex's patched functions without casting to float16 (its promote wrappers,
-which raise on mixed float types, do run); O2 and O3 cast the model to float16 (no is_cuda check
-there) and run in float16. After a test `remove()` also undoes O1's patching of torch (Apex's
-`handle._deactivate()`), as a new process would start without it.
+`remove()` gives everything back and also undoes O1's patching of torch (Apex's
+`handle._deactivate()`), as a new process would start without it. O2 and O3 need nothing more:
+they cast the model to float16 without looking at its device.
 """
 from __future__ import annotations
 
@@ -70,6 +74,23 @@ def _type_from_apex(real):
     return type_
 
 
+def _record_stream(real):
+    def record_stream(self, stream):
+        return None if isinstance(stream, _Placeholder) else real(self, stream)
+    return record_stream
+
+
+def _cast_on_any_device(utils, to: str):
+    """Apex's maybe_half / maybe_float (apex/amp/utils.py) without their `is_cuda` test."""
+    def cast(x, name="", verbose=False):
+        if utils.is_nested(x):
+            return type(x)([cast(y) for y in x])
+        if utils.type_string(x) == ("HalfTensor" if to == "half" else "FloatTensor"):
+            return x
+        return x.half() if to == "half" else x.float()
+    return cast
+
+
 _saved: list[tuple[object, str, object]] = []
 
 
@@ -88,6 +109,10 @@ def install() -> None:
     _set(torch.cuda, "current_stream", lambda *args, **kwargs: _Placeholder())
     _set(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     _set(torch.Tensor, "type", _type_from_apex(torch.Tensor.type))
+    _set(torch.Tensor, "record_stream", _record_stream(torch.Tensor.record_stream))
+    from apex.amp import utils
+    _set(utils, "maybe_half", _cast_on_any_device(utils, "half"))
+    _set(utils, "maybe_float", _cast_on_any_device(utils, "float"))
     from apex.amp._amp_state import _amp_state
     from engine.precision import apex_checks
     _set(_amp_state, "allow_incoming_model_not_fp32", True)
@@ -119,9 +144,26 @@ def apex_cpu():
 
 
 def run_module_with_standins(module: str, argv: list[str]) -> None:
-    """A child process's entry: the stand-ins, then `module`'s main as `python -m module argv`."""
+    """A child process's entry: the stand-ins, then `module`'s main as `python -m module argv`.
+    Each conversion to Apex's SyncBatchNorm prints how many layers it made ("apex SyncBatchNorm
+    layers: N") for the test to read."""
     import runpy
+    from pathlib import Path
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
     install()
+    from engine.precision import apex_parallel
+    convert = apex_parallel.convert_sync_bn
+
+    def counted(model, channels_last):
+        model = convert(model, channels_last)
+        made = [m for m in model.modules() if type(m).__module__.startswith(("apex.", apex_parallel.__name__))
+                and "SyncBatchNorm" in type(m).__name__]
+        print(f"apex SyncBatchNorm layers: {len(made)}", flush=True)
+        return model
+
+    apex_parallel.convert_sync_bn = counted
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__")
 

@@ -200,3 +200,22 @@ def test_the_loss_curve_criterion_accepts_float16_noise_and_rejects_a_backend_th
         runs = {("native", "O0"): run(fp32), ("native", "O1"): run(native), ("apex", "O1"): run(apex)}
         (verdict,) = compare(runs, ["O1"], factor=3.0, floor=2e-3)
         assert verdict["agree"] is agree and verdict["sensitive"]
+
+
+# -- which Apex: the run's first lines name the build --------------------------------------------------
+@pytest.mark.parametrize("extensions", [(), ("amp_C", "apex_C", "syncbn")])
+def test_the_apex_backend_names_its_build_and_what_a_python_only_one_costs(apex_on_path, monkeypatch,
+                                                                          extensions):
+    apex_on_path()
+    for name in ("amp_C", "apex_C", "syncbn"):
+        if name in extensions:
+            monkeypatch.setitem(sys.modules, name, type(sys)(name))
+        else:
+            monkeypatch.setitem(sys.modules, name, None)      # import fails, as without the build
+    precision = ApexPrecision(AmpConfig(backend="apex", opt_level="O2"), torch.device("cpu"))
+    text = precision.describe()
+    if extensions:
+        assert "with its CUDA extensions (amp_C, apex_C, syncbn)" in text and "Python-only" not in text
+    else:
+        assert "Python-only build (no amp_C, apex_C, syncbn)" in text
+        assert "reads every gradient on the host" in text and "--cpp_ext --cuda_ext" in text
