@@ -16,6 +16,8 @@ skipped or failed to step would drift from the other by the training progress it
 script prints (the float32 loss's change from the first to the last tenth of the steps) and
 flags when it is not larger than the bound.
 The floor covers step 0, where both start from identical weights and only the forward differs.
+Each configuration's line ends with its precision's description; an Apex one names the Apex build
+(with its CUDA extensions, or Python-only and what that costs), so figures say which Apex made them.
 
     python bench/apex_compare.py                              # GPU: imhn512 at 512, O1 and O2, 60 steps
     python bench/apex_compare.py --backends native --levels O1 --preset tiny --input 128 \\
