@@ -82,7 +82,8 @@ def test_an_apex_that_fails_to_import_is_refused_with_the_torch_version_and_its_
 
 def test_a_torch_without_what_apex_patches_is_refused_naming_the_api(apex_on_path, monkeypatch):
     apex_on_path()
-    monkeypatch.setattr(backend, "APEX_TORCH_NEEDS", backend.APEX_TORCH_NEEDS + (("torch.cuda", "GoneTensor"),))
+    monkeypatch.setattr(backend, "APEX_TORCH_NEEDS",
+                        backend.APEX_TORCH_NEEDS + (("torch.cuda", "GoneTensor"),))
     message = refusal(apex_config())
     assert f"cannot patch PyTorch {torch.__version__}" in message and "torch.cuda.GoneTensor" in message
 

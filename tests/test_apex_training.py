@@ -32,9 +32,11 @@ LOSS_RTOL = 2e-2
 SMALL = ["--set", "model.stacks=1", "--set", "model.depth=2", "--set", "model.channels=16",
          "--set", "model.increase=8", "--set", "model.stem_channels=4", "--set", "data.input_size=64",
          "--set", "loss.scale_weights=[1,1,1]", "--set", "data.workers=0", "--set", "train.tensorboard=false",
-         "--set", "train.max_steps_per_epoch=2", "--batch-size", "2", "--set", "train.log_every=1", "--set", "amp.init_scale=8",
+         "--set", "train.max_steps_per_epoch=2", "--batch-size", "2", "--set", "train.log_every=1",
+         "--set", "amp.init_scale=8",
          "--amp-dtype", "float16", "--channels-last", "off", "--device", "cpu"]
-VALIDATE = ["--ap-every", "1", "--set", "train.ap_max_images=1", "--set", "inference.scales=[0.5]", "--set", "train.val_pictures=0"]
+VALIDATE = ["--ap-every", "1", "--set", "train.ap_max_images=1", "--set", "inference.scales=[0.5]",
+            "--set", "train.val_pictures=0"]
 FEATURES = ["--ema", "0.9", "--set", "train.ema_tau=2", "--accumulate", "2", "--freeze", "stem"]
 
 
@@ -113,9 +115,11 @@ def test_apex_trains_validates_saves_and_resumes_like_native_and_across_backends
 @pytest.mark.slow
 @requires_apex
 def test_apex_syncbn_and_ddp_on_two_gloo_ranks_train_as_one_native_process(tmp_path, synthetic_h5):
-    """Two gloo ranks (a total batch of 2: 1 each) under Apex O2 with Apex's SyncBatchNorm (its Python build) and
-    Apex's DDP (delay_allreduce, predivided by 2), --accumulate 2 and --ema: the same losses as one
-    native process (SyncBN makes the two ranks' batch norms one over the joint batch)."""
+    """Two gloo ranks (a total batch of 2: 1 each) under Apex O2 with Apex's SyncBatchNorm (its
+    Python build) and Apex's DDP (delay_allreduce, predivided by 2), --accumulate 2 and --ema: the
+    same losses as one native process (SyncBN makes the ranks' batch norms one over the joint batch).
+    With one process `--sync-bn` changes nothing (no process group; either backend): Apex's
+    SyncBatchNorm without a group is tested in test_apex_own_code.py."""
     common = [*data(synthetic_h5, tmp_path), *SMALL, *VALIDATE, "--ema", "0.9", "--accumulate", "2",
               "--opt-level", "O2", "--epochs", "1"]
     run_in_process("native", [*common, "--run-name", "native"])
