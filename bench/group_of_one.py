@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     try:
         trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist), mode="ddp"),
                           training_evaluator())
-        sync_bn = sum(isinstance(m, SYNC_BN) or type(m).__module__.startswith("apex.parallel")
+        sync_bn = sum(isinstance(m, SYNC_BN) or "SyncBatchNorm" in type(m).__name__
                       for m in trainer.model.modules())
         if args.force_sync_function:
             print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "

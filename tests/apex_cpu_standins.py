@@ -17,7 +17,9 @@ each as narrowly as its use allows (`install()`; `remove()` gives everything bac
 2. `torch.cuda.nvtx.range_push` / `range_pop` do nothing: profiler marks in Apex's Python
    SyncBatchNorm (a CPU build of torch raises on them).
 3. `torch.cuda.current_stream()` gives a placeholder and `torch.cuda.stream(s)` a null context:
-   Apex's DDP keeps its "main stream" and all-reduces inside `with torch.cuda.stream(main)`.
+   Apex's DDP keeps its "main stream" and all-reduces inside `with torch.cuda.stream(main)`. That is
+   its `delay_allreduce` path (one all-reduce after the backward), which the tests use; its
+   overlapping path needs CUDA streams and events and is not stood in.
 4. `Tensor.type()` called from Apex's own modules on a CPU tensor answers the CUDA type name
    (`torch.HalfTensor` -> `torch.cuda.HalfTensor`): Apex sorts parameters by these names (O2's
    master weights, DDP's buckets) and refuses any other. Calls from anywhere else are untouched.
