@@ -108,6 +108,20 @@ def test_apex_python_syncbn_updates_its_running_statistics_in_their_own_tensors(
 
 
 @requires_apex
+def test_apex_syncbn_keeps_the_parameters_and_freezing_of_the_batch_norms_it_replaces(apex_cpu):
+    from engine.freeze import freeze, set_frozen_bn_eval
+    model = conv_bn_net(blocks=2)
+    freeze(model, ["1"])                                # the first batch norm
+    frozen, trained = model[1].weight, model[4].weight
+    model = registry.convert_sync_bn(model, DISTRIBUTED, AmpConfig(backend="apex"))
+    assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)
+    assert model[1].weight is frozen and not model[1].weight.requires_grad
+    assert model[4].weight is trained and model[4].weight.requires_grad
+    model.train()
+    assert set_frozen_bn_eval(model) == 1 and not model[1].training and model[4].training
+
+
+@requires_apex
 def test_a_skipped_step_under_apex_syncbn_leaves_the_running_statistics_as_they_were(apex_cpu):
     model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
     precision, model, optimizer = apex_attached(model, "O2", init_scale=2.0 ** 10)

@@ -36,14 +36,26 @@ def is_optimized_sync_bn(cls) -> bool:
 
 
 def convert_sync_bn(model: nn.Module, channels_last: bool) -> nn.Module:
-    """`--sync-bn` under the apex backend (see the module's doc)."""
+    """`--sync-bn` under the apex backend (see the module's doc). Each SyncBatchNorm keeps the very
+    parameters and mode of the batch norm it replaces (Apex's conversion gives it new parameters,
+    which would unfreeze a frozen one and leave the optimiser's references behind)."""
     parallel = _apex_parallel()
+    before = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     if is_optimized_sync_bn(parallel.SyncBatchNorm):
-        return parallel.convert_syncbn_model(model, channel_last=channels_last)
-    model = parallel.convert_syncbn_model(model)
+        model = parallel.convert_syncbn_model(model, channel_last=channels_last)
+    else:
+        model = parallel.convert_syncbn_model(model)
     mended = _mended_class(parallel.SyncBatchNorm)
-    for module in model.modules():
-        if type(module) is parallel.SyncBatchNorm:
+    for name, module in model.named_modules():
+        if name in before and module is not before[name]:
+            old = before[name]
+            if old.affine:
+                module.weight, module.bias = old.weight, old.bias
+            module.train(old.training)
+            for key, value in vars(old).items():     # marks set on it, e.g. engine.freeze's
+                if key.startswith("_frozen"):
+                    setattr(module, key, value)
+        if type(module) is parallel.SyncBatchNorm and not is_optimized_sync_bn(type(module)):
             module.__class__ = mended
     return model
 
