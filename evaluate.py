@@ -188,7 +188,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
+                   kept="no results were written (an existing --out is as it was)")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ puts the weights a run starts from (resume, the authors' run, --weights) into th
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.errors import CheckpointError
+from config.errors import CheckpointError, ConfigError
+from config.paths import same_file
 from config.schema import Config, TrainConfig
 from config.skeleton import Skeleton, from_checkpoint
-from engine.run_setup import pick_and_claim, release_run_dir
+from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
@@ -52,7 +54,21 @@ def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
         return str(path) if path else None
     if not Path(train.resume).is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
+    refuse_another_run(Path(train.resume), run_dir)
     return train.resume
+
+
+def refuse_another_run(path: Path, run_dir: Path) -> None:
+    """ConfigError when resuming `path` would write over another run's files in `run_dir` (where a
+    resume writes): a file the trainer did not name itself (not last.pth, best.pth, epoch_N.pth)
+    beside a run's files is another run's checkpoint."""
+    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
+        return
+    theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
+    if theirs:
+        raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
+                          "resuming there would write over; nothing was touched: copy the checkpoint "
+                          f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
 
 
 def latest_checkpoint(run_dir) -> Path | None:
@@ -100,8 +116,8 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
            "and --allow-partial" if how == "resume" else
            "pass --allow-partial to load everything but the output heads and merges whose "
            "shapes differ (they start fresh)")
-    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs)} but the data "
-                          f"has {skeleton_words(ours)}: {fix}")
+    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs, ours)} but the data "
+                          f"has {skeleton_words(ours, theirs)}: {fix}")
 
 
 def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
@@ -114,7 +130,7 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
         state = read_state(plan.resume_path)
         ckpt.check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
-        ckpt.load_weights(model, state)
+        ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
         return state, None, plan.resume_path
     if train.resume == "auto":
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
@@ -179,5 +195,32 @@ def load_summary(report: dict) -> str:
                if fresh else ""))
 
 
-def skeleton_words(skeleton: Skeleton) -> str:
-    return f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"
+def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
+    """`skeleton` in a few words for an error about it and `other`: name and sizes, and, where
+    those are the same words, what differs (a keypoint's name, the limbs, the flip pairs, the
+    derived keypoints or the OKS sigmas), so the two sides of a message read differently."""
+    words = f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"
+    if words != f"{other.name}, {other.num_keypoints} keypoints, {other.num_channels} channels":
+        return words
+    names = skeleton.keypoints
+
+    def limbs(of: Skeleton) -> set:
+        return {frozenset((of.keypoints[a], of.keypoints[b])) for a, b in of.limbs}
+    if skeleton.keypoints != other.keypoints:
+        k = next(k for k, (a, b) in enumerate(zip(skeleton.keypoints, other.keypoints)) if a != b)
+        return f"{words}, keypoint {k} {names[k]!r}"
+    if limbs(skeleton) != limbs(other):
+        own = sorted("-".join(sorted(limb)) for limb in limbs(skeleton) - limbs(other))
+        lacks = sorted("-".join(sorted(limb)) for limb in limbs(other) - limbs(skeleton))
+        return f"{words}, " + (f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}")
+    if skeleton.limbs != other.limbs or skeleton.main_limbs != other.main_limbs:
+        return f"{words}, {skeleton.main_limbs} main limbs in another order"
+    if skeleton.flip != other.flip:
+        pairs = sorted({tuple(sorted((names[k], names[f]))) for k, f in enumerate(skeleton.flip) if f != k})
+        return f"{words}, flip pairs {', '.join('/'.join(p) for p in pairs) or 'none'}"
+    if skeleton.derived != other.derived:
+        made = [f"{names[k]} from {names[a]}+{names[b]}" for k, a, b in skeleton.derived]
+        return f"{words}, derived {', '.join(made) or 'none'}"
+    if skeleton.sigmas != other.sigmas:
+        return f"{words}, OKS sigmas {', '.join(f'{s:g}' for s in skeleton.sigmas)}"
+    return f"{words}, keypoints in the annotations {', '.join(skeleton.dataset_keypoints)}"

@@ -85,9 +85,10 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
 def check_same_skeleton(model_skeleton, h5) -> None:
     """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
     if model_skeleton != h5.skeleton:
-        raise DataError(f"{h5.path}: its people have skeleton {h5.skeleton.name} "
-                        f"({h5.skeleton.num_keypoints} keypoints) but the model was trained on "
-                        f"{model_skeleton.name} ({model_skeleton.num_keypoints} keypoints)")
+        from engine.resume import skeleton_words
+
+        raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, model_skeleton)} "
+                        f"but the model was trained on {skeleton_words(model_skeleton, h5.skeleton)}")
 
 
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
