@@ -128,7 +128,7 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
         try:
             convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
                     progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton)
-        except Exception:
+        except BaseException:            # a signal's KeyboardInterrupt too: no conversion left behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp
