@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 import torch
 
-from config.errors import ArgumentParser, ConfigError, DataError, UserError, os_reason, run_cli
+from config.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
 from config.paths import refuse_existing, refuse_output_as_input, written_whole
 
 FORMATS = ("onnx",)
@@ -119,16 +119,6 @@ def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
     onnx.save(graph, str(path))
 
 
-def _write_reason(exc: BaseException) -> str:
-    """The operating system's reason in an exception chain (onnx and torch wrap it), else the text."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return os_reason(seen)
-        seen = seen.__cause__ or seen.__context__
-    return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-
-
 def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float, name: Path) -> list[float]:
     """Relative map differences ONNX (the file at `path`, to be written as `name`) vs PyTorch per
     picture (at scale 1); ExportMismatch beyond `tolerance`."""
@@ -175,7 +165,7 @@ def run(args) -> Path:
             write_onnx(model, cfg, temp, args.opset)
             errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
-        raise DataError(f"--out {out}: cannot write the file there ({_write_reason(exc)}); "
+        raise DataError(f"--out {out}: cannot write the file there ({chained_os_reason(exc)}); "
                         "nothing was written") from None
     print(f"written {out} ({out.stat().st_size / 2 ** 20:.1f} MiB): onnxruntime's maps agree with "
           f"PyTorch's on {len(errors)} pictures within {max(errors):.1e} of their largest value "

@@ -60,6 +60,17 @@ def _terminate(signum, frame):
 TRAINING_KEPT = "the last completed checkpoint is kept"
 
 
+def chained_os_reason(exc: BaseException) -> str:
+    """The most telling reason in an exception chain (torch and onnx hide a write's OSError as
+    its context), in lower case; the exception's type and text when the chain holds none."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return os_reason(seen)
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
 def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     """Call `main(argv)` and return the exit code: 0, or a `UserError`'s code after printing its
     message as one line on stderr (`error: ...`; a clean stop prints its message as is).

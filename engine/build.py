@@ -13,6 +13,7 @@ from torch import nn
 from config.errors import DataError
 from config.schema import AmpConfig, Config, ModelConfig
 from config.skeleton import Skeleton
+from config.skeleton_words import skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.amp import Precision, set_cuda_backends
@@ -21,7 +22,7 @@ from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer
 from engine.optim_step import OptimStep
-from engine.resume import RunPlan, load_start, skeleton_words
+from engine.resume import RunPlan, load_start
 from engine.run_setup import resolve_data, train_loader
 
 

@@ -165,7 +165,8 @@ class PoseEstimator:
                 factors.append(factor)
             yield ready
 
-    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator[np.ndarray]:
+    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
+                    ) -> Iterator[np.ndarray]:
         """`maps` of an iterable of pictures, read `inference.batch_size` at a time, or fewer when
         they are larger than COCO's 640 x 480 (their maps at picture size are held together)."""
         batch_size = self.settings.inference.batch_size

@@ -118,7 +118,8 @@ class VideoOut:
         self.temp = self.whole.__enter__()
         self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
         if not self.writer.isOpened():
-            problem = DataError(f"--out {self.path}: OpenCV cannot write a video there (folder not writable?)")
+            problem = DataError(f"--out {self.path}: OpenCV cannot write a video there "
+                                "(folder not writable?)")
             self.whole.__exit__(DataError, problem, None)
             raise problem
         return self

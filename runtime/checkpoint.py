@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from config.errors import CheckpointError
+from config.errors import CheckpointError, chained_os_reason
 from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
@@ -50,16 +50,6 @@ def _plain(value, where: str):
         return items if type(value) is list else type(value)(items)
     raise TypeError(f"checkpoint value {where} is a {type(value).__name__}: only plain types and "
                     "tensors can be saved (so that weights_only loading can read them)")
-
-
-def _os_reason(exc: BaseException) -> str:
-    """The most telling reason in an exception chain (torch hides a write's OSError as context)."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror.lower()
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -116,7 +106,7 @@ def save_checkpoint(path, state: dict) -> None:
                 pass
         if isinstance(exc, Exception):
             kept = "; the previous file there, if any, is intact" if not replaced else ""
-            raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}{kept}") from exc
+            raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
         raise
 
 

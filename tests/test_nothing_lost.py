@@ -37,15 +37,20 @@ from inference import PoseEstimator
 from inference.picture_input import MAX_SIDE
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from child_env import child_env
-from test_bad_input_classes import env, refused, snapshot, train_cli  # noqa: F401 (fixture)
+import test_bad_input_classes as classes
+import test_inference_api as api
+from test_bad_input_classes import refused, snapshot, train_cli
 from test_bad_input_classes import one_error_line as error_line          # progress bars aside
-from test_inference_api import checkpoint, estimator, one_error_line, pictures, write_clip  # noqa: F401
+from test_inference_api import one_error_line, write_clip
+
+# the fixtures of those modules, used here too
+env, checkpoint, estimator, pictures = classes.env, api.checkpoint, api.estimator, api.pictures
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- outputs and inputs
-def test_export_never_writes_over_its_weights_in_any_spelling(checkpoint, tmp_path, capsys):  # noqa: F811
+def test_export_never_writes_over_its_weights_in_any_spelling(checkpoint, tmp_path, capsys):
     weights = tmp_path / "w.pth"
     shutil.copy(checkpoint, weights)
     os.symlink(weights, tmp_path / "link.pth")
@@ -60,7 +65,7 @@ def test_export_never_writes_over_its_weights_in_any_spelling(checkpoint, tmp_pa
         assert weights.read_bytes() == before and (tmp_path / "link.pth").is_symlink()
 
 
-def test_a_resume_never_writes_over_another_run(env, capsys):  # noqa: F811
+def test_a_resume_never_writes_over_another_run(env, capsys):
     """A checkpoint of another run put into a run's folder: resuming it there would replace that
     run's last.pth, metrics.jsonl and config.yaml."""
     done = env["runs"] / "done"
@@ -89,7 +94,8 @@ def test_the_synthetic_set_is_not_drawn_over_an_existing_one(tmp_path, capsys):
     assert synthetic_main(argv) == 2 and "train/ already holds files" in capsys.readouterr().err
     assert synthetic_main(argv + ["--seed", "3", "--overwrite"]) == 0
     assert json.loads((tmp_path / "train.json").read_text())["images"]
-    assert snapshot(tmp_path)[tmp_path / "train" / "000000000001.jpg"] != before[tmp_path / "train" / "000000000001.jpg"]
+    first = tmp_path / "train" / "000000000001.jpg"
+    assert snapshot(tmp_path)[first] != before[first]
 
 
 REAL_VIDEO_WRITER = cv2.VideoWriter
@@ -113,7 +119,7 @@ class DroppingWriter:
         self.writer.release()
 
 
-def test_a_video_missing_frames_when_read_back_is_not_reported_written(checkpoint, tmp_path, capsys,  # noqa: F811
+def test_a_video_missing_frames_when_read_back_is_not_reported_written(checkpoint, tmp_path, capsys,
                                                                        monkeypatch):
     import inference.video
 
@@ -145,15 +151,20 @@ def test_a_second_writer_of_a_new_output_fails_and_keeps_the_first(tmp_path):
     assert sorted(tmp_path.iterdir()) == [out]
 
 
+def another_command_finishes_first(monkeypatch, module, writer: str, out: Path, text: bytes) -> None:
+    """`module.writer` writes its temporary file, then another command gives `out` its own bytes."""
+    real_write = getattr(module, writer)
+
+    def write_then_the_other(*args, **kwargs):
+        real_write(*args, **kwargs)
+        out.write_bytes(text)
+
+    monkeypatch.setattr(module, writer, write_then_the_other)
+
+
 def test_two_conversions_to_one_new_file_do_not_both_succeed(coco4_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "val.h5"
-    real_write = make_hdf5._write
-
-    def other_command_finishes_first(*args, **kwargs):
-        real_write(*args, **kwargs)
-        out.write_bytes(b"the other conversion")
-
-    monkeypatch.setattr(make_hdf5, "_write", other_command_finishes_first)
+    another_command_finishes_first(monkeypatch, make_hdf5, "_write", out, b"the other conversion")
     assert make_hdf5.main(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
                            "--out", str(out), "--split", "val", "--quiet"]) == 2
     line = one_error_line(capsys.readouterr().err)
@@ -162,21 +173,15 @@ def test_two_conversions_to_one_new_file_do_not_both_succeed(coco4_dir, tmp_path
     assert out.read_bytes() == b"the other conversion" and sorted(tmp_path.iterdir()) == [out]
 
 
-def test_two_exports_to_one_new_file_do_not_both_succeed(checkpoint, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_two_exports_to_one_new_file_do_not_both_succeed(checkpoint, tmp_path, capsys, monkeypatch):
     out = tmp_path / "pose.onnx"
-    real_write = export.write_onnx
-
-    def other_command_finishes_first(*args, **kwargs):
-        real_write(*args, **kwargs)
-        out.write_bytes(b"the other export")
-
-    monkeypatch.setattr(export, "write_onnx", other_command_finishes_first)
+    another_command_finishes_first(monkeypatch, export, "write_onnx", out, b"the other export")
     assert export.main(["--weights", str(checkpoint), "--out", str(out)]) == 2
     assert "was created by another command" in one_error_line(capsys.readouterr().err)
     assert out.read_bytes() == b"the other export" and sorted(tmp_path.iterdir()) == [out]
 
 
-def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_path, capsys,  # noqa: F811
+def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_path, capsys,
                                                               monkeypatch):
     import errno
     import onnx
@@ -189,7 +194,8 @@ def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_p
         monkeypatch.setattr(onnx, "save", failing_save)
         assert export.main(["--weights", str(checkpoint), "--out", str(out)]) == 2
         assert one_error_line(capsys.readouterr().err) == (
-            f"error: --out {out}: cannot write the file there ({os.strerror(code).lower()}); nothing was written")
+            f"error: --out {out}: cannot write the file there ({os.strerror(code).lower()}); "
+            "nothing was written")
         assert list(tmp_path.iterdir()) == []
 
 
@@ -203,7 +209,8 @@ def damaged(checkpoint: Path, folder: Path, how: str) -> tuple[Path, str]:
     if how == "nan":
         weights[name].view(-1)[1] = float("nan")
     else:
-        weights = OrderedDict((k, v.to(torch.int32) if v.is_floating_point() else v) for k, v in weights.items())
+        weights = OrderedDict((k, v.to(torch.int32) if v.is_floating_point() else v)
+                              for k, v in weights.items())
     path = folder / f"{how}.pth"
     save_checkpoint(path, dict(state, model=weights))
     return path, name
@@ -211,7 +218,7 @@ def damaged(checkpoint: Path, folder: Path, how: str) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("how, says", [("nan", "holds 1 NaN or infinite values of"),
                                        ("int", "holds int32 values where the model has float32")])
-def test_weights_with_nan_or_integer_tensors_are_refused_where_loaded(how, says, checkpoint, tmp_path,  # noqa: F811
+def test_weights_with_nan_or_integer_tensors_are_refused_where_loaded(how, says, checkpoint, tmp_path,
                                                                       capsys, coco4_dir):
     path, name = damaged(checkpoint, tmp_path, how)
     with pytest.raises(Exception, match=f"{path}: tensor {name} {says}"):
@@ -226,13 +233,14 @@ def test_weights_with_nan_or_integer_tensors_are_refused_where_loaded(how, says,
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
-def test_a_resume_of_integer_weights_is_refused(env, capsys):  # noqa: F811
+def test_a_resume_of_integer_weights_is_refused(env, capsys):
     work = env["root"] / "ints"
     work.mkdir()
     try:
         path, name = damaged(env["runs"] / "done" / "last.pth", work, "int")
         shutil.move(path, work / "last.pth")
-        refused(capsys, train_cli, ["--resume", work / "last.pth", "--train-h5", env["train_h5"], "--epochs", "2"],
+        refused(capsys, train_cli, ["--resume", work / "last.pth", "--train-h5", env["train_h5"],
+                                    "--epochs", "2"],
                 [f"checkpoint {work / 'last.pth'}: tensor {name} holds int32 values"], env["root"])
     finally:
         shutil.rmtree(work)
@@ -252,14 +260,14 @@ def test_a_resume_of_integer_weights_is_refused(env, capsys):  # noqa: F811
     (np.full((64, 64, 3), np.nan, np.float32), ValueError, "picture 0 holds NaN or infinite values"),
     (np.full((64, 64, 3), 300.0, np.float32), ValueError, "picture 0 holds values from 300 to 300"),
 ])
-def test_the_api_refuses_what_is_not_a_picture_naming_it(estimator, picture, kind, says):  # noqa: F811
+def test_the_api_refuses_what_is_not_a_picture_naming_it(estimator, picture, kind, says):
     with pytest.raises(kind, match=re.escape(says)):
         estimator([picture])
     with pytest.raises(kind, match=re.escape(says)):
         estimator.maps([picture])
 
 
-def test_a_single_path_or_none_is_refused_as_the_picture(estimator):  # noqa: F811
+def test_a_single_path_or_none_is_refused_as_the_picture(estimator):
     with pytest.raises(TypeError, match="the picture is a path"):
         estimator("photo.jpg")
     with pytest.raises(TypeError, match="the picture is None"):
@@ -267,10 +275,11 @@ def test_a_single_path_or_none_is_refused_as_the_picture(estimator):  # noqa: F8
 
 
 def same_people(a, b, tolerance: float = 0.0) -> bool:
-    return len(a) == len(b) and all(np.abs(p.keypoints - q.keypoints).max() <= tolerance for p, q in zip(a, b))
+    return len(a) == len(b) and all(np.abs(p.keypoints - q.keypoints).max() <= tolerance
+                                    for p, q in zip(a, b))
 
 
-def test_grey_bgra_float_and_16_bit_pictures_are_converted_not_blackened(estimator, pictures):  # noqa: F811
+def test_grey_bgra_float_and_16_bit_pictures_are_converted_not_blackened(estimator, pictures):
     picture = pictures[0]
     grey = cv2.cvtColor(picture, cv2.COLOR_BGR2GRAY)
     as_grey = estimator(cv2.cvtColor(grey, cv2.COLOR_GRAY2BGR))
@@ -286,7 +295,7 @@ def test_grey_bgra_float_and_16_bit_pictures_are_converted_not_blackened(estimat
     assert same_people(estimator(picture.astype(np.uint16) * 257), found)     # 16 bits: not wrapped
 
 
-def test_a_huge_picture_runs_shrunk_and_its_people_are_in_its_pixels(estimator, pictures):  # noqa: F811
+def test_a_huge_picture_runs_shrunk_and_its_people_are_in_its_pixels(estimator, pictures):
     wide = np.zeros((2000, 10000, 3), np.uint8)
     (prediction,) = estimator([wide], maps=True)
     assert prediction.maps.shape[1:] == (410, MAX_SIDE)
@@ -303,7 +312,8 @@ def test_a_huge_picture_runs_shrunk_and_its_people_are_in_its_pixels(estimator, 
     assert len(shrunk_people) == len(direct) > 0
     for got, want in zip(shrunk_people, direct):
         found = want.keypoints[:, 2] > 0
-        assert np.allclose(got.keypoints[found, :2], (want.keypoints[found, :2] + 0.5) * factor - 0.5, atol=1e-3)
+        mapped = (want.keypoints[found, :2] + 0.5) * factor - 0.5
+        assert np.allclose(got.keypoints[found, :2], mapped, atol=1e-3)
         assert np.all(got.keypoints[~found] == 0)
 
 
@@ -349,8 +359,8 @@ def many_images(coco4_dir: Path, folder: Path, count: int) -> Path:
         info = dict(coco["images"][n % 4], id=n + 1, file_name=f"{n:06d}.jpg")
         os.link(coco4_dir / coco["images"][n % 4]["file_name"], folder / info["file_name"])
         images.append(info)
-        annotations += [dict(a, id=len(annotations) + 1 + k, image_id=n + 1)
-                        for k, a in enumerate(x for x in coco["annotations"] if x["image_id"] == coco["images"][n % 4]["id"])]
+        own = [a for a in coco["annotations"] if a["image_id"] == coco["images"][n % 4]["id"]]
+        annotations += [dict(a, id=len(annotations) + 1 + k, image_id=n + 1) for k, a in enumerate(own)]
     path = folder / "many.json"
     path.write_text(json.dumps(dict(coco, images=images, annotations=annotations)))
     return path
@@ -366,8 +376,8 @@ def test_a_conversion_stopped_by_a_signal_keeps_the_old_file_and_no_temporary(si
     ann = many_images(coco4_dir, tmp_path, 3000)
     out = tmp_path / "out.h5"
     out.write_bytes(b"the user's earlier conversion")
-    proc = started(["-m", "data.make_hdf5", "--ann", ann, "--images", tmp_path, "--out", out, "--split", "val",
-                    "--overwrite"], REPO, lambda: bool(temporaries(tmp_path)))
+    proc = started(["-m", "data.make_hdf5", "--ann", ann, "--images", tmp_path, "--out", out,
+                    "--split", "val", "--overwrite"], REPO, lambda: bool(temporaries(tmp_path)))
     code, err, seconds = stopped(proc, sig)
     assert code == (143 if sig == signal.SIGTERM else 130) and seconds < 20, (code, seconds, err[-2000:])
     assert stop_line(err).endswith("the HDF5 file was not written (its partial copy is removed); an existing "
@@ -377,7 +387,7 @@ def test_a_conversion_stopped_by_a_signal_keeps_the_old_file_and_no_temporary(si
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_video_stopped_by_a_signal_leaves_no_video_and_no_temporary(sig, checkpoint, tmp_path):  # noqa: F811
+def test_a_video_stopped_by_a_signal_leaves_no_video_and_no_temporary(sig, checkpoint, tmp_path):
     clip, out = tmp_path / "clip.avi", tmp_path / "clip_pose.mp4"
     write_clip(clip, frames=3000, fps=25.0)
     proc = started(["demo.py", "--weights", checkpoint, "--video", clip, "--out", out, "--device", "cpu"],
@@ -389,7 +399,7 @@ def test_a_video_stopped_by_a_signal_leaves_no_video_and_no_temporary(sig, check
 
 
 @pytest.mark.slow
-def test_an_export_stopped_by_a_signal_leaves_no_file(checkpoint, coco4_dir, tmp_path):  # noqa: F811
+def test_an_export_stopped_by_a_signal_leaves_no_file(checkpoint, coco4_dir, tmp_path):
     check = tmp_path / "check"
     check.mkdir()
     for n in range(400):
@@ -399,13 +409,13 @@ def test_an_export_stopped_by_a_signal_leaves_no_file(checkpoint, coco4_dir, tmp
                    lambda: bool(temporaries(tmp_path)))
     code, err, seconds = stopped(proc, signal.SIGTERM)
     assert code == 143 and seconds < 20, (code, seconds, err[-2000:])
-    assert stop_line(err) == ("stopped by SIGTERM; the ONNX file was not written (its partial copy is removed); "
-                              "an existing --out is as it was")
+    assert stop_line(err) == ("stopped by SIGTERM; the ONNX file was not written (its partial copy is "
+                              "removed); an existing --out is as it was")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check"]
 
 
 @pytest.mark.slow
-def test_an_evaluation_stopped_by_a_signal_removes_its_conversion(checkpoint, coco4_dir, tmp_path):  # noqa: F811
+def test_an_evaluation_stopped_by_a_signal_removes_its_conversion(checkpoint, coco4_dir, tmp_path):
     work = tmp_path / "tmp"
     work.mkdir()
     ann = many_images(coco4_dir, tmp_path, 3000)
