@@ -167,7 +167,7 @@ def run(args) -> dict:
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,
-                            skeleton=skeleton)
+                            skeleton=skeleton, overwrite=args.overwrite)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("ground-truth maps at each image's size (oracle)" if args.oracle else

@@ -90,7 +90,7 @@ def _main(argv=None) -> int:
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")
     grid = render_preview(dataset, args.n, args.seed)
-    write_image(args.out, grid)
+    write_image(args.out, grid, overwrite=args.overwrite)
     print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
     return 0
 

@@ -218,9 +218,10 @@ SKELETONS = ("coco", synthetic_animals.NAME)
 
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
-                skeleton: str = "coco") -> Path:
+                skeleton: str = "coco", overwrite: bool = True) -> Path:
     """Draw `count` images of people (`skeleton` coco) or animals (quadruped) into out_dir/split/
-    and write out_dir/split.json; returns the JSON path."""
+    and write out_dir/split.json (a JSON that appeared there meanwhile replaced only with
+    `overwrite`); returns the JSON path."""
     split_index = {"train": 0, "val": 1}[split]
     rng = np.random.default_rng([seed, split_index])            # different streams per split
     folder = out_dir / split
@@ -244,7 +245,7 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
                  "keypoints": list(builtin("coco").dataset_keypoints), "skeleton": COCO_SKELETON}
                 if skeleton == "coco" else synthetic_animals.category())
     path = out_dir / f"{split}.json"
-    with written_whole(path) as temp:
+    with written_whole(path, overwrite) as temp:
         temp.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
                                 "images": images, "annotations": annotations,
                                     "categories": [category]}))
@@ -252,10 +253,10 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
 
 
 def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
-                  seed: int = 0, skeleton: str = "coco") -> dict:
+                  seed: int = 0, skeleton: str = "coco", overwrite: bool = True) -> dict:
     """Both splits under `out_dir`; returns {split: json path}."""
     out_dir = Path(out_dir)
-    return {split: write_split(out_dir, split, count, size, seed, skeleton)
+    return {split: write_split(out_dir, split, count, size, seed, skeleton, overwrite)
             for split, count in (("train", train_images), ("val", val_images))}
 
 
@@ -333,7 +334,7 @@ def _main(argv=None) -> int:
         raise ConfigError("--size must be >= 64 and the image counts >= 1")
     refuse_existing_dataset(Path(args.out), args.overwrite)
     paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed,
-                          args.skeleton)
+                          args.skeleton, args.overwrite)
     print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "
           f"({args.val_images} images)")
     return 0

@@ -181,6 +181,23 @@ def test_two_exports_to_one_new_file_do_not_both_succeed(checkpoint, tmp_path, c
     assert out.read_bytes() == b"the other export" and sorted(tmp_path.iterdir()) == [out]
 
 
+def test_two_evaluations_to_one_new_results_file_do_not_both_succeed(coco4_dir, tmp_path, capsys,
+                                                                     monkeypatch):
+    out = tmp_path / "results.json"
+    real_dumps = json.dumps
+
+    def other_command_finishes_first(obj, *args, **kwargs):
+        if isinstance(obj, list) and not out.exists():     # the results, while this one writes them
+            out.write_text("the other evaluation")
+        return real_dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", other_command_finishes_first)
+    assert evaluate.main(["--oracle", "--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
+                          "--out", str(out), "--no-progress"]) == 2
+    assert "was created by another command" in error_line(capsys.readouterr().err)
+    assert out.read_text() == "the other evaluation" and sorted(tmp_path.iterdir()) == [out]
+
+
 def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_path, capsys,
                                                               monkeypatch):
     import errno
