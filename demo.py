@@ -83,7 +83,12 @@ def annotated(picture: np.ndarray, prediction, heatmaps: bool, skeleton) -> np.n
     from inference.draw import draw_people, maps_panel
 
     drawn = draw_people(picture, [person.keypoints for person in prediction.people], skeleton)
-    return np.hstack([drawn, maps_panel(picture, prediction.maps, skeleton)]) if heatmaps else drawn
+    if not heatmaps:
+        return drawn
+    height, width = prediction.maps.shape[1:]       # smaller than a picture over MAX_SIDE
+    panel = maps_panel(cv2.resize(picture, (width, height), interpolation=cv2.INTER_AREA), prediction.maps,
+                       skeleton)
+    return np.hstack([drawn, cv2.resize(panel, (picture.shape[1], picture.shape[0]))])
 
 
 def with_predictions(estimator, pictures):
@@ -107,13 +112,14 @@ def read_pictures(pairs):
         yield picture
 
 
-def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
+def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Path]:
     from data.picture_files import write_image
 
     written = []
     for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
                                                                                 read_pictures(pairs))):
-        written.append(write_image(target, annotated(picture, prediction, heatmaps, estimator.skeleton)))
+        drawn = annotated(picture, prediction, heatmaps, estimator.skeleton)
+        written.append(write_image(target, drawn, overwrite=overwrite))
         for k, person in enumerate(prediction.people):
             found = int((person.keypoints[:, 2] > 0).sum())
             print(f"person {k}: score {person.score:.3f}, {found} keypoints")
@@ -121,7 +127,8 @@ def draw_pictures(estimator, pairs, heatmaps: bool) -> list[Path]:
     return written
 
 
-def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmaps: bool) -> None:
+def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmaps: bool,
+               overwrite: bool = False) -> None:
     """Annotate every frame of `opened` (capture, first frame) into the video `target`, or into a live
     window when `target` is None; prints the frames/s achieved."""
     from tqdm import tqdm
@@ -131,7 +138,7 @@ def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmap
     first = opened[1]
     size = (first.shape[1] * (2 if heatmaps else 1), first.shape[0])
     start, count = time.perf_counter(), 0
-    with (VideoOut(target, fps, size) if target is not None else LiveWindow()) as out, \
+    with (VideoOut(target, fps, size, overwrite) if target is not None else LiveWindow()) as out, \
             tqdm(total=frames_total or None, desc="video", unit="frame", dynamic_ncols=True,
                  disable=target is None) as bar:
         for picture, prediction in with_predictions(estimator, frames(*opened)):
@@ -185,17 +192,20 @@ def run(args) -> list[Path]:
     estimator = PoseEstimator.from_file(args.weights, args.device, preset=args.preset, sets=args.set,
                                         scales=args.scales, flip=args.flip)
     if args.image is not None:
-        return draw_pictures(estimator, pairs, args.heatmaps)
+        return draw_pictures(estimator, pairs, args.heatmaps, args.overwrite)
     if target is None:      # live: show each frame as soon as it is done
         estimator.settings.inference.batch_size = estimator.settings.inference.decode_threads = 1
     total = int(opened[0].get(cv2.CAP_PROP_FRAME_COUNT)) if target is not None else 0
-    draw_video(estimator, opened, max(total, 0), frame_rate(opened[0]), target, args.heatmaps)
+    draw_video(estimator, opened, max(total, 0), frame_rate(opened[0]), target, args.heatmaps,
+               args.overwrite)
     return [target] if target is not None else []
 
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
+                   kept="the pictures already written are kept; a video being written is removed, and "
+                   "an existing --out is as it was")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
         try:
             convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
                     progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton)
-        except Exception:
+        except BaseException:            # a signal's KeyboardInterrupt too: no conversion left behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp
@@ -197,7 +197,7 @@ def run(args) -> dict:
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,
-                            skeleton=skeleton)
+                            skeleton=skeleton, overwrite=args.overwrite)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("ground-truth maps at each image's size (oracle)" if args.oracle else
@@ -219,7 +219,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
+                   kept="no results were written (an existing --out is as it was)")
 
 
 if __name__ == "__main__":

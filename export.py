@@ -10,7 +10,8 @@ evaluate.py with `--weights pose.onnx`). The checkpoint's config rides in the fi
 Before the file is put in place, onnxruntime runs it on the check pictures (default: the four COCO
 pictures of tests/data/coco4, at the config's input size) and the export fails (exit code 1, no
 file written) unless every map value agrees with PyTorch within `--tolerance` (default 1e-4) of
-the largest magnitude of PyTorch's maps of that picture. An existing --out is never overwritten.
+the largest magnitude of PyTorch's maps of that picture. An existing --out is replaced only with
+--overwrite, and never when it is the --weights file (in any spelling of its path).
 Needs the optional packages onnx and onnxruntime (pip install -r requirements-export.txt).
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ import cv2
 import numpy as np
 import torch
 
-from config.errors import ArgumentParser, ConfigError, DataError, UserError, run_cli
-from config.paths import refuse_existing, written_whole
+from config.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
+from config.paths import refuse_existing, refuse_output_as_input, written_whole
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
@@ -150,6 +151,7 @@ def run(args) -> Path:
 
     check_options(args)
     out = Path(args.out)
+    refuse_output_as_input("--out", out, {"--weights": args.weights})
     refuse_existing("--out", out, args.overwrite)
     pictures = check_pictures(args.check_images)
     estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
@@ -158,9 +160,13 @@ def run(args) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    with written_whole(out) as temp:
-        write_onnx(model, cfg, temp, args.opset)
-        errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
+    try:
+        with written_whole(out, args.overwrite) as temp:
+            write_onnx(model, cfg, temp, args.opset)
+            errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
+    except OSError as exc:           # the output side: folder not writable, disk full, ...
+        raise DataError(f"--out {out}: cannot write the file there ({chained_os_reason(exc)}); "
+                        "nothing was written") from None
     print(f"written {out} ({out.stat().st_size / 2 ** 20:.1f} MiB): onnxruntime's maps agree with "
           f"PyTorch's on {len(errors)} pictures within {max(errors):.1e} of their largest value "
           f"(tolerance {args.tolerance:g})", flush=True)
@@ -169,7 +175,9 @@ def run(args) -> Path:
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv)
+    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
+                   kept="the ONNX file was not written (its partial copy is removed); an existing --out "
+                   "is as it was")
 
 
 if __name__ == "__main__":

@@ -48,15 +48,45 @@ def os_reason(exc: OSError) -> str:
     return (exc.strerror or str(exc)).lower()
 
 
-def run_cli(main, argv=None) -> int:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, in a command that stops on it as on Ctrl-C (`run_cli` with `kept`): raised in the
+    main thread, so `finally` blocks remove temporary files and no `except Exception` swallows it."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+TRAINING_KEPT = "the last completed checkpoint is kept"
+
+
+def chained_os_reason(exc: BaseException) -> str:
+    """The most telling reason in an exception chain (torch and onnx hide a write's OSError as
+    its context), in lower case; the exception's type and text when the chain holds none."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return os_reason(seen)
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     """Call `main(argv)` and return the exit code: 0, or a `UserError`'s code after printing its
     message as one line on stderr (`error: ...`; a clean stop prints its message as is).
 
+    Ctrl-C (SIGINT) ends with one line saying what the command `kept` and exit code 130. A
+    command other than training (whose trainer saves on SIGTERM itself) names what it keeps and
+    stops on SIGTERM the same way (exit code 143): its temporary files are removed on the way out.
     The line goes through `tqdm.write`, so a progress bar left open by the error is cleared first.
     """
+    import signal
     import sys
+    import threading
 
     from tqdm import tqdm
+    handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if handles_term else None
     try:
         main(argv)
     except UserError as exc:
@@ -64,7 +94,12 @@ def run_cli(main, argv=None) -> int:
         tqdm.write(f"{prefix}{exc}", file=sys.stderr)
         sys.stderr.flush()
         return exc.exit_code
-    except KeyboardInterrupt:
-        tqdm.write("interrupted (Ctrl-C); the last completed checkpoint is kept", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        stopped = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+        tqdm.write(f"{stopped}; {kept}", file=sys.stderr)
+        sys.stderr.flush()
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        if handles_term:
+            signal.signal(signal.SIGTERM, previous)
     return 0

@@ -1,6 +1,7 @@
 """The paths a command writes: no output may be one of the command's inputs, none replaces a file
 that exists unless the user passed --overwrite, and an output appears whole or not at all
-(`written_whole`).
+(`written_whole`). A new output is created exclusively: when two commands write the same new path,
+the second to finish fails in one line instead of replacing the first one's file unasked.
 
 Paths are compared resolved (links, `..` and relative paths followed), so `--out ./a/../ann.json`
 is recognised as `ann.json`.
@@ -8,10 +9,11 @@ is recognised as `ann.json`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
-from config.errors import ConfigError
+from config.errors import ConfigError, os_reason
 
 
 def same_file(a, b) -> bool:
@@ -50,16 +52,59 @@ def temporary_twin(path) -> Path:
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
 
+def _synced_size(temp: Path, option: str, path) -> int:
+    """The size of `temp` once on disk (fsync); ConfigError naming `path` if it cannot be synced."""
+    try:
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
+                          "nothing was written") from None
+
+
+def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
+    """Give `temp` the name `path` only if no file has it (a hard link, which never replaces, then
+    the temporary name removed); a rename checked just before where links are not supported."""
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        raise ConfigError(f"{option} {path} was created by another command while this one wrote it; "
+                          f"that file is kept as it is: choose another {option}, or pass --overwrite "
+                          "to replace it") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if path.exists():
+            raise ConfigError(f"{option} {path} was created by another command while this one wrote "
+                              f"it; that file is kept as it is: choose another {option}") from None
+        os.replace(temp, path)
+        return
+    temp.unlink()
+
+
 @contextlib.contextmanager
-def written_whole(path):
+def written_whole(path, overwrite: bool = True, option: str = "--out"):
     """Write an output atomically: yields the temporary twin of `path` to write; when the block
-    ends without an exception and the twin exists, it replaces `path`; otherwise the twin is
-    removed and `path` (a file the user already had, or nothing) is left as it was."""
+    ends without an exception and the twin exists, it is synced to disk and takes `path`'s name
+    (replacing a file there only with `overwrite`; otherwise a file that appeared there meanwhile
+    is a ConfigError naming `option`); on any failure, a signal's KeyboardInterrupt included, the
+    twin is removed and `path` (a file the user already had, or nothing) is left as it was."""
+    path = Path(path)
     temp = temporary_twin(path)
     try:
         yield temp
         if temp.is_file():
-            os.replace(temp, path)
+            if _synced_size(temp, option, path) == 0:
+                raise ConfigError(f"{option} {path}: the file written is empty (full disk?); nothing "
+                                  "was written")
+            if overwrite:
+                os.replace(temp, path)
+            else:
+                _take_name_exclusively(temp, path, option)
     finally:
         with contextlib.suppress(OSError):
             temp.unlink()

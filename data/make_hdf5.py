@@ -199,7 +199,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         summary["bad"].append(item)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with written_whole(out_path) as tmp_path, h5py.File(tmp_path, "w") as f:
+        with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
             _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
                    skip_bad, progress, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
@@ -411,7 +411,8 @@ def _report_skipped(summary: dict | None, args) -> None:
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(_main, argv)
+    return run_cli(_main, argv, kept="the HDF5 file was not written (its partial copy is removed); "
+                   "an existing --out is as it was")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,15 @@ def check_picture_path(path, option: str = "--out") -> Path:
     return path
 
 
-def write_image(path, picture: np.ndarray, option: str = "--out") -> Path:
+def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: bool = True) -> Path:
     """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
     same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
-    path when the extension is not a picture format or the place is not writable."""
+    path when the extension is not a picture format or the place is not writable; without
+    `overwrite`, a file that appeared at `path` meanwhile is kept (`config.paths.written_whole`)."""
     path = check_picture_path(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with written_whole(path) as temp:
+        with written_whole(path, overwrite, option) as temp:
             written = cv2.imwrite(str(temp), picture)
     except (cv2.error, OSError) as exc:
         written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"

@@ -90,14 +90,14 @@ def _main(argv=None) -> int:
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")
     grid = render_preview(dataset, args.n, args.seed)
-    write_image(args.out, grid)
+    write_image(args.out, grid, overwrite=args.overwrite)
     print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
     return 0
 
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(_main, argv)
+    return run_cli(_main, argv, kept="the preview picture was not written; an existing --out is as it was")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
         [--skeleton coco|quadruped]
 
-writes DIR/train.json, DIR/val.json (COCO keypoint format: 17 person keypoints, or with
+writes DIR/train.json, DIR/val.json (a DIR that holds them, or pictures in DIR/train or DIR/val, is
+refused unless --overwrite is given) (COCO keypoint format: 17 person keypoints, or with
 `--skeleton quadruped` the animals of `data.synthetic_animals`) and DIR/train/*.jpg,
 DIR/val/*.jpg. Each image shows 1-3 stick figures facing the camera (so a person's right side is
 on the image's left, as for real people seen from the front): thick limbs coloured by limb type,
@@ -25,7 +26,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import ArgumentParser, DataError
+from config.errors import ArgumentParser, ConfigError, DataError, run_cli
+from config.paths import refuse_existing, written_whole
 from config.skeleton import builtin
 from data import synthetic_animals
 
@@ -216,9 +218,10 @@ SKELETONS = ("coco", synthetic_animals.NAME)
 
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
-                skeleton: str = "coco") -> Path:
+                skeleton: str = "coco", overwrite: bool = True) -> Path:
     """Draw `count` images of people (`skeleton` coco) or animals (quadruped) into out_dir/split/
-    and write out_dir/split.json; returns the JSON path."""
+    and write out_dir/split.json (a JSON that appeared there meanwhile replaced only with
+    `overwrite`); returns the JSON path."""
     split_index = {"train": 0, "val": 1}[split]
     rng = np.random.default_rng([seed, split_index])            # different streams per split
     folder = out_dir / split
@@ -242,17 +245,18 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
                  "keypoints": list(builtin("coco").dataset_keypoints), "skeleton": COCO_SKELETON}
                 if skeleton == "coco" else synthetic_animals.category())
     path = out_dir / f"{split}.json"
-    path.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
+    with written_whole(path, overwrite) as temp:
+        temp.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
                                 "images": images, "annotations": annotations,
-                                "categories": [category]}))
+                                    "categories": [category]}))
     return path
 
 
 def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
-                  seed: int = 0, skeleton: str = "coco") -> dict:
+                  seed: int = 0, skeleton: str = "coco", overwrite: bool = True) -> dict:
     """Both splits under `out_dir`; returns {split: json path}."""
     out_dir = Path(out_dir)
-    return {split: write_split(out_dir, split, count, size, seed, skeleton)
+    return {split: write_split(out_dir, split, count, size, seed, skeleton, overwrite)
             for split, count in (("train", train_images), ("val", val_images))}
 
 
@@ -300,7 +304,21 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
     return paths
 
 
-def main(argv=None) -> int:
+def refuse_existing_dataset(out_dir: Path, overwrite: bool) -> None:
+    """ConfigError when `out_dir` already holds a dataset's files (split JSONs, pictures of the split
+    folders) and `overwrite` is not given; a file as `out_dir` always."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
+    for split in ("train", "val"):
+        refuse_existing("--out", out_dir / f"{split}.json", overwrite)
+        folder = out_dir / split
+        if not overwrite and folder.is_dir() and any(folder.iterdir()):
+            raise ConfigError(f"--out {out_dir}: its folder {split}/ already holds files; remove them, "
+                              "choose another --out or pass --overwrite to replace the dataset "
+                              "(nothing was written)")
+
+
+def _main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")
     parser.add_argument("--train-images", type=int, default=400)
@@ -309,15 +327,23 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skeleton", default="coco", choices=SKELETONS,
                         help="what to draw: people (coco, default) or four-legged animals (quadruped)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a dataset already in --out (its JSONs and pictures)")
     args = parser.parse_args(argv)
     if args.size < 64 or args.train_images < 1 or args.val_images < 1:
-        print("error: --size must be >= 64 and the image counts >= 1", file=sys.stderr)
-        return 2
+        raise ConfigError("--size must be >= 64 and the image counts >= 1")
+    refuse_existing_dataset(Path(args.out), args.overwrite)
     paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed,
-                          args.skeleton)
+                          args.skeleton, args.overwrite)
     print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "
           f"({args.val_images} images)")
     return 0
+
+
+def main(argv=None) -> int:
+    """The command line: a user error prints one line and returns its exit code."""
+    return run_cli(_main, argv, kept="the pictures and JSON files written so far are kept; the "
+                   "dataset is incomplete: run the command again with --overwrite")
 
 
 if __name__ == "__main__":

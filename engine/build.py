@@ -13,6 +13,7 @@ from torch import nn
 from config.errors import DataError
 from config.schema import Config, ModelConfig
 from config.skeleton import Skeleton
+from config.skeleton_words import skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.precision import PrecisionBackend, build_precision, convert_sync_bn
@@ -20,7 +21,7 @@ from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer
 from engine.optim_step import OptimStep
-from engine.resume import RunPlan, load_start, skeleton_words
+from engine.resume import RunPlan, load_start
 from engine.run_setup import resolve_data, train_loader
 
 
@@ -62,9 +63,10 @@ def build_data(cfg: Config, ctx) -> Data:
     loader, sampler = train_loader(train_set, cfg.data, cfg.train, ctx)
     val_set = KeypointDataset(val_h5, samples, train=False) if val_h5 else None
     if val_set is not None and val_set.skeleton != train_set.skeleton:
-        raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(val_set.skeleton)})"
-                        f" is not that of --train-h5 {train_h5} "
-                        f"({skeleton_words(train_set.skeleton)}); convert both with the same skeleton")
+        theirs, ours = val_set.skeleton, train_set.skeleton
+        raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(theirs, ours)}) is not that of "
+                        f"--train-h5 {train_h5} ({skeleton_words(ours, theirs)}); convert both with the "
+                        "same skeleton")
     return Data(train_set, loader, sampler, val_set, train_h5, val_h5)
 
 

@@ -53,7 +53,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda a: run(build_parser().parse_args(a)), argv)
+    return run_cli(lambda a: run(build_parser().parse_args(a)), argv,
+                   kept="the converted checkpoint was not written; an existing --out is as it was")
 
 
 if __name__ == "__main__":

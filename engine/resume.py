@@ -7,13 +7,16 @@ puts the weights a run starts from (resume, the authors' run, --weights) into th
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.errors import CheckpointError
+from config.errors import CheckpointError, ConfigError
+from config.paths import same_file
 from config.schema import Config, TrainConfig
 from config.skeleton import Skeleton, from_checkpoint
-from engine.run_setup import pick_and_claim, release_run_dir
+from config.skeleton_words import skeleton_words
+from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
@@ -52,7 +55,21 @@ def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
         return str(path) if path else None
     if not Path(train.resume).is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
+    refuse_another_run(Path(train.resume), run_dir)
     return train.resume
+
+
+def refuse_another_run(path: Path, run_dir: Path) -> None:
+    """ConfigError when resuming `path` would write over another run's files in `run_dir` (where a
+    resume writes): a file the trainer did not name itself (not last.pth, best.pth, epoch_N.pth)
+    beside a run's files is another run's checkpoint."""
+    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
+        return
+    theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
+    if theirs:
+        raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
+                          "resuming there would write over; nothing was touched: copy the checkpoint "
+                          f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
 
 
 def latest_checkpoint(run_dir) -> Path | None:
@@ -100,8 +117,8 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
            "and --allow-partial" if how == "resume" else
            "pass --allow-partial to load everything but the output heads and merges whose "
            "shapes differ (they start fresh)")
-    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs)} but the data "
-                          f"has {skeleton_words(ours)}: {fix}")
+    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs, ours)} but the data "
+                          f"has {skeleton_words(ours, theirs)}: {fix}")
 
 
 def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
@@ -114,7 +131,7 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
         state = read_state(plan.resume_path)
         ckpt.check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
-        ckpt.load_weights(model, state)
+        ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
         return state, None, plan.resume_path
     if train.resume == "auto":
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
@@ -177,7 +194,3 @@ def load_summary(report: dict) -> str:
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
                if fresh else ""))
-
-
-def skeleton_words(skeleton: Skeleton) -> str:
-    return f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"

@@ -8,7 +8,10 @@
 
 `estimator(picture)` gives the picture's people (`Person`: keypoints (x, y, score) in picture
 pixels, score, box), best first; `estimator([p1, p2, ...])` a list of those per picture;
-`maps=True` gives `Prediction`s that also hold the maps [C, H, W] at picture size. A list, or
+`maps=True` gives `Prediction`s that also hold the maps [C, H, W] at picture size (a picture whose
+longer side is over `MAX_SIDE` = 2048 runs shrunk to it: its maps are of that size, its people in
+the picture's pixels). Grey, BGRA, uint16 and float pictures are converted, anything else that is
+not a picture is a TypeError / ValueError naming it (`inference.picture_input`). A list, or
 `estimator.stream(pictures)` over any iterable (video frames), goes through the network in
 batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads.
 Scales, flip and grouping settings are the checkpoint's (`inference` section of its config),
@@ -33,6 +36,7 @@ from config.schema import Config, InferenceConfig
 from config.views import PredictSettings
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
+from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
 from inference.predict import TorchNetwork, predict_maps_batch
 
 COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
@@ -109,6 +113,7 @@ class PoseEstimator:
         self.skeleton = self.network.skeleton       # what its channels are (`config.skeleton`)
         self.config: Config | None = None           # the whole config of the file it came from
                                                     # (None when built from a network and settings)
+        self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
 
     @classmethod
     def _loaded(cls, network, config: Config) -> "PoseEstimator":
@@ -147,15 +152,26 @@ class PoseEstimator:
         return self.network.device
 
     def maps(self, pictures_bgr: list[np.ndarray]) -> list[np.ndarray]:
-        """The maps [C, H, W] of each picture at its own size, batched (`inference.predict`)."""
-        return predict_maps_batch(self.network, pictures_bgr, self.settings)
+        """The maps [C, H, W] of each picture at the size it runs at (its own, or shrunk to
+        `MAX_SIDE`), batched (`inference.predict`); pictures checked as `__call__` says."""
+        return predict_maps_batch(self.network, list(self._prepared(pictures_bgr)), self.settings)
 
-    def maps_stream(self, pictures: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    def _prepared(self, pictures: Iterable, factors: deque | None = None) -> Iterator[np.ndarray]:
+        """Each picture checked and converted (`inference.picture_input`), shrunk to `MAX_SIDE`;
+        the factor each was shrunk by is appended to `factors`."""
+        for k, picture in enumerate(pictures):
+            ready, factor = shrunk(checked_picture(picture, f"picture {k}"), self.max_side)
+            if factors is not None:
+                factors.append(factor)
+            yield ready
+
+    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
+                    ) -> Iterator[np.ndarray]:
         """`maps` of an iterable of pictures, read `inference.batch_size` at a time, or fewer when
         they are larger than COCO's 640 x 480 (their maps at picture size are held together)."""
         batch_size = self.settings.inference.batch_size
         chunk, pixels = [], 0
-        for picture in pictures:
+        for picture in self._prepared(pictures, factors):
             chunk.append(picture)
             pixels += picture.shape[0] * picture.shape[1]
             if len(chunk) == batch_size or pixels >= batch_size * COCO_PICTURE_PIXELS:
@@ -166,13 +182,17 @@ class PoseEstimator:
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
-        for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures),
+        factors: deque = deque()
+        for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures, factors),
                                                                self.settings.inference, self.skeleton):
-            people = to_people(keypoints, scores)
+            people = to_people(coordinates_back(keypoints, factors.popleft()), scores)
             yield Prediction(people, picture_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):
-        """People of one BGR uint8 picture [H, W, 3], or a list of them per picture of a list."""
+        """People of one BGR uint8 picture [H, W, 3], or a list of them per picture of a list (other
+        pictures are converted or refused as `inference.picture_input` says)."""
         if isinstance(pictures, np.ndarray):
             return next(self.stream([pictures], maps))
+        if pictures is None or isinstance(pictures, (str, bytes, os.PathLike)):
+            checked_picture(pictures, "the picture")          # says what it is
         return list(self.stream(pictures, maps))

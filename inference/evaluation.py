@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from config.errors import DataError
+from config.paths import written_whole
 from config.schema import TargetConfig
 from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
@@ -132,19 +133,22 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
 def check_same_skeleton(model_skeleton, h5) -> None:
     """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
     if model_skeleton != h5.skeleton:
-        raise DataError(f"{h5.path}: its people have skeleton {h5.skeleton.name} "
-                        f"({h5.skeleton.num_keypoints} keypoints) but the model was trained on "
-                        f"{model_skeleton.name} ({model_skeleton.num_keypoints} keypoints)")
+        from config.skeleton_words import skeleton_words
+
+        raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, model_skeleton)} "
+                        f"but the model was trained on {skeleton_words(model_skeleton, h5.skeleton)}")
 
 
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
-                oracle: bool = False, results_path=None, stop=None, skeleton=None) -> dict | None:
+                oracle: bool = False, results_path=None, stop=None, skeleton=None,
+                overwrite: bool = True) -> dict | None:
     """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
     of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of `h5_path` (0:
     all), OKS with the file's skeleton's sigmas, at `settings` (`config.views.PredictSettings`:
     scales, flip, grouping, input size). `oracle` decodes the ground-truth maps instead (no
     model needed). `skeleton`: the model's, refused when it is not the file's.
-    `results_path`: where rank 0 writes the COCO results JSON. `stop()`, asked before each image,
+    `results_path`: where rank 0 writes the COCO results JSON (atomically; a file there replaced
+    only with `overwrite`). `stop()`, asked before each image,
     True on any rank: every rank returns None, unscored (a training run asked to stop).
     """
     from data.h5format import KeypointH5
@@ -166,12 +170,12 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
         return None
     gathered = all_gather_object(found)
     try:
-        return decided_on_main(lambda: _score(gathered, h5, results_path))
+        return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite))
     finally:
         h5.close()
 
 
-def _score(gathered: list[dict], h5, results_path) -> dict:
+def _score(gathered: list[dict], h5, results_path, overwrite: bool = True) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
     merged = {}
     for part in gathered:
@@ -182,7 +186,8 @@ def _score(gathered: list[dict], h5, results_path) -> dict:
     if results_path:
         try:
             Path(results_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(results_path).write_text(json.dumps(results))
+            with written_whole(results_path, overwrite) as temp:
+                temp.write_text(json.dumps(results))
         except OSError as exc:
             raise DataError(f"{results_path}: cannot write the results JSON there "
                             f"({exc.strerror or exc})") from None

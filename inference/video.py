@@ -2,7 +2,8 @@
 
 Opening errors are `DataError`s naming the option (FFmpeg's own log lines are silenced, so a bad
 file gives one line). The annotated video is written to a temporary file beside its target and
-renamed onto it when complete (demo.py refuses a target that exists unless --overwrite is given).
+renamed onto it once read back complete (demo.py refuses a target that exists unless --overwrite is
+given).
 """
 from __future__ import annotations
 
@@ -83,15 +84,29 @@ def check_video_out(path) -> Path:
     return path
 
 
+def count_frames(path) -> int:
+    """How many frames OpenCV reads back from the video file at `path` (0 when it cannot open it)."""
+    capture = cv2.VideoCapture(str(path))
+    count = 0
+    try:
+        while capture.isOpened() and capture.grab():
+            count += 1
+    finally:
+        capture.release()
+    return count
+
+
 class VideoOut:
     """Context manager writing BGR frames of one size to `path` at `fps`: into a temporary file beside
-    it, renamed onto `path` when the block ends without an exception, removed otherwise."""
+    it, which is read back when the block ends without an exception (every frame written must be
+    there: OpenCV's writer reports no error, e.g. on a full disk) and then takes `path`'s name
+    (replacing a file there only with `overwrite`); removed otherwise."""
 
-    def __init__(self, path, fps: float, size: tuple[int, int]):
+    def __init__(self, path, fps: float, size: tuple[int, int], overwrite: bool = False):
         self.path = check_video_out(path)
-        self.whole = written_whole(self.path)
+        self.whole = written_whole(self.path, overwrite)
         self.fps, self.size = fps, size
-        self.writer = None
+        self.writer, self.temp, self.frames = None, None, 0
         self.closed = False          # a live window can be closed; a file is written to the end
 
     def __enter__(self) -> "VideoOut":
@@ -100,14 +115,26 @@ class VideoOut:
         except OSError as exc:
             raise DataError(f"--out {self.path}: cannot write there ({exc.strerror or exc})") from None
         fourcc = cv2.VideoWriter_fourcc(*FOURCC[self.path.suffix.lower()])
-        self.writer = cv2.VideoWriter(str(self.whole.__enter__()), fourcc, self.fps, self.size)
+        self.temp = self.whole.__enter__()
+        self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
         if not self.writer.isOpened():
-            raise DataError(f"--out {self.path}: OpenCV cannot write a video there (folder not writable?)")
+            problem = DataError(f"--out {self.path}: OpenCV cannot write a video there "
+                                "(folder not writable?)")
+            self.whole.__exit__(DataError, problem, None)
+            raise problem
         return self
 
     def write(self, frame: np.ndarray) -> None:
         self.writer.write(frame)
+        self.frames += 1
 
     def __exit__(self, kind, value, traceback) -> None:
         self.writer.release()
+        if kind is None:
+            found = count_frames(self.temp)
+            if found != self.frames:
+                problem = DataError(f"--out {self.path}: the video written holds {found} of its "
+                                    f"{self.frames} frames when read back (full disk?); nothing was written")
+                self.whole.__exit__(DataError, problem, None)
+                raise problem
         self.whole.__exit__(kind, value, traceback)     # the video takes its name only when whole

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from config.errors import CheckpointError
+from config.errors import CheckpointError, chained_os_reason
 from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
@@ -50,16 +50,6 @@ def _plain(value, where: str):
         return items if type(value) is list else type(value)(items)
     raise TypeError(f"checkpoint value {where} is a {type(value).__name__}: only plain types and "
                     "tensors can be saved (so that weights_only loading can read them)")
-
-
-def _os_reason(exc: BaseException) -> str:
-    """The most telling reason in an exception chain (torch hides a write's OSError as context)."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror.lower()
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -116,7 +106,7 @@ def save_checkpoint(path, state: dict) -> None:
                 pass
         if isinstance(exc, Exception):
             kept = "; the previous file there, if any, is intact" if not replaced else ""
-            raise CheckpointError(f"cannot save checkpoint {path}: {_os_reason(exc)}{kept}") from exc
+            raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
         raise
 
 
@@ -365,10 +355,28 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
         raise CheckpointError(f"{source} does not match the model; " + "; ".join(problems)
                               + f"; pass --allow-partial to load only the {len(matching)} "
                               "matching tensors")
+    check_values(matching, expected, source)
     target.load_state_dict(matching, strict=False)
     return {"source": source, "loaded": len(matching), "missing": missing,
             "unexpected": unexpected, "mismatched": mismatched,
             "converted": REFERENCE_NOTE if reference is not None else ""}
+
+
+def check_values(weights: dict, expected: dict, source: str) -> None:
+    """CheckpointError naming `source` and the first tensor of `weights` that a model could not use:
+    integer or boolean values where the model holds floating-point ones (load_state_dict would cast
+    them silently), or NaN / infinite values."""
+    for name, tensor in weights.items():
+        wanted = expected[name]
+        if wanted.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
+                                  f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
+                                  "not weights this trainer wrote")
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "
+                                  f"{tensor.numel()}: these weights are unusable (a run that diverged?); "
+                                  "use an earlier checkpoint")
 
 
 REFERENCE_NOTE = "the authors' layout (posenet.*), converted in memory: names mapped, first conv BGR -> RGB"

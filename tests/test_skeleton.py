@@ -118,8 +118,8 @@ def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_pa
     assert evaluate.main(["--weights", str(tmp_path / "cp" / "last.pth"), "--h5", str(tmp_path / "coco.h5"),
                           "--out", str(out), "--overwrite", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {tmp_path / 'coco.h5'}: its people have skeleton coco (18 keypoints) but the model was "
-        "trained on crowdpose (14 keypoints)"]
+        f"error: {tmp_path / 'coco.h5'}: its people have skeleton coco, 18 keypoints, 50 channels but the "
+        "model was trained on crowdpose, 14 keypoints, 36 channels"]
 
 
 def test_the_oracle_scores_with_the_skeleton_sigmas(coco4_dir, tmp_path, capsys):

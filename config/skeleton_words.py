@@ -1,0 +1,36 @@
+"""Skeletons in a few words for error messages about two of them (a checkpoint's and the data's, a
+validation file's and a training file's): the words of the two sides always differ."""
+from __future__ import annotations
+
+from config.skeleton import Skeleton
+
+
+def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
+    """`skeleton` in a few words for an error about it and `other`: name and sizes, and, where
+    those are the same words, what differs (a keypoint's name, the limbs, the flip pairs, the
+    derived keypoints or the OKS sigmas), so the two sides of a message read differently."""
+    words = f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"
+    if words != f"{other.name}, {other.num_keypoints} keypoints, {other.num_channels} channels":
+        return words
+    names = skeleton.keypoints
+
+    def limbs(of: Skeleton) -> set:
+        return {frozenset((of.keypoints[a], of.keypoints[b])) for a, b in of.limbs}
+    if skeleton.keypoints != other.keypoints:
+        k = next(k for k, (a, b) in enumerate(zip(skeleton.keypoints, other.keypoints)) if a != b)
+        return f"{words}, keypoint {k} {names[k]!r}"
+    if limbs(skeleton) != limbs(other):
+        own = sorted("-".join(sorted(limb)) for limb in limbs(skeleton) - limbs(other))
+        lacks = sorted("-".join(sorted(limb)) for limb in limbs(other) - limbs(skeleton))
+        return f"{words}, " + (f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}")
+    if skeleton.limbs != other.limbs or skeleton.main_limbs != other.main_limbs:
+        return f"{words}, {skeleton.main_limbs} main limbs in another order"
+    if skeleton.flip != other.flip:
+        pairs = sorted({tuple(sorted((names[k], names[f]))) for k, f in enumerate(skeleton.flip) if f != k})
+        return f"{words}, flip pairs {', '.join('/'.join(p) for p in pairs) or 'none'}"
+    if skeleton.derived != other.derived:
+        made = [f"{names[k]} from {names[a]}+{names[b]}" for k, a, b in skeleton.derived]
+        return f"{words}, derived {', '.join(made) or 'none'}"
+    if skeleton.sigmas != other.sigmas:
+        return f"{words}, OKS sigmas {', '.join(f'{s:g}' for s in skeleton.sigmas)}"
+    return f"{words}, keypoints in the annotations {', '.join(skeleton.dataset_keypoints)}"
