@@ -16,7 +16,7 @@ from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.hooks import Hook, LRSchedule
 from engine.optim import lr_at
-from engine.trainer import Launch, Trainer
+from engine.run_trainer import Launch, build_trainer
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
@@ -41,7 +41,7 @@ class Recorder(Hook):
         self.events.append(("step", trainer.step, first))
 
     def after_step(self, trainer, out):
-        self.losses.append((trainer.step, out["loss"], out["lr"], out["skipped"]))
+        self.losses.append((trainer.step, out.loss, out.lr, out.skipped))
 
     def on_stop(self, trainer):
         self.events.append(("stop",))
@@ -58,8 +58,8 @@ class Recorder(Hook):
 
 def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_path, synthetic_h5):
     hook = Recorder()
-    result = Trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),
-                     Launch(single_process_context("cpu")), hooks=[hook]).fit()
+    result = build_trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),
+                           Launch(single_process_context("cpu")), hooks=[hook]).fit()
     assert result["step"] == 2
     assert hook.events == [("epoch", 0), ("step", 0, 0), ("epoch", 1), ("step", 1, 0), ("stop",)]
     assert [s for s, *_ in hook.losses] == [1, 2]
@@ -68,7 +68,7 @@ def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_p
     assert int(saved["recorder"]["steps_seen"]) == 2 and saved["saved_as"] == "last.pth"
     again = Recorder()          # resumed (nothing left to train): the hook gets its state back
     sets = quick_sets(tmp_path, synthetic_h5, "hooked") + ["train.resume=auto"]
-    Trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")), hooks=[again]).fit()
+    build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")), hooks=[again]).fit()
     assert again.restored == 2 and again.losses == []
 
 
