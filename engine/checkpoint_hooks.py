@@ -24,7 +24,16 @@ class LastCheckpoint(Hook):
         trainer.save("last.pth", epoch + 1, 0, validation_pending=any(validations_due(trainer, epoch)))
 
 
-class BestCheckpoint(Hook):
+class EpochEndHook(Hook):
+    """A hook of the epoch's end that runs again for the last epoch of a run resumed while
+    validating (`engine.epoch_end.revalidating`)."""
+
+    def before_train(self, trainer):
+        if revalidating(trainer):
+            self.after_epoch(trainer, trainer.epoch - 1, None)
+
+
+class BestCheckpoint(EpochEndHook):
     """`metric` "AP" (higher is better) or "loss" (lower is better)."""
     checkpoint_key = "best_metric"
     priority = 91
@@ -40,10 +49,6 @@ class BestCheckpoint(Hook):
         self.improved = self.best is None or (value > self.best if self.metric == "AP" else value < self.best)
         if self.improved:
             self.best = value
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
         if self.improved:
@@ -61,22 +66,18 @@ class BestCheckpoint(Hook):
         return {"best_metric": self.best}
 
 
-class PeriodicCheckpoint(Hook):
+class PeriodicCheckpoint(EpochEndHook):
     priority = 92
 
     def __init__(self, every: int):
         self.every = every
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
         if self.every and (epoch + 1) % self.every == 0:
             trainer.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
 
 
-class EarlyStop(Hook):
+class EarlyStop(EpochEndHook):
     """Counts the validations since `best` (a `BestCheckpoint`) last improved; `patience` 0: never
     stops."""
     checkpoint_key = "bad_validations"
@@ -88,10 +89,6 @@ class EarlyStop(Hook):
     def after_validation(self, trainer, epoch, results):
         if self.best.improved is not None:
             self.bad_validations = 0 if self.best.improved else self.bad_validations + 1
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
         if self.patience and self.bad_validations >= self.patience:
