@@ -1,9 +1,11 @@
 """The loop apart from its assembly: a `Trainer` built from a model, a loss, an optimiser step and
-batches alone (no configuration, no run directory), and a run whose loss a `TrainerBuilder`
-subclass replaces."""
+batches alone (no configuration, no run directory), and docs/extending.md's run whose loss a
+`TrainerBuilder` subclass replaces."""
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,29 +17,8 @@ from engine.model_with_loss import ModelWithLoss
 from engine.optim_step import OptimStep
 from engine.trainer import StepResult, Trainer, TrainParts
 
-LOSS_EXAMPLE = '''
-import torch.nn.functional as F
-from torch import nn
-from config import build_config
-from engine.build import TrainerBuilder
-from engine.cli import single_process_context
-from engine.run_trainer import Launch, build_trainer
+EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
-class LastStackL2(nn.Module):    # (outputs[stack][scale], target, mask) -> (per-sample loss, parts)
-    def forward(self, outputs, target, mask):
-        prediction = outputs[-1][0].float()          # the last stack's finest scale
-        target = F.adaptive_avg_pool2d(target.float(), prediction.shape[-2:])
-        mask = F.interpolate(mask.float(), prediction.shape[-2:])
-        per_sample = ((prediction - target) ** 2 * mask).sum(dim=(1, 2, 3))
-        return per_sample, {"l2": per_sample.detach()}
-
-class MyBuilder(TrainerBuilder):
-    def build_loss(self, cfg, skeleton):
-        return LastStackL2()
-
-cfg = build_config("tiny", sets=["train.run_name=l2"])
-build_trainer(cfg, Launch(single_process_context("cpu")), builder=MyBuilder()).fit()
-'''
 
 
 class SquaredError(nn.Module):
@@ -89,7 +70,11 @@ def test_accumulated_steps_take_the_model_inputs_of_several_batches():
     assert trainer.fit() == {"epoch": 1, "step": 2}
 
 
-def test_the_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5, monkeypatch, capsys):
+def test_the_docs_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5, monkeypatch, capsys):
+    example = next(block for block in re.findall(r"```python\n(.*?)```", EXTENDING.read_text(), re.S)
+                   if "def build_loss" in block)
+    loss = example[example.index("class LastStackL2"):example.index("cfg = ")]
+    assert len([line for line in loss.splitlines() if line.strip()]) <= 10    # the loss, in ten lines
     import config
     build = config.build_config
     fast = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
@@ -100,7 +85,7 @@ def test_the_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5, mon
     called = []
     monkeypatch.setattr(FocalL2Loss, "forward", lambda *args: called.append(1))
     namespace = {"__name__": "loss_example"}
-    exec(compile(LOSS_EXAMPLE, "loss example", "exec"), namespace)
+    exec(compile(example, str(EXTENDING), "exec"), namespace)
     assert called == []                                   # the focal loss never ran
     assert (tmp_path / "l2/last.pth").is_file() and "done." in capsys.readouterr().out
     lines = (tmp_path / "l2/metrics.jsonl").read_text()
