@@ -111,3 +111,29 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
     quadruple = lr_at(optim, 50, 0, 10, total_batch=16)
     assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
+
+
+def test_best_checkpoint_and_early_stop_keep_their_own_state():
+    from engine.checkpoint_hooks import BestCheckpoint, EarlyStop
+    saved, said = [], []
+    trainer = SimpleNamespace(hooks=[], finish_requested=False, say=said.append,
+                              save=lambda name, epoch, batch: saved.append((name, epoch)))
+    best = BestCheckpoint("loss")
+    stop = EarlyStop(best, patience=2)
+    for epoch, results in enumerate([{"loss": 3.0}, {"loss": 2.0}, {"loss": 2.5}, {}, {"loss": 2.1}]):
+        for hook in (best, stop):
+            hook.after_validation(trainer, epoch, results)
+        for hook in (best, stop):
+            hook.after_epoch(trainer, epoch, 1.0)
+    assert saved == [("best.pth", 1), ("best.pth", 2)]     # improved after epochs 1 and 2 only
+    assert (best.state_dict(), stop.state_dict()) == (2.0, 2)  # a pass without a loss is no verdict
+    assert trainer.finish_requested and stop.outcome() == {"early_stopped": True}
+    assert said == ["early stop after epoch 5: no improvement in 2 validations"]
+    resumed_best, resumed_stop = BestCheckpoint("loss"), EarlyStop(BestCheckpoint("loss"), 2)
+    resumed_best.load_state_dict(best.state_dict())
+    resumed_stop.load_state_dict(stop.state_dict())
+    assert (resumed_best.outcome(), resumed_stop.bad_validations) == ({"best_metric": 2.0}, 2)
+    ap = BestCheckpoint("AP")                               # AP: higher is better
+    for value in (0.2, 0.1, 0.3):
+        ap.after_validation(trainer, 0, {"AP": value, "loss": 1.0})
+    assert ap.state_dict() == 0.3
