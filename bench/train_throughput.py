@@ -44,7 +44,6 @@ from bench.host_syncs import count_host_syncs, optimizer_step_counters  # noqa: 
 from config import build_config                        # noqa: E402
 from config.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
-from engine.device_feed import DeviceFeed              # noqa: E402
 from engine.run_trainer import Launch, build_loop      # noqa: E402
 from models import build_model                         # noqa: E402
 from models.summary import count_macs                  # noqa: E402
