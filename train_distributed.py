@@ -12,7 +12,7 @@ from config.errors import ConfigError, UserError
 from runtime import distributed as dist
 from engine.precision import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main
-from engine.trainer import Launch, Trainer
+from engine.run_trainer import Launch, build_trainer
 from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
@@ -32,8 +32,8 @@ def main(argv=None) -> dict:
     ctx = dist.init_distributed(cfg.dist, device=cfg.train.device, local_rank_arg=args.local_rank)
     try:
         wrap = lambda module: wrap_ddp(module, ctx, cfg.amp, cfg.dist)  # noqa: E731
-        return Trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(),
-                       hooks=[ValidationPictures(write_val_pictures)]).fit()
+        return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(),
+                             hooks=[ValidationPictures(write_val_pictures)]).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)
         raise

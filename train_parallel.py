@@ -14,7 +14,7 @@ from tqdm import tqdm
 from config.errors import ConfigError
 from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
-from engine.trainer import Launch, Trainer
+from engine.run_trainer import Launch, build_trainer
 from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
@@ -43,8 +43,8 @@ def main(argv=None) -> dict:
                           "process per GPU: torchrun --nproc_per_node N train_distributed.py --sync-bn")
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
-        return Trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                       training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
+        return build_trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
+                             training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg.amp, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -56,8 +56,8 @@ def main(argv=None) -> dict:
                           "torchrun train_distributed.py")
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
-    return Trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                   training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
+    return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
+                         training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
 
 
 if __name__ == "__main__":

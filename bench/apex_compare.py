@@ -49,16 +49,16 @@ from engine.precision.loss_scale import grad_scaler_fields      # noqa: E402
 def child(args) -> dict:
     """One configuration: train `args.steps` steps, return its curve and speed."""
     from engine.cli import single_process_context
-    from engine.trainer import Launch, Trainer
+    from engine.run_trainer import Launch, build_loop
     sets = [f"amp.backend={args.backend}", f"amp.opt_level={args.level}", "amp.tf32=false",
             f"data.input_size={args.input}", f"data.train_h5={args.h5}", f"data.workers={args.workers}",
             f"train.batch_size={args.batch}", f"train.device={args.device}", f"train.seed={args.seed}",
-            f"train.out_dir={args.work}", f"train.run_name={args.backend}-{args.level}",
             "train.tensorboard=false", "optim.warmup_epochs=0", *args.set]
     cfg = build_config(args.preset, sets=sets)
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(cfg, Launch(single_process_context(cfg.train.device)))
-    device = trainer.ctx.device
+        launch = Launch(single_process_context(cfg.train.device))
+        trainer, parts = build_loop(cfg, launch)
+    device = launch.ctx.device
     trainer.net.train()
     batches = loader_batches(trainer)
     losses, skipped, scales, timed, tick = [], [], [], 0, None
@@ -68,14 +68,14 @@ def child(args) -> dict:
         if i == args.warmup:
             sync(device)
             tick = time.perf_counter()
-        out = trainer.run_step([next(batches)], 0, i)
-        losses.append(out["loss"])
-        skipped.append(bool(out["skipped"]))
-        scales.append(grad_scaler_fields(trainer.precision.state_dict()).get("scale"))
+        out = trainer.run_step([next(batches)])
+        losses.append(out.loss)
+        skipped.append(bool(out.skipped))
+        scales.append(grad_scaler_fields(parts.precision.state_dict()).get("scale"))
         timed += i >= args.warmup
     sync(device)
     seconds = time.perf_counter() - tick if tick else float("nan")
-    return {"backend": args.backend, "level": args.level, "precision": trainer.precision.describe(),
+    return {"backend": args.backend, "level": args.level, "precision": parts.precision.describe(),
             "losses": losses, "skipped": skipped, "scales": scales,
             "images_per_s": args.batch * timed / seconds if timed else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None}

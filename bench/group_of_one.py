@@ -30,7 +30,7 @@ from engine.precision import wrap_ddp                         # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from runtime.launch_env import find_free_port                # noqa: E402
 from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
-from engine.trainer import Launch, Trainer                  # noqa: E402
+from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 
 SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
@@ -73,8 +73,8 @@ def main(argv=None) -> dict:
                                   device_id=ctx.device if ctx.backend == "nccl" else None)
     ctx.distributed = True
     try:
-        trainer = Trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist), mode="ddp"),
-                          training_evaluator())
+        trainer = build_trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
+                                            mode="ddp"), training_evaluator())
         sync_bn = sum(isinstance(m, SYNC_BN) or "SyncBatchNorm" in type(m).__name__
                       for m in trainer.model.modules())
         if args.force_sync_function:

@@ -8,7 +8,7 @@ keeps them on the CPU unless the optimiser is fused or capturable; Adam reads th
 are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`).
 
     with count_host_syncs() as syncs:
-        trainer.run_step(batches, epoch, first)
+        trainer.run_step(inputs)
     print(syncs.count, syncs.by_kind)
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Training throughput of the engine's own step per precision setting (issue 8).
 
 For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16, each with and
-without channels_last and optionally torch.compile) it builds the real `Trainer` that train.py
-builds and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
+without channels_last and optionally torch.compile) it builds the parts that train.py
+builds (`engine.run_trainer.build_loop`: no run directory) and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
 already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
 the first step's time (under --compile, mostly the compilation), the time the step waited for data
 (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
@@ -44,8 +44,7 @@ from bench.host_syncs import count_host_syncs, optimizer_step_counters  # noqa: 
 from config import build_config                        # noqa: E402
 from config.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
-from engine.device_feed import DeviceFeed              # noqa: E402
-from engine.trainer import Launch, Trainer             # noqa: E402
+from engine.run_trainer import Launch, build_loop      # noqa: E402
 from models import build_model                         # noqa: E402
 from models.summary import count_macs                  # noqa: E402
 
@@ -88,68 +87,64 @@ def synthetic_batches(batch: int, cfg, device):
         yield images, target, mask
 
 
-def loader_batches(trainer: Trainer):
+def loader_batches(loop):
     """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
     iterates it."""
     epoch = 0
     while True:
-        trainer.train_set.set_epoch(epoch)
-        trainer.data.sampler.set_epoch(epoch)
-        yield from DeviceFeed(trainer.data.loader, trainer.ctx.device,
-                              trainer.train_set.painter_for(trainer.ctx.device))
+        yield from loop.parts.batches(epoch, 0)
         epoch += 1
 
 
-def engine_config(args, h5: str, work: Path, level: str, dtype: str, tf32: bool,
+def engine_config(args, h5: str, level: str, dtype: str, tf32: bool,
                   channels_last: bool, compile_model: bool):
     sets = [f"amp.backend={args.amp_backend}", f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
             f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
             f"data.input_size={args.input}", f"data.train_h5={h5}", f"data.workers={args.workers}",
-            f"train.batch_size={args.batch}", f"train.device={args.device}", f"train.out_dir={work}",
-            "train.run_name=bench", "train.overwrite=true", "train.tensorboard=false"]
+            f"train.batch_size={args.batch}", f"train.device={args.device}", "train.tensorboard=false"]
     return build_config(args.preset, sets=sets)
 
 
-def run_config(args, h5: str, work: Path, name, level, dtype, tf32, channels_last, compile_model) -> dict:
+def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_model) -> dict:
     label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")) + (" +compile" if compile_model else "")
-    cfg = engine_config(args, h5, work, level, dtype, tf32, channels_last, compile_model)
+    cfg = engine_config(args, h5, level, dtype, tf32, channels_last, compile_model)
     with contextlib.redirect_stdout(io.StringIO()):       # the trainer's start-up lines
-        trainer = Trainer(cfg, Launch(single_process_context(cfg.train.device)))
-    device = trainer.ctx.device
+        launch = Launch(single_process_context(cfg.train.device))
+        trainer, parts = build_loop(cfg, launch)
+    device = launch.ctx.device
     trainer.net.train()
     data = loader_batches(trainer) if args.from_loader else synthetic_batches(args.batch, cfg, device)
-    epoch = cfg.optim.warmup_epochs               # past the warm-up: the schedule's plain LR
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     skipped, waited = 0, 0.0
     try:
         tick = time.perf_counter()
-        trainer.run_step([next(data)], epoch, 0)
+        trainer.run_step([next(data)])
         sync(device)
         first_step = time.perf_counter() - tick       # under --compile: mostly the compilation
         for i in range(1, args.warmup):
-            trainer.run_step([next(data)], epoch, i)
+            trainer.run_step([next(data)])
         # then on while the fp16 loss scale still falls: an overflow skips the optimiser step, and
         # the timed steps should be whole ones
         i = args.warmup
-        while trainer.run_step([next(data)], epoch, i)["skipped"] and i < args.warmup + 50:
+        while trainer.run_step([next(data)]).skipped and i < args.warmup + 50:
             i += 1
         sync(device)
         start = time.perf_counter()
         # the steps' reads of tensor values on the host (the optimiser's CPU step counters aside)
-        with count_host_syncs(optimizer_step_counters(trainer.optimizer)) as syncs:
+        with count_host_syncs(optimizer_step_counters(parts.optimizer)) as syncs:
             for i in range(i + 1, i + 1 + args.steps):
                 tick = time.perf_counter()
                 batch = next(data)
                 waited += time.perf_counter() - tick
-                skipped += trainer.run_step([batch], epoch, i)["skipped"]
+                skipped += trainer.run_step([batch]).skipped
         sync(device)
         seconds = (time.perf_counter() - start) / args.steps
-        time_by_op = profile_steps(lambda i: trainer.run_step([next(data)], epoch, i), args.profile, device)
+        time_by_op = profile_steps(lambda i: trainer.run_step([next(data)]), args.profile, device)
     except torch.OutOfMemoryError:
         return {"config": label, "error": "out of memory"}
     finally:
-        del data, trainer
+        del data, trainer, parts
         if compile_model:
             torch._dynamo.reset()
         gc.collect()
@@ -261,7 +256,7 @@ def main(argv=None) -> int:
         for name, level, dtype, tf32 in configs:
             for cl in both[args.channels_last]:
                 for comp in both[args.compile]:
-                    row = run_config(args, str(h5), work, name, level, dtype, tf32, cl, comp)
+                    row = run_config(args, str(h5), name, level, dtype, tf32, cl, comp)
                     if "error" not in row:
                         row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
                         row["share_of_bf16_peak"] = row["tflops"] / peak if peak else None

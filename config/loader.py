@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from config.errors import ConfigError
-from config.schema import BOUNDS, CHOICES, Config
+from config.schema import Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -100,7 +100,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             value = [v for v in value.replace(",", " ").split()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option {key}: expected a list, got {value!r}")
-        kind = BOUNDS[key].items if key in BOUNDS else None
+        bounds = declared(key)["bounds"]
+        kind = bounds.items if bounds is not None else None
         if kind is None:
             return list(value)
         return [_number(key, v, kind, f"item {i}: ") for i, v in enumerate(value)]
@@ -119,10 +120,10 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
                 raise ConfigError(f"option {full}: expected a mapping of {type(current).__name__} fields")
             _apply(current, value, full + ".")
         else:
-            # fields declared `object` take several types (auto or a switch, dynamic or a number):
-            # validate() checks them
-            declared_any = fields[key].type in ("object", object)
-            setattr(cfg, key, value if declared_any else _coerce(full, value, current))
+            # fields of a union type take several (auto or a switch, dynamic or a number): their
+            # choices, or validate(), check them
+            several = "|" in str(fields[key].type)
+            setattr(cfg, key, value if several else _coerce(full, value, current))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -181,12 +182,12 @@ def to_yaml(cfg: Config) -> str:
 
 def check_value(key: str, value: Any) -> None:
     """Raise `ConfigError` for a value of option `key` (e.g. "train.seed") that is not a finite
-    number, or outside `BOUNDS` and `CHOICES` of config.schema where they declare it."""
-    if key in CHOICES and value not in CHOICES[key]:
+    number, or outside the bounds and choices that config.schema declares for it."""
+    choices, bounds = declared(key)["choices"], declared(key)["bounds"]
+    if choices is not None and value not in choices:
         shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
-                 for c in CHOICES[key]]
+                 for c in choices]
         raise ConfigError(f"option {key}: {value!r} is not {', '.join(shown[:-1])} or {shown[-1]}")
-    bounds = BOUNDS.get(key)
     items = value if isinstance(value, list) else [value]
     if isinstance(value, list) and bounds is not None:
         if len(value) < bounds.min_items or (bounds.max_items is not None and len(value) > bounds.max_items):
@@ -225,13 +226,13 @@ def _check_fields(section: Any, prefix: str = "") -> None:
 
 def check_section(section: Any, prefix: str) -> None:
     """Raise `ConfigError` for a value of one section (e.g. an `InferenceConfig` built in code,
-    `prefix` "inference") outside what `BOUNDS` and `CHOICES` of config.schema accept."""
+    `prefix` "inference") outside what config.schema declares it accepts."""
     _check_fields(section, prefix.rstrip(".") + ".")
 
 
 def check_input_size(size: Any) -> None:
     """Raise `ConfigError` unless `size` is an input size the network takes (data.input_size):
-    an integer multiple of 64 within `BOUNDS`."""
+    an integer multiple of 64 within its declared bounds."""
     if not isinstance(size, int) or isinstance(size, bool):
         raise ConfigError(f"option data.input_size: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)

@@ -3,190 +3,17 @@
 Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
 Presets in `config/presets/*.yaml` override them; the command line overrides the preset
 (`config.loader`). Every field is a plain YAML-able value so the resolved config of a run can be
-saved next to its checkpoints and in them. What each field accepts (range, list items, choices) is
-declared once at the end of this file, in `BOUNDS` and `CHOICES`; `config.loader.validate` applies
-it to every value, whether it comes from a preset, the command line or a checkpoint's saved config.
+saved next to its checkpoints and in them. Each field is declared once, with what it accepts
+(`option(..., bounds=, choices=)`: range, list items, choices) and, for the common ones, its
+command-line flag and help (`flag=Flag(...)`): `config.loader.check_value` applies the former to
+every value, whether it comes from a preset, the command line or a checkpoint's saved config, and
+`engine.cli.build_parser` builds the flags from the latter (`flags()`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class DataConfig:
-    train_h5: str = ""          # empty: the project's own synthetic dataset (made once, cached)
-    val_h5: str = ""
-    synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
-    input_size: int = 512       # network input, square, a multiple of 64
-    stride: int = 4             # output stride of the targets
-    workers: int = 2            # DataLoader workers per process
-    pin_memory: bool = True
-
-
-@dataclass
-class AugmentConfig:
-    enabled: bool = True
-    person_height: float = 0.6  # main person scaled to this fraction of the input height
-    scale_prob: float = 0.8
-    scale_min: float = 0.7
-    scale_max: float = 1.3
-    rotate_deg: float = 40.0
-    shift_px: float = 50.0      # at 512 input; scaled with input_size / 512
-    flip_prob: float = 0.5
-    color_prob: float = 0.2
-    hue_shift: float = 10.0     # OpenCV hue units (0-180)
-    sat_scale: float = 0.3      # saturation multiplied by 1 +- this
-    val_scale: float = 0.3      # value multiplied by 1 +- this
-
-
-@dataclass
-class TargetConfig:
-    keypoint_sigma: float = 9.0   # input pixels
-    limb_sigma: float = 7.0       # input pixels
-    limb_margin: float = 4.0      # input pixels added around the limb's box
-
-
-@dataclass
-class ModelConfig:
-    stacks: int = 4
-    depth: int = 4                # hourglass levels: returns depth + 1 scales
-    channels: int = 256           # stride-4 features
-    increase: int = 128           # channels added per level down
-    head_channels: int = 256      # the two 3x3 convs before each head
-    stem_channels: int = 64       # 7x7 conv output (the stem then goes to 2x this, then `channels`)
-    se: bool = True
-    se_reduction: int = 16
-    init_std: float = 0.001
-    max_params_m: float = 1000.0  # refuse to build a network of more million parameters (a typo guard)
-
-
-@dataclass
-class LossConfig:
-    gamma: float = 1.0                # focal exponent: 0 plain L2, 1 reference code, 2 paper's best
-    focal_threshold: float = 0.01     # G >= this uses |1-P|^gamma, else |P|^gamma
-    focal_detach: bool = False        # true: the focal factor is a constant weight (no gradient)
-    keypoint_weight: float = 3.0
-    mask_weight: float = 0.1
-    scale_weights: list = field(default_factory=lambda: [0.1, 0.2, 0.4, 1.6, 6.4])
-
-
-@dataclass
-class OptimConfig:
-    name: str = "sgd"             # sgd | adamw
-    lr: float = 2.5e-5
-    reference_batch: int = 0      # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
-                                  # 0: lr at any total batch
-    scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs between modes; prefer
-                                           # reference_batch)
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    warmup_epochs: float = 3.0
-    warmup_start: float = 0.0     # LR multiplier at step 0 of warm-up
-    decay_every: int = 15         # epochs; used when milestones is empty (0: no decay)
-    milestones: list = field(default_factory=list)
-    decay_factor: float = 0.2
-    clip_grad_norm: float = 0.0   # 0: off; applied after unscaling
-    skip_loss_above: float = 2e5  # a step whose loss exceeds this is skipped
-    max_bad_steps: int = 20       # consecutive skipped steps before the run stops
-    fused: bool = False           # torch.optim fused kernels (CUDA)
-
-
-@dataclass
-class AmpConfig:
-    # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
-    opt_level: str = "O0"
-    dtype: str = "auto"           # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
-    keep_batchnorm_fp32: object = None   # None: the opt level's default (True for O2, False for O3)
-    loss_scale: object = "dynamic"       # "dynamic" or a number
-    init_scale: float = 1024.0    # dynamic scaler start (65536 overflows fp16 early)
-    channels_last: object = "auto"       # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
-                                         # H100, bench/RESULTS.md), off on CPU
-    compile: bool = False         # torch.compile the model
-    tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
-    backend: str = "native"       # native (torch.amp) | apex (NVIDIA Apex's amp, where installed)
-
-
-@dataclass
-class DistConfig:
-    backend: str = "auto"         # auto: nccl on CUDA, gloo on CPU
-    sync_bn: bool = False
-    delay_allreduce: bool = False # one all-reduce after backward (Apex's option)
-    bucket_cap_mb: float = 25.0
-    static_graph: bool = False
-    broadcast_buffers: bool = True
-    find_unused_parameters: bool = False
-    zero: bool = False            # ZeroRedundancyOptimizer
-    timeout_s: int = 1800
-    rendezvous_timeout_s: int = 120   # how long ranks wait for each other to join the group
-
-
-@dataclass
-class InferenceConfig:
-    scales: list = field(default_factory=lambda: [1.0])  # x input_size / image height
-    flip: bool = False
-    peak_threshold: float = 0.1
-    refine_radius: int = 2        # 5x5 weighted centroid
-    limb_samples: int = 20
-    limb_threshold: float = 0.1
-    limb_min_ratio: float = 0.8
-    max_limb_ratio: float = 16.0
-    merge_ratio: float = 0.7
-    bridge_ratio: float = 2.5     # join partial people across keypoints missing in both (0: off)
-    min_parts: int = 2
-    min_mean_score: float = 0.45
-    max_people: int = 20
-    max_peaks: int = 100          # strongest peaks kept per keypoint type (bounds noisy maps' cost)
-    decode_threads: int = 0       # evaluation: images grouped in this many threads while the next one
-                                  # runs through the network (0: this machine's cores / its processes, <= 8)
-    batch_size: int = 8           # pictures per network pass at input_size x input_size (fewer when
-                                  # larger; with flip each goes with its mirror)
-
-
-@dataclass
-class TrainConfig:
-    run_name: str = ""            # empty: a timestamped name
-    out_dir: str = "checkpoints"
-    epochs: int = 100
-    batch_size: int = 4           # total over all processes / replicas
-    accumulate: int = 1           # batches per optimiser step (gradient accumulation): the step's
-                                  # gradient is the mean over accumulate x batch_size samples
-    seed: int = 0
-    device: str = "auto"          # auto | cpu | cuda | cuda:N
-    val_every: int = 1            # epochs between validation-loss passes (0: off)
-    ap_every: int = 0             # epochs between validation-AP passes (0: off)
-    ap_max_images: int = 0        # 0: every image of the val split
-    save_every: int = 0           # keep epoch_N.pth every N epochs (0: only last and best)
-    early_stop_patience: int = 0  # validations without improvement before stopping (0: off)
-    log_every: int = 20           # iterations between metrics.jsonl lines
-    max_steps_per_epoch: int = 0  # 0: the whole epoch
-    resume: str = ""              # PATH | auto
-    weights: str = ""
-    resume_reference: str = ""    # a training checkpoint of the authors: continue their run from it
-    allow_partial: bool = False
-    freeze: list = field(default_factory=list)
-    overwrite: bool = False
-    tensorboard: bool = True
-    cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
-    ema: float = 0.0              # decay of an exponential moving average of the weights (0: off),
-                                  # validated, AP-scored and saved when on (engine/ema.py)
-    ema_tau: float = 2000.0       # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
-    val_pictures: int = 4         # validation images drawn after each AP pass (0: none)
-
-
-@dataclass
-class Config:
-    preset: str = ""
-    data: DataConfig = field(default_factory=DataConfig)
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
-    targets: TargetConfig = field(default_factory=TargetConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    amp: AmpConfig = field(default_factory=AmpConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Iterator
 
 
 # -- what each field accepts -------------------------------------------------------------------------
@@ -208,49 +35,350 @@ POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 
-BOUNDS = {
-    "data.input_size": Bounds(64, 4096), "data.stride": Bounds(1, 64), "data.workers": Bounds(0, 256),
-    "augment.person_height": Bounds(0, 10, low_open=True), "augment.scale_prob": FRACTION,
-    "augment.scale_min": Bounds(0, 10, low_open=True), "augment.scale_max": Bounds(0, 10, low_open=True),
-    "augment.rotate_deg": Bounds(0, 180), "augment.shift_px": Bounds(0, 4096),
-    "augment.flip_prob": FRACTION, "augment.color_prob": FRACTION, "augment.hue_shift": Bounds(0, 180),
-    "augment.sat_scale": FRACTION, "augment.val_scale": FRACTION,
-    "targets.keypoint_sigma": Bounds(0, 256, low_open=True),
-    "targets.limb_sigma": Bounds(0, 256, low_open=True), "targets.limb_margin": Bounds(0, 256),
-    "model.stacks": Bounds(1, 64), "model.depth": Bounds(1, 8), "model.channels": LAYER,
-    "model.increase": Bounds(0, 8192), "model.head_channels": LAYER, "model.stem_channels": LAYER,
-    "model.se_reduction": LAYER, "model.init_std": Bounds(0, 1, low_open=True),
-    "model.max_params_m": POSITIVE,
-    "loss.gamma": Bounds(0, 16), "loss.focal_threshold": FRACTION, "loss.keypoint_weight": NON_NEGATIVE,
-    "loss.mask_weight": NON_NEGATIVE, "loss.scale_weights": Bounds(0, items=float, min_items=1),
-    "optim.lr": POSITIVE, "optim.momentum": FRACTION,
-    "optim.weight_decay": Bounds(0, 1), "optim.betas": Bounds(0, 1, items=float, min_items=2, max_items=2),
-    "optim.warmup_epochs": Bounds(0, 1e6), "optim.warmup_start": FRACTION,
-    "optim.decay_every": Bounds(0, 1e6), "optim.milestones": Bounds(1, 1e6, items=int),
-    "optim.decay_factor": Bounds(0, 1, low_open=True), "optim.clip_grad_norm": NON_NEGATIVE,
-    "optim.skip_loss_above": POSITIVE, "optim.max_bad_steps": Bounds(1, 1e9),
-    "amp.init_scale": POSITIVE,
-    "dist.bucket_cap_mb": Bounds(0, 1e5, low_open=True), "dist.timeout_s": Bounds(1, 10 ** 7),
-    "inference.scales": Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
-    "inference.refine_radius": Bounds(0, 32),      # score thresholds: finite, any value (-1: keep all)
-    "inference.limb_samples": Bounds(1, 1000),
-    "inference.limb_min_ratio": FRACTION, "inference.max_limb_ratio": POSITIVE,
-    "inference.merge_ratio": FRACTION, "inference.bridge_ratio": NON_NEGATIVE,
-    "inference.min_parts": Bounds(1, 18),
-    "inference.max_people": Bounds(1, 10000),
-    "inference.max_peaks": Bounds(1, 10000), "inference.decode_threads": Bounds(0, 256),
-    "inference.batch_size": Bounds(1, 4096),
-    "train.epochs": Bounds(1, 10 ** 6), "train.batch_size": Bounds(1, 65536),
-    "train.accumulate": Bounds(1, 65536),
-    "optim.reference_batch": Bounds(0, 2 ** 32), "train.seed": Bounds(0, 2 ** 32 - 1),
-    "train.val_every": Bounds(0), "train.ap_every": Bounds(0), "train.ap_max_images": Bounds(0),
-    "train.save_every": Bounds(0), "train.early_stop_patience": Bounds(0), "train.log_every": COUNT,
-    "train.max_steps_per_epoch": Bounds(0), "train.ema": Bounds(0, 1, high_open=True),
-    "train.ema_tau": POSITIVE, "train.val_pictures": Bounds(0, 64),
-}
 
-CHOICES = {
-    "optim.name": ("sgd", "adamw"), "amp.opt_level": ("O0", "O1", "O2", "O3"),
-    "amp.dtype": ("auto", "float16", "bfloat16"), "amp.channels_last": ("auto", True, False),
-    "amp.keep_batchnorm_fp32": (None, True, False), "amp.backend": ("native", "apex"),
-}
+
+@dataclass(frozen=True)
+class Flag:
+    """A field's command-line flag: its name, its group in --help, its help and any other
+    argument of argparse's `add_argument` (type, metavar, action ...)."""
+    name: str
+    group: str
+    help: str | None = None
+    options: tuple = ()            # (name, value) pairs for add_argument
+
+
+def option(default: Any = MISSING, *, factory=None, bounds: Bounds | None = None,
+           choices: tuple | None = None, flag: Flag | None = None):
+    """A field with what it accepts (`bounds`, `choices`) and its command-line `flag`."""
+    metadata = {"bounds": bounds, "choices": choices, "flag": flag}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
+    return Flag(name, group, help, tuple(options.items()))
+
+
+# the flags' groups, in the order --help shows them
+DATA, RUN, OPTIMISATION, PRECISION, MULTI_PROCESS = (
+    "data", "run", "optimisation", "mixed precision (Apex's names)", "multi-process")
+FLAG_GROUPS = (DATA, RUN, OPTIMISATION, PRECISION, MULTI_PROCESS)
+REFERENCE_PRESET = "imhn512"     # the authors' published network
+
+
+def parse_bool(text: str) -> bool:
+    """A flag's True|False (1/0, yes/no, on/off)."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def parse_loss_scale(text: str):
+    if text == "dynamic":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number, got {text!r}") from None
+
+
+@dataclass
+class DataConfig:
+    # empty: the project's own synthetic dataset (made once, cached)
+    train_h5: str = option("",
+        flag=flag("--train-h5", DATA, help="training HDF5 (default: the project's synthetic dataset)"))
+    val_h5: str = option("",
+        flag=flag("--val-h5", DATA,
+                  help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 and no --val-h5 there"
+                       " is no validation and no best.pth"))
+    synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
+    # network input, square, a multiple of 64
+    input_size: int = option(512, bounds=Bounds(64, 4096),
+        flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
+    stride: int = option(4, bounds=Bounds(1, 64))             # output stride of the targets
+    # DataLoader workers per process
+    workers: int = option(2, bounds=Bounds(0, 256),
+        flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
+    pin_memory: bool = True
+
+
+@dataclass
+class AugmentConfig:
+    enabled: bool = True
+    # main person scaled to this fraction of the input height
+    person_height: float = option(0.6, bounds=Bounds(0, 10, low_open=True))
+    scale_prob: float = option(0.8, bounds=FRACTION)
+    scale_min: float = option(0.7, bounds=Bounds(0, 10, low_open=True))
+    scale_max: float = option(1.3, bounds=Bounds(0, 10, low_open=True))
+    rotate_deg: float = option(40.0, bounds=Bounds(0, 180))
+    shift_px: float = option(50.0, bounds=Bounds(0, 4096))      # at 512 input; scaled with input_size / 512
+    flip_prob: float = option(0.5, bounds=FRACTION)
+    color_prob: float = option(0.2, bounds=FRACTION)
+    hue_shift: float = option(10.0, bounds=Bounds(0, 180))     # OpenCV hue units (0-180)
+    sat_scale: float = option(0.3, bounds=FRACTION)      # saturation multiplied by 1 +- this
+    val_scale: float = option(0.3, bounds=FRACTION)      # value multiplied by 1 +- this
+
+
+@dataclass
+class TargetConfig:
+    keypoint_sigma: float = option(9.0, bounds=Bounds(0, 256, low_open=True))   # input pixels
+    limb_sigma: float = option(7.0, bounds=Bounds(0, 256, low_open=True))       # input pixels
+    limb_margin: float = option(4.0, bounds=Bounds(0, 256))      # input pixels added around the limb's box
+
+
+@dataclass
+class ModelConfig:
+    stacks: int = option(4, bounds=Bounds(1, 64))
+    depth: int = option(4, bounds=Bounds(1, 8))                # hourglass levels: returns depth + 1 scales
+    channels: int = option(256, bounds=LAYER)           # stride-4 features
+    increase: int = option(128, bounds=Bounds(0, 8192))           # channels added per level down
+    head_channels: int = option(256, bounds=LAYER)      # the two 3x3 convs before each head
+    # 7x7 conv output (the stem then goes to 2x this, then `channels`)
+    stem_channels: int = option(64, bounds=LAYER)
+    se: bool = True
+    se_reduction: int = option(16, bounds=LAYER)
+    init_std: float = option(0.001, bounds=Bounds(0, 1, low_open=True))
+    # refuse to build a network of more million parameters (a typo guard)
+    max_params_m: float = option(1000.0, bounds=POSITIVE)
+
+
+@dataclass
+class LossConfig:
+    # focal exponent: 0 plain L2, 1 reference code, 2 paper's best
+    gamma: float = option(1.0, bounds=Bounds(0, 16))
+    focal_threshold: float = option(0.01, bounds=FRACTION)     # G >= this uses |1-P|^gamma, else |P|^gamma
+    focal_detach: bool = False        # true: the focal factor is a constant weight (no gradient)
+    keypoint_weight: float = option(3.0, bounds=NON_NEGATIVE)
+    mask_weight: float = option(0.1, bounds=NON_NEGATIVE)
+    scale_weights: list[float] = option(
+        factory=lambda: [0.1, 0.2, 0.4, 1.6, 6.4], bounds=Bounds(0, items=float, min_items=1))
+
+
+@dataclass
+class OptimConfig:
+    # sgd | adamw
+    name: str = option("sgd", choices=("sgd", "adamw"),
+        flag=flag("--optimizer", OPTIMISATION, choices=["sgd", "adamw"]))
+    lr: float = option(2.5e-5, bounds=POSITIVE,
+        flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
+    # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
+    # 0: lr at any total batch
+    reference_batch: int = option(0, bounds=Bounds(0, 2 ** 32))
+    scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs between modes; prefer
+                                           # reference_batch)
+    momentum: float = option(0.9, bounds=FRACTION)
+    weight_decay: float = option(5e-4, bounds=Bounds(0, 1))
+    betas: list[float] = option(
+        factory=lambda: [0.9, 0.999], bounds=Bounds(0, 1, items=float, min_items=2, max_items=2))
+    warmup_epochs: float = option(3.0, bounds=Bounds(0, 1e6),
+        flag=flag("--warmup-epochs", OPTIMISATION, type=float))
+    warmup_start: float = option(0.0, bounds=FRACTION)     # LR multiplier at step 0 of warm-up
+    # epochs; used when milestones is empty (0: no decay)
+    decay_every: int = option(15, bounds=Bounds(0, 1e6))
+    milestones: list[int] = option(factory=list, bounds=Bounds(1, 1e6, items=int))
+    decay_factor: float = option(0.2, bounds=Bounds(0, 1, low_open=True))
+    # 0: off; applied after unscaling
+    clip_grad_norm: float = option(0.0, bounds=NON_NEGATIVE,
+        flag=flag("--clip-grad", OPTIMISATION, type=float, metavar="MAX_NORM"))
+    skip_loss_above: float = option(2e5, bounds=POSITIVE)  # a step whose loss exceeds this is skipped
+    # consecutive skipped steps before the run stops
+    max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))
+    fused: bool = False           # torch.optim fused kernels (CUDA)
+
+
+@dataclass
+class AmpConfig:
+    # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
+    opt_level: str = option("O0", choices=("O0", "O1", "O2", "O3"),
+        flag=flag("--opt-level", PRECISION,
+                  help="O0 float32 | O1 autocast | O2 half model, float32 BN and master weights | O3 all "
+                       "half"))
+    # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
+    dtype: str = option("auto", choices=("auto", "float16", "bfloat16"),
+        flag=flag("--amp-dtype", PRECISION, choices=["auto", "float16", "bfloat16"],
+                  help="half type of O1-O3; auto: float16 on CUDA, bfloat16 on CPU"))
+    # None: the opt level's default (True for O2, False for O3)
+    keep_batchnorm_fp32: bool | None = option(None, choices=(None, True, False),
+        flag=flag("--keep-batchnorm-fp32", PRECISION, type=parse_bool, nargs="?", const=True,
+                  metavar="True|False",
+                  help="BatchNorm in float32 under O2/O3 (default: True for O2, False for O3)"))
+    # "dynamic" or a number
+    loss_scale: str | float = option("dynamic",
+        flag=flag("--loss-scale", PRECISION, type=parse_loss_scale, metavar="dynamic|NUMBER",
+                  help="float16 loss scale: dynamic (GradScaler) or fixed"))
+    init_scale: float = option(1024.0, bounds=POSITIVE)    # dynamic scaler start (65536 overflows fp16 early)
+    # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
+    # H100, bench/RESULTS.md), off on CPU
+    channels_last: str | bool = option("auto", choices=("auto", True, False),
+        flag=flag("--channels-last", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
+                  help="NHWC memory format for model and inputs (default: on for CUDA, off on CPU)"))
+    # torch.compile the model
+    compile: bool = option(False,
+        flag=flag("--compile", PRECISION, action="store_true", default=None, help="torch.compile the model"))
+    tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
+    # native (torch.amp) | apex (NVIDIA Apex's amp, where installed)
+    backend: str = option("native", choices=("native", "apex"),
+        flag=flag("--amp-backend", PRECISION, metavar="native|apex",
+                  help="native: torch.amp (default); apex: NVIDIA Apex's amp.initialize, apex.parallel DDP "
+                       "and SyncBN (Apex 25.04 or older, CUDA only)"))
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"         # auto: nccl on CUDA, gloo on CPU
+    sync_bn: bool = option(False,
+        flag=flag("--sync-bn", MULTI_PROCESS, action="store_true", default=None,
+                  help="batch norm over all processes"))
+    # one all-reduce after backward (Apex's option)
+    delay_allreduce: bool = option(False,
+        flag=flag("--delay-allreduce", MULTI_PROCESS, action="store_true", default=None,
+                  help="one all-reduce after backward"))
+    bucket_cap_mb: float = option(25.0, bounds=Bounds(0, 1e5, low_open=True))
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    # ZeroRedundancyOptimizer
+    zero: bool = option(False,
+        flag=flag("--zero", MULTI_PROCESS, action="store_true", default=None,
+                  help="shard optimiser state (ZeroRedundancyOptimizer)"))
+    timeout_s: int = option(1800, bounds=Bounds(1, 10 ** 7))
+    rendezvous_timeout_s: int = 120   # how long ranks wait for each other to join the group
+
+
+@dataclass
+class InferenceConfig:
+    # x input_size / image height
+    scales: list[float] = option(
+        factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16))
+    flip: bool = False
+    peak_threshold: float = 0.1
+    refine_radius: int = option(2, bounds=Bounds(0, 32))        # 5x5 weighted centroid
+    limb_samples: int = option(20, bounds=Bounds(1, 1000))
+    limb_threshold: float = 0.1
+    limb_min_ratio: float = option(0.8, bounds=FRACTION)
+    max_limb_ratio: float = option(16.0, bounds=POSITIVE)
+    merge_ratio: float = option(0.7, bounds=FRACTION)
+    # join partial people across keypoints missing in both (0: off)
+    bridge_ratio: float = option(2.5, bounds=NON_NEGATIVE)
+    min_parts: int = option(2, bounds=Bounds(1, 18))
+    min_mean_score: float = 0.45
+    max_people: int = option(20, bounds=Bounds(1, 10000))
+    # strongest peaks kept per keypoint type (bounds noisy maps' cost)
+    max_peaks: int = option(100, bounds=Bounds(1, 10000))
+    # evaluation: images grouped in this many threads while the next one
+    # runs through the network (0: this machine's cores / its processes, <= 8)
+    decode_threads: int = option(0, bounds=Bounds(0, 256))
+    # pictures per network pass at input_size x input_size (fewer when
+    # larger; with flip each goes with its mirror)
+    batch_size: int = option(8, bounds=Bounds(1, 4096))
+
+
+@dataclass
+class TrainConfig:
+    # empty: a timestamped name
+    run_name: str = option("",
+        flag=flag("--run-name", RUN, help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)"))
+    out_dir: str = option("checkpoints",
+        flag=flag("--out-dir", RUN, help="parent of run directories (default checkpoints)"))
+    epochs: int = option(100, bounds=Bounds(1, 10 ** 6),
+        flag=flag("--epochs", RUN, type=int, help="total epochs (a resumed run continues up to it)"))
+    # total over all processes / replicas
+    batch_size: int = option(4, bounds=Bounds(1, 65536),
+        flag=flag("--batch-size", RUN, type=int, help="total batch over all processes / GPUs"))
+    # batches per optimiser step (gradient accumulation): the step's
+    # gradient is the mean over accumulate x batch_size samples
+    accumulate: int = option(1, bounds=Bounds(1, 65536),
+        flag=flag("--accumulate", RUN, type=int, metavar="K",
+                  help="batches per optimiser step (gradient accumulation): K x batch-size samples per step"))
+    seed: int = option(0, bounds=Bounds(0, 2 ** 32 - 1),
+        flag=flag("--seed", RUN, type=int, help="weights, sample order and augmentation"))
+    # auto | cpu | cuda | cuda:N
+    device: str = option("auto", flag=flag("--device", RUN, help="auto | cpu | cuda | cuda:N"))
+    # epochs between validation-loss passes (0: off)
+    val_every: int = option(1, bounds=Bounds(0),
+        flag=flag("--val-every", RUN, type=int, help="epochs between validation-loss passes (0: off)"))
+    # epochs between validation-AP passes (0: off)
+    ap_every: int = option(0, bounds=Bounds(0),
+        flag=flag("--ap-every", RUN, type=int, help="epochs between validation-AP passes (0: off)"))
+    ap_max_images: int = option(0, bounds=Bounds(0))        # 0: every image of the val split
+    # keep epoch_N.pth every N epochs (0: only last and best)
+    save_every: int = option(0, bounds=Bounds(0),
+        flag=flag("--save-every", RUN, type=int, help="also keep epoch_N.pth every N epochs"))
+    # validations without improvement before stopping (0: off)
+    early_stop_patience: int = option(0, bounds=Bounds(0),
+        flag=flag("--early-stop", RUN, type=int, metavar="N",
+                  help="stop after N validations without improvement"))
+    log_every: int = option(20, bounds=COUNT)           # iterations between metrics.jsonl lines
+    max_steps_per_epoch: int = option(0, bounds=Bounds(0))  # 0: the whole epoch
+    # PATH | auto
+    resume: str = option("",
+        flag=flag("--resume", RUN,
+                  help="checkpoint PATH (the run continues in its folder), or 'auto': the newest one of the"
+                       " run"))
+    weights: str = option("",
+        flag=flag("--weights", RUN, help="initial weights only (fine-tuning); also the authors' layout"))
+    # a training checkpoint of the authors: continue their run from it
+    resume_reference: str = option("",
+        flag=flag("--resume-reference", RUN, metavar="FILE",
+                  help="continue the authors' training run from their checkpoint: weights, SGD momentum, "
+                       f"loss scale, next epoch (default config {REFERENCE_PRESET})"))
+    allow_partial: bool = option(False,
+        flag=flag("--allow-partial", RUN, action="store_true", default=None,
+                  help="with --weights: load the keys that match"))
+    freeze: list[str] = option(factory=list,
+        flag=flag("--freeze", RUN, nargs="+", action="extend", metavar="PATTERN",
+                  help="module-name prefixes or globs to freeze (repeatable: the patterns add up)"))
+    overwrite: bool = option(False,
+        flag=flag("--overwrite", RUN, action="store_true", default=None,
+                  help="replace an existing run directory"))
+    tensorboard: bool = True
+    cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
+    # decay of an exponential moving average of the weights (0: off),
+    # validated, AP-scored and saved when on (engine/ema.py)
+    ema: float = option(0.0, bounds=Bounds(0, 1, high_open=True),
+        flag=flag("--ema", OPTIMISATION, type=float, metavar="DECAY",
+                  help="validate, score and keep in best.pth an exponential moving average of the weights "
+                       "with this decay, e.g. 0.9998 (warmed up over train.ema_tau steps; default 0: off)"))
+    # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
+    ema_tau: float = option(2000.0, bounds=POSITIVE)
+    # validation images drawn after each AP pass (0: none)
+    val_pictures: int = option(4, bounds=Bounds(0, 64))
+
+
+@dataclass
+class Config:
+    preset: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    targets: TargetConfig = field(default_factory=TargetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def declared(key: str) -> dict:
+    """The declaration of option `key` ("train.seed"): {"bounds", "choices", "flag"}, each None
+    when the field declares none (and for a key that is not a field)."""
+    section, _, name = key.partition(".")
+    kind = {f.name: f for f in fields(Config)}.get(section)
+    fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
+    if fld is None:
+        return {"bounds": None, "choices": None, "flag": None}
+    return {k: fld.metadata.get(k) for k in ("bounds", "choices", "flag")}
+
+
+def flags() -> Iterator[tuple[str, Flag]]:
+    """(dotted key, its flag) of every field that has one, in the order of `Config`'s fields."""
+    for section in fields(Config):
+        if section.name == "preset":
+            continue
+        for fld in fields(section.default_factory):
+            if fld.metadata.get("flag") is not None:
+                yield f"{section.name}.{fld.name}", fld.metadata["flag"]

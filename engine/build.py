@@ -1,7 +1,8 @@
-"""Building a run's parts, separate from running them: each `build_*` function takes its own
-sub-config and may be called, or replaced, on its own. `build_parts` calls them in the order the
-engine needs (the same seeds at the same points, so that N processes train exactly as one) and
-returns the `Parts` a `Trainer` runs.
+"""Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
+(`build_data`, `build_model`, `build_loss`, `build_optimizer`, ...), each taking its own
+sub-config, and `build` calls them in the order the engine needs (the same seeds at the same
+points, so that N processes train exactly as one) and returns the `Parts` a run trains with.
+A subclass replaces any part (`build_trainer(cfg, launch, builder=MyBuilder())`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from config.errors import DataError
-from config.schema import Config, ModelConfig
+from config.schema import AmpConfig, Config, LossConfig, ModelConfig, OptimConfig
 from config.skeleton import Skeleton
 from config.skeleton_words import skeleton_words
 from config.views import SampleSettings
@@ -53,27 +54,70 @@ class Parts:
     frozen: dict | None         # counts of freeze()
 
 
-def build_data(cfg: Config, ctx) -> Data:
-    from data.dataset import KeypointDataset
-    train_h5, val_h5 = resolve_data(cfg.data, ctx)
-    # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
-    # never gives a sample to two ranks, and N processes then train exactly as one process
-    samples = SampleSettings.of(cfg)
-    train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
-    loader, sampler = train_loader(train_set, cfg.data, cfg.train, ctx)
-    val_set = KeypointDataset(val_h5, samples, train=False) if val_h5 else None
-    if val_set is not None and val_set.skeleton != train_set.skeleton:
-        theirs, ours = val_set.skeleton, train_set.skeleton
-        raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(theirs, ours)}) is not that of "
-                        f"--train-h5 {train_h5} ({skeleton_words(ours, theirs)}); convert both with the "
-                        "same skeleton")
-    return Data(train_set, loader, sampler, val_set, train_h5, val_h5)
+class TrainerBuilder:
+    """The parts of a run. Override a method to build that part differently; each is called once,
+    in `build`'s order."""
 
+    def build_data(self, cfg: Config, ctx) -> Data:
+        from data.dataset import KeypointDataset
+        train_h5, val_h5 = resolve_data(cfg.data, ctx)
+        # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
+        # never gives a sample to two ranks, and N processes then train exactly as one process
+        samples = SampleSettings.of(cfg)
+        train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
+        loader, sampler = train_loader(train_set, cfg.data, cfg.train, ctx)
+        val_set = KeypointDataset(val_h5, samples, train=False) if val_h5 else None
+        if val_set is not None and val_set.skeleton != train_set.skeleton:
+            theirs, ours = val_set.skeleton, train_set.skeleton
+            raise DataError(f"--val-h5 {val_h5}: its skeleton ({skeleton_words(theirs, ours)}) is not "
+                            f"that of --train-h5 {train_h5} ({skeleton_words(ours, theirs)}); convert "
+                            "both with the same skeleton")
+        return Data(train_set, loader, sampler, val_set, train_h5, val_h5)
 
-def build_network(cfg: ModelConfig, skeleton: Skeleton, seed: int) -> nn.Module:
-    from models import build_model
-    torch.manual_seed(seed)          # the same initial weights on every rank
-    return build_model(cfg, skeleton)
+    def build_model(self, cfg: ModelConfig, skeleton: Skeleton, seed: int) -> nn.Module:
+        """The network, its initial weights drawn from `seed` (the same on every rank)."""
+        from models import build_model
+        torch.manual_seed(seed)
+        return build_model(cfg, skeleton)
+
+    def build_loss(self, cfg: LossConfig, skeleton: Skeleton) -> nn.Module:
+        """`loss(outputs, target, mask)` -> (per-sample loss [B], dict of per-sample parts)."""
+        from models import FocalL2Loss
+        return FocalL2Loss(cfg, skeleton)
+
+    def build_precision(self, cfg: AmpConfig, device: torch.device,
+                        cudnn_benchmark: bool) -> PrecisionBackend:
+        """The precision backend named by `amp.backend` (engine.precision's registry)."""
+        return build_precision(cfg, device, cudnn_benchmark)
+
+    def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str):
+        return build_optimizer(params, cfg, zero=zero, device_type=device_type)
+
+    def build(self, cfg: Config, launch, plan: RunPlan | None = None, say=print) -> Parts:
+        """All parts, in order; `plan` (engine.resume.plan_run) says what the weights start from
+        (None: the network's initial weights, or --weights)."""
+        ctx = launch.ctx
+        data = self.build_data(cfg, ctx)
+        model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
+        start = load_start(model, plan, cfg.train, data.skeleton, say)
+        frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
+        dist.seed_everything(cfg.train.seed, ctx.rank)
+        if cfg.dist.sync_bn and ctx.distributed:
+            model = convert_sync_bn(model, ctx, cfg.amp)
+        model = model.to(ctx.device)
+        precision = self.build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
+        model = precision.prepare_model(model)
+        trainable = trainable_parameters(model)
+        optimizer = self.build_optimizer(precision.optimizer_params(trainable), cfg.optim,
+                                         cfg.dist.zero and ctx.distributed, ctx.device.type)
+        # before any wrapper (Apex's amp.initialize refuses a wrapped model); Apex O2: its masters
+        model, optimizer = precision.attach(model, optimizer)
+        params = precision.optimizer_params(trainable)
+        loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
+        net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp.compile)
+        optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
+                               static_graph=cfg.dist.static_graph)
+        return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
 
 
 def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, compile_model: bool):
@@ -84,29 +128,3 @@ def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, compile
     # batch would each be compiled again, minutes apiece
     eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
     return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
-
-
-def build_parts(cfg: Config, launch, plan: RunPlan, say=print) -> Parts:
-    from models import FocalL2Loss
-    ctx = launch.ctx
-    data = build_data(cfg, ctx)
-    model = build_network(cfg.model, data.skeleton, cfg.train.seed)
-    start = load_start(model, plan, cfg.train, data.skeleton, say)
-    frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
-    dist.seed_everything(cfg.train.seed, ctx.rank)
-    if cfg.dist.sync_bn and ctx.distributed:
-        model = convert_sync_bn(model, ctx, cfg.amp)
-    model = model.to(ctx.device)
-    precision = build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
-    model = precision.prepare_model(model)
-    trainable = trainable_parameters(model)
-    optimizer = build_optimizer(precision.optimizer_params(trainable), cfg.optim,
-                                zero=cfg.dist.zero and ctx.distributed, device_type=ctx.device.type)
-    # before any wrapper (Apex's amp.initialize refuses a wrapped model); Apex O2: its masters
-    model, optimizer = precision.attach(model, optimizer)
-    params = precision.optimizer_params(trainable)
-    loss = FocalL2Loss(cfg.loss, data.skeleton).to(ctx.device)
-    net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp.compile)
-    optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
-                           static_graph=cfg.dist.static_graph)
-    return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)

@@ -20,7 +20,7 @@ averaged float32 state dict}) and `load_state_dict` restores it exactly, so a re
 the average as the uninterrupted one would; resuming a checkpoint without one says that the
 average starts from its weights. `--weights`, evaluate.py and demo.py take the "ema"
 weights of a checkpoint that has them (`runtime.checkpoint.preferred_weights`). The trainer adds
-this hook itself when `train.ema` is set (`engine.trainer.default_hooks`).
+this hook itself when `train.ema` is set (`engine.run_trainer.default_hooks`).
 """
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ class WeightsEMA(Hook):
             torch._foreach_copy_(*self._copied)
 
     # -- the hook ---------------------------------------------------------------------------------
-    def after_step(self, trainer, out: dict) -> None:
-        if not out["skipped"]:          # a skipped step changed no weight: the average stays too
+    def after_step(self, trainer, out) -> None:
+        if not out.skipped:          # a skipped step changed no weight: the average stays too
             self.update()
 
     def after_build(self, trainer) -> None:

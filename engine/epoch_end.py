@@ -1,14 +1,18 @@
-"""The end of an epoch, as a hook: validation loss, AP (through the evaluator part the entry script
-hands the trainer), best.pth, epoch_N.pth, the epoch's log line and early stopping.
+"""The end of an epoch's validation, as a hook: `Validation` measures the validation loss and AP
+(through the evaluator part the entry script hands in) when they are due, hands the results to
+every hook's `after_validation`, logs the epoch's line and saves last.pth again with the hooks'
+updated states. best.pth, epoch_N.pth and early stopping are hooks of their own
+(engine/checkpoint_hooks.py).
 
-last.pth is saved by the loop before this runs, marked `validation_pending` when a validation is
-due: a stop signal during validation loses no training, and a resumed run validates that epoch
-again (`before_train`).
+last.pth is saved before this runs (`LastCheckpoint`), marked `validation_pending` when a
+validation is due: a stop signal during validation loses no training, and a resumed run validates
+that epoch again (`before_train`).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 
@@ -31,11 +35,32 @@ def validations_due(trainer, epoch: int) -> tuple[bool, bool]:
             bool(cfg.ap_every) and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs))
 
 
-class EpochEnd(Hook):
+def revalidating(trainer) -> bool:
+    """Whether the run resumed was stopped while validating: the epoch-end hooks then run again
+    for its last epoch (`before_train`)."""
+    resumed = getattr(trainer, "resumed", None)
+    return resumed is not None and resumed.validation_pending and trainer.epoch > 0
+
+
+def weights_evaluated(trainer):
+    """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
+    stack = contextlib.ExitStack()
+    for hook in trainer.hooks:
+        stack.enter_context(hook.evaluating(trainer))
+    return stack
+
+
+class Validation(Hook):
+    """`evaluator(model, val_h5, settings, device, max_images=, progress=, stop=, skeleton=)` ->
+    COCO stats (or None when stopped) is the AP part; without one, no AP. `settings` is the run's
+    `config.views.PredictSettings`. `best` (a `BestCheckpoint`) marks the epoch's line."""
     priority = 90
 
+    def __init__(self, evaluator: Callable | None = None, best=None):
+        self.evaluator, self.best, self.results = evaluator, best, {}
+
     def before_train(self, trainer):
-        if trainer.validation_pending and trainer.epoch > 0:   # stopped while validating: again
+        if revalidating(trainer):
             self.after_epoch(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
@@ -43,57 +68,28 @@ class EpochEnd(Hook):
         loss_due, ap_due = validations_due(trainer, epoch)
         results = {}
         if loss_due or ap_due:
-            with self.weights_evaluated(trainer):
-                results = validate(trainer, epoch, loss_due, ap_due)
+            with weights_evaluated(trainer):
+                results = validate(trainer, self.evaluator, epoch, loss_due, ap_due)
                 for hook in trainer.hooks:
                     hook.after_validation(trainer, epoch, results)
-        improved = self._improved(trainer, results)
-        if improved is not None:    # a loss-only pass between AP passes is no verdict either way
-            trainer.bad_validations = 0 if improved else trainer.bad_validations + 1
         trained = {} if train_loss is None else {"train_loss": train_loss}
         trainer.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
-        if loss_due or ap_due:   # last.pth again, now with the best metric and patience count
+        if loss_due or ap_due:   # last.pth again, now with the hooks' states after validation
             trainer.save("last.pth", epoch + 1, 0)
-        if improved:
-            with self.weights_evaluated(trainer):
-                trainer.save("best.pth", epoch + 1, 0)
-        if cfg.save_every and (epoch + 1) % cfg.save_every == 0:
-            trainer.save(f"epoch_{epoch + 1}.pth", epoch + 1, 0)
         trainer.logger.plot_curves()
+        improved = self.best is not None and self.best.improved
         shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
         trainer.say(f"epoch {epoch + 1}/{cfg.epochs}: "
                     + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
                     + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
-        trainer.results = results
-        if cfg.early_stop_patience and trainer.bad_validations >= cfg.early_stop_patience:
-            trainer.say(f"early stop after epoch {epoch + 1}: no improvement in "
-                        f"{trainer.bad_validations} validations")
-            trainer.early_stopped = True
+        self.results = results
 
-    @staticmethod
-    def weights_evaluated(trainer):
-        """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
-        stack = contextlib.ExitStack()
-        for hook in trainer.hooks:
-            stack.enter_context(hook.evaluating(trainer))
-        return stack
-
-    @staticmethod
-    def _improved(trainer, results: dict) -> bool | None:
-        """Whether the run's metric (AP with --ap-every, else the validation loss) improved; None
-        when this validation did not measure it (a loss-only pass between AP passes)."""
-        key = "AP" if trainer.cfg.train.ap_every else "loss"
-        if key not in results:
-            return None
-        value, best = results[key], trainer.best_metric
-        better = best is None or (value > best if key == "AP" else value < best)
-        if better:
-            trainer.best_metric = value
-        return better
+    def outcome(self) -> dict:
+        return dict(self.results)
 
 
 @torch.no_grad()
-def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
+def validate(trainer, evaluator, epoch: int, loss_due: bool, ap_due: bool) -> dict:
     """Validation loss (all ranks, sharded) and COCO AP. A stop signal is acted on within a batch
     or an image (Interrupted; last.pth was saved before)."""
     results = {}
@@ -120,12 +116,11 @@ def validate(trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
         total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
         loss_sum, count = total.tolist()
         results["loss"] = loss_sum / max(count, 1.0)
-    if ap_due and trainer.evaluator is not None:
+    if ap_due and evaluator is not None:
         with cudnn_autotuning_off():
-            stats = trainer.evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg),
-                                      ctx.device, max_images=cfg.train.ap_max_images, progress=ctx.is_main,
-                                      stop=lambda: trainer.stop_signal is not None,
-                                      skeleton=trainer.skeleton)
+            stats = evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg),
+                              ctx.device, max_images=cfg.train.ap_max_images, progress=ctx.is_main,
+                              stop=lambda: trainer.stop_signal is not None, skeleton=trainer.skeleton)
         if stats is None:
             raise trainer.stopped(where)
         results.update({k: stats[k] for k in AP_KEYS})

@@ -1,21 +1,23 @@
 """Hooks: what runs around the training loop, so that adding a feature never means editing it.
 
 A hook overrides any of the methods of `Hook`. They run in this order: `after_build`,
-`before_train`, then per epoch `before_epoch`, per step `before_step` and `after_step`, then
-`after_validation` and `after_epoch`; `on_stop` last, whatever happened. `Trainer(..., hooks=[...])`
-runs them with the engine's own (`default_hooks`) by `priority`, lower first, then in the order
-given: a user's hook (50) runs after the LR, divergence and logging hooks and before the
-pre-emption save (80) and the end of the epoch (90), so that what it keeps is saved.
+`before_train`, then per epoch `before_epoch`, per step `before_step` and `after_step` (which
+receives the step's `engine.trainer.StepResult`), then `after_validation` and `after_epoch`;
+`after_train` when the epochs are done; `on_stop` last, whatever happened. A `Trainer` runs its
+hooks by `priority`, lower first, then in the order given: in a run that `build_trainer`
+assembles, a user's hook (50) runs after the LR, divergence and logging hooks and before the
+pre-emption save (80) and the end of the epoch (90 and up), so that what it keeps is saved.
 
 What a hook may read: the trainer's parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`,
-`run_dir`, `logger`, `cfg`) and its position (`epoch`, `step`). A hook with a `checkpoint_key`
-saves `state_dict()` under that key in every checkpoint and gets it back through
-`load_state_dict()` on resume (`state_missing()` when the checkpoint has none); `evaluating()`
-wraps validation, AP and the saving of best.pth (e.g. to swap other weights in).
+`run_dir`, `logger`, `cfg` in a run `build_trainer` assembles) and its position (`epoch`,
+`step`). A hook keeps its own state: with a `checkpoint_key`, `state_dict()` is saved under that
+key in every checkpoint and given back through `load_state_dict()` on resume (`state_missing()`
+when the checkpoint has none); `outcome()` adds to what `fit()` returns; `evaluating()` wraps
+validation, AP and the saving of best.pth (e.g. to swap other weights in).
 
-The engine's own hooks here: the LR schedule, the progress bar, the training log, the divergence
-stop and the pre-emption stop. Validation, AP, checkpoints and early stopping are `EpochEnd`
-(engine/epoch_end.py).
+The engine's own hooks here: the LR schedule, frozen BatchNorm, the progress bar, the training
+log, the divergence stop and the pre-emption stop. Validation is engine/epoch_end.py; the
+checkpoints and early stopping are engine/checkpoint_hooks.py.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tqdm import tqdm
 
 from config.errors import TrainingDiverged, UserError
 from runtime import distributed as dist
+from engine.freeze import set_frozen_bn_eval
 from engine.optim import lr_at
 from engine.run_setup import STOP_SIGNALS, memory_gb
 
@@ -42,9 +45,10 @@ class Hook:
     def before_train(self, trainer) -> None: ...
     def before_epoch(self, trainer, epoch: int) -> None: ...
     def before_step(self, trainer, epoch: int, first: int) -> None: ...
-    def after_step(self, trainer, out: dict) -> None: ...
+    def after_step(self, trainer, out) -> None: ...
     def after_validation(self, trainer, epoch: int, results: dict) -> None: ...
     def after_epoch(self, trainer, epoch: int, train_loss: float | None) -> None: ...
+    def after_train(self, trainer) -> None: ...
     def on_stop(self, trainer) -> None:
         """Always, when the run ends: finished, stopped or failed."""
 
@@ -56,16 +60,21 @@ class Hook:
         """A context around validation, AP and saving best.pth."""
         return contextlib.nullcontext()
 
-    def state_dict(self) -> dict:
+    def state_dict(self):
+        """What a checkpoint keeps of this hook (any value `torch.save` stores)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state) -> None:
         """Continue from `state`, this hook's entry of the checkpoint resumed; a CheckpointError
         saying what does not fit (the engine adds the file's name)."""
 
     def state_missing(self, trainer, path) -> None:
         """The checkpoint resumed (`path`) holds no entry under `checkpoint_key` (its run had no
         such hook): this hook goes on from its fresh state."""
+
+    def outcome(self) -> dict:
+        """What this hook adds to the result of `Trainer.fit()`."""
+        return {}
 
 
 class Interrupted(UserError):
@@ -86,6 +95,14 @@ class LRSchedule(Hook):
                                         cfg.train.batch_size * cfg.train.accumulate))
 
 
+class FrozenBatchNorm(Hook):
+    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch."""
+    priority = 0
+
+    def before_epoch(self, trainer, epoch):
+        set_frozen_bn_eval(trainer.model)
+
+
 class ProgressBar(Hook):
     priority = 30
 
@@ -94,8 +111,8 @@ class ProgressBar(Hook):
                         disable=not trainer.ctx.is_main, dynamic_ncols=True, leave=False)
 
     def after_step(self, trainer, out):
-        self.bar.set_postfix(loss=f"{out['loss']:.4g}", lr=f"{out['lr']:.3g}",
-                             img_s=f"{out['samples_per_s']:.1f}", mem=f"{memory_gb(trainer.ctx.device):.2f}G")
+        self.bar.set_postfix(loss=f"{out.loss:.4g}", lr=f"{out.lr:.3g}",
+                             img_s=f"{out.samples_per_s:.1f}", mem=f"{memory_gb(trainer.ctx.device):.2f}G")
         self.bar.update()
 
     def after_epoch(self, trainer, epoch, train_loss):
@@ -113,14 +130,14 @@ class TrainLog(Hook):
     priority = 40
 
     def after_step(self, trainer, out):
-        trainer.logger.log_step(trainer.step, out["loss"])
-        if trainer.step % trainer.cfg.train.log_every and not out["last_of_epoch"]:
+        trainer.logger.log_step(trainer.step, out.loss)
+        if trainer.step % trainer.cfg.train.log_every and not out.last_of_epoch:
             return
-        names = list(out["parts"])
+        names = list(out.parts)
         means = dist.all_reduce_mean(torch.stack(
-            [out["parts"][k].float().cpu() for k in names] + [torch.tensor(out["loss"])])).tolist()
-        trainer.logger.log("train", trainer.step, epoch=out["epoch"], loss=means[-1], lr=out["lr"],
-                           samples_per_s=out["samples_per_s"],
+            [out.parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
+        trainer.logger.log("train", trainer.step, epoch=out.epoch, loss=means[-1], lr=out.lr,
+                           samples_per_s=out.samples_per_s,
                            skipped_steps=trainer.optim_step.skipped_total,
                            memory_gb=memory_gb(trainer.ctx.device), **dict(zip(names, means)))
 
@@ -133,7 +150,7 @@ class DivergenceStop(Hook):
         if streak >= trainer.cfg.optim.max_bad_steps:
             raise TrainingDiverged(
                 f"{streak} consecutive steps had a non-finite or abnormal loss or "
-                f"gradients (last loss {out['loss']:.4g}); stopped. The last good checkpoint is "
+                f"gradients (last loss {out.loss:.4g}); stopped. The last good checkpoint is "
                 f"{trainer.run_dir / 'last.pth'}: lower optim.lr, enable --clip-grad, or use O0")
 
 
@@ -153,10 +170,10 @@ class Preemption(Hook):
                 pass
 
     def after_step(self, trainer, out):
-        if out["stop"]:
-            batch = out["first"] + trainer.cfg.train.accumulate
-            trainer.save("last.pth", out["epoch"], batch)
-            raise trainer.stopped(f"at epoch {out['epoch'] + 1}, batch {batch}")
+        if out.stop:
+            batch = out.first + trainer.cfg.train.accumulate
+            trainer.save("last.pth", out.epoch, batch)
+            raise trainer.stopped(f"at epoch {out.epoch + 1}, batch {batch}")
 
     def on_stop(self, trainer):
         # the handlers hold this trainer (model, process group): let both go after the run

@@ -3,7 +3,7 @@
 A training checkpoint of the reference holds, besides the weights, its SGD state by parameter
 index (`optimizer_weight`), the 0-based `epoch` it finished (their script restarts at epoch + 1)
 and, in the successor project, an Apex `amp` state. `resume_state` turns these into what
-`Trainer._restore` reads from one of our checkpoints: momentum buffers keyed by the index of our
+`engine.train_state.restore` reads from one of our checkpoints: momentum buffers keyed by the index of our
 optimiser's parameters (mapped by name through `models.reference`), the loss scale and the
 steps since the last overflow as GradScaler fields, the next epoch at its first batch. The LR is
 not taken from the file: it is a function of (epoch, batch), so the run continues on the curve.

@@ -2,8 +2,8 @@
 directory and the checkpoint a resume continues; `latest_checkpoint` scans a run directory for
 `--resume auto` once per process and `read_state` reads a checkpoint once per process (the command
 line's look at its config and the trainer's plan and load share them); `load_start`
-puts the weights a run starts from (resume, the authors' run, --weights) into the model, and
-`restore` the rest (optimiser, scaler, RNG, position, hooks' states) once the optimiser exists.
+puts the weights a run starts from (resume, the authors' run, --weights) into the model;
+engine/train_state.py restores the rest once the optimiser exists.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
-_STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
 _read: dict[tuple, dict] = {}      # (resolved path, the file's identity) -> its state (one entry)
 _latest: dict[tuple, str | None] = {}    # (run directory, its checkpoints' identities) -> latest's name
 
@@ -121,10 +120,11 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
                           f"has {skeleton_words(ours, theirs)}: {fix}")
 
 
-def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
+def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
     """Load the weights the run starts from into `model`; returns (resume state or None, the
-    authors' checkpoint whose run continues or None, its path)."""
-    if plan.resume_path is not None:
+    authors' checkpoint whose run continues or None, its path). Without a `plan` (parts built
+    outside a run): --weights only."""
+    if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
                 say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
@@ -133,7 +133,7 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
         return state, None, plan.resume_path
-    if train.resume == "auto":
+    if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
     if train.resume_reference:
         path = Path(train.resume_reference)
@@ -150,40 +150,6 @@ def load_start(model, plan: RunPlan, train: TrainConfig, skeleton: Skeleton, say
         say(f"loaded weights from {train.weights}: {load_summary(report)}"
             + (f"; {ema_note}" if ema_note else ""))
     return None, None, None
-
-
-def restore(trainer, state: dict, path: Path) -> None:
-    """Optimiser, scaler, RNG, the run's position and the hooks' states from `state` (the
-    checkpoint at `path`)."""
-    try:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.precision.load_state_dict(state.get("scaler") or {})
-        if trainer.ctx.is_main and state.get("rng"):
-            ckpt.restore_rng_state(state["rng"])
-        for hook in trainer.hooks:
-            if not hook.checkpoint_key:
-                continue
-            if hook.checkpoint_key not in state:
-                hook.state_missing(trainer, path)
-                continue
-            try:
-                hook.load_state_dict(state[hook.checkpoint_key])
-            except CheckpointError as exc:          # what does not fit, in the hook's words
-                raise CheckpointError(f"checkpoint {path}: {exc}") from None
-    except _STATE_ERRORS as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "
-                              f"this run ({type(exc).__name__}: {first_line}); start from its "
-                              "weights with --weights instead of --resume") from None
-    trainer.epoch, trainer.start_batch, trainer.step = state["epoch"], state["iteration"], state["step"]
-    trainer.best_metric = state.get("best_metric")
-    trainer.bad_validations = state.get("bad_validations", 0)
-    trainer.optim_step.skipped_total = state.get("skipped_steps", 0)
-    trainer.validation_pending = bool(state.get("validation_pending", False))
-    origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "
-                                     f"{state.get('world_size', '?')} process(es)")
-    trainer.say(f"resumed from {path}: epoch {trainer.epoch + 1}, batch {trainer.start_batch}"
-                + (f", step {trainer.step}" if trainer.step is not None else "") + f" ({origin})")
 
 
 def load_summary(report: dict) -> str:

@@ -202,7 +202,7 @@ __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads
 
 
 def training_evaluator():
-    """The AP part of a training run (`engine.trainer.Trainer(evaluator=...)`): `evaluate_h5`,
+    """The AP part of a training run (`engine.run_trainer.build_trainer(evaluator=...)`): `evaluate_h5`,
     looked up when called (tests replace it); the engine calls it without importing this layer."""
     def evaluate(model, h5_path, settings: PredictSettings, device, **options):
         return evaluate_h5(model, h5_path, settings, device, **options)

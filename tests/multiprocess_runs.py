@@ -125,9 +125,9 @@ def _patch_trainer_and_run() -> None:
             per_sample = per_sample * 1e9
         return per_sample, parts
 
-    def recorded_step(self, batches, epoch, first):
-        out = run_step(self, batches, epoch, first)
-        steps.append(dict(loss=out["loss"], skipped=out["skipped"], lr=out["lr"]))
+    def recorded_step(self, inputs):
+        out = run_step(self, inputs)
+        steps.append(dict(loss=out.loss, skipped=out.skipped, lr=out.lr))
         return out
 
     def fit_and_dump(self):

@@ -19,7 +19,9 @@ from config import build_config
 from config.errors import ConfigError
 from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
-from engine.trainer import Interrupted, Launch, Trainer
+from engine.device_feed import to_model_input
+from engine.run_trainer import Launch, RunTrainer, build_trainer
+from engine.trainer import Interrupted, Trainer
 
 QUICK = ["--set", "data.workers=0", "--set", "train.tensorboard=false", "--val-every", "0",
          "--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "1"]
@@ -29,12 +31,12 @@ def run(tmp_path, synthetic_h5, *extra):
     return train.main(["--train-h5", str(synthetic_h5[0]), "--out-dir", str(tmp_path), *QUICK, *extra])
 
 
-def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *extra: str) -> Trainer:
+def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *extra: str) -> RunTrainer:
     sets = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
             f"train.run_name={name}", f"train.batch_size={batch}", f"train.accumulate={accumulate}",
             "optim.name=sgd", "optim.lr=0.01", "optim.warmup_epochs=0", "optim.decay_every=0",
             "train.tensorboard=false", "train.device=cpu", *extra]
-    return Trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
+    return build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
 
 
 def bn_eval(model: nn.Module) -> None:
@@ -47,11 +49,11 @@ def run_stopped_at_step(tmp_path, synthetic_h5, monkeypatch, step: int, *args) -
     """train.py stopped as by SIGTERM during optimiser step `step` (1-based): it saves and raises."""
     run_step = Trainer.run_step
 
-    def stopping(self, batches, epoch, first):
-        out = run_step(self, batches, epoch, first)
+    def stopping(self, inputs):
+        out = run_step(self, inputs)
         if self.step == step - 1:          # self.step counts the steps finished before this one
             self.stop_signal = signal.SIGTERM
-            out["stop"] = True
+            out.stop = True
         return out
 
     with monkeypatch.context() as patch:
@@ -78,10 +80,11 @@ def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synth
     for t in (joined, split):
         t.net.train()
         bn_eval(t.model)
-    out_joined = joined.run_step([batch], 0, 0)
-    out_split = split.run_step(halves, 0, 0)
-    assert not out_joined["skipped"] and not out_split["skipped"]
-    assert out_split["loss"] == pytest.approx(out_joined["loss"], rel=10 * tolerance)  # mean of the 4 samples
+    painter, cpu = joined.train_set.painter_for("cpu"), torch.device("cpu")
+    out_joined = joined.run_step([to_model_input(batch, cpu, painter)])
+    out_split = split.run_step([to_model_input(half, cpu, painter) for half in halves])
+    assert not out_joined.skipped and not out_split.skipped
+    assert out_split.loss == pytest.approx(out_joined.loss, rel=10 * tolerance)  # mean of the 4 samples
     a = joined.precision.float32_state_dict(joined.model)
     b = split.precision.float32_state_dict(split.model)
     keys = [k for k in a if a[k].is_floating_point()]

@@ -117,3 +117,45 @@ def test_a_run_starts_one_way(sets, says):
         build_config("tiny", sets=sets)
     # a requeued job: the first start takes the weights, every later one resumes its run
     assert build_config("tiny", sets=["train.resume=auto", "train.weights=w.pth"]).train.weights == "w.pth"
+
+
+# every flag, one value each, and the field it sets
+FLAG_VALUES = {
+    "--train-h5": ("a.h5", "data.train_h5", "a.h5"), "--val-h5": ("b.h5", "data.val_h5", "b.h5"),
+    "--workers": ("3", "data.workers", 3), "--input-size": ("128", "data.input_size", 128),
+    "--epochs": ("7", "train.epochs", 7), "--batch-size": ("6", "train.batch_size", 6),
+    "--accumulate": ("2", "train.accumulate", 2), "--seed": ("5", "train.seed", 5),
+    "--run-name": ("r", "train.run_name", "r"), "--out-dir": ("o", "train.out_dir", "o"),
+    "--resume": ("x.pth", "train.resume", "x.pth"), "--weights": ("w.pth", "train.weights", "w.pth"),
+    "--resume-reference": ("ref.pth", "train.resume_reference", "ref.pth"),
+    "--allow-partial": (None, "train.allow_partial", True), "--freeze": ("stem", "train.freeze", ["stem"]),
+    "--overwrite": (None, "train.overwrite", True), "--device": ("cpu", "train.device", "cpu"),
+    "--val-every": ("2", "train.val_every", 2), "--ap-every": ("3", "train.ap_every", 3),
+    "--save-every": ("4", "train.save_every", 4), "--early-stop": ("5", "train.early_stop_patience", 5),
+    "--lr": ("0.5", "optim.lr", 0.5), "--optimizer": ("adamw", "optim.name", "adamw"),
+    "--clip-grad": ("2.5", "optim.clip_grad_norm", 2.5),
+    "--warmup-epochs": ("1.5", "optim.warmup_epochs", 1.5),
+    "--ema": ("0.99", "train.ema", 0.99), "--opt-level": ("O1", "amp.opt_level", "O1"),
+    "--keep-batchnorm-fp32": ("False", "amp.keep_batchnorm_fp32", False),
+    "--loss-scale": ("128", "amp.loss_scale", 128.0), "--amp-dtype": ("bfloat16", "amp.dtype", "bfloat16"),
+    "--channels-last": ("True", "amp.channels_last", True), "--compile": (None, "amp.compile", True),
+    "--amp-backend": ("native", "amp.backend", "native"), "--sync-bn": (None, "dist.sync_bn", True),
+    "--delay-allreduce": (None, "dist.delay_allreduce", True), "--zero": (None, "dist.zero", True),
+}
+
+
+def test_each_flag_declared_beside_its_field_sets_that_field():
+    from config.loader import to_dict
+    from engine.cli import _resolve_config
+    from config.schema import flags
+    assert {flag.name for _, flag in flags()} == set(FLAG_VALUES)
+    declared = {flag.name: key for key, flag in flags()}
+    assert declared == {name: key for name, (_, key, _) in FLAG_VALUES.items()}
+    alone = ("--resume-reference", "--resume")             # each refused with --weights
+    runs = [{name: v for name, v in FLAG_VALUES.items() if name not in alone}]
+    for given in runs + [{name: FLAG_VALUES[name]} for name in alone]:
+        argv = [arg for name, (value, _, _) in given.items() for arg in (name, value) if arg is not None]
+        values = to_dict(_resolve_config(build_parser("test").parse_args(argv)))
+        for name, (_, key, expected) in given.items():
+            section, field = key.split(".")
+            assert values[section][field] == expected, name

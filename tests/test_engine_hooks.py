@@ -16,7 +16,7 @@ from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.hooks import Hook, LRSchedule
 from engine.optim import lr_at
-from engine.trainer import Launch, Trainer
+from engine.run_trainer import Launch, build_trainer
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
@@ -41,7 +41,7 @@ class Recorder(Hook):
         self.events.append(("step", trainer.step, first))
 
     def after_step(self, trainer, out):
-        self.losses.append((trainer.step, out["loss"], out["lr"], out["skipped"]))
+        self.losses.append((trainer.step, out.loss, out.lr, out.skipped))
 
     def on_stop(self, trainer):
         self.events.append(("stop",))
@@ -58,8 +58,8 @@ class Recorder(Hook):
 
 def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_path, synthetic_h5):
     hook = Recorder()
-    result = Trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),
-                     Launch(single_process_context("cpu")), hooks=[hook]).fit()
+    result = build_trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),
+                           Launch(single_process_context("cpu")), hooks=[hook]).fit()
     assert result["step"] == 2
     assert hook.events == [("epoch", 0), ("step", 0, 0), ("epoch", 1), ("step", 1, 0), ("stop",)]
     assert [s for s, *_ in hook.losses] == [1, 2]
@@ -68,12 +68,13 @@ def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_p
     assert int(saved["recorder"]["steps_seen"]) == 2 and saved["saved_as"] == "last.pth"
     again = Recorder()          # resumed (nothing left to train): the hook gets its state back
     sets = quick_sets(tmp_path, synthetic_h5, "hooked") + ["train.resume=auto"]
-    Trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")), hooks=[again]).fit()
+    build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")), hooks=[again]).fit()
     assert again.restored == 2 and again.losses == []
 
 
 def test_the_docs_hook_example_runs_as_printed(tmp_path, synthetic_h5, monkeypatch, capsys):
-    example = re.search(r"```python\n(.*?)```", EXTENDING.read_text(), re.S).group(1)
+    example = next(block for block in re.findall(r"```python\n(.*?)```", EXTENDING.read_text(), re.S)
+                   if "class SkippedSteps(Hook)" in block)
     assert len([line for line in example.splitlines() if line.strip()]) <= 16
     build = config.build_config
     fast = quick_sets(tmp_path, synthetic_h5, "x")[:-1]        # its own run name, the CPU already
@@ -110,3 +111,29 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
     quadruple = lr_at(optim, 50, 0, 10, total_batch=16)
     assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
+
+
+def test_best_checkpoint_and_early_stop_keep_their_own_state():
+    from engine.checkpoint_hooks import BestCheckpoint, EarlyStop
+    saved, said = [], []
+    trainer = SimpleNamespace(hooks=[], finish_requested=False, say=said.append,
+                              save=lambda name, epoch, batch: saved.append((name, epoch)))
+    best = BestCheckpoint("loss")
+    stop = EarlyStop(best, patience=2)
+    for epoch, results in enumerate([{"loss": 3.0}, {"loss": 2.0}, {"loss": 2.5}, {}, {"loss": 2.1}]):
+        for hook in (best, stop):
+            hook.after_validation(trainer, epoch, results)
+        for hook in (best, stop):
+            hook.after_epoch(trainer, epoch, 1.0)
+    assert saved == [("best.pth", 1), ("best.pth", 2)]     # improved after epochs 1 and 2 only
+    assert (best.state_dict(), stop.state_dict()) == (2.0, 2)  # a pass without a loss is no verdict
+    assert trainer.finish_requested and stop.outcome() == {"early_stopped": True}
+    assert said == ["early stop after epoch 5: no improvement in 2 validations"]
+    resumed_best, resumed_stop = BestCheckpoint("loss"), EarlyStop(BestCheckpoint("loss"), 2)
+    resumed_best.load_state_dict(best.state_dict())
+    resumed_stop.load_state_dict(stop.state_dict())
+    assert (resumed_best.outcome(), resumed_stop.bad_validations) == ({"best_metric": 2.0}, 2)
+    ap = BestCheckpoint("AP")                               # AP: higher is better
+    for value in (0.2, 0.1, 0.3):
+        ap.after_validation(trainer, 0, {"AP": value, "loss": 1.0})
+    assert ap.state_dict() == 0.3

@@ -1,0 +1,92 @@
+"""The loop apart from its assembly: a `Trainer` built from a model, a loss, an optimiser step and
+batches alone (no configuration, no run directory), and docs/extending.md's run whose loss a
+`TrainerBuilder` subclass replaces."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from config.schema import AmpConfig, OptimConfig
+from engine.amp import Precision
+from engine.hooks import Hook
+from engine.model_with_loss import ModelWithLoss
+from engine.optim_step import OptimStep
+from engine.trainer import StepResult, Trainer, TrainParts
+
+EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
+
+
+
+class SquaredError(nn.Module):
+    def forward(self, outputs, target, mask):
+        per_sample = ((outputs - target) ** 2 * mask).flatten(1).sum(1)
+        return per_sample, {"squared": per_sample.detach()}
+
+
+class Steps(Hook):
+    def __init__(self):
+        self.seen = []
+
+    def after_step(self, trainer, out):
+        self.seen.append(out)
+
+
+def test_a_trainer_runs_from_a_model_a_loss_an_optimiser_step_and_batches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 2, 3, padding=1)
+    precision = Precision(AmpConfig(), torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-3)
+    step = OptimStep(precision, optimizer, list(model.parameters()), model, OptimConfig())
+    images = torch.randn(4, 3, 8, 8)
+    inputs = [(images[i:i + 2], images[i:i + 2, :2] * 0.5, torch.ones(2, 1, 8, 8)) for i in (0, 2)]
+    hook = Steps()
+    parts = TrainParts(ModelWithLoss(model, SquaredError(), precision), step, TrainParts.feed(inputs),
+                       batches_per_epoch=2, epochs=3)
+    result = Trainer(parts, [hook]).fit()
+    assert result == {"epoch": 3, "step": 6}
+    assert all(isinstance(out, StepResult) and not out.skipped for out in hook.seen)
+    assert [(out.epoch, out.first, out.last_of_epoch) for out in hook.seen[:2]] == [(0, 0, False), (0, 1, True)]
+    losses = [out.loss for out in hook.seen]
+    assert losses[-1] < 0.5 * losses[0]                  # it learnt the target, step by step
+    assert set(hook.seen[0].parts) == {"squared"}
+    assert os.listdir(tmp_path) == []                     # no run directory, no file of any kind
+
+
+def test_accumulated_steps_take_the_model_inputs_of_several_batches():
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 2, 1)
+    precision = Precision(AmpConfig(), torch.device("cpu"))
+    step = OptimStep(precision, torch.optim.SGD(model.parameters(), lr=0.1), list(model.parameters()),
+                     model, OptimConfig())
+    images = torch.randn(4, 3, 4, 4)
+    inputs = [(images[i:i + 1], torch.zeros(1, 2, 4, 4), torch.ones(1, 1, 4, 4)) for i in range(4)]
+    trainer = Trainer(TrainParts(ModelWithLoss(model, SquaredError(), precision), step,
+                                 TrainParts.feed(inputs), batches_per_epoch=4, accumulate=2))
+    assert trainer.fit() == {"epoch": 1, "step": 2}
+
+
+def test_the_docs_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5, monkeypatch, capsys):
+    example = next(block for block in re.findall(r"```python\n(.*?)```", EXTENDING.read_text(), re.S)
+                   if "def build_loss" in block)
+    loss = example[example.index("class LastStackL2"):example.index("cfg = ")]
+    assert len([line for line in loss.splitlines() if line.strip()]) <= 10    # the loss, in ten lines
+    import config
+    build = config.build_config
+    fast = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
+            "train.batch_size=2", "train.max_steps_per_epoch=2", "train.epochs=1", "train.val_every=0",
+            "train.ap_every=0", "train.tensorboard=false", "data.input_size=64"]
+    monkeypatch.setattr(config, "build_config", lambda preset, sets=(): build(preset, sets=[*sets, *fast]))
+    from models import FocalL2Loss
+    called = []
+    monkeypatch.setattr(FocalL2Loss, "forward", lambda *args: called.append(1))
+    namespace = {"__name__": "loss_example"}
+    exec(compile(example, str(EXTENDING), "exec"), namespace)
+    assert called == []                                   # the focal loss never ran
+    assert (tmp_path / "l2/last.pth").is_file() and "done." in capsys.readouterr().out
+    lines = (tmp_path / "l2/metrics.jsonl").read_text()
+    assert '"l2"' in lines and '"keypoints"' not in lines  # the log holds the new loss's parts
