@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from config.schema import AmpConfig, OptimConfig
-from engine.amp import Precision
+from engine.precision import NativePrecision as Precision
 from engine.hooks import Hook
 from engine.model_with_loss import ModelWithLoss
 from engine.optim_step import OptimStep
