@@ -4,11 +4,11 @@ that starts a process anyway.
 A test is slow when its own code, a fixture it uses, or a helper either calls (functions and
 modules of tests/, followed through every call, nested functions and lambdas included) refers to
 `subprocess`, `multiprocessing` or `torch.multiprocessing`, to an entry script that trains
-(`train`, `train_parallel`, `train_distributed`), or calls `fit` of a class that has one (the
-`Trainer`), or runs code from text with `exec` (a documented example: it cannot be read here, so
-it counts as slow). The names are read from the compiled code, so a new test is classified as it is
-written; a process started by a test that was not classified slow is reported by
-`process_guard` (conftest.py) as a failure of that test.
+(`train`, `train_parallel`, `train_distributed`) or to a benchmark (`bench`), calls `fit` of a
+class that has one (the `Trainer`), or runs code from text with `exec` (a documented example: it
+cannot be read here, so it counts as slow). The names are read from the compiled code, so a new
+test is classified as it is written; a process started by a test that was not classified slow is
+reported by `process_guard` (conftest.py) as a failure of that test.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "concurrent.futures.process")
 TRAINING_MODULES = frozenset({"train", "train_parallel", "train_distributed"})
+BENCHMARKS = "bench"             # the package of benchmarks: they train or infer over many steps
 GUARD = "process_guard"          # conftest's autouse fixture that watches for processes
 
 
@@ -35,6 +36,10 @@ def _in_tests(obj) -> bool:
 
 def _module_name(obj) -> str | None:
     return obj.__name__ if isinstance(obj, types.ModuleType) else None
+
+
+def _is_benchmark(module) -> bool:
+    return isinstance(module, str) and (module == BENCHMARKS or module.startswith(BENCHMARKS + "."))
 
 
 def _starts_processes(module) -> bool:
@@ -64,7 +69,7 @@ def _resolve(kind: str, value):
     if kind == "object":
         return value
     name, attr = (value, None) if kind == "module" else value
-    if _starts_processes(name) or name in TRAINING_MODULES:
+    if _starts_processes(name) or name in TRAINING_MODULES or _is_benchmark(name):
         return name
     try:
         module = sys.modules.get(name) or importlib.import_module(name)
@@ -100,7 +105,7 @@ class SlowCode:
         if obj is exec:                  # code run from text (a documented example) cannot be read
             return True
         module = obj if isinstance(obj, str) else _module_name(obj)
-        if _starts_processes(module) or module in TRAINING_MODULES:
+        if _starts_processes(module) or module in TRAINING_MODULES or _is_benchmark(module):
             return True
         if _starts_processes(getattr(obj, "__module__", None)):        # Popen, Process, spawn, ...
             return True
