@@ -8,7 +8,8 @@ modules of tests/, followed through every call, nested functions and lambdas inc
 class that has one (the `Trainer`), or runs code from text with `exec` (a documented example: it
 cannot be read here, so it counts as slow). The names are read from the compiled code, so a new
 test is classified as it is written; a process started by a test that was not classified slow is
-reported by `process_guard` (conftest.py) as a failure of that test.
+reported by `process_guard` (conftest.py) as a failure of that test; such a test (DataLoader
+workers started by the product's code from a config value) carries `@pytest.mark.slow` itself.
 """
 from __future__ import annotations
 
