@@ -4,12 +4,13 @@ that starts a process anyway.
 A test is slow when its own code, a fixture it uses, or a helper either calls (functions and
 modules of tests/, followed through every call, nested functions and lambdas included) refers to
 `subprocess`, `multiprocessing` or `torch.multiprocessing`, to an entry script that trains
-(`train`, `train_parallel`, `train_distributed`) or to a benchmark (`bench`), calls `fit` of a
-class that has one (the `Trainer`), or runs code from text with `exec` (a documented example: it
-cannot be read here, so it counts as slow). The names are read from the compiled code, so a new
-test is classified as it is written; a process started by a test that was not classified slow is
-reported by `process_guard` (conftest.py) as a failure of that test; such a test (DataLoader
-workers started by the product's code from a config value) carries `@pytest.mark.slow` itself.
+(`train`, `train_parallel`, `train_distributed`) or to a benchmark (`bench`), uses a class with
+a `fit` method (the `Trainer`: built, it trains), or runs code from text with `exec` (a
+documented example: it cannot be read here, so it counts as slow). The names are read from the
+compiled code, so a new test is classified as it is written; a process started by a test that was
+not classified slow is reported by `process_guard` (conftest.py) as a failure of that test; such a
+test (DataLoader workers started by the product's code from a config value) carries
+`@pytest.mark.slow` itself.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ class SlowCode:
             return True
         if _starts_processes(getattr(obj, "__module__", None)):        # Popen, Process, spawn, ...
             return True
-        if inspect.isclass(obj) and callable(getattr(obj, "fit", None)) and "fit" in attributes:
+        if inspect.isclass(obj) and callable(getattr(obj, "fit", None)):      # a trainer
             return True
         if module and _in_tests(obj):                                   # helpers used as module.attr
             return any(self.function(getattr(obj, attr)) for attr in attributes
