@@ -22,7 +22,7 @@ def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                         help="set by the legacy torch.distributed.launch")
-    parser.error = lambda message: _refuse(message, parser.prog)
+    parser.error = lambda message: _refuse(parser, message)
     try:
         args = parser.parse_args(argv)
         cfg = config_from_args(args)
@@ -47,10 +47,12 @@ def main(argv=None) -> dict:
         dist.cleanup()
 
 
-def _refuse(message: str, prog: str):
-    """A mistake on the command line as the usual one-line error, raised so that this rank can
-    hand it to the others first."""
-    raise ConfigError(f"{' '.join(message.split())} (see {prog} --help)")
+def _refuse(parser, message: str):
+    """A mistake on the command line: handed to the other ranks first, then the usual one-line
+    error and exit code 2 of every command's parser."""
+    line = f"{' '.join(message.split())} (see {parser.prog} --help)"
+    dist.fail_before_group(ConfigError(line))
+    parser.exit(2, f"error: {line}\n")
 
 
 if __name__ == "__main__":

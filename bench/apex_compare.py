@@ -1,4 +1,4 @@
-"""Native AMP against NVIDIA Apex's amp (issue 21): loss curves, images/s and memory, side by side.
+"""Native AMP against NVIDIA Apex's amp: loss curves, images/s and memory, side by side.
 
 Each configuration (backend x opt level, plus native O0 float32 as the reference) trains the same
 `Trainer` that train.py builds, from the same initial weights, on the same batches (one training

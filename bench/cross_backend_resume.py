@@ -1,4 +1,4 @@
-"""Issue 21, point 3 on a GPU: a checkpoint of one precision backend resumes in the other with
+"""On a GPU: a checkpoint of one precision backend resumes in the other with
 identical weights and the same loss scale.
 
 Builds the `Trainer` that `train.py --resume CKPT --amp-backend BACKEND` builds (nothing is

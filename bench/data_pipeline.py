@@ -6,7 +6,7 @@ Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is 
 draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
 `KeypointDataset` with augmentation:
 read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
-targets (the CPU drawing of `data.targets`, 50 maps at stride 4: no longer a worker's job), and the
+targets (the CPU drawing of `data.targets`, 50 maps at stride 4: not a worker's job), and the
 total of `dataset.compact_item(i)`: all the host-side work of a loader worker per sample (tensors
 included; `data.transfer`). Rates are per CPU second of this process (one thread), so other load
 on the machine barely moves them. Then the CPU path, what a CPU-only run does per sample: the

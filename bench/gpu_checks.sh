@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-only checks and figures of issue 8, in stages that each fit one 10-minute device call.
+# The GPU-only checks and figures, in stages that each fit one 10-minute device call.
 #
 #   bash bench/gpu_checks.sh cuda        # CUDA paths end to end: O1 fp16 / O1 bf16 / O2 / O3 train,
 #                                        # resume and AP; fp16 with --accumulate 2;
@@ -14,7 +14,7 @@
 #   bash bench/gpu_checks.sh compile_fp16_nchw  # O1 fp16 under torch.compile, channels_last off
 #                                        # (one cold compile each, about 330 s: one call each)
 #   bash bench/gpu_checks.sh loader      # O1 fed by the engine's DataLoader from coco4 x64, workers = cores
-#   bash bench/gpu_checks.sh apex        # issue 21: does Apex 25.04 import and patch this torch; O1/O2
+#   bash bench/gpu_checks.sh apex        # does Apex 25.04 import and patch this torch; O1/O2
 #                                        # loss curves, images/s and memory of both backends
 #                                        # (bench/apex_compare.py)
 #   bash bench/gpu_checks.sh apex_runs   # apex DDP + convert_syncbn_model in a 1-rank NCCL group; resume

@@ -1,4 +1,4 @@
-"""Training throughput of the engine's own step per precision setting (issue 8).
+"""Training throughput of the engine's own step per precision setting.
 
 For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16, each with and
 without channels_last and optionally torch.compile) it builds the parts that train.py
@@ -8,7 +8,7 @@ the first step's time (under --compile, mostly the compilation), the time the st
 (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
 that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
 the step time, against a large bf16 matmul timed in the same run), and the host syncs per timed
-step (reads of tensor values on the host, counted by bench/host_syncs.py; issue 22: one per
+step (reads of tensor values on the host, counted by bench/host_syncs.py: one per
 step outside logging steps). One JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
@@ -18,7 +18,7 @@ step outside logging steps). One JSON line last.
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
     python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
 
-`--amp-backend apex` (NVIDIA Apex's amp, issue 21) runs one configuration per process: Apex's O1
+`--amp-backend apex` (NVIDIA Apex's amp) runs one configuration per process: Apex's O1
 patches torch's functions process-wide, so a second configuration would run under the first's.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The apex backend on a machine without Apex or CUDA (issue 21): the one-line refusals, the loss
+"""The apex backend on a machine without Apex or CUDA: the one-line refusals, the loss
 scaler state crossing between Apex's and GradScaler's layouts both ways, and the option reaching
 the backend choice. Apex itself never runs here: its GPU checks are bench/gpu_checks.sh's `apex`
 stage. The `apex` packages below are stand-ins written into tmp dirs, only to give the checks an

@@ -1,5 +1,5 @@
-"""Issue 16's classes of bad input, each through the real command line: what once lost data, trained
-something wrong with exit 0, hung, ended in a traceback or gave an unclear message.
+"""Classes of bad input, each through the real command line: inputs that could lose data, train
+something wrong with exit 0, hang, end in a traceback or give an unclear message.
 
 Every case asserts the exit code 2, exactly one `error:` line naming the option or file, no
 traceback, and that every file under the test's folder is byte-identical afterwards. Most cases

@@ -42,7 +42,7 @@ def test_real_loading_from_coco4_with_an_op_profile(capsys, coco4_dir):
 
 
 def test_a_training_step_reads_the_host_once(capsys):
-    """Issue 22: outside logging steps, one host sync per optimiser step (its one read of the norm,
+    """Outside logging steps, one host sync per optimiser step (its one read of the norm,
     the loss and the skip flags), whatever the precision."""
     assert train_throughput.main([*TINY, "--configs", "O0 fp32", "O1 bf16", "--channels-last", "off"]) == 0
     rows = last_json(capsys)["rows"]

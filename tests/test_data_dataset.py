@@ -164,6 +164,7 @@ def test_random_streams_reproducible_and_distinct(coco4_train):
     assert KeypointDataset(coco4_train, settings(seed=8), train=True).draw(2) != before
 
 
+@pytest.mark.slow          # DataLoader workers: processes the code does not name
 def test_dataloader_workers_open_lazily_and_match_the_main_process(coco4_train):
     ds = KeypointDataset(coco4_train, settings(), train=True, rank=1)
     ds.set_epoch(4)

@@ -101,6 +101,7 @@ class PidDataset:
         return (os.getpid(), index, *self.dataset.compact_item(key))
 
 
+@pytest.mark.slow          # DataLoader workers: processes the code does not name
 def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthetic_h5):
     persistent = loader_epochs(synthetic_h5[0], (0, 1))
     fresh = loader_epochs(synthetic_h5[0], (1,))
@@ -112,6 +113,7 @@ def test_workers_persist_across_epochs_and_draw_each_epochs_augmentation(synthet
     assert all(torch.equal(second[i], fresh[1][0][i]) for i in second)
 
 
+@pytest.mark.slow          # DataLoader workers: processes the code does not name
 def test_validation_workers_persist_from_one_validation_to_the_next(synthetic_h5):
     cfg = build_config(None, {"data": {"input_size": 64, "workers": 2}, "train": {"batch_size": 4}})
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))

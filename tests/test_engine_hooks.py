@@ -1,4 +1,4 @@
-"""The engine's seams (issue 20): a user's hook runs, sees every step and keeps its state in the
+"""The engine's seams: a user's hook runs, sees every step and keeps its state in the
 checkpoint; docs/extending.md's example of one runs as printed; the LR follows the total batch, the
 same in every launch mode."""
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     # process), or 8 accumulated twice: the LR is the same, lr x 16 / 8
     runs = [(1, 16, 1), (2, 16, 1), (4, 16, 1), (1, 8, 2), (2, 8, 2)]
     assert [lr_of_mode(*run, reference_batch=8) for run in runs] == pytest.approx([2 * lr] * len(runs))
-    # no reference batch (the default): optim.lr at any total batch and in any mode, as before
+    # no reference batch (the default): optim.lr at any total batch and in any mode
     assert [lr_of_mode(*run, reference_batch=0) for run in runs] == pytest.approx([lr] * len(runs))
     assert build_config("tiny").optim.reference_batch == 0
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim

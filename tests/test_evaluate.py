@@ -36,11 +36,9 @@ def coco4_h5(coco4_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    cfg = build_config("tiny")
-    torch.manual_seed(0)
+def tiny_checkpoint(tmp_path_factory, tiny_cfg, tiny_model):
     path = tmp_path_factory.mktemp("weights") / "best.pth"
-    save_checkpoint(path, {"model": build_model(cfg.model, COCO).state_dict(), "config": to_dict(cfg)})
+    save_checkpoint(path, {"model": tiny_model.state_dict(), "config": to_dict(tiny_cfg)})
     return path
 
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
 from config.skeleton import builtin
 from config.views import PredictSettings
@@ -240,18 +239,12 @@ def test_resampling_puts_stride4_cells_at_their_input_points():
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    from models import build_model
-
-    cfg = build_config("tiny")
-    torch.manual_seed(0)
-    model = build_model(cfg.model, COCO)
-    model.reset_parameters(0.05)          # outputs far from constant, so the flip test can fail
-    return model.eval(), PredictSettings.of(cfg)
+def tiny_predictor(tiny_network, tiny_cfg):
+    return tiny_network, PredictSettings.of(tiny_cfg)
 
 
-def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
-    model, settings = tiny_model
+def test_predict_maps_flip_is_mirror_equivariant(tiny_predictor):
+    model, settings = tiny_predictor
     settings.inference.flip, settings.inference.scales = True, [1.0]
     image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
     maps = predict_maps(model, image, settings, "cpu")
@@ -262,8 +255,8 @@ def test_predict_maps_flip_is_mirror_equivariant(tiny_model):
     assert np.abs(maps_of_mirror - maps[:, :, ::-1]).max() > 1e-3 * np.abs(maps).max()
 
 
-def test_predict_maps_averages_scales_at_image_size(tiny_model):
-    model, settings = tiny_model
+def test_predict_maps_averages_scales_at_image_size(tiny_predictor):
+    model, settings = tiny_predictor
     settings.inference.flip, settings.inference.scales = False, [0.5, 1.0]
     image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
     maps = predict_maps(model, image, settings, "cpu")

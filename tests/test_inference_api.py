@@ -28,7 +28,6 @@ from config.loader import build_config, to_dict
 from runtime.checkpoint import save_checkpoint
 from inference import Person, PoseEstimator, Prediction
 from inference.grouping import to_coco_results
-from models import build_model
 
 COCO = builtin("coco")
 
@@ -43,14 +42,11 @@ LOOSE = ["inference.peak_threshold=0.0003", "inference.max_peaks=6", "inference.
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(tmp_path_factory, tiny_network) -> Path:
     """A tiny checkpoint whose saved config has the loose grouping and flip on."""
     cfg = build_config("tiny", sets=LOOSE)
-    torch.manual_seed(0)
-    model = build_model(cfg.model, COCO)
-    model.reset_parameters(0.05)           # maps far from constant
     path = tmp_path_factory.mktemp("weights") / "best.pth"
-    save_checkpoint(path, {"model": model.state_dict(), "config": to_dict(cfg)})
+    save_checkpoint(path, {"model": tiny_network.state_dict(), "config": to_dict(cfg)})
     return path
 
 

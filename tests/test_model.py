@@ -7,23 +7,11 @@ import pytest
 import torch
 
 from config.errors import ConfigError
-from config.loader import build_config
 from config.skeleton import builtin
 from models import FocalL2Loss, build_model
 
 COCO = builtin("coco")
 NUM_CHANNELS = COCO.num_channels
-
-
-@pytest.fixture(scope="module")
-def tiny_cfg():
-    return build_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_cfg):
-    torch.manual_seed(0)
-    return build_model(tiny_cfg.model, COCO)
 
 
 @pytest.mark.parametrize("height,width", [(64, 64), (128, 128), (192, 128)])

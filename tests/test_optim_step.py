@@ -1,4 +1,4 @@
-"""OptimStep's one host sync per step (issue 22): a bad loss poisons the gradients instead of being
+"""OptimStep's one host sync per step: a bad loss poisons the gradients instead of being
 read and voted before every backward. Checked on CPU: the count of host reads per step, the loss
 scale after a bad loss and after an overflow, and two real gloo ranks of which one has a bad loss
 (both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""

@@ -1,4 +1,4 @@
-"""Skeletons from the data: COCO exactly as before, CrowdPose, inferred ones, fine-tuning across
+"""Skeletons from the data: COCO with the method's channels, CrowdPose, inferred ones, fine-tuning across
 skeletons, and every bad skeleton as one error line."""
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import cv2
 import numpy as np
-import pytest
 import torch
 
 from config import build_config
@@ -17,7 +16,6 @@ from data.h5format import KeypointH5
 from engine.logger import RunLogger
 from engine.picture_hook import ValidationPictures
 from inference.val_pictures import HEADER, TILE, fitted, write_val_pictures
-from models import build_model
 
 COCO = builtin("coco")
 # loose grouping, so that a network with random but far from constant maps finds people
@@ -30,14 +28,6 @@ def settings(sets: list[str]) -> PredictSettings:
     return PredictSettings.of(build_config("tiny", sets=sets))
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    network = build_model(build_config("tiny").model, COCO)
-    network.reset_parameters(0.05)
-    return network.eval()
-
-
 def tiles(path, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     picture = cv2.imread(str(path))
     assert picture.shape == (HEADER + count * TILE, 2 * TILE, 3)
@@ -45,17 +35,17 @@ def tiles(path, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(row[:, :TILE], row[:, TILE:]) for row in rows]
 
 
-def test_the_grid_has_the_truth_on_the_left_and_what_the_model_finds_on_the_right(model, synthetic_h5,
+def test_the_grid_has_the_truth_on_the_left_and_what_the_model_finds_on_the_right(tiny_network, synthetic_h5,
                                                                                    tmp_path):
     val_h5 = synthetic_h5[1]
     h5 = KeypointH5(val_h5)
     plain = [fitted(h5.decode_image(img)) for img in range(2)]
     assert all(len(h5.people(img)) for img in range(2))
     h5.close()
-    finds = write_val_pictures(model, val_h5, COCO, settings(LOOSE), 3, tmp_path / "a",
+    finds = write_val_pictures(tiny_network, val_h5, COCO, settings(LOOSE), 3, tmp_path / "a",
                                torch.device("cpu"), count=2)
     assert finds == tmp_path / "a/val_pictures/epoch_3.png"
-    blind = write_val_pictures(model, val_h5, COCO, settings(NOBODY), 3, tmp_path / "b",
+    blind = write_val_pictures(tiny_network, val_h5, COCO, settings(NOBODY), 3, tmp_path / "b",
                                torch.device("cpu"), count=2)
     for (truth, found), (truth_blind, found_blind), image in zip(tiles(finds, 2), tiles(blind, 2), plain):
         assert not np.array_equal(truth, image)             # the true people are drawn
@@ -76,10 +66,10 @@ class Recorder:
         pass
 
 
-def test_the_hook_draws_after_an_ap_validation_on_the_main_process(model, synthetic_h5, tmp_path):
+def test_the_hook_draws_after_an_ap_validation_on_the_main_process(tiny_network, synthetic_h5, tmp_path):
     logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
     logger.tb = Recorder()
-    trainer = SimpleNamespace(model=model, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
+    trainer = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
                               ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
                               cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
                               data=SimpleNamespace(val_h5=synthetic_h5[1]))

@@ -1,0 +1,104 @@
+"""A short CPU training run ends with exactly the weights stored in tests/data/run_digests.json.
+
+This guards behaviour while the code is reorganised: the same command, on the same data, seed and
+versions, must give the same weights bit for bit. Each run is `python train.py` on the four COCO
+pictures of tests/data/coco4 (converted here; the HDF5 file keeps their JPEG bytes), seed 0, no
+DataLoader workers, one thread, and the CPU kernels pinned to AVX2 (ATen, oneDNN, MKL) so that the
+sums are done the same way on any x86 machine. The digest is the SHA-256 of every tensor of the
+checkpoint's weights (and its EMA weights when there are some), by sorted name, with its dtype and
+shape.
+
+A change that is meant to change the numbers records new digests with
+`python tests/test_run_digest.py` (it rewrites tests/data/run_digests.json) and says why in its
+commit.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DIGESTS = Path(__file__).resolve().parent / "data" / "run_digests.json"
+COCO4 = Path(__file__).resolve().parent / "data" / "coco4"
+
+QUICK = ["--epochs", "2", "--set", "train.max_steps_per_epoch=2", "--batch-size", "2", "--workers", "0",
+         "--seed", "0", "--device", "cpu", "--set", "train.val_every=0", "--set", "train.ap_every=0",
+         "--set", "train.tensorboard=false"]
+RUNS = {
+    "float32": [],
+    "bfloat16_accumulate_ema_clip": ["--opt-level", "O1", "--accumulate", "2", "--ema", "0.9",
+                                     "--clip-grad", "1.0"],
+}
+PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2",
+          "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
+
+
+def weights_digest(checkpoint: dict) -> str:
+    """SHA-256 over the weights (and EMA weights) by sorted name: name, dtype, shape, bytes."""
+    tensors = {f"model.{k}": v for k, v in checkpoint["model"].items()}
+    if checkpoint.get("ema"):
+        tensors.update({f"ema.{k}": v for k, v in checkpoint["ema"]["model"].items()})
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        sha.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def coco4_h5(folder: Path) -> Path:
+    from data import make_hdf5
+
+    out = folder / "coco4.h5"
+    assert make_hdf5.main(["--ann", str(COCO4 / "test_coco.json"), "--images", str(COCO4),
+                           "--out", str(out)]) == 0
+    return out
+
+
+def run_digest(name: str, h5: Path, runs: Path) -> str:
+    from runtime.checkpoint import load_checkpoint
+
+    env = {**os.environ, **PINNED}
+    cmd = [sys.executable, "train.py", "--train-h5", str(h5), "--out-dir", str(runs), "--run-name", name,
+           *QUICK, *RUNS[name]]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights_digest(load_checkpoint(runs / name / "last.pth"))
+
+
+@pytest.fixture(scope="module")
+def digests(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("digest")
+    h5 = coco4_h5(folder)
+    return {name: run_digest(name, h5, folder / "runs") for name in RUNS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_short_run_ends_with_the_stored_weights(digests, name):
+    stored = json.loads(DIGESTS.read_text())
+    if torch.__version__ != stored["torch"]:
+        pytest.skip(f"digests were made with torch {stored['torch']} (requirements.txt); this is "
+                    f"{torch.__version__}, whose kernels may round differently")
+    assert digests[name] == stored["runs"][name], (
+        f"run {name!r}: its weights differ from the stored digest (CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}); a change meant to change the numbers records "
+        "new digests with python tests/test_run_digest.py")
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        h5 = coco4_h5(Path(tmp))
+        made = {name: run_digest(name, h5, Path(tmp) / "runs") for name in RUNS}
+    DIGESTS.write_text(json.dumps({"torch": torch.__version__, "runs": made}, indent=2) + "\n")
+    print(f"wrote {DIGESTS}")
