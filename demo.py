@@ -25,8 +25,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import ArgumentParser, DataError, run_cli
-from config.paths import refuse_existing, refuse_output_as_input, same_file
+from common.errors import ArgumentParser, DataError, run_cli
+from common.paths import refuse_existing, refuse_output_as_input, same_file
 from data.picture_files import check_picture_path
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.errors import ArgumentParser, ConfigError, DataError, run_cli
-from config.paths import refuse_existing, refuse_output_as_input
+from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.paths import refuse_existing, refuse_output_as_input
 from inference.coco_eval import STAT_NAMES
 
 

@@ -26,8 +26,8 @@ import cv2
 import numpy as np
 import torch
 
-from config.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
-from config.paths import refuse_existing, refuse_output_as_input, written_whole
+from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
+from common.paths import refuse_existing, refuse_output_as_input, written_whole
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter

@@ -8,7 +8,7 @@ r"""Train with one process per GPU (DistributedDataParallel), on one machine or 
 
 Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
-from config.errors import ConfigError, UserError
+from common.errors import ConfigError, UserError
 from runtime import distributed as dist
 from engine.precision import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main

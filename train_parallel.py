@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.run_trainer import Launch, build_trainer

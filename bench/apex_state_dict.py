@@ -21,7 +21,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from apex_cpu_standins import install, remove      # noqa: E402
 from config.loader import build_config              # noqa: E402
-from config.skeleton import builtin                 # noqa: E402
+from data.skeleton import builtin                 # noqa: E402
 from engine.precision.apex import ApexPrecision     # noqa: E402
 from models import build_model                      # noqa: E402
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from config.loader import build_config  # noqa: E402
-from config.skeleton import builtin  # noqa: E402
+from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.h5format import KeypointH5  # noqa: E402
 from data.make_hdf5 import convert  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loader import build_config  # noqa: E402
-from config.skeleton import builtin  # noqa: E402
+from data.skeleton import builtin  # noqa: E402
 from models import FocalL2Loss, build_model  # noqa: E402
 
 CUDA_MODES = {   # name: (autocast dtype or None, channels_last)

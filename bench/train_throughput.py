@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_data import make_bench_h5            # noqa: E402
 from bench.host_syncs import count_host_syncs, optimizer_step_counters  # noqa: E402
 from config import build_config                        # noqa: E402
-from config.skeleton import builtin                    # noqa: E402
+from data.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
 from engine.run_trainer import Launch, build_loop      # noqa: E402
 from models import build_model                         # noqa: E402

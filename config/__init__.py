@@ -1,5 +1,5 @@
-"""Configuration: typed config classes, YAML presets, command-line overrides, the skeleton."""
-from config.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
+"""Configuration: typed config classes, YAML presets and command-line overrides."""
+from common.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from config.loader import available_presets, build_config, from_dict, to_dict, to_yaml
 from config.schema import (AmpConfig, AugmentConfig, Config, DataConfig, DistConfig,
                            InferenceConfig, LossConfig, ModelConfig, OptimConfig, TargetConfig,

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.schema import Config, declared
 from config.yaml_file import read_yaml
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.loader import check_input_size, check_section, check_stride, check_value
 from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
 

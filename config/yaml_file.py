@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from config.errors import ConfigError, os_reason
+from common.errors import ConfigError, os_reason
 
 MAX_BYTES = 16 << 20          # a config or skeleton is a few kB; more is another kind of file
 

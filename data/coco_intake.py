@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from config.errors import DataError
-from config.skeleton import Skeleton
-from config.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
+from common.errors import DataError
+from data.skeleton import Skeleton
+from data.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
 from data.coco_checks import Selection, select_valid
 
 SHOWN_CATEGORIES = 6

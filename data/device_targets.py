@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from config.schema import TargetConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from data.targets import GAUSSIAN_CUTOFF
 
 _MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)

@@ -4,7 +4,7 @@ One file holds one split ("train" or "val") of a COCO-format person-keypoint set
 `data.make_hdf5`. Layout (all arrays indexed by image unless said otherwise):
 
     attrs: format = FORMAT_MARKER, version = FORMAT_VERSION, split, categories (JSON), source,
-           skeleton (JSON of `config.skeleton.Skeleton.to_spec`; absent in older files: COCO)
+           skeleton (JSON of `data.skeleton.Skeleton.to_spec`; absent in older files: COCO)
     images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG), never re-encoded
     images/id           int64        COCO image id
     images/file_name    vlen str
@@ -31,8 +31,8 @@ import cv2
 import h5py
 import numpy as np
 
-from config.errors import ConfigError, DataError
-from config.skeleton import Skeleton, builtin
+from common.errors import ConfigError, DataError
+from data.skeleton import Skeleton, builtin
 
 FORMAT_MARKER = "simplepose-keypoints"
 FORMAT_VERSION = 1

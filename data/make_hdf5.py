@@ -32,9 +32,9 @@ import numpy as np
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from config.errors import ArgumentParser, ConfigError, DataError, run_cli
-from config.paths import refuse_existing, refuse_output_as_input, written_whole
-from config.skeleton import Skeleton, builtin, builtin_names, load_skeleton
+from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.paths import refuse_existing, refuse_output_as_input, written_whole
+from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
@@ -314,7 +314,7 @@ def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
 
     refuse_existing("--dump-skeleton", path, overwrite)
     text = ("# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) and convert again\n"
-            "# with --skeleton THIS_FILE. Fields: config/skeleton.py.\n"
+            "# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
             + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100))
     try:
         with written_whole(path) as tmp:

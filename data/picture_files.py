@@ -7,8 +7,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import DataError
-from config.paths import written_whole
+from common.errors import DataError
+from common.paths import written_whole
 
 
 def check_picture_path(path, option: str = "--out") -> Path:
@@ -24,7 +24,7 @@ def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: boo
     """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
     same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
     path when the extension is not a picture format or the place is not writable; without
-    `overwrite`, a file that appeared at `path` meanwhile is kept (`config.paths.written_whole`)."""
+    `overwrite`, a file that appeared at `path` meanwhile is kept (`common.paths.written_whole`)."""
     path = check_picture_path(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

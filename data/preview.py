@@ -14,9 +14,9 @@ import sys
 import cv2
 import numpy as np
 
-from config.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.loader import build_config
-from config.paths import refuse_existing, refuse_output_as_input
+from common.paths import refuse_existing, refuse_output_as_input
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.picture_files import write_image

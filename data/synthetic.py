@@ -26,9 +26,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from config.errors import ArgumentParser, ConfigError, DataError, run_cli
-from config.paths import refuse_existing, written_whole
-from config.skeleton import builtin
+from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.paths import refuse_existing, written_whole
+from data.skeleton import builtin
 from data import synthetic_animals
 
 # COCO keypoint indices (COCO order).

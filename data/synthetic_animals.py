@@ -11,7 +11,7 @@ import math
 import cv2
 import numpy as np
 
-from config.skeleton import builtin
+from data.skeleton import builtin
 
 NAME = "quadruped"
 BODY, HEAD = (70, 90, 140), (60, 110, 170)

@@ -1,6 +1,6 @@
 """Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
 
-`render_targets` draws the channels of a `config.skeleton.Skeleton` (COCO: 30 limbs, 18
+`render_targets` draws the channels of a `data.skeleton.Skeleton` (COCO: 30 limbs, 18
 keypoints, 50 channels) on an output grid whose cell (i, j)
 samples the input point x = (j + 0.5) * stride - 0.5, y = (i + 0.5) * stride - 0.5 (the grid that
 cv2.resize upsampling inverts). Keypoints are Gaussians (several people: max); limbs are Gaussians
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from config.schema import TargetConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from data.augment import mask_fraction
 
 GAUSSIAN_CUTOFF = 4.6052          # exp(-4.6052) = 0.01: values below are set to 0

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from config.errors import DataError
+from common.errors import DataError
 from config.schema import AmpConfig, Config, LossConfig, ModelConfig, OptimConfig
-from config.skeleton import Skeleton
-from config.skeleton_words import skeleton_words
+from data.skeleton import Skeleton
+from data.skeleton_words import skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.precision import PrecisionBackend, build_precision, convert_sync_bn

@@ -12,7 +12,7 @@ import copy
 import sys
 from pathlib import Path
 
-from config.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
+from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
 from config.schema import FLAG_GROUPS, REFERENCE_PRESET, flags
 from config.yaml_file import read_yaml
@@ -96,7 +96,7 @@ def _is_saved_run_config(config: str | None) -> bool:
 def _weights_network(path: str) -> tuple[dict | None, tuple]:
     """(model settings, presets that may build it) of the network a --weights file holds, when the
     file says: a checkpoint of this trainer carries its config; a file of the authors', its shapes."""
-    from config.errors import CheckpointError
+    from common.errors import CheckpointError
     from runtime.checkpoint import load_checkpoint, reference_file_settings
     try:
         saved = load_checkpoint(path, mmap=True).get("config")
@@ -172,7 +172,7 @@ def _resolve_config(args: argparse.Namespace):
 
 
 def run_main(main, argv=None) -> None:
-    """Entry point of the train scripts: `main(argv)`, errors as one line (`config.errors.run_cli`)."""
+    """Entry point of the train scripts: `main(argv)`, errors as one line (`common.errors.run_cli`)."""
     sys.exit(run_cli(main, argv))
 
 

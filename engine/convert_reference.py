@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.errors import ArgumentParser, run_cli
-from config.paths import refuse_existing, refuse_output_as_input
+from common.errors import ArgumentParser, run_cli
+from common.paths import refuse_existing, refuse_output_as_input
 
 DEFAULT_PRESET = "imhn512"
 

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from config.errors import CheckpointError
+from common.errors import CheckpointError
 from engine.precision import PrecisionBackend, live_state_dict
 from engine.hooks import Hook
 

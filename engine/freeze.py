@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from runtime.checkpoint import unwrap_model
 
 _FROZEN_MARK = "_frozen_by_pattern"   # set on matched modules, so parameterless BN counts as frozen

@@ -28,7 +28,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from config.errors import TrainingDiverged, UserError
+from common.errors import TrainingDiverged, UserError
 from runtime import distributed as dist
 from engine.freeze import set_frozen_bn_eval
 from engine.optim import lr_at

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from config.errors import UserError, os_reason
+from common.errors import UserError, os_reason
 
 
 @contextlib.contextmanager

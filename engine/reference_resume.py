@@ -11,7 +11,7 @@ not taken from the file: it is a function of (epoch, batch), so the run continue
 """
 from __future__ import annotations
 
-from config.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.schema import Config, OptimConfig
 from runtime.checkpoint import load_weights, read_reference, save_checkpoint
@@ -60,7 +60,7 @@ def resume_state(reference: dict, source: str, model, optimizer, names: list[str
 def convert(source: str, out: str, cfg: Config) -> dict:
     """Write `source` (the authors' layout) as a checkpoint of this trainer at `out`, its config
     `cfg` included: weights, momentum, loss scale, and the epoch to continue at."""
-    from config.skeleton import builtin
+    from data.skeleton import builtin
     from engine.optim import build_optimizer
     from models import build_model
 

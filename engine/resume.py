@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.errors import CheckpointError, ConfigError
-from config.paths import same_file
+from common.errors import CheckpointError, ConfigError
+from common.paths import same_file
 from config.schema import Config, TrainConfig
-from config.skeleton import Skeleton, from_checkpoint
-from config.skeleton_words import skeleton_words
+from data.skeleton import Skeleton, from_checkpoint
+from data.skeleton_words import skeleton_words
 from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist

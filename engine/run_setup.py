@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from config.errors import ConfigError, UserError, os_reason
+from common.errors import ConfigError, UserError, os_reason
 from config.loader import to_yaml
 from config.schema import Config, DataConfig, TrainConfig
 from data.h5format import KeypointH5, check_split

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from config.errors import CheckpointError
+from common.errors import CheckpointError
 from config.loader import to_dict
 from runtime import checkpoint as ckpt
 

@@ -7,7 +7,7 @@ import colorsys
 import cv2
 import numpy as np
 
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 
 
 def person_colours(count: int) -> list[tuple[int, int, int]]:

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from config.errors import CheckpointError
+from common.errors import CheckpointError
 from config.schema import Config, InferenceConfig
 from config.views import PredictSettings
 from inference.grouping import group_people
@@ -110,7 +110,7 @@ class PoseEstimator:
     def __init__(self, network, settings: PredictSettings):
         self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
         self.settings = settings
-        self.skeleton = self.network.skeleton       # what its channels are (`config.skeleton`)
+        self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
         self.config: Config | None = None           # the whole config of the file it came from
                                                     # (None when built from a network and settings)
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config.errors import DataError
-from config.paths import written_whole
+from common.errors import DataError
+from common.paths import written_whole
 from config.schema import TargetConfig
 from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
@@ -133,7 +133,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
 def check_same_skeleton(model_skeleton, h5) -> None:
     """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
     if model_skeleton != h5.skeleton:
-        from config.skeleton_words import skeleton_words
+        from data.skeleton_words import skeleton_words
 
         raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, model_skeleton)} "
                         f"but the model was trained on {skeleton_words(model_skeleton, h5.skeleton)}")

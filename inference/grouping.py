@@ -6,7 +6,7 @@ Steps (../shared/SPEC.md, "Inference and grouping"): peaks by 3x3 NMS with centr
 `greedy_matching`); people are assembled greedily over the skeleton's limbs in their order (main
 links, a tree from its root, then redundant ones; COCO: 30), merging two partial people when the
 joining limb is strong enough; weak or tiny people are dropped. Any skeleton works whose limbs
-join every keypoint (`config.skeleton` refuses one that does not).
+join every keypoint (`data.skeleton` refuses one that does not).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from config.schema import InferenceConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from inference.peaks import find_peaks
 
 

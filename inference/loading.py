@@ -3,7 +3,7 @@
 
 A checkpoint written by the engine carries its resolved config and its skeleton: they are the
 base, so the network built matches the weights; a bare state dict uses `--preset` (default
-imhn512) and the COCO skeleton (`config.skeleton.from_checkpoint` reads either). `--set KEY=VALUE`
+imhn512) and the COCO skeleton (`data.skeleton.from_checkpoint` reads either). `--set KEY=VALUE`
 overrides apply on top, then the inference flags (scales, flip).
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from config.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError
 from config.loader import build_config
 from config.schema import Config
-from config.skeleton import from_checkpoint
+from data.skeleton import from_checkpoint
 
 DEFAULT_PRESET = "imhn512"
 
@@ -58,7 +58,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
     (its network read from its shapes; `say`, by default a line on stderr, tells that it was
     converted) or a bare weights file; the model's skeleton is `model.skeleton`
-    (`config.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
+    (`data.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
     from runtime.checkpoint import load_checkpoint, load_weights, preferred_weights, reference_file_settings
     from models import build_model
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from config.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError
 from config.schema import Config
-from config.skeleton import from_checkpoint
+from data.skeleton import from_checkpoint
 
 CONFIG_KEY = "simplepose.config"          # the checkpoint's config, JSON
 KEYPOINTS_KEY = "simplepose.keypoints"    # names of the keypoint rows, JSON (for other runtimes)
-SKELETON_KEY = "simplepose.skeleton"      # `config.skeleton.Skeleton.to_spec()`, JSON
+SKELETON_KEY = "simplepose.skeleton"      # `data.skeleton.Skeleton.to_spec()`, JSON
 INPUT_NAME, OUTPUT_NAME = "input", "maps"
 
 

@@ -19,7 +19,7 @@ import cv2
 import numpy as np
 
 from config.views import PredictSettings
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from data.preprocess import GREY
 from data.picture_files import write_image
 from inference.draw import draw_people

@@ -16,8 +16,8 @@ from typing import Iterator
 import cv2
 import numpy as np
 
-from config.errors import DataError
-from config.paths import written_whole
+from common.errors import DataError
+from common.paths import written_whole
 
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}     # containers and codecs every OpenCV build writes
 DEFAULT_FPS = 25.0                              # when the file does not say

@@ -10,7 +10,7 @@ Layout (names are stable: users freeze and load weights by them):
   returns D+1 feature maps, stride 4 first.
 - `stacks.{i}.heads.{s}`: per scale two 3x3 convs to `head_channels`, squeeze-excitation
   (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the skeleton's output
-  channels (`config.skeleton`: 50 for COCO).
+  channels (`data.skeleton`: 50 for COCO).
 - `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
   back to the scale's channels by 1x1 conv + BN each: merge_s. merge_0 is added to this stack's
   input to make the next stack's input (inputs accumulate); every merge_s, stride 4 included, is
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.schema import ModelConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from models.blocks import Bottleneck, ConvBN, SqueezeExcitation, Stem
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.schema import LossConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 
 
 def channel_groups(skeleton: Skeleton) -> dict:

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from config.errors import ArgumentParser, run_cli
-from config.skeleton import load_skeleton
+from common.errors import ArgumentParser, run_cli
+from data.skeleton import load_skeleton
 
 COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
 
@@ -92,7 +92,7 @@ def summarize(model: nn.Module, input_size: int, depth: int = 2) -> dict:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from config.errors import ConfigError
+    from common.errors import ConfigError
     from config.loader import build_config
     from models.imhn import build_model
 

@@ -4,7 +4,7 @@ A checkpoint is a dict of plain values and tensors (model, optimizer and scaler 
 step, best metric, resolved config, RNG states) plus `format_version`, so that
 `torch.load(weights_only=True)` reads it and no file can run code when it is loaded. Saving never
 leaves a half-written file under the final name: a kill or a full disk costs at most the
-checkpoint being written. Every problem a user can fix raises `config.errors.CheckpointError`
+checkpoint being written. Every problem a user can fix raises `common.errors.CheckpointError`
 with the file and the reason on one line.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from config.errors import CheckpointError, chained_os_reason
+from common.errors import CheckpointError, chained_os_reason
 from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1

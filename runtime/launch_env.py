@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.loader import check_device
 
 # set by torchrun's agent, which holds the rendezvous store on MASTER_PORT itself

@@ -40,7 +40,7 @@ def tiny_cfg():
 @pytest.fixture(scope="module")
 def tiny_model(tiny_cfg):
     """The tiny preset's COCO network as built from seed 0, in training mode."""
-    from config.skeleton import builtin
+    from data.skeleton import builtin
     from models import build_model
 
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def tiny_model(tiny_cfg):
 def tiny_network(tiny_cfg):
     """The tiny COCO network from seed 0 with weights of std 0.05, in eval mode: its maps are far
     from constant, so tests of flips, grouping and drawing can fail."""
-    from config.skeleton import builtin
+    from data.skeleton import builtin
     from models import build_model
 
     torch.manual_seed(0)

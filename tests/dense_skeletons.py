@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 from data.synthetic import _place, _pose
 from data.targets import render_targets
 from inference.coco_eval import coco_keypoint_stats

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:          # run as a script from tests/
 
 from child_env import child_env                  # noqa: E402
 from config import build_config                  # noqa: E402
-from config.skeleton import builtin              # noqa: E402
+from data.skeleton import builtin              # noqa: E402
 from runtime.checkpoint import load_checkpoint    # noqa: E402
 from runtime.launch_env import find_free_port     # noqa: E402
 from models import build_model                   # noqa: E402
@@ -117,7 +117,7 @@ def _patch_trainer_and_run() -> None:
     def blown_forward(self, images, target, mask):
         per_sample, parts = forward(self, images, target, mask)
         if self.training and bad_data == f"{rank}:{len(steps) + 1}":
-            from config.errors import DataError
+            from common.errors import DataError
             raise DataError(BAD_DATA_MESSAGE)
         if self.training and crash == f"{rank}:{len(steps) + 1}":
             raise RuntimeError(CRASH_MESSAGE)

@@ -16,7 +16,7 @@ from torch import nn
 
 import train
 from config import build_config
-from config.errors import ConfigError
+from common.errors import ConfigError
 from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.device_feed import to_model_input

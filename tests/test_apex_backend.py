@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from child_env import child_env
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.loader import build_config
 from config.schema import AmpConfig
 from engine.cli import build_parser, config_from_args

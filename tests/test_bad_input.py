@@ -26,7 +26,7 @@ import torch
 
 import train
 from config.loader import build_config
-from config.skeleton import builtin
+from data.skeleton import builtin
 from runtime.checkpoint import save_checkpoint
 from runtime.launch_env import find_free_port
 from models import build_model

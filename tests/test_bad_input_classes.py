@@ -24,7 +24,7 @@ import torch
 
 import evaluate
 import train
-from config.errors import run_cli
+from common.errors import run_cli
 from data import make_hdf5
 from data.h5format import KeypointH5
 from runtime.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
@@ -426,7 +426,7 @@ def test_damaged_hdf5_metadata_is_one_line_naming_the_file(env, capsys, tmp_path
 
 
 def test_damaged_masks_and_image_bytes_name_the_file(env, tmp_path):
-    from config.errors import DataError
+    from common.errors import DataError
     path = _damaged_h5(env, tmp_path, lambda f: None)
     with h5py.File(path, "r+") as f:
         f["images/masks"][0] = np.zeros(7, np.uint8)                 # not (length, value) triples

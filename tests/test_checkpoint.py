@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from config.errors import CheckpointError
+from common.errors import CheckpointError
 from runtime import checkpoint
 from runtime.checkpoint import (FORMAT_VERSION, capture_rng_state, find_latest_checkpoint,
                                load_checkpoint, load_weights, model_state_dict, restore_rng_state,

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from config.skeleton import builtin
-from config.errors import ConfigError
+from data.skeleton import builtin
+from common.errors import ConfigError
 from config.loader import build_config, to_dict
 from runtime.checkpoint import save_checkpoint
 from engine.cli import build_parser, config_from_args
@@ -84,7 +84,7 @@ def test_a_switch_is_not_taken_for_a_loss_scale():
 ])
 def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, content, says):
     """--config and --skeleton read their files the same way (config.yaml_file.read_yaml)."""
-    from config.skeleton import load_skeleton
+    from data.skeleton import load_skeleton
     path = tmp_path / "mine.yaml"
     path.write_bytes(content)
     with pytest.raises(ConfigError) as refusal:

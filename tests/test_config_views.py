@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.loader import build_config
 from config.schema import AugmentConfig, InferenceConfig, TargetConfig
 from config.views import PredictSettings, SampleSettings

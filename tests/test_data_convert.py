@@ -17,8 +17,8 @@ import pytest
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from config.errors import DataError
-from config.skeleton import builtin
+from common.errors import DataError
+from data.skeleton import builtin
 from data.h5format import KeypointH5, check_split
 from data.make_hdf5 import convert, main, main_people
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from config.loader import build_config
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.views import SampleSettings
 from data.augment import AugmentParams
 from data.dataset import KeypointDataset

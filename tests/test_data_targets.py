@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from config.schema import TargetConfig
-from config.skeleton import builtin
+from data.skeleton import builtin
 from data.augment import flip_people
 from data.targets import GAUSSIAN_CUTOFF, render_targets
 

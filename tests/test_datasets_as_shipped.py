@@ -13,7 +13,7 @@ import pytest
 import demo
 import evaluate
 import train
-from config.skeleton import Skeleton, builtin, mirror_names, unpaired_sided
+from data.skeleton import Skeleton, builtin, mirror_names, unpaired_sided
 from data.h5format import KeypointH5
 from data.make_hdf5 import main as make_hdf5
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from config.schema import TargetConfig
-from config.skeleton import builtin
+from data.skeleton import builtin
 from data.device_targets import TargetPainter
 from data.transfer import expand
 from engine.device_feed import DeviceFeed, one_ahead, to_model_input

@@ -10,7 +10,7 @@ import torch
 
 from config.loader import build_config
 from config.schema import TargetConfig
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.views import SampleSettings
 from data.augment import flip_people, mask_fraction
 from data.dataset import KeypointDataset

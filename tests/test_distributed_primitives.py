@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.schema import DistConfig
 from runtime import distributed as D
 from child_env import child_env

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from config import build_config
-from config.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError
 from config.loader import to_dict
-from config.skeleton import builtin
+from data.skeleton import builtin
 from engine.precision import NativePrecision as Precision
 from runtime.checkpoint import preferred_weights, save_checkpoint
 from engine.ema import WeightsEMA

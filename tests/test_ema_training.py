@@ -111,7 +111,7 @@ def test_two_ranks_hold_the_same_ema_and_rank_0_saves_it(tmp_path, synthetic_h5)
 
 def test_a_damaged_ema_in_the_checkpoint_resumed_is_one_error_line_naming_it(straight, tmp_path, synthetic_h5,
                                                                               capsys):
-    from config.errors import run_cli
+    from common.errors import run_cli
     from runtime.checkpoint import save_checkpoint
 
     state = load_checkpoint(straight / "last.pth")

@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 import evaluate
-from config.errors import DataError
-from config.skeleton import builtin
+from common.errors import DataError
+from data.skeleton import builtin
 from config.loader import build_config, to_dict
 from config.views import PredictSettings
 from runtime.checkpoint import save_checkpoint

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
 
 

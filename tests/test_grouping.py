@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.views import PredictSettings
 from data.targets import render_targets
 from inference import grouping

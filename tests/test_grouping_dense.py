@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import Skeleton, builtin
+from data.skeleton import Skeleton, builtin
 from data.targets import render_targets
 from inference.grouping import group_people
 from dense_skeletons import exlpose_like, halpe136_like, mhp_like, oracle_ap

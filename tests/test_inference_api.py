@@ -23,7 +23,7 @@ import demo
 import evaluate
 import export
 import inference.estimator
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.loader import build_config, to_dict
 from runtime.checkpoint import save_checkpoint
 from inference import Person, PoseEstimator, Prediction

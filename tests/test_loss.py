@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from config.loader import build_config
 from config.schema import LossConfig
-from config.skeleton import builtin
+from data.skeleton import builtin
 from models import FocalL2Loss, build_model
 
 COCO = builtin("coco")

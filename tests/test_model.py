@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from config.errors import ConfigError
-from config.skeleton import builtin
+from common.errors import ConfigError
+from data.skeleton import builtin
 from models import FocalL2Loss, build_model
 
 COCO = builtin("coco")

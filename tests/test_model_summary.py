@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.loader import build_config
 from models.imhn import build_model
 from models.summary import count_macs, count_parameters, main

@@ -24,7 +24,7 @@ import torch
 
 import train
 import train_parallel
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config import build_config
 from config.views import SampleSettings
 from data.dataset import KeypointDataset

@@ -29,8 +29,8 @@ import torch
 import demo
 import evaluate
 import export
-from config.errors import ConfigError
-from config.paths import written_whole
+from common.errors import ConfigError
+from common.paths import written_whole
 from data import make_hdf5
 from data.synthetic import main as synthetic_main
 from inference import PoseEstimator

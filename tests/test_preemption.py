@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import train
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.loader import build_config
 from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main

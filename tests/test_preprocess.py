@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.views import PredictSettings, SampleSettings
 from data.augment import warp_image
 from data.dataset import KeypointDataset

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.loader import build_config
 from data.preprocess import picture_to_input
 from runtime.checkpoint import load_weights

@@ -15,8 +15,8 @@ import evaluate
 import train
 import train_distributed
 import train_parallel
-from config.skeleton import builtin
-from config.errors import run_cli
+from data.skeleton import builtin
+from common.errors import run_cli
 from config.loader import build_config
 from config.schema import AmpConfig
 from engine.precision import NativePrecision as Precision

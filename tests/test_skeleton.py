@@ -13,10 +13,10 @@ import torch
 
 import evaluate
 import train
-from config.errors import run_cli
+from common.errors import run_cli
 from config.loader import build_config
 from config.schema import InferenceConfig, TargetConfig
-from config.skeleton import DEFAULT_SIGMA, builtin, from_checkpoint
+from data.skeleton import DEFAULT_SIGMA, builtin, from_checkpoint
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.h5format import KeypointH5

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import train
-from config.skeleton import builtin
-from config.errors import ConfigError, TrainingDiverged
+from data.skeleton import builtin
+from common.errors import ConfigError, TrainingDiverged
 from runtime.checkpoint import load_checkpoint
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
@@ -251,7 +251,7 @@ def test_a_compiled_run_compiles_the_training_graph_only_and_trains_like_an_eage
 
 
 def test_a_validation_file_given_as_training_data_is_one_error_line(tmp_path, synthetic_h5, capsys):
-    from config.errors import run_cli
+    from common.errors import run_cli
     val = synthetic_h5[1]
     before = val.read_bytes()
     code = run_cli(train.main, ["--train-h5", str(val), "--out-dir", str(tmp_path), "--run-name", "r", *QUICK])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from config import build_config
-from config.skeleton import builtin
+from data.skeleton import builtin
 from config.views import PredictSettings
 from data.h5format import KeypointH5
 from engine.logger import RunLogger

@@ -1,10 +1,10 @@
-"""Outputs appear whole or not at all (`config.paths.written_whole`, used by pictures, videos,
+"""Outputs appear whole or not at all (`common.paths.written_whole`, used by pictures, videos,
 HDF5 conversions and ONNX exports): a failed write leaves what the user had, and no temporary file."""
 from __future__ import annotations
 
 import pytest
 
-from config.paths import written_whole
+from common.paths import written_whole
 
 
 def test_a_finished_write_replaces_the_file_and_leaves_no_twin(tmp_path):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.schema import AmpConfig, Config
 
 LAST_APEX_WITH_AMP = "25.04"

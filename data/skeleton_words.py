@@ -2,7 +2,7 @@
 validation file's and a training file's): the words of the two sides always differ."""
 from __future__ import annotations
 
-from config.skeleton import Skeleton
+from data.skeleton import Skeleton
 
 
 def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:

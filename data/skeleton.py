@@ -16,7 +16,7 @@ a mapping (YAML file, HDF5 attribute, checkpoint entry):
     flip: [[left_shoulder, right_shoulder], ...]   # optional: default from left/right in names
 
 Output channels: limbs, then keypoints (in `channels` order), then the person mask, then the max
-over the keypoint maps. Built-ins live in config/skeletons/NAME.yaml (`coco` is exactly the
+over the keypoint maps. Built-ins live in data/skeletons/NAME.yaml (`coco` is exactly the
 method's 18 keypoints, 30 limbs and 50 channels: files and checkpoints without a stored skeleton
 are COCO). Every problem with a skeleton is a `ConfigError` on one line naming its source.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config.errors import ConfigError
+from common.errors import ConfigError
 from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
@@ -306,7 +306,7 @@ _BUILTINS: dict = {}
 
 
 def builtin(name: str) -> Skeleton:
-    """The built-in skeleton `name` (config/skeletons/NAME.yaml)."""
+    """The built-in skeleton `name` (data/skeletons/NAME.yaml)."""
     if name not in _BUILTINS:
         path = BUILTIN_DIR / f"{name}.yaml"
         if not path.is_file():

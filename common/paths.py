@@ -13,7 +13,7 @@ import errno
 import os
 from pathlib import Path
 
-from config.errors import ConfigError, os_reason
+from common.errors import ConfigError, os_reason
 
 
 def same_file(a, b) -> bool:

@@ -16,7 +16,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from config.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, mirror_names,
+from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, mirror_names,
                              unpaired_sided)
 
 MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
