@@ -79,7 +79,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
 
     trainer = SimpleNamespace(ctx=DistContext(), cfg=cfg, stop_signal=None, evaluator=None,
                               data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
-    results = validate(trainer, 0, loss_due=True, ap_due=False)
+    results = validate(trainer, None, 0, loss_due=True, ap_due=False)
     every = [value for per_sample in seen for value in per_sample.tolist()]   # not torch.sum: O1 casts
     assert results["loss"] == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
 

@@ -15,9 +15,15 @@ from data.skeleton import builtin
 from engine.precision import NativePrecision as Precision
 from runtime.checkpoint import preferred_weights, save_checkpoint
 from engine.ema import WeightsEMA
+from engine.trainer import StepResult
 from models import build_model
 
 COCO = builtin("coco")
+
+
+def step(skipped: bool) -> StepResult:
+    """What `run_step` hands the hooks, for a step that was or was not skipped."""
+    return StepResult(loss=1.0, lr=0.1, skipped=skipped, stop=False)
 
 
 def tiny_model(seed: int = 0):
@@ -55,7 +61,7 @@ def test_decay_warms_up_and_the_average_follows_the_formula():
     expected = dict(model.named_parameters())[name].detach().double().clone()
     for k in range(1, 5):
         nudge(model, precision, k)
-        ema.after_step(None, {"skipped": False})
+        ema.after_step(None, step(skipped=False))
         d = 0.9 * (1 - math.exp(-k / 2.0))
         assert ema.current_decay() == pytest.approx(d)
         expected = d * expected + (1 - d) * dict(model.named_parameters())[name].detach().double()
@@ -70,10 +76,10 @@ def test_a_skipped_step_leaves_the_average_as_it_was():
     model, precision = prepared("O0")
     ema = WeightsEMA(0.9, 1.0).attach(model, precision)
     nudge(model, precision, 1)
-    ema.after_step(None, {"skipped": False})
+    ema.after_step(None, step(skipped=False))
     before = {k: v.clone() for k, v in ema.averaged.items()}
     nudge(model, precision, 2)
-    ema.after_step(None, {"skipped": True})
+    ema.after_step(None, step(skipped=True))
     assert ema.updates == 1
     assert all(torch.equal(before[k], ema.averaged[k]) for k in before)
 
