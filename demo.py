@@ -28,14 +28,16 @@ import numpy as np
 from common.errors import ArgumentParser, DataError, run_cli
 from common.paths import refuse_existing, refuse_output_as_input, same_file
 from data.picture_files import check_picture_path
+from inference.command_line import CONFIG_CARRIED, weights_options
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", required=True,
-                   help="checkpoint, bare state dict, or ONNX file written by export.py")
+    shared = weights_options("checkpoint, bare state dict, or ONNX file written by export.py",
+                             preset_help=f" (default: imhn512); {CONFIG_CARRIED}")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[shared])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="picture to read (any format OpenCV reads), or a folder of pictures")
     source.add_argument("--video", help="video file to read (any format OpenCV reads)")
@@ -43,17 +45,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
                    "folder, the folder to write into (default: FOLDER_pose next to it); for a video, "
                    "the video to write, .mp4 or .avi (default: VIDEO_pose.mp4 next to it)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
-    p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
-                   "input_size (1: input_size px; default: the config's)")
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the mirror image (default: config)")
-    p.add_argument("--preset", help="config preset for a bare state dict (default: imhn512); a "
-                   "checkpoint of this trainer carries its own config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. inference.peak_threshold=0.05")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p
 
 

@@ -23,12 +23,15 @@ from pathlib import Path
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_existing, refuse_output_as_input
 from inference.coco_eval import STAT_NAMES
+from inference.command_line import CONFIG_CARRIED, weights_options
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", help="checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
-                   "written by export.py")
+    shared = weights_options("checkpoint (best.pth, last.pth), bare state dict, or ONNX file written "
+                             "by export.py", required=False,
+                             preset_help=f" or --oracle (default: imhn512); {CONFIG_CARRIED}")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[shared])
     p.add_argument("--oracle", action="store_true",
                    help="decode the ground-truth target maps, drawn once at each image's own size "
                    "(stride 1), instead of a network's: no scales, no flip")
@@ -36,19 +39,9 @@ def build_parser() -> ArgumentParser:
     src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
     src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
     src.add_argument("--images", help="image folder of --ann")
-    p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
-                   "input_size (1: input_size px; default: the config's)")
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the mirror image (default: config)")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
     p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
                    "weights, or ./oracle_DATA_keypoints.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--preset", help="config preset for a bare state dict or --oracle (default: "
-                   "imhn512); a checkpoint of this trainer carries its own config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. inference.peak_threshold=0.05")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

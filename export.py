@@ -28,6 +28,7 @@ import torch
 
 from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
 from common.paths import refuse_existing, refuse_output_as_input, written_whole
+from inference.command_line import weights_options
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
@@ -41,8 +42,11 @@ class ExportMismatch(UserError):
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", required=True, help="checkpoint of this trainer or bare state dict")
+    shared = weights_options("checkpoint of this trainer or bare state dict",
+                             preset_help=" (default: imhn512)",
+                             set_example="inference.flip=true (stored in the file)", decoding=False)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[shared])
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
     p.add_argument("--out", required=True, help="the file to write (an existing one only with --overwrite)")
     p.add_argument("--opset", type=int, default=17,
@@ -51,10 +55,6 @@ def build_parser() -> ArgumentParser:
                    help="folder of .jpg/.png pictures to compare the maps on (default: tests/data/coco4)")
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest map difference allowed, as a fraction of the maps' largest magnitude")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--preset", help="config preset for a bare state dict (default: imhn512)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. inference.flip=true (stored in the file)")
     return p
 
 
