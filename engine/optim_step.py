@@ -17,14 +17,14 @@ stepping, in one `update(optimizer, decide)` per step; this object decides when,
 its part of that update (norm, skip vote, clipping). Every decision that needs all ranks to agree (the
 skip vote) is taken here, in one place.
 
-One host sync per step (issue 22): the losses stay on the device. A bad loss (not finite, or above
+One host sync per step: the losses stay on the device. A bad loss (not finite, or above
 `optim.skip_loss_above`) is not read before its backward: it poisons the step instead, its backward
 being that of `loss * nan`, so every gradient is NaN, and DDP's all-reduce carries the NaN to every
 rank. Every rank runs every backward (SyncBN's backward is a collective even under `no_sync`), so
 none waits alone. `finish` then reads one small tensor, [norm, loss sum, bad loss, non-finite norm,
 stop], whose flags are first all-reduced (max) in one small collective: every rank takes the same
 decision. A step poisoned by its loss leaves the loss scale as it was (it says nothing about the
-gradients' range); gradients that overflow by themselves lower it, as before.
+gradients' range); gradients that overflow by themselves lower it.
 """
 from __future__ import annotations
 

@@ -271,7 +271,7 @@ def test_skip_bad_that_keeps_nothing_still_lists_why(coco4_dir, tmp_path, capsys
     assert not (tmp_path / "o.h5").exists()
 
 
-# -- issue-30 cases: a self-made keypoint, links in a loop, a picture listed twice -----------------
+# -- a self-made keypoint, links in a loop, a picture listed twice -------------------------------
 def test_a_derived_keypoint_made_from_itself_is_refused(coco4_dir, tmp_path, capsys):
     spec = COCO.to_spec()
     spec["derived"] = {"neck": ["neck", "left_shoulder"]}

@@ -135,7 +135,7 @@ class NativePrecision(PrecisionBackend):
 
     def _copy_grads_to_masters(self) -> None:
         """master.grad = param.grad in float32 (None where param.grad is None): the master gradients
-        are views of one flat float32 buffer, freed with them by `zero_grad` as before, each with
+        are views of one flat float32 buffer, freed with them by `zero_grad`, each with
         its master's strides (channels_last too), filled by one `_foreach_copy_`."""
         if self._grad_layout is None:
             self._grad_layout, total = [], 0
