@@ -6,6 +6,7 @@
     python train.py --weights best.pth --freeze stem 'stacks.0.*' --lr 1e-5
 """
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
+from engine.resume import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
 from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
@@ -13,9 +14,10 @@ from inference.val_pictures import write_val_pictures
 
 
 def main(argv=None) -> dict:
-    cfg = config_from_args(build_parser(__doc__).parse_args(argv))
+    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
+    cfg = config_from_args(build_parser(__doc__).parse_args(argv), reader)
     return build_trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(),
-                         hooks=[ValidationPictures(write_val_pictures)]).fit()
+                         hooks=[ValidationPictures(write_val_pictures)], reader=reader).fit()
 
 
 if __name__ == "__main__":

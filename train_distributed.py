@@ -12,6 +12,7 @@ from common.errors import ConfigError, UserError
 from runtime import distributed as dist
 from engine.precision import wrap_ddp
 from engine.cli import build_parser, config_from_args, run_main
+from engine.resume import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
 from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
@@ -23,9 +24,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                         help="set by the legacy torch.distributed.launch")
     parser.error = lambda message: _refuse(parser, message)
+    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
     try:
         args = parser.parse_args(argv)
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, reader)
     except UserError as err:            # the others would wait for this rank to join: tell them
         dist.fail_before_group(err)
         raise
@@ -33,7 +35,7 @@ def main(argv=None) -> dict:
     try:
         wrap = lambda module: wrap_ddp(module, ctx, cfg.amp, cfg.dist)  # noqa: E731
         return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(),
-                             hooks=[ValidationPictures(write_val_pictures)]).fit()
+                             hooks=[ValidationPictures(write_val_pictures)], reader=reader).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)
         raise

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from common.errors import ConfigError
 from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
+from engine.resume import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
 from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
@@ -36,7 +37,8 @@ def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
+    cfg = config_from_args(args, reader)
     if cfg.dist.sync_bn:
         raise ConfigError("--sync-bn under train_parallel.py: DataParallel keeps the batch statistics "
                           "of the first GPU's share of the batch; for synchronised BatchNorm run one "
@@ -44,7 +46,8 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return build_trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                             training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
+                             training_evaluator(), hooks=[ValidationPictures(write_val_pictures)],
+                         reader=reader).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg.amp, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -57,7 +60,8 @@ def main(argv=None) -> dict:
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                         training_evaluator(), hooks=[ValidationPictures(write_val_pictures)]).fit()
+                         training_evaluator(), hooks=[ValidationPictures(write_val_pictures)],
+                         reader=reader).fit()
 
 
 if __name__ == "__main__":

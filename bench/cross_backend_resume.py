@@ -24,14 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.checkpoint import load_checkpoint, unwrap_model          # noqa: E402
 from engine.cli import build_parser, config_from_args, single_process_context  # noqa: E402
 from engine.precision.loss_scale import grad_scaler_fields               # noqa: E402
+from engine.resume import CheckpointReader                          # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 
 
 def main(argv=None) -> int:
-    cfg = config_from_args(build_parser(__doc__).parse_args(argv))
+    reader = CheckpointReader()
+    cfg = config_from_args(build_parser(__doc__).parse_args(argv), reader)
     saved = load_checkpoint(cfg.train.resume)
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = build_trainer(cfg, Launch(single_process_context(cfg.train.device)))
+        trainer = build_trainer(cfg, Launch(single_process_context(cfg.train.device)),
+                                reader=reader)
     now = trainer.precision.float32_state_dict(unwrap_model(trainer.model))
     differ = [key for key, value in saved["model"].items()
               if key not in now or not torch.equal(now[key].cpu(), value.cpu())]

@@ -39,19 +39,20 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _saved_config(resume: str, run_name: str | None, out_dir: str | None) -> tuple[Path | None, dict | None]:
-    """(checkpoint, the config stored in it) that --resume will load, if it can be found."""
-    from engine.resume import latest_checkpoint, read_state
+def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
+                  reader) -> tuple[Path | None, dict | None]:
+    """(checkpoint, the config stored in it) that --resume will load, if it can be found; read
+    with `reader` (engine.resume.CheckpointReader), which the trainer then reads it with."""
     from engine.run_setup import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
         run_dir = base / run_name if run_name else newest_run_dir(base)
-        path = latest_checkpoint(run_dir) if run_dir and run_dir.is_dir() else None
+        path = reader.latest(run_dir) if run_dir and run_dir.is_dir() else None
     else:
         path = Path(resume)
     if not path or not path.is_file():
         return None, None
-    saved = copy.deepcopy(read_state(path).get("config"))   # read once: the trainer resumes from it
+    saved = copy.deepcopy(reader.state(path).get("config"))   # read once: the trainer resumes from it
     if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("train"), dict)):
         raise CheckpointError(f"checkpoint {path}: its saved config is damaged (not a mapping of config "
                               "sections); resume with --config PRESET to give the settings anew")
@@ -66,7 +67,7 @@ RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite"
 
 def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str]):
     """The resumed run's config: its checkpoint's, then the flags given now. A field this version
-    no longer knows, or a value it no longer accepts, is named with the file and how to go on."""
+    does not know, or a value it does not accept, is named with the file and how to go on."""
     saved["train"].update(RUN_IDENTITY)
     deep_update(saved, overrides)
     try:
@@ -141,23 +142,26 @@ def _preset_model(preset: str) -> dict | None:
         return None
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, reader=None):
     """The run's config from the flags; a backend that cannot run here (`--amp-backend apex`
-    without Apex, CUDA, ...) is refused now, before anything is built."""
+    without Apex, CUDA, ...) is refused now, before anything is built. `reader`: the
+    `engine.resume.CheckpointReader` that `build_trainer` gets too, so that a resumed run's
+    checkpoints are read once (None: a reader of its own)."""
     from engine.precision import check_backend
-    cfg = _resolve_config(args)
+    from engine.resume import CheckpointReader
+    cfg = _resolve_config(args, reader or CheckpointReader())
     check_backend(cfg)
     return cfg
 
 
-def _resolve_config(args: argparse.Namespace):
+def _resolve_config(args: argparse.Namespace, reader):
     overrides: dict = {}
     for key, flag in flags():
         value = getattr(args, _dest(flag.name), None)
         if value is not None:
             deep_update(overrides, nested(key, value))
     if args.resume and not args.config:
-        path, saved = _saved_config(args.resume, args.run_name, args.out_dir)
+        path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader)
         if saved:
             return _config_from_checkpoint(path, saved, overrides, args.set)
     if _is_saved_run_config(args.config):

@@ -1,14 +1,15 @@
 """Where a run starts from, decided once: `plan_run` picks (on rank 0, for every rank) the run
-directory and the checkpoint a resume continues; `latest_checkpoint` scans a run directory for
-`--resume auto` once per process and `read_state` reads a checkpoint once per process (the command
-line's look at its config and the trainer's plan and load share them); `load_start`
-puts the weights a run starts from (resume, the authors' run, --weights) into the model;
-engine/train_state.py restores the rest once the optimiser exists.
+directory and the checkpoint a resume continues; a `CheckpointReader`, made by the entry script
+and handed to the command line (`engine.cli.config_from_args`) and to `build_trainer`, scans a run
+directory for `--resume auto` and reads a checkpoint once for both (the command line's look at the
+saved config, the trainer's plan and load); `load_start` puts the weights a run starts from
+(resume, the authors' run, --weights) into the model; engine/train_state.py restores the rest
+once the optimiser exists.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
@@ -20,8 +21,44 @@ from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
-_read: dict[tuple, dict] = {}      # (resolved path, the file's identity) -> its state (one entry)
-_latest: dict[tuple, str | None] = {}    # (run directory, its checkpoints' identities) -> latest's name
+class CheckpointReader:
+    """Reads a checkpoint, and scans a run directory for its latest checkpoint, once while the files
+    stay the same (names, sizes, times): one reader shared by the command line and `build_trainer`
+    reads the run directory's checkpoints once. It holds the last file read until `forget()`."""
+
+    def __init__(self):
+        self._state: tuple[tuple, dict] | None = None        # (the file's identity, its state)
+        self._latest: tuple[tuple, str | None] | None = None  # (the checkpoints' identities, latest's name)
+
+    def latest(self, run_dir) -> Path | None:
+        """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
+        run_dir = Path(run_dir)
+        try:
+            files = tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                                 for p in run_dir.glob("*.pth") for st in [p.stat()]))
+        except OSError:
+            return ckpt.find_latest_checkpoint(run_dir)       # says what is wrong
+        key = (str(run_dir.resolve()), files)
+        if self._latest is None or self._latest[0] != key:
+            found = ckpt.find_latest_checkpoint(run_dir)
+            self._latest = (key, found.name if found else None)
+        return run_dir / self._latest[1] if self._latest[1] else None
+
+    def state(self, path) -> dict:
+        """The checkpoint at `path`, memory-mapped."""
+        path = Path(path)
+        try:
+            stat = path.stat()
+            key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            return ckpt.load_checkpoint(path, mmap=True)      # says what is wrong with it
+        if self._state is None or self._state[0] != key:
+            self._state = (key, ckpt.load_checkpoint(path, mmap=True))
+        return self._state[1]
+
+    def forget(self) -> None:
+        """Give back what was read (the next look reads the files again)."""
+        self._state = self._latest = None
 
 
 @dataclass
@@ -30,27 +67,31 @@ class RunPlan:
     created: bool                     # this run created run_dir (removed again if it fails to start)
     resume_path: Path | None          # the checkpoint this run continues, if any
     config: Config                    # the main process's: the one every rank trains with
+    reader: CheckpointReader = field(default_factory=CheckpointReader)   # reads resume_path
 
 
-def plan_run(cfg: Config) -> RunPlan:
+def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
     """Decided on the main process, the same on every rank: one rank's view of a shared filesystem
-    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree."""
+    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree.
+    `reader`: the one the command line read the saved config with, if any."""
+    reader = reader or CheckpointReader()
+
     def decide():
         run_dir, created = pick_and_claim(cfg.train)
         try:
-            return str(run_dir), created, _resume_path(cfg.train, run_dir), cfg
+            return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)
             raise
     run_dir, created, path, config = dist.decided_on_main(decide)
-    return RunPlan(Path(run_dir), created, Path(path) if path else None, config)
+    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader)
 
 
-def _resume_path(train: TrainConfig, run_dir: Path) -> str | None:
+def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:
     if not train.resume:
         return None
     if train.resume == "auto":
-        path = latest_checkpoint(run_dir)
+        path = reader.latest(run_dir)
         return str(path) if path else None
     if not Path(train.resume).is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
@@ -69,43 +110,6 @@ def refuse_another_run(path: Path, run_dir: Path) -> None:
         raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
                           "resuming there would write over; nothing was touched: copy the checkpoint "
                           f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
-
-
-def latest_checkpoint(run_dir) -> Path | None:
-    """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there,
-    done once per process while the directory's checkpoints stay the same files (names, sizes,
-    times): the command line's look at the resumed config and `plan_run` share the scan."""
-    run_dir = Path(run_dir)
-    try:
-        files = tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
-                             for p in run_dir.glob("*.pth") for st in [p.stat()]))
-    except OSError:
-        return ckpt.find_latest_checkpoint(run_dir)       # says what is wrong
-    key = (str(run_dir.resolve()), files)
-    if key not in _latest:
-        _latest.clear()
-        found = ckpt.find_latest_checkpoint(run_dir)
-        _latest[key] = found.name if found else None
-    return run_dir / _latest[key] if _latest[key] else None
-
-
-def read_state(path) -> dict:
-    """The checkpoint at `path`, memory-mapped, read once per process (again if the file changed)."""
-    path = Path(path)
-    try:
-        stat = path.stat()
-        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    except OSError:
-        return ckpt.load_checkpoint(path, mmap=True)      # says what is wrong with it
-    if key not in _read:
-        _read.clear()
-        _read[key] = ckpt.load_checkpoint(path, mmap=True)
-    return _read[key]
-
-
-def forget_state() -> None:
-    _read.clear()
-    _latest.clear()
 
 
 def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
@@ -128,7 +132,7 @@ def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skelet
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
                 say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
-        state = read_state(plan.resume_path)
+        state = plan.reader.state(plan.resume_path)
         ckpt.check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")

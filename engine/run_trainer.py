@@ -32,7 +32,7 @@ from engine.hooks import (DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LR
                           ProgressBar, TrainLog)
 from engine.logger import RunLogger
 from engine.reference_resume import resume_state
-from engine.resume import forget_state, plan_run
+from engine.resume import CheckpointReader, plan_run
 from engine.run_setup import clear_run_dir, close_loaders, release_run_dir, save_resolved_config
 from engine.train_state import TrainState, checkpoint_of, hook_states, restore
 from engine.trainer import Trainer, TrainParts
@@ -84,9 +84,13 @@ class RunEnd(Hook):
 
 
 def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
-                  hooks: list[Hook] = (), builder: TrainerBuilder | None = None) -> "RunTrainer":
-    """The run of `cfg` (a resumed run: its own saved config), ready to `fit()`."""
-    plan = plan_run(cfg)
+                  hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
+                  reader: CheckpointReader | None = None) -> "RunTrainer":
+    """The run of `cfg` (a resumed run: its own saved config), ready to `fit()`. `reader`: the one
+    `engine.cli.config_from_args` read the saved config with (the checkpoints are read once); what
+    it holds is given back once the run has started."""
+    reader = reader or CheckpointReader()
+    plan = plan_run(cfg, reader)
     cfg = plan.config
     say = _sayer(launch.ctx)
     try:
@@ -100,7 +104,7 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
             release_run_dir(plan.run_dir, remove_if_empty=plan.created)
         raise
     finally:
-        forget_state()
+        reader.forget()
 
 
 def build_loop(cfg: Config, launch: Launch, builder: TrainerBuilder | None = None

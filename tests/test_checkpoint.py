@@ -239,11 +239,12 @@ def test_find_latest_refuses_a_file_it_cannot_read_rather_than_save_over_it(tmp_
 
 
 def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeypatch):
-    """The command line (to take over the saved config) and the run's plan both look for the
-    latest checkpoint: one scan serves both, and a checkpoint written in between is seen."""
+    """The command line (to take over the saved config), the run's plan and the load of the
+    weights share one reader (train.py's): one scan and one read serve all three, and a
+    checkpoint written in between is seen."""
     from config.loader import build_config, to_dict
     from engine.cli import build_parser, config_from_args
-    from engine.resume import forget_state, plan_run
+    from engine.resume import CheckpointReader, plan_run
     from engine.run_setup import release_run_dir
 
     run_dir = tmp_path / "r"
@@ -258,23 +259,22 @@ def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeyp
         return load(path, *args, **kwargs)
     monkeypatch.setattr(checkpoint, "load_checkpoint", counted)
 
+    reader = CheckpointReader()          # what train.py hands to the command line and the trainer
+
     def plan():
         cfg = config_from_args(build_parser("t").parse_args(["--resume", "auto", "--run-name", "r",
-                                                             "--out-dir", str(tmp_path)]))
-        found = plan_run(cfg)
+                                                             "--out-dir", str(tmp_path)]), reader)
+        found = plan_run(cfg, reader)
+        found.reader.state(found.resume_path)          # what load_start reads the weights from
         release_run_dir(found.run_dir)
-        forget_state()
         return cfg, found.resume_path
-    try:
-        cfg, resumed = plan()
-        assert resumed == run_dir / "epoch_2.pth" and cfg.train.epochs == 7
-        assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "epoch_2.pth"]  # scan, config
-        save_checkpoint(run_dir / "last.pth", {"step": 9, "epoch": 3, "config": saved})
-        reads.clear()
-        assert plan()[1] == run_dir / "last.pth"
-        assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "last.pth", "last.pth"]
-    finally:
-        forget_state()
+    cfg, resumed = plan()
+    assert resumed == run_dir / "epoch_2.pth" and cfg.train.epochs == 7
+    assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "epoch_2.pth"]  # scan, config
+    save_checkpoint(run_dir / "last.pth", {"step": 9, "epoch": 3, "config": saved})
+    reads.clear()
+    assert plan()[1] == run_dir / "last.pth"
+    assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "last.pth", "last.pth"]
 
 
 def draws():
