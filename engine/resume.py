@@ -9,7 +9,7 @@ once the optimiser exists.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
@@ -20,6 +20,7 @@ from data.skeleton_words import skeleton_words
 from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
+
 
 class CheckpointReader:
     """Reads a checkpoint, and scans a run directory for its latest checkpoint, once while the files
@@ -67,7 +68,7 @@ class RunPlan:
     created: bool                     # this run created run_dir (removed again if it fails to start)
     resume_path: Path | None          # the checkpoint this run continues, if any
     config: Config                    # the main process's: the one every rank trains with
-    reader: CheckpointReader = field(default_factory=CheckpointReader)   # reads resume_path
+    reader: CheckpointReader          # reads resume_path (the command line may have read it)
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
