@@ -240,8 +240,8 @@ def test_find_latest_refuses_a_file_it_cannot_read_rather_than_save_over_it(tmp_
 
 def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeypatch):
     """The command line (to take over the saved config), the run's plan and the load of the
-    weights share one reader (train.py's): one scan and one read serve all three, and a
-    checkpoint written in between is seen."""
+    weights share one reader (train.py's): one scan and one read serve all three, a checkpoint
+    written in between is seen, and another reader reads for itself (no module-level cache)."""
     from config.loader import build_config, to_dict
     from engine.cli import build_parser, config_from_args
     from engine.resume import CheckpointReader, plan_run
@@ -275,6 +275,9 @@ def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeyp
     reads.clear()
     assert plan()[1] == run_dir / "last.pth"
     assert sorted(p.name for p in reads) == ["epoch_1.pth", "epoch_2.pth", "last.pth", "last.pth"]
+    reads.clear()
+    CheckpointReader().state(run_dir / "last.pth")      # another reader: nothing shared through the module
+    assert [p.name for p in reads] == ["last.pth"]
 
 
 def draws():
