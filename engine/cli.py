@@ -148,20 +148,20 @@ def config_from_args(args: argparse.Namespace, reader=None):
     `engine.resume.CheckpointReader` that `build_trainer` gets too, so that a resumed run's
     checkpoints are read once (None: a reader of its own)."""
     from engine.precision import check_backend
-    from engine.resume import CheckpointReader
-    cfg = _resolve_config(args, reader or CheckpointReader())
+    cfg = _resolve_config(args, reader)
     check_backend(cfg)
     return cfg
 
 
-def _resolve_config(args: argparse.Namespace, reader):
+def _resolve_config(args: argparse.Namespace, reader=None):
     overrides: dict = {}
     for key, flag in flags():
         value = getattr(args, _dest(flag.name), None)
         if value is not None:
             deep_update(overrides, nested(key, value))
     if args.resume and not args.config:
-        path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader)
+        from engine.resume import CheckpointReader
+        path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
         if saved:
             return _config_from_checkpoint(path, saved, overrides, args.set)
     if _is_saved_run_config(args.config):
