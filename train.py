@@ -14,7 +14,7 @@ from inference.val_pictures import write_val_pictures
 
 
 def main(argv=None) -> dict:
-    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
+    reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     cfg = config_from_args(build_parser(__doc__).parse_args(argv), reader)
     return build_trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(),
                          hooks=[ValidationPictures(write_val_pictures)], reader=reader).fit()

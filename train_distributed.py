@@ -24,7 +24,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                         help="set by the legacy torch.distributed.launch")
     parser.error = lambda message: _refuse(parser, message)
-    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
+    reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     try:
         args = parser.parse_args(argv)
         cfg = config_from_args(args, reader)

@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
     args = parser.parse_args(argv)
-    reader = CheckpointReader()             # a resumed run's checkpoint: read once, for both
+    reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     cfg = config_from_args(args, reader)
     if cfg.dist.sync_bn:
         raise ConfigError("--sync-bn under train_parallel.py: DataParallel keeps the batch statistics "
