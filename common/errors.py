@@ -53,8 +53,17 @@ class Terminated(KeyboardInterrupt):
     main thread, so `finally` blocks remove temporary files and no `except Exception` swallows it."""
 
 
+_STOP_SIGNALS_SEEN: list[int] = []    # the stop signals a command run by `run_cli` received
+
+
 def _terminate(signum, frame):
+    _STOP_SIGNALS_SEEN.append(signum)
     raise Terminated()
+
+
+def _interrupt(signum, frame):
+    _STOP_SIGNALS_SEEN.append(signum)
+    raise KeyboardInterrupt()
 
 
 TRAINING_KEPT = "the last completed checkpoint is kept"
@@ -79,6 +88,9 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     command other than training (whose trainer saves on SIGTERM itself) names what it keeps and
     stops on SIGTERM the same way (exit code 143): its temporary files are removed on the way out.
     The line goes through `tqdm.write`, so a progress bar left open by the error is cleared first.
+    A stop signal that lands inside a library's C code can surface as another exception there
+    (numpy's `__array__` fallback, say, reports it as a TypeError): once such a command has
+    received a stop signal, whatever ends it is that stop.
     """
     import signal
     import sys
@@ -86,7 +98,9 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
 
     from tqdm import tqdm
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if handles_term else None
+    previous = ((signal.signal(signal.SIGTERM, _terminate), signal.signal(signal.SIGINT, _interrupt))
+                if handles_term else None)
+    _STOP_SIGNALS_SEEN.clear()
     try:
         main(argv)
     except UserError as exc:
@@ -94,12 +108,24 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
         tqdm.write(f"{prefix}{exc}", file=sys.stderr)
         sys.stderr.flush()
         return exc.exit_code
+    except Exception:
+        if not (handles_term and _STOP_SIGNALS_SEEN):
+            raise
+        return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
     except KeyboardInterrupt as exc:
-        stopped = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-        tqdm.write(f"{stopped}; {kept}", file=sys.stderr)
-        sys.stderr.flush()
-        return 143 if isinstance(exc, Terminated) else 130
+        return _stopped(isinstance(exc, Terminated), kept)
     finally:
         if handles_term:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
     return 0
+
+
+def _stopped(by_sigterm: bool, kept: str) -> int:
+    """The one line of a command stopped by SIGTERM or Ctrl-C, and its exit code."""
+    import sys
+
+    from tqdm import tqdm
+    tqdm.write(f"{'stopped by SIGTERM' if by_sigterm else 'interrupted (Ctrl-C)'}; {kept}", file=sys.stderr)
+    sys.stderr.flush()
+    return 143 if by_sigterm else 130

@@ -1,6 +1,7 @@
 """A mistake on any command line of the project (an unknown option, a value of the wrong type or
 choice, a missing argument) is one `error:` line naming the option, exit code 2, like every other
-bad input: not argparse's whole usage block first. `--help` still prints the usage.
+bad input: not argparse's whole usage block first. `--help` still prints the usage. A command
+stopped by a signal ends as that stop, whatever exception the signal became on its way out.
 
 Each case calls the command's `main(argv)` in this process; `tests/test_bad_input_classes.py` runs
 one through a real `train.py` process.
@@ -8,9 +9,13 @@ one through a real `train.py` process.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import time
 
 import pytest
 
+from common.errors import run_cli
 from test_bad_input_classes import one_error_line
 
 CASES = [   # module, argv, texts of the error line
@@ -50,3 +55,29 @@ def test_help_still_prints_the_usage(capsys):
     assert stop.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ") and "--epochs EPOCHS" in out
+
+
+def _mangled_by_c_code(sig):
+    """A command whose library turns the stop signal it receives into another exception, as
+    numpy's `__array__` fallback inside pycocotools' decode turns it into a TypeError."""
+    def main(argv):
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(5)                      # the handler raises here
+        except KeyboardInterrupt:
+            raise TypeError("__array__() got an unexpected keyword argument 'copy'") from None
+    return main
+
+
+@pytest.mark.parametrize("sig,code,says", [(signal.SIGTERM, 143, "stopped by SIGTERM; nothing kept"),
+                                           (signal.SIGINT, 130, "interrupted (Ctrl-C); nothing kept")])
+def test_a_stop_signal_mangled_into_another_error_still_ends_as_that_stop(capsys, sig, code, says):
+    assert run_cli(_mangled_by_c_code(sig), [], kept="nothing kept") == code
+    assert capsys.readouterr().err.strip() == says
+
+
+def test_the_same_error_without_a_stop_signal_is_raised_as_it_is():
+    def main(argv):
+        raise TypeError("a bug")
+    with pytest.raises(TypeError, match="a bug"):
+        run_cli(main, [], kept="nothing kept")
