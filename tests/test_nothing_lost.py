@@ -173,6 +173,7 @@ def test_two_conversions_to_one_new_file_do_not_both_succeed(coco4_dir, tmp_path
     assert out.read_bytes() == b"the other conversion" and sorted(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_two_exports_to_one_new_file_do_not_both_succeed(checkpoint, tmp_path, capsys, monkeypatch):
     out = tmp_path / "pose.onnx"
     another_command_finishes_first(monkeypatch, export, "write_onnx", out, b"the other export")
@@ -198,6 +199,7 @@ def test_two_evaluations_to_one_new_results_file_do_not_both_succeed(coco4_dir, 
     assert out.read_text() == "the other evaluation" and sorted(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_path, capsys,
                                                               monkeypatch):
     import errno
@@ -296,6 +298,7 @@ def same_people(a, b, tolerance: float = 0.0) -> bool:
                                     for p, q in zip(a, b))
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_grey_bgra_float_and_16_bit_pictures_are_converted_not_blackened(estimator, pictures):
     picture = pictures[0]
     grey = cv2.cvtColor(picture, cv2.COLOR_BGR2GRAY)
