@@ -37,14 +37,13 @@ from inference import PoseEstimator
 from inference.picture_input import MAX_SIDE
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from child_env import child_env
-import test_bad_input_classes as classes
 import test_inference_api as api
-from test_bad_input_classes import refused, snapshot, train_cli
-from test_bad_input_classes import one_error_line as error_line          # progress bars aside
+from bad_inputs import refused, snapshot, train_cli
+from bad_inputs import one_error_line as error_line          # progress bars aside
 from test_inference_api import one_error_line, write_clip
 
 # the fixtures of those modules, used here too
-env, checkpoint, estimator, pictures = classes.env, api.checkpoint, api.estimator, api.pictures
+checkpoint, estimator, pictures = api.checkpoint, api.estimator, api.pictures
 
 REPO = Path(__file__).resolve().parent.parent
 
