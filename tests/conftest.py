@@ -1,5 +1,6 @@
-"""Shared pytest fixtures (the real COCO sample directory, a small synthetic HDF5 dataset) and the
-`slow` mark of every test that starts a process or trains."""
+"""Shared pytest fixtures (the real COCO sample directory, a small synthetic HDF5 dataset, the
+bad-input tests' fixtures from tests/bad_inputs.py) and the `slow` mark of every test that starts a
+process or trains; a test that takes many CPU-seconds in this process carries the mark itself."""
 from __future__ import annotations
 
 import multiprocessing.process
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 COCO4_DIR = Path(__file__).resolve().parent / "data" / "coco4"
+
+pytest_plugins = ["bad_inputs"]        # the fixtures and checks of the bad-input tests
 
 
 @pytest.fixture(scope="session")

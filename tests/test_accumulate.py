@@ -66,7 +66,8 @@ def run_stopped_at_step(tmp_path, synthetic_h5, monkeypatch, step: int, *args) -
     ("O0", "auto", 1e-3),
     # O2/O3: the half-precision gradient is summed over the K backward passes, then copied to the
     # float32 master gradient (O2) or unscaled in place (O3); rounding differs by up to ~0.3 %
-    ("O2", "bfloat16", 0.02), ("O2", "float16", 0.02), ("O3", "float16", 0.02),
+    *(pytest.param(*case, marks=pytest.mark.slow)          # many CPU-seconds each
+      for case in (("O2", "bfloat16", 0.02), ("O2", "float16", 0.02), ("O3", "float16", 0.02))),
 ])
 def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synthetic_h5, level, dtype,
                                                                  tolerance):

@@ -3,7 +3,7 @@ choice, a missing argument) is one `error:` line naming the option, exit code 2,
 bad input: not argparse's whole usage block first. `--help` still prints the usage. A command
 stopped by a signal ends as that stop, whatever exception the signal became on its way out.
 
-Each case calls the command's `main(argv)` in this process; `tests/test_bad_input_classes.py` runs
+Each case calls the command's `main(argv)` in this process; `tests/test_bad_options.py` runs
 one through a real `train.py` process.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from bad_inputs import one_error_line
 from common.errors import run_cli
-from test_bad_input_classes import one_error_line
 
 CASES = [   # module, argv, texts of the error line
     ("train", ["--epochs", "ten"], ["argument --epochs", "invalid int value: 'ten'"]),

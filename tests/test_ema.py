@@ -106,6 +106,7 @@ def test_o2_averages_the_float32_masters_and_o3_the_half_model_in_float32():
     assert torch.equal(ema3.averaged[next(n for n, _ in model3.named_parameters())], weight.float())
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_validation_sees_the_average_and_training_gets_its_weights_back_bit_for_bit():
     model, precision = prepared("O2")
     ema = WeightsEMA(0.9, 1.0).attach(model, precision)
@@ -153,6 +154,7 @@ def test_state_round_trip_is_exact_and_a_damaged_state_is_one_error():
         other.load_state_dict(broken)
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_a_checkpoint_with_ema_gives_its_ema_weights_and_says_so(tmp_path, capsys):
     from inference.loading import load_model
 

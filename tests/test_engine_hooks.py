@@ -56,6 +56,7 @@ class Recorder(Hook):
         self.restored = int(state["steps_seen"])
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_a_user_hook_sees_every_step_and_keeps_its_state_in_the_checkpoint(tmp_path, synthetic_h5):
     hook = Recorder()
     result = build_trainer(build_config("tiny", sets=quick_sets(tmp_path, synthetic_h5, "hooked")),

@@ -99,6 +99,7 @@ def test_settings_come_from_the_checkpoint_and_people_are_plain_records(estimato
     assert [p.score for p in prediction.people] == [p.score for p in people]
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_the_api_finds_the_people_of_evaluate_py(estimator, checkpoint, coco4_dir, tmp_path, capsys):
     out = tmp_path / "results.json"
     code = evaluate.main(["--weights", str(checkpoint), "--ann", str(coco4_dir / "test_coco.json"),
@@ -113,6 +114,7 @@ def test_the_api_finds_the_people_of_evaluate_py(estimator, checkpoint, coco4_di
     assert len(by_api) >= 40 and by_api == by_evaluate
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_batched_equals_one_by_one(estimator, pictures):
     calls = []
     network = estimator.network
@@ -137,6 +139,7 @@ def test_batched_equals_one_by_one(estimator, pictures):
             np.testing.assert_allclose(a.keypoints, b.keypoints, atol=1e-3)
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_onnx_export_agrees_with_pytorch_and_gives_the_same_people(checkpoint, estimator, pictures,
                                                                    tmp_path, capsys):
     out = tmp_path / "pose.onnx"

@@ -38,6 +38,7 @@ def test_module_names_are_stable(tiny_model, tiny_cfg):
     assert "stacks.0.heads.0.predict.bias" in dict(tiny_model.named_parameters())
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_every_parameter_gets_a_gradient(tiny_cfg):
     torch.manual_seed(1)
     model = build_model(tiny_cfg.model, COCO)

@@ -37,14 +37,13 @@ from inference import PoseEstimator
 from inference.picture_input import MAX_SIDE
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from child_env import child_env
-import test_bad_input_classes as classes
 import test_inference_api as api
-from test_bad_input_classes import refused, snapshot, train_cli
-from test_bad_input_classes import one_error_line as error_line          # progress bars aside
+from bad_inputs import refused, snapshot, train_cli
+from bad_inputs import one_error_line as error_line          # progress bars aside
 from test_inference_api import one_error_line, write_clip
 
 # the fixtures of those modules, used here too
-env, checkpoint, estimator, pictures = classes.env, api.checkpoint, api.estimator, api.pictures
+checkpoint, estimator, pictures = api.checkpoint, api.estimator, api.pictures
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,6 +172,7 @@ def test_two_conversions_to_one_new_file_do_not_both_succeed(coco4_dir, tmp_path
     assert out.read_bytes() == b"the other conversion" and sorted(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_two_exports_to_one_new_file_do_not_both_succeed(checkpoint, tmp_path, capsys, monkeypatch):
     out = tmp_path / "pose.onnx"
     another_command_finishes_first(monkeypatch, export, "write_onnx", out, b"the other export")
@@ -198,6 +198,7 @@ def test_two_evaluations_to_one_new_results_file_do_not_both_succeed(coco4_dir, 
     assert out.read_text() == "the other evaluation" and sorted(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_export_on_a_full_disk_or_read_only_folder_is_one_line(checkpoint, tmp_path, capsys,
                                                               monkeypatch):
     import errno
@@ -296,6 +297,7 @@ def same_people(a, b, tolerance: float = 0.0) -> bool:
                                     for p, q in zip(a, b))
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_grey_bgra_float_and_16_bit_pictures_are_converted_not_blackened(estimator, pictures):
     picture = pictures[0]
     grey = cv2.cvtColor(picture, cv2.COLOR_BGR2GRAY)

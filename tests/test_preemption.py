@@ -7,7 +7,7 @@ checkpoint untouched; fp16 scaler overflows are skipped and counted.
 
 The helpers at the top (micro model preset, clean environment, torchrun command, stderr without
 progress bars, worker pids of a torchrun agent) are shared with test_elastic_restart.py and
-test_bad_input.py.
+bad_inputs.py.
 """
 from __future__ import annotations
 

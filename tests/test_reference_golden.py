@@ -44,6 +44,7 @@ def _relative_errors(outputs, golden, mode: str) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_imhn_reproduces_the_reference_outputs_in_eval_and_train_mode():
     golden = np.load(GOLDEN)
     cfg = build_config("imhn").model

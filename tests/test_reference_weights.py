@@ -125,6 +125,7 @@ def test_converter_writes_a_checkpoint_of_this_trainer(tiny, tiny_reference, tmp
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow         # many CPU-seconds
 def test_evaluate_and_demo_take_the_authors_file_and_its_conversion_alike(tiny_reference, coco4_dir,
                                                                          tmp_path, capsys):
     converted = tmp_path / "converted.pth"

@@ -1,12 +1,18 @@
-"""Every row of the table in docs/bad-input.md, run through the real command line.
+"""What the bad-input tests share (a pytest plugin of tests/conftest.py): the checks of a refusal,
+a finished run to be refused beside, and the run of every row of the table in docs/bad-input.md.
 
-Each case is a fresh process of `python -m data.make_hdf5`, `train.py` or `train_distributed.py`
-(under torchrun where the row is about processes), all started together by one fixture. What every
-row asserts: a non-zero exit code, no traceback, and exactly one message line on stderr (progress
-bars aside) that starts with `error:` and names the file or option; rows that must not lose data
-also check the files they must leave untouched. Two rows need what this machine lacks (a second
-GPU, a full disk): they run the real script with `torch.cuda`'s GPU count or `torch.save`'s writes
-replaced by a fake, so the error still travels the real path to the terminal.
+Each row of the table is a fresh process of `python -m data.make_hdf5`, `train.py` or
+`train_distributed.py` (under torchrun where the row is about processes), all started together by
+the session fixture `table`; the test files of each subject check their rows (`TABLE_ROWS`). What
+every row asserts: a non-zero exit code, no traceback, and exactly one message line on stderr
+(progress bars aside) that starts with `error:` and names the file or option; rows that must not
+lose data also check the files they must leave untouched. Two rows need what this machine lacks (a
+second GPU, a full disk): they run the real script with `torch.cuda`'s GPU count or `torch.save`'s
+writes replaced by a fake, so the error still travels the real path to the terminal.
+
+The other cases call the entry points' `main(argv)` in this process (`refused`): exit code 2,
+exactly one `error:` line naming the option or file, no traceback, and every file under the test's
+folder byte-identical afterwards.
 """
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ import pytest
 import torch
 
 import train
+from common.errors import run_cli
 from config.loader import build_config
 from data.skeleton import builtin
 from runtime.checkpoint import save_checkpoint
+from engine.run_setup import LOCK_FILE
 from runtime.launch_env import find_free_port
 from models import build_model
 from child_env import child_env
@@ -143,8 +151,9 @@ def checkpoint_inputs(root: Path, preset: Path, run_dir: Path) -> None:
     reference_file(root / "authors_tiny.pth", rule_weights(model_entries(tiny, tiny.config.depth)))
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory, synthetic_h5) -> dict:
+@pytest.fixture(scope="session")
+def table(tmp_path_factory, synthetic_h5) -> dict:
+    """Every row of the docs table run at once: the cases, their folder and what the checks need."""
     root = tmp_path_factory.mktemp("bad_input")
     preset = write_micro_preset(root)
     train_h5 = synthetic_h5[0]
@@ -166,12 +175,12 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
     port_holder.listen()
     port = port_holder.getsockname()[1]
     logs = root / "torchrun"
-    table = {
+    cases = {
         "malformed JSON": Case(make + ["--ann", str(root / "malformed.json"), "--images",
-                                      str(folders["good"])],
+                                       str(folders["good"])],
                                [str(root / "malformed.json"), "malformed JSON"]),
         "non-keypoint COCO JSON": Case(make + ["--ann", str(root / "instances.json"), "--images",
-                                              str(folders["good"])],
+                                               str(folders["good"])],
                                        [str(root / "instances.json"), "0 keypoint names"]),
         "missing image": Case(make + ["--ann", one, "--images", str(folders["missing"])],
                               [str(folders["missing"] / IMAGE), "is missing", one]),
@@ -230,60 +239,92 @@ def cases(tmp_path_factory, synthetic_h5) -> dict:
     before = {name: (runs / name / "last.pth").read_bytes() for name in ("done", "disk")}
     try:
         with ThreadPoolExecutor(PARALLEL) as pool:
-            list(pool.map(run_case, table.values()))
+            list(pool.map(run_case, cases.values()))
     finally:
         port_holder.close()
     # torchrun adds its own report of the workers' exit codes: the row checks rank 0's own stderr
-    batch = table["batch not divisible by processes"]
+    batch = cases["batch not divisible by processes"]
     agent_stderr, batch.stderr = batch.stderr, worker_log(logs, 0, 0, "stderr")
-    return {"table": table, "root": root, "runs": runs, "before": before, "logs": logs,
+    return {"cases": cases, "root": root, "runs": runs, "before": before, "logs": logs,
             "agent_stderr": agent_stderr}
 
 
-ROWS = ["malformed JSON", "non-keypoint COCO JSON", "missing image", "unreadable image",
-        "corrupt image", "missing HDF5", "truncated HDF5", "foreign HDF5", "older HDF5 format",
-        "checkpoint of another model", "authors' checkpoint of another network", "truncated checkpoint",
-        "checkpoint that runs code",
-        "unknown opt level", "unknown preset", "batch not divisible by processes",
-        "more processes than GPUs", "port in use", "freeze pattern matching nothing",
-        "full disk while saving", "output directory of another run"]
+TABLE_ROWS = {   # subject: the rows of the docs table its test file checks
+    "data files": ["malformed JSON", "non-keypoint COCO JSON", "missing image", "unreadable image",
+                   "corrupt image", "missing HDF5", "truncated HDF5", "foreign HDF5", "older HDF5 format"],
+    "checkpoints": ["checkpoint of another model", "authors' checkpoint of another network",
+                    "truncated checkpoint", "checkpoint that runs code"],
+    "options": ["unknown opt level", "unknown preset", "batch not divisible by processes",
+                "more processes than GPUs", "port in use", "freeze pattern matching nothing"],
+    "outputs": ["full disk while saving", "output directory of another run"],
+}
 
 
-def one_error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr[-3000:]
-    lines = message_lines(stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
-    return lines[0]
-
-
-@pytest.mark.parametrize("row", ROWS)
-def test_bad_input_gets_one_error_line_naming_what_to_fix(cases, row):
-    case = cases["table"][row]
+def check_row(table: dict, row: str) -> None:
+    """The row ended non-zero with one error line holding each of its texts."""
+    case = table["cases"][row]
     assert case.rc != 0
-    line = one_error_line(case.stderr)
+    line = one_error_line(case.stderr, skip_progress=False)
     for text in case.says:
         assert text in line, line
 
 
-def test_every_row_is_in_the_docs_table(cases):
-    section = (REPO / "docs" / "bad-input.md").read_text()
-    assert sorted(cases["table"]) == sorted(ROWS)
-    for row in ROWS:
-        assert f"| {row} |" in section, row
+# -- the checks of a refusal ------------------------------------------------------------------------
+def snapshot(root: Path) -> dict:
+    """Every file under `root` and its bytes; the empty lock file a run claims its folder with
+    (engine.run_setup.LOCK_FILE) is bookkeeping, not content."""
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
-def test_both_ranks_refuse_an_indivisible_batch_and_torchrun_reports_their_exit_code(cases):
-    logs = cases["logs"]
-    for rank in (0, 1):
-        assert "3 does not divide over 2 processes" in one_error_line(worker_log(logs, 0, rank, "stderr"))
-    assert "exitcode: 2" in cases["agent_stderr"]
+def one_error_line(stderr: str, skip_progress: bool = True) -> str:
+    """The one message line of `stderr`, which starts with `error:` (no traceback); with
+    `skip_progress`, make_hdf5's `converting ...` progress lines are not counted."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in message_lines(stderr)
+             if not (skip_progress and line.startswith("converting "))]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
+    return lines[0]
 
 
-def test_refusals_leave_files_untouched_and_run_no_code(cases):
-    runs, before = cases["runs"], cases["before"]
-    assert (runs / "done" / "last.pth").read_bytes() == before["done"]       # another run's directory
-    assert (runs / "disk" / "last.pth").read_bytes() == before["disk"]       # full disk while saving
-    assert not list((runs / "disk").glob(".*tmp"))
-    assert not (cases["root"] / "code_ran").exists()
-    assert not (cases["root"] / "out.h5").exists()                          # no half-written dataset
-    assert not list(cases["root"].glob(".out.h5.*"))
+def refused(capsys, main, argv, says, root: Path, code: int = 2) -> str:
+    """Run `main(argv)`; assert the exit code, one error line holding every text of `says`, no
+    traceback, and nothing changed under `root`."""
+    before = snapshot(root)
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == code
+    line = one_error_line(capsys.readouterr().err)
+    for text in says:
+        assert str(text) in line, line
+    after = snapshot(root)
+    assert after.keys() == before.keys() and all(after[p] == before[p] for p in before)
+    return line
+
+
+def first_ann(coco: dict) -> dict:
+    """The first annotation of a COCO dict that has keypoints."""
+    return next(a for a in coco["annotations"] if a["num_keypoints"] > 0)
+
+
+def train_cli(argv):
+    return run_cli(train.main, [str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, synthetic_h5):
+    """A finished run `runs/done` with a user's file beside it, a micro preset, COCO inputs."""
+    root = tmp_path_factory.mktemp("classes")
+    preset = write_micro_preset(root)
+    runs = root / "runs"
+    train.main(["--config", str(preset), "--train-h5", str(synthetic_h5[0]), "--out-dir", str(runs),
+                "--run-name", "done", "--epochs", "1", "--set", "train.max_steps_per_epoch=1"])
+    (runs / "notes.txt").write_text("a user's file next to the runs")
+    (runs / "done" / "mine.txt").write_text("a user's file inside a run")
+    coco = json.loads((COCO4 / "test_coco.json").read_text())
+    images = root / "images"
+    images.mkdir()
+    for info in coco["images"]:
+        shutil.copy(COCO4 / info["file_name"], images / info["file_name"])
+    (root / "coco.json").write_text(json.dumps(coco))
+    trainer = ["--config", preset, "--out-dir", runs, "--train-h5", synthetic_h5[0]]
+    return {"root": root, "runs": runs, "preset": preset, "trainer": trainer, "coco": coco,
+            "images": images, "train_h5": synthetic_h5[0]}
