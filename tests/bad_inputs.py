@@ -286,13 +286,24 @@ def one_error_line(stderr: str, skip_progress: bool = True) -> str:
     return lines[0]
 
 
-def refused(capsys, main, argv, says, root: Path, code: int = 2) -> str:
-    """Run `main(argv)`; assert the exit code, one error line holding every text of `says`, no
-    traceback, and nothing changed under `root`."""
+def skipped_lines(stderr: str) -> tuple[list[str], str]:
+    """(the `skipped: ...` lines with which `make_hdf5 --skip-bad` lists what it left out, the rest
+    of `stderr`)."""
+    lines = stderr.splitlines()
+    listed = [line for line in lines if line.startswith("skipped: ")]
+    return listed, "\n".join(line for line in lines if not line.startswith("skipped: "))
+
+
+def refused(capsys, main, argv, says, root: Path, code: int = 2, skipped: tuple = ()) -> str:
+    """Run `main(argv)`; assert the exit code, the `skipped` lines listed first (`--skip-bad`),
+    then one error line holding every text of `says`, no traceback, and nothing changed under
+    `root`."""
     before = snapshot(root)
     capsys.readouterr()
     assert main([str(a) for a in argv]) == code
-    line = one_error_line(capsys.readouterr().err)
+    listed, err = skipped_lines(capsys.readouterr().err)
+    assert listed == list(skipped), listed
+    line = one_error_line(err)
     for text in says:
         assert str(text) in line, line
     after = snapshot(root)

@@ -88,9 +88,9 @@ def test_skip_bad_skips_and_lists_bad_images_and_bad_annotations(env, capsys, tm
     out = tmp_path / "out.h5"
     assert make_hdf5.main([str(a) for a in ("--ann", tmp_path / "a.json", "--images", images, "--out", out,
                                             "--split", "val", "--skip-bad", "--quiet")]) == 0
-    printed = capsys.readouterr().out
-    assert f"annotation {bad_ann['id']} (image {bad_ann['image_id']}): keypoint 0 has visibility 7" in printed
-    assert f"{images / broken}: image" in printed and "is an empty file (0 bytes)" in printed
+    listed = capsys.readouterr().err                                 # --skip-bad lists on stderr
+    assert f"annotation {bad_ann['id']} (image {bad_ann['image_id']}): keypoint 0 has visibility 7" in listed
+    assert f"{images / broken}: image" in listed and "is an empty file (0 bytes)" in listed
     kept = KeypointH5(out)
     assert kept.num_images == len(coco["images"]) - 2
     assert bad_ann["image_id"] not in [kept.image_info(i)["id"] for i in range(kept.num_images)]
@@ -98,7 +98,8 @@ def test_skip_bad_skips_and_lists_bad_images_and_bad_annotations(env, capsys, tm
     (tmp_path / "b.json").write_text(json.dumps(one))
     refused(capsys, make_hdf5.main, ["--ann", tmp_path / "b.json", "--images", images, "--out",
                                      tmp_path / "none.h5", "--skip-bad", "--quiet"],
-            ["no image was kept (1 bad image)", "nothing written"], tmp_path)
+            ["no image was kept (1 bad image)", "nothing written"], tmp_path,
+            skipped=[f"skipped: {images / broken}: image {one['images'][0]['id']} is an empty file (0 bytes)"])
 
 
 def exif_jpeg(pixels: np.ndarray, orientation: int) -> bytes:

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from child_env import child_env
-from bad_inputs import TABLE_ROWS, check_row, first_ann, one_error_line, refused, snapshot, train_cli
+from bad_inputs import (TABLE_ROWS, check_row, first_ann, one_error_line, refused, skipped_lines, snapshot,
+                        train_cli)
 from test_preemption import REPO, worker_log
 
 
@@ -100,6 +101,9 @@ def test_one_case_per_class_in_a_real_process(env, tmp_path):
     for name, proc in procs.items():
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 2, (name, stderr[-2000:])
+        listed, stderr = skipped_lines(stderr)          # --skip-bad lists what it skipped first
+        assert listed == ([f"skipped: {env['images'] / 'empty.jpg'}: image 9 is an empty file (0 bytes)"]
+                          if name == "traceback" else []), (name, listed)
         line = one_error_line(stderr)
         assert all(text in line for text in cases[name][1]), (name, line)
     assert snapshot(root) == before
