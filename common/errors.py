@@ -89,7 +89,8 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     stops on SIGTERM the same way (exit code 143): its temporary files are removed on the way out.
     The line goes through `tqdm.write`, so a progress bar left open by the error is cleared first.
     A stop signal that lands inside a library's C code can surface as another exception there
-    (numpy's `__array__` fallback, say, reports it as a TypeError): once such a command has
+    (numpy's `__array__` fallback, say, reports it as a TypeError; an import it interrupts can
+    surface as an ImportError, and so as a missing optional package): once such a command has
     received a stop signal, whatever ends it is that stop.
     """
     import signal
@@ -104,6 +105,8 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     try:
         main(argv)
     except UserError as exc:
+        if handles_term and _STOP_SIGNALS_SEEN:
+            return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
         prefix = "" if getattr(exc, "plain_message", False) else "error: "
         tqdm.write(f"{prefix}{exc}", file=sys.stderr)
         sys.stderr.flush()

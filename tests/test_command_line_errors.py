@@ -16,7 +16,7 @@ import time
 import pytest
 
 from bad_inputs import one_error_line
-from common.errors import run_cli
+from common.errors import ConfigError, run_cli
 
 CASES = [   # module, argv, texts of the error line
     ("train", ["--epochs", "ten"], ["argument --epochs", "invalid int value: 'ten'"]),
@@ -57,22 +57,28 @@ def test_help_still_prints_the_usage(capsys):
     assert out.startswith("usage: ") and "--epochs EPOCHS" in out
 
 
-def _mangled_by_c_code(sig):
+def _mangled_by_c_code(sig, error):
     """A command whose library turns the stop signal it receives into another exception, as
-    numpy's `__array__` fallback inside pycocotools' decode turns it into a TypeError."""
+    numpy's `__array__` fallback inside pycocotools' decode turns it into a TypeError, or as an
+    interrupted `import onnxruntime` becomes "ONNX files need the optional package onnxruntime"."""
     def main(argv):
         try:
             os.kill(os.getpid(), sig)
             time.sleep(5)                      # the handler raises here
         except KeyboardInterrupt:
-            raise TypeError("__array__() got an unexpected keyword argument 'copy'") from None
+            raise error from None
     return main
 
 
+MANGLED = [TypeError("__array__() got an unexpected keyword argument 'copy'"),
+           ConfigError("ONNX files need the optional package onnxruntime: pip install -r requirements-export.txt")]
+
+
+@pytest.mark.parametrize("error", MANGLED, ids=["TypeError", "ConfigError"])
 @pytest.mark.parametrize("sig,code,says", [(signal.SIGTERM, 143, "stopped by SIGTERM; nothing kept"),
                                            (signal.SIGINT, 130, "interrupted (Ctrl-C); nothing kept")])
-def test_a_stop_signal_mangled_into_another_error_still_ends_as_that_stop(capsys, sig, code, says):
-    assert run_cli(_mangled_by_c_code(sig), [], kept="nothing kept") == code
+def test_a_stop_signal_mangled_into_another_error_still_ends_as_that_stop(capsys, sig, code, says, error):
+    assert run_cli(_mangled_by_c_code(sig, error), [], kept="nothing kept") == code
     assert capsys.readouterr().err.strip() == says
 
 
