@@ -45,7 +45,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from config.schema import InferenceConfig, TargetConfig  # noqa: E402
-from data.skeleton import builtin  # noqa: E402
+try:
+    from data.skeleton import builtin  # noqa: E402
+except ImportError:                      # a --code checkout from before the skeleton moved to data/
+    from config.skeleton import builtin  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.grouping import group_people, limb_connections  # noqa: E402
 from inference.peaks import find_peaks  # noqa: E402
