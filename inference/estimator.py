@@ -13,7 +13,8 @@ longer side is over `MAX_SIDE` = 2048 runs shrunk to it: its maps are of that si
 the picture's pixels). Grey, BGRA, uint16 and float pictures are converted, anything else that is
 not a picture is a TypeError / ValueError naming it (`inference.picture_input`). A list, or
 `estimator.stream(pictures)` over any iterable (video frames), goes through the network in
-batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads.
+batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads;
+`estimator.grouped(pictures)` gives the same as arrays (what evaluation scores).
 Scales, flip and grouping settings are the checkpoint's (`inference` section of its config),
 changed by `sets` ("inference.flip=true") or `scales` / `flip`; `estimator.settings` holds them
 (`config.views.PredictSettings`) and `estimator.config` the whole config read from the file.
@@ -180,12 +181,18 @@ class PoseEstimator:
         if chunk:
             yield from self.maps(chunk)
 
-    def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
-        """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
+    def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
+        """(maps, keypoints float32 [P, K, 3] in the picture's own pixels, scores [P]) of each
+        picture, in order: `group_people` of its maps, in a pool of threads (`grouped_in_pool`)."""
         factors: deque = deque()
         for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures, factors),
                                                                self.settings.inference, self.skeleton):
-            people = to_people(coordinates_back(keypoints, factors.popleft()), scores)
+            yield picture_maps, coordinates_back(keypoints, factors.popleft()), scores
+
+    def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
+        """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
+        for picture_maps, keypoints, scores in self.grouped(pictures):
+            people = to_people(keypoints, scores)
             yield Prediction(people, picture_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):

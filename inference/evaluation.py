@@ -115,16 +115,16 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
             yield img
     chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
                   dynamic_ncols=True)
+    skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
     if oracle:
-        maps_stream = (oracle_maps(h5, img, settings.targets) for img in chosen)
+        people = grouped_in_pool((oracle_maps(h5, img, settings.targets) for img in chosen),
+                                 settings.inference, skeleton)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
-        estimator = PoseEstimator(network, settings)
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
-        maps_stream = estimator.maps_stream(pictures)
+        people = PoseEstimator(network, settings).grouped(pictures)    # large pictures: their pixels
     found = {}
-    skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
-    for _, keypoints, scores in grouped_in_pool(maps_stream, settings.inference, skeleton):
+    for _, keypoints, scores in people:
         image_id = h5.image_info(taken.popleft())["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
     return found

@@ -100,7 +100,13 @@ def test_settings_come_from_the_checkpoint_and_people_are_plain_records(estimato
 
 
 @pytest.mark.slow         # many CPU-seconds
-def test_the_api_finds_the_people_of_evaluate_py(estimator, checkpoint, coco4_dir, tmp_path, capsys):
+@pytest.mark.parametrize("max_side", [None, 320], ids=["as they are", "shrunk to 320 px"])
+def test_the_api_finds_the_people_of_evaluate_py(max_side, estimator, checkpoint, coco4_dir, tmp_path, capsys,
+                                                 monkeypatch):
+    """Pictures over the largest side run shrunk, and evaluation scores people in their own pixels."""
+    if max_side:
+        monkeypatch.setattr(inference.estimator, "MAX_SIDE", max_side)
+        monkeypatch.setattr(estimator, "max_side", max_side)
     out = tmp_path / "results.json"
     code = evaluate.main(["--weights", str(checkpoint), "--ann", str(coco4_dir / "test_coco.json"),
                           "--images", str(coco4_dir), "--out", str(out), "--no-progress", "--device", "cpu"])
