@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from config.schema import InferenceConfig, TargetConfig  # noqa: E402
 try:
     from data.skeleton import builtin  # noqa: E402
-except ImportError:                      # a --code checkout from before the skeleton moved to data/
+except ImportError:                      # a --code checkout that keeps the skeleton in config/
     from config.skeleton import builtin  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.grouping import group_people, limb_connections  # noqa: E402
