@@ -41,17 +41,26 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
     return _local_maxima_sparse(heatmaps, threshold)
 
 
+def _above_per_map(heatmaps, threshold):
+    """(map index, sorted indices into that map of its pixels above `threshold`) of each map with
+    any: the comparison's mask is one map's size and reused, so it stays in the cache and is never
+    page-faulted in anew (0.5 ms less on 18 maps of 480 x 640 than one mask of them all)."""
+    _, height, width = heatmaps.shape
+    is_above = np.empty(height * width, bool)
+    for index, heatmap in enumerate(heatmaps):
+        cand = np.flatnonzero(np.greater(heatmap.reshape(-1), threshold, out=is_above))
+        if cand.size:
+            yield index, cand
+
+
 def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
     """Per map: a pixel above threshold and equal to its 3x3 dilation (the border does not count),
     the dilation taken over the rows from the first to the last such pixel (and one more each side)."""
     _, height, width = heatmaps.shape
     neighbourhood_max = np.empty((height, width), np.float32)
-    is_above = np.empty(height * width, bool)
     found = []
-    for index, heatmap in enumerate(heatmaps):
-        cand = np.flatnonzero(np.greater(heatmap.reshape(-1), threshold, out=is_above))
-        if cand.size == 0:
-            continue
+    for index, cand in _above_per_map(heatmaps, threshold):
+        heatmap = heatmaps[index]
         top, bottom = max(cand[0] // width - 1, 0), min(cand[-1] // width + 2, height)
         cv2.dilate(heatmap[top:bottom], _SQUARE_3X3, dst=neighbourhood_max[:bottom - top])
         peak = heatmap.reshape(-1)[cand] == neighbourhood_max.reshape(-1)[cand - top * width]
@@ -59,25 +68,12 @@ def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
     return np.concatenate(found) if found else np.zeros(0, np.intp)
 
 
-def _above(heatmaps, threshold) -> np.ndarray:
-    """Sorted flat indices of the pixels above `threshold`, a map at a time: the comparison's mask
-    is one map's size and reused, so it stays in the cache and is never page-faulted in anew
-    (0.5 ms less on 18 maps of 480 x 640 than one mask of them all)."""
-    count, height, width = heatmaps.shape
-    is_above = np.empty(height * width, bool)
-    found = []
-    for index in range(count):
-        cand = np.flatnonzero(np.greater(heatmaps[index].reshape(-1), threshold, out=is_above))
-        if cand.size:
-            found.append(cand + index * height * width)
-    return np.concatenate(found) if found else np.zeros(0, np.intp)
-
-
 def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
     """Per map: pixels above threshold and >= their neighbours, comparing only those pixels."""
     _, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
-    cand = _above(heatmaps, threshold)
+    found = [cand + index * height * width for index, cand in _above_per_map(heatmaps, threshold)]
+    cand = np.concatenate(found) if found else np.zeros(0, np.intp)
     value = flat[cand]
     # Cheap horizontal test first (flat +-1, no bounds but the map's side columns): it keeps about
     # one pixel per row of each blob, so the exact test below sees few candidates.
