@@ -40,7 +40,7 @@ from torch import nn
 
 from config.schema import AmpConfig, DistConfig
 from engine.precision import apex_checks, apex_parallel
-from engine.precision.interface import PrecisionBackend, channels_last_for, sources_with_masters
+from engine.precision.interface import PrecisionBackend, channels_last_for
 from engine.precision.loss_scale import apex_amp_state
 
 
@@ -56,7 +56,6 @@ class ApexPrecision(PrecisionBackend):
         self.dtype = torch.float16 if self.level != "O0" else torch.float32
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, Apex's master)
         self._optimizer = None
         self._attached = False
         self._apex_skips = False        # Apex found an overflow and patched this step into a skip
@@ -180,11 +179,6 @@ class ApexPrecision(PrecisionBackend):
         optimizer.zero_grad()                  # Apex's under O2: model and master gradients
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def weight_sources(self, model: nn.Module) -> dict:
-        """The model's own tensors (not `model.state_dict()`: Apex's hook copies them), O2's
-        masters and the frozen weights' float32 values in place of theirs."""
-        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
-
     def state_dict(self) -> dict:
         """Apex's amp state; empty at O0 (no scaling), as the native backend saves it."""
         return {} if self.level == "O0" else dict(self.amp.state_dict())

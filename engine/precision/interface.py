@@ -69,6 +69,7 @@ class PrecisionBackend(abc.ABC):
         self.channels_last = channels_last_for(cfg, device)
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, its O2 master)
 
     def _keep_frozen_float32(self, model: nn.Module) -> None:
         """Frozen weights keep their float32 values for the checkpoint: a half copy saved as float32
@@ -150,10 +151,12 @@ class PrecisionBackend(abc.ABC):
         return decision
 
     # -- checkpoints and the EMA -----------------------------------------------------------------
-    @abc.abstractmethod
     def weight_sources(self, model: nn.Module) -> dict:
         """The model's state dict as live tensors holding the float32 values where the backend
-        keeps them (master copies, frozen weights' float32 values); nothing copied."""
+        keeps them, nothing copied: O2's master copies and frozen weights' float32 values, the
+        model's own tensors otherwise (half under O3; never `model.state_dict()`, which Apex's O2
+        hook copies). A weights EMA reads these after every step."""
+        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
 
     def float32_state_dict(self, model: nn.Module) -> dict:
         """The model's weights in float32, loadable in any mode and either backend."""

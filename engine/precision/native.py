@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from config.schema import AmpConfig, DistConfig
-from engine.precision.interface import PrecisionBackend, sources_with_masters
+from engine.precision.interface import PrecisionBackend
 from engine.precision.loss_scale import grad_scaler_fields
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
@@ -50,7 +50,6 @@ class NativePrecision(PrecisionBackend):
         else:
             self.dtype = getattr(torch, cfg.dtype)
         self.autocast = self.level == "O1"
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, master param)
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.scaler = self._build_scaler(cfg)
 
@@ -179,12 +178,6 @@ class NativePrecision(PrecisionBackend):
             param.grad = None
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def weight_sources(self, model: nn.Module) -> dict:
-        """The model's state dict as live tensors (nothing copied), where the float32 values are
-        kept: O2's master copies and frozen weights' float32 values, the model's own tensors
-        otherwise (half under O3). A weights EMA reads these after every step."""
-        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
-
     def state_dict(self) -> dict:
         return self.scaler.state_dict()
 
