@@ -104,17 +104,15 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     _STOP_SIGNALS_SEEN.clear()
     try:
         main(argv)
-    except UserError as exc:
+    except Exception as exc:
         if handles_term and _STOP_SIGNALS_SEEN:
             return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
+        if not isinstance(exc, UserError):
+            raise
         prefix = "" if getattr(exc, "plain_message", False) else "error: "
         tqdm.write(f"{prefix}{exc}", file=sys.stderr)
         sys.stderr.flush()
         return exc.exit_code
-    except Exception:
-        if not (handles_term and _STOP_SIGNALS_SEEN):
-            raise
-        return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
     except KeyboardInterrupt as exc:
         return _stopped(isinstance(exc, Terminated), kept)
     finally:
