@@ -13,7 +13,7 @@ Each of the last three runs again for the last epoch of a run resumed while vali
 """
 from __future__ import annotations
 
-from engine.epoch_end import revalidating, validations_due, weights_evaluated
+from engine.epoch_end import EpochEndHook, validations_due, weights_evaluated
 from engine.hooks import Hook
 
 
@@ -22,15 +22,6 @@ class LastCheckpoint(Hook):
 
     def after_epoch(self, trainer, epoch, train_loss):
         trainer.save("last.pth", epoch + 1, 0, validation_pending=any(validations_due(trainer, epoch)))
-
-
-class EpochEndHook(Hook):
-    """A hook of the epoch's end that runs again for the last epoch of a run resumed while
-    validating (`engine.epoch_end.revalidating`)."""
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
 
 
 class BestCheckpoint(EpochEndHook):

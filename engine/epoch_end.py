@@ -6,7 +6,7 @@ updated states. best.pth, epoch_N.pth and early stopping are hooks of their own
 
 last.pth is saved before this runs (`LastCheckpoint`), marked `validation_pending` when a
 validation is due: a stop signal during validation loses no training, and a resumed run validates
-that epoch again (`before_train`).
+that epoch again (`EpochEndHook.before_train`).
 """
 from __future__ import annotations
 
@@ -50,7 +50,16 @@ def weights_evaluated(trainer):
     return stack
 
 
-class Validation(Hook):
+class EpochEndHook(Hook):
+    """A hook of the epoch's end that runs again for the last epoch of a run resumed while
+    validating (`revalidating`)."""
+
+    def before_train(self, trainer):
+        if revalidating(trainer):
+            self.after_epoch(trainer, trainer.epoch - 1, None)
+
+
+class Validation(EpochEndHook):
     """`evaluator(model, val_h5, settings, device, max_images=, progress=, stop=, skeleton=)` ->
     COCO stats (or None when stopped) is the AP part; without one, no AP. `settings` is the run's
     `config.views.PredictSettings`. `best` (a `BestCheckpoint`) marks the epoch's line."""
@@ -58,10 +67,6 @@ class Validation(Hook):
 
     def __init__(self, evaluator: Callable | None = None, best=None):
         self.evaluator, self.best, self.results = evaluator, best, {}
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
         cfg = trainer.cfg.train
