@@ -176,10 +176,10 @@ class PoseEstimator:
             chunk.append(picture)
             pixels += picture.shape[0] * picture.shape[1]
             if len(chunk) == batch_size or pixels >= batch_size * COCO_PICTURE_PIXELS:
-                yield from self.maps(chunk)
+                yield from predict_maps_batch(self.network, chunk, self.settings)
                 chunk, pixels = [], 0
         if chunk:
-            yield from self.maps(chunk)
+            yield from predict_maps_batch(self.network, chunk, self.settings)
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
         """(maps, keypoints float32 [P, K, 3] in the picture's own pixels, scores [P]) of each
