@@ -184,6 +184,10 @@ class _Person:
         self.weakest = float("inf")
         self.longest = 0.0
 
+    def shares_keypoint(self, other: "_Person") -> bool:
+        """Whether both hold a keypoint of the same type."""
+        return any(x >= 0 and y >= 0 for x, y in zip(self.slots, other.slots))
+
     def absorb(self, other: "_Person", score: float) -> None:
         """Take `other`'s keypoints (no slot in common), joined by a link of `score`."""
         for slot, peak in enumerate(other.slots):
@@ -232,7 +236,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                     person.reach[other] = max(person.reach[other], length)
             elif pa != pb:
                 first, second = people[pa], people[pb]
-                clash = any(x >= 0 and y >= 0 for x, y in zip(first.slots, second.slots))
+                clash = first.shares_keypoint(second)
                 weakest = min(first.weakest, second.weakest)
                 longest = max(first.longest, second.longest)
                 if clash or score < cfg.merge_ratio * weakest or length > cfg.max_limb_ratio * longest:
@@ -313,7 +317,7 @@ def _bridge(people: list[_Person], xy: np.ndarray, hops: np.ndarray, ratio: floa
         return n
     for _, i, j in sorted(candidates):
         ri, rj = root(i), root(j)
-        if ri == rj or any(x >= 0 and y >= 0 for x, y in zip(people[ri].slots, people[rj].slots)):
+        if ri == rj or people[ri].shares_keypoint(people[rj]):
             continue
         people[ri].absorb(people[rj], 0.0)
         group[rj] = ri
