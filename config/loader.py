@@ -183,7 +183,8 @@ def to_yaml(cfg: Config) -> str:
 def check_value(key: str, value: Any) -> None:
     """Raise `ConfigError` for a value of option `key` (e.g. "train.seed") that is not a finite
     number, or outside the bounds and choices that config.schema declares for it."""
-    choices, bounds = declared(key)["choices"], declared(key)["bounds"]
+    declaration = declared(key)
+    choices, bounds = declaration["choices"], declaration["bounds"]
     if choices is not None and value not in choices:
         shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
                  for c in choices]

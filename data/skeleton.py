@@ -59,13 +59,6 @@ def mirror_names(name: str) -> list:
     return [n for n in dict.fromkeys(out) if n != name]
 
 
-def mirror_name(name: str) -> str:
-    """`name` with left and right swapped (`left_eye` <-> `right_eye`, `eyeL` <-> `eyeR`); `name`
-    itself when it names no side."""
-    found = mirror_names(name)
-    return found[0] if found else name
-
-
 def unpaired_sided(names) -> list:
     """The names that name a side but whose other side is not among `names`."""
     known = set(names)

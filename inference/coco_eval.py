@@ -120,9 +120,8 @@ def _scale(ann: dict) -> float:
     return float(max(box[2] * box[3], 1.0))
 
 
-def format_recall(names, recall: list[tuple], worst: int = 0) -> list[str]:
-    """Lines 'name  recalled/labelled  percent', the lowest recall first (`worst` > 0: only so many)."""
+def format_recall(names, recall: list[tuple]) -> list[str]:
+    """Lines 'name  recalled/labelled  percent', the lowest recall first."""
     rows = sorted(((r / n if n else 1.0), name, n, r) for name, (n, r) in zip(names, recall))
-    rows = rows[:worst] if worst > 0 else rows
     width = max((len(name) for _, name, _, _ in rows), default=0)
     return [f"  {name:<{width}}  {r:>6}/{n:<6} {100 * share:5.1f}%" for share, name, n, r in rows]
