@@ -17,18 +17,24 @@ from common.errors import ConfigError, os_reason
 
 
 def same_file(a, b) -> bool:
-    """Whether two paths name the same file (resolved; an existing pair also by inode)."""
+    """Whether two paths name the same file (resolved; an existing pair also by inode). A loop of
+    symbolic links names no file, so it is the same as nothing."""
     a, b = Path(a), Path(b)
     try:
         if a.exists() and b.exists():
             return os.path.samefile(a, b)
-    except OSError:
-        pass
-    return a.resolve() == b.resolve()
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):        # RuntimeError: pathlib's answer to a loop of links
+        return False
 
 
 def refuse_output_as_input(out_option: str, out, inputs: dict) -> None:
-    """ConfigError when `out` (given by `out_option`) is one of `inputs` ({option: path})."""
+    """ConfigError when `out` (given by `out_option`) is a loop of symbolic links or one of
+    `inputs` ({option: path})."""
+    try:
+        Path(out).resolve()
+    except (OSError, RuntimeError):
+        raise ConfigError(f"{out_option} {out}: a loop of symbolic links; give another path") from None
     for option, path in inputs.items():
         if path and same_file(out, path):
             raise ConfigError(f"{out_option} {out} is the same file as {option} {path}: writing it would "

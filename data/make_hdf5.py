@@ -179,10 +179,6 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    try:
-        out_path.resolve()
-    except RuntimeError:                 # pathlib's answer to a loop of links
-        raise DataError(f"--out {out_path}: a loop of symbolic links; give another path") from None
     refuse_output_as_input("--out", out_path, {"--ann": ann_path})
     category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
     images, by_image = selection.images, selection.by_image

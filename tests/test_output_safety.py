@@ -95,6 +95,15 @@ def test_an_output_equal_to_an_input_is_refused(env, capsys):
                                     "--device", "cpu"], ["--out", "same file as --weights"], root)
 
 
+def test_an_output_that_is_a_loop_of_links_is_one_line_for_every_command(env, capsys, tmp_path):
+    os.symlink(tmp_path / "b.json", tmp_path / "a.json")
+    os.symlink(tmp_path / "a.json", tmp_path / "b.json")
+    weights = env["runs"] / "done" / "last.pth"
+    refused(capsys, evaluate.main, ["--weights", weights, "--h5", env["train_h5"], "--out", tmp_path / "a.json",
+                                    "--device", "cpu"],
+            [f"--out {tmp_path / 'a.json'}: a loop of symbolic links; give another path"], env["root"])
+
+
 def test_an_existing_output_is_kept_unless_overwrite_is_given(env, capsys, tmp_path, synthetic_h5):
     """Every command that writes a file refuses one that is there (a user's own file, or an output of
     an earlier run) and leaves it byte-identical; --overwrite replaces it."""
