@@ -257,7 +257,8 @@ def test_unreadable_video_is_one_error_line_on_the_command_line(checkpoint, tmp_
 def test_large_pictures_go_in_smaller_chunks(estimator, monkeypatch):
     """A chunk holds the maps of at most batch_size COCO-sized pictures (HD video frames: fewer)."""
     seen = []
-    monkeypatch.setattr(estimator, "maps", lambda chunk: seen.append(len(chunk)) or [None] * len(chunk))
+    monkeypatch.setattr(inference.estimator, "predict_maps_batch",
+                        lambda network, chunk, settings: seen.append(len(chunk)) or [None] * len(chunk))
     assert estimator.settings.inference.batch_size == 8
     assert len(list(estimator.maps_stream([np.zeros((480, 640, 3), np.uint8)] * 10))) == 10
     assert seen == [8, 2]
