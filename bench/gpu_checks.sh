@@ -57,7 +57,7 @@ nproc
 case "$stage" in
 cuda)
     set -e
-    for level in "O1 --amp-dtype float16" "O1 --amp-dtype bfloat16" "O2" "O3"; do
+    for level in "O1 --amp-dtype float16" "O1 --amp-dtype bfloat16" "O2" "O3 --optimizer sgd"; do
         name=run-$(echo "$level" | tr -d " -")
         python3 train.py --opt-level $level --run-name "$name" "${quick[@]}"
         python3 train.py --resume auto --run-name "$name" --epochs 3 --out-dir "$runs" --device "$device"

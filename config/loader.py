@@ -213,7 +213,7 @@ def check_value(key: str, value: Any) -> None:
 
 
 def _shown(bound: float) -> str:
-    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+    return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e16 else f"{bound:g}"
 
 
 def _check_fields(section: Any, prefix: str = "") -> None:

@@ -162,7 +162,7 @@ class OptimConfig:
     # sgd | adamw
     name: str = option("sgd", choices=("sgd", "adamw"),
         flag=flag("--optimizer", OPTIMISATION, choices=["sgd", "adamw"]))
-    lr: float = option(2.5e-5, bounds=POSITIVE,
+    lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
     # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
     # 0: lr at any total batch

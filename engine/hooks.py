@@ -142,6 +142,9 @@ class TrainLog(Hook):
                            memory_gb=memory_gb(trainer.ctx.device), **dict(zip(names, means)))
 
 
+DIVERGENCE_ADVICE = "lower optim.lr, enable --clip-grad, or use O0"
+
+
 class DivergenceStop(Hook):
     priority = 20
 
@@ -151,7 +154,7 @@ class DivergenceStop(Hook):
             raise TrainingDiverged(
                 f"{streak} consecutive steps had a non-finite or abnormal loss or "
                 f"gradients (last loss {out.loss:.4g}); stopped. The last good checkpoint is "
-                f"{trainer.run_dir / 'last.pth'}: lower optim.lr, enable --clip-grad, or use O0")
+                f"{trainer.run_dir / 'last.pth'}: {DIVERGENCE_ADVICE}")
 
 
 class Preemption(Hook):

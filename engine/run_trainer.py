@@ -18,18 +18,18 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from common.errors import UserError
+from common.errors import TrainingDiverged, UserError
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
-from runtime.checkpoint import remove_stale_temps, save_checkpoint
+from runtime.checkpoint import non_finite, remove_stale_temps, save_checkpoint, unwrap_model
 from engine.build import Data, Parts, TrainerBuilder
 from engine.checkpoint_hooks import BestCheckpoint, EarlyStop, LastCheckpoint, PeriodicCheckpoint
 from engine.device_feed import DeviceFeed
 from engine.ema import WeightsEMA
 from engine.epoch_end import Validation
 from engine.freeze import trainable_parameters
-from engine.hooks import (DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule, Preemption,
-                          ProgressBar, TrainLog)
+from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
+                          Preemption, ProgressBar, TrainLog)
 from engine.logger import RunLogger
 from engine.reference_resume import resume_state
 from engine.resume import CheckpointReader, plan_run
@@ -204,7 +204,10 @@ class RunTrainer(Trainer):
                            f"the same command and --resume auto --run-name {self.run_dir.name}")
 
     def save(self, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
-        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
+        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser).
+        Weights that hold a NaN or an infinite value are never written: every rank (each holds the
+        same weights) ends the run with `TrainingDiverged` instead, and the file keeps what it held."""
+        self.refuse_non_finite_weights(name)
         if self.cfg.dist.zero and self.ctx.distributed:
             self.optimizer.consolidate_state_dict(to=0)
         hooks = hook_states(self)
@@ -216,6 +219,16 @@ class RunTrainer(Trainer):
                 hook.before_save(self, name, state)
             save_checkpoint(self.run_dir / name, state)
         dist.barrier()
+
+    def refuse_non_finite_weights(self, name: str) -> None:
+        """`TrainingDiverged` when the weights a checkpoint would hold are not all finite."""
+        bad = non_finite(self.precision.weight_sources(unwrap_model(self.model)))
+        if not bad:
+            return
+        path = self.run_dir / name
+        kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
+        raise TrainingDiverged(f"after step {self.step} the weights hold NaN or infinite values ({len(bad)} "
+                               f"tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
 
     def fit(self) -> dict:
         return {"run_dir": str(self.run_dir), **super().fit()}

@@ -372,11 +372,19 @@ def check_values(weights: dict, expected: dict, source: str) -> None:
             raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
                                   f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
                                   "not weights this trainer wrote")
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "
-                                  f"{tensor.numel()}: these weights are unusable (a run that diverged?); "
-                                  "use an earlier checkpoint")
+    for name in non_finite(weights)[:1]:
+        tensor = weights[name]
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "
+                              f"{tensor.numel()}: these weights are unusable (a run that diverged?); "
+                              "use an earlier checkpoint")
+
+
+def non_finite(weights: dict) -> list[str]:
+    """Names of the floating-point tensors of `weights` that hold a NaN or an infinite value."""
+    return [name for name, tensor in weights.items()
+            if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.numel()
+            and not bool(torch.isfinite(tensor).all())]
 
 
 REFERENCE_NOTE = "the authors' layout (posenet.*), converted in memory: names mapped, first conv BGR -> RGB"

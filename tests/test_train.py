@@ -10,6 +10,10 @@ import torch
 import train
 from data.skeleton import builtin
 from common.errors import ConfigError, TrainingDiverged
+from config import build_config
+from engine.cli import single_process_context
+from engine.hooks import Hook
+from engine.run_trainer import Launch, build_trainer
 from runtime.checkpoint import load_checkpoint
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
@@ -59,10 +63,13 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
                                          ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"),
                                          ("O3", "float16")])
 def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
+    # pure float16 steps with SGD: AdamW is refused there (see the test below)
+    optimizer = ["--optimizer", "sgd"] if (level, dtype) == ("O3", "float16") else []
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
-        "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2")
+        "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2", *optimizer)
     ckpt = load_checkpoint(tmp_path / "amp/last.pth")
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+    assert all(bool(torch.isfinite(v).all()) for v in ckpt["model"].values() if v.is_floating_point())
     torch.manual_seed(0)
     from config import build_config
     from models import build_model
@@ -104,7 +111,8 @@ def test_o3_float16_steps_with_a_finite_gradient_norm_above_the_float16_range(tm
             g.fill_(value)
     monkeypatch.setattr(Precision, "unscale_", large_finite_gradients)
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "o3", "--opt-level", "O3",
-        "--amp-dtype", "float16", "--loss-scale", "1", "--lr", "1e-6", "--val-every", "0")
+        "--amp-dtype", "float16", "--optimizer", "sgd", "--loss-scale", "1", "--lr", "1e-6",
+        "--val-every", "0")
     ckpt = load_checkpoint(tmp_path / "o3/last.pth")
     assert ckpt["skipped_steps"] == 0
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
@@ -260,3 +268,40 @@ def test_a_validation_file_given_as_training_data_is_one_error_line(tmp_path, sy
                                  "here (a val file never feeds training); convert the train split with "
                                  "--split train"]
     assert not (tmp_path / "r").exists() and val.read_bytes() == before
+
+
+def test_weights_that_turned_nan_never_replace_a_checkpoint(tmp_path, synthetic_h5):
+    """A step that leaves a NaN in the weights (pure float16 does it, for one) while the loss is
+    still finite: the epoch's end must not write it over the last good last.pth, and the run ends
+    as diverged, naming the file it kept."""
+    class PoisonAWeight(Hook):
+        def after_step(self, trainer, out):
+            with torch.no_grad():
+                next(trainer.model.parameters()).view(-1)[0] = float("nan")
+
+    sets = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
+            "train.run_name=poisoned", "train.batch_size=2", "train.max_steps_per_epoch=1",
+            "train.val_every=0", "train.ap_every=0", "train.tensorboard=false", "train.device=cpu"]
+    launch = Launch(single_process_context("cpu"))
+    build_trainer(build_config("tiny", sets=sets + ["train.epochs=1"]), launch).fit()
+    before = (tmp_path / "poisoned/last.pth").read_bytes()
+    resumed = build_config("tiny", sets=sets + ["train.epochs=2", "train.resume=auto"])
+    with pytest.raises(TrainingDiverged, match="after step 2 the weights hold NaN or infinite") as stopped:
+        build_trainer(resumed, launch, hooks=[PoisonAWeight()]).fit()
+    assert f"{tmp_path / 'poisoned/last.pth'} still holds the weights it held" in str(stopped.value)
+    assert (tmp_path / "poisoned/last.pth").read_bytes() == before
+
+
+@pytest.mark.parametrize("dtype, refused", [("float16", True), ("bfloat16", False)])
+def test_pure_float16_with_adamw_is_refused_before_anything_is_built(tmp_path, synthetic_h5, dtype, refused):
+    """O3 in float16 with AdamW makes every weight NaN at its first step (eps is 0 in float16)."""
+    argv = ("--epochs", "1", "--run-name", f"o3{dtype}", "--opt-level", "O3", "--optimizer", "adamw",
+            "--amp-dtype", dtype, "--device", "cpu", "--val-every", "0")
+    if refused:
+        with pytest.raises(ConfigError, match="O3 with --optimizer adamw in float16"):
+            run(tmp_path, synthetic_h5, *argv)
+        assert not (tmp_path / f"o3{dtype}").exists()
+    else:
+        run(tmp_path, synthetic_h5, *argv)
+        assert all(bool(torch.isfinite(v).all()) for v in weights(tmp_path / f"o3{dtype}/last.pth").values()
+                   if v.is_floating_point())

@@ -53,7 +53,7 @@ class ApexPrecision(PrecisionBackend):
         super().__init__(cfg, device)
         self.amp = importlib.import_module("apex.amp")
         self.build = apex_checks.apex_build()
-        self.dtype = torch.float16 if self.level != "O0" else torch.float32
+        self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
         self._optimizer = None
@@ -65,6 +65,12 @@ class ApexPrecision(PrecisionBackend):
     @classmethod
     def check(cls, cfg) -> None:
         apex_checks.check_backend(cfg)
+        super().check(cfg)
+
+    @classmethod
+    def half_dtype(cls, amp: AmpConfig, device) -> torch.dtype:
+        """Apex's amp casts to float16 only (bfloat16 is refused by `check`)."""
+        return torch.float16
 
     @classmethod
     def create(cls, cfg: AmpConfig, device: torch.device) -> "ApexPrecision":

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from common.errors import ConfigError
 from config.schema import AmpConfig, DistConfig
 
 
@@ -80,7 +81,26 @@ class PrecisionBackend(abc.ABC):
     # -- before anything is built ------------------------------------------------------------------
     @classmethod
     def check(cls, cfg) -> None:
-        """Raise a one-line ConfigError where this backend cannot run `cfg`; nothing by default."""
+        """Raise a one-line ConfigError where this backend cannot run `cfg`: pure float16 (O3)
+        with AdamW, whose moments and eps (1e-8 is 0 in float16) make the weights NaN at the first
+        step. A subclass adds its own refusals."""
+        if (cfg.amp.opt_level == "O3" and cfg.optim.name == "adamw"
+                and cls.half_dtype(cfg.amp, cfg.train.device) == torch.float16):
+            raise ConfigError("--opt-level O3 with --optimizer adamw in float16: AdamW's moments and "
+                              "its eps (1e-8 is 0 in float16) in half precision turn the weights into "
+                              "NaN at the first step; use --opt-level O2 (float32 master weights), "
+                              "--optimizer sgd, or --amp-dtype bfloat16")
+
+    @classmethod
+    def half_dtype(cls, amp: AmpConfig, device: str | torch.device) -> torch.dtype:
+        """The half type of O1-O3 on `device` (a torch.device, or a `--device` value): `amp.dtype`,
+        or for "auto" float16 on CUDA and bfloat16 elsewhere."""
+        if amp.dtype != "auto":
+            return getattr(torch, amp.dtype)
+        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.float16 if kind == "cuda" else torch.bfloat16
 
     @classmethod
     def create(cls, cfg: AmpConfig, device: torch.device) -> "PrecisionBackend":

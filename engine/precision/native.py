@@ -43,12 +43,7 @@ class NativePrecision(PrecisionBackend):
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         super().__init__(cfg, device)
-        if self.level == "O0":
-            self.dtype = torch.float32
-        elif cfg.dtype == "auto":
-            self.dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-        else:
-            self.dtype = getattr(torch, cfg.dtype)
+        self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.scaler = self._build_scaler(cfg)
