@@ -154,9 +154,12 @@ def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
 
 
 def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):
-    with pytest.raises(TrainingDiverged, match="3 consecutive steps"):
+    with pytest.raises(TrainingDiverged, match="3 consecutive steps") as stopped:
         run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "div",
             "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=3")
+    # the first epoch: no checkpoint to point at
+    assert "No checkpoint was written before" in str(stopped.value)
+    assert not (tmp_path / "div/last.pth").exists()
 
 
 def test_existing_run_directory_is_never_overwritten(tmp_path, synthetic_h5):
