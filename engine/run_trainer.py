@@ -31,6 +31,7 @@ from engine.freeze import trainable_parameters
 from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
                           Preemption, ProgressBar, TrainLog)
 from engine.logger import RunLogger
+from engine.precision import check_backend
 from engine.reference_resume import resume_state
 from engine.resume import CheckpointReader, plan_run
 from engine.run_setup import clear_run_dir, close_loaders, release_run_dir, save_resolved_config
@@ -94,6 +95,7 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
     cfg = plan.config
     say = _sayer(launch.ctx)
     try:
+        check_backend(cfg)           # as the command line does, for a config built in Python
         parts = (builder or TrainerBuilder()).build(cfg, launch, plan, say)
         trainer = RunTrainer(cfg, launch, plan.run_dir, parts,
                              default_hooks(cfg.train, evaluator) + list(hooks))

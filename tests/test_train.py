@@ -308,3 +308,11 @@ def test_pure_float16_with_adamw_is_refused_before_anything_is_built(tmp_path, s
         run(tmp_path, synthetic_h5, *argv)
         assert all(bool(torch.isfinite(v).all()) for v in weights(tmp_path / f"o3{dtype}/last.pth").values()
                    if v.is_floating_point())
+
+
+def test_a_config_built_in_python_is_refused_as_the_command_line_is(tmp_path, synthetic_h5):
+    sets = [f"data.train_h5={synthetic_h5[0]}", f"train.out_dir={tmp_path}", "train.run_name=api",
+            "amp.opt_level=O3", "amp.dtype=float16", "optim.name=adamw", "train.device=cpu"]
+    with pytest.raises(ConfigError, match="O3 with --optimizer adamw in float16"):
+        build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
+    assert not (tmp_path / "api").exists()
