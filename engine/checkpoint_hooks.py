@@ -3,8 +3,8 @@
 - `LastCheckpoint`: last.pth after every epoch, before any other hook's end of epoch (marked
   `validation_pending` when a validation follows: a stop during it loses no training);
 - `BestCheckpoint`: best.pth whenever the run's metric improves (AP with `train.ap_every`, else the
-  validation loss), saved with the weights that were evaluated (e.g. the EMA's); its state is the
-  best value;
+  validation loss; a value that is not finite never does), saved with the weights that were
+  evaluated (e.g. the EMA's); its state is the best value;
 - `PeriodicCheckpoint`: epoch_N.pth every `every` epochs;
 - `EarlyStop`: ends the run after `patience` validations without improvement; its state is the
   count.
@@ -12,6 +12,8 @@
 Each of the last three runs again for the last epoch of a run resumed while validating.
 """
 from __future__ import annotations
+
+import math
 
 from engine.epoch_end import EpochEndHook, validations_due, weights_evaluated
 from engine.hooks import Hook
@@ -37,7 +39,11 @@ class BestCheckpoint(EpochEndHook):
         if self.metric not in results:      # a loss-only pass between AP passes: no verdict
             return
         value = results[self.metric]
-        self.improved = self.best is None or (value > self.best if self.metric == "AP" else value < self.best)
+        if not math.isfinite(value):        # a NaN loss (float16 overflow) is never the best
+            self.improved = False
+            return
+        self.improved = (self.best is None or not math.isfinite(self.best)
+                         or (value > self.best if self.metric == "AP" else value < self.best))
         if self.improved:
             self.best = value
 

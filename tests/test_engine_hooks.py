@@ -138,3 +138,23 @@ def test_best_checkpoint_and_early_stop_keep_their_own_state():
     for value in (0.2, 0.1, 0.3):
         ap.after_validation(trainer, 0, {"AP": value, "loss": 1.0})
     assert ap.state_dict() == 0.3
+
+
+@pytest.mark.parametrize("saved_best", [None, float("nan")])    # a fresh run; one resumed from a NaN best
+def test_a_nan_validation_loss_is_never_the_best_and_never_blocks_a_later_one(saved_best):
+    """A float16 validation that overflowed (loss NaN) must not become best.pth, nor the value every
+    later loss is compared with (NaN < x is false: best.pth would never be written again)."""
+    from engine.checkpoint_hooks import BestCheckpoint, EarlyStop
+    saved = []
+    trainer = SimpleNamespace(hooks=[], finish_requested=False, say=print,
+                              save=lambda name, epoch, batch: saved.append((name, epoch)))
+    best = BestCheckpoint("loss")
+    best.load_state_dict(saved_best)
+    stop = EarlyStop(best, patience=3)
+    for epoch, loss in enumerate([float("nan"), 2.0, float("inf"), 1.5]):
+        for hook in (best, stop):
+            hook.after_validation(trainer, epoch, {"loss": loss})
+        for hook in (best, stop):
+            hook.after_epoch(trainer, epoch, 1.0)
+    assert saved == [("best.pth", 2), ("best.pth", 4)]
+    assert best.state_dict() == 1.5 and stop.bad_validations == 0
