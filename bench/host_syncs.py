@@ -5,7 +5,9 @@ context is open, so the figure of a training step can be measured and tested wit
 (Copies to the host, `.cpu()` / `.to("cpu")`, are not counted: on a CPU run they are no-ops.)
 Tensors that live on the host in a GPU run too, such as the optimiser's step counters (PyTorch
 keeps them on the CPU unless the optimiser is fused or capturable; Adam reads them per parameter),
-are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`).
+are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`). Given
+the run's `device`, a GPU, no read of a tensor in host memory is counted: the host copy of a
+batch, read before it goes to the GPU, waits for nothing.
 
     with count_host_syncs() as syncs:
         trainer.run_step(inputs)
@@ -37,17 +39,18 @@ def optimizer_step_counters(optimizer) -> list:
 
 
 @contextlib.contextmanager
-def count_host_syncs(host_tensors=()):
+def count_host_syncs(host_tensors=(), device=None):
     """Count host reads of tensor values inside the block (see the module's docstring)."""
     syncs = HostSyncs()
     ignored = {id(t) for t in host_tensors}
+    on_gpu = device is not None and torch.device(device).type != "cpu"
     originals = {name: getattr(torch.Tensor, name) for name in READS}
 
     inside = [0]     # a read made by another read (float() through item()) is not counted again
 
     def counting(name, read):
         def wrapper(self, *args, **kwargs):
-            if not inside[0] and id(self) not in ignored:
+            if not inside[0] and id(self) not in ignored and not (on_gpu and self.device.type == "cpu"):
                 syncs.by_kind[name] = syncs.by_kind.get(name, 0) + 1
             inside[0] += 1
             try:

@@ -132,7 +132,7 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
         sync(device)
         start = time.perf_counter()
         # the steps' reads of tensor values on the host (the optimiser's CPU step counters aside)
-        with count_host_syncs(optimizer_step_counters(parts.optimizer)) as syncs:
+        with count_host_syncs(optimizer_step_counters(parts.optimizer), device) as syncs:
             for i in range(i + 1, i + 1 + args.steps):
                 tick = time.perf_counter()
                 batch = next(data)

@@ -63,6 +63,18 @@ def test_one_host_read_per_step_of_two_batches_skipped_or_not(level, dtype):
         assert syncs.count == 1 + extra, syncs.by_kind
 
 
+def test_a_gpu_run_counts_no_read_of_a_tensor_in_host_memory():
+    """The host copy of a batch read before it goes to the GPU waits for nothing: not a sync."""
+    batch_people = torch.ones(4, 3)
+    counts = []
+    for device in (None, torch.device("cpu"), torch.device("cuda")):
+        with count_host_syncs(device=device) as syncs:
+            int(batch_people.sum())
+            batch_people.max().item()
+        counts.append(syncs.count)
+    assert counts == [2, 2, 0]
+
+
 def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():
     net, precision, step = build_step(small_net(), AmpConfig(opt_level="O2", dtype="float16"))
     inputs = [torch.randn(2, 3, 6, 6)]
