@@ -372,8 +372,9 @@ def check_values(weights: dict, expected: dict, source: str) -> None:
             raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
                                   f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
                                   "not weights this trainer wrote")
-    for name in non_finite(weights)[:1]:
-        tensor = weights[name]
+    unusable = non_finite(weights)
+    if unusable:
+        name, tensor = unusable[0], weights[unusable[0]]
         bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "
                               f"{tensor.numel()}: these weights are unusable (a run that diverged?); "

@@ -140,15 +140,22 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
     return launch
 
 
+def device_kind(spec: str) -> str:
+    """"cpu" or "cuda": what --device `spec` runs on (auto: CUDA where a GPU is visible; every
+    spelling but cpu and auto names GPUs: cuda, cuda:N, 0,1)."""
+    spec = (spec or "auto").strip().lower().replace(" ", "")
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if spec == "cpu" else "cuda"
+
+
 def resolve_device(spec: str, launch: Launch) -> torch.device:
     """The device of this process from --device and its local rank; refuses impossible choices."""
     check_device(spec or "auto", "--device")
-    spec = (spec or "auto").strip().lower().replace(" ", "")
-    if spec == "cpu":
+    if device_kind(spec) == "cpu":
         return torch.device("cpu")
+    spec = (spec or "auto").strip().lower().replace(" ", "")
     if spec == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
         spec = "cuda"
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:

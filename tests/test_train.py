@@ -316,3 +316,16 @@ def test_a_config_built_in_python_is_refused_as_the_command_line_is(tmp_path, sy
     with pytest.raises(ConfigError, match="O3 with --optimizer adamw in float16"):
         build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
     assert not (tmp_path / "api").exists()
+
+
+@pytest.mark.parametrize("device", ["0", "0,1", "cuda:1", "cuda"])
+def test_every_spelling_of_a_gpu_gets_float16_and_its_refusal(tmp_path, synthetic_h5, device):
+    """`--amp-dtype auto` is float16 on every --device that names GPUs (0,1 as much as cuda), so O3
+    with AdamW is refused there, before the device is looked for (this machine may have none)."""
+    from engine.precision import NativePrecision
+    from config.schema import AmpConfig
+    assert NativePrecision.half_dtype(AmpConfig(), device) == torch.float16
+    assert NativePrecision.half_dtype(AmpConfig(), "cpu") == torch.bfloat16
+    with pytest.raises(ConfigError, match="O3 with --optimizer adamw in float16"):
+        run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "gpu", "--opt-level", "O3",
+            "--optimizer", "adamw", "--device", device)

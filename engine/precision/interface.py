@@ -31,6 +31,7 @@ from torch import nn
 
 from common.errors import ConfigError
 from config.schema import AmpConfig, DistConfig
+from runtime.launch_env import device_kind
 
 
 @dataclass
@@ -97,9 +98,7 @@ class PrecisionBackend(abc.ABC):
         or for "auto" float16 on CUDA and bfloat16 elsewhere."""
         if amp.dtype != "auto":
             return getattr(torch, amp.dtype)
-        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        kind = device.type if isinstance(device, torch.device) else device_kind(device)
         return torch.float16 if kind == "cuda" else torch.bfloat16
 
     @classmethod
