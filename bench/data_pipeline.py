@@ -5,7 +5,9 @@
 Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is looked for; it
 draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
 `KeypointDataset` with augmentation:
-read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints),
+read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints), each
+split into its parts (the fastest of --repeats passes per part), with the picture's read, decode
+and warp alone: the most a worker could reach if everything else it does cost nothing; then
 targets (the CPU drawing of `data.targets`, 50 maps at stride 4: not a worker's job), and the
 total of `dataset.compact_item(i)`: all the host-side work of a loader worker per sample (tensors
 included; `data.transfer`). Rates are per CPU second of this process (one thread), so other load
@@ -42,15 +44,27 @@ from data.transfer import batch_bytes, expand, trim_people  # noqa: E402
 from bench.bench_data import make_bench_h5  # noqa: E402
 
 
+DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    # stages of a sample
+
+
 def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
-    """CPU seconds per stage over `samples` staged samples, and for `samples` compact items (what a
-    loader worker makes): the fastest of `repeats` passes (the least disturbed by other load on
-    the machine, as timeit reports) and their median."""
+    """CPU seconds over `samples` samples: per stage of a worker's work (each stage's fastest of
+    `repeats` passes of `augmented`) and of the target drawing (one pass); and for `samples`
+    compact items (what a loader worker makes), the fastest of `repeats` passes (the least
+    disturbed by other load on the machine, as timeit reports) and their median."""
     count = len(dataset)
     dataset.sample_arrays(0)                                   # open the file, warm caches
     stages: dict = {}
+    for _ in range(repeats):
+        one_pass: dict = {}
+        for n in range(samples):
+            dataset.augmented((n // count, n % count), one_pass)
+        for name, seconds in one_pass.items():
+            stages[name] = min(seconds, stages.get(name, seconds))
+    drawn: dict = {}
     for n in range(samples):
-        dataset.sample_arrays((n // count, n % count), stages)
+        dataset.sample_arrays((n // count, n % count), drawn)
+    stages["targets"] = drawn["targets"]
     passes = []
     for _ in range(repeats):
         start, wall = time.process_time(), time.perf_counter()
@@ -130,14 +144,23 @@ def main(argv=None) -> int:
     out = args.input_size // cfg.data.stride
     print(f"data pipeline, one process, one thread: input {args.input_size}, targets 50x{out}x{out}, "
           f"{args.samples} samples of {source}")
-    print(f"{'stage':<10}{'ms/sample':>12}{'samples/s':>12}")
+    print(f"{'stage':<32}{'ms/sample':>10}{'samples/s':>12}")
     rates = {}
     for stage in ("read", "augment", "targets", "total"):
+        parts = {name.split(": ", 1)[1]: seconds for name, seconds in stages.items()
+                 if name.startswith(stage + ": ")}
+        stages.setdefault(stage, sum(parts.values()))
         ms = stages[stage] / args.samples * 1e3
         rates[stage] = 1e3 / ms if ms > 0 else float("inf")
         note = {"targets": "  (CPU drawing; not in total: the device draws)",
                 "total": "  (host work of a worker per sample)"}.get(stage, "")
-        print(f"{stage:<10}{ms:>12.2f}{rates[stage]:>12.1f}{note}")
+        print(f"{stage:<32}{ms:>10.2f}{rates[stage]:>12.1f}{note}")
+        for name, seconds in parts.items():
+            print(f"  {name:<30}{seconds / args.samples * 1e3:>10.2f}")
+    floor = (stages[DECODE] + stages[WARP]) / args.samples if {DECODE, WARP} <= set(stages) else None
+    if floor:            # (an older checkout's dataset times its stages whole)
+        print(f"(the picture's read, decode and warp alone: {floor * 1e3:.2f} ms/sample, {1 / floor:.1f} "
+              "samples/s, the most any worker of this pipeline could reach with this decoder and warp)")
     wall_rate = args.samples / stages["total_wall"]
     median_rate = args.samples / stages["total_median"]
     print(f"(total: the fastest of {max(1, args.repeats)} passes; their median {median_rate:.1f} samples/s; "
@@ -157,7 +180,8 @@ def main(argv=None) -> int:
     print(f"HDF5 {stored / 1e3:.1f} kB/image; raw pixels {raw / 1e3:.1f} kB/image "
           f"(+ uncompressed masks {raw_masks / 1e3:.1f} kB): {ratio:.3f} of raw pixels + masks")
     print(json.dumps({"input_size": args.input_size, "samples": args.samples,
-                      "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
+                      "read_per_s": round(rates["read"], 1),
+                      "picture_read_decode_warp_per_s": round(1 / floor, 1) if floor else None, "augment_per_s": round(rates["augment"], 1),
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
                       "total_median_per_s": round(median_rate, 1), "repeats": max(1, args.repeats),
                       "total_wall_per_s": round(wall_rate, 1), "bytes_per_sample": stages["bytes"],

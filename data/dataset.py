@@ -130,7 +130,8 @@ class KeypointDataset(Dataset):
         `data.targets.render_targets`), mask (float32 S/4 x S/4, 1 = supervise), ignore and
         person_mask (uint8, 0-255), params, matrix (image px -> input px).
 
-        `timings`, if given, accumulates CPU seconds per stage: read (HDF5 + decode), augment, targets.
+        `timings`, if given, accumulates CPU seconds per stage: "read: ..." (HDF5 reads, decoding),
+        "augment: ..." (warps, tint) and "targets".
         """
         sample = self.augmented(key, timings)
         clock = _StageClock(timings)
@@ -155,16 +156,20 @@ class KeypointDataset(Dataset):
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
                                self.settings.augment.person_height, params)
         reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
+        clock.lap("read: people and draw")
         image = self.h5.decode_image(img, reduce)
+        clock.lap("read: picture (HDF5, JPEG decode)")
         mask_planes = self.h5.mask_planes(img)
-        clock.lap("read")
+        clock.lap("read: masks")
         image = warp_image(image, from_reduced(matrix, reduce), self.size)
+        clock.lap("augment: picture warp")
         if params.color:
             image = tint(image, params)
+        clock.lap("augment: colour tint")
         grid = to_grid(matrix, self.stride)
         ignore, person_mask = warp_masks(mask_planes, grid, self.out_size)
         people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
-        clock.lap("augment")
+        clock.lap("augment: masks and joints")
         return {"image": image, "people": people, "ignore": ignore, "person_mask": person_mask,
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 

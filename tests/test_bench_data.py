@@ -7,7 +7,7 @@ import json
 from bench import data_pipeline
 
 
-def test_every_pass_of_the_worker_share_and_of_the_cpu_path_is_reported(capsys, coco4_dir):
+def test_every_pass_and_every_stage_of_the_worker_share_and_the_cpu_path_are_reported(capsys, coco4_dir):
     assert data_pipeline.main(["--input-size", "128", "--samples", "10", "--repeats", "2",
                                "--batch", "4", "--coco-dir", str(coco4_dir)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -17,3 +17,7 @@ def test_every_pass_of_the_worker_share_and_of_the_cpu_path_is_reported(capsys, 
     assert result["cpu_path_per_s"] == max(result["cpu_path_passes_per_s"]) > 0
     assert result["cpu_path_per_s"] < result["total_per_s"]       # the CPU path holds the worker's share
     assert any(line.startswith("CPU path") for line in lines) and "coco4" in lines[0]
+    # where a worker's time goes: each stage split into its parts, and the picture alone
+    parts = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert parts == ["people", "picture", "masks", "picture", "colour", "masks"]
+    assert result["total_per_s"] < result["picture_read_decode_warp_per_s"] < result["read_per_s"] * 10
