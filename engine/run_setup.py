@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from common.errors import ConfigError, UserError, os_reason
+from common.paths import same_file
 from config.loader import to_yaml
 from config.schema import Config, DataConfig, TrainConfig
 from data.h5format import KeypointH5, check_split
@@ -27,8 +28,9 @@ from engine.sampler import GlobalBatchSampler, ShardSampler
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
-WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "config.yaml", "curves.png",
-           "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp", "tensorboard/events.out.tfevents.*")
+WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "train_steps.jsonl", "config.yaml",
+           "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
+           "tensorboard/events.out.tfevents.*", "val_pictures/epoch_*.png", "val_pictures/.epoch_*.tmp.png")
 LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
@@ -139,21 +141,44 @@ def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume auto to continue it, "
             f"--overwrite to replace it, or choose another --run-name")
+    problem = _input_overwrite_removes(train, run_dir)
+    if problem:
+        release_run_dir(run_dir)
+        raise ConfigError(problem)
     return run_dir, created
+
+
+def _overwritten(run_dir: Path) -> list[Path]:
+    """The files an earlier run of this trainer wrote in `run_dir`: what --overwrite removes."""
+    return [path for pattern in WRITTEN for path in run_dir.glob(pattern)
+            if path.is_file() or path.is_symlink()]
+
+
+def _input_overwrite_removes(train: TrainConfig, run_dir: Path) -> str | None:
+    """Why --overwrite must not clear `run_dir`: the weights the run starts from are one of the
+    files it would remove (fine-tuning a run's own last.pth into that run), which a run that
+    failed before its first save would then have lost."""
+    if not train.overwrite or train.resume:
+        return None
+    for option, value in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
+        if value and any(same_file(value, path) for path in _overwritten(run_dir)):
+            return (f"{option} {value} is a file of the run in {run_dir}, which --overwrite removes "
+                    f"before this run writes its own: copy it out of {run_dir} first, or choose "
+                    "another --run-name (nothing was removed)")
+    return None
 
 
 def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
     """--overwrite: remove what an earlier run of this trainer wrote in `run_dir`, nothing else."""
     if not train.overwrite or train.resume:
         return
-    for pattern in WRITTEN:
-        for path in run_dir.glob(pattern):
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-    try:
-        (run_dir / "tensorboard").rmdir()
-    except OSError:
-        pass                                # absent, or holds files the trainer did not write
+    for path in _overwritten(run_dir):
+        path.unlink()
+    for folder in ("tensorboard", "val_pictures"):
+        try:
+            (run_dir / folder).rmdir()
+        except OSError:
+            pass                            # absent, or holds files the trainer did not write
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:

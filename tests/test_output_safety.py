@@ -5,6 +5,7 @@ case asserts.)
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,13 +31,27 @@ def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_fil
     runs = env["runs"]
     work = runs / "again"
     shutil.copytree(runs / "done", work)
+    (work / "val_pictures").mkdir()
+    (work / "val_pictures" / "epoch_7.png").write_bytes(b"an earlier run's picture")
     refused(capsys, train_cli, env["trainer"] + ["--run-name", "again", "--overwrite", "--val-h5",
                                                  env["root"] / "nowhere.h5"],
             ["--val-h5", "no such file"], env["root"])
+    # fine-tuning the run's own weights into it: --overwrite would remove them before the first save
+    link = env["root"] / "start.pth"
+    link.symlink_to(work / "last.pth")
+    for weights in (work / "last.pth", link):
+        refused(capsys, train_cli, env["trainer"] + ["--run-name", "again", "--overwrite", "--weights", weights],
+                [f"--weights {weights} is a file of the run in {work}, which --overwrite removes",
+                 "(nothing was removed)"], env["root"])
+    link.unlink()
     assert train_cli(env["trainer"] + ["--run-name", "again", "--overwrite", "--epochs", "1",
                                        "--set", "train.max_steps_per_epoch=1"]) == 0
     assert (work / "mine.txt").read_text() == "a user's file inside a run"
     assert (work / "last.pth").is_file() and (runs / "notes.txt").is_file()
+    # nothing of the replaced run is left to mix with this one's: its step losses, its pictures
+    steps = [json.loads(line) for line in (work / "train_steps.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in steps] == [1]
+    assert not (work / "val_pictures").exists()
     shutil.rmtree(work)
 
 
