@@ -29,6 +29,7 @@ from runtime.distributed import all_gather_object, any_rank, decided_on_main, ge
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool
 from inference.grouping import to_coco_results
+from inference.picture_input import MAX_SIDE, coordinates_back, shrunk
 from inference.predict import TorchNetwork
 
 
@@ -47,15 +48,23 @@ def eval_mode(model):
             module.train(was_training)
 
 
-def oracle_maps(h5, img: int, targets: TargetConfig) -> np.ndarray:
-    """The ground-truth target maps [C, H, W] of image `img` at its own size (stride 1), drawn with
-    the widths of `targets`, in the channels of the file's skeleton."""
+def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
+    """(maps, factor): the ground-truth target maps [C, H, W] of image `img` (stride 1), drawn with
+    the widths of `targets`, in the channels of the file's skeleton, at the size the network path
+    runs the picture at: its own, or shrunk to `MAX_SIDE` on its longer side (a 20000-pixel
+    panorama would take 80 GB of maps); `factor` picture pixels per map pixel
+    (`inference.picture_input.coordinates_back` takes what is found there back)."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
     _, person_mask = h5.masks(img)
-    return render_targets(h5.people(img), height, width, 1, targets, h5.skeleton,
-                          person_mask=person_mask)
+    people = h5.people(img)
+    person_mask, factor = shrunk(person_mask.astype(np.float32), MAX_SIDE)
+    if factor != 1.0:
+        people[..., :2] = (people[..., :2] + 0.5) / factor - 0.5
+        height, width = person_mask.shape
+    maps = render_targets(people, height, width, 1, targets, h5.skeleton, person_mask=person_mask)
+    return maps, factor
 
 
 def read_ahead(items: Iterable, count: int) -> Iterator:
@@ -117,8 +126,15 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                   dynamic_ncols=True)
     skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
     if oracle:
-        people = grouped_in_pool((oracle_maps(h5, img, settings.targets) for img in chosen),
-                                 settings.inference, skeleton)
+        factors: deque = deque()
+
+        def drawn():
+            for img in chosen:
+                maps, factor = oracle_maps(h5, img, settings.targets)
+                factors.append(factor)
+                yield maps
+        people = ((maps, coordinates_back(keypoints, factors.popleft()), scores)
+                  for maps, keypoints, scores in grouped_in_pool(drawn(), settings.inference, skeleton))
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -68,6 +69,31 @@ def test_oracle_from_coco_json_and_image_folder(coco4_dir, tmp_path, capsys):
     code, stats, _ = run_cli(["--oracle", "--ann", coco4_dir / "test_coco.json", "--images", coco4_dir,
                               "--max-images", 2, "--out", tmp_path / "r.json", "--no-progress"], capsys)
     assert code == 0 and stats["num_images"] == 2 and stats["AP"] >= 0.85
+
+
+def test_the_oracle_draws_a_huge_picture_shrunk_and_scores_its_people_in_its_own_pixels(coco4_h5,
+                                                                                         monkeypatch):
+    """A picture over the largest side the network path runs at gets maps of that side, not of
+    its own size (a panorama's maps would not fit in memory), and its people come back in its
+    pixels: the same people as at full size, within the shrinking's precision."""
+    from data.h5format import KeypointH5
+    from inference import evaluation
+
+    h5, settings = KeypointH5(coco4_h5), PredictSettings.of(build_config("tiny"))
+    at_full_size = evaluation.decode_images(None, h5, range(4), settings, "cpu", oracle=True, progress=False)
+    monkeypatch.setattr(evaluation, "MAX_SIDE", 320)
+    maps, factor = evaluation.oracle_maps(h5, 0, settings.targets)
+    height, width = h5.image_size(0)
+    assert max(maps.shape[1:]) == 320 and factor == pytest.approx(max(height, width) / 320, rel=0.01)
+    shrunk = evaluation.decode_images(None, h5, range(4), settings, "cpu", oracle=True, progress=False)
+    assert list(shrunk) == list(at_full_size) == COCO4_IDS
+    for image_id in COCO4_IDS:
+        assert len(shrunk[image_id]) == len(at_full_size[image_id]) > 0
+        for small, full in zip(shrunk[image_id], at_full_size[image_id]):
+            small_xyv, full_xyv = np.reshape(small["keypoints"], (-1, 3)), np.reshape(full["keypoints"], (-1, 3))
+            found = (small_xyv[:, 2] > 0) & (full_xyv[:, 2] > 0)
+            assert found.sum() >= 0.8 * (full_xyv[:, 2] > 0).sum()
+            assert np.abs(small_xyv[found, :2] - full_xyv[found, :2]).max() <= 3.0 * factor
 
 
 def test_checkpoint_weights_with_flip_and_scales(coco4_h5, tiny_checkpoint, capsys):
