@@ -399,6 +399,12 @@ def test_published_sigmas_and_flips_are_the_datasets():
     aic = builtin("aic")
     assert aic.sigmas[0] == pytest.approx(0.01388152) and aic.sigmas[13] == pytest.approx(0.01236173)
     assert builtin("halpe136").sigmas[26:] == (0.015,) * 110                # face and hands
+    # Halpe's 26 body and foot points score as the authors' 26-point OKS does: the first 26 of 136
+    # (COCO's 17, then 0.08 for head, neck and hip and 0.089 for the feet)
+    halpe26, halpe136 = builtin("halpe26"), builtin("halpe136")
+    assert halpe26.dataset_keypoints == halpe136.dataset_keypoints[:26]
+    assert halpe26.sigmas == halpe136.sigmas[:26] and halpe26.sigmas[:17] == COCO.sigmas[:17]
+    assert halpe26.sigmas[17:] == (0.08,) * 3 + (0.089,) * 6
     index = builtin("halpe136").keypoints.index
     assert builtin("halpe136").flip[index("face-0")] == index("face-16")
     assert builtin("zebra").sigmas == (0.067,) * 9                      # none published: the default
