@@ -82,9 +82,16 @@ def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check `value` against the type of the field's default; ints are accepted for floats.
-    A value of the wrong type is an error, never silently None."""
-    if default is None or value is None:
+    A value of the wrong type is an error, never silently None; so is null (an empty YAML value)
+    for an option that has a value by default."""
+    if default is None:
         return value
+    if value is None:
+        expected = ("true or false" if isinstance(default, bool) else "a list" if isinstance(default, list)
+                    else "a string" if isinstance(default, str) else "an integer" if isinstance(default, int)
+                    else "a number")
+        raise ConfigError(f"option {key}: expected {expected}, got null (an empty value in YAML); give "
+                          f"a value, or leave the option out to keep {_yaml_value(default)}")
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
@@ -106,6 +113,11 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             return list(value)
         return [_number(key, v, kind, f"item {i}: ") for i, v in enumerate(value)]
     return value
+
+
+def _yaml_value(value: Any) -> str:
+    """`value` as YAML writes it on one line (a default shown in a message)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
 def _apply(cfg: Any, data: dict, prefix: str = "") -> None:

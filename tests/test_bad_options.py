@@ -5,7 +5,9 @@ docs/bad-input.md about them, and one case of each class of bad input in a real 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -36,6 +38,7 @@ from test_preemption import REPO, worker_log
     (["--set", "inference.scales=[]"], ["option inference.scales", "must have 1 to 16 items"]),
     (["--set", "optim.lr=[1]"], ["option optim.lr", "expected a number, got [1]"]),
     (["--set", "optim.lr=true"], ["option optim.lr", "expected a number, got True"]),
+    (["--set", "train.batch_size=null"], ["option train.batch_size", "expected an integer, got null"]),
     (["--device", "tpu"], ["option train.device", "'tpu' is not auto, cpu, cuda"]),
     (["--set", "optim.max_bad_steps=0"], ["option optim.max_bad_steps", "0 must be >= 1"]),
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),
@@ -49,6 +52,33 @@ from test_preemption import REPO, worker_log
 ])
 def test_bad_config_values_are_refused_before_anything_is_written(env, capsys, args, says):
     refused(capsys, train_cli, env["trainer"] + args, says, env["root"])
+
+
+def test_null_is_refused_for_every_option_that_has_a_value(tmp_path):
+    """An empty value in a YAML config (`lr:`) or `--set KEY=null` is one error naming the option,
+    for every option of the schema; it used to reach the run as None (a traceback, at best)."""
+    from common.errors import ConfigError
+    from config.loader import build_config
+
+    def options(section, prefix=""):
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if dataclasses.is_dataclass(value):
+                yield from options(value, f"{prefix}{field.name}.")
+            else:
+                yield prefix + field.name, value
+    found = list(options(build_config(None)))
+    assert len(found) > 100
+    for key, default in found:
+        if default is None:                  # an option whose default is null takes it
+            assert getattr(build_config(None, sets=[f"{key}=null"]).amp, "keep_batchnorm_fp32") is None
+            continue
+        with pytest.raises(ConfigError, match=rf"^option {re.escape(key)}: "):
+            build_config(None, sets=[f"{key}=null"])
+    preset = tmp_path / "empty_lr.yaml"
+    preset.write_text("optim:\n  lr:\n")
+    with pytest.raises(ConfigError, match=r"^option optim.lr: expected a number, got null .+, or leave the option out to keep "):
+        build_config(str(preset))
 
 
 def test_a_validation_file_without_training_data_is_refused_not_ignored(env, capsys, synthetic_h5):
