@@ -245,7 +245,7 @@ class DistConfig:
         flag=flag("--zero", MULTI_PROCESS, action="store_true", default=None,
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
     timeout_s: int = option(1800, bounds=Bounds(1, 10 ** 7))
-    rendezvous_timeout_s: int = 120   # how long ranks wait for each other to join the group
+    rendezvous_timeout_s: int = option(120, bounds=Bounds(1, 10 ** 7))   # how long ranks wait to join
 
 
 @dataclass
@@ -254,17 +254,17 @@ class InferenceConfig:
     scales: list[float] = option(
         factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16))
     flip: bool = False
-    peak_threshold: float = 0.1
+    peak_threshold: float = option(0.1, bounds=FRACTION)     # maps hold values in [0, 1]
     refine_radius: int = option(2, bounds=Bounds(0, 32))        # 5x5 weighted centroid
     limb_samples: int = option(20, bounds=Bounds(1, 1000))
-    limb_threshold: float = 0.1
+    limb_threshold: float = option(0.1, bounds=FRACTION)
     limb_min_ratio: float = option(0.8, bounds=FRACTION)
     max_limb_ratio: float = option(16.0, bounds=POSITIVE)
     merge_ratio: float = option(0.7, bounds=FRACTION)
     # join partial people across keypoints missing in both (0: off)
     bridge_ratio: float = option(2.5, bounds=NON_NEGATIVE)
     min_parts: int = option(2, bounds=Bounds(1, 18))
-    min_mean_score: float = 0.45
+    min_mean_score: float = option(0.45, bounds=Bounds(0, 10))
     max_people: int = option(20, bounds=Bounds(1, 10000))
     # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 10000))

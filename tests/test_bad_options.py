@@ -39,6 +39,8 @@ from test_preemption import REPO, worker_log
     (["--set", "optim.lr=[1]"], ["option optim.lr", "expected a number, got [1]"]),
     (["--set", "optim.lr=true"], ["option optim.lr", "expected a number, got True"]),
     (["--set", "train.batch_size=null"], ["option train.batch_size", "expected an integer, got null"]),
+    (["--set", "dist.rendezvous_timeout_s=0"], ["option dist.rendezvous_timeout_s", "0 must be >= 1"]),
+    (["--set", "inference.peak_threshold=-1"], ["option inference.peak_threshold", "must be >= 0 and <= 1"]),
     (["--device", "tpu"], ["option train.device", "'tpu' is not auto, cpu, cuda"]),
     (["--set", "optim.max_bad_steps=0"], ["option optim.max_bad_steps", "0 must be >= 1"]),
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),
