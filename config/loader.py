@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
-from config.schema import Config, declared
+from config.schema import MAX_LOSS_SCALE, Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -317,8 +317,9 @@ def validate(cfg: Config) -> None:
         except ValueError:
             pass
     if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
-                               or not 0 < scale < math.inf):
-        raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a positive number")
+                               or not 0 < scale <= MAX_LOSS_SCALE):
+        raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number > 0 and "
+                          f"<= {MAX_LOSS_SCALE:.0f} (2^24)")
     if len(cfg.loss.scale_weights) != cfg.model.depth + 1:
         raise ConfigError(f"option loss.scale_weights: {len(cfg.loss.scale_weights)} weights for "
                           f"{cfg.model.depth + 1} scales (model.depth + 1)")

@@ -32,6 +32,7 @@ class Bounds:
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0, 1)
+MAX_LOSS_SCALE = 2.0 ** 24         # Apex's max_loss_scale: a larger scale overflows any float16 gradient
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 
@@ -209,7 +210,8 @@ class AmpConfig:
     loss_scale: str | float = option("dynamic",
         flag=flag("--loss-scale", PRECISION, type=parse_loss_scale, metavar="dynamic|NUMBER",
                   help="float16 loss scale: dynamic (GradScaler) or fixed"))
-    init_scale: float = option(1024.0, bounds=POSITIVE)    # dynamic scaler start (65536 overflows fp16 early)
+    # dynamic scaler start (65536 overflows fp16 early); at most Apex's largest scale, 2^24
+    init_scale: float = option(1024.0, bounds=Bounds(0, MAX_LOSS_SCALE, low_open=True))
     # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
     # H100, bench/RESULTS.md), off on CPU
     channels_last: str | bool = option("auto", choices=("auto", True, False),

@@ -41,6 +41,8 @@ from test_preemption import REPO, worker_log
     (["--set", "train.batch_size=null"], ["option train.batch_size", "expected an integer, got null"]),
     (["--set", "dist.rendezvous_timeout_s=0"], ["option dist.rendezvous_timeout_s", "0 must be >= 1"]),
     (["--set", "inference.peak_threshold=-1"], ["option inference.peak_threshold", "must be >= 0 and <= 1"]),
+    (["--loss-scale", "1e30"], ["option amp.loss_scale", "1e+30 is not 'dynamic' or a number > 0 and <= 16777216"]),
+    (["--set", "amp.init_scale=1e38"], ["option amp.init_scale", "must be > 0 and <= 16777216"]),
     (["--device", "tpu"], ["option train.device", "'tpu' is not auto, cpu, cuda"]),
     (["--set", "optim.max_bad_steps=0"], ["option optim.max_bad_steps", "0 must be >= 1"]),
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),

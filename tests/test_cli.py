@@ -71,7 +71,7 @@ def test_channels_last_is_on_for_cuda_by_default_and_can_be_turned_off():
 
 def test_a_switch_is_not_taken_for_a_loss_scale():
     with pytest.raises(ConfigError,
-                       match="option amp.loss_scale: True is not 'dynamic' or a positive number"):
+                       match="option amp.loss_scale: True is not 'dynamic' or a number > 0 and <= 16777216"):
         config_of("--set", "amp.loss_scale=true")
     assert config_of("--loss-scale", "128").amp.loss_scale == 128
 
