@@ -32,7 +32,7 @@ class Bounds:
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0, 1)
-MAX_LOSS_SCALE = 2.0 ** 24         # Apex's max_loss_scale: a larger scale overflows any float16 gradient
+MAX_LOSS_SCALE = 2.0 ** 24         # Apex's max_loss_scale: a larger static scale overflows float16
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 
@@ -210,8 +210,8 @@ class AmpConfig:
     loss_scale: str | float = option("dynamic",
         flag=flag("--loss-scale", PRECISION, type=parse_loss_scale, metavar="dynamic|NUMBER",
                   help="float16 loss scale: dynamic (GradScaler) or fixed"))
-    # dynamic scaler start (65536 overflows fp16 early); at most Apex's largest scale, 2^24
-    init_scale: float = option(1024.0, bounds=Bounds(0, MAX_LOSS_SCALE, low_open=True))
+    # dynamic scaler start (65536 overflows fp16 early); a larger one halves at each overflow
+    init_scale: float = option(1024.0, bounds=POSITIVE)
     # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
     # H100, bench/RESULTS.md), off on CPU
     channels_last: str | bool = option("auto", choices=("auto", True, False),
@@ -256,17 +256,18 @@ class InferenceConfig:
     scales: list[float] = option(
         factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16))
     flip: bool = False
-    peak_threshold: float = option(0.1, bounds=FRACTION)     # maps hold values in [0, 1]
+    # compared with the network's maps, which hold any value (2: no peak; -1: every sample)
+    peak_threshold: float = 0.1
     refine_radius: int = option(2, bounds=Bounds(0, 32))        # 5x5 weighted centroid
     limb_samples: int = option(20, bounds=Bounds(1, 1000))
-    limb_threshold: float = option(0.1, bounds=FRACTION)
+    limb_threshold: float = 0.1
     limb_min_ratio: float = option(0.8, bounds=FRACTION)
     max_limb_ratio: float = option(16.0, bounds=POSITIVE)
     merge_ratio: float = option(0.7, bounds=FRACTION)
     # join partial people across keypoints missing in both (0: off)
     bridge_ratio: float = option(2.5, bounds=NON_NEGATIVE)
     min_parts: int = option(2, bounds=Bounds(1, 18))
-    min_mean_score: float = option(0.45, bounds=Bounds(0, 10))
+    min_mean_score: float = 0.45
     max_people: int = option(20, bounds=Bounds(1, 10000))
     # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 10000))
