@@ -104,6 +104,15 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
             yield oldest()
 
 
+def grouped_in_pixels(maps_stream: Iterable[np.ndarray], factors: deque, cfg: InferenceConfig,
+                      skeleton) -> Iterator[tuple]:
+    """`grouped_in_pool` of maps made at a shrunk size: (maps, keypoints in the picture's own
+    pixels, scores), each picture's factor taken from `factors` (appended as its maps are made,
+    picture pixels per map pixel) by `coordinates_back`."""
+    for maps, keypoints, scores in grouped_in_pool(maps_stream, cfg, skeleton):
+        yield maps, coordinates_back(keypoints, factors.popleft()), scores
+
+
 class PoseEstimator:
     """A network (a model of this project, or `inference.onnx_network.OnnxNetwork`) with the
     settings it runs at (`config.views.PredictSettings`)."""
@@ -185,9 +194,8 @@ class PoseEstimator:
         """(maps, keypoints float32 [P, K, 3] in the picture's own pixels, scores [P]) of each
         picture, in order: `group_people` of its maps, in a pool of threads (`grouped_in_pool`)."""
         factors: deque = deque()
-        for picture_maps, keypoints, scores in grouped_in_pool(self.maps_stream(pictures, factors),
-                                                               self.settings.inference, self.skeleton):
-            yield picture_maps, coordinates_back(keypoints, factors.popleft()), scores
+        yield from grouped_in_pixels(self.maps_stream(pictures, factors), factors, self.settings.inference,
+                                     self.skeleton)
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""

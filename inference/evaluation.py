@@ -27,9 +27,9 @@ from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
-from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool
+from inference.estimator import PoseEstimator, decode_threads, grouped_in_pixels
 from inference.grouping import to_coco_results
-from inference.picture_input import MAX_SIDE, coordinates_back, shrunk
+from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import TorchNetwork
 
 
@@ -53,7 +53,7 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
     the widths of `targets`, in the channels of the file's skeleton, at the size the network path
     runs the picture at: its own, or shrunk to `MAX_SIDE` on its longer side (a 20000-pixel
     panorama would take 80 GB of maps); `factor` picture pixels per map pixel
-    (`inference.picture_input.coordinates_back` takes what is found there back)."""
+    (`inference.estimator.grouped_in_pixels` takes what is found there back)."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
@@ -133,8 +133,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 maps, factor = oracle_maps(h5, img, settings.targets)
                 factors.append(factor)
                 yield maps
-        people = ((maps, coordinates_back(keypoints, factors.popleft()), scores)
-                  for maps, keypoints, scores in grouped_in_pool(drawn(), settings.inference, skeleton))
+        people = grouped_in_pixels(drawn(), factors, settings.inference, skeleton)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
