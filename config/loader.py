@@ -270,9 +270,14 @@ def _check_run_name(name: str) -> None:
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
+def device_spelling(spec: str) -> str:
+    """A --device value in one spelling: lower case, no spaces."""
+    return spec.strip().lower().replace(" ", "")
+
+
 def check_device(spec: str, option: str) -> None:
     """ConfigError naming `option` unless `spec` is a device this project knows how to pick."""
-    if not isinstance(spec, str) or not DEVICE_PATTERN.fullmatch(spec.strip().lower().replace(" ", "")):
+    if not isinstance(spec, str) or not DEVICE_PATTERN.fullmatch(device_spelling(spec)):
         raise ConfigError(f"{option}: {spec!r} is not auto, cpu, cuda, cuda:N or a list of GPU numbers "
                           "like 2,3")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import ConfigError
-from config.loader import check_device
+from config.loader import check_device, device_spelling
 
 # set by torchrun's agent, which holds the rendezvous store on MASTER_PORT itself
 _AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
@@ -143,7 +143,7 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
 def device_kind(spec: str) -> str:
     """"cpu" or "cuda": what --device `spec` runs on (auto: CUDA where a GPU is visible; every
     spelling but cpu and auto names GPUs: cuda, cuda:N, 0,1)."""
-    spec = (spec or "auto").strip().lower().replace(" ", "")
+    spec = device_spelling(spec or "auto")
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cpu" if spec == "cpu" else "cuda"
@@ -154,7 +154,7 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     check_device(spec or "auto", "--device")
     if device_kind(spec) == "cpu":
         return torch.device("cpu")
-    spec = (spec or "auto").strip().lower().replace(" ", "")
+    spec = device_spelling(spec or "auto")
     if spec == "auto":
         spec = "cuda"
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
