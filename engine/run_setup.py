@@ -160,8 +160,9 @@ def _input_overwrite_removes(train: TrainConfig, run_dir: Path) -> str | None:
     failed before its first save would then have lost."""
     if not train.overwrite or train.resume:
         return None
+    removed = _overwritten(run_dir)
     for option, value in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
-        if value and any(same_file(value, path) for path in _overwritten(run_dir)):
+        if value and any(same_file(value, path) for path in removed):
             return (f"{option} {value} is a file of the run in {run_dir}, which --overwrite removes "
                     f"before this run writes its own: copy it out of {run_dir} first, or choose "
                     "another --run-name (nothing was removed)")
