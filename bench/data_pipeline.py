@@ -180,8 +180,8 @@ def main(argv=None) -> int:
     print(f"HDF5 {stored / 1e3:.1f} kB/image; raw pixels {raw / 1e3:.1f} kB/image "
           f"(+ uncompressed masks {raw_masks / 1e3:.1f} kB): {ratio:.3f} of raw pixels + masks")
     print(json.dumps({"input_size": args.input_size, "samples": args.samples,
-                      "read_per_s": round(rates["read"], 1),
-                      "picture_read_decode_warp_per_s": round(1 / floor, 1) if floor else None, "augment_per_s": round(rates["augment"], 1),
+                      "read_per_s": round(rates["read"], 1), "augment_per_s": round(rates["augment"], 1),
+                      "picture_read_decode_warp_per_s": round(1 / floor, 1) if floor else None,
                       "targets_per_s": round(rates["targets"], 1), "total_per_s": round(rates["total"], 1),
                       "total_median_per_s": round(median_rate, 1), "repeats": max(1, args.repeats),
                       "total_wall_per_s": round(wall_rate, 1), "bytes_per_sample": stages["bytes"],
