@@ -1,0 +1,617 @@
+"""One GPU call that tells the whole truth: every CUDA path of the trainer and the figures only a GPU
+gives, in one prepared run that fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it).
+Each section ends with one JSON line {"section": NAME, ...}, so a run cut short loses only its tail.
+
+First, side by side, each in a process of its own with a time limit (tiny preset, a few steps,
+cuDNN benchmarking and AP off):
+  levels          native O1 fp16, O1 bf16, O2 and O3 (SGD), each with --ema, trained then resumed
+  feed            the device feed (2 workers, --accumulate 2) under TORCH_CUDA_SANITIZER=1
+  apex_O1..O3     Apex's amp at each level; apex_sync_bn: Apex DDP + SyncBN in an NCCL group of one
+  nccl_abort_3/2  after `_abort_process_group()` in an NCCL group of one: is_initialized(), the
+                  project's collectives, `decided_on_main`, torch's all_reduce and DDP's next
+                  all-reduce, at TORCH_NCCL_ASYNC_ERROR_HANDLING 3 and 2
+  sync_debug      what the device waits for per step (`torch.cuda.set_sync_debug_mode("warn")`)
+                  beside the project's counter, without and with --sync-bn
+  apex_cuda_ext   whether Apex's CUDA extensions can be built here
+Then alone on the GPU, in this process (imhn512 at 512):
+  first_step      the first step's cost: import, CUDA init, CUDA libraries, model build, forward,
+                  backward, optimiser step, with cuDNN benchmarking off and on
+  throughput      O1 fp16 / O1 bf16 / O2 at batch 16 and 32, and the O1 fp16 candidates (fused
+                  AdamW, CUDA-graphed forward+backward, cuDNN benchmarking off), 3 alternating
+                  rounds of 30 steps timed with CUDA events: median and spread, ratio to the default
+  evaluation      pictures/s of evaluation on real pictures at one scale + flip
+
+    bash bench/gpu_smoke.sh                          # on the GPU machine: this, with its environment
+    python bench/gpu_smoke.py --cpu-check            # anywhere: every section's code on the CPU at
+                                                     # toy sizes, or its command line parsed
+    python bench/gpu_smoke.py --section throughput   # one section
+
+SMOKE_BUDGET_S (default 530) bounds the whole run: a section that would not fit is reported
+skipped. Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
+"""
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()
+import torch  # noqa: E402
+
+_IMPORT_TORCH_S = time.perf_counter() - _START
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import warnings  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from config import build_config  # noqa: E402
+from data.skeleton import builtin  # noqa: E402
+from engine.cli import single_process_context  # noqa: E402
+from engine.run_trainer import Launch, build_loop  # noqa: E402
+
+_IMPORT_ALL_S = time.perf_counter() - _START
+CUDA = torch.cuda.is_available()
+SYNTHETIC = ROOT / "checkpoints" / "_synthetic"
+BUDGET_S = float(os.environ.get("SMOKE_BUDGET_S", 530))
+PARALLEL = ["levels", "feed", "apex_O1", "apex_O2", "apex_O3", "apex_sync_bn", "nccl_abort_3",
+            "nccl_abort_2", "sync_debug", "apex_cuda_ext"]
+ALONE = ["first_step", "throughput", "evaluation"]
+
+
+def emit(section: str, **fields) -> dict:
+    line = {"section": section, **fields}
+    print(json.dumps(line, default=str), flush=True)
+    return line
+
+
+def left_s() -> float:
+    return BUDGET_S - (time.perf_counter() - _START)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def quick_args(out_dir: str, check: bool) -> list[str]:
+    """A tiny run of a few steps: cuDNN benchmarking, AP, TensorBoard and pictures off."""
+    return ["--config", "tiny", "--epochs", "2", "--set", "train.max_steps_per_epoch=3",
+            "--set", "train.ap_every=0", "--set", "train.cudnn_benchmark=false",
+            "--set", "train.tensorboard=false", "--device", "cpu" if check else "cuda",
+            "--out-dir", out_dir]
+
+
+def run_entry(main, argv: list[str], check: bool):
+    """`main(argv)` of an entry script; under --cpu-check its parser only (nothing trains)."""
+    if not check:
+        return main(argv)
+    from bench.check_args import _Accepted
+    import argparse as ap
+    parse = ap.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise _Accepted
+    ap.ArgumentParser.parse_args = parse_only
+    try:
+        main(argv)
+    except _Accepted:
+        return {"parsed": True}
+    finally:
+        ap.ArgumentParser.parse_args = parse
+    raise RuntimeError("the entry script ended without parsing its arguments")
+
+
+# -- the side-by-side sections -------------------------------------------------------------------
+def section_levels(check: bool) -> dict:
+    import train
+    rows = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, opts in [("O1 fp16", ["--opt-level", "O1", "--amp-dtype", "float16"]),
+                           ("O1 bf16", ["--opt-level", "O1", "--amp-dtype", "bfloat16"]),
+                           ("O2", ["--opt-level", "O2"]), ("O3", ["--opt-level", "O3", "--optimizer", "sgd"])]:
+            run = name.replace(" ", "")
+            try:
+                first = run_entry(train.main, [*opts, "--ema", "0.99", "--run-name", run, *quick_args(out, check)],
+                                  check)
+                resumed = run_entry(train.main, ["--resume", "auto", "--run-name", run, "--epochs", "3",
+                                                 "--out-dir", out, "--device", "cpu" if check else "cuda"], check)
+                rows[name] = {"ok": True, **{k: first.get(k) for k in ("step", "loss")},
+                              "resumed_to_step": resumed.get("step"), "resumed_loss": resumed.get("loss")}
+            except (Exception, SystemExit) as exc:      # noqa: BLE001 - one row's failure, reported
+                rows[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"status": "ok" if all(r["ok"] for r in rows.values()) else "failed", "levels": rows}
+
+
+def section_feed(check: bool) -> dict:
+    import train
+    with tempfile.TemporaryDirectory() as out:
+        result = run_entry(train.main, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
+                                        "--run-name", "feed", *quick_args(out, check)], check)
+    return {"status": "ok", "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER"),
+            "step": result.get("step"), "loss": result.get("loss")}
+
+
+def section_apex(level: str, check: bool) -> dict:
+    import train
+    opts = ["--amp-backend", "apex", "--opt-level", level] + (["--optimizer", "sgd"] if level == "O3" else [])
+    with tempfile.TemporaryDirectory() as out:
+        result = run_entry(train.main, [*opts, "--run-name", "apex", *quick_args(out, check)], check)
+    return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
+
+
+def section_apex_sync_bn(check: bool) -> dict:
+    from bench import group_of_one
+    with tempfile.TemporaryDirectory() as out:
+        result = run_entry(group_of_one.main, ["--amp-backend", "apex", "--opt-level", "O1", "--sync-bn",
+                                               "--run-name", "g1", *quick_args(out, check)], check)
+    return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
+
+
+def section_nccl_abort(check: bool) -> dict:
+    """What a group of one does after `_abort_process_group()` (the NCCL error watch's call); a
+    watchdog ends the process with what it saw if a call hangs."""
+    import torch.distributed as td
+    from torch import nn
+    from torch.distributed.distributed_c10d import _abort_process_group
+    from torch.nn.parallel import DistributedDataParallel
+    from runtime import distributed as dist
+    from runtime.launch_env import find_free_port
+
+    seen = {"handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    device = torch.device("cuda", 0) if CUDA and not check else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    td.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=20),
+                          device_id=device if backend == "nccl" else None)
+    model = DistributedDataParallel(nn.Linear(8, 8).to(device), device_ids=[0] if backend == "nccl" else None)
+    x = torch.randn(4, 8, device=device)
+    model(x).sum().backward()
+    sync()
+    seen["backend"] = backend
+    current = {"call": "abort"}
+
+    def watchdog():
+        time.sleep(25)
+        emit(f"nccl_abort_{seen['handling']}", status="hung", hung_in=current["call"], **seen)
+        os._exit(3)
+    threading.Thread(target=watchdog, daemon=True).start()
+    _abort_process_group()
+    seen["is_initialized_after_abort"] = td.is_initialized()
+    calls = [("all_reduce_sum", lambda: dist.all_reduce_sum(torch.ones(1, device=device))),
+             ("decided_on_main", lambda: dist.decided_on_main(lambda: "decided")),
+             ("barrier", dist.barrier),
+             ("torch_all_reduce", lambda: td.all_reduce(torch.ones(1, device=device))),
+             ("ddp_next_step", lambda: (model(x).sum().backward(), sync()))]
+    for name, call in calls:
+        current["call"] = name
+        print(f"probe: calling {name}", flush=True)
+        try:
+            value = call()
+            seen[name] = f"returned {value!r}"[:160]
+        except Exception as exc:      # noqa: BLE001 - what each call does is the finding
+            seen[name] = f"raised {type(exc).__name__}: {exc}"[:200]
+        print(f"probe: {name}: {seen[name]}", flush=True)
+    return {"status": "ok", **seen}
+
+
+def section_sync_debug(check: bool) -> dict:
+    """Device waits per training step, by torch's sync debug mode (each synchronising CUDA call
+    warns), beside the project's counter of host reads, in an NCCL group of one; --sync-bn sends
+    every BatchNorm through torch's distributed SyncBatchNorm function."""
+    import torch.distributed as td
+    from bench.group_of_one import force_sync_function
+    from bench.host_syncs import count_host_syncs, optimizer_step_counters
+    from engine.precision import wrap_ddp
+    from runtime.launch_env import find_free_port
+
+    ctx = single_process_context("cpu" if check else "cuda")
+    ctx.backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    td.init_process_group(ctx.backend, store=store, rank=0, world_size=1,
+                          device_id=ctx.device if ctx.backend == "nccl" else None)
+    ctx.distributed = True
+    rows = {}
+    for sync_bn in (False, True):
+        cfg = build_config("tiny" if check else "imhn512", sets=[
+            f"dist.sync_bn={sync_bn}", f"data.input_size={64 if check else 256}", "train.batch_size=4",
+                                            "data.workers=0", f"data.train_h5={SYNTHETIC / 'train.h5'}",
+                                            f"train.device={ctx.device.type}", "train.tensorboard=false",
+                                            "amp.opt_level=O1"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer, parts = build_loop(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
+                                                    mode="ddp"))
+        if sync_bn and ctx.device.type == "cuda":
+            force_sync_function(trainer.net)
+        batch = next(toy_batches(cfg, 4, ctx.device))
+        for _ in range(2):
+            trainer.run_step([batch])
+        sync()
+        steps = 3
+        with warnings.catch_warnings(record=True) as caught, \
+                count_host_syncs(optimizer_step_counters(parts.optimizer), ctx.device) as reads:
+            warnings.simplefilter("always")
+            if ctx.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    trainer.run_step([batch])
+                sync()
+            finally:
+                if ctx.device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        waits = [w for w in caught if "synchroniz" in str(w.message)]
+        rows["sync_bn" if sync_bn else "plain_bn"] = {
+            "device_waits_per_step": len(waits) / steps if ctx.device.type == "cuda" else None,
+            "project_counter_per_step": reads.count / steps}
+        del trainer, parts
+        gc.collect()
+    return {"status": "ok", **rows}
+
+
+def section_apex_cuda_ext(check: bool) -> dict:
+    nvcc = shutil.which("nvcc")
+    version = None
+    if nvcc:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    try:
+        import apex
+        apex_dir = Path(apex.__path__[0]).parent
+    except ImportError:
+        return {"status": "skipped: Apex does not import", "nvcc": version}
+    sources = [p for p in ("csrc", "setup.py") if (apex_dir / p).exists()]
+    compiled = {m: importlib_ok(m) for m in ("amp_C", "apex_C", "syncbn")}
+    if not sources:
+        return {"status": "not built", "nvcc": version, "compiled_importable": compiled,
+                "why": f"{apex_dir} holds Apex's Python package only (no csrc/ or setup.py): amp_C, apex_C "
+                       "and syncbn cannot be built from it"}
+    return {"status": "sources present, build not attempted in this run", "nvcc": version,
+            "sources": sources, "compiled_importable": compiled}
+
+
+def importlib_ok(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+SECTIONS = {"levels": section_levels, "feed": section_feed,
+            "apex_O1": lambda c: section_apex("O1", c), "apex_O2": lambda c: section_apex("O2", c),
+            "apex_O3": lambda c: section_apex("O3", c), "apex_sync_bn": section_apex_sync_bn,
+            "nccl_abort_3": section_nccl_abort, "nccl_abort_2": section_nccl_abort,
+            "sync_debug": section_sync_debug, "apex_cuda_ext": section_apex_cuda_ext}
+SECTION_ENV = {"feed": {"TORCH_CUDA_SANITIZER": "1"}, "nccl_abort_3": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
+               "nccl_abort_2": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}}
+NEEDS_APEX = ("apex_O1", "apex_O2", "apex_O3", "apex_sync_bn")
+
+
+def run_side_by_side(names: list[str], check: bool, logs: Path) -> list[dict]:
+    """Each section in a process of its own, all at once, each within the time left."""
+    limit = max(30.0, min(240.0, left_s() - 330))     # leave the alone sections their time
+    procs = {}
+    for name in names:
+        env = {**os.environ, **SECTION_ENV.get(name, {}), "PYTHONUNBUFFERED": "1"}
+        if check:
+            env.pop("TORCH_CUDA_SANITIZER", None)
+        log = open(logs / f"{name}.log", "w")
+        cmd = [sys.executable, str(Path(__file__)), "--section", name] + (["--cpu-check"] if check else [])
+        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True), log, time.perf_counter())
+    lines = []
+    for name, (proc, log, started) in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, limit - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+        log.close()
+        text = (logs / f"{name}.log").read_text(errors="replace").splitlines()
+        found = [ln for ln in text if ln.startswith('{"section"')]
+        if found:
+            line = json.loads(found[-1])
+            line["rc"], line["seconds"] = rc, round(time.perf_counter() - started, 1)
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+        else:
+            error = next((ln for ln in text if ln.startswith("error:") or "Error" in ln or "CSAN" in ln),
+                         text[-1] if text else "no output")
+            lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc,
+                              seconds=round(time.perf_counter() - started, 1),
+                              last_lines=text[-6:]))
+    return lines
+
+
+def run_one(name: str, check: bool) -> int:
+    """`--section NAME`: that section here, its JSON line last."""
+    if name in NEEDS_APEX and not check and not importlib_ok("apex"):
+        emit(name, status="skipped: Apex does not import")
+        return 0
+    if name in SECTIONS and not check and not CUDA and name != "apex_cuda_ext":
+        emit(name, status="skipped: no CUDA")
+        return 0
+    started = time.perf_counter()
+    try:
+        fields = (SECTIONS.get(name) or ALONE_SECTIONS[name])(check)
+    except (Exception, SystemExit) as exc:      # noqa: BLE001 - the section's failure is its result
+        emit(name, status=f"failed: {type(exc).__name__}: {exc}"[:300])
+        return 1
+    emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
+    return 0
+
+
+# -- the sections alone on the GPU --------------------------------------------------------------
+def toy_batches(cfg, batch: int, device):
+    """One batch on the device, repeated: sparse targets like real heatmaps."""
+    s, o = cfg.data.input_size, cfg.data.input_size // cfg.data.stride
+    images = torch.rand(batch, 3, s, s, device=device)
+    target = torch.rand(batch, builtin("coco").num_channels, o, o, device=device)
+    target = target * (target > 0.97)
+    mask = torch.ones(batch, 1, o, o, device=device)
+    while True:
+        yield images, target, mask
+
+
+def alone_config(check: bool, level: str, dtype: str, batch: int, *sets: str):
+    size = 64 if check else 512
+    return build_config("tiny" if check else "imhn512", sets=[
+        f"amp.opt_level={level}", f"amp.dtype={dtype}", f"data.input_size={size}", f"train.batch_size={batch}",
+        "data.workers=0", f"data.train_h5={SYNTHETIC / 'train.h5'}", f"train.device={'cpu' if check else 'cuda'}",
+        "train.tensorboard=false", *sets])
+
+
+def build_quietly(cfg):
+    with contextlib.redirect_stdout(io.StringIO()):
+        launch = Launch(single_process_context(cfg.train.device))
+        return build_loop(cfg, launch) + (launch.ctx.device,)
+
+
+def section_first_step(check: bool) -> dict:
+    """The cost of a process's first training step, in parts."""
+    device = torch.device("cpu" if check else "cuda")
+    tick = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=device)
+    cuda_init = time.perf_counter() - tick
+    tick = time.perf_counter()
+    conv = torch.nn.Conv2d(3, 8, 3).to(device)               # cuDNN and cuBLAS handles, lazy modules
+    conv(torch.rand(1, 3, 16, 16, device=device, requires_grad=True)).sum().backward()
+    (torch.rand(8, 8, device=device) @ torch.rand(8, 8, device=device)).sum().item()
+    libraries = time.perf_counter() - tick
+    rows = {}
+    for benchmark in (False, True):
+        tick = time.perf_counter()
+        cfg = alone_config(check, "O1", "float16" if not check else "bfloat16", 2 if check else 16,
+                           f"train.cudnn_benchmark={benchmark}")
+        trainer, parts, dev = build_quietly(cfg)
+        images, target, mask = next(toy_batches(cfg, cfg.train.batch_size, dev))
+        sync()
+        build = time.perf_counter() - tick
+        update = trainer.optim_step
+        times = {"build_s": build}
+        tick = time.perf_counter()
+        update.begin(1)
+        per_sample, _ = trainer.net(images, target, mask)
+        sync()
+        times["forward_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        update.backward(per_sample.mean())
+        sync()
+        times["backward_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        update.finish()
+        sync()
+        times["optimiser_step_s"] = time.perf_counter() - tick
+        tick = time.perf_counter()
+        trainer.run_step([(images, target, mask)])
+        sync()
+        times["second_step_s"] = time.perf_counter() - tick
+        times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
+        rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
+        del trainer, parts, per_sample
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"status": "ok", "import_torch_s": round(_IMPORT_TORCH_S, 2), "import_all_s": round(_IMPORT_ALL_S, 2),
+            "cuda_init_s": round(cuda_init, 2), "cuda_libraries_s": round(libraries, 2), **rows}
+
+
+def graph_forward_backward(trainer, batch) -> None:
+    """The model's forward and backward captured once as CUDA graphs and replayed every step (the
+    loss, the scaler and the optimiser stay eager)."""
+    net = trainer.net
+    images = net.precision.cast_input(batch[0])
+    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+        net.model = torch.cuda.make_graphed_callables(net.model, (images,))
+
+
+CANDIDATES = [  # name, level, dtype, batch, extra config, graphed, cudnn benchmark
+    ("O1 fp16 b16 (default)", "O1", "float16", 16, [], False, True),
+    ("O1 fp16 b16 fused AdamW", "O1", "float16", 16, ["optim.fused=true"], False, True),
+    ("O1 fp16 b16 graphed fwd+bwd", "O1", "float16", 16, [], True, True),
+    ("O1 fp16 b16 no cuDNN benchmark", "O1", "float16", 16, [], False, False),
+    ("O1 bf16 b16", "O1", "bfloat16", 16, [], False, True),
+    ("O2 fp16 b16", "O2", "float16", 16, [], False, True),
+    ("O1 fp16 b32", "O1", "float16", 32, [], False, True),
+    ("O1 bf16 b32", "O1", "bfloat16", 32, [], False, True),
+    ("O2 fp16 b32", "O2", "float16", 32, [], False, True),
+]
+
+
+def section_throughput(check: bool, rounds: int = 3, steps: int = 30) -> dict:
+    """Alternating rounds: every candidate once per round, in turn, timed with CUDA events."""
+    if check:
+        rounds, steps = 1, 2
+    built, errors = {}, {}
+    for name, level, dtype, batch, sets, graphed, benchmark in CANDIDATES:
+        if check and name != "O1 bf16 b16":
+            continue                                  # a CPU has no fast float16 and no CUDA graphs
+        try:
+            cfg = alone_config(check, level, dtype, 2 if check else batch, *sets)
+            trainer, parts, dev = build_quietly(cfg)
+            data = toy_batches(cfg, cfg.train.batch_size, dev)
+            torch.backends.cudnn.benchmark = benchmark
+            for i in range(40):                     # warm: cuDNN tuned, the fp16 loss scale settled
+                skipped = trainer.run_step([next(data)]).skipped
+                if i >= (1 if check else 4) and not skipped:
+                    break
+            if graphed:
+                graph_forward_backward(trainer, next(data))
+                for _ in range(3):
+                    trainer.run_step([next(data)])
+            sync()
+            built[name] = (trainer, parts, data, benchmark, cfg.train.batch_size)
+        except Exception as exc:      # noqa: BLE001 - one candidate's failure, reported
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            gc.collect()
+    times = {name: [] for name in built}
+    skipped = {name: 0 for name in built}
+    for r in range(rounds):
+        round_start = time.perf_counter()
+        for name, (trainer, _, data, benchmark, _) in built.items():
+            torch.backends.cudnn.benchmark = benchmark
+            sync()
+            if CUDA and not check:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            tick = time.perf_counter()
+            for _ in range(steps):
+                skipped[name] += trainer.run_step([next(data)]).skipped
+            if CUDA and not check:
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / steps)
+            else:
+                times[name].append((time.perf_counter() - tick) * 1e3 / steps)
+        if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 60:
+            errors["rounds"] = f"stopped after {r + 1} round(s): the budget"
+            break
+    torch.backends.cudnn.benchmark = True
+    default = CANDIDATES[0][0] if CANDIDATES[0][0] in times else next(iter(times), None)
+    rows = {}
+    for name, ms in times.items():
+        batch = built[name][4]
+        rows[name] = {"ms_per_step_median": round(statistics.median(ms), 2),
+                      "ms_per_step_min": round(min(ms), 2), "ms_per_step_max": round(max(ms), 2),
+                      "images_per_s": round(batch * 1e3 / statistics.median(ms), 1),
+                      "skipped_steps": skipped[name],
+                      "peak_gib": None}
+        if default and batch == built[default][4]:
+            rows[name]["speedup_vs_default_median"] = round(statistics.median(
+                d / m for d, m in zip(times[default], ms)), 3)
+    if CUDA and not check:
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        rows = {**rows, "all_peak_gib": round(peak, 1)}
+    built.clear()
+    gc.collect()
+    return {"status": "ok" if not errors or set(errors) == {"rounds"} else "partly failed", "rounds": len(next(
+        iter(times.values()), [])), "steps_per_round": steps, "rows": rows, "errors": errors}
+
+
+def section_evaluation(check: bool) -> dict:
+    """Pictures/s of the evaluation path on real pictures (coco80 when carried in .bench_data/,
+    else the repository's coco4 repeated), at one scale with flip, an untrained imhn512."""
+    from config.views import PredictSettings
+    from data.h5format import KeypointH5
+    from data.make_hdf5 import convert
+    from inference.evaluation import decode_images, eval_mode
+    from models import build_model
+
+    source = ROOT / ".bench_data" / "coco80"
+    ann = source / "person_keypoints_train2017.json"
+    if not ann.is_file():
+        source, ann = ROOT / "tests" / "data" / "coco4", ROOT / "tests" / "data" / "coco4" / "test_coco.json"
+    device = "cpu" if check else "cuda"
+    cfg = build_config("tiny" if check else "imhn512", sets=["inference.scales=[1.0]", "inference.flip=true"])
+    model = build_model(cfg.model, builtin("coco")).to(device)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        path = Path(tmp) / "val.h5"
+        convert(ann, source, path, split="val", progress=False, max_images=2 if check else 0)
+        h5 = KeypointH5(path)
+        indices = list(range(h5.num_images)) * (1 if check else max(1, 80 // h5.num_images))
+        rates = []
+        with eval_mode(model):
+            decode_images(model, h5, indices[:4], PredictSettings.of(cfg), device, progress=False)
+            for _ in range(1 if check else 2):
+                sync()
+                tick = time.perf_counter()
+                decode_images(model, h5, indices, PredictSettings.of(cfg), device, progress=False)
+                sync()
+                rates.append(len(indices) / (time.perf_counter() - tick))
+        h5.close()
+    return {"status": "ok", "pictures": len(indices), "source": source.name, "scales": [1.0], "flip": True,
+            "pictures_per_s": [round(r, 2) for r in rates]}
+
+
+ALONE_SECTIONS = {"first_step": section_first_step, "throughput": section_throughput,
+                  "evaluation": section_evaluation}
+
+
+def environment(check: bool) -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "python": sys.version.split()[0], "cpus": os.cpu_count(), "budget_s": BUDGET_S}
+    if CUDA and not check:
+        info["device"] = torch.cuda.get_device_name(0)
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            info["driver"] = subprocess.run([smi, "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+    return {"status": "ok", **info}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-check", action="store_true",
+                        help="run every section's code on the CPU at toy sizes (command lines parsed only)")
+    parser.add_argument("--section", choices=[*SECTIONS, *ALONE_SECTIONS])
+    args = parser.parse_args(argv)
+    if args.section:
+        return run_one(args.section, args.cpu_check)
+    if not CUDA and not args.cpu_check:
+        print("error: no CUDA GPU here: use python bench/gpu_smoke.py --cpu-check", file=sys.stderr)
+        return 2
+    logs = Path(os.environ.get("OUT", "bench_out")) / "smoke"
+    logs.mkdir(parents=True, exist_ok=True)
+    from data.synthetic import ensure_synthetic_h5      # drawn once, before the sections share it
+    with contextlib.redirect_stdout(io.StringIO()):
+        ensure_synthetic_h5(SYNTHETIC)
+    lines = [emit("env", **environment(args.cpu_check))]
+    lines += run_side_by_side(PARALLEL, args.cpu_check, logs)
+    for name in ALONE:
+        if left_s() < 20:
+            lines.append(emit(name, status="skipped: the budget"))
+            continue
+        started = time.perf_counter()
+        try:
+            fields = ALONE_SECTIONS[name](args.cpu_check)
+        except Exception as exc:      # noqa: BLE001 - the section's failure is its result
+            fields = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
+        lines.append(emit(name, seconds=round(time.perf_counter() - started, 1), **fields))
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+    print(f"\n{'section':<16} {'seconds':>8}  status")
+    for line in lines:
+        print(f"{line['section']:<16} {line.get('seconds') or '-':>8}  {str(line.get('status'))[:100]}")
+    (logs / "sections.jsonl").write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
+    bad = [ln["section"] for ln in lines if not str(ln.get("status", "")).startswith(("ok", "skipped", "not built"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
