@@ -16,15 +16,19 @@ cuDNN benchmarking and AP off):
 Then alone on the GPU, in this process (imhn512 at 512):
   first_step      the first step's cost: import, CUDA init, CUDA libraries, model build, forward,
                   backward, optimiser step, with cuDNN benchmarking off and on
-  throughput      O1 fp16 / O1 bf16 / O2 at batch 16 and 32, and the O1 fp16 candidates (fused
-                  AdamW, CUDA-graphed forward+backward, cuDNN benchmarking off), 3 alternating
-                  rounds of 30 steps timed with CUDA events: median and spread, ratio to the default
+  graph_numerics  the same 12 steps eagerly and with CUDA graphs (cuDNN deterministic): how far
+                  their losses and weights differ
+  throughput      O1 fp16 / O1 bf16 / O2 at batch 16 and 32, and O1 fp16 with CUDA graphs and the
+                  fused optimiser each on and off (the default before 2026-11-27: both off), 3
+                  alternating rounds of SMOKE_STEPS (30) steps timed with CUDA events: median and
+                  spread, ratio to the default
   evaluation      pictures/s of evaluation on real pictures at one scale + flip
 
     bash bench/gpu_smoke.sh                          # on the GPU machine: this, with its environment
     python bench/gpu_smoke.py --cpu-check            # anywhere: every section's code on the CPU at
                                                      # toy sizes, or its command line parsed
-    python bench/gpu_smoke.py --section throughput   # one section
+    python bench/gpu_smoke.py --section throughput   # one section, in this process
+    python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
 
 SMOKE_BUDGET_S (default 530) bounds the whole run: a section that would not fit is reported
 skipped. Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
@@ -68,7 +72,7 @@ SYNTHETIC = ROOT / "checkpoints" / "_synthetic"
 BUDGET_S = float(os.environ.get("SMOKE_BUDGET_S", 530))
 PARALLEL = ["levels", "feed", "apex_O1", "apex_O2", "apex_O3", "apex_sync_bn", "nccl_abort_3",
             "nccl_abort_2", "sync_debug", "apex_cuda_ext"]
-ALONE = ["first_step", "throughput", "evaluation"]
+ALONE = ["first_step", "graph_numerics", "throughput", "evaluation"]
 
 
 def emit(section: str, **fields) -> dict:
@@ -137,10 +141,21 @@ def section_levels(check: bool) -> dict:
 
 
 def section_feed(check: bool) -> dict:
+    """The device feed's streams under the CUDA sanitizer. Forked DataLoader workers inherit the
+    sanitizer's dispatch mode, whose every CPU op would then ask CUDA for its stream in a forked
+    process: the mode is left in each worker, which runs no CUDA anyway."""
     import train
+    if os.environ.get("TORCH_CUDA_SANITIZER"):
+        from torch.cuda import _sanitizer
+
+        def sanitizer_off():
+            _sanitizer.cuda_sanitizer.dispatch.__exit__(None, None, None)
+            _sanitizer.cuda_sanitizer.enabled = False
+        os.register_at_fork(after_in_child=sanitizer_off)
     with tempfile.TemporaryDirectory() as out:
         result = run_entry(train.main, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
-                                        "--run-name", "feed", *quick_args(out, check)], check)
+                                        "--cuda-graphs", "false", "--run-name", "feed",
+                                        *quick_args(out, check)], check)
     return {"status": "ok", "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER"),
             "step": result.get("step"), "loss": result.get("loss")}
 
@@ -300,9 +315,10 @@ SECTION_ENV = {"feed": {"TORCH_CUDA_SANITIZER": "1"}, "nccl_abort_3": {"TORCH_NC
 NEEDS_APEX = ("apex_O1", "apex_O2", "apex_O3", "apex_sync_bn")
 
 
-def run_side_by_side(names: list[str], check: bool, logs: Path) -> list[dict]:
-    """Each section in a process of its own, all at once, each within the time left."""
-    limit = max(30.0, min(240.0, left_s() - 330))     # leave the alone sections their time
+def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> list[dict]:
+    """Each section in a process of its own, all at once, each within the time left but what the
+    `alone` sections after them need (about 80 s each)."""
+    limit = max(60.0, min(240.0, left_s() - 80 * alone))
     procs = {}
     for name in names:
         env = {**os.environ, **SECTION_ENV.get(name, {}), "PYTHONUNBUFFERED": "1"}
@@ -348,7 +364,7 @@ def run_one(name: str, check: bool) -> int:
     try:
         fields = (SECTIONS.get(name) or ALONE_SECTIONS[name])(check)
     except (Exception, SystemExit) as exc:      # noqa: BLE001 - the section's failure is its result
-        emit(name, status=f"failed: {type(exc).__name__}: {exc}"[:300])
+        emit(name, status=f"failed: {type(exc).__name__}: {exc}"[:2000])
         return 1
     emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
     return 0
@@ -431,34 +447,25 @@ def section_first_step(check: bool) -> dict:
             "cuda_init_s": round(cuda_init, 2), "cuda_libraries_s": round(libraries, 2), **rows}
 
 
-def graph_forward_backward(trainer, batch) -> None:
-    """The model's forward and backward captured once as CUDA graphs and replayed every step (the
-    loss, the scaler and the optimiser stay eager)."""
-    net = trainer.net
-    images = net.precision.cast_input(batch[0])
-    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-        net.model = torch.cuda.make_graphed_callables(net.model, (images,))
-
-
-CANDIDATES = [  # name, level, dtype, batch, extra config, graphed, cudnn benchmark
-    ("O1 fp16 b16 (default)", "O1", "float16", 16, [], False, True),
-    ("O1 fp16 b16 fused AdamW", "O1", "float16", 16, ["optim.fused=true"], False, True),
-    ("O1 fp16 b16 graphed fwd+bwd", "O1", "float16", 16, [], True, True),
-    ("O1 fp16 b16 no cuDNN benchmark", "O1", "float16", 16, [], False, False),
-    ("O1 bf16 b16", "O1", "bfloat16", 16, [], False, True),
-    ("O2 fp16 b16", "O2", "float16", 16, [], False, True),
-    ("O1 fp16 b32", "O1", "float16", 32, [], False, True),
-    ("O1 bf16 b32", "O1", "bfloat16", 32, [], False, True),
-    ("O2 fp16 b32", "O2", "float16", 32, [], False, True),
+OLD = ["amp.cuda_graphs=false", "optim.fused=false"]     # the default before 2026-11-27
+CANDIDATES = [  # name, level, dtype, batch, extra config, cuDNN benchmarking
+    ("O1 fp16 b16 (default: CUDA graphs, fused AdamW)", "O1", "float16", 16, [], True),
+    ("O1 fp16 b16 eager, unfused (old default)", "O1", "float16", 16, OLD, True),
+    ("O1 fp16 b16 eager, fused", "O1", "float16", 16, ["amp.cuda_graphs=false"], True),
+    ("O1 fp16 b16 graphs, unfused", "O1", "float16", 16, ["optim.fused=false"], True),
+    ("O1 bf16 b16", "O1", "bfloat16", 16, [], True),
+    ("O2 fp16 b16", "O2", "float16", 16, [], True),
+    ("O1 fp16 b32", "O1", "float16", 32, [], True),
+    ("O1 fp16 b32 eager, unfused (old default)", "O1", "float16", 32, OLD, True),
+    ("O2 fp16 b32", "O2", "float16", 32, [], True),
 ]
 
 
-def section_throughput(check: bool, rounds: int = 3, steps: int = 30) -> dict:
+def section_throughput(check: bool) -> dict:
     """Alternating rounds: every candidate once per round, in turn, timed with CUDA events."""
-    if check:
-        rounds, steps = 1, 2
+    rounds, steps = (1, 2) if check else (3, int(os.environ.get("SMOKE_STEPS", 30)))
     built, errors = {}, {}
-    for name, level, dtype, batch, sets, graphed, benchmark in CANDIDATES:
+    for name, level, dtype, batch, sets, benchmark in CANDIDATES:
         if check and name != "O1 bf16 b16":
             continue                                  # a CPU has no fast float16 and no CUDA graphs
         try:
@@ -466,14 +473,10 @@ def section_throughput(check: bool, rounds: int = 3, steps: int = 30) -> dict:
             trainer, parts, dev = build_quietly(cfg)
             data = toy_batches(cfg, cfg.train.batch_size, dev)
             torch.backends.cudnn.benchmark = benchmark
-            for i in range(40):                     # warm: cuDNN tuned, the fp16 loss scale settled
+            for i in range(40):   # warm: cuDNN tuned, graphs captured, the fp16 loss scale settled
                 skipped = trainer.run_step([next(data)]).skipped
-                if i >= (1 if check else 4) and not skipped:
+                if i >= (1 if check else 6) and not skipped:
                     break
-            if graphed:
-                graph_forward_backward(trainer, next(data))
-                for _ in range(3):
-                    trainer.run_step([next(data)])
             sync()
             built[name] = (trainer, parts, data, benchmark, cfg.train.batch_size)
         except Exception as exc:      # noqa: BLE001 - one candidate's failure, reported
@@ -523,6 +526,33 @@ def section_throughput(check: bool, rounds: int = 3, steps: int = 30) -> dict:
         iter(times.values()), [])), "steps_per_round": steps, "rows": rows, "errors": errors}
 
 
+def section_graph_numerics(check: bool) -> dict:
+    """The same 12 steps (other batches each step) eagerly and with CUDA graphs, cuDNN
+    deterministic: the largest relative difference of their losses and of the weights after."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    losses, weights = {}, {}
+    for graphs in (False, True):
+        cfg = alone_config(check, "O1", "bfloat16" if check else "float16", 4, f"data.input_size={64 if check else 128}",
+                           f"amp.cuda_graphs={graphs and not check}", "train.cudnn_benchmark=false",
+                           "train.seed=3")
+        trainer, parts, dev = build_quietly(cfg)
+        generator = torch.Generator(device="cpu").manual_seed(5)
+        o = cfg.data.input_size // cfg.data.stride
+        losses[graphs] = []
+        for _ in range(3 if check else 12):
+            images = torch.rand(4, 3, cfg.data.input_size, cfg.data.input_size, generator=generator).to(dev)
+            target = (torch.rand(4, builtin("coco").num_channels, o, o, generator=generator) * 0.1).to(dev)
+            losses[graphs].append(trainer.run_step([(images, target, torch.ones(4, 1, o, o, device=dev))]).loss)
+        weights[graphs] = {k: v.float().clone() for k, v in parts.model.state_dict().items() if v.is_floating_point()}
+        del trainer, parts
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    loss_diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses[False], losses[True]))
+    weight_diff = max(((weights[False][k] - weights[True][k]).abs().max() / weights[False][k].abs().max().clamp_min(1e-12)).item()
+                      for k in weights[False])
+    return {"status": "ok", "steps": len(losses[True]), "max_rel_loss_diff": loss_diff, "max_rel_weight_diff": weight_diff,
+            "eager_losses": [round(x, 5) for x in losses[False]], "graph_losses": [round(x, 5) for x in losses[True]]}
+
+
 def section_evaluation(check: bool) -> dict:
     """Pictures/s of the evaluation path on real pictures (coco80 when carried in .bench_data/,
     else the repository's coco4 repeated), at one scale with flip, an untrained imhn512."""
@@ -558,8 +588,8 @@ def section_evaluation(check: bool) -> dict:
             "pictures_per_s": [round(r, 2) for r in rates]}
 
 
-ALONE_SECTIONS = {"first_step": section_first_step, "throughput": section_throughput,
-                  "evaluation": section_evaluation}
+ALONE_SECTIONS = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,
+                  "throughput": section_throughput, "evaluation": section_evaluation}
 
 
 def environment(check: bool) -> dict:
@@ -579,7 +609,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-check", action="store_true",
                         help="run every section's code on the CPU at toy sizes (command lines parsed only)")
     parser.add_argument("--section", choices=[*SECTIONS, *ALONE_SECTIONS])
+    parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only and only - set(SECTIONS) - set(ALONE_SECTIONS):
+        parser.error(f"--only: no section {sorted(only - set(SECTIONS) - set(ALONE_SECTIONS))}")
     if args.section:
         return run_one(args.section, args.cpu_check)
     if not CUDA and not args.cpu_check:
@@ -591,8 +625,9 @@ def main(argv=None) -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         ensure_synthetic_h5(SYNTHETIC)
     lines = [emit("env", **environment(args.cpu_check))]
-    lines += run_side_by_side(PARALLEL, args.cpu_check, logs)
-    for name in ALONE:
+    alone = [n for n in ALONE if not only or n in only]
+    lines += run_side_by_side([n for n in PARALLEL if not only or n in only], args.cpu_check, logs, len(alone))
+    for name in alone:
         if left_s() < 20:
             lines.append(emit(name, status="skipped: the budget"))
             continue

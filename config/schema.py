@@ -187,7 +187,9 @@ class OptimConfig:
     skip_loss_above: float = option(2e5, bounds=POSITIVE)  # a step whose loss exceeds this is skipped
     # consecutive skipped steps before the run stops
     max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))
-    fused: bool = False           # torch.optim fused kernels (CUDA)
+    # torch.optim's fused kernels; auto: on for CUDA with the native backend (imhn512 O1 fp16 1.14x
+    # on an H200, bench/RESULTS.md)
+    fused: str | bool = option("auto", choices=("auto", True, False))
 
 
 @dataclass
@@ -220,6 +222,13 @@ class AmpConfig:
     # torch.compile the model
     compile: bool = option(False,
         flag=flag("--compile", PRECISION, action="store_true", default=None, help="torch.compile the model"))
+    # the network's training forward and backward replayed as CUDA graphs once its input shape has
+    # settled (engine/model_with_loss.py); auto: on for one CUDA process with the native backend
+    # and no --compile (imhn512 O1 fp16 1.58x on an H200, bench/RESULTS.md)
+    cuda_graphs: str | bool = option("auto", choices=("auto", True, False),
+        flag=flag("--cuda-graphs", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
+                  help="replay the network's training forward and backward as CUDA graphs (default: on "
+                       "for one CUDA process with the native backend, without --compile)"))
     tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
     # native (torch.amp) | apex (NVIDIA Apex's amp, where installed)
     backend: str = option("native", choices=("native", "apex"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 from config.schema import AmpConfig, Config, LossConfig, ModelConfig, OptimConfig
 from data.skeleton import Skeleton
 from data.skeleton_words import skeleton_words
@@ -90,8 +90,9 @@ class TrainerBuilder:
         """The precision backend named by `amp.backend` (engine.precision's registry)."""
         return build_precision(cfg, device, cudnn_benchmark)
 
-    def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str):
-        return build_optimizer(params, cfg, zero=zero, device_type=device_type)
+    def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,
+                        native: bool = True):
+        return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
 
     def build(self, cfg: Config, launch, plan: RunPlan | None = None, say=print) -> Parts:
         """All parts, in order; `plan` (engine.resume.plan_run) says what the weights start from
@@ -109,22 +110,40 @@ class TrainerBuilder:
         model = precision.prepare_model(model)
         trainable = trainable_parameters(model)
         optimizer = self.build_optimizer(precision.optimizer_params(trainable), cfg.optim,
-                                         cfg.dist.zero and ctx.distributed, ctx.device.type)
+                                         cfg.dist.zero and ctx.distributed, ctx.device.type,
+                                         cfg.amp.backend == "native")
         # before any wrapper (Apex's amp.initialize refuses a wrapped model); Apex O2: its masters
         model, optimizer = precision.attach(model, optimizer)
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
-        net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp.compile)
+        net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp)
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
                                static_graph=cfg.dist.static_graph)
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
 
 
-def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, compile_model: bool):
+def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: AmpConfig):
     """(net, eval_net): model and loss as one module, wrapped by the launch mode."""
-    model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision)
+    compile_model = amp.compile
+    model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision,
+                                    cuda_graphs=use_cuda_graphs(amp, launch))
     net = launch.wrap(model_with_loss)
     # validation runs the model eagerly: under --compile its no-grad graph and its smaller last
     # batch would each be compiled again, minutes apiece
     eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
     return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
+
+
+def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
+    """`amp.cuda_graphs` for this run: auto means where they can be used, True refuses a run where
+    they cannot (DDP's and DataParallel's hooks and replicas, Apex's patched functions and
+    torch.compile's own graphs do not go into a captured graph)."""
+    unsupported = [why for why, bad in (
+        ("the device is not CUDA", launch.ctx.device.type != "cuda"),
+        (f"the launch mode is {launch.mode}", launch.mode != "single"),
+        ("--amp-backend apex", amp.backend != "native"), ("--compile", amp.compile)) if bad]
+    if amp.cuda_graphs is True and unsupported:
+        raise ConfigError(f"option amp.cuda_graphs (--cuda-graphs): CUDA graphs need one CUDA process "
+                          f"with the native backend and no --compile, and here {', '.join(unsupported)}; "
+                          "leave it at auto")
+    return amp.cuda_graphs is not False and not unsupported

@@ -48,10 +48,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: str = "cpu"):
-    """SGD (momentum, weight decay) or AdamW over `params`; ZeroRedundancyOptimizer when `zero`."""
+def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: str = "cpu",
+                    native: bool = True):
+    """SGD (momentum, weight decay) or AdamW over `params`; ZeroRedundancyOptimizer when `zero`.
+    Fused kernels on CUDA when `optim.fused` says so (auto: with the `native` precision backend)."""
     params = list(params)
-    fused = bool(cfg.fused and device_type == "cuda")
+    fused = device_type == "cuda" and (cfg.fused is True or (cfg.fused == "auto" and native))
     if cfg.name == "sgd":
         cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum,
                                            weight_decay=cfg.weight_decay)
