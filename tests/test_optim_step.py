@@ -4,6 +4,8 @@ scale after a bad loss and after an overflow, and two real gloo ranks of which o
 (both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +75,29 @@ def test_a_gpu_run_counts_no_read_of_a_tensor_in_host_memory():
             batch_people.max().item()
         counts.append(syncs.count)
     assert counts == [2, 2, 0]
+
+
+def test_a_gpu_run_counts_the_syncs_torch_makes_inside_its_ops(monkeypatch):
+    """On CUDA the counter also counts the synchronizing operations torch makes inside its own ops
+    (torch's SyncBatchNorm: one per layer and training forward), which no Python read shows, by
+    torch's sync debug mode. Stood in here with its contract: in mode "warn" each synchronizing
+    CUDA operation warns "called a synchronizing CUDA operation"; other warnings pass."""
+    mode = ["default"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+
+    def synchronizing_op():        # e.g. SyncBatchNorm's mask over the ranks' gathered counts
+        if mode[0] == "warn":
+            warnings.warn("called a synchronizing CUDA operation")
+
+    with pytest.warns(UserWarning, match="not a sync"):
+        with count_host_syncs(device=torch.device("cuda")) as syncs:
+            assert mode == ["warn"]
+            for _ in range(3):
+                synchronizing_op()
+            warnings.warn("not a sync")
+    assert syncs.by_kind == {"cuda_sync": 3} and mode == ["default"]
 
 
 def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():
