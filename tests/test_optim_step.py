@@ -12,6 +12,7 @@ from torch import nn
 
 from bench.host_syncs import count_host_syncs
 from config.schema import AmpConfig, DistConfig, OptimConfig
+from engine.optim import updates_rounded_away
 from engine.precision import NativePrecision as Precision
 from engine.optim_step import OptimStep
 from engine.sync_bn import convert_sync_bn
@@ -98,6 +99,28 @@ def test_a_gpu_run_counts_the_syncs_torch_makes_inside_its_ops(monkeypatch):
                 synchronizing_op()
             warnings.warn("not a sync")
     assert syncs.by_kind == {"cuda_sync": 3} and mode == ["default"]
+
+
+def test_o3_measures_the_updates_that_round_away_in_its_half_weights_at_its_first_step():
+    """A float16 weight of 1.0 has neighbours 2**-10 away: at lr 1e-4 an SGD update of gradient 1
+    (1e-4, under half of that) leaves it as it was, one of gradient 10 moves it, and weight decay
+    5e-4 (5e-8 of it) never does; AdamW's first update is lr x sign(grad). OptimStep hands its
+    parameters to the check once: at its first step that updates (not a skipped one)."""
+    weight = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    weight.grad = torch.tensor([1.0, 10.0, 1.0, 0.0], dtype=torch.float16)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="sgd", weight_decay=5e-4)) == (0.75, 1.0)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="sgd", weight_decay=0)) == (2 / 3, 0)
+    assert updates_rounded_away([weight], 1e-3, OptimConfig(name="sgd", weight_decay=0)) == (0, 0)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="adamw", weight_decay=0)) == (1, 0)
+    master = nn.Parameter(torch.ones(4))
+    master.grad = torch.ones(4)
+    assert updates_rounded_away([master], 1e-4, OptimConfig()) is None       # O2's float32 masters
+    net, precision, step = build_step(small_net(), AmpConfig(opt_level="O3", dtype="float16"))
+    seen = []
+    step.first_update_check = lambda params: seen.append(updates_rounded_away(params, 1e-6, OptimConfig()))
+    inputs = [torch.randn(2, 3, 6, 6)]
+    outcomes = [take_step(step, net, precision, inputs, [factor]).skipped for factor in (BLOWN, 1, 1)]
+    assert outcomes == [True, False, False] and len(seen) == 1 and seen[0][0] > 0.5
 
 
 def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():
