@@ -1,8 +1,19 @@
-"""Counting host syncs: the calls by which Python reads a tensor's value on the host (`item`,
-`tolist`, `bool()`, `float()`, `int()`, `numpy()`), each of which waits for the device's queue on a
-GPU. Counted on any device, CPU included, by wrapping those methods of `torch.Tensor` while the
+"""Counting host syncs: the waits of the host for the device.
+
+Two kinds are counted. (1) The calls by which Python reads a tensor's value on the host (`item`,
+`tolist`, `bool()`, `float()`, `int()`, `numpy()`), each of which waits for the device's queue on
+a GPU; counted on any device, CPU included, by wrapping those methods of `torch.Tensor` while the
 context is open, so the figure of a training step can be measured and tested without a GPU.
-(Copies to the host, `.cpu()` / `.to("cpu")`, are not counted: on a CPU run they are no-ops.)
+(Copies to the host, `.cpu()` / `.to("cpu")`, are not counted by this: on a CPU run they are
+no-ops.) (2) On a CUDA run, every synchronizing CUDA operation that torch makes inside its own
+ops, where no Python read shows it: with `torch.cuda.set_sync_debug_mode("warn")` on for the
+block, each such operation warns, and each warning outside a read counted in (1) counts once as
+`cuda_sync` (a read's own warning is that read). torch's SyncBatchNorm makes one per layer and
+training forward (it drops the ranks with empty batches by a mask over the gathered counts, whose
+size the host must know: docs/distributed.md). On a CPU process group the engine's own
+CrossProcessBatchNorm reads its gathered count with `item()`, one read (1) per layer and training
+forward: the same figure.
+
 Tensors that live on the host in a GPU run too, such as the optimiser's step counters (PyTorch
 keeps them on the CPU unless the optimiser is fused or capturable; Adam reads them per parameter),
 are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`). Given
@@ -16,11 +27,13 @@ batch, read before it goes to the GPU, waits for nothing.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+SYNC_WARNING = "called a synchronizing CUDA operation"     # torch's text in sync debug mode "warn"
 
 
 @dataclass
@@ -40,7 +53,8 @@ def optimizer_step_counters(optimizer) -> list:
 
 @contextlib.contextmanager
 def count_host_syncs(host_tensors=(), device=None):
-    """Count host reads of tensor values inside the block (see the module's docstring)."""
+    """Count the host's waits for the device inside the block: reads of tensor values, and on
+    CUDA torch's own synchronizing operations (see the module's docstring)."""
     syncs = HostSyncs()
     ignored = {id(t) for t in host_tensors}
     on_gpu = device is not None and torch.device(device).type != "cpu"
@@ -62,7 +76,32 @@ def count_host_syncs(host_tensors=(), device=None):
     for name, read in originals.items():
         setattr(torch.Tensor, name, counting(name, read))
     try:
-        yield syncs
+        cuda = on_gpu and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        with _cuda_syncs(syncs, inside) if cuda else contextlib.nullcontext():
+            yield syncs
     finally:
         for name, read in originals.items():
             setattr(torch.Tensor, name, read)
+
+
+@contextlib.contextmanager
+def _cuda_syncs(syncs: HostSyncs, inside: list):
+    """Kind (2) of the module's docstring: torch's sync debug mode "warn" for the block, each of
+    its warnings outside a read counted as `cuda_sync` (and not shown)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        show = warnings.showwarning
+
+        def counted(message, *args, **kwargs):
+            if SYNC_WARNING not in str(message):
+                return show(message, *args, **kwargs)
+            if not inside[0]:
+                syncs.by_kind["cuda_sync"] = syncs.by_kind.get("cuda_sync", 0) + 1
+
+        warnings.showwarning = counted
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)

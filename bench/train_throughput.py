@@ -8,8 +8,9 @@ the first step's time (under --compile, mostly the compilation), the time the st
 (and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
 that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
 the step time, against a large bf16 matmul timed in the same run), and the host syncs per timed
-step (reads of tensor values on the host, counted by bench/host_syncs.py: one per
-step outside logging steps). One JSON line last.
+step (the host's waits for the device, counted by bench/host_syncs.py: reads of tensor values,
+and on CUDA torch's own synchronizing operations; one per step outside logging steps). One JSON
+line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile

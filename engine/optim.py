@@ -7,6 +7,9 @@ depends only on where the run is, a resumed run, or one continued with another n
 processes (the total batch, hence iterations per epoch, stays the same), follows the same curve.
 The peak is `lr`, or with `reference_batch` N the linear scaling rule `lr x total batch / N`, the
 total batch being batch_size x accumulate: the same in train.py, train_parallel.py and DDP.
+
+`updates_rounded_away` measures what half-precision weights stepped without float32 master copies
+(O3) lose: the share of the updates of a step that round away in the weights.
 """
 from __future__ import annotations
 
@@ -75,6 +78,29 @@ def grad_norm(params) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, float] | None:
+    """For the half-precision weights in `params` (float16, bfloat16: O3's): (the share of their
+    values that a first step of `lr` from the current gradients would leave unchanged, though its
+    update is not zero, because the update is under half the spacing of the weight's type at the
+    weight; the same share for the weight decay alone). The first step's update is
+    lr x (grad + weight_decay x w) for SGD (momentum scales later ones by up to 1 / (1 -
+    momentum)), lr x (sign(grad) + weight_decay x w) for AdamW. None without such weights with
+    gradients. One host read."""
+    halves = [p for p in params if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None]
+    if not halves:
+        return None
+    counts = torch.zeros(4, dtype=torch.float64, device=halves[0].device)
+    for p in halves:
+        w, grad = p.detach().float(), p.grad.detach().float()
+        direction = grad if cfg.name == "sgd" else grad.sign()
+        for i, update in enumerate((lr * (direction + cfg.weight_decay * w), lr * cfg.weight_decay * w)):
+            meant = update != 0
+            kept = (w - update).to(p.dtype).float() == w
+            counts[2 * i:2 * i + 2] += torch.stack([(meant & kept).sum(), meant.sum()])
+    lost, moving, decay_lost, decaying = counts.tolist()
+    return lost / max(moving, 1), decay_lost / max(decaying, 1)
 
 
 def clip_grads(params, max_norm: float, norm: torch.Tensor) -> None:

@@ -57,6 +57,8 @@ class OptimStep:
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.skipped_total, self.bad_streak = 0, 0
         self._count, self._stop, self._loss_sum, self._bad, self._batches = 1, False, None, None, 0
+        # called once, with `params`, at the first step that updates (gradients unscaled, clipped)
+        self.first_update_check = None
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -125,4 +127,7 @@ class OptimStep:
         grads_finite = not (bad_loss or not_finite)
         if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
             clip_grads(self.params, self.cfg.clip_grad_norm, norm)
+        if grads_finite and self.first_update_check is not None:
+            check, self.first_update_check = self.first_update_check, None
+            check(self.params)
         return StepDecision(grads_finite, bad_loss)

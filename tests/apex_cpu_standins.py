@@ -36,14 +36,45 @@ each as narrowly as its use allows (`install()`; `remove()` gives everything bac
 `remove()` gives everything back and also undoes O1's patching of torch (Apex's
 `handle._deactivate()`), as a new process would start without it. O2 and O3 need nothing more:
 they cast the model to float16 without looking at its device.
+
+Apex's compiled extensions, for the tests that ask for them (each a fixture; a CUDA build of Apex
+has all three):
+
+9. `syncbn` (`apex_syncbn_kernels`): the kernels of Apex's optimized SyncBatchNorm as CPU
+   functions with their contracts (apex/csrc/syncbn.cpp, welford.cu): `welford_mean_var` gives the
+   per-channel mean and biased variance over every dim but dim 1, `welford_mean_var_c_last` over
+   every dim but the LAST; `welford_parallel` merges the ranks' [mean], [biased variance] and
+   counts into the global mean, unbiased variance and 1 / sqrt(biased variance + eps); the
+   forward kernels normalise along dim 1 (`_c_last`: the last dim); `reduce_bn(_c_last)` gives
+   the local sums of dy and dy * (x - mean) and the weight and bias gradients; the backward
+   kernels give the input gradient from the global sums and the ranks' counts. Statistics come
+   in float32 for float16 inputs, outputs in the input's dtype. With it importable,
+   `apex.parallel.SyncBatchNorm` is the optimized class (Apex decides when `apex.parallel` is
+   first imported; the fixture swaps the class in for its test).
+10. `amp_C.multi_tensor_scale` (`apex_amp_c`): dst = src * scale for each pair of tensors, each
+   walked as data_ptr + numel, i.e. in MEMORY order (the CUDA launcher's view of any dense
+   tensor); the no-op flag set where a value is not finite. Apex's DDP copies its all-reduced
+   buffer back with it when `amp_C` imports.
+11. `apex_C` (`apex_c`) is not stood in but BUILT: Apex's plain C++ extension (flatten and
+   unflatten, the contract of torch._utils._flatten_dense_tensors / _unflatten_dense_tensors)
+   compiled from tests/apex_C.cpp (written for this project: Apex's csrc is not in the vendored
+   tarball) with torch.utils.cpp_extension, once per machine into a temporary directory named
+   after the source and torch version (about 20 s on two cores; cached after). Apex's DDP then
+   flattens and unflattens with it. Without a C++ compiler or ninja the test skips, saying so.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
+import os
+import shutil
 import sys
+import tempfile
+import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,7 +136,7 @@ def install() -> None:
     """Put the stand-ins in place (idempotent until `remove()`)."""
     if _saved:
         return
-    _set(torch.cuda, "IntTensor", lambda data: torch.tensor(data, dtype=torch.int32))
+    _set(torch.cuda, "IntTensor", lambda data, device=None: torch.tensor(data, dtype=torch.int32))
     _set(torch.cuda.nvtx, "range_push", lambda *args, **kwargs: None)
     _set(torch.cuda.nvtx, "range_pop", lambda *args, **kwargs: None)
     _set(torch.cuda, "current_stream", lambda *args, **kwargs: _Placeholder())
@@ -145,6 +176,132 @@ def apex_cpu():
         remove()
 
 
+# -- Apex's compiled extensions (9-11 of the module's doc) -------------------------------------------
+def _channel_rows(x: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """x as [values, channels] in float32: every dim but `channel_dim` flattened."""
+    return x.movedim(channel_dim, -1).reshape(-1, x.shape[channel_dim]).float()
+
+
+def _along(v: torch.Tensor, x: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast along `channel_dim` of x, in float32."""
+    shape = [1] * x.dim()
+    shape[channel_dim] = -1
+    return v.float().reshape(shape)
+
+
+def _syncbn_module() -> types.ModuleType:
+    """Apex's `syncbn` extension, its kernels as CPU functions with their contracts (9.)."""
+    def mean_var(x, channel_dim=1):
+        var, mean = torch.var_mean(_channel_rows(x, channel_dim).double(), 0, correction=0)
+        return mean.float(), var.float()
+
+    def welford_parallel(means, biased_vars, counts, eps):
+        n = counts.double()[:, None]
+        mean = (means.double() * n).sum(0) / n.sum()
+        m2 = ((biased_vars.double() + (means.double() - mean) ** 2) * n).sum(0)
+        return mean.float(), (m2 / (n.sum() - 1)).float(), (m2 / n.sum() + eps).rsqrt().float()
+
+    def forward(x, mean, inv_std, weight, shift, channel_dim=1, z=None, fuse_relu=False):
+        y = (x.float() - _along(mean, x, channel_dim)) * _along(inv_std, x, channel_dim)
+        y = y * _along(weight, x, channel_dim) if weight is not None else y
+        y = y + _along(shift, x, channel_dim) if shift is not None else y
+        y = y + z.float() if z is not None else y
+        return (y.clamp_min(0) if fuse_relu else y).to(x.dtype)
+
+    def reduce(dy, x, mean, inv_std, weight, channel_dim=1):
+        rows = _channel_rows(dy, channel_dim)
+        sum_dy, sum_dy_xmu = rows.sum(0), (rows * (_channel_rows(x, channel_dim) - mean.float())).sum(0)
+        if weight is None:
+            return sum_dy, sum_dy_xmu, None, None
+        return sum_dy, sum_dy_xmu, (sum_dy_xmu * inv_std).to(weight.dtype), sum_dy.to(weight.dtype)
+
+    def backward(dy, x, mean, inv_std, weight, sum_dy, sum_dy_xmu, counts, channel_dim=1):
+        n = counts.double().sum().float()
+        scale = inv_std.float() if weight is None else inv_std.float() * weight.float()
+        xmu = x.float() - _along(mean, x, channel_dim)
+        dx = (dy.float() - _along(sum_dy / n, x, channel_dim)
+              - xmu * _along(inv_std.float() ** 2 * sum_dy_xmu / n, x, channel_dim))
+        return (dx * _along(scale, x, channel_dim)).to(x.dtype)
+
+    last = -1
+    module = types.ModuleType("syncbn")
+    module.welford_mean_var, module.welford_parallel = mean_var, welford_parallel
+    module.batchnorm_forward, module.reduce_bn, module.batchnorm_backward = forward, reduce, backward
+    module.welford_mean_var_c_last = lambda x: mean_var(x, last)
+    module.batchnorm_forward_c_last = lambda x, z, mean, inv_std, weight, shift, fuse_relu: forward(
+        x, mean, inv_std, weight, shift, last, z, fuse_relu)
+    module.reduce_bn_c_last = lambda *args: reduce(*args, channel_dim=last)
+    module.batchnorm_backward_c_last = lambda *args: backward(*args, channel_dim=last)
+    return module
+
+
+_OPTIMIZED = ("apex.parallel.optimized_sync_batchnorm", "apex.parallel.optimized_sync_batchnorm_kernel")
+
+
+@pytest.fixture
+def apex_syncbn_kernels(apex_cpu, monkeypatch):
+    """`syncbn` stood in (9.), and `apex.parallel.SyncBatchNorm` Apex's optimized class."""
+    monkeypatch.setitem(sys.modules, "syncbn", _syncbn_module())
+    optimized = importlib.import_module(_OPTIMIZED[0])
+    monkeypatch.setattr(sys.modules["apex.parallel"], "SyncBatchNorm", optimized.SyncBatchNorm)
+    try:
+        yield optimized.SyncBatchNorm
+    finally:
+        for name in _OPTIMIZED:          # imported with this stand-in: gone with it
+            sys.modules.pop(name, None)
+
+
+def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale on a CPU (10.): every tensor walked in memory order."""
+    for src, dst in zip(*tensor_lists):
+        values = src.as_strided((src.numel(),), (1,))
+        if not torch.isfinite(values).all():
+            noop_flag.fill_(1)
+        dst.as_strided((dst.numel(),), (1,)).copy_(values * scale)
+
+
+@pytest.fixture
+def apex_amp_c(apex_cpu, monkeypatch):
+    """`amp_C` with its `multi_tensor_scale` stood in (10.), and Apex's multi-tensor applier on."""
+    from apex.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+    amp_c = types.ModuleType("amp_C")
+    amp_c.multi_tensor_scale = _multi_tensor_scale
+    monkeypatch.setitem(sys.modules, "amp_C", amp_c)
+    monkeypatch.setattr(MultiTensorApply, "available", True)
+    monkeypatch.setattr(multi_tensor_applier, "chunk_size", 2048 * 32, raising=False)
+    return amp_c
+
+
+APEX_C_SOURCE = Path(__file__).resolve().with_name("apex_C.cpp")
+
+
+@pytest.fixture(scope="session")
+def apex_c_built():
+    """Apex's `apex_C` built from tests/apex_C.cpp (11.), once per machine; a skip saying why
+    where it cannot be built here."""
+    from torch.utils.cpp_extension import is_ninja_available, load
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"apex_C not built: no C++ compiler ({compiler}) on this machine")
+    if not is_ninja_available():
+        pytest.skip("apex_C not built: no ninja on this machine")
+    digest = hashlib.sha256(APEX_C_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    build = Path(tempfile.gettempdir()) / f"apex_C-{digest}"
+    build.mkdir(exist_ok=True)
+    return load("apex_C", [str(APEX_C_SOURCE)], build_directory=str(build))
+
+
+@pytest.fixture
+def apex_c(apex_cpu, apex_c_built, monkeypatch):
+    """Apex's DDP flattening with the built `apex_C` (its own import of it, at first use)."""
+    distributed = importlib.import_module("apex.parallel.distributed")
+    monkeypatch.setitem(sys.modules, "apex_C", apex_c_built)
+    monkeypatch.setattr(distributed, "imported_flatten_impl", False)
+    for name in ("flatten_impl", "unflatten_impl"):
+        monkeypatch.setattr(distributed, name, None, raising=False)
+    return apex_c_built
+
+
 def run_module_with_standins(module: str, argv: list[str]) -> None:
     """A child process's entry: the stand-ins, then `module`'s main as `python -m module argv`.
     Each conversion to Apex's SyncBatchNorm prints how many layers it made ("apex SyncBatchNorm
@@ -158,8 +315,8 @@ def run_module_with_standins(module: str, argv: list[str]) -> None:
     from engine.precision import apex_parallel
     convert = apex_parallel.convert_sync_bn
 
-    def counted(model, channels_last):
-        model = convert(model, channels_last)
+    def counted(model):
+        model = convert(model)
         made = [m for m in model.modules() if type(m).__module__.startswith(("apex.", apex_parallel.__name__))
                 and "SyncBatchNorm" in type(m).__name__]
         print(f"apex SyncBatchNorm layers: {len(made)}", flush=True)

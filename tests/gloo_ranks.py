@@ -1,12 +1,15 @@
 """Run a function on real gloo ranks of one machine (torch.multiprocessing) and collect what each
 rank's call returned: `records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)` a
-module-level function (it is pickled to the children), its result saved by each rank to out_dir."""
+module-level function (it is pickled to the children), its result saved by each rank to out_dir;
+and the fixture `gloo_group_of_one`, a group of one rank in the test's own process."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
 from config.schema import DistConfig
@@ -28,3 +31,14 @@ def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
     """[record(0, ctx) of rank 0, record(1, ctx) of rank 1, ...]."""
     mp.spawn(_worker, args=(world, find_free_port(), str(out_dir), record), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture
+def gloo_group_of_one():
+    """A real gloo process group of one rank in this process (no process started), destroyed
+    after the test: collectives and the code that branches on `is_initialized()` run as in a group."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()

@@ -5,11 +5,13 @@ tests/apex_cpu_standins.py): what broke on first contact with it, each case on i
 - Apex's Python SyncBatchNorm under O2 (its output dtype) and its running statistics (their
   tensors, which a skipped step's BN restore and the EMA hold);
 - the EMA and checkpoints under Apex's O2/O3 state-dict hook (live sources, and the hook's cost);
-- the arguments given to Apex's CUDA-extension SyncBN and to its DDP (stand-in classes record them:
-  those need a CUDA build).
+- Apex's optimized SyncBatchNorm and its DDP with the compiled extensions a CUDA build has (`syncbn`
+  and `amp_C` stood in with their kernels' contracts, `apex_C` built), on channels_last models;
+- the arguments given to Apex's DDP (a stand-in class records them).
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -19,7 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from apex_cpu_standins import apex_cpu, requires_apex  # noqa: F401 - apex_cpu is a fixture
+from apex_cpu_standins import (apex_amp_c, apex_c, apex_c_built, apex_cpu,  # noqa: F401 - fixtures
+                               apex_syncbn_kernels, requires_apex)
+from gloo_ranks import gloo_group_of_one  # noqa: F401 - a fixture
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.ema import WeightsEMA
 from engine.optim_step import OptimStep
@@ -175,19 +179,63 @@ def test_saving_and_ema_attach_under_apex_o2_run_no_state_dict_hook(apex_cpu, mo
     assert torch.equal(saved["0.weight"], masters[id(model[0].weight)])
 
 
-# -- what a CUDA build of Apex is given (recording stand-ins for its CUDA-only classes) ---------------
+# -- Apex's compiled extensions on channels_last models ------------------------------------------------
+@pytest.mark.parametrize("channels_last", [True, False])
+@requires_apex
+def test_apex_optimized_syncbn_is_batch_norm_per_channel_in_either_memory_format(
+        apex_syncbn_kernels, gloo_group_of_one, channels_last):
+    """Apex's optimized SyncBatchNorm (its `syncbn` kernels stood in) in a gloo group of one, as
+    `--sync-bn` builds it: training outputs, running statistics and gradients, and eval outputs,
+    are nn.BatchNorm2d's. The width equals the channel count, so normalising the wrong dim would
+    not even fail on a shape."""
+    reference = conv_bn_net()
+    model = registry.convert_sync_bn(copy.deepcopy(reference), DISTRIBUTED,
+                                     AmpConfig(backend="apex", opt_level="O2", channels_last=channels_last))
+    assert isinstance(model[1], apex_syncbn_kernels)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model, reference = (net.to(memory_format=layout) for net in (model, reference))
+    x = (torch.randn(4, 3, 8, 8) * 2 + 1).contiguous(memory_format=layout)
+    probe = torch.randn(4, 8, 8, 8)
+    inputs, outputs = [], []
+    for net in (model, reference):
+        inputs.append(x.clone().requires_grad_())
+        outputs.append(net(inputs[-1]))
+        (outputs[-1] * probe).sum().backward()
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5)
+    assert outputs[0].is_contiguous(memory_format=layout)
+    assert torch.allclose(inputs[0].grad, inputs[1].grad, atol=1e-5)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-4), name
+    for name in ("running_mean", "running_var"):
+        assert torch.allclose(getattr(model[1], name), getattr(reference[1], name), atol=1e-6), name
+    model.eval(), reference.eval()
+    assert torch.allclose(model(x), reference(x), atol=1e-5)
+
+
+@requires_apex
+def test_apex_ddp_gives_channels_last_gradients_back_as_they_were_all_reduced(
+        apex_amp_c, apex_c, gloo_group_of_one):
+    """Apex's DDP as a CUDA build runs it (`amp_C` stood in: its copy-back walks memory; `apex_C`
+    built: Apex's own flatten) in a gloo group of one, on a channels_last model with 3x3 and 1x1
+    kernels: every gradient after the copy-back is the all-reduced one (here: the local one)."""
+    reference = nn.Sequential(conv_bn_net(), nn.Conv2d(8, 4, 1))
+    model = copy.deepcopy(reference).to(memory_format=torch.channels_last)
+    ctx = SimpleNamespace(device=CPU, distributed=True, world_size=1)
+    net = registry.wrap_ddp(model, ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
+    assert sys.modules["apex.parallel.distributed"].flatten_impl is apex_c.flatten
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    net(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert model[0][0].weight.grad.is_contiguous(memory_format=torch.channels_last)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-6), name
+
+
+# -- what Apex's DDP is given (a recording stand-in class) --------------------------------------------
 @pytest.fixture
 def recording_apex_parallel(monkeypatch):
-    """`apex.parallel` as a CUDA build has it, its classes recording their arguments."""
+    """`apex.parallel` with a DistributedDataParallel that records its arguments."""
     made = []
-
-    class SyncBatchNorm(nn.BatchNorm2d):
-        pass
-    SyncBatchNorm.__module__ = "apex.parallel.optimized_sync_batchnorm"
-
-    def convert_syncbn_model(module, process_group=None, channel_last=False):
-        made.append(("syncbn", {"channel_last": channel_last}))
-        return module
 
     class DistributedDataParallel(nn.Module):
         def __init__(self, module, **kwargs):
@@ -202,17 +250,9 @@ def recording_apex_parallel(monkeypatch):
             pass
 
     parallel = types.ModuleType("apex.parallel")
-    parallel.SyncBatchNorm, parallel.convert_syncbn_model = SyncBatchNorm, convert_syncbn_model
     parallel.DistributedDataParallel = DistributedDataParallel
     monkeypatch.setitem(sys.modules, "apex.parallel", parallel)
     return made
-
-
-@pytest.mark.parametrize("channels_last", [True, False])
-def test_apex_optimized_syncbn_is_built_for_the_models_memory_format(recording_apex_parallel, channels_last):
-    registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED,
-                             AmpConfig(backend="apex", opt_level="O2", channels_last=channels_last))
-    assert recording_apex_parallel == [("syncbn", {"channel_last": channels_last})]
 
 
 def test_apex_ddp_divides_by_the_world_size_before_summing(recording_apex_parallel):

@@ -4,12 +4,15 @@ scale after a bad loss and after an overflow, and two real gloo ranks of which o
 (both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from bench.host_syncs import count_host_syncs
 from config.schema import AmpConfig, DistConfig, OptimConfig
+from engine.optim import updates_rounded_away
 from engine.precision import NativePrecision as Precision
 from engine.optim_step import OptimStep
 from engine.sync_bn import convert_sync_bn
@@ -73,6 +76,51 @@ def test_a_gpu_run_counts_no_read_of_a_tensor_in_host_memory():
             batch_people.max().item()
         counts.append(syncs.count)
     assert counts == [2, 2, 0]
+
+
+def test_a_gpu_run_counts_the_syncs_torch_makes_inside_its_ops(monkeypatch):
+    """On CUDA the counter also counts the synchronizing operations torch makes inside its own ops
+    (torch's SyncBatchNorm: one per layer and training forward), which no Python read shows, by
+    torch's sync debug mode. Stood in here with its contract: in mode "warn" each synchronizing
+    CUDA operation warns "called a synchronizing CUDA operation"; other warnings pass."""
+    mode = ["default"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+
+    def synchronizing_op():        # e.g. SyncBatchNorm's mask over the ranks' gathered counts
+        if mode[0] == "warn":
+            warnings.warn("called a synchronizing CUDA operation")
+
+    with pytest.warns(UserWarning, match="not a sync"):
+        with count_host_syncs(device=torch.device("cuda")) as syncs:
+            assert mode == ["warn"]
+            for _ in range(3):
+                synchronizing_op()
+            warnings.warn("not a sync")
+    assert syncs.by_kind == {"cuda_sync": 3} and mode == ["default"]
+
+
+def test_o3_measures_the_updates_that_round_away_in_its_half_weights_at_its_first_step():
+    """A float16 weight of 1.0 has neighbours 2**-10 away: at lr 1e-4 an SGD update of gradient 1
+    (1e-4, under half of that) leaves it as it was, one of gradient 10 moves it, and weight decay
+    5e-4 (5e-8 of it) never does; AdamW's first update is lr x sign(grad). OptimStep hands its
+    parameters to the check once: at its first step that updates (not a skipped one)."""
+    weight = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    weight.grad = torch.tensor([1.0, 10.0, 1.0, 0.0], dtype=torch.float16)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="sgd", weight_decay=5e-4)) == (0.75, 1.0)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="sgd", weight_decay=0)) == (2 / 3, 0)
+    assert updates_rounded_away([weight], 1e-3, OptimConfig(name="sgd", weight_decay=0)) == (0, 0)
+    assert updates_rounded_away([weight], 1e-4, OptimConfig(name="adamw", weight_decay=0)) == (1, 0)
+    master = nn.Parameter(torch.ones(4))
+    master.grad = torch.ones(4)
+    assert updates_rounded_away([master], 1e-4, OptimConfig()) is None       # O2's float32 masters
+    net, precision, step = build_step(small_net(), AmpConfig(opt_level="O3", dtype="float16"))
+    seen = []
+    step.first_update_check = lambda params: seen.append(updates_rounded_away(params, 1e-6, OptimConfig()))
+    inputs = [torch.randn(2, 3, 6, 6)]
+    outcomes = [take_step(step, net, precision, inputs, [factor]).skipped for factor in (BLOWN, 1, 1)]
+    assert outcomes == [True, False, False] and len(seen) == 1 and seen[0][0] > 0.5
 
 
 def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():

@@ -1,11 +1,13 @@
 """--sync-bn on CPU: two real gloo processes with batch 2 each must match one process with batch 4
-(outputs, running statistics, input and weight gradients, and a DDP training step)."""
+(outputs, running statistics, input and weight gradients, and a DDP training step); the host sync
+counter sees what each SyncBN layer costs."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
+from bench.host_syncs import count_host_syncs
 from config.schema import DistConfig
 from runtime.distributed import DistContext, all_reduce_sum, wrap_ddp
 from engine.sync_bn import CrossProcessBatchNorm, convert_sync_bn, revert_sync_bn
@@ -73,7 +75,9 @@ def _record(rank: int, ctx) -> dict:
     record = run_steps(net, shard)
     record["grads_summed"] = [[all_reduce_sum(g) for g in step] for step in record["grads"]]
     ddp_net = wrap_ddp(convert_sync_bn(small_net(), ctx), ctx, DistConfig())
-    record["after_step"] = ddp_step(ddp_net, shard, mean_over=TOTAL_BATCH // WORLD)
+    with count_host_syncs() as syncs:
+        record["after_step"] = ddp_step(ddp_net, shard, mean_over=TOTAL_BATCH // WORLD)
+    record["syncs"] = syncs.by_kind
     record["kinds"] = kinds
     return record
 
@@ -106,6 +110,15 @@ def test_ddp_step_with_sync_bn_equals_one_process_step(two_rank_records):
     for rec in two_rank_records:
         for got, want in zip(rec["after_step"], reference):
             torch.testing.assert_close(got, want, **TOL)
+
+
+def test_the_sync_counter_sees_one_host_sync_per_sync_bn_layer_and_training_forward(two_rank_records):
+    """Each SyncBN layer's training forward waits for the ranks' joint count on the host (torch's
+    SyncBatchNorm on CUDA too: counted there through its sync debug mode, bench/host_syncs.py);
+    its backward and the DDP step add none. small_net has two, the second with a cumulative
+    average (momentum None), whose factor reads its batch count, as torch's BatchNorm does."""
+    for rec in two_rank_records:
+        assert rec["syncs"] == {"item": 2, "__float__": 1}
 
 
 def test_single_process_is_plain_batch_norm():

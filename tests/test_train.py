@@ -62,11 +62,14 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
 @pytest.mark.parametrize("level,dtype", [("O0", "auto"), ("O1", "bfloat16"), ("O1", "float16"),
                                          ("O2", "bfloat16"), ("O2", "float16"), ("O3", "bfloat16"),
                                          ("O3", "float16")])
-def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype):
+def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype, capsys):
     # pure float16 steps with SGD: AdamW is refused there (see the test below)
     optimizer = ["--optimizer", "sgd"] if (level, dtype) == ("O3", "float16") else []
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
         "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2", *optimizer)
+    # O3 alone steps half weights: it says, once, how much of its updates the rounding takes
+    said = [line for line in capsys.readouterr().out.splitlines() if "weights without float32 masters" in line]
+    assert len(said) == (level == "O3") and all(line.startswith(f"{dtype} weights") for line in said)
     ckpt = load_checkpoint(tmp_path / "amp/last.pth")
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     assert all(bool(torch.isfinite(v).all()) for v in ckpt["model"].values() if v.is_floating_point())

@@ -40,7 +40,7 @@ from torch import nn
 
 from config.schema import AmpConfig, DistConfig
 from engine.precision import apex_checks, apex_parallel
-from engine.precision.interface import PrecisionBackend, channels_last_for
+from engine.precision.interface import PrecisionBackend
 from engine.precision.loss_scale import apex_amp_state
 
 
@@ -80,7 +80,7 @@ class ApexPrecision(PrecisionBackend):
 
     @classmethod
     def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-        return apex_parallel.convert_sync_bn(model, channels_last_for(amp, ctx.device))
+        return apex_parallel.convert_sync_bn(model)
 
     @classmethod
     def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
