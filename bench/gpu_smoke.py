@@ -501,7 +501,7 @@ def section_throughput(check: bool) -> dict:
                 times[name].append(start.elapsed_time(end) / steps)
             else:
                 times[name].append((time.perf_counter() - tick) * 1e3 / steps)
-        if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 60:
+        if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 15:
             errors["rounds"] = f"stopped after {r + 1} round(s): the budget"
             break
     torch.backends.cudnn.benchmark = True
