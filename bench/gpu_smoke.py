@@ -455,75 +455,86 @@ CANDIDATES = [  # name, level, dtype, batch, extra config, cuDNN benchmarking
     ("O1 fp16 b16 graphs, unfused", "O1", "float16", 16, ["optim.fused=false"], True),
     ("O1 bf16 b16", "O1", "bfloat16", 16, [], True),
     ("O2 fp16 b16", "O2", "float16", 16, [], True),
-    ("O1 fp16 b32", "O1", "float16", 32, [], True),
+    ("O1 fp16 b32 (default)", "O1", "float16", 32, [], True),
     ("O1 fp16 b32 eager, unfused (old default)", "O1", "float16", 32, OLD, True),
     ("O2 fp16 b32", "O2", "float16", 32, [], True),
 ]
 
 
 def section_throughput(check: bool) -> dict:
-    """Alternating rounds: every candidate once per round, in turn, timed with CUDA events."""
+    """Alternating rounds within each batch size: every candidate of that size once per round, in
+    turn, timed with CUDA events; the group is freed before the next (a graphed candidate keeps
+    its step's activations between steps, so nine at once do not fit). A candidate that runs out
+    of memory is dropped with its error."""
     rounds, steps = (1, 2) if check else (3, int(os.environ.get("SMOKE_STEPS", 30)))
-    built, errors = {}, {}
-    for name, level, dtype, batch, sets, benchmark in CANDIDATES:
-        if check and name != "O1 bf16 b16":
-            continue                                  # a CPU has no fast float16 and no CUDA graphs
+    rows, errors = {}, {}
+    for batch in sorted({c[3] for c in CANDIDATES}):
+        group = [c for c in CANDIDATES if c[3] == batch and (not check or c[0] == "O1 bf16 b16")]
+        if group:
+            time_group(group, 2 if check else batch, rounds, steps, check, rows, errors)
+    if CUDA and not check:
+        rows["all_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
+    return {"status": "ok" if set(errors) <= {"rounds"} else "partly failed", "steps_per_round": steps,
+            "rows": rows, "errors": errors}
+
+
+def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
+    built, times, skipped = {}, {}, {}
+    for name, level, dtype, _, sets, benchmark in group:
         try:
-            cfg = alone_config(check, level, dtype, 2 if check else batch, *sets)
+            cfg = alone_config(check, level, dtype, batch, *sets)
             trainer, parts, dev = build_quietly(cfg)
-            data = toy_batches(cfg, cfg.train.batch_size, dev)
+            data = toy_batches(cfg, batch, dev)
             torch.backends.cudnn.benchmark = benchmark
             for i in range(40):   # warm: cuDNN tuned, graphs captured, the fp16 loss scale settled
-                skipped = trainer.run_step([next(data)]).skipped
-                if i >= (1 if check else 6) and not skipped:
+                if not trainer.run_step([next(data)]).skipped and i >= (1 if check else 6):
                     break
             sync()
-            built[name] = (trainer, parts, data, benchmark, cfg.train.batch_size)
+            built[name], times[name], skipped[name] = (trainer, data, benchmark), [], 0
         except Exception as exc:      # noqa: BLE001 - one candidate's failure, reported
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
-            gc.collect()
-    times = {name: [] for name in built}
-    skipped = {name: 0 for name in built}
     for r in range(rounds):
         round_start = time.perf_counter()
-        for name, (trainer, _, data, benchmark, _) in built.items():
+        for name in list(built):
+            trainer, data, benchmark = built[name]
             torch.backends.cudnn.benchmark = benchmark
             sync()
-            if CUDA and not check:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if CUDA else (None, None)
             tick = time.perf_counter()
-            for _ in range(steps):
-                skipped[name] += trainer.run_step([next(data)]).skipped
-            if CUDA and not check:
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / steps)
-            else:
-                times[name].append((time.perf_counter() - tick) * 1e3 / steps)
+            try:
+                if start is not None:
+                    start.record()
+                for _ in range(steps):
+                    skipped[name] += trainer.run_step([next(data)]).skipped
+                if start is not None:
+                    end.record()
+                    end.synchronize()
+                times[name].append(start.elapsed_time(end) / steps if start is not None
+                                   else (time.perf_counter() - tick) * 1e3 / steps)
+            except torch.OutOfMemoryError as exc:
+                errors[name] = f"OutOfMemoryError in round {r + 1}: {exc}"[:300]
+                del built[name], trainer, data
+                gc.collect()
+                torch.cuda.empty_cache()
         if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 15:
             errors["rounds"] = f"stopped after {r + 1} round(s): the budget"
             break
     torch.backends.cudnn.benchmark = True
-    default = CANDIDATES[0][0] if CANDIDATES[0][0] in times else next(iter(times), None)
-    rows = {}
+    default = group[0][0] if times.get(group[0][0]) else None
     for name, ms in times.items():
-        batch = built[name][4]
+        if not ms:
+            continue
         rows[name] = {"ms_per_step_median": round(statistics.median(ms), 2),
                       "ms_per_step_min": round(min(ms), 2), "ms_per_step_max": round(max(ms), 2),
                       "images_per_s": round(batch * 1e3 / statistics.median(ms), 1),
-                      "skipped_steps": skipped[name],
-                      "peak_gib": None}
-        if default and batch == built[default][4]:
-            rows[name]["speedup_vs_default_median"] = round(statistics.median(
+                      "rounds": len(ms), "skipped_steps": skipped[name]}
+        if default:
+            rows[name][f"x_{default}"] = round(statistics.median(
                 d / m for d, m in zip(times[default], ms)), 3)
-    if CUDA and not check:
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30
-        rows = {**rows, "all_peak_gib": round(peak, 1)}
     built.clear()
     gc.collect()
-    return {"status": "ok" if not errors or set(errors) == {"rounds"} else "partly failed", "rounds": len(next(
-        iter(times.values()), [])), "steps_per_round": steps, "rows": rows, "errors": errors}
+    if CUDA:
+        torch.cuda.empty_cache()
 
 
 def section_graph_numerics(check: bool) -> dict:
