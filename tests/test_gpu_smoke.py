@@ -1,10 +1,12 @@
 """The GPU scripts on a CPU machine: bench/gpu_smoke.sh, bench/gpu_checks.sh and bench/gpu_env.sh
-parse; the smoke test's --cpu-check prints its table with each CUDA path skipped once its command
-lines are accepted by their scripts' parsers; bench/check_args.py refuses what a script refuses.
+parse; the smoke's --cpu-check runs every section's code at toy sizes on the CPU (command lines of
+training runs parsed only) and ends each with its JSON line; bench/check_args.py refuses what a
+script refuses.
 (Running them on a GPU is what they are for; these checks only keep them from rotting.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -16,8 +18,8 @@ from test_preemption import REPO
 SCRIPTS = ["bench/gpu_smoke.sh", "bench/gpu_checks.sh", "bench/gpu_env.sh"]
 
 
-def load_check_args():
-    spec = importlib.util.spec_from_file_location("check_args", REPO / "bench" / "check_args.py")
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,7 +32,7 @@ def test_the_gpu_scripts_parse(script):
 
 
 def test_check_args_finds_the_script_past_the_interpreter_and_the_launcher():
-    find = load_check_args().script_and_arguments
+    find = load_script("check_args").script_and_arguments
     assert find(["python3", "train.py", "--epochs", "1"]) == ("train.py", ["--epochs", "1"])
     assert find(["torchrun", "--standalone", "--nproc_per_node", "1", "bench/group_of_one.py", "--zero"]) \
         == ("bench/group_of_one.py", ["--zero"])
@@ -49,12 +51,15 @@ def test_check_args_refuses_what_the_script_refuses_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_smoke_tests_cpu_check_prints_its_table_with_the_cuda_paths_skipped(tmp_path):
-    proc = subprocess.run(["bash", "bench/gpu_smoke.sh", "--cpu-check"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600,
-                          env=child_env(OUT=str(tmp_path), SMOKE_ONLY="^(O2 |torchrun)"))
+def test_the_smokes_cpu_check_runs_every_section_and_ends_each_with_its_json_line(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--cpu-check"], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env=child_env(OUT=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    header, *rows = (tmp_path / "smoke" / "table.txt").read_text().splitlines()
-    assert header.split() == ["path", "seconds", "images/s", "result"]
-    assert [row[:28].strip() for row in rows] == ["O2 train+resume+AP", "torchrun NCCL group of 1"]
-    assert all(row[47:] == "skipped: no CUDA (command lines accepted)" for row in rows), rows
+    lines = [json.loads(line) for line in (tmp_path / "smoke" / "sections.jsonl").read_text().splitlines()]
+    smoke = load_script("gpu_smoke")
+    assert [line["section"] for line in lines] == ["env", *smoke.PARALLEL, *smoke.ALONE]
+    assert all(str(line["status"]).startswith(("ok", "not built", "skipped")) for line in lines), lines
+    by_name = {line["section"]: line for line in lines}
+    assert all(row["ok"] for row in by_name["levels"]["levels"].values())     # four command lines parsed
+    assert by_name["throughput"]["rows"]["O1 bf16 b16"]["ms_per_step_median"] > 0
+    assert by_name["evaluation"]["pictures"] == 2
