@@ -243,7 +243,8 @@ def test_a_skeleton_of_other_keypoints_than_the_json_is_refused(coco4_dir, tmp_p
     code = make_hdf5(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
                       "--out", str(tmp_path / "x.h5"), "--skeleton", "crowdpose"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "are not those of skeleton crowdpose" in err[0]
+    assert code == 2 and err == [f"error: {coco4_dir / 'test_coco.json'}: skeleton crowdpose has 14 "
+                                 "keypoints, but no field of the annotations holds as many (keypoints 17)"]
 
 
 def test_training_and_validation_files_of_different_skeletons_are_refused(
