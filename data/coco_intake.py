@@ -136,6 +136,8 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
                     values[i], fractional = 1, fractional + 1
             ann["keypoints"] = values
             ann["num_keypoints"] = sum(1 for v in values[2::3] if isinstance(v, (int, float)) and v > 0)
+        elif isinstance(ann, dict) and ann.get("iscrowd"):      # a crowd region without them: none
+            ann.pop("keypoints", None)
     count = layouts[fields] if wanted else max(layouts[fields], len(names))
     others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
     if not others and fields == ("keypoints",):

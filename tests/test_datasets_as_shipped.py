@@ -614,7 +614,8 @@ def test_human_art_converts_as_shipped_in_both_versions(coco4_dir, tmp_path, cap
 
 def wholebody(data):
     """coco4 in COCO-WholeBody's layout: 6 foot, 68 face and 2 x 21 hand points per person, in
-    their fields (near the ankles, the nose and the wrists), some with a fractional visibility."""
+    their fields (near the ankles, the nose and the wrists), some with a fractional visibility; and
+    a crowd region without them."""
     rng = np.random.default_rng(0)
     for ann in data["annotations"]:
         body = np.asarray(ann["keypoints"], float).reshape(17, 3)
@@ -633,6 +634,8 @@ def wholebody(data):
         for part in ("face", "lefthand", "righthand"):
             ann[f"{part}_valid"], ann[f"{part}_box"] = True, [0, 0, 1, 1]
         ann["foot_valid"] = True
+    crowd = {k: v for k, v in data["annotations"][0].items() if not k.endswith(("_kpts", "_valid", "_box"))}
+    data["annotations"].append(dict(crowd, id=1, iscrowd=1, num_keypoints=0, keypoints=[0] * 51))
 
 
 def test_coco_wholebody_converts_whole_or_the_body_alone_and_says_which(coco4_dir, tmp_path, capsys):
@@ -641,7 +644,7 @@ def test_coco_wholebody_converts_whole_or_the_body_alone_and_says_which(coco4_di
     lines = out.splitlines()
     assert code == 0 and lines[0] == "the keypoints are wholebody133's 133: built-in skeleton wholebody133"
     faces = sum(sum(v > 0 for v in a["face_kpts"][2:15:3])
-                for a in json.loads(ann.read_text())["annotations"])
+                for a in json.loads(ann.read_text())["annotations"] if not a["iscrowd"])
     assert "keypoints read from keypoints + foot_kpts + face_kpts + lefthand_kpts + righthand_kpts: " \
            f"133 per person; {faces} fractional visibilities (labelled, in COCO-WholeBody) read as 1; " \
            "not read: keypoints (17: --skeleton coco reads them)" in lines
