@@ -214,7 +214,7 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
         for name in pair:
             if name not in index:
                 _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "
-                      f"(keypoints: {', '.join(index)})")
+                      f"(keypoints: {', '.join(map(repr, index))})")
         if pair[0] == pair[1]:
             _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
         out.append((index[pair[0]], index[pair[1]]))
@@ -271,7 +271,7 @@ def _build(spec, source: str) -> Skeleton:
     names = _names(spec.get("channels") or dataset + extra, "channels", source)
     if sorted(names) != sorted(dataset + extra):
         _fail(source, "channels must list every keypoint and derived keypoint once "
-              f"({', '.join(dataset + extra)})")
+              f"({', '.join(map(repr, dataset + extra))})")
     index = {name: k for k, name in enumerate(names)}
     for n in extra:
         parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []

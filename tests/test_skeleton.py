@@ -215,7 +215,9 @@ GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
 @pytest.mark.parametrize("change, message", [
     ({"limbs": [["head", "left_hand"], ["head", "tail"]]},
      "limbs: ['head', 'tail'] names 'tail', which is not a keypoint "
-     "(keypoints: head, left_hand, right_hand)"),
+     "(keypoints: 'head', 'left_hand', 'right_hand')"),
+    ({"channels": ["head", "left_hand", "Right_hand"]},
+     "channels must list every keypoint and derived keypoint once ('head', 'left_hand', 'right_hand')"),
     ({"flip": [["left_hand", "right_hand"], ["right_hand", "head"]]},
      "flip pairs are not symmetric: 'right_hand' pairs with both 'left_hand' and 'head'"),
     ({"limbs": [["head", "head"], ["head", "left_hand"], ["head", "right_hand"]]},
