@@ -6,21 +6,25 @@ keypoint names, the skeleton (given, built-in or inferred), and the images and a
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from common.errors import DataError
 from data.skeleton import Skeleton
-from data.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
+from data.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin, plain_name
+from data.skeleton_words import limb_changes
 from data.coco_checks import Selection, select_valid
 
 SHOWN_CATEGORIES = 6
+WHOLEBODY_PARTS = ("foot_kpts", "face_kpts", "lefthand_kpts", "righthand_kpts")   # in its order
 
 
-def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> list:
+def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: list) -> list:
     """The categories to convert, as one: `wanted` (names or ids, from --categories), else
-    `person`, else those that list keypoints when they all list the same ones."""
+    `person`, else those that list keypoints when they all list the same ones (a line in `said`
+    names those left out)."""
     categories = [c for c in data["categories"] if isinstance(c, dict)]
     if wanted:
         chosen = []
@@ -35,6 +39,11 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> lis
         chosen = [c for c in categories if c.get("name") == "person"][:1]
         if not chosen:
             chosen = [c for c in categories if c.get("keypoints")]
+            left = [f"{c.get('name')} ({c.get('id')})" for c in categories if not c.get("keypoints")]
+            if chosen and left:
+                said.append(f"left out {len(left)} categories that name no keypoints: "
+                            f"{', '.join(left[:SHOWN_CATEGORIES])}{', ...' * (len(left) > SHOWN_CATEGORIES)}"
+                            " (--categories NAME_OR_ID,... converts them)")
         if not chosen:
             raise DataError(f"{ann_path}: no 'person' category among the categories, and none lists "
                             "keypoints (choose with --categories NAME_OR_ID,...)")
@@ -48,21 +57,118 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> lis
 
 
 
+def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path) -> list:
+    """Lines for the JSON's keypoint names that `skeleton` spells otherwise (`Right-ankle` for
+    `right_ankle`: matched) or renames (a few, taken by position); `DataError` when the names
+    are another skeleton's or in another order (each name shown as written, quoted)."""
+    given, common = skeleton.dataset_keypoints, min(len(names), len(skeleton.dataset_keypoints))
+    plain = [plain_name(n) for n in names]
+    differ = [k for k in range(common) if names[k] != given[k]]
+    renamed = [k for k in differ if plain[k] != plain_name(given[k])]
+    moved = [k for k in renamed if plain_name(given[k]) in plain]
+    if moved or 2 * len(renamed) > common:
+        shown = "; ".join(f"keypoint {k} is {names[k]!r} there, {given[k]!r} in the skeleton"
+                          for k in (moved or renamed)[:3])
+        raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints are not those "
+                        f"of skeleton {skeleton.name} in the same order ({len(renamed)} of {common} "
+                        f"differ: {shown})")
+    spelled = [k for k in differ if k not in renamed]
+    lines = ["keypoints renamed by --skeleton, taken by position: ", f"{len(spelled)} keypoint names "
+             "spelled otherwise in the JSON, matched: "]
+    return [line + ", ".join(f"{names[k]!r} is {given[k]!r}" for k in ks[:3])
+            + (f", ... ({len(ks)} in all)" if len(ks) > 3 else "")
+            for line, ks in zip(lines, (renamed, spelled)) if ks]
+
+
 def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
-                    skeleton: Skeleton | None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, lines saying where it came from) or `DataError`."""
+                    skeleton: Skeleton | None, links_from: int | None = None) -> tuple[Skeleton, str]:
+    """(the skeleton of the file, lines saying where it came from) or `DataError`; `links_from`:
+    how an inferred skeleton counts the category's links (`infer_skeleton`)."""
     if skeleton is not None:
-        if tuple(names) != skeleton.dataset_keypoints:
-            raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
-                            f"({', '.join(names[:4])}, ...: {len(names)}) are not those of skeleton "
-                            f"{skeleton.name} ({', '.join(skeleton.dataset_keypoints[:4])}, ...: "
-                            f"{len(skeleton.dataset_keypoints)}), in the same order")
-        return skeleton, f"{skeleton.describe()} (given by --skeleton)"
+        lines = _name_lines(names, skeleton, category, ann_path)
+        known = matching_builtin(skeleton.dataset_keypoints)
+        if known is not None and known != skeleton:
+            lines.append(f"--skeleton differs from built-in {known.name}: "
+                         f"{limb_changes(skeleton, known) or 'in flips, sigmas or channel order'}")
+        return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
     known = matching_builtin(names)
     if known is not None:
-        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
-    inferred, report = infer_skeleton(category, names, points, str(ann_path))
+        return known, "\n".join([f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
+                                 f"{known.name}", *_name_lines(names, known, category, ann_path)])
+    inferred, report = infer_skeleton(category, names, points, str(ann_path), links_from)
     return inferred, "\n".join(report)
+
+
+def _layouts(ann: dict) -> dict:
+    """{fields: keypoints they hold} of the ways one annotation gives its keypoints: `keypoints`,
+    that and COCO-WholeBody's parts, or a `keypoints_N` field (Human-Art's `keypoints_21`)."""
+    def size(field) -> int:
+        value = ann.get(field)
+        return len(value) // 3 if isinstance(value, list) else 0
+    out = {("keypoints",): size("keypoints")}
+    parts = tuple(p for p in WHOLEBODY_PARTS if p in ann)
+    if parts:
+        out[("keypoints", *parts)] = sum(size(f) for f in ("keypoints", *parts))
+    out.update({(key,): size(key) for key in ann if re.fullmatch(r"keypoints_\d+", key)})
+    return out
+
+
+def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path: Path) -> tuple[int, list]:
+    """Read each annotation's keypoints from the fields that hold as many as `skeleton` has (None:
+    the most the file gives), into `keypoints`; (how many, a line saying which fields when there
+    was a choice) or `DataError` when no field holds the skeleton's count."""
+    wanted = skeleton and len(skeleton.dataset_keypoints)
+    sample = next((a for a in own if isinstance(a, dict) and not a.get("iscrowd")
+                   and isinstance(a.get("keypoints"), list)), None)
+    layouts = _layouts(sample) if sample else {("keypoints",): wanted or len(names)}
+    fields = (max(layouts, key=layouts.get) if wanted is None
+              else next((f for f, n in layouts.items() if n == wanted), None))
+    if fields is None:
+        held = ", ".join(f"{'+'.join(f)} {n}" for f, n in layouts.items())
+        raise DataError(f"{ann_path}: skeleton {skeleton.name} has {wanted} keypoints, but no field of "
+                        f"the annotations holds as many ({held})")
+    fractional = 0
+    for ann in own if fields != ("keypoints",) else []:
+        if isinstance(ann, dict) and all(isinstance(ann.get(f), list) for f in fields):
+            values = [v for f in fields for v in ann[f]]
+            for i in range(2, len(values), 3):       # COCO-WholeBody: a v > 0 that is not 1 or 2
+                if isinstance(values[i], float) and values[i] > 0 and values[i] not in (1, 2):
+                    values[i], fractional = 1, fractional + 1
+            ann["keypoints"] = values
+            ann["num_keypoints"] = sum(1 for v in values[2::3] if isinstance(v, (int, float)) and v > 0)
+        elif isinstance(ann, dict) and ann.get("iscrowd"):      # a crowd region without them: none
+            ann.pop("keypoints", None)
+    count = layouts[fields] if wanted else max(layouts[fields], len(names))
+    others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
+    if not others and fields == ("keypoints",):
+        return count, []
+    line = f"keypoints read from {' + '.join(fields)}: {layouts[fields]} per person"
+    if fractional:
+        line += f"; {fractional} fractional visibilities (labelled, in COCO-WholeBody) read as 1"
+    return count, [line + (f"; not read: {', '.join(others)}" if others else "")]
+
+
+def _reader(names: list, count: int) -> str:
+    known = matching_builtin(names[:count], count)
+    return f"--skeleton {known.name} reads them" if known else f"a --skeleton of {count} keypoints reads them"
+
+
+def _strip_prefix(images: list, images_dir: Path) -> list:
+    """Drop leading folders that every file_name starts with and `images_dir` lacks (Human-Art's
+    `HumanArt/images/`), when the first picture is found without them; a line saying so."""
+    if not images or (images_dir / images[0]["file_name"]).exists():
+        return []
+    parts = PurePosixPath(images[0]["file_name"].replace("\\", "/")).parts
+    for k in range(1, len(parts)):
+        if (images_dir / PurePosixPath(*parts[k:])).is_file():
+            cut = [PurePosixPath(i["file_name"].replace("\\", "/")).parts for i in images]
+            if any(p[:k] != parts[:k] or len(p) <= k for p in cut):
+                return []
+            for info, p in zip(images, cut):
+                info["file_name"] = str(PurePosixPath(*p[k:]))
+            return [f"file names start with '{PurePosixPath(*parts[:k])}/', which --images {images_dir} "
+                    "lacks: read without it"]
+    return []
 
 
 def _read_json(ann_path: Path) -> dict:
@@ -84,34 +190,43 @@ def _read_json(ann_path: Path) -> dict:
 
 
 def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
-              skeleton: Skeleton | None = None, categories: list | None = None
-              ) -> tuple[dict, Selection, Skeleton, str]:
+              skeleton: Skeleton | None = None, categories: list | None = None,
+              links_from: int | None = None) -> tuple[dict, Selection, Skeleton, str]:
     """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
     skeleton, what was decided: one line each) or `DataError`; with `skip_bad` the selection lists
-    what was left out; `skeleton` None: the built-in the category names, or one inferred from it;
-    `categories` (names or ids): the categories to convert as one (default: see
-    `_keypoint_categories`)."""
+    what was left out; `skeleton` None: the built-in the category names, or one inferred from it
+    (`links_from`: how its links are counted, None: decided); `categories` (names or ids): the
+    categories to convert as one (default: see `_keypoint_categories`)."""
     data = _read_json(ann_path)
-    chosen = _keypoint_categories(data, ann_path, categories)
+    said: list = []
+    chosen = _keypoint_categories(data, ann_path, categories, said)
     category = dict(chosen[0])
     ids = {c.get("id") for c in chosen}
     own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids] \
         if isinstance(data["annotations"], list) else []
     if skeleton is not None and not category.get("keypoints"):
-        names, said = list(skeleton.dataset_keypoints), []
+        names = list(skeleton.dataset_keypoints)
     else:
-        names, said = keypoint_names(category, own, str(ann_path))
-    category["keypoints"] = names
+        names, lines = keypoint_names(category, own, str(ann_path))
+        said.extend(lines)
+    count, lines = _read_keypoints(own, names, skeleton, ann_path)
+    said.extend(lines)
+    if skeleton is None and count > len(names):      # COCO-WholeBody: names for its parts
+        known = matching_builtin(names, count)
+        names += (list(known.dataset_keypoints[len(names):]) if known
+                  else [f"keypoint_{k + 1}" for k in range(len(names), count)])
     if len(chosen) > 1:
         said.append(f"{len(chosen)} categories with the same {len(names)} keypoints converted as one "
                     f"({', '.join(str(c.get('name')) for c in chosen[:SHOWN_CATEGORIES])}"
                     f"{', ...' if len(chosen) > SHOWN_CATEGORIES else ''}), as category "
                     f"{category.get('name')!r}")
     selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path,
-                             DataError, len(names))
+                             DataError, count)
+    said.extend(_strip_prefix(selection.images, images_dir))
     points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
               for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
-    points = np.stack(points) if points else np.zeros((0, len(names), 3), np.float32)
-    skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton)
-    said.extend(f"{reason} ({count} annotations)" for reason, count in sorted(selection.repairs.items()))
+    points = np.stack(points) if points else np.zeros((0, count, 3), np.float32)
+    skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton, links_from)
+    category["keypoints"] = list(skeleton.dataset_keypoints)
+    said.extend(f"{reason} ({times} annotations)" for reason, times in sorted(selection.repairs.items()))
     return category, selection, skeleton, "\n".join([origin, *said])

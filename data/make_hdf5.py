@@ -1,8 +1,9 @@
 """Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file.
 
     python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
-        --out coco_train.h5 [--split train|val] [--skip-bad [--skipped FILE.json]]
-        [--skeleton NAME|FILE.yaml] [--categories NAME_OR_ID,...] [--dump-skeleton FILE.yaml]
+        --out coco_train.h5 [--split train|val] [--keep-all] [--skip-bad [--skipped FILE.json]]
+        [--skeleton NAME|FILE.yaml] [--categories NAME_OR_ID,...] [--links-from 0|1]
+        [--dump-skeleton FILE.yaml]
     python -m data.make_hdf5 --list-skeletons
 
 The JSON is read by `data.coco_intake` (categories, keypoint names, the skeleton: `--skeleton`'s,
@@ -11,10 +12,11 @@ what was decided is printed); the skeleton is stored in the file, and everything
 it from there.
 
 Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
-"main person" rule of SPEC; people without a labelled keypoint are masked out of the loss like
-crowds. The file is written under a temporary name and renamed at the end. Layout and reader:
-`data.h5format`. Bad input raises `DataError` naming the file and the item; `skip_bad` skips bad
-images and lists each one with its reason instead.
+"main person" rule of SPEC (the train split keeps the pictures with one, and says how many;
+`keep_all` drops the rule's keypoint count and area); people without a labelled keypoint are
+masked out of the loss like crowds. The file is written under a temporary name and renamed at
+the end. Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the
+item; `skip_bad` skips bad images and lists each one with its reason instead.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import struct
 import sys
 import warnings
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import cv2
 import h5py
@@ -41,6 +43,12 @@ from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 MAIN_MIN_KEYPOINTS = 5
 MAIN_MIN_AREA = 32 * 32
 MAIN_MIN_DISTANCE = 0.3   # x the person's largest box side
+TRAIN_RULES = {   # --keep-all: (why a training picture is left out, which are kept)
+    False: ("no main person", f"those with a main person (SPEC's rule: {MAIN_MIN_KEYPOINTS}+ labelled "
+            "keypoints, an area of 32x32 px or more, its centre not within 0.3 box sides of an earlier "
+            "one's); --keep-all keeps every picture with a labelled person"),
+    True: ("no labelled person", "every picture with a labelled person (--keep-all: any person with "
+           "a labelled keypoint may be a main person)")}
 EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keypoints",
                "num_keypoints")
 
@@ -69,12 +77,15 @@ def header_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def read_image(path: Path, info: dict, ann_path: Path) -> bytes:
-    """The encoded bytes of an image after checking it decodes and matches the JSON's size."""
+def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
+    """The encoded bytes of an image of `images_dir` after checking it decodes and matches the
+    JSON's size; a missing one's error says where the JSON says it comes from."""
+    path = images_dir / info["file_name"]
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise DataError(f"{path}: image {info['id']} listed in {ann_path} is missing") from None
+        raise DataError(f"{path}: image {info['id']} listed in {ann_path} is missing"
+                        + _where_from(info, images_dir)) from None
     except OSError as exc:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
@@ -94,6 +105,21 @@ def read_image(path: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} is {size[1]}x{size[0]} pixels but {ann_path} "
                         f"says {info['width']}x{info['height']}")
     return data
+
+
+def _where_from(info: dict, images_dir: Path) -> str:
+    """Where the JSON says a missing picture comes from, and which --images to try."""
+    hints, parts = [], PurePosixPath(info["file_name"].replace("\\", "/")).parts
+    if len(parts) > 1 and not (images_dir / parts[0]).exists():
+        hints.append(f"its file_name starts with '{parts[0]}/', which --images {images_dir} lacks: "
+                     f"give the folder that holds {parts[0]}/")
+    url = info.get("coco_url")
+    if isinstance(url, str) and url.count("/") > 3:
+        hints.append(f"the JSON's coco_url is {url}: --images the folder of COCO's "
+                     f"{url.rstrip('/').split('/')[-2]} pictures")
+    elif isinstance(info.get("flickr_url"), str):
+        hints.append(f"the JSON's flickr_url is {info['flickr_url']}")
+    return "".join(f"; {h}" for h in hints)
 
 
 # -- annotations -> people, masks, samples ---------------------------------------------------------
@@ -120,13 +146,14 @@ def _region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     return out
 
 
-def main_people(anns: list[dict]) -> list[int]:
-    """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule."""
+def main_people(anns: list[dict], keep_all: bool = False) -> list[int]:
+    """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule; `keep_all`:
+    without its keypoint count and area, so that every picture with a labelled person has one."""
     centres: list[np.ndarray] = []
     out = []
     for i, ann in enumerate(anns):
         x, y, w, h = ann["bbox"]
-        if ann["num_keypoints"] < MAIN_MIN_KEYPOINTS or ann["area"] < MAIN_MIN_AREA:
+        if not keep_all and (ann["num_keypoints"] < MAIN_MIN_KEYPOINTS or ann["area"] < MAIN_MIN_AREA):
             continue
         centre = np.array([x + w / 2, y + h / 2])
         if any(np.linalg.norm(centre - c) < MAIN_MIN_DISTANCE * max(w, h) for c in centres):
@@ -136,8 +163,9 @@ def main_people(anns: list[dict]) -> list[int]:
     return out
 
 
-def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) -> dict:
-    """People with keypoints, boxes, masks and main people of one image."""
+def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
+                 keep_all: bool = False) -> dict:
+    """People with keypoints, boxes, masks and main people (`main_people`) of one image."""
     keyed, ignore, person = [], np.zeros((height, width), np.uint8), np.zeros((height, width), np.uint8)
     crowds = no_keypoints = 0
     for ann in anns:
@@ -156,7 +184,7 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) 
         "keypoints": np.stack([skeleton.from_annotation(a["keypoints"]) for a in keyed]) if keyed
         else np.zeros((0, skeleton.num_keypoints, 3), np.float32),
         "boxes": np.array([a["bbox"] for a in keyed], np.float32).reshape(-1, 4),
-        "main": main_people(keyed), "ignore": ignore, "person": person,
+        "main": main_people(keyed, keep_all), "ignore": ignore, "person": person,
         "crowds": crowds, "no_keypoints": no_keypoints,
     }
 
@@ -164,11 +192,13 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
-            overwrite: bool = True, categories: list | None = None) -> dict:
+            overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
+            keep_all: bool = False) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
     returns the summary (counts, skipped images and annotations with their reasons, the skeleton
     and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
-    inferred from the JSON; `categories`: see `load_coco`. `overwrite` False: an existing
+    inferred from the JSON; `categories`, `links_from`: see `load_coco`; `keep_all`: the train
+    split keeps every picture with a labelled person (`main_people`). `overwrite` False: an existing
     `out_path` is refused (the command line's default). A `DataError` raised once the JSON was
     read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
@@ -180,7 +210,8 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     refuse_output_as_input("--out", out_path, {"--ann": ann_path})
-    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
+    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories,
+                                                      links_from)
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
@@ -189,7 +220,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     refuse_existing("--out", out_path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
-               "skeleton": skeleton, "skeleton_origin": origin}
+               "skeleton": skeleton, "skeleton_origin": origin, "keep_all": keep_all}
     for item in selection.rejected:
         summary["skipped"][item["kind"]] += 1
         summary["bad"].append(item)
@@ -224,9 +255,8 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
     ids, sizes, people_index, samples, keypoints, boxes = [], [], [], [], [], []
     people_total = 0
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
-        path = images_dir / info["file_name"]
         try:
-            data = read_image(path, info, ann_path)
+            data = read_image(images_dir, info, ann_path)
         except DataError as exc:
             if not skip_bad:
                 raise
@@ -234,12 +264,12 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
             summary["skipped"]["bad image"] += 1
             continue
         anns = by_image[info["id"]]
-        record = image_record(anns, info["height"], info["width"], skeleton)
+        record = image_record(anns, info["height"], info["width"], skeleton, summary["keep_all"])
         if split == "train" and not record["main"]:
-            summary["skipped"]["no main person"] += 1
-            summary["bad"].append({"kind": "no main person", "image_id": info["id"], "reason":
-                                   f"image {info['id']} ({info['file_name']}): no person large enough "
-                                   "with 5 labelled keypoints (train split)"})
+            kind = TRAIN_RULES[summary["keep_all"]][0]
+            summary["skipped"][kind] += 1
+            summary["bad"].append({"kind": kind, "image_id": info["id"], "reason":
+                                   f"image {info['id']} ({info['file_name']}): {kind} (train split)"})
             continue
         row = len(ids)
         encoded[row] = np.frombuffer(data, np.uint8)
@@ -282,7 +312,13 @@ def format_summary(summary: dict) -> str:
     if summary["people_without_keypoints"]:
         lines.append(f"{summary['people_without_keypoints']} people without a labelled keypoint: "
                      "masked out of the loss like crowds")
+    kind, rule = TRAIN_RULES[summary.get("keep_all", False)]
+    if summary["split"] == "train":
+        lines.append(f"train split: {summary['images']} of "
+                     f"{summary['images'] + summary['skipped'].get(kind, 0)} pictures kept, {rule}")
     for reason, count in sorted(summary["skipped"].items()):
+        if reason == kind:
+            continue
         lines.append(f"skipped {count} images: {reason}" if reason != "bad annotation" else
                      f"skipped {count} annotations of unknown images")
     return "\n".join(lines)
@@ -291,7 +327,7 @@ def format_summary(summary: dict) -> str:
 def skipped_lines(summary: dict) -> list:
     """One line per skipped image or annotation, with its reason (stderr)."""
     return [f"skipped: {item['reason']}" for item in summary.get("bad", [])
-            if item["kind"] != "no main person"]
+            if item["kind"] not in {kind for kind, _ in TRAIN_RULES.values()}]
 
 
 def write_skipped(summary: dict, path: Path, overwrite: bool) -> None:
@@ -330,7 +366,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--images", help="folder of the JSON's images")
     parser.add_argument("--out", help="HDF5 file to write (may be left out with --dump-skeleton)")
     parser.add_argument("--split", default="train", choices=SPLITS,
-                        help="train keeps images with a main person; val keeps every image")
+                        help="train keeps images with a main person (SPEC's rule); val keeps every image")
+    parser.add_argument("--keep-all", action="store_true",
+                        help="train split: keep every image with a labelled person (any such person "
+                        "may be a main person)")
     parser.add_argument("--skip-bad", action="store_true",
                         help="skip bad images and the images of bad annotations, listing each with "
                         "its reason on stderr")
@@ -344,6 +383,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--categories", metavar="NAME_OR_ID,...",
                         help="the categories to convert, as one (they must list the same keypoints); "
                         "default: 'person', else every category that lists keypoints")
+    parser.add_argument("--links-from", type=int, choices=(0, 1),
+                        help="the category's skeleton links count keypoints from 0 or from 1 "
+                        "(default: decided from the links and the data, and said)")
     parser.add_argument("--dump-skeleton", metavar="FILE.yaml",
                         help="write the skeleton used (built-in, given or inferred) to edit and pass "
                         "back with --skeleton")
@@ -376,7 +418,7 @@ def _main(argv=None) -> int:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if not args.out:
         _, _, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
-                                           categories)
+                                           categories, args.links_from)
         print(origin)
         dump_skeleton(skeleton, Path(args.dump_skeleton), args.overwrite)
         print(f"wrote {args.dump_skeleton} (nothing converted: no --out)")
@@ -384,7 +426,8 @@ def _main(argv=None) -> int:
     try:
         summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
                           progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
-                          overwrite=args.overwrite, categories=categories)
+                          overwrite=args.overwrite, categories=categories,
+                          links_from=args.links_from, keep_all=args.keep_all)
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise

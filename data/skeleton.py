@@ -37,20 +37,32 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
 _SIDES = {"left": "right", "right": "left", "l": "r", "r": "l", "Left": "Right", "Right": "Left",
           "L": "R", "R": "L", "LEFT": "RIGHT", "RIGHT": "LEFT"}
-_SIDE_PREFIX = re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])")
-_SIDE_SUFFIX = re.compile(r"(?<=[a-z0-9])(Left|Right|L|R)(?=\d*$)")
+_GLUED = (re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])"),   # LeftEye, LEye
+          re.compile(r"^(left|right)(?=[a-z])"),                                    # leftear
+          re.compile(r"(?<=[a-z0-9])(Left|Right|L|R)(?=\d*$)"))                     # eyeL, legL1
+_LOOSE = re.compile(r"^(L|R)(?=[a-z])")        # Lear/Rear, but Lip and Rump name no side
+_TOKEN = re.compile(r"([FBHfbh]?)([LRlr])([FBHfbh]?)")    # FL (front left), LB, l
 
 
-def mirror_names(name: str) -> list:
+def _swap_token(part: str) -> str:
+    match = _TOKEN.fullmatch(part)
+    if match and not (match.group(1) and match.group(3)):
+        return match.group(1) + _SIDES[match.group(2)] + match.group(3)
+    return _SIDES.get(part, part)
+
+
+def mirror_names(name: str, loose: bool = False) -> list:
     """The names `name` may have on the other side, most likely first: a left/right word between
-    separators (`left_eye`, `l_knee`, `L_ear`, `paw_l`), or glued to the name in camel case
-    (`leftEye`, `LeftEye`, `LEye`, `eyeL`, `forelegL1`, `eyeLeft`). Empty: no side in the name."""
+    separators (`left_eye`, `l_knee`, `L_ear`, `paw_l`, `ear.L`, `FL_paw`), or glued to the name
+    (`leftEye`, `LeftEye`, `LEye`, `leftear`, `eyeL`, `forelegL1`, `eyeLeft`); with `loose`, also a
+    capital L/R glued to a lower-case word (`Lear`), which names a side only when its partner
+    (`Rear`) is there too. Empty: no side in the name."""
     out = []
     parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_SIDES.get(p, p) for p in parts]
+    swapped = [_swap_token(p) for p in parts]
     if swapped != parts:
         out.append("".join(swapped))
-    for pattern in (_SIDE_PREFIX, _SIDE_SUFFIX):
+    for pattern in _GLUED + ((_LOOSE,) if loose else ()):
         match = pattern.search(name)
         if match:
             side = match.group(1)
@@ -63,6 +75,16 @@ def unpaired_sided(names) -> list:
     """The names that name a side but whose other side is not among `names`."""
     known = set(names)
     return [n for n in names if mirror_names(n) and not any(m in known for m in mirror_names(n))]
+
+
+def name_flips(names) -> list:
+    """flip[k]: the keypoint that names[k] becomes in a mirrored image, from the sides in the names
+    (`mirror_names`, loose); k itself when none. A pairing must be mutual (eyeL->eyeR but
+    eyeR->eye_r: eyeL keeps no partner)."""
+    index = {n: k for k, n in enumerate(names)}
+    flip = [next((index[m] for m in mirror_names(n, loose=True) if m in index), k)
+            for k, n in enumerate(names)]
+    return [f if flip[f] == k else k for k, f in enumerate(flip)]
 
 
 @dataclass(frozen=True)
@@ -192,7 +214,7 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
         for name in pair:
             if name not in index:
                 _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "
-                      f"(keypoints: {', '.join(index)})")
+                      f"(keypoints: {', '.join(map(repr, index))})")
         if pair[0] == pair[1]:
             _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
         out.append((index[pair[0]], index[pair[1]]))
@@ -200,14 +222,9 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
 
 
 def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
-    flip = list(range(len(names)))
     if spec.get("flip") is None:                 # from the names: left_x <-> right_x
-        for k, name in enumerate(names):
-            flip[k] = next((index[m] for m in mirror_names(name) if m in index), k)
-        for k in range(len(names)):      # a pairing must be mutual (eyeL->eyeR but eyeR->eye_r: none)
-            if flip[flip[k]] != k:
-                flip[k] = k
-        return flip
+        return name_flips(names)
+    flip = list(range(len(names)))
     for a, b in _pairs(spec["flip"], "flip", index, source):
         for k, other in ((a, b), (b, a)):
             if flip[k] not in (k, other):
@@ -254,7 +271,7 @@ def _build(spec, source: str) -> Skeleton:
     names = _names(spec.get("channels") or dataset + extra, "channels", source)
     if sorted(names) != sorted(dataset + extra):
         _fail(source, "channels must list every keypoint and derived keypoint once "
-              f"({', '.join(dataset + extra)})")
+              f"({', '.join(map(repr, dataset + extra))})")
     index = {name: k for k, name in enumerate(names)}
     for n in extra:
         parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []

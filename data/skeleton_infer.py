@@ -3,10 +3,11 @@ else one inferred from the category and completed from the data.
 
 Published files differ in what they give: keypoint names or none (then the count of values in the
 annotations names a built-in, or the keypoints are numbered), links 1-based (COCO's rule) or
-0-based, no links at all, or links that leave keypoints unconnected. The inferred skeleton keeps
-the file's links, adds each one's mirror, and joins what is left unconnected by a minimum spanning
-tree over the mean distance between keypoints in the annotations (relative to the person's box);
-main limbs are a breadth-first tree from the best-linked keypoint, the other links are redundant.
+0-based (decided from the links, and said; `--links-from` overrides), no links at
+all, or links that leave keypoints unconnected. The inferred skeleton keeps the file's links, adds
+each one's mirror, and joins what is left unconnected by a minimum spanning tree over the mean
+distance between keypoints in the annotations (relative to the person's box); main limbs are a
+breadth-first tree from the best-linked keypoint, the other links are redundant.
 Every decision is one short line of the returned report.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, mirror_names,
+from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, name_flips,
                              unpaired_sided)
 
 MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
@@ -26,19 +27,23 @@ SHOWN = 12                 # names or links listed in one report line
 _WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
 
 
-def _plain(name: str) -> str:
+def plain_name(name: str) -> str:
     """`name` as lower-case words run together, single-letter sides and ends written out:
     `L_F_Paw`, `left_front_paw` and `LeftFrontPaw` are all `leftfrontpaw`."""
     words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)
     return "".join(_WORDS.get(w.lower(), w.lower()) for w in words)
 
 
-def matching_builtin(names) -> Skeleton | None:
+def matching_builtin(names, count: int | None = None) -> Skeleton | None:
     """The built-in whose annotation keypoints are `names`, in this order (spelling aside: case,
-    separators, and L/R/F/B for left/right/front/back: `L_F_Paw` is `left_front_paw`)."""
-    wanted = tuple(_plain(n) for n in names)
+    separators, and L/R/F/B for left/right/front/back: `L_F_Paw` is `left_front_paw`); with
+    `count`, the built-in of `count` keypoints whose first ones are `names` (COCO-WholeBody's 133
+    after COCO's 17)."""
+    wanted = tuple(plain_name(n) for n in names)
     for name in builtin_names():
-        if tuple(_plain(n) for n in builtin(name).dataset_keypoints) == wanted:
+        known = builtin(name).dataset_keypoints
+        if (len(known) == (count or len(names))
+                and tuple(plain_name(n) for n in known[:len(names)]) == wanted):
             return builtin(name)
     return None
 
@@ -78,9 +83,10 @@ def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list
         f"keypoint_{count}{which}"]
 
 
-def _links(category: dict, count: int, source: str) -> tuple[list, list]:
-    """The category's `skeleton` links as 0-based index pairs, and a report line when they were
-    0-based in the file (COCO's are 1-based; a 0 or no index `count` tells them apart)."""
+def _links(category: dict, count: int, source: str, links_from: int | None) -> tuple[list, list]:
+    """The category's `skeleton` links as 0-based index pairs, and the line saying how they were
+    counted: from 0 when a link uses keypoint 0, else from 1 (COCO's rule); `links_from` (0 or
+    1) decides instead."""
     links = category.get("skeleton") or []
     if not isinstance(links, list):
         _fail(source, "the category's skeleton is not a list of keypoint pairs")
@@ -90,24 +96,24 @@ def _links(category: dict, count: int, source: str) -> tuple[list, list]:
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in link)):
             _fail(source, f"skeleton link {link!r} is not a pair of keypoint numbers")
         flat.extend(link)
-    zero_based = bool(flat) and min(flat) == 0
-    low, high = (0, count - 1) if zero_based else (1, count)
+    if not flat:
+        return [], []
+    base = links_from if links_from is not None else 0 if min(flat) == 0 else 1
+    why = ("as --links-from says" if links_from is not None else "a link uses keypoint 0" if base == 0
+           else f"a link uses keypoint {count}" if max(flat) == count
+           else f"COCO's rule; no link uses keypoint 0 or {count}, so either could be meant")
+    low, high = base, count - 1 + base
     bad = next((link for link in links if not all(low <= i <= high for i in link)), None)
     if bad is not None:
         _fail(source, f"skeleton link {list(bad)} is not a pair of keypoint numbers {low}-{high} "
               f"(the category lists {count} keypoints)")
     pairs = []
     for a, b in links:
-        a, b = (a, b) if zero_based else (a - 1, b - 1)
+        a, b = a - base, b - base
         if a != b and (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
-    return pairs, (["skeleton links are 0-based in the JSON: read as such"] if zero_based else [])
-
-
-def _flip(names: list) -> list:
-    index = {n: k for k, n in enumerate(names)}
-    flip = [next((index[m] for m in mirror_names(n) if m in index), k) for k, n in enumerate(names)]
-    return [f if flip[f] == k else k for k, f in enumerate(flip)]
+    return pairs, [f"skeleton links counted from {base} ({why}); --links-from {1 - base} "
+                   "reads them the other way"]
 
 
 def _mean_distances(points: np.ndarray) -> np.ndarray:
@@ -163,11 +169,13 @@ def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, 
     return links, mirrors, joins
 
 
-def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str) -> tuple[Skeleton, list]:
+def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
+                   links_from: int | None = None) -> tuple[Skeleton, list]:
     """(skeleton, report lines) for a category with keypoints `names` no built-in has; `points`
-    [N, K, 3]: the labelled people, whose keypoints measure the distances of added links."""
-    pairs, report = _links(category, len(names), source)
-    flip = _flip(names)
+    [N, K, 3]: the labelled people, whose keypoints measure the distances of added links;
+    `links_from`: how the category's links are counted (None: see `_links`)."""
+    pairs, report = _links(category, len(names), source, links_from)
+    flip = name_flips(names)
     links, mirrors, joins = _complete(pairs, flip, points)
     degree = np.bincount(np.array(links, int).reshape(-1), minlength=len(names))
     start = int(np.argmax(degree))

@@ -13,16 +13,11 @@ def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
     if words != f"{other.name}, {other.num_keypoints} keypoints, {other.num_channels} channels":
         return words
     names = skeleton.keypoints
-
-    def limbs(of: Skeleton) -> set:
-        return {frozenset((of.keypoints[a], of.keypoints[b])) for a, b in of.limbs}
     if skeleton.keypoints != other.keypoints:
         k = next(k for k, (a, b) in enumerate(zip(skeleton.keypoints, other.keypoints)) if a != b)
         return f"{words}, keypoint {k} {names[k]!r}"
-    if limbs(skeleton) != limbs(other):
-        own = sorted("-".join(sorted(limb)) for limb in limbs(skeleton) - limbs(other))
-        lacks = sorted("-".join(sorted(limb)) for limb in limbs(other) - limbs(skeleton))
-        return f"{words}, " + (f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}")
+    if limb_changes(skeleton, other):
+        return f"{words}, {limb_changes(skeleton, other)}"
     if skeleton.limbs != other.limbs or skeleton.main_limbs != other.main_limbs:
         return f"{words}, {skeleton.main_limbs} main limbs in another order"
     if skeleton.flip != other.flip:
@@ -34,3 +29,12 @@ def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
     if skeleton.sigmas != other.sigmas:
         return f"{words}, OKS sigmas {', '.join(f'{s:g}' for s in skeleton.sigmas)}"
     return f"{words}, keypoints in the annotations {', '.join(skeleton.dataset_keypoints)}"
+
+
+def limb_changes(skeleton: Skeleton, other: Skeleton) -> str:
+    """The limbs `skeleton` has and `other` lacks (`with limb a-b`), else those it lacks
+    (`without limb c-d`), by keypoint name; empty when both join the same keypoints."""
+    def limbs(of: Skeleton) -> set:
+        return {"-".join(sorted((of.keypoints[a], of.keypoints[b]))) for a, b in of.limbs}
+    own, lacks = sorted(limbs(skeleton) - limbs(other)), sorted(limbs(other) - limbs(skeleton))
+    return f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}" if lacks else ""

@@ -193,7 +193,9 @@ def test_skip_bad_lists_skipped_images(coco_copy, tmp_path, capsys):
     out = said.out
     assert code == 0 and "3 images" in out and "skipped 1 images: bad image" in out
     assert [line for line in said.err.splitlines() if "000000040083.jpg" in line] == [
-        f"skipped: {images / '000000040083.jpg'}: image 40083 listed in {ann} is missing"]
+        f"skipped: {images / '000000040083.jpg'}: image 40083 listed in {ann} is missing; the JSON's "
+        "coco_url is http://images.cocodataset.org/val2017/000000040083.jpg: --images the folder of "
+        "COCO's val2017 pictures"]
     assert KeypointH5(tmp_path / "o.h5").num_images == 3
 
 

@@ -215,7 +215,9 @@ GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
 @pytest.mark.parametrize("change, message", [
     ({"limbs": [["head", "left_hand"], ["head", "tail"]]},
      "limbs: ['head', 'tail'] names 'tail', which is not a keypoint "
-     "(keypoints: head, left_hand, right_hand)"),
+     "(keypoints: 'head', 'left_hand', 'right_hand')"),
+    ({"channels": ["head", "left_hand", "Right_hand"]},
+     "channels must list every keypoint and derived keypoint once ('head', 'left_hand', 'right_hand')"),
     ({"flip": [["left_hand", "right_hand"], ["right_hand", "head"]]},
      "flip pairs are not symmetric: 'right_hand' pairs with both 'left_hand' and 'head'"),
     ({"limbs": [["head", "head"], ["head", "left_hand"], ["head", "right_hand"]]},
@@ -243,7 +245,8 @@ def test_a_skeleton_of_other_keypoints_than_the_json_is_refused(coco4_dir, tmp_p
     code = make_hdf5(["--ann", str(coco4_dir / "test_coco.json"), "--images", str(coco4_dir),
                       "--out", str(tmp_path / "x.h5"), "--skeleton", "crowdpose"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "are not those of skeleton crowdpose" in err[0]
+    assert code == 2 and err == [f"error: {coco4_dir / 'test_coco.json'}: skeleton crowdpose has 14 "
+                                 "keypoints, but no field of the annotations holds as many (keypoints 17)"]
 
 
 def test_training_and_validation_files_of_different_skeletons_are_refused(
