@@ -5,7 +5,8 @@ is sound, so that `data.make_hdf5` can stop at the first problem or, with `--ski
 image and list why. Fields that published datasets leave out or get wrong in a harmless way are
 completed with COCO's meaning and counted (`Selection.repairs`): a missing `iscrowd` is 0, a missing
 `area` is the segment's (else the box's), a `num_keypoints` that disagrees with the labelled points
-is recounted. Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
+is recounted; an annotation id 0 is kept and said (pycocotools reads it as "no match";
+`inference.coco_eval` numbers the annotations itself). Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
 all checked, because a wrong value would otherwise be trained on silently (a NaN keypoint, a box of
 no size, an image read from outside `--images`, the same image trained twice).
 """
@@ -186,6 +187,9 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
         repairs["no area: the segment's area (else the box's)"] += 1
     if not ann.get("segmentation"):
         repairs["no segmentation: the box is the person's region"] += 1
+    if ann["id"] == 0:
+        repairs["annotation id 0, which pycocotools reads as 'no match': kept; this project's "
+                "evaluation numbers the annotations itself"] += 1
     if "keypoints" not in ann:            # a crowd region without: COCOeval reads them
         ann["keypoints"] = [0] * 3 * keypoints
     labelled = sum(1 for v in ann["keypoints"][2::3] if v > 0)
@@ -244,7 +248,8 @@ def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann
     for info in data["images"]:
         problem = image_problem(info, images_dir)
         if problem is None and info["id"] in good:
-            problem = f"image id {info['id']} appears twice in images (it would be trained twice)"
+            problem = (f"image id {info['id']} appears twice in images ({good[info['id']]['file_name']!r} "
+                       f"and {info['file_name']!r}; it would be trained twice)")
         if problem is None:
             first = by_file.setdefault(same_file_key(info["file_name"]), info["id"])
             if first != info["id"]:

@@ -43,8 +43,8 @@ COCO_CASES = {
         "file_name", str(COCO4_DIR / c["images"][0]["file_name"]))), ["must be a path inside --images"]),
     "file_name with ..": (_edit(lambda c: c["images"][0].__setitem__(
         "file_name", "../images/" + c["images"][0]["file_name"])), ["must be a path inside --images"]),
-    "duplicate image id": (_edit(lambda c: c["images"].append(dict(c["images"][0]))),
-                           ["appears twice in images"]),
+    "duplicate image id": (_edit(lambda c: c["images"].append(dict(c["images"][0], file_name="b.jpg"))),
+                           ["appears twice in images", "'000000000785.jpg' and 'b.jpg'"]),
     "category matching nothing": (_edit(lambda c: [a.__setitem__("category_id", 7)
                                                    for a in c["annotations"]]),
                                   ["no annotation has the person category's id 1", "category ids 7"]),
