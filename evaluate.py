@@ -1,13 +1,17 @@
-"""Score a model (or the ground-truth maps) with COCO keypoint AP on a validation split.
+"""Score a model (or the ground-truth maps) on a validation split as the dataset's authors score it.
 
     python evaluate.py --weights checkpoints/RUN/best.pth --h5 coco_val.h5 [--scales 0.5 1 1.5 2 3] [--flip]
     python evaluate.py --weights best.pth --ann person_keypoints_val2017.json --images val2017/
     python evaluate.py --oracle --h5 coco_val.h5      # ground-truth maps through the decoder
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
-Prints AP, AP50, AP75, APm, APl, AR (with --oracle also each keypoint's recall: the share of its
-labelled points that end up in a found person at the right place, lowest first), writes the COCO
-results JSON (--out) and ends with one JSON line of the stats. Under torchrun every image is decoded by exactly one process.
+Prints the metrics the file's skeleton names (data/skeletons/*.yaml `metric`; --metric chooses):
+oks: COCO's AP, AP50, AP75, APm, APl, AR; pck: PCK (--pck-threshold of --pck-normalize); auc: AUC
+(PCK from 0 to 30 pixels); epe: EPE (pixels). With --oracle also each keypoint's recall: the share
+of its labelled points that end up in a found person at the right place, lowest first. Writes the
+COCO results JSON (--out; a .jsonl name: one JSON line per picture with its people's keypoints and
+scores) and ends with one JSON line of the stats. Under torchrun every image is decoded by exactly
+one process.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_existing, refuse_output_as_input
-from inference.coco_eval import STAT_NAMES
+from data.skeleton import METRIC_KEYS
 from inference.command_line import CONFIG_CARRIED, weights_options
 
 
@@ -41,7 +45,14 @@ def build_parser() -> ArgumentParser:
     src.add_argument("--images", help="image folder of --ann")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
     p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
-                   "weights, or ./oracle_DATA_keypoints.json)")
+                   "weights, or ./oracle_DATA_keypoints.json); a name ending .jsonl: one JSON line per "
+                   "picture (image_id, file_name, people with their score and keypoints)")
+    p.add_argument("--metric", nargs="+", choices=list(METRIC_KEYS),
+                   help="one or more metrics (default: the file's skeleton's, as its authors score it)")
+    p.add_argument("--pck-threshold", type=float, help="PCK's threshold, a share of --pck-normalize "
+                   "(default: the skeleton's, else 0.2)")
+    p.add_argument("--pck-normalize", help="bbox (the person box's longer side) or KEYPOINT,KEYPOINT "
+                   "(their distance) (default: the skeleton's, else bbox)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -61,6 +72,8 @@ def _check_args(args) -> None:
                           "ground-truth maps drawn once at each image's own size (stride 1)")
     if args.max_images < 0:
         raise ConfigError(f"option --max-images: {args.max_images} must be >= 0")
+    if args.pck_threshold is not None and not args.pck_threshold > 0:
+        raise ConfigError(f"option --pck-threshold: {args.pck_threshold} must be > 0")
 
 
 def _results_path(args, data_path: str) -> Path:
@@ -135,30 +148,57 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
 RECALL_LINES = 24     # keypoints listed on stderr (the lowest recall); the JSON line has them all
 
 
-def _print_recall(h5_path: str, results_path: Path, num_images: int) -> dict:
-    """Per keypoint of the file's skeleton, the share of labelled points the decoded people hold
-    at the right place (stderr, lowest first); {name: share}."""
-    from data.h5format import KeypointH5
-    from inference.coco_eval import format_recall, keypoint_recall
+def _scoring(args, skeleton):
+    """The skeleton's scoring with --metric, --pck-threshold and --pck-normalize over it."""
+    from data.skeleton import parse_scoring
 
-    h5 = KeypointH5(h5_path)
-    try:
-        gt, skeleton = h5.coco_ground_truth(), h5.skeleton
-    finally:
-        h5.close()
-    results = json.loads(Path(results_path).read_text())
-    ids = [img["id"] for img in gt["images"][:num_images]]
-    recall = keypoint_recall(gt, results, skeleton.sigmas, ids)
-    names = skeleton.dataset_keypoints
+    given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
+             "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
+                               else args.pck_normalize.split(","))}
+    return parse_scoring({k: v for k, v in given.items() if v is not None}, skeleton.dataset_keypoints,
+                         "option --pck-normalize", base=skeleton.scoring)   # the one left to check
+
+
+def _print_stats(stats: dict, scoring, skeleton) -> dict:
+    """The metrics' table on stderr (and each keypoint's recall, lowest first, when measured); the
+    stats for the JSON line (recall as {name: share or None})."""
+    from inference.coco_eval import format_recall
+
+    if "oks" in scoring.metrics and skeleton.stand_in_sigmas:
+        print(f"  OKS uses the stand-in sigma {skeleton.sigmas[0]:g} for every keypoint of skeleton "
+              f"{skeleton.name}: nobody published its sigmas, so its AP compares with no paper's",
+              file=sys.stderr)
+    if "pck" in scoring.metrics:
+        normalize = ("the box's longer side" if scoring.pck_normalize == "bbox"
+                     else "the {}-{} distance".format(*scoring.pck_normalize))
+        print(f"  PCK: within {scoring.pck_threshold:g} x {normalize}", file=sys.stderr)
+    for name, value in stats.items():
+        if name not in ("num_images", "keypoint_recall"):
+            print(f"  {name:<5} " + (f"{value:.4f}" if isinstance(value, float) else f"{value}"),
+                  file=sys.stderr)
+    recall = stats.get("keypoint_recall")
+    if recall is None:
+        return stats
     print("  recall per keypoint (labelled points in a found person at the right place), lowest first:",
           file=sys.stderr)
-    lines = format_recall(names, recall)
+    lines = format_recall(list(recall), list(recall.values()))
     for line in lines[:RECALL_LINES]:
         print(line, file=sys.stderr)
     if len(lines) > RECALL_LINES:
         print(f"  ... and {len(lines) - RECALL_LINES} more keypoints, recalled at least as well "
               "(all of them in the JSON line below)", file=sys.stderr)
-    return {name: round(r / n, 4) if n else None for name, (n, r) in zip(names, recall)}
+    return dict(stats, keypoint_recall={name: round(r / n, 4) if n else None
+                                        for name, (n, r) in recall.items()})
+
+
+def _file_skeleton(h5_path: str):
+    from data.h5format import KeypointH5
+
+    h5 = KeypointH5(h5_path)
+    try:
+        return h5.skeleton
+    finally:
+        h5.close()
 
 
 def run(args) -> dict:
@@ -187,21 +227,22 @@ def run(args) -> dict:
                                                            args.scales, args.flip))
         skeleton = model.skeleton if model is not None else None
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
+        file_skeleton = _file_skeleton(h5_path)
+        scoring = _scoring(args, file_skeleton)
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,
-                            skeleton=skeleton, overwrite=args.overwrite)
+                            skeleton=skeleton, overwrite=args.overwrite, scoring=scoring,
+                            recall=args.oracle)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("ground-truth maps at each image's size (oracle)" if args.oracle else
                    f"scales {settings.inference.scales}, flip {settings.inference.flip}")
             print(f"{'oracle' if args.oracle else args.weights} on {args.ann or h5_path}: "
                   f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
-            for name in STAT_NAMES:
-                print(f"  {name:<5} {stats[name]:.4f}", file=sys.stderr)
-            recall = {"keypoint_recall": _print_recall(h5_path, out, stats["num_images"])} if args.oracle else {}
+            shown = _print_stats(stats, scoring, file_skeleton)
             print(f"results written to {out}", file=sys.stderr)
-            print(json.dumps(dict(stats, **recall, seconds=round(seconds, 2), results=str(out))), flush=True)
+            print(json.dumps(dict(shown, seconds=round(seconds, 2), results=str(out))), flush=True)
         barrier()
         return stats
     finally:

@@ -14,6 +14,11 @@ a mapping (YAML file, HDF5 attribute, checkpoint entry):
     limbs: [[neck, head], ...]           # the method's main links (a tree; drawn)
     redundant: [[head, left_shoulder], ...]   # extra links, learned and used by the grouping
     flip: [[left_shoulder, right_shoulder], ...]   # optional: default from left/right in names
+    metric: [pck, auc, epe]              # optional: how the dataset's authors score it (default oks;
+                                         # evaluate.py's default, the first picks best.pth)
+    pck_threshold: 0.2                   # optional: PCK's threshold (default 0.2) of
+    pck_normalize: bbox                  # the box's longer side (default) or [keypoint, keypoint]'s
+                                         # distance
 
 Output channels: limbs, then keypoints (in `channels` order), then the person mask, then the max
 over the keypoint maps. Built-ins live in data/skeletons/NAME.yaml (`coco` is exactly the
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -35,6 +40,8 @@ from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
+METRIC_KEYS = {"oks": "AP", "pck": "PCK", "auc": "AUC", "epe": "EPE"}   # a metric -> its stat's name
+LOWER_IS_BETTER = {"EPE", "loss"}
 _SIDES = {"left": "right", "right": "left", "l": "r", "r": "l", "Left": "Right", "Right": "Left",
           "L": "R", "R": "L", "LEFT": "RIGHT", "RIGHT": "LEFT"}
 _GLUED = (re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])"),   # LeftEye, LEye
@@ -88,6 +95,43 @@ def name_flips(names) -> list:
 
 
 @dataclass(frozen=True)
+class Scoring:
+    """How a skeleton's data is scored: `metrics` (of METRIC_KEYS; the first is the one training
+    keeps best.pth by), PCK's `pck_threshold` times `pck_normalize`: "bbox" (the person box's
+    longer side, as mmpose's PCKAccuracy) or two annotated keypoints' names (their distance)."""
+
+    metrics: tuple = ("oks",)
+    pck_threshold: float = 0.2
+    pck_normalize: str | tuple = "bbox"
+
+    @property
+    def key(self) -> str:
+        """The name of the stat training keeps best.pth by ("AP", "PCK", ...)."""
+        return METRIC_KEYS[self.metrics[0]]
+
+
+def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring()) -> Scoring:
+    """`base` with the fields `metric`, `pck_threshold`, `pck_normalize` that `spec` gives, checked
+    (`keypoints`: the annotations'); a `ConfigError` naming `source` and the field when wrong."""
+    metrics = spec.get("metric", base.metrics)
+    metrics = [metrics] if isinstance(metrics, str) else metrics
+    if (not isinstance(metrics, (list, tuple)) or not metrics
+            or any(m not in METRIC_KEYS for m in metrics) or len(set(metrics)) != len(metrics)):
+        _fail(source, f"metric {metrics!r}: give one or more of {', '.join(METRIC_KEYS)}, each once")
+    threshold = spec.get("pck_threshold", base.pck_threshold)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+        _fail(source, f"pck_threshold {threshold!r} is not a number > 0")
+    normalize = spec.get("pck_normalize", base.pck_normalize)
+    if normalize != "bbox":
+        pair = list(normalize) if isinstance(normalize, (list, tuple)) else []
+        if len(pair) != 2 or pair[0] == pair[1] or any(n not in keypoints for n in pair):
+            _fail(source, f"pck_normalize {normalize!r}: give bbox, or two of the annotated keypoints "
+                  f"({', '.join(keypoints)})")
+        normalize = tuple(pair)
+    return Scoring(tuple(metrics), float(threshold), normalize)
+
+
+@dataclass(frozen=True)
 class Skeleton:
     """A checked skeleton; build it with `Skeleton.from_spec`, `builtin` or `load_skeleton`."""
 
@@ -99,6 +143,12 @@ class Skeleton:
     dataset_keypoints: tuple   # the annotations' keypoints, in their order
     sigmas: tuple              # OKS sigma per dataset keypoint
     derived: tuple             # (k, a, b): keypoint k is the midpoint of a and b
+    scoring: Scoring = field(default=Scoring(), compare=False)   # how it is scored, not what it is
+
+    @property
+    def stand_in_sigmas(self) -> bool:
+        """Whether the OKS sigmas are all the default, nobody's measurement."""
+        return all(s == DEFAULT_SIGMA for s in self.sigmas)
 
     # -- channel layout -------------------------------------------------------------------------
     @property
@@ -179,12 +229,22 @@ class Skeleton:
             "limbs": [[names[a], names[b]] for a, b in self.limbs[:self.main_limbs]],
             "redundant": [[names[a], names[b]] for a, b in self.limbs[self.main_limbs:]],
             "flip": [[names[a], names[b]] for a, b in pairs],
+            **_scoring_spec(self.scoring),
         }
 
     @classmethod
     def from_spec(cls, spec, source: str) -> "Skeleton":
         """A checked skeleton from its mapping; `ConfigError` naming `source` when it is wrong."""
         return _build(spec, source)
+
+
+def _scoring_spec(scoring: Scoring) -> dict:
+    """The scoring fields that differ from the default (a COCO skeleton's mapping is as before)."""
+    def written(s: Scoring) -> dict:
+        normalize = s.pck_normalize if isinstance(s.pck_normalize, str) else list(s.pck_normalize)
+        return {"metric": list(s.metrics), "pck_threshold": s.pck_threshold, "pck_normalize": normalize}
+    values, default = written(scoring), written(Scoring())
+    return {k: v for k, v in values.items() if v != default[k]}
 
 
 def _fail(source: str, problem: str):
@@ -255,7 +315,7 @@ def _build(spec, source: str) -> Skeleton:
     if not isinstance(spec, dict):
         _fail(source, "a skeleton must be a mapping with keypoints and limbs")
     unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
-                           "redundant", "flip"}
+                           "redundant", "flip", "metric", "pck_threshold", "pck_normalize"}
     if unknown:
         _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
     dataset = _names(spec.get("keypoints") or [], "keypoints", source)
@@ -304,7 +364,7 @@ def _build(spec, source: str) -> Skeleton:
     return Skeleton(name=str(spec.get("name") or "custom"), keypoints=tuple(names),
                     limbs=tuple(limbs), main_limbs=len(main), flip=tuple(flip),
                     dataset_keypoints=tuple(dataset), sigmas=tuple(float(s) for s in sigmas),
-                    derived=derived)
+                    derived=derived, scoring=parse_scoring(spec, dataset, source))
 
 
 # -- where skeletons come from ---------------------------------------------------------------------

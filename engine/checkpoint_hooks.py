@@ -2,8 +2,9 @@
 
 - `LastCheckpoint`: last.pth after every epoch, before any other hook's end of epoch (marked
   `validation_pending` when a validation follows: a stop during it loses no training);
-- `BestCheckpoint`: best.pth whenever the run's metric improves (AP with `train.ap_every`, else the
-  validation loss; a value that is not finite never does), saved with the weights that were
+- `BestCheckpoint`: best.pth whenever the run's metric improves (with `train.ap_every` the
+  skeleton's first metric: AP, PCK, AUC or EPE, else the validation loss; a value that is not
+  finite never does), saved with the weights that were
   evaluated (e.g. the EMA's); its state is the best value;
 - `PeriodicCheckpoint`: epoch_N.pth every `every` epochs;
 - `EarlyStop`: ends the run after `patience` validations without improvement; its state is the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from data.skeleton import LOWER_IS_BETTER
 from engine.epoch_end import EpochEndHook, validations_due, weights_evaluated
 from engine.hooks import Hook
 
@@ -27,7 +29,8 @@ class LastCheckpoint(Hook):
 
 
 class BestCheckpoint(EpochEndHook):
-    """`metric` "AP" (higher is better) or "loss" (lower is better)."""
+    """`metric`: the name of a validation result ("AP", "loss", ...; EPE and loss: lower is better),
+    or None: the first metric of the skeleton's scoring (`data.skeleton.Scoring.key`)."""
     checkpoint_key = "best_metric"
     priority = 91
 
@@ -36,14 +39,15 @@ class BestCheckpoint(EpochEndHook):
         self.improved: bool | None = None   # this epoch's verdict; None: its metric not measured
 
     def after_validation(self, trainer, epoch, results):
-        if self.metric not in results:      # a loss-only pass between AP passes: no verdict
+        metric = self.metric or trainer.skeleton.scoring.key
+        if metric not in results:           # a loss-only pass between AP passes: no verdict
             return
-        value = results[self.metric]
+        value = results[metric]
         if not math.isfinite(value):        # a NaN loss (float16 overflow) is never the best
             self.improved = False
             return
         self.improved = (self.best is None or not math.isfinite(self.best)
-                         or (value > self.best if self.metric == "AP" else value < self.best))
+                         or (value < self.best if metric in LOWER_IS_BETTER else value > self.best))
         if self.improved:
             self.best = value
 

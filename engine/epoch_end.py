@@ -1,5 +1,6 @@
-"""The end of an epoch's validation, as a hook: `Validation` measures the validation loss and AP
-(through the evaluator part the entry script hands in) when they are due, hands the results to
+"""The end of an epoch's validation, as a hook: `Validation` measures the validation loss and the
+skeleton's metrics (AP, or PCK, AUC, EPE: `data.skeleton.Scoring`; through the evaluator part the
+entry script hands in) when they are due, hands the results to
 every hook's `after_validation`, logs the epoch's line and saves last.pth again with the hooks'
 updated states. best.pth, epoch_N.pth and early stopping are hooks of their own
 (engine/checkpoint_hooks.py).
@@ -22,9 +23,6 @@ from engine.precision import cudnn_autotuning_off
 from engine.hooks import Hook
 from engine.device_feed import to_model_input
 from engine.run_setup import val_loader
-
-AP_KEYS = ("AP", "AP50", "AP75", "APm", "APl", "AR")
-
 
 def validations_due(trainer, epoch: int) -> tuple[bool, bool]:
     """(validation loss, AP) due after `epoch` (0-based)."""
@@ -61,7 +59,7 @@ class EpochEndHook(Hook):
 
 class Validation(EpochEndHook):
     """`evaluator(model, val_h5, settings, device, max_images=, progress=, stop=, skeleton=)` ->
-    COCO stats (or None when stopped) is the AP part; without one, no AP. `settings` is the run's
+    the stats of the skeleton's metrics (or None when stopped) is the AP part; without one, no AP. `settings` is the run's
     `config.views.PredictSettings`. `best` (a `BestCheckpoint`) marks the epoch's line."""
     priority = 90
 
@@ -95,7 +93,7 @@ class Validation(EpochEndHook):
 
 @torch.no_grad()
 def validate(trainer, evaluator, epoch: int, loss_due: bool, ap_due: bool) -> dict:
-    """Validation loss (all ranks, sharded) and COCO AP. A stop signal is acted on within a batch
+    """Validation loss (all ranks, sharded) and the skeleton's metrics (COCO AP, PCK, ...). A stop signal is acted on within a batch
     or an image (Interrupted; last.pth was saved before)."""
     results = {}
     ctx, cfg, val_set = trainer.ctx, trainer.cfg, trainer.data.val_set
@@ -128,5 +126,5 @@ def validate(trainer, evaluator, epoch: int, loss_due: bool, ap_due: bool) -> di
                               stop=lambda: trainer.stop_signal is not None, skeleton=trainer.skeleton)
         if stats is None:
             raise trainer.stopped(where)
-        results.update({k: stats[k] for k in AP_KEYS})
+        results.update({k: v for k, v in stats.items() if k != "num_images" and isinstance(v, float)})
     return results

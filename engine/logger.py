@@ -21,6 +21,8 @@ from pathlib import Path
 
 from common.errors import UserError, os_reason
 
+SHARES = ("AP", "PCK", "AUC")      # validation metrics from 0 to 1 that curves.png draws (the first found)
+
 
 @contextlib.contextmanager
 def writing(path: Path):
@@ -114,7 +116,8 @@ class RunLogger:
         return out
 
     def plot_curves(self) -> None:
-        """Loss (train per step, validation) with AP, and LR, against the step, in curves.png."""
+        """Loss (train per step, validation) with AP (or PCK, AUC), and LR, against the step, in
+        curves.png."""
         if not self.enabled:
             return
         import matplotlib
@@ -138,12 +141,13 @@ class RunLogger:
         axes[0].set_xlabel("step")
         axes[0].set_ylabel("loss")
         handles, labels = axes[0].get_legend_handles_labels()
-        with_ap = [r for r in val if "AP" in r]
+        key = next((k for k in SHARES if any(k in r for r in val)), None)   # AP, else PCK, else AUC
+        with_ap = [r for r in val if key in r]
         if with_ap:
             ap_axis = axes[0].twinx()
-            ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r["AP"] for r in with_ap], "s-",
-                                    color="g", label=f"val AP (last {with_ap[-1]['AP']:.3f})")
-            ap_axis.set_ylabel("AP")
+            ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-",
+                                    color="g", label=f"val {key} (last {with_ap[-1][key]:.3f})")
+            ap_axis.set_ylabel(key)
             ap_axis.set_ylim(0, 1)
             handles, labels = handles + [ap_line], labels + [ap_line.get_label()]
         if handles:

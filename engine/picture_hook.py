@@ -1,4 +1,5 @@
-"""The validation pictures' hook: after each validation that measured AP, the main process draws
+"""The validation pictures' hook: after each validation that measured the skeleton's metrics (AP,
+PCK, ...: `data.skeleton.Scoring`), the main process draws
 what the model finds on a few validation images (`train.val_pictures`, 0: none) and sends the
 picture to TensorBoard.
 
@@ -26,7 +27,7 @@ class ValidationPictures(Hook):
 
     def after_validation(self, trainer, epoch: int, results: dict) -> None:
         count = trainer.cfg.train.val_pictures
-        if "AP" not in results or not count or not trainer.ctx.is_main:
+        if trainer.skeleton.scoring.key not in results or not count or not trainer.ctx.is_main:
             return
         with cudnn_autotuning_off():       # pictures of several sizes: none worth timing algorithms for
             path = self.draw(trainer.model, trainer.data.val_h5, trainer.skeleton,

@@ -54,7 +54,7 @@ class Launch:
 def default_hooks(train: TrainConfig, evaluator: Callable | None = None) -> list[Hook]:
     """The engine's own hooks for a run of `train`'s settings (`--ema`, `--early-stop` ...);
     `evaluator` measures AP (see `engine.epoch_end.Validation`)."""
-    best = BestCheckpoint("AP" if train.ap_every else "loss")
+    best = BestCheckpoint(None if train.ap_every else "loss")      # None: the skeleton's metric
     hooks = [LastCheckpoint(), FrozenBatchNorm(), LRSchedule(), DivergenceStop(), ProgressBar(),
              TrainLog(), Preemption(), Validation(evaluator, best), best,
              PeriodicCheckpoint(train.save_every), EarlyStop(best, train.early_stop_patience),

@@ -3,8 +3,11 @@
 The ground truth is a COCO dataset dict (as `data.h5format.KeypointH5.coco_ground_truth()` gives);
 scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No
 results gives AP 0, not a crash. Annotations without `iscrowd`, `area` or `num_keypoints` (files
-converted before those were completed) get COCO's meaning here too. `keypoint_recall` says, per
-keypoint, how many labelled keypoints ended up in a found person at the right place.
+converted before those were completed) get COCO's meaning here too. pycocotools reads a matched
+annotation id 0 as "no match" and keeps one of two annotations with the same id: the annotations are
+numbered 1, 2, ... in the copy it scores, so that AP does not depend on the file's ids.
+`matched_people` pairs each labelled person with a found one; `keypoint_recall` says, per keypoint,
+how many labelled keypoints ended up in a found person at the right place.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         return {name: 0.0 for name in STAT_NAMES}
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
-        gt.dataset = dict(gt_dict, annotations=[_complete(a) for a in gt_dict.get("annotations", [])])
+        gt.dataset = dict(gt_dict, annotations=[dict(_complete(a), id=n) for n, a in
+                                                enumerate(gt_dict.get("annotations", []), 1)])
         gt.createIndex()
         dt = gt.loadRes(results)
         evaluator = COCOeval(gt, dt, iouType="keypoints")
@@ -70,45 +74,55 @@ def _complete(ann: dict) -> dict:
 RIGHT_PLACE = 0.5          # a keypoint's own OKS term exp(-d^2 / (2 s^2 k^2)) at least this
 
 
-def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
-    """Per keypoint (the annotations' order): (labelled, recalled). A labelled keypoint of a person
-    (not a crowd) is recalled when the found person matched to that person (pairs taken greedily,
-    highest OKS first, each person and each found person once) has the keypoint with an OKS term
-    >= RIGHT_PLACE: within about 2.4 sigma x sqrt(area) of where it is labelled."""
+def matched_people(gt_dict: dict, results: list[dict], sigmas, image_ids=None):
+    """Each labelled person of `gt_dict` (not a crowd, at least one labelled keypoint, of an image
+    in `image_ids`; default all) as (annotation, keypoints [K, 3], the keypoints [K, 3] of the found
+    person paired with it, or None). Pairs are taken greedily per image, highest OKS first (the mean
+    over its labelled keypoints), each person and each found person once."""
     sigmas = np.asarray(sigmas, np.float64)
-    count = len(sigmas)
     wanted = None if image_ids is None else {int(i) for i in image_ids}
     found: dict = {}
     for r in results:
         found.setdefault(int(r["image_id"]), []).append(np.asarray(r["keypoints"], np.float64).reshape(-1, 3))
-    labelled, recalled = np.zeros(count, np.int64), np.zeros(count, np.int64)
     people: dict = {}
     for ann in gt_dict.get("annotations", []):
         if ann.get("iscrowd", 0) or (wanted is not None and int(ann["image_id"]) not in wanted):
             continue
         points = np.asarray(ann.get("keypoints", []), np.float64).reshape(-1, 3)
-        if len(points) == count and (points[:, 2] > 0).any():
-            people.setdefault(int(ann["image_id"]), []).append((points, _scale(ann)))
-    variance = (2 * sigmas) ** 2
+        if len(points) == len(sigmas) and (points[:, 2] > 0).any():
+            people.setdefault(int(ann["image_id"]), []).append((ann, points))
     for image_id, persons in people.items():
         candidates = found.get(image_id, [])
-        terms = np.zeros((len(persons), len(candidates), count))
-        for i, (points, scale) in enumerate(persons):
-            for j, guess in enumerate(candidates):
-                d2 = ((guess[:, :2] - points[:, :2]) ** 2).sum(1)
-                terms[i, j] = np.exp(-d2 / (2 * variance * (scale + np.spacing(1))))
-        visible = [points[:, 2] > 0 for points, _ in persons]
-        for on in visible:
-            labelled += on
-        pairs = sorted(((terms[i, j][on].mean(), i, j) for i, on in enumerate(visible)
-                        for j in range(len(candidates))), reverse=True)
-        people_taken, found_taken = set(), set()
+        pairs = sorted(((oks_terms(points, guess, sigmas, ann)[points[:, 2] > 0].mean(), i, j)
+                        for i, (ann, points) in enumerate(persons)
+                        for j, guess in enumerate(candidates)), reverse=True)
+        partner, found_taken = {}, set()
         for oks, i, j in pairs:
-            if oks <= 0 or i in people_taken or j in found_taken:
-                continue
-            people_taken.add(i)
-            found_taken.add(j)
-            recalled += visible[i] & (terms[i, j] >= RIGHT_PLACE)
+            if oks > 0 and i not in partner and j not in found_taken:
+                partner[i] = j
+                found_taken.add(j)
+        for i, (ann, points) in enumerate(persons):
+            yield ann, points, (candidates[partner[i]] if i in partner else None)
+
+
+def oks_terms(points: np.ndarray, guess: np.ndarray, sigmas: np.ndarray, ann: dict) -> np.ndarray:
+    """Per keypoint, COCO's OKS term exp(-d^2 / (2 s^2 k^2)) of `guess` against the labelled
+    `points` of annotation `ann` (s^2: its area)."""
+    d2 = ((guess[:, :2] - points[:, :2]) ** 2).sum(1)
+    return np.exp(-d2 / (2 * (2 * sigmas) ** 2 * (_scale(ann) + np.spacing(1))))
+
+
+def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
+    """Per keypoint (the annotations' order): (labelled, recalled). A labelled keypoint of a person
+    is recalled when the found person `matched_people` pairs with that person has the keypoint
+    with an OKS term >= RIGHT_PLACE: within about 2.4 sigma x sqrt(area) of where it is labelled."""
+    sigmas = np.asarray(sigmas, np.float64)
+    labelled, recalled = np.zeros(len(sigmas), np.int64), np.zeros(len(sigmas), np.int64)
+    for ann, points, guess in matched_people(gt_dict, results, sigmas, image_ids):
+        on = points[:, 2] > 0
+        labelled += on
+        if guess is not None:
+            recalled += on & (oks_terms(points, guess, sigmas, ann) >= RIGHT_PLACE)
     return [(int(n), int(r)) for n, r in zip(labelled, recalled)]
 
 
@@ -121,7 +135,9 @@ def _scale(ann: dict) -> float:
 
 
 def format_recall(names, recall: list[tuple]) -> list[str]:
-    """Lines 'name  recalled/labelled  percent', the lowest recall first."""
-    rows = sorted(((r / n if n else 1.0), name, n, r) for name, (n, r) in zip(names, recall))
+    """Lines 'name  recalled/labelled  percent', the lowest recall first; 'n/a' for a keypoint
+    never labelled (listed last)."""
+    rows = sorted(((r / n if n else 2.0), name, n, r) for name, (n, r) in zip(names, recall))
     width = max((len(name) for _, name, _, _ in rows), default=0)
-    return [f"  {name:<{width}}  {r:>6}/{n:<6} {100 * share:5.1f}%" for share, name, n, r in rows]
+    return [f"  {name:<{width}}  {r:>6}/{n:<6} " + (f"{100 * share:5.1f}%" if n else "  n/a")
+            for share, name, n, r in rows]

@@ -1,4 +1,5 @@
-"""COCO keypoint AP of a model (or of the ground-truth maps, `oracle`) on an HDF5 split.
+"""The scores of a model (or of the ground-truth maps, `oracle`) on an HDF5 split: COCO keypoint AP,
+PCK, AUC, EPE, as the skeleton's `scoring` says (`data.skeleton.Scoring`).
 
 Used by evaluate.py and by the training engine's validation. Under torch.distributed each rank
 decodes images rank, rank + world, ... (each image exactly once, no padding), the per-image
@@ -26,7 +27,7 @@ from config.schema import TargetConfig
 from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
-from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
+from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, keypoint_recall
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pixels
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
@@ -110,7 +111,8 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
-    """{image id: COCO results} for the image indices given: pictures read and decoded a batch ahead
+    """{image id: COCO results, each with its keypoints' peak scores (`keypoint_scores`)} for the
+    image indices given: pictures read and decoded a batch ahead
     in a thread (`read_ahead`), through the model in batches and people grouped in a thread pool by
     `inference.estimator` (the ground-truth maps with `oracle`), as the inference API finds them.
     `stop()` True before an image: the images so far."""
@@ -142,6 +144,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
     for _, keypoints, scores in people:
         image_id = h5.image_info(taken.popleft())["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
+        for result, person in zip(found[image_id], skeleton.to_dataset_order(keypoints)):
+            result["keypoint_scores"] = [round(float(v), 4) for v in person[:, 2]]
     return found
 
 
@@ -156,15 +160,20 @@ def check_same_skeleton(model_skeleton, h5) -> None:
 
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
                 oracle: bool = False, results_path=None, stop=None, skeleton=None,
-                overwrite: bool = True) -> dict | None:
-    """{AP, AP50, AP75, APm, APl, AR, num_images} of `model` (a model of this project or a network
-    of `inference.predict`, e.g. an ONNX file's) on the first `max_images` images of `h5_path` (0:
-    all), OKS with the file's skeleton's sigmas, at `settings` (`config.views.PredictSettings`:
-    scales, flip, grouping, input size). `oracle` decodes the ground-truth maps instead (no
-    model needed). `skeleton`: the model's, refused when it is not the file's.
-    `results_path`: where rank 0 writes the COCO results JSON (atomically; a file there replaced
-    only with `overwrite`). `stop()`, asked before each image,
-    True on any rank: every rank returns None, unscored (a training run asked to stop).
+                overwrite: bool = True, scoring=None, recall: bool = False) -> dict | None:
+    """The stats of `model` (a model of this project or a network of `inference.predict`, e.g. an
+    ONNX file's) on the first `max_images` images of `h5_path` (0: all), `num_images` with them, at
+    `settings` (`config.views.PredictSettings`: scales, flip, grouping, input size). `oracle`
+    decodes the ground-truth maps instead (no model needed). `skeleton`: the model's, refused when
+    it is not the file's. `scoring` (`data.skeleton.Scoring`; default: `skeleton`'s, else the
+    file's skeleton's) chooses the metrics: oks gives STAT_NAMES (OKS with the file's sigmas),
+    pck, auc, epe `inference.pck_eval.distance_stats`'s. `recall`: also `keypoint_recall`, as
+    {keypoint: [labelled, recalled]}.
+    `results_path`: where rank 0 writes the results (atomically; a file there replaced only with
+    `overwrite`): COCO's results JSON, or with a .jsonl name one JSON line per picture (`image_id`,
+    `file_name`, `people`: `score` and `keypoints`, {name: [x, y, peak score]} of those found).
+    `stop()`, asked before each image, True on any rank: every rank returns None, unscored (a
+    training run asked to stop).
     """
     from data.h5format import KeypointH5
 
@@ -175,6 +184,7 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
     h5 = KeypointH5(h5_path)
     if skeleton is not None:
         check_same_skeleton(skeleton, h5)
+    scoring = scoring or (skeleton or h5.skeleton).scoring
     total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
     rank, world = get_rank(), get_world_size()
     with eval_mode(model):
@@ -185,31 +195,57 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
         return None
     gathered = all_gather_object(found)
     try:
-        return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite))
+        return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite, scoring, recall))
     finally:
         h5.close()
 
 
-def _score(gathered: list[dict], h5, results_path, overwrite: bool = True) -> dict:
+def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, recall: bool) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
+    from inference.pck_eval import distance_stats
+
     merged = {}
     for part in gathered:
         if set(part) & set(merged):
             raise DataError(f"{h5.path}: an image id was decoded twice (duplicate ids in the file?)")
         merged.update(part)
-    results = [r for image_id in sorted(merged) for r in merged[image_id]]
+    gt, skeleton = h5.coco_ground_truth(), h5.skeleton
+    results = [{k: v for k, v in r.items() if k != "keypoint_scores"}
+               for image_id in sorted(merged) for r in merged[image_id]]
     if results_path:
-        try:
-            Path(results_path).parent.mkdir(parents=True, exist_ok=True)
-            with written_whole(results_path, overwrite) as temp:
-                temp.write_text(json.dumps(results))
-        except OSError as exc:
-            raise DataError(f"{results_path}: cannot write the results JSON there "
-                            f"({exc.strerror or exc})") from None
-    stats = coco_keypoint_stats(h5.coco_ground_truth(), results, image_ids=list(merged),
-                                sigmas=h5.skeleton.sigmas)
+        _write_results(results_path, overwrite, results, merged, gt, skeleton)
+    stats, distances = {}, None          # in the order of `scoring.metrics`: the first leads
+    for metric in scoring.metrics:
+        if metric == "oks":
+            stats.update(coco_keypoint_stats(gt, results, image_ids=list(merged), sigmas=skeleton.sigmas))
+        else:                            # PCK with PCK_unnormalised, EPE with EPE_found, AUC
+            distances = distances or distance_stats(gt, results, skeleton, scoring, image_ids=list(merged))
+            stats.update({k: v for k, v in distances.items() if k.split("_")[0].lower() == metric})
     stats["num_images"] = len(merged)
+    if recall:
+        counts = keypoint_recall(gt, results, skeleton.sigmas, list(merged))
+        stats["keypoint_recall"] = {name: list(n) for name, n in zip(skeleton.dataset_keypoints, counts)}
     return stats
+
+
+def _write_results(path, overwrite: bool, results: list, merged: dict, gt: dict, skeleton) -> None:
+    """The COCO results JSON, or per picture JSON lines (a .jsonl `path`), written whole."""
+    if Path(path).suffix == ".jsonl":
+        files = {img["id"]: img["file_name"] for img in gt["images"]}
+        names = skeleton.dataset_keypoints
+        text = "".join(json.dumps({"image_id": image_id, "file_name": files.get(image_id), "people": [
+            {"score": r["score"], "keypoints": {
+                name: [r["keypoints"][3 * k], r["keypoints"][3 * k + 1], r["keypoint_scores"][k]]
+                for k, name in enumerate(names) if r["keypoints"][3 * k + 2] > 0}}
+            for r in merged[image_id]]}) + "\n" for image_id in sorted(merged))
+    else:
+        text = json.dumps(results)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(path, overwrite) as temp:
+            temp.write_text(text)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot write the results there ({exc.strerror or exc})") from None
 
 
 __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads", "eval_mode",

@@ -140,6 +140,31 @@ def test_best_checkpoint_and_early_stop_keep_their_own_state():
     assert ap.state_dict() == 0.3
 
 
+@pytest.mark.parametrize("name, values, best_value", [
+    ("fly", [0.5, 0.7, 0.6], 0.7),       # PCK first: higher is better; AP is not even measured
+    ("coco", [0.5, 0.7, 0.6], 0.7),
+])
+def test_best_pth_follows_the_skeletons_first_metric(name, values, best_value):
+    from dataclasses import replace
+
+    from data.skeleton import Scoring, builtin
+    from engine.checkpoint_hooks import BestCheckpoint
+    from engine.run_trainer import default_hooks
+
+    trainer = SimpleNamespace(skeleton=builtin(name))
+    best = next(h for h in default_hooks(build_config("tiny", sets=["train.ap_every=1"]).train)
+                if isinstance(h, BestCheckpoint))
+    key = "PCK" if name == "fly" else "AP"
+    for value in values:
+        best.after_validation(trainer, 0, {key: value, "loss": 1.0})
+    assert best.state_dict() == best_value
+    trainer.skeleton = replace(builtin("fly"), scoring=Scoring(("epe", "pck")))    # EPE: lower is better
+    epe = BestCheckpoint(None)
+    for value in (3.0, 2.0, 2.5):
+        epe.after_validation(trainer, 0, {"EPE": value, "PCK": 1 / value})
+    assert epe.state_dict() == 2.0
+
+
 @pytest.mark.parametrize("saved_best", [None, float("nan")])    # a fresh run; one resumed from a NaN best
 def test_a_nan_validation_loss_is_never_the_best_and_never_blocks_a_later_one(saved_best):
     """A float16 validation that overflowed (loss NaN) must not become best.pth, nor the value every

@@ -140,6 +140,9 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--weights", "{h5}", "--h5", "{h5}"], "options --oracle and --weights: give one"),
     (["--weights", "{h5}", "--h5", "{h5}", "--device", "tpu"],
      "--device: 'tpu' is not auto, cpu, cuda, cuda:N or a list of GPU numbers"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"], "option --pck-threshold: 0.0 must be > 0"),
+    (["--oracle", "--h5", "{h5}", "--pck-normalize", "nose,tail"],
+     "option --pck-normalize: pck_normalize ['nose', 'tail']: give bbox, or two of the annotated keypoints"),
 ])
 def test_user_errors_are_one_line_with_exit_code(argv, message, coco4_h5, tmp_path, capsys):
     names = {"h5": coco4_h5, "missing": tmp_path / "missing.file"}
@@ -166,6 +169,50 @@ def test_unwritable_results_path_fails_before_evaluating(out, message, coco4_h5,
                                 "--no-progress"], capsys)
     assert code == 2 and stats is None and err.count("\n") == 1
     assert err.startswith("error: " + message.format(**names)), err
+
+
+def test_each_metric_as_the_skeleton_says_or_as_asked_and_keypoints_per_picture(coco4_dir, tmp_path,
+                                                                                 capsys):
+    """A skeleton naming PCK and EPE is scored with them by default; --metric adds OKS, which with
+    the stand-in sigma says so; --out NAME.jsonl holds each picture's people and keypoints."""
+    from data.make_hdf5 import convert
+    from data.skeleton import Skeleton
+
+    spec = dict(COCO.to_spec(), name="stand_in", sigmas=0.067, metric=["pck", "epe"])
+    h5 = tmp_path / "stand_in.h5"
+    convert(coco4_dir / "test_coco.json", coco4_dir, h5, split="val", progress=False,
+            skeleton=Skeleton.from_spec(spec, "test"))
+    code, stats, err = run_cli(["--oracle", "--h5", h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
+    assert code == 0 and "AP" not in stats and "stand-in" not in err
+    assert stats["PCK"] >= 0.95 and 0 <= stats["EPE"] < 1.0 and stats["EPE_found"] >= 0.95
+    assert "  PCK: within 0.2 x the box's longer side" in err
+    code, stats, err = run_cli(["--oracle", "--h5", h5, "--metric", "oks", "pck", "--pck-normalize",
+                                "left_eye,right_eye", "--out", tmp_path / "r.jsonl",
+                                "--no-progress"], capsys)
+    assert code == 0 and stats["AP"] >= 0.85 and "EPE" not in stats and stats["PCK_unnormalised"] > 0
+    assert "OKS uses the stand-in sigma 0.067 for every keypoint of skeleton stand_in" in err
+    pictures = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [p["image_id"] for p in pictures] == sorted(COCO4_IDS)
+    assert pictures[0]["file_name"] == "000000000785.jpg" and len(pictures[0]["people"]) == 1
+    person = pictures[0]["people"][0]
+    assert 0 < person["score"] <= 1 and set(person["keypoints"]) <= set(COCO.dataset_keypoints)
+    x, y, score = person["keypoints"]["nose"]
+    assert 300 < x < 450 and 0 < y < 200 and 0 < score <= 1
+
+
+def test_an_annotation_id_0_is_said_at_conversion_and_scores_as_any_other(coco4_dir, tmp_path, capsys):
+    from data import make_hdf5
+
+    coco = json.loads((coco4_dir / "test_coco.json").read_text())
+    coco["annotations"][0]["id"] = 0
+    (tmp_path / "id0.json").write_text(json.dumps(coco))
+    assert make_hdf5.main(["--ann", str(tmp_path / "id0.json"), "--images", str(coco4_dir), "--out",
+                           str(tmp_path / "id0.h5"), "--split", "val", "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert "annotation id 0, which pycocotools reads as 'no match'" in said.out + said.err
+    plain = evaluate_h5(None, tmp_path / "id0.h5", PredictSettings.of(build_config(None)), "cpu",
+                        oracle=True, progress=False)
+    assert plain["AP"] >= 0.98 and plain["AR"] >= 0.99
 
 
 def _distributed_worker(rank: int, port: int, argv: list[str], out_dir: str) -> None:
