@@ -12,7 +12,7 @@ import numpy as np
 
 from common.errors import DataError
 from data.skeleton import Skeleton
-from data.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin
+from data.skeleton_infer import fit_to_labels, infer_skeleton, keypoint_names, matching_builtin
 from data.coco_checks import Selection, select_valid
 
 SHOWN_CATEGORIES = 6
@@ -50,7 +50,9 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None) -> lis
 
 def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
                     skeleton: Skeleton | None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, lines saying where it came from) or `DataError`."""
+    """(the skeleton of the file, lines saying where it came from) or `DataError`: `skeleton` as
+    given, else the built-in the keypoints name or one inferred, with links added where the
+    keypoints `points` label reach each other only through keypoints never labelled."""
     if skeleton is not None:
         if tuple(names) != skeleton.dataset_keypoints:
             raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints "
@@ -60,9 +62,12 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
         return skeleton, f"{skeleton.describe()} (given by --skeleton)"
     known = matching_builtin(names)
     if known is not None:
-        return known, f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"
-    inferred, report = infer_skeleton(category, names, points, str(ann_path))
-    return inferred, "\n".join(report)
+        chosen = known
+        report = [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}"]
+    else:
+        chosen, report = infer_skeleton(category, names, points, str(ann_path))
+    fitted, said = fit_to_labels(chosen, points, str(ann_path))      # links the data can use
+    return fitted, "\n".join(dict.fromkeys(report + said))
 
 
 def _read_json(ann_path: Path) -> dict:
