@@ -314,7 +314,7 @@ def _nearest(rows: np.ndarray, relative: np.ndarray, count: int) -> np.ndarray:
 def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
     """(relative distance, i, j) of the pairs of partial people i < j that `_bridge` may join,
     each person's BRIDGE_PARTNERS nearest."""
-    crowd, size = slots.shape
+    crowd = len(slots)
     found = []
     for lo in range(0, crowd, max(1, BRIDGE_CELLS // crowd)):
         rows = slice(lo, lo + max(1, BRIDGE_CELLS // crowd))
@@ -343,7 +343,7 @@ def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
 def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list:
     """(relative distance, i, crowd + n) of partial people i and lone peaks lone[n] that `_bridge`
     may join: per person and keypoint type, the BRIDGE_LONE nearest of that type."""
-    crowd, size = slots.shape
+    crowd = len(slots)
     found = []
     for kind in np.unique(channel[lone]):
         which = np.flatnonzero(channel[lone] == kind)
