@@ -278,8 +278,9 @@ class InferenceConfig:
     min_parts: int = option(2, bounds=Bounds(1, 18))
     min_mean_score: float = 0.45
     max_people: int = option(20, bounds=Bounds(1, 10000))
-    # strongest peaks kept per keypoint type (bounds noisy maps' cost)
-    max_peaks: int = option(100, bounds=Bounds(1, 10000))
+    # strongest peaks kept per keypoint type (bounds noisy maps' cost;
+    # grouping holds up to max_peaks ** 2 candidate pairs of a limb)
+    max_peaks: int = option(100, bounds=Bounds(1, 1000))
     # evaluation: images grouped in this many threads while the next one
     # runs through the network (0: this machine's cores / its processes, <= 8)
     decode_threads: int = option(0, bounds=Bounds(0, 256))

@@ -13,7 +13,7 @@ import numpy as np
 
 from common.errors import DataError
 from data.skeleton import Skeleton
-from data.skeleton_infer import infer_skeleton, keypoint_names, matching_builtin, plain_name
+from data.skeleton_infer import fit_to_labels, infer_skeleton, keypoint_names, matching_builtin, plain_name
 from data.skeleton_words import limb_changes
 from data.coco_checks import Selection, select_valid
 
@@ -82,8 +82,10 @@ def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path)
 
 def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
                     skeleton: Skeleton | None, links_from: int | None = None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, lines saying where it came from) or `DataError`; `links_from`:
-    how an inferred skeleton counts the category's links (`infer_skeleton`)."""
+    """(the skeleton of the file, lines saying where it came from) or `DataError`: `skeleton` as
+    given, else the built-in the keypoints name or one inferred (`links_from`: how it counts the
+    category's links, see `infer_skeleton`), with links added where the keypoints `points` label
+    reach each other only through keypoints never labelled."""
     if skeleton is not None:
         lines = _name_lines(names, skeleton, category, ann_path)
         known = matching_builtin(skeleton.dataset_keypoints)
@@ -93,10 +95,13 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
     known = matching_builtin(names)
     if known is not None:
-        return known, "\n".join([f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
-                                 f"{known.name}", *_name_lines(names, known, category, ann_path)])
-    inferred, report = infer_skeleton(category, names, points, str(ann_path), links_from)
-    return inferred, "\n".join(report)
+        chosen = known
+        report = [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}",
+                  *_name_lines(names, known, category, ann_path)]
+    else:
+        chosen, report = infer_skeleton(category, names, points, str(ann_path), links_from)
+    fitted, said = fit_to_labels(chosen, points, str(ann_path))      # links the data can use
+    return fitted, "\n".join(dict.fromkeys(report + said))
 
 
 def _layouts(ann: dict) -> dict:

@@ -203,14 +203,17 @@ class Skeleton:
 
     # -- annotations ----------------------------------------------------------------------------
     def from_annotation(self, values) -> np.ndarray:
-        """An annotation's flat (x, y, v) list -> float32 [K, 3] in network order, derived added."""
-        given = np.asarray(values, np.float32).reshape(len(self.dataset_keypoints), 3)
-        ours = np.zeros((self.num_keypoints, 3), np.float32)
-        ours[list(self.dataset_index)] = given
+        """An annotation's flat (x, y, v) list -> float32 [K, 3] in network order, derived added
+        (many people's, [N, D * 3] or [N, D, 3] -> [N, K, 3])."""
+        given = np.asarray(values, np.float32)
+        count = len(self.dataset_keypoints)
+        lead = given.shape[:-2] if given.shape[-2:] == (count, 3) else given.shape[:-1]
+        ours = np.zeros((*lead, self.num_keypoints, 3), np.float32)
+        ours[..., list(self.dataset_index), :] = given.reshape(*lead, count, 3)
         for k, a, b in self.derived:
-            if ours[a, 2] > 0 and ours[b, 2] > 0:
-                ours[k, :2] = (ours[a, :2] + ours[b, :2]) / 2
-                ours[k, 2] = min(ours[a, 2], ours[b, 2])
+            both = (ours[..., a, 2] > 0) & (ours[..., b, 2] > 0)
+            ours[..., k, :2] = np.where(both[..., None], (ours[..., a, :2] + ours[..., b, :2]) / 2, 0)
+            ours[..., k, 2] = np.where(both, np.minimum(ours[..., a, 2], ours[..., b, 2]), 0)
         return ours
 
     def to_dataset_order(self, keypoints: np.ndarray) -> np.ndarray:

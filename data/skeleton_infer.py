@@ -22,6 +22,8 @@ from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_name
 
 MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
 SHOWN = 12                 # names or links listed in one report line
+SAME_SKELETON = ("these links depend on this file's people: give the other split this same skeleton "
+                 "(--dump-skeleton FILE.yaml here, --skeleton FILE.yaml there)")
 
 
 _WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
@@ -135,11 +137,11 @@ def _mean_distances(points: np.ndarray) -> np.ndarray:
         return np.where(seen > 0, total / np.maximum(seen, 1), np.inf)
 
 
-def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, list]:
-    """(all links, mirrors added, links added to join the parts): the file's links, each one's
-    mirror, and a minimum spanning forest over the mean distances joining what they leave apart."""
-    count = len(flip)
-    parent = list(range(count))
+def _joins(links: list, flip: list, distance: np.ndarray, among) -> list:
+    """Links, each with its mirror, that join the keypoints `among` which `links` leave apart: a
+    minimum spanning forest over `distance`, nearest first; ends outside `among` join nothing."""
+    inside = set(among)
+    parent = list(range(len(flip)))
 
     def root(k):
         while parent[k] != k:
@@ -147,26 +149,59 @@ def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, 
             k = parent[k]
         return k
 
-    links, mirrors, joins = [], [], []
+    def join(a, b) -> None:
+        if a in inside and b in inside:
+            parent[root(a)] = root(b)
 
-    def add(a, b, into) -> None:
-        if a == b or (a, b) in links or (b, a) in links:
-            return
-        links.append((a, b))
-        into.append((a, b))
-        parent[root(a)] = root(b)
-
-    for a, b in pairs:
-        add(a, b, [])
-    for a, b in list(links):
-        add(flip[a], flip[b], mirrors)
-    distance = _mean_distances(points) if len(points) else np.full((count, count), np.inf)
-    order = sorted((distance[a, b], a, b) for a in range(count) for b in range(a + 1, count))
-    for d, a, b in order:
+    for a, b in links:
+        join(a, b)
+    added = []
+    for _, a, b in sorted((distance[a, b], a, b) for a in inside for b in inside if a < b):
         if root(a) != root(b):
-            add(a, b, joins)
-            add(flip[a], flip[b], joins)
-    return links, mirrors, joins
+            for pair in ((a, b), (flip[a], flip[b])):
+                if pair[0] != pair[1] and not {pair, pair[::-1]} & set(links + added):
+                    added.append(pair)
+                    join(*pair)
+    return added
+
+
+def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, list]:
+    """(all links, mirrors added, links added to join the parts): the file's links, each one's
+    mirror, and a minimum spanning forest over the mean distances joining what they leave apart."""
+    count = len(flip)
+    links = list(pairs)
+    mirrors = [m for m in dict.fromkeys((flip[a], flip[b]) for a, b in pairs)
+               if m[0] != m[1] and m not in links and m[::-1] not in links]
+    links += mirrors
+    distance = _mean_distances(points) if len(points) else np.full((count, count), np.inf)
+    joins = _joins(links, flip, distance, range(count))
+    return links + joins, mirrors, joins
+
+
+def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[Skeleton, list]:
+    """(skeleton, report lines): `skeleton` with links added (nearest in the data, and their
+    mirrors) where the keypoints the people `points` [N, D, 3] label reach each other only through
+    keypoints they never label (such links join nothing in this file: halpe136 joins head only
+    through neck); as it is when its links between labelled keypoints join them all."""
+    if not len(points):
+        return skeleton, []
+    ours = skeleton.from_annotation(points)
+    labelled = np.flatnonzero((ours[..., 2] > 0).any(0))
+    usable = [(a, b) for a, b in skeleton.limbs if a in labelled and b in labelled]
+    added = _joins(usable, list(skeleton.flip), _mean_distances(ours), labelled)
+    added = [p for p in added if p not in skeleton.limbs and p[::-1] not in skeleton.limbs]
+    if not added:
+        return skeleton, []
+    names = skeleton.keypoints
+    spec = skeleton.to_spec()
+    spec["redundant"] = spec["redundant"] + [[names[a], names[b]] for a, b in added]
+    never = [names[k] for k in range(len(names)) if k not in labelled]
+    keep = (f"; --skeleton {skeleton.name} keeps the built-in as it is"
+            if skeleton.name in builtin_names() and skeleton == builtin(skeleton.name) else "")
+    return Skeleton.from_spec(spec, source), [
+        f"{skeleton.name}'s links join the keypoints this file labels only through keypoints it never "
+        f"labels ({_listed(never)}): added {_listed(f'{names[a]}-{names[b]}' for a, b in added)} "
+        f"(nearest in the data){keep}", SAME_SKELETON]
 
 
 def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
@@ -204,8 +239,7 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
         report.append(f"links added as mirrors of the JSON's: {show(mirrors)}")
     if joins:
         report.append(f"links added to reach every keypoint (nearest in the data): {show(joins)}")
-        report.append("these links depend on this file's people: give the other split this same "
-                      "skeleton (--dump-skeleton FILE.yaml here, --skeleton FILE.yaml there)")
+        report.append(SAME_SKELETON)
     pairs_found = [f"{names[k]}/{names[f]}" for k, f in enumerate(flip) if k < f]
     report.append(f"flip pairs: {_listed(pairs_found) if pairs_found else 'none found in the names'}")
     alone = unpaired_sided(names)

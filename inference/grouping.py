@@ -5,8 +5,11 @@ Steps (../shared/SPEC.md, "Inference and grouping"): peaks by 3x3 NMS with centr
 (numpy, in cache-sized chunks), pairs are matched greedily (in vectorised rounds, see
 `greedy_matching`); people are assembled greedily over the skeleton's limbs in their order (main
 links, a tree from its root, then redundant ones; COCO: 30), merging two partial people when the
-joining limb is strong enough; weak or tiny people are dropped. Any skeleton works whose limbs
-join every keypoint (`data.skeleton` refuses one that does not).
+joining limb is strong enough; parts of a person that missing keypoints separate are joined
+(`_bridge`); weak or tiny people are dropped. Any skeleton works whose limbs join every keypoint
+(`data.skeleton` refuses one that does not). Memory is bounded whatever the maps: limbs are matched
+in groups of at most PAIR_BUDGET candidate pairs (or one limb's max_peaks ** 2), samples are taken
+SAMPLE_CELLS at a time and the joining compares BRIDGE_CELLS pairs at a time.
 """
 from __future__ import annotations
 
@@ -19,11 +22,15 @@ from data.skeleton import Skeleton
 from inference.peaks import find_peaks
 
 
-PAIR_CHUNK = 4096   # candidate pairs sampled at once (their samples stay in the CPU cache)
+SAMPLE_CELLS = 81920  # samples taken at once, pairs x samples (4096 pairs of 20: in the CPU cache)
+PAIR_BUDGET = 1 << 18  # candidate pairs enumerated at once (a limb with more: in parts)
 PROBE_FROM = 256    # candidate pairs from which a few samples first reject the hopeless ones
 ROUNDS_FROM = 64    # candidates from which matching in vectorised rounds beats a Python walk
 BLOCK_SLACK = 1 << 16  # cells allowed beyond 4 per candidate in one matching block of all limbs
 BRIDGE_HOPS = 3     # partial people are joined across at most this many limbs (2 missing keypoints)
+BRIDGE_PARTNERS = 8  # nearest partial people each partial person may be joined to
+BRIDGE_LONE = 2     # nearest lone peaks per keypoint type each partial person may take
+BRIDGE_CELLS = 1 << 20  # (person, part) or keypoint-pair cells the joining compares at once
 
 
 def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, t: np.ndarray) -> np.ndarray:
@@ -55,6 +62,12 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
     support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
     return score, length, support & (score > 0)
+
+
+def _sample_chunks(count: int, samples: int) -> list:
+    """Slices of range(count): pairs whose `samples` samples each fit SAMPLE_CELLS."""
+    step = max(1, SAMPLE_CELLS // samples)
+    return [slice(lo, lo + step) for lo in range(0, count, step)]
 
 
 def _sample_steps(count: int) -> np.ndarray:
@@ -132,53 +145,73 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score, the mean
     sample plus min(0.5 * image_height / max(length, 1) - 1, 0), is positive (two keypoints on the
     same spot, length 0, are a pair too: Halpe's hand roots on the wrists). Per limb, pairs are taken in
-    decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once.
+    decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once. Limbs are
+    matched in groups of at most PAIR_BUDGET candidate pairs (a larger limb alone, its pairs
+    enumerated PAIR_BUDGET at a time), so memory holds at most max(PAIR_BUDGET, max_peaks ** 2)
+    candidates.
     """
     ends = np.asarray(limbs)
-    start_a, start_b = bounds[ends[:, 0]], bounds[ends[:, 1]]
-    count_a, count_b = bounds[ends[:, 0] + 1] - start_a, bounds[ends[:, 1] + 1] - start_b
+    count_a = bounds[ends[:, 0] + 1] - bounds[ends[:, 0]]
+    count_b = bounds[ends[:, 1] + 1] - bounds[ends[:, 1]]
     connections: list[list[tuple]] = [[] for _ in limbs]
-    if (count_a * count_b).sum() == 0:
-        return connections
-    # Candidate pairs as cells (limb, a, b) of a [limbs, most a, most b] block, row-major.
     pairs = count_a * count_b
-    limb = np.repeat(np.arange(len(limbs)), pairs)
-    local_a, local_b = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
-                                 count_b[limb])
-    shape = (len(limbs), count_a.max(), count_b.max())
-    peak_a, peak_b = start_a[limb] + local_a, start_b[limb] + local_b
     x, y = np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1])
+    first = 0
+    while first < len(limbs):                   # limbs [first, last) together: one matching
+        last = first + max(1, int(np.searchsorted(np.cumsum(pairs[first:]), PAIR_BUDGET, "right")))
+        found = [_accepted(limb_maps, ends, bounds, count_b, first, last, lo, x, y, peak_score, cfg)
+                 for lo in range(0, int(pairs[first:last].sum()), PAIR_BUDGET)]
+        if found:
+            limb, local_a, local_b, score, length, rank = (np.concatenate(f) for f in zip(*found))
+            shape = (last - first, count_a[first:last].max(), count_b[first:last].max())
+            chosen = greedy_matching(limb - first, local_a, local_b, rank, shape)
+            peak_a, peak_b = bounds[ends[limb, 0]] + local_a, bounds[ends[limb, 1]] + local_b
+            for l, a, b, s, n in zip(limb[chosen].tolist(), peak_a[chosen].tolist(), peak_b[chosen].tolist(),
+                                     score[chosen].tolist(), length[chosen].tolist()):
+                connections[l].append((a, b, s, n))
+        first = last
+    return connections
+
+
+def _accepted(limb_maps, ends, bounds, count_b, first: int, last: int, lo: int, x, y, peak_score,
+              cfg: InferenceConfig) -> tuple:
+    """(limb, local_a, local_b, score, length, rank) of the accepted pairs among candidates
+    lo:lo + PAIR_BUDGET of limbs first:last, listed by limb then (a, b) row-major."""
+    pairs = (bounds[ends[first:last, 0] + 1] - bounds[ends[first:last, 0]]) * count_b[first:last]
+    starts = np.cumsum(pairs) - pairs
+    index = np.arange(lo, min(lo + PAIR_BUDGET, int(pairs.sum())))
+    limb = np.searchsorted(starts, index, "right") - 1
+    local_a, local_b = np.divmod(index - starts[limb], count_b[first:last][limb])
+    limb += first
+    peak_a, peak_b = bounds[ends[limb, 0]] + local_a, bounds[ends[limb, 1]] + local_b
     if len(limb) > PROBE_FROM:               # most pairs join two people: a few samples reject them
-        hopeful = np.flatnonzero(_may_be_supported(limb_maps, limb, x[peak_a], y[peak_a], x[peak_b],
-                                                   y[peak_b], cfg))
+        hopeful = np.ones(len(limb), bool)
+        for part in _sample_chunks(len(limb), cfg.limb_samples):
+            a, b = peak_a[part], peak_b[part]
+            hopeful[part] = _may_be_supported(limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
+        hopeful = np.flatnonzero(hopeful)
         limb, local_a, local_b = limb[hopeful], local_a[hopeful], local_b[hopeful]
         peak_a, peak_b = peak_a[hopeful], peak_b[hopeful]
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
     accepted = np.empty(len(limb), bool)
-    for lo in range(0, len(limb), PAIR_CHUNK):
-        part = slice(lo, lo + PAIR_CHUNK)
+    for part in _sample_chunks(len(limb), cfg.limb_samples):
         a, b = peak_a[part], peak_b[part]
         score[part], length[part], accepted[part] = _score_pairs(
             limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
     keep = np.flatnonzero(accepted)
     rank = 0.5 * score[keep] + 0.25 * (peak_score[peak_a[keep]] + peak_score[peak_b[keep]])
-    chosen = keep[greedy_matching(limb[keep], local_a[keep], local_b[keep], rank, shape)]
-    for l, a, b, s, n in zip(limb[chosen].tolist(), peak_a[chosen].tolist(), peak_b[chosen].tolist(),
-                             score[chosen].tolist(), length[chosen].tolist()):
-        connections[l].append((a, b, s, n))
-    return connections
+    return limb[keep], local_a[keep], local_b[keep], score[keep], length[keep], rank
 
 
 class _Person:
-    """A partial person during assembly: peak id per keypoint slot, running scores, and per slot
-    the longest connection that reaches it."""
+    """A partial person during assembly: peak id per keypoint slot, running scores, its weakest
+    and its longest connection."""
 
-    __slots__ = ("slots", "reach", "total", "parts", "weakest", "longest")
+    __slots__ = ("slots", "total", "parts", "weakest", "longest")
 
     def __init__(self, num_keypoints: int):
         self.slots = [-1] * num_keypoints
-        self.reach = [0.0] * num_keypoints
         self.total = 0.0
         self.parts = 0
         self.weakest = float("inf")
@@ -193,7 +226,6 @@ class _Person:
         for slot, peak in enumerate(other.slots):
             if peak >= 0:
                 self.slots[slot] = peak
-                self.reach[slot] = other.reach[slot]
         self.total += other.total + score
         self.parts += other.parts
         self.weakest = min(self.weakest, other.weakest)
@@ -208,7 +240,6 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
     def add(pid: int, slot: int, peak: int, score: float, length: float) -> None:
         person = people[pid]
         person.slots[slot] = peak
-        person.reach[slot] = max(person.reach[slot], length)
         person.total += peak_score[peak] + score
         person.parts += 1
         person.weakest = min(person.weakest, score)
@@ -221,7 +252,6 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
             if pa is None and pb is None:
                 person = _Person(skeleton.num_keypoints)
                 person.slots[slot_a] = peak_a
-                person.reach[slot_a] = length
                 person.total = peak_score[peak_a]
                 person.parts = 1
                 people.append(person)
@@ -232,8 +262,6 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                 person = people[pid]
                 if person.slots[slot] < 0 and length <= cfg.max_limb_ratio * person.longest:
                     add(pid, slot, peak, score, length)
-                    other = slot_a if pb is None else slot_b
-                    person.reach[other] = max(person.reach[other], length)
             elif pa != pb:
                 first, second = people[pa], people[pb]
                 clash = first.shares_keypoint(second)
@@ -244,8 +272,6 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                 first.absorb(second, score)
                 first.weakest = min(first.weakest, score)
                 first.longest = max(first.longest, length)
-                first.reach[slot_a] = max(first.reach[slot_a], length)
-                first.reach[slot_b] = max(first.reach[slot_b], length)
                 for peak in second.slots:
                     if peak >= 0:
                         owner[peak] = pa
@@ -279,47 +305,112 @@ def limb_hops(skeleton: Skeleton) -> np.ndarray:
     return _HOPS[key]
 
 
-def _bridge(people: list[_Person], xy: np.ndarray, hops: np.ndarray, ratio: float) -> list[_Person]:
-    """Join partial people that only keypoints missing from both could link (a chain broken where
-    a keypoint was not found): two people with no keypoint in common are joined when, between
-    their closest keypoints in the skeleton (h >= 2 limbs apart), the image distance is at most
-    `ratio` x h x the longest connection reaching either end, for h up to BRIDGE_HOPS. Pairs are
-    joined closest first (distance over h x that length); a pair whose people, as joined so far,
-    now share a keypoint is skipped."""
-    if ratio <= 0 or len(people) < 2:
+def _nearest(rows: np.ndarray, relative: np.ndarray, count: int) -> np.ndarray:
+    """Positions of the `count` smallest `relative` of each value of `rows` (ties: first listed)."""
+    order = np.lexsort((relative, rows))
+    return order[np.arange(len(order)) - np.searchsorted(rows[order], rows[order]) < count]
+
+
+def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
+    """(relative distance, i, j) of the pairs of partial people i < j that `_bridge` may join,
+    each person's BRIDGE_PARTNERS nearest."""
+    crowd = len(slots)
+    found = []
+    for lo in range(0, crowd, max(1, BRIDGE_CELLS // crowd)):
+        rows = slice(lo, lo + max(1, BRIDGE_CELLS // crowd))
+        # Limbs between i's keypoints and j's closest one: BRIDGE_HOPS + 1 - how many of the
+        # distances 0 ... BRIDGE_HOPS reach one of j's keypoints.
+        closest = BRIDGE_HOPS + 1 - sum((w[rows] @ present.T > 0).astype(np.intp) for w in within)
+        closest[lo + np.arange(len(closest))[:, None] >= np.arange(crowd)] = 0     # each pair once
+        i, j = np.nonzero(closest >= 2)
+        h, i = closest[i, j], i + lo
+        gap = np.full(len(i), np.inf, np.float32)
+        for limbs in range(2, BRIDGE_HOPS + 1):   # the least distance between keypoints h limbs apart
+            ka, kb = np.nonzero(hops == limbs)
+            these = np.flatnonzero(h == limbs)
+            for s in range(0, len(these), max(1, BRIDGE_CELLS // max(len(ka), 1))):
+                pair = these[s:s + max(1, BRIDGE_CELLS // max(len(ka), 1))]
+                mine, theirs = slots[i[pair]][:, ka], slots[j[pair]][:, kb]
+                d = np.hypot(*np.moveaxis(xy[mine] - xy[theirs], -1, 0))
+                gap[pair] = np.where((mine >= 0) & (theirs >= 0), d, np.inf).min(1)
+        relative = gap / np.maximum(h * np.minimum(longest[i], longest[j]), 1.0)
+        near = np.flatnonzero(relative <= ratio)
+        kept = near[_nearest(i[near], relative[near], BRIDGE_PARTNERS)]
+        found += zip(relative[kept].tolist(), i[kept].tolist(), j[kept].tolist())
+    return found
+
+
+def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list:
+    """(relative distance, i, crowd + n) of partial people i and lone peaks lone[n] that `_bridge`
+    may join: per person and keypoint type, the BRIDGE_LONE nearest of that type."""
+    crowd = len(slots)
+    found = []
+    for kind in np.unique(channel[lone]):
+        which = np.flatnonzero(channel[lone] == kind)
+        # (person, keypoint) ends: the person's keypoints closest to this type, 2+ limbs away
+        person, end = np.nonzero((slots >= 0) & (hops[:, kind] == to_type[:, kind, None])
+                                 & (to_type[:, kind, None] >= 2))
+        step = max(1, BRIDGE_CELLS // len(which))
+        for s in range(0, len(person), step):
+            i, k = person[s:s + step], end[s:s + step]
+            gap = np.hypot(*np.moveaxis(xy[slots[i, k]][:, None] - xy[lone[which]][None], -1, 0))
+            relative = gap / np.maximum(hops[k, kind] * longest[i], 1.0)[:, None]
+            e, n = np.nonzero(relative <= ratio)
+            kept = _nearest(i[e], relative[e, n], BRIDGE_LONE)
+            e, n = e[kept], n[kept]
+            found += zip(relative[e, n].tolist(), i[e].tolist(), (crowd + which[n]).tolist())
+    return found
+
+
+def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
+            hops: np.ndarray, ratio: float) -> list[_Person]:
+    """Join to partial people the parts that only keypoints missing from both could link (a chain
+    broken where a keypoint was not found): another partial person, or a peak no person holds (a
+    keypoint left on its own; `channel[n]` is peak n's keypoint). A person and a part are joined
+    when they hold no keypoint of the same type, their closest keypoints in the skeleton are h = 2
+    to BRIDGE_HOPS limbs apart (1: their link was scored and refused), and two of those lie at most
+    `ratio` x h x the shorter of the two parts' longest connections apart in the image (a lone peak
+    has none: the person's). Pairs are joined nearest first (distance over h x that length),
+    skipped when the two sides as joined so far hold the same keypoint or two one limb apart, or
+    the lone peak is taken; each person's BRIDGE_PARTNERS nearest partial people and BRIDGE_LONE
+    nearest lone peaks per keypoint type are tried. Peaks nobody takes stay out. Memory:
+    BRIDGE_CELLS (person, part) or keypoint pairs at a time."""
+    if ratio <= 0 or not people:
         return people
     slots = np.array([p.slots for p in people])
-    present = slots >= 0
-    reach = np.array([p.reach for p in people], np.float32)
-    clash = (present.astype(np.uint8) @ present.T.astype(np.uint8)) > 0
-    candidates = []
-    for i, j in zip(*np.nonzero(np.triu(~clash, 1))):
-        mine, theirs = np.flatnonzero(present[i]), np.flatnonzero(present[j])
-        apart = hops[np.ix_(mine, theirs)]
-        closest = apart.min()
-        if not 2 <= closest <= BRIDGE_HOPS:
-            continue
-        a, b = np.nonzero(apart == closest)
-        ka, kb = mine[a], theirs[b]
-        gap = np.hypot(*(xy[slots[i, ka]] - xy[slots[j, kb]]).T)
-        scale = np.maximum(reach[i, ka], reach[j, kb]) * closest
-        relative = gap / np.maximum(scale, 1.0)
-        best = relative.min()
-        if best <= ratio:
-            candidates.append((float(best), int(i), int(j)))
-    if not candidates:
-        return people
-    group = list(range(len(people)))
+    longest = np.array([p.longest for p in people], np.float32)
+    taken = np.zeros(len(xy), bool)
+    taken[slots[slots >= 0]] = True
+    lone = np.flatnonzero(~taken)
+    present = (slots >= 0).astype(np.float32)
+    within = [present @ (hops <= h).astype(np.float32) for h in range(BRIDGE_HOPS + 1)]
+    to_type = BRIDGE_HOPS + 1 - sum((w > 0).astype(np.intp) for w in within)   # [P, K]: limbs to each type
+    found = _person_pairs(slots, longest, present, within, xy, hops, ratio)
+    if len(lone):
+        found += _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio)
+    crowd, size = slots.shape
+    parts: list = people + [None] * len(lone)
+    group = list(range(len(parts)))
 
     def root(n: int) -> int:
         while group[n] != n:
             n = group[n]
         return n
-    for _, i, j in sorted(candidates):
+
+    def part(n: int) -> _Person:
+        if parts[n] is None:                     # a lone peak: a person of one keypoint
+            peak = int(lone[n - crowd])
+            parts[n] = _Person(size)
+            parts[n].slots[channel[peak]] = peak
+            parts[n].total, parts[n].parts = float(peak_score[peak]), 1
+        return parts[n]
+    touching = hops <= 1                          # the same keypoint, or one limb apart
+    for _, i, j in sorted(found):
         ri, rj = root(i), root(j)
-        if ri == rj or people[ri].shares_keypoint(people[rj]):
+        if ri == rj or (j >= crowd and rj != j) or touching[np.ix_(np.array(part(ri).slots) >= 0,
+                                                                   np.array(part(rj).slots) >= 0)].any():
             continue
-        people[ri].absorb(people[rj], 0.0)
+        part(ri).absorb(part(rj), 0.0)
         group[rj] = ri
     return [p for n, p in enumerate(people) if group[n] == n]
 
@@ -341,7 +432,7 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
                                    skeleton.limbs)
     people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
-    people = _bridge(people, xy, limb_hops(skeleton), cfg.bridge_ratio)
+    people = _bridge(people, channel, xy, peak_score, limb_hops(skeleton), cfg.bridge_ratio)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)

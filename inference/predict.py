@@ -1,6 +1,7 @@
 """Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
 
-Per scale s each picture is resized to height s * input_size and padded (bottom, right, with
+Per scale s each picture is resized to height s * input_size (a picture over MAX_ASPECT times as
+wide as tall: to MAX_ASPECT times that width) and padded (bottom, right, with
 `data.preprocess.GREY`) to a multiple of 64; pictures of the same padded size go through the
 network together, each with its mirror image when flipping. The last stack's stride-4 output is
 sampled back to picture pixels (cell (i, j) of the stride-4 map sits at input point
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from config.views import PredictSettings
 from data.preprocess import padded_size, pictures_to_batch
+
+MAX_ASPECT = 4      # a picture runs at most this many times as wide as its scale's height
 
 
 class TorchNetwork:
@@ -57,10 +60,16 @@ def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> 
 
 
 def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> np.ndarray:
-    """The picture resized to height scale * input_size (aspect kept; area filter when shrinking)."""
+    """The picture resized to height scale * input_size, or, for a picture more than MAX_ASPECT
+    times as wide as tall, to MAX_ASPECT times that width (aspect kept; area filter when
+    shrinking): the network's input is at most MAX_ASPECT x (scale x input_size)^2 pixels, whatever
+    the picture's shape (a 1 x 2048 strip by its height alone: 512 x 1048576)."""
     height, width = picture_bgr.shape[:2]
     rh = max(1, int(round(float(scale) * input_size)))
-    rw = max(1, int(round(width * rh / height)))
+    if width > MAX_ASPECT * height:
+        rh, rw = max(1, int(round(height * MAX_ASPECT * rh / width))), MAX_ASPECT * rh
+    else:
+        rw = max(1, int(round(width * rh / height)))
     return cv2.resize(picture_bgr, (rw, rh), interpolation=cv2.INTER_AREA if rh < height
                       else cv2.INTER_LINEAR)
 

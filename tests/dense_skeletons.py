@@ -13,9 +13,9 @@ Three skeletons shaped like published ones (built here, not read from any datase
   (ankle-knee-hip-pelvis-thorax-neck-head, wrist-elbow-shoulder-thorax) and no redundant links.
 
 `crowded_people` draws 2-6 overlapping people of 60-330 px on a picture, with unlabelled keypoints
-(hidden hands, faces, random points, the picture's border); `oracle_ap` draws their ground-truth
-maps (data.targets, stride 1), groups them and scores COCO AP with the skeleton's sigmas, as
-`evaluate.py --oracle` does.
+(hidden hands, faces, random points, the picture's border); `oracle_results` draws their
+ground-truth maps (data.targets, stride 1) and groups them, and `oracle_ap` scores that with COCO
+AP and the skeleton's sigmas, as `evaluate.py --oracle` does.
 """
 from __future__ import annotations
 
@@ -227,14 +227,18 @@ def picture_annotations(people: np.ndarray, image_id: int, first_id: int) -> lis
     return anns
 
 
-def oracle_ap(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: InferenceConfig | None = None,
-              height: int = 480, width: int = 640, unlabelled: float = 0.04) -> float:
-    """COCO AP of the grouping on the ground-truth maps of `pictures` crowded pictures."""
+def oracle_results(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: InferenceConfig | None = None,
+                   height: int = 480, width: int = 640, unlabelled: float = 0.04, hide=None) -> tuple[dict, list]:
+    """(COCO ground truth, results) of the grouping on the ground-truth maps of `pictures` crowded
+    pictures; `hide(people, rng)` may unlabel more of their keypoints first (dataset order)."""
     cfg = cfg or InferenceConfig()
     rng = np.random.default_rng(seed)
     images, annotations, results = [], [], []
     for image_id in range(1, pictures + 1):
         people = crowded_people(skeleton, rng, height, width, unlabelled)
+        if hide is not None:
+            hide(people, rng)
+            people[people[..., 2] == 0] = 0
         ours = np.stack([skeleton.from_annotation(p.reshape(-1)) for p in people])
         maps = render_targets(ours, height, width, 1, TargetConfig(), skeleton)
         keypoints, scores = group_people(maps, cfg, skeleton)
@@ -243,4 +247,11 @@ def oracle_ap(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: Infere
         results += to_coco_results(image_id, keypoints, scores, skeleton)
     gt = {"images": images, "annotations": annotations,
           "categories": [{"id": 1, "name": "person", "keypoints": list(skeleton.dataset_keypoints)}]}
+    return gt, results
+
+
+def oracle_ap(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: InferenceConfig | None = None,
+              height: int = 480, width: int = 640, unlabelled: float = 0.04) -> float:
+    """COCO AP of the grouping on the ground-truth maps of `pictures` crowded pictures."""
+    gt, results = oracle_results(skeleton, pictures, seed, cfg, height, width, unlabelled)
     return coco_keypoint_stats(gt, results, sigmas=skeleton.sigmas)["AP"]

@@ -468,7 +468,36 @@ def test_a_nameless_halpe_file_is_recognised_by_its_136_keypoints(coco4_dir, tmp
         data["categories"][0].pop("skeleton")
     code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
     assert code == 0 and "its annotations have 136: those of built-in skeleton halpe136" in out
-    assert KeypointH5(tmp_path / "o.h5").skeleton == builtin("halpe136")
+    assert KeypointH5(tmp_path / "o.h5").skeleton.keypoints == builtin("halpe136").keypoints
+
+
+def test_links_through_keypoints_the_file_never_labels_are_replaced(coco4_dir, tmp_path, capsys):
+    """Halpe's test file labels head and hip but never neck, through which alone halpe136 links
+    head (and the shoulders to the hips): links the data can use are added, and say so, and the
+    ground truth's heads are found (none were)."""
+    names = builtin("halpe136").dataset_keypoints
+
+    def change(data):
+        data["categories"][0].update(keypoints=list(names), skeleton=[])
+        for ann in data["annotations"]:
+            coco = np.array(ann["keypoints"], float).reshape(17, 3)
+            halpe = np.zeros((136, 3))
+            halpe[:17] = coco
+            if coco[0, 2] > 0:
+                halpe[names.index("head")] = coco[0] - [0, 25, 0]
+            if coco[11, 2] > 0 and coco[12, 2] > 0:
+                halpe[names.index("hip")] = (coco[11] + coco[12]) / 2
+            ann["keypoints"] = halpe.reshape(-1).tolist()
+    code, out, _ = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys)
+    line = next(line for line in out.splitlines() if line.startswith("halpe136's links"))
+    assert code == 0 and "only through keypoints it never labels (neck, " in line
+    assert "head" in line.split("added ")[1] and "--skeleton halpe136 keeps the built-in as it is" in line
+    skeleton = KeypointH5(tmp_path / "o.h5").skeleton
+    index = skeleton.keypoints.index
+    assert builtin("halpe136").limbs == skeleton.limbs[:len(builtin("halpe136").limbs)]
+    assert any(index("head") in limb and index("neck") not in limb for limb in skeleton.limbs)
+    recall = oracle(tmp_path / "o.h5", tmp_path, capsys)["keypoint_recall"]
+    assert recall["head"] > 0.5 and recall["left_hip"] > 0.5
 
 
 @pytest.mark.parametrize("spelling", [
@@ -539,7 +568,9 @@ def test_the_dumped_skeleton_converts_both_splits_back_unchanged(dataset, coco4_
     assert make_hdf5(["--ann", str(train), "--images", str(coco4_dir), "--dump-skeleton", str(dumped)]) == 0
     capsys.readouterr()
     skeleton = Skeleton.from_spec(__import__("yaml").safe_load(dumped.read_text()), "dumped")
-    assert skeleton == builtin(AS_SHIPPED[dataset][0])
+    # the built-in's keypoints; its links too, but where the data never labels a keypoint that
+    # joins others (Halpe's neck) the converter adds links the data can use
+    assert skeleton.dataset_keypoints == builtin(AS_SHIPPED[dataset][0]).dataset_keypoints
     for split, ann in (("train", train), ("val", val)):
         code, out, err = convert(ann, coco4_dir, tmp_path / f"{split}.h5", capsys, "--skeleton", dumped)
         assert code == 0, err

@@ -265,3 +265,26 @@ def test_large_pictures_go_in_smaller_chunks(estimator, monkeypatch):
     seen.clear()
     assert len(list(estimator.maps_stream([np.zeros((1080, 1920, 3), np.uint8)] * 5))) == 5
     assert seen == [2, 2, 1]
+
+
+STRIP_CAPPED = """
+import resource, sys
+import demo, torch
+in_use = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (in_use + (2 << 30),) * 2)        # 2 GiB more than now
+sys.exit(demo.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("shape", [(1, 20000), (20000, 1)], ids=["1x20000", "20000x1"])
+def test_a_picture_of_any_shape_runs_in_bounded_memory(shape, checkpoint, tmp_path):
+    """A 140-byte strip PNG: shrunk to 2048 on its longer side, it ran by its height at 512 x 1048576
+    (gigabytes of network input); now within 2 GiB, drawn at its own size."""
+    strip = tmp_path / "strip.png"
+    cv2.imwrite(str(strip), np.full((*shape, 3), 200, np.uint8))
+    out = tmp_path / "strip_pose.png"
+    done = subprocess.run([sys.executable, "-c", STRIP_CAPPED, "--weights", str(checkpoint), "--image", str(strip),
+                           "--out", str(out), "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert cv2.imread(str(out)).shape == (*shape, 3)
