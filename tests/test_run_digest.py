@@ -3,8 +3,12 @@
 This guards behaviour while the code is reorganised: the same command, on the same data, seed and
 versions, must give the same weights bit for bit. Each run is `python train.py` on the four COCO
 pictures of tests/data/coco4 (converted here; the HDF5 file keeps their JPEG bytes), seed 0, no
-DataLoader workers, one thread, and the CPU kernels pinned to AVX2 (ATen, oneDNN, MKL) so that the
-sums are done the same way on any x86 machine. The digest is the SHA-256 of every tensor of the
+DataLoader workers, one thread, and every library that picks its CPU kernels by the processor pinned
+to code any x86-64 machine runs (`PINNED`): ATen and oneDNN to AVX2, MKL to its COMPATIBLE branch,
+so that the sums are done the same way with or without AVX-512. MKL ignores `MKL_CBWR=AVX2` on an
+AMD Zen 4 (its SGEMM still ran AVX-512 code there: the float32 digest differed from an AVX2
+machine's), while `COMPATIBLE` is honoured everywhere; NumPy's and OpenCV's own AVX-512 paths were
+turned off one at a time on that machine and changed no weight. The digest is the SHA-256 of every tensor of the
 checkpoint's weights (and its EMA weights when there are some), by sorted name, with its dtype and
 shape.
 
@@ -37,7 +41,7 @@ RUNS = {
                                      "--clip-grad", "1.0"],
 }
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2",
-          "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
+          "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"}
 
 
 def weights_digest(checkpoint: dict) -> str:
@@ -100,5 +104,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         h5 = coco4_h5(Path(tmp))
         made = {name: run_digest(name, h5, Path(tmp) / "runs") for name in RUNS}
-    DIGESTS.write_text(json.dumps({"torch": torch.__version__, "runs": made}, indent=2) + "\n")
+    DIGESTS.write_text(json.dumps({"torch": torch.__version__, "pinned": PINNED, "runs": made}, indent=2) + "\n")
     print(f"wrote {DIGESTS}")
