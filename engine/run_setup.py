@@ -283,11 +283,7 @@ class PersistentWorkersLoader(DataLoader):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         atexit.register(_stop_workers_at_exit, weakref.ref(iterator), list(iterator._workers))
-        return iterator
-
-    def __iter__(self):
-        batches = super().__iter__()
-        return _as_raised_in_worker(batches) if self.num_workers > 0 else batches
+        return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:
         """End the worker processes now; iterating again starts new ones."""
@@ -296,18 +292,29 @@ class PersistentWorkersLoader(DataLoader):
             _stop_workers(iterator, iterator._workers)
 
 
-def _as_raised_in_worker(batches):
-    """`batches`, and a `UserError` that a worker raised (a damaged picture) as the worker raised
-    it, one line: torch hands it over as the same type made anew from the message "Caught
-    DataError in DataLoader worker process N. Original Traceback ...", whose end is the original
-    error's line."""
-    try:
-        yield from batches
-    except UserError as exc:
-        text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
-        if not text.startswith("Caught ") or origin not in text:
-            raise
-        raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
+class _AsRaisedInWorker:
+    """A loader iterator whose `UserError` that a worker raised (a damaged picture) comes as the
+    worker raised it, one line: torch hands it over as the same type made anew from the message
+    "Caught DataError in DataLoader worker process N. Original Traceback ...", whose end is the
+    original error's line. Everything else is the iterator's."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __getattr__(self, name):
+        return getattr(self.iterator, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.iterator)
+        except UserError as exc:
+            text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
+            if not text.startswith("Caught ") or origin not in text:
+                raise
+            raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
 def close_loaders(*loaders) -> None:
