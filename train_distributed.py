@@ -8,15 +8,21 @@ r"""Train with one process per GPU (DistributedDataParallel), on one machine or 
 
 Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
-from common.errors import ConfigError, UserError
-from runtime import distributed as dist
-from engine.precision import wrap_ddp
-from engine.cli import build_parser, config_from_args, run_main
-from engine.resume import CheckpointReader
-from engine.run_trainer import Launch, build_trainer
-from engine.picture_hook import ValidationPictures
-from inference.evaluation import training_evaluator
-from inference.val_pictures import write_val_pictures
+import os
+
+# before torch is imported: c10d's C++ warnings (a stack trace for each request to the store of a
+# rank that is gone) would surround the one line that says which rank failed
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from common.errors import ConfigError, UserError             # noqa: E402
+from runtime import distributed as dist                      # noqa: E402
+from engine.precision import wrap_ddp                        # noqa: E402
+from engine.cli import build_parser, config_from_args, run_main   # noqa: E402
+from engine.resume import CheckpointReader                   # noqa: E402
+from engine.run_trainer import Launch, build_trainer         # noqa: E402
+from engine.picture_hook import ValidationPictures           # noqa: E402
+from inference.evaluation import training_evaluator          # noqa: E402
+from inference.val_pictures import write_val_pictures        # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -87,17 +87,14 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     Ctrl-C (SIGINT) ends with one line saying what the command `kept` and exit code 130. A
     command other than training (whose trainer saves on SIGTERM itself) names what it keeps and
     stops on SIGTERM the same way (exit code 143): its temporary files are removed on the way out.
-    The line goes through `tqdm.write`, so a progress bar left open by the error is cleared first.
-    A stop signal that lands inside a library's C code can surface as another exception there
-    (numpy's `__array__` fallback, say, reports it as a TypeError; an import it interrupts can
-    surface as an ImportError, and so as a missing optional package): once such a command has
-    received a stop signal, whatever ends it is that stop.
+    The line is `print_error`'s. A stop signal that lands inside a library's C code can surface
+    as another exception there (numpy's `__array__` fallback, say, reports it as a TypeError; an
+    import it interrupts can surface as an ImportError, and so as a missing optional package):
+    once such a command has received a stop signal, whatever ends it is that stop.
     """
     import signal
-    import sys
     import threading
 
-    from tqdm import tqdm
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
     previous = ((signal.signal(signal.SIGTERM, _terminate), signal.signal(signal.SIGINT, _interrupt))
                 if handles_term else None)
@@ -109,10 +106,7 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
             return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
         if not isinstance(exc, UserError):
             raise
-        prefix = "" if getattr(exc, "plain_message", False) else "error: "
-        tqdm.write(f"{prefix}{exc}", file=sys.stderr)
-        sys.stderr.flush()
-        return exc.exit_code
+        return print_error(exc)
     except KeyboardInterrupt as exc:
         return _stopped(isinstance(exc, Terminated), kept)
     finally:
@@ -120,6 +114,18 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
     return 0
+
+
+def print_error(exc: UserError) -> int:
+    """`exc`'s one line on stderr (`error: ...`; a clean stop's message as is); its exit code.
+    It goes through `tqdm.write`, so a progress bar left open is cleared first."""
+    import sys
+
+    from tqdm import tqdm
+    prefix = "" if getattr(exc, "plain_message", False) else "error: "
+    tqdm.write(f"{prefix}{exc}", file=sys.stderr)
+    sys.stderr.flush()
+    return exc.exit_code
 
 
 def _stopped(by_sigterm: bool, kept: str) -> int:

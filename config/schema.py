@@ -257,6 +257,8 @@ class DistConfig:
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
     timeout_s: int = option(1800, bounds=Bounds(1, 10 ** 7))
     rendezvous_timeout_s: int = option(120, bounds=Bounds(1, 10 ** 7))   # how long ranks wait to join
+    # a rank without heartbeat this long (killed, stopped, frozen) ends every rank
+    heartbeat_timeout_s: int = option(20, bounds=Bounds(3, 10 ** 7))
 
 
 @dataclass

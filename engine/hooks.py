@@ -167,7 +167,7 @@ class Preemption(Hook):
     def before_train(self, trainer):
         def request_stop(signum, frame):
             trainer.stop_signal = signum
-        self.previous = {}
+        self.previous, self.handler = {}, request_stop
         for sig in STOP_SIGNALS:
             try:
                 self.previous[sig] = signal.signal(sig, request_stop)
@@ -181,10 +181,12 @@ class Preemption(Hook):
             raise trainer.stopped(f"at epoch {out.epoch + 1}, batch {batch}")
 
     def on_stop(self, trainer):
-        # the handlers hold this trainer (model, process group): let both go after the run
+        # the handlers hold this trainer (model, process group): let both go after the run; a
+        # handler set since (a rank that ends with an error holds the stop signals) stays
         for sig, handler in getattr(self, "previous", {}).items():
-            signal.signal(sig, handler)
-        self.previous = {}
+            if signal.getsignal(sig) is self.handler:
+                signal.signal(sig, handler)
+        self.previous, self.handler = {}, None
 
 
 class Throughput:

@@ -259,7 +259,8 @@ def _stop_workers_at_exit(iterator_ref, workers) -> None:
 
 class PersistentWorkersLoader(DataLoader):
     """A DataLoader whose worker processes start safe from stop signals (see `_get_iterator`),
-    end with `close()`, and are shut down when Python exits, wherever its iterator is held.
+    end with `close()`, and are shut down when Python exits, wherever its iterator is held; an
+    error of the user's that a worker meets is the same one line as without workers.
     Python's exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`), then
     wait for them forever, and torch's own shut-down does nothing once the interpreter exits. The
     exit function is registered after torch's and multiprocessing's, so it runs before them.
@@ -282,13 +283,38 @@ class PersistentWorkersLoader(DataLoader):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         atexit.register(_stop_workers_at_exit, weakref.ref(iterator), list(iterator._workers))
-        return iterator
+        return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:
         """End the worker processes now; iterating again starts new ones."""
         iterator, self._iterator = getattr(self, "_iterator", None), None
         if iterator is not None and self.num_workers > 0:
             _stop_workers(iterator, iterator._workers)
+
+
+class _AsRaisedInWorker:
+    """A loader iterator whose `UserError` that a worker raised (a damaged picture) comes as the
+    worker raised it, one line: torch hands it over as the same type made anew from the message
+    "Caught DataError in DataLoader worker process N. Original Traceback ...", whose end is the
+    original error's line. Everything else is the iterator's."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __getattr__(self, name):
+        return getattr(self.iterator, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.iterator)
+        except UserError as exc:
+            text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
+            if not text.startswith("Caught ") or origin not in text:
+                raise
+            raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
 def close_loaders(*loaders) -> None:

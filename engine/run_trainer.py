@@ -235,6 +235,7 @@ class RunTrainer(Trainer):
             state = checkpoint_of(self, position, hooks)
             for hook in self.hooks:
                 hook.before_save(self, name, state)
+            dist.check_group()          # a rank whose group is lost trains alone: it saves nothing
             save_checkpoint(self.run_dir / name, state)
         dist.barrier()
 
@@ -252,8 +253,19 @@ class RunTrainer(Trainer):
         return {"run_dir": str(self.run_dir), **super().fit()}
 
     def failure(self, exc: Exception) -> Exception | None:
-        """Running out of memory (the CPU allocator's failure is a plain RuntimeError): what to
-        lower."""
+        """What a failure means: under DDP, another rank's error or death when that is the cause
+        (found while the stop signals are still the trainer's: torchrun stops the others as soon
+        as a rank dies); a DataLoader worker that died (killed: out of memory?); running out of
+        memory (the CPU allocator's failure is a plain RuntimeError): what to lower."""
+        if isinstance(exc, UserError):
+            return None
+        other = dist.error_of_another_rank() if self.ctx.distributed else None
+        if other is not None:
+            return other
+        line = (str(exc).splitlines() or [""])[0]
+        if isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
+            return UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
+                             "fewer --workers or a smaller --batch-size)")
         if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not (
                 isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
             return None

@@ -8,8 +8,21 @@ Ranks fail together: they meet in a store with a short timeout before the group 
 whose set-up or training fails leaves its error there for the others (`end_with_error`,
 `error_of_another_rank`, `fail_before_group`), and what only rank 0 checks it decides for all
 (`decided_on_main`). Under gloo the failed rank's closed connections end the others' collectives
-at once; under NCCL a collective would wait for it until `dist.timeout_s`, so each rank watches the
-store for an error (`ErrorWatch`) and aborts its communicators when one appears.
+at once; under NCCL a collective would wait for it until `dist.timeout_s`. A rank that dies or
+freezes leaves no error. So every rank keeps a `runtime.rank_watch.RankWatch`: heartbeats in the
+store, a verdict when a rank left an error or went silent, the group aborted then, and the process
+ended with the verdict's line when its main thread cannot end it.
+
+Once the group of several processes that this process joined is gone (aborted by the watch or by
+any other caller of torch's `_abort_process_group`, or destroyed) and `cleanup()` has not been
+called, every collective here, `decided_on_main` and a checkpoint's `check_group()` raise why,
+instead of carrying on alone with local values.
+
+NCCL: `TORCH_NCCL_ASYNC_ERROR_HANDLING` is set to 2 (abort the communicators, raise in the rank)
+unless the user set it: at torch's default, 3, its watchdog ends the process with SIGABRT when a
+collective fails, which an abort makes every pending one do, before the rank can say which rank
+failed. (Torch's note on `_abort_process_group` asks for 0, which would also keep a hung
+collective from ever timing out.)
 
 The master port is checked on rank 0 only when no torchrun agent runs: the agent already holds
 its store on that port and the workers join it, so a bind test there would always fail.
@@ -21,6 +34,7 @@ import inspect
 import math
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -35,6 +49,7 @@ from torch import nn
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
+from runtime.rank_watch import ERROR_KEY, RankWatch, beat_key, fate, who_key
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -88,17 +103,23 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     except UserError as err:
         _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s)
         raise
-    store = _rendezvous_store(launch, timedelta(seconds=dist_cfg.rendezvous_timeout_s))
+    rendezvous = timedelta(seconds=dist_cfg.rendezvous_timeout_s)
+    store = _rendezvous_store(launch, rendezvous)
     _meet(store, launch, dist_cfg.rendezvous_timeout_s)
     timeout = timedelta(seconds=dist_cfg.timeout_s)
     store.set_timeout(timeout)
-    global _STORE, _WATCH
-    _STORE = store
+    global _STORE, _WATCH, _GROUP, _LOST, _SERVES
+    _STORE, _GROUP, _LOST = store, (launch.rank, launch.world_size), None
+    _SERVES = launch.rank == 0 and not launch.agent_store
+    if ctx.backend == "nccl" and not any(os.environ.get(name) for name in _NCCL_ERROR_HANDLING):
+        os.environ[_NCCL_ERROR_HANDLING[0]] = "2"      # see the module docstring
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)
-    if ctx.backend == "nccl":
-        _WATCH = ErrorWatch(store, lambda: dist.distributed_c10d._abort_process_group())
+    _WATCH = RankWatch(_rendezvous_store(launch, rendezvous, serve=False), launch.rank,
+                       launch.world_size, "the torchrun agent" if launch.agent_store else "rank 0",
+                       f"{launch.master_addr}:{launch.master_port}", _abort, _leave,
+                       dist_cfg.heartbeat_timeout_s)
     return ctx
 
 
@@ -112,40 +133,18 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
     return _CONTEXT
 
 
-_ERROR_KEY, _JOINED_KEY, _ENDED_KEY = "error", "joined", "ended"
+_ERROR_KEY, _JOINED_KEY, _ENDED_KEY = ERROR_KEY, "joined", "ended"
+_NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 _STORE = None                       # the rendezvous store of the group, while it exists
-_WATCH = None                       # the ErrorWatch of an NCCL group, while it exists
-_WATCH_EVERY_S = 1.0                # how often it looks
-_READ_WAIT_S = 10.0                 # how long rank 0 keeps serving an error for the others to read
+_WATCH: RankWatch | None = None     # this rank's watch on the others, while the group exists
+_GROUP: tuple[int, int] | None = None   # (rank, world) of the group of several processes joined,
+                                        # until cleanup()
+_LOST: UserError | None = None      # why that group is no longer there, once known
+_SERVES = False                     # this process serves the store (rank 0 without torchrun)
+_GONE: set[int] = set()             # ranks found dead or frozen: they will not leave
+_READ_WAIT_S = 10.0                 # how long rank 0 keeps serving the store for the others
 _SAY_WAITING_S = 10.0               # how long rank 0 waits for the others before it says so
-
-
-class ErrorWatch:
-    """A thread that looks in `store` for a rank's error every `every_s` seconds and calls
-    `abort()` once when one is there: under NCCL the communicators' abort makes a collective that
-    waits for a rank which has left fail at once, instead of at `dist.timeout_s`; the rank then
-    ends with that rank's error (`error_of_another_rank`). `stop()` ends the watch."""
-
-    def __init__(self, store, abort, every_s: float = _WATCH_EVERY_S):
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(store, abort, every_s),
-                                        name="rank-error-watch", daemon=True)
-        self._thread.start()
-
-    def _watch(self, store, abort, every_s: float) -> None:
-        while not self._stopped.wait(every_s):
-            try:
-                found = store.check([_ERROR_KEY])
-            except (RuntimeError, dist.DistError):    # the store is gone: the run is over
-                return
-            if found and not self._stopped.is_set():
-                abort()
-                return
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * _WATCH_EVERY_S + 5)
+_EVIDENCE_S = 10.0                  # how long a rank whose collective failed looks for a dead rank
 
 
 def _stop_watch() -> None:
@@ -153,54 +152,171 @@ def _stop_watch() -> None:
     watch, _WATCH = _WATCH, None
     if watch is not None:
         watch.stop()
+        _GONE.update(watch.gone)
+
+
+def _abort() -> None:
+    """Abort the process group, if there is one: under NCCL a collective that waits for a rank
+    which is gone fails at once; on any backend this process's collectives raise from then on."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+def _bounded(work, seconds: float) -> None:
+    """`work()` in a thread, waited for at most `seconds`: a store whose host is stopped never
+    answers, whatever its timeout."""
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+
+
+def _leave() -> None:
+    """Say in the store that this rank has left, and on the rank that serves the store wait up to
+    `_READ_WAIT_S` for every rank to leave, so that none finds it gone while it still reads (not
+    for those found dead). Bounded, whatever the store does."""
+    global _STORE
+    store, world, _STORE = _STORE, _GROUP[1] if _GROUP else 1, None
+    if store is None:
+        return
+    world -= len(_GONE | (_WATCH.gone if _WATCH is not None else set()))
+
+    def leave():
+        try:
+            count = store.add(_ENDED_KEY, 1)
+            deadline = time.monotonic() + _READ_WAIT_S
+            while _SERVES and count < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                count = store.add(_ENDED_KEY, 0)
+        except (RuntimeError, dist.DistError):     # the store is gone: nothing left to tell
+            pass
+    _bounded(leave, _READ_WAIT_S + 2 if _SERVES else 2)
+
+
+def _hold_stop_signals() -> None:
+    """A rank that ends with an error ignores SIGTERM / SIGUSR1 until it has said why: torchrun
+    sends SIGTERM as soon as one rank has died, before the others have found out which one."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+    except ValueError:                  # not the main thread
+        pass
 
 
 def end_with_error(err: UserError) -> None:
     """This rank ends with `err` while others may wait in a collective: leave its message in the
-    store (the first error wins), leave the process group, whose gloo connections then fail the
-    others' pending collectives at once (under NCCL their `ErrorWatch` aborts them within a
-    second), and on rank 0, which serves the store, wait up to 10 s for the others to end too."""
-    global _STORE
+    store (the first error wins; nothing when the group is already lost to another rank's), leave
+    the process group, whose gloo connections then fail the others' pending collectives at once
+    (under NCCL their watch aborts them within a second), and on rank 0, which serves the store,
+    wait up to 10 s for the others to end too."""
+    lost = _lost()
     _stop_watch()                       # this rank's own error is no reason to abort under it
-    store, _STORE = _STORE, None
-    if store is None or not _active():
-        return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    _hold_stop_signals()
+    store, group = _STORE, _GROUP
+    if store is not None and group is not None and lost is None:
+        _bounded(lambda: _post(store, f"rank {group[0]}: {err}"), 5)
+    cleanup()
+
+
+def _post(store, message: str) -> str:
+    """Leave `message` in the store as the job's error unless one is there; the one there."""
     try:
-        store.compare_set(_ERROR_KEY, "", f"rank {rank}: {err}")
-        store.add(_ENDED_KEY, 1)
-        cleanup()
-        deadline = time.monotonic() + _READ_WAIT_S
-        while rank == 0 and store.add(_ENDED_KEY, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except (RuntimeError, dist.DistError):     # the store is gone: nothing left to tell
-        pass
+        store.compare_set(_ERROR_KEY, "", message)
+        return store.get(_ERROR_KEY).decode()
+    except (RuntimeError, dist.DistError):
+        return message
 
 
 def error_of_another_rank() -> UserError | None:
-    """The error another rank left with `end_with_error`, once a collective failed because that
-    rank left; None when there is none (the failure is then this rank's own, which it can still
-    leave for the others with `end_with_error`)."""
-    global _STORE
+    """Why a collective of this rank failed, when the cause lies with another rank: the error a
+    rank left (`end_with_error`), the watch's verdict on a rank that died or froze, or a rank that
+    gives no sign of life now (one killed outright closes its connections at once, so this rank
+    looks for up to `_EVIDENCE_S` s which rank no longer beats), or the group aborted by another
+    caller. None when every rank lives and none left an error: the failure is then this rank's
+    own (leave it for the others with `end_with_error`). The group is given up (aborted: under
+    NCCL its destruction would wait for the dead rank)."""
+    global _LOST
+    if _GROUP is None:
+        return None
+    cause = _lost() or _another_rank_failed()
+    if cause is None and not dist.is_initialized():
+        cause = _group_lost()
+    if cause is None:
+        return None
+    _LOST = cause
     _stop_watch()
-    store = _STORE
+    _hold_stop_signals()
+    _abort()
+    return UserError(str(cause))
+
+
+def _another_rank_failed() -> UserError | None:
+    """The error a rank left, or a rank without heartbeat for `_EVIDENCE_S` s (left in the store
+    as the job's error), or the store's host gone; None when every rank beats."""
+    store, (rank, world) = _STORE, _GROUP
     if store is None:
         return None
     try:
-        if not store.check([_ERROR_KEY]):
-            return None
-        _STORE = None
-        message = store.get(_ERROR_KEY).decode()
-        store.add(_ENDED_KEY, 1)
-    except (RuntimeError, dist.DistError):
-        _STORE = None
-        return None
-    return UserError(message)
+        beats = {r: store.add(beat_key(r), 0) for r in range(world) if r != rank}
+        deadline = time.monotonic() + _EVIDENCE_S
+        while not store.check([_ERROR_KEY]):
+            if _lost() is not None:
+                return _lost()
+            if not beats:
+                return None
+            if time.monotonic() > deadline:
+                silent = min(beats)
+                _GONE.add(silent)
+                who = store.get(who_key(silent)).decode() if store.check([who_key(silent)]) else None
+                return UserError(_post(store, f"{fate(silent, who)}: no sign of life for "
+                                       f"{_EVIDENCE_S:g} s after its connection closed; the other ranks end"))
+            time.sleep(0.2)
+            beats = {r: count for r, count in beats.items() if store.add(beat_key(r), 0) == count}
+        return UserError(store.get(_ERROR_KEY).decode())
+    except (RuntimeError, dist.DistError):     # the store went with its host
+        watch = _WATCH
+        return _lost() or (watch.store_lost("is gone") if watch is not None else None)
 
 
-def _rendezvous_store(launch, timeout: timedelta):
+def _lost() -> UserError | None:
+    """Why the group is lost, when this rank knows already (its watch's verdict)."""
+    watch = _WATCH
+    return _LOST or (watch.verdict if watch is not None else None)
+
+
+def _group_lost() -> UserError:
+    """Why the group this process joined is gone: its watch's verdict, the error a rank left, or
+    a line saying that it was aborted or destroyed without a word."""
+    global _LOST
+    if _LOST is None:
+        _LOST = _lost()
+    if _LOST is None and _STORE is not None:
+        store = _STORE
+        try:
+            _LOST = UserError(store.get(_ERROR_KEY).decode()) if store.check([_ERROR_KEY]) else None
+        except (RuntimeError, dist.DistError):
+            pass
+    if _LOST is None:
+        rank, world = _GROUP
+        _LOST = UserError(f"rank {rank}: the process group of {world} processes was aborted or "
+                          "destroyed (torch.distributed's _abort_process_group or "
+                          "destroy_process_group) while the run still needed it; this rank stops "
+                          "before any further step or save")
+        if _STORE is not None:          # for the others
+            store, message = _STORE, str(_LOST)
+            _bounded(lambda: _post(store, message), 5)
+    return _LOST
+
+
+def check_group() -> None:
+    """Raise why, once the process group of this process is lost (see the module docstring):
+    before what must not happen on a rank that trains alone, such as saving a checkpoint."""
+    _active()
+
+
+def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     """The store where the ranks meet: torchrun's agent store when it shares it, with a prefix per
-    restart attempt, else one on MASTER_ADDR:MASTER_PORT held by rank 0.
+    restart attempt, else one on MASTER_ADDR:MASTER_PORT held by rank 0 (`serve` False: a
+    connection of its own to that store, as the others make).
 
     torchrun (`--max-restarts`) gives every attempt the same store and no prefix, so workers of a
     restarted attempt could read the keys of the attempt before (a dead rank's gloo address) and
@@ -214,8 +330,8 @@ def _rendezvous_store(launch, timeout: timedelta):
                                         is_master=False, timeout=timeout)
             return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
         return dist.PrefixStore("simplepose", dist.TCPStore(
-            launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
-            timeout=timeout, wait_for_workers=False))
+            launch.master_addr, launch.master_port, launch.world_size,
+            is_master=serve and launch.rank == 0, timeout=timeout, wait_for_workers=False))
     except dist.DistNetworkError as err:
         if "in use" in str(err):
             raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
@@ -304,14 +420,15 @@ def _meet(store, launch, timeout_s: float) -> None:
 
 
 def cleanup() -> None:
-    """Leave the process group (if any); safe to call twice."""
-    global _CONTEXT, _STORE
+    """Leave the process group (if any) and the store (`_leave`); safe to call twice."""
+    global _CONTEXT, _STORE, _GROUP, _LOST
     _stop_watch()
-    _STORE = None
     if dist.is_available() and dist.is_initialized():
         gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first
         dist.destroy_process_group()
-    _CONTEXT = None
+    _leave()
+    _CONTEXT, _GROUP, _LOST = None, None, None
+    _GONE.clear()
 
 
 def is_initialized() -> bool:
@@ -319,15 +436,26 @@ def is_initialized() -> bool:
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
+    return dist.get_rank() if _active() else 0
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
+    return dist.get_world_size() if _active() else 1
 
 
 def _active() -> bool:
-    return is_initialized() and dist.get_world_size() > 1
+    """Whether collectives go to other processes: False in a single process; raises why once the
+    group of several processes this process joined is lost (`_group_lost`)."""
+    global _GROUP
+    if _lost() is not None:
+        raise UserError(str(_lost()))
+    if is_initialized() and dist.get_world_size() > 1:
+        if _GROUP is None:              # a group made without init_distributed
+            _GROUP = (dist.get_rank(), dist.get_world_size())
+        return True
+    if _GROUP is not None:
+        raise UserError(str(_group_lost()))
+    return False
 
 
 def _comm_device() -> torch.device:

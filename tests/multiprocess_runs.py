@@ -9,10 +9,12 @@ TEST_BAD_DATA="RANK:STEP" makes that rank meet a bad image (DataError) at that s
 TEST_CRASH="RANK:STEP" makes that rank fail with a RuntimeError (a bug, not bad input) there,
 TEST_SLOW_VAL=SECONDS makes reading each validation sample take that long (in the DataLoader
 workers), TEST_FLAT_VAL=1 makes every validation's loss the same (no improvement after the first:
-early stopping), and TEST_STALE_VIEW=NAME makes rank 1 see RUN/NAME as the newest checkpoint (a shared
-filesystem that shows it an older state). The patches are made here, in the test's process tree
-only: the product has no hook for them. Imported, it gives the tests the launch and comparison
-helpers.
+early stopping), TEST_STALE_VIEW=NAME makes rank 1 see RUN/NAME as the newest checkpoint (a shared
+filesystem that shows it an older state), and TEST_ABORT_BEFORE_SAVE=RANK makes that rank abort its
+process group (torch's `_abort_process_group`, as the NCCL error watch did) as it starts to save a
+checkpoint, writing the time (time.time()) to OUT_DIR/aborted_at. The patches are made here, in the
+test's process tree only: the product has no hook for them. Imported, it gives the tests the launch
+and comparison helpers.
 """
 from __future__ import annotations
 
@@ -154,6 +156,8 @@ def _patch_trainer_and_run() -> None:
         _flat_validation_loss()
     if os.environ.get("TEST_STALE_VIEW") and rank == 1:
         _stale_checkpoint_view(os.environ["TEST_STALE_VIEW"])
+    if os.environ.get("TEST_ABORT_BEFORE_SAVE") == str(rank):
+        _abort_before_save()
     import train_distributed
     run_main(train_distributed.main)
 
@@ -180,6 +184,20 @@ def _flat_validation_loss() -> None:
             results["loss"] = 1.0
         return results
     epoch_end.validate = flat_validate
+
+
+def _abort_before_save() -> None:
+    import time
+
+    import torch.distributed as torch_dist
+    from engine.run_trainer import RunTrainer
+    save = RunTrainer.save
+
+    def aborted_save(self, *args, **kwargs):
+        torch_dist.distributed_c10d._abort_process_group()
+        (self.run_dir.parent / "aborted_at").write_text(repr(time.time()))
+        return save(self, *args, **kwargs)
+    RunTrainer.save = aborted_save
 
 
 def _stale_checkpoint_view(name: str) -> None:

@@ -5,6 +5,7 @@ of the table in docs/bad-input.md about them. (tests/bad_inputs.py says what eac
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 from data import make_hdf5
 from data.h5format import KeypointH5
 from conftest import COCO4_DIR
-from bad_inputs import TABLE_ROWS, check_row, first_ann, refused, train_cli
+from bad_inputs import TABLE_ROWS, check_row, first_ann, one_error_line, refused, train_cli
 
 
 # -- COCO JSON, field by field ------------------------------------------------------------------------
@@ -183,6 +184,26 @@ def test_damaged_masks_and_image_bytes_name_the_file(env, tmp_path):
         h5.masks(0)
     with pytest.raises(DataError, match=f"{path}: image 1 .* cannot be decoded"):
         h5.decode_image(1)
+
+
+def damaged_pictures(env, tmp_path) -> Path:
+    """A copy of the synthetic training file whose every stored picture is 5 zero bytes."""
+    def change(f):
+        for img in range(len(f["images/encoded"])):
+            f["images/encoded"][img] = np.zeros(5, np.uint8)
+    return _damaged_h5(env, tmp_path, change)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_damaged_picture_is_one_line_naming_it_with_or_without_dataloader_workers(env, capsys, tmp_path,
+                                                                                     workers):
+    path = damaged_pictures(env, tmp_path)
+    capsys.readouterr()
+    assert train_cli(["--config", env["preset"], "--out-dir", tmp_path / "runs", "--train-h5", path,
+                      "--device", "cpu", "--workers", workers]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    said = rf"error: {re.escape(str(path))}: image \d+ \(\S+\.jpg\) cannot be decoded"
+    assert re.fullmatch(said, line), line
 
 
 @pytest.mark.parametrize("row", TABLE_ROWS["data files"])

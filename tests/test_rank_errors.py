@@ -6,6 +6,7 @@ to every rank; a rank that fails before the process group exists leaves its erro
 rendezvous store."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,19 @@ def test_bad_data_met_by_one_rank_mid_training_ends_every_rank_with_its_error(tm
     assert spread < 10
 
 
+def test_a_damaged_picture_read_by_dataloader_workers_is_one_line_on_every_rank(tmp_path, synthetic_h5):
+    from test_bad_data_files import damaged_pictures
+    damaged = damaged_pictures({"train_h5": synthetic_h5[0]}, tmp_path)
+    args = common_args(tmp_path, synthetic_h5)[:-4] + ["--device", "cpu", "--workers", "2"]
+    args[args.index(str(synthetic_h5[0]))] = str(damaged)
+    results, spread = hand_set_ranks(lambda rank: args)
+    for rc, err in results:
+        assert rc == 2 and "Traceback" not in err and "Caught" not in err, err[-2000:]
+        said = rf"error: (rank \d: )?{re.escape(str(damaged))}: image \d+ \(\S+\) cannot be decoded"
+        assert re.fullmatch(said, message_lines(err)[-1]), err[-2000:]
+    assert spread < 10
+
+
 def test_a_failure_of_one_ranks_own_mid_training_ends_the_other_with_its_line(tmp_path, synthetic_h5):
     # not bad input but a bug: that rank shows its traceback, the other one line naming it
     args = common_args(tmp_path, synthetic_h5)[:-4] + ["--set", "train.max_steps_per_epoch=4",
@@ -143,29 +157,3 @@ def test_rank_0_says_that_it_waits_and_ends_with_the_error_of_a_late_rank_refuse
     refused = "unrecognized arguments: --no-such-option (see train_distributed.py --help)"
     assert rank1.returncode == 2 and message_lines(err1) == [f"error: {refused}"], err1[-2000:]
     assert rank0.returncode == 2 and message_lines(err0) == [f"error: rank 1: {refused}"], err0[-2000:]
-
-
-def test_the_error_watch_aborts_once_when_a_rank_leaves_its_error_and_never_after_stop():
-    # what ends an NCCL rank that waits in a collective for a rank which failed (no GPU needed)
-    from datetime import timedelta
-
-    import torch.distributed as torch_dist
-    from runtime.distributed import ErrorWatch
-
-    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True,
-                                timeout=timedelta(seconds=10))
-    aborted = []
-    watch = ErrorWatch(store, lambda: aborted.append(time.monotonic()), every_s=0.05)
-    time.sleep(0.3)
-    assert aborted == []                                  # no error yet: no abort
-    posted = time.monotonic()
-    store.set("error", "rank 1: something failed")
-    deadline = posted + 10
-    while not aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
-    watch.stop()
-    assert len(aborted) == 1 and aborted[0] - posted < 2
-    quiet = ErrorWatch(store, lambda: aborted.append(time.monotonic()), every_s=0.05)
-    quiet.stop()                                          # stopped first: the error is no reason
-    time.sleep(0.2)
-    assert len(aborted) == 1

@@ -1,0 +1,172 @@
+"""The watch that every rank of a process group keeps on the others, so that a rank which dies or
+freezes ends the whole job within a bounded time, with one `error:` line naming it.
+
+`RankWatch` runs two threads of its own, alive as long as the process runs, whatever its main
+thread does (a long validation, a checkpoint, a wait in a collective):
+- the pulse adds 1 to this rank's heartbeat in the job's store every `every_s` seconds, and reads
+  the heartbeat of the next rank (rank + 1, the last watches rank 0: every rank is watched by one
+  other, three store requests per rank and second) and the error a rank may have left;
+- the judge notices a store that stops answering (its host stopped: a stopped TCPStore server
+  never answers, whatever the client's timeout) and ends the process when its main thread does
+  not end by itself.
+A verdict comes from an error a rank left, from the watched rank silent for `silent_s` seconds
+(killed, out of memory, stopped, frozen: a stopped process stops its threads too; this one is
+left in the store for the others' watches), or from the store's host gone. It aborts the process
+group (`abort`): this rank's next collective raises the verdict. Its main thread then has
+`grace_s` seconds to end the run with that line itself; one that does not (it waits in a gloo
+collective for a frozen rank, which no abort ends) is ended by the judge: the line, `leave()`
+(rank 0 serves the store a few seconds more for the others to read it), and `os._exit`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common.errors import UserError, print_error
+
+ERROR_KEY = "error"
+
+
+def beat_key(rank: int) -> str:
+    return f"beat/{rank}"
+
+
+def who_key(rank: int) -> str:
+    return f"who/{rank}"
+
+
+def who_am_i() -> str:
+    """"HOST PID" of this process, as a rank publishes it for `fate`."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def fate(rank: int, who: str | None) -> str:
+    """"rank R ..." and what became of its process `who` ("HOST PID") as far as this machine
+    can tell: on this machine /proc says whether it is gone, stopped or still there (a killed
+    process may take a moment to go: it is given a second)."""
+    host, _, pid = (who or "").partition(" ")
+    if host != socket.gethostname() or not pid.isdigit() or not Path("/proc/self").exists():
+        return f"rank {rank} was killed, stopped or froze (SIGKILL, out of memory, SIGSTOP?)"
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"
+        if state in ("X", "Z"):
+            return f"rank {rank} (pid {pid}) was killed (SIGKILL, or out of memory)"
+        if state in ("T", "t"):
+            return f"rank {rank} (pid {pid}) is stopped (SIGSTOP)"
+        if time.monotonic() > deadline:
+            return f"rank {rank} (pid {pid}) froze"
+        time.sleep(0.1)
+
+
+class RankWatch:
+    """See the module docstring. `host`: who serves the store ("rank 0" or "the torchrun
+    agent"), `where` it does (ADDR:PORT), for the lines; `verdict`: the `UserError` that ends this rank, once
+    there is one; `stop()` ends the watch (the run ends without it, or this rank's own error is
+    the reason)."""
+
+    def __init__(self, store, rank: int, world: int, host: str, where: str, abort, leave,
+                 silent_s: float, every_s: float = 1.0, grace_s: float = 5.0):
+        self.store, self.rank, self.peer = store, rank, (rank + 1) % world
+        self.host, self.where = host, where
+        self.abort, self.leave = abort, leave
+        self.silent_s, self.every_s, self.grace_s = silent_s, every_s, grace_s
+        self.verdict: UserError | None = None
+        self.gone: set[int] = set()              # the watched rank, once found silent
+        self.who: dict[int, str] = {}            # "HOST PID" of the watched rank and of rank 0
+        self._decided = self._answered = time.monotonic()
+        self._stopped, self._lock, self._ending = threading.Event(), threading.Lock(), threading.Lock()
+        self._threads = [threading.Thread(target=target, name=f"rank-watch-{target.__name__[1:]}",
+                                          daemon=True) for target in (self._pulse, self._judge)]
+        for thread in self._threads:
+            thread.start()
+
+    def decide(self, verdict: UserError) -> None:
+        """The first verdict stands; the group is aborted at once."""
+        with self._lock:
+            if self.verdict is not None or self._stopped.is_set():
+                return
+            self.verdict, self._decided = verdict, time.monotonic()
+        try:
+            self.abort()
+        except Exception:           # noqa: BLE001 - no group left to abort: the verdict stands
+            pass
+
+    def store_lost(self, what: str) -> UserError:
+        """The verdict when the store's host is gone or stopped (`what` the store did)."""
+        if self.host == "rank 0" and 0 in self.who:
+            return UserError(f"{fate(0, self.who[0])}: the job's store it serves at {self.where} "
+                             f"{what}; the other ranks end")
+        return UserError(f"{self.host}, which serves the job's store at {self.where}, was killed, "
+                         f"stopped or froze: the store {what}; the other ranks end")
+
+    def _pulse(self) -> None:
+        store, last, seen = self.store, None, time.monotonic()
+        try:
+            store.set(who_key(self.rank), who_am_i())
+        except RuntimeError:
+            pass
+        while not self._stopped.wait(self.every_s):
+            try:
+                store.add(beat_key(self.rank), 1)
+                error = store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
+                count = store.add(beat_key(self.peer), 0)
+                for rank in {0, self.peer} - self.who.keys():
+                    if store.check([who_key(rank)]):
+                        self.who[rank] = store.get(who_key(rank)).decode()
+            except RuntimeError as exc:          # torch's DistError: the store closed
+                self.decide(self.store_lost("is gone"))
+                return
+            now = self._answered = time.monotonic()
+            if error is not None:
+                self.decide(UserError(error))
+                return
+            if count != last:
+                last, seen = count, now
+            elif now - seen > self.silent_s:
+                self.gone.add(self.peer)
+                message = (f"{fate(self.peer, self.who.get(self.peer))}: no sign of life for "
+                           f"{now - seen:.0f} s (dist.heartbeat_timeout_s {self.silent_s:g} s); "
+                           "the other ranks end")
+                try:                             # the first error left in the store is the job's
+                    store.compare_set(ERROR_KEY, "", message)
+                    message = store.get(ERROR_KEY).decode()
+                except RuntimeError:
+                    pass
+                self.decide(UserError(message))
+                return
+
+    def _judge(self) -> None:
+        tick = time.monotonic()
+        while not self._stopped.wait(self.every_s):
+            now = time.monotonic()
+            ran = now - tick < 3 * self.every_s    # this process itself was not stopped meanwhile
+            tick = now
+            if self.verdict is None and ran and now - self._answered > self.silent_s:
+                self.decide(self.store_lost(f"has not answered for {now - self._answered:.0f} s"))
+            if self.verdict is not None and now - self._decided > self.grace_s:
+                self._end()
+                return
+
+    def _end(self) -> None:
+        with self._ending:
+            if self._stopped.is_set():
+                return
+            print_error(self.verdict)
+            sys.stdout.flush()
+            self.leave()
+            os._exit(self.verdict.exit_code)
+
+    def stop(self) -> None:
+        with self._ending:                       # once the judge ends the process, it ends it
+            self._stopped.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2 * self.every_s + 1)   # the pulse may wait on a stopped store
