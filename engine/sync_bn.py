@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from runtime import distributed as group
+
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
@@ -105,8 +107,8 @@ class CrossProcessBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D input")
 
     def _group_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
+        if self.process_group is None:     # the default group: raises once it is lost or aborted
+            return group.get_world_size()
         return dist.get_world_size(self.process_group)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
