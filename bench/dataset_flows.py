@@ -6,13 +6,14 @@ For each built-in skeleton (data/skeletons/*.yaml), a stand-in in its dataset's 
 (tests/shipped_layouts.py: coco4's JSON and pictures, its first 3 pictures the train split, the 4th
 the validation split): COCO-WholeBody's fields for wholebody133; halpe26 (no file ships Halpe's 26
 points: Halpe's hold 136) coco4 named with the built-in's names; quadruped (the project's own
-animal, no published dataset) `data.synthetic --skeleton quadruped`'s drawings, 3 + 1 pictures.
+animal, no published dataset) `data.synthetic --skeleton quadruped`'s drawings, 6 + 1 pictures
+(3 would hold one batch of 2: an epoch of 1 step).
 Then, each through the command's own main(argv): data.make_hdf5 converts the train split and
 writes its skeleton (--dump-skeleton), converts the validation split with that skeleton (the
-three files' skeletons, their scoring included, must be the same), train.py trains `--steps`
-steps (tiny preset, batch 2, workers 0), evaluate.py scores the ground-truth maps (--oracle) and
-the network with the skeleton's metrics, demo.py draws the validation picture. Prints one table,
-then one JSON line; a step that fails is said in its row (and the exit code is 1).
+three files' skeletons, their scoring included, must be the same), train.py trains up to
+`--steps` steps (one epoch; tiny preset, batch 2, workers 0), evaluate.py scores the ground-truth
+maps (--oracle) and the network with the skeleton's metrics, demo.py draws the validation picture.
+Prints one table, then one JSON line; a step that fails is said in its row (and the exit code is 1).
 """
 from __future__ import annotations
 
@@ -49,18 +50,19 @@ def dataset_of(name: str) -> str:
     return next((d for d, (known, _) in AS_SHIPPED.items() if known == name), None) or MADE[name]
 
 
-def stand_in(name: str, folder: Path) -> tuple[dict, Path]:
-    """{split: JSON} of built-in `name`'s stand-in under `folder`, and its pictures' folder."""
+def stand_in(name: str, folder: Path) -> dict:
+    """{split: (JSON, its pictures' folder)} of built-in `name`'s stand-in, written under `folder`."""
     if name == "quadruped":
-        return write_dataset(folder, 3, 1, skeleton="quadruped"), folder
+        drawn = write_dataset(folder, 6, 1, skeleton=name)
+        return {split: (ann, folder / split) for split, ann in drawn.items()}
     dataset = dataset_of(name)
 
     def change(images):
         if name != "wholebody133":
             return as_shipped(dataset if dataset in AS_SHIPPED else name, images)
         return lambda data: (pictures(data, images), wholebody(data))
-    return {split: shipped(COCO4, folder, change(images), f"{split}.json")
-            for split, images in (("train", slice(0, 3)), ("val", slice(3, 4)))}, COCO4
+    return {split: (shipped(COCO4, folder, change(images), f"{split}.json"), COCO4)
+            for split, images in (("train", slice(0, 3)), ("val", slice(3, 4)))}
 
 
 def quietly(step: str, command, argv: list) -> str:
@@ -86,13 +88,13 @@ def flow(name: str, folder: Path, steps: int, device: str) -> dict:
     """One built-in's row: each step in turn; the first that fails ends it, said in `failed`."""
     start, row = time.perf_counter(), {"dataset": dataset_of(name), "skeleton": name}
     try:
-        anns, images = stand_in(name, folder)
-        h5 = {split: folder / f"{split}.h5" for split in anns}
+        splits = stand_in(name, folder)
+        h5 = {split: folder / f"{split}.h5" for split in splits}
         dumped = folder / "dumped.yaml"
-        for split, extra in (("train", ["--dump-skeleton", str(dumped)]), ("val", ["--skeleton", str(dumped)])):
-            image_dir = images / split if name == "quadruped" else images
-            quietly(f"convert {split}", make_hdf5, ["--ann", str(anns[split]), "--images", str(image_dir),
-                                                    "--out", str(h5[split]), "--split", split, "--quiet", *extra])
+        for split, given in (("train", "--dump-skeleton"), ("val", "--skeleton")):
+            ann, images = splits[split]
+            argv = ["--ann", ann, "--images", images, "--split", split, "--out", h5[split], given, dumped]
+            quietly(f"convert {split}", make_hdf5, [*map(str, argv), "--quiet"])
         files = {split: KeypointH5(path) for split, path in h5.items()}
         skeleton = files["train"].skeleton
         row.update(keypoints=len(skeleton.dataset_keypoints),
@@ -102,8 +104,8 @@ def flow(name: str, folder: Path, steps: int, device: str) -> dict:
                                for s in (again, files["val"].skeleton))
         quietly("train", train.main, ["--train-h5", str(h5["train"]), "--val-h5", str(h5["val"]), "--config",
                                       "tiny", "--out-dir", str(folder), "--run-name", "run", "--epochs", "1",
-                                      "--batch-size", "2", "--ap-every", "0", "--device", device,
-                                      "--set", f"train.max_steps_per_epoch={steps}", "--set", "data.workers=0",
+                                      "--batch-size", "2", "--ap-every", "0", "--device", device, "--set",
+                                      f"train.max_steps_per_epoch={steps}", "--set", "data.workers=0",
                                       "--set", "train.tensorboard=false"])
         losses = [json.loads(line)["loss"] for line in (folder / "run" / "train_steps.jsonl").open()]
         row.update(steps=len(losses), loss=round(losses[-1], 5))
@@ -112,8 +114,8 @@ def flow(name: str, folder: Path, steps: int, device: str) -> dict:
                                skeleton.scoring)
         row["network"] = scored(["--weights", str(weights), "--h5", str(h5["val"]), "--device", device,
                                  "--out", str(folder / "network.json")], skeleton.scoring)
-        picture = images / "val" if name == "quadruped" else images
-        picture = picture / json.loads(anns["val"].read_text())["images"][0]["file_name"]
+        ann, images = splits["val"]
+        picture = images / json.loads(ann.read_text())["images"][0]["file_name"]
         quietly("demo", demo.main, ["--weights", str(weights), "--image", str(picture), "--out",
                                     str(folder / "demo.png"), "--device", device])
         row["demo_ok"] = (folder / "demo.png").stat().st_size > 0
@@ -129,14 +131,17 @@ def metrics(values) -> str:
 
 
 def table(rows: list) -> str:
-    head = ["dataset", "skeleton", "kp", "train/val pics", "dump same", "loss", "oracle", "network", "demo",
-            "s"]
-    lines = [[r["dataset"], r["skeleton"], str(r.get("keypoints", "")), "/".join(map(str, r.get("pictures", []))),
-              str(r.get("dump_same", "")), f"{r['loss']:.4f}" if "loss" in r else "", metrics(r.get("oracle")),
-              metrics(r.get("network")), str(r.get("demo_ok", "")), f"{r['seconds']:.0f}"] for r in rows]
+    head = ["dataset", "skeleton", "kp", "train/val pics", "dump same", "loss (steps)", "oracle", "network",
+            "demo", "s"]
     text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    text += ["| " + " | ".join(line) + " |" + (f" FAILED {r['failed']}" if "failed" in r else "")
-             for line, r in zip(lines, rows)]
+    for r in rows:
+        pictures = "/".join(map(str, r.get("pictures", [])))
+        cells = [r["dataset"], r["skeleton"], r.get("keypoints", ""), pictures,
+                 r.get("dump_same", ""), f"{r['loss']:.4f} ({r['steps']})" if "loss" in r else "",
+                 metrics(r.get("oracle")), metrics(r.get("network")), r.get("demo_ok", ""),
+                 f"{r['seconds']:.0f}"]
+        failed = f" FAILED {r['failed']}" if "failed" in r else ""
+        text.append("| " + " | ".join(map(str, cells)) + " |" + failed)
     return "\n".join(text)
 
 
