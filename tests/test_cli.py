@@ -139,6 +139,7 @@ FLAG_VALUES = {
     "--keep-batchnorm-fp32": ("False", "amp.keep_batchnorm_fp32", False),
     "--loss-scale": ("128", "amp.loss_scale", 128.0), "--amp-dtype": ("bfloat16", "amp.dtype", "bfloat16"),
     "--channels-last": ("True", "amp.channels_last", True), "--compile": (None, "amp.compile", True),
+    "--cuda-graphs": ("False", "amp.cuda_graphs", False),
     "--amp-backend": ("native", "amp.backend", "native"), "--sync-bn": (None, "dist.sync_bn", True),
     "--delay-allreduce": (None, "dist.delay_allreduce", True), "--zero": (None, "dist.zero", True),
 }
