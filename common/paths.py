@@ -1,5 +1,6 @@
-"""The paths a command writes: no output may be one of the command's inputs, none replaces a file
-that exists unless the user passed --overwrite, and an output appears whole or not at all
+"""The paths a command writes: no output may be one of the command's inputs, lie inside a folder
+it reads or be another of its outputs (`refuse_clashes`), none replaces a file that exists unless
+the user passed --overwrite, and an output appears whole or not at all
 (`written_whole`). A new output is created exclusively: when two commands write the same new path,
 the second to finish fails in one line instead of replacing the first one's file unasked.
 
@@ -28,17 +29,59 @@ def same_file(a, b) -> bool:
         return False
 
 
-def refuse_output_as_input(out_option: str, out, inputs: dict) -> None:
-    """ConfigError when `out` (given by `out_option`) is a loop of symbolic links or one of
-    `inputs` ({option: path})."""
+def _listed_paths(value) -> list[Path]:
+    """A path, several, or none (None, "") as a list."""
+    if not value:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [Path(value)]
+    return [Path(item) for item in value if item]
+
+
+def _identity(path: Path, resolved: Path):
+    """What names one file: its inode when it exists (hard links too), else its resolved path."""
     try:
-        Path(out).resolve()
-    except (OSError, RuntimeError):
-        raise ConfigError(f"{out_option} {out}: a loop of symbolic links; give another path") from None
-    for option, path in inputs.items():
-        if path and same_file(out, path):
-            raise ConfigError(f"{out_option} {out} is the same file as {option} {path}: writing it would "
-                              f"destroy the input; choose another {out_option}")
+        stat = path.stat()
+        return stat.st_dev, stat.st_ino
+    except OSError:
+        return str(resolved)
+
+
+def refuse_clashes(reads: dict, writes: dict) -> None:
+    """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
+    `reads` are {option: a path, several, or None}, the files and folders the command writes and
+    reads. A written path is refused when it is a loop of symbolic links, when it is the same file
+    as one read or lies inside a folder read (a folder of pictures, say), and when another output
+    writes it too. Every command calls this once, before it writes anything, with everything it
+    reads (data, pictures, skeleton, weights, config) and writes, whether or not --overwrite was
+    given."""
+    sources = [(option, path) for option, value in reads.items() for path in _listed_paths(value)]
+    folders = []
+    for option, path in sources:
+        try:
+            if path.is_dir():
+                folders.append((option, path, path.resolve()))
+        except (OSError, RuntimeError):
+            continue
+    written: dict = {}
+    for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
+        try:
+            resolved = out.resolve()
+        except (OSError, RuntimeError):
+            raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
+        for source_option, folder, folder_resolved in folders:
+            if resolved.is_relative_to(folder_resolved):
+                raise ConfigError(f"{option} {out} is inside {source_option} {folder}, a folder this "
+                                  f"command reads: writing there could destroy an input; choose "
+                                  f"another {option} outside that folder")
+        for source_option, source in sources:
+            if same_file(out, source):
+                raise ConfigError(f"{option} {out} is the same file as {source_option} {source}: writing "
+                                  f"it would destroy the input; choose another {option}")
+        other = written.setdefault(_identity(out, resolved), (option, out))
+        if other != (option, out):
+            raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
+                              "would replace the other; give each its own path")
 
 
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:

@@ -33,7 +33,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
-from common.paths import refuse_existing, refuse_output_as_input, written_whole
+from common.paths import refuse_clashes, refuse_existing, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -179,13 +179,11 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    refuse_output_as_input("--out", out_path, {"--ann": ann_path})
+    refuse_clashes({"--ann": ann_path, "--images": images_dir}, {"--out": out_path})
     category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
-    for info in images if out_path.resolve().is_relative_to(images_dir.resolve()) else []:
-        refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
     refuse_existing("--out", out_path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
@@ -368,9 +366,10 @@ def _main(argv=None) -> int:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
     if args.skipped and not args.skip_bad:
         raise ConfigError("option --skipped lists what --skip-bad skips: give --skip-bad too")
+    refuse_clashes({"--ann": args.ann, "--images": args.images, "--skeleton": args.skeleton},
+                   {"--out": args.out, "--skipped": args.skipped, "--dump-skeleton": args.dump_skeleton})
     for option, path in (("--skipped", args.skipped), ("--dump-skeleton", args.dump_skeleton)):
         if path:
-            refuse_output_as_input(option, path, {"--ann": args.ann, "--out": args.out})
             refuse_existing(option, path, args.overwrite)
     skeleton = load_skeleton(args.skeleton) if args.skeleton else None
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None

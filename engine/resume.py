@@ -78,7 +78,7 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
     reader = reader or CheckpointReader()
 
     def decide():
-        run_dir, created = pick_and_claim(cfg.train)
+        run_dir, created = pick_and_claim(cfg)
         try:
             return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
         except BaseException:      # a run that did not start leaves no directory behind

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from common.errors import ConfigError, UserError, os_reason
-from common.paths import same_file
+from common.paths import refuse_clashes
 from config.loader import to_yaml
 from config.schema import Config, DataConfig, TrainConfig
 from data.h5format import KeypointH5, check_split
@@ -100,17 +100,18 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
         Path(run_dir).rmdir()
 
 
-def choose_run_dir(train: TrainConfig, ctx) -> tuple[Path, bool]:
+def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
     """Pick and claim the run directory on the main process; every rank gets the same path, or the
     same error. Returns (path, whether this call created it)."""
-    path, created = dist.decided_on_main(lambda: pick_and_claim(train))
+    path, created = dist.decided_on_main(lambda: pick_and_claim(cfg))
     return Path(path), created
 
 
-def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
+def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     """The run directory, claimed (on the main process): a directory that holds a run is refused
-    unless resumed or overwritten (`clear_run_dir`, once every other check has passed); two runs
-    never share one."""
+    unless resumed or overwritten (`clear_run_dir`, once every other check has passed), and so is
+    one whose files the run would write over a file it reads; two runs never share one."""
+    train = cfg.train
     out_dir = Path(train.out_dir)
     run_dir, created = None, False
     named = out_dir / train.run_name if train.run_name else None
@@ -141,10 +142,13 @@ def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume auto to continue it, "
             f"--overwrite to replace it, or choose another --run-name")
-    problem = _input_overwrite_removes(train, run_dir)
-    if problem:
-        release_run_dir(run_dir)
-        raise ConfigError(problem)
+    try:      # the files it writes (or, with --overwrite, removes) there: none may be an input
+        refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
+                        "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5, "--config": cfg.preset},
+                       {"--run-name/--out-dir": _overwritten(run_dir)})
+    except ConfigError:
+        release_run_dir(run_dir, remove_if_empty=created)
+        raise
     return run_dir, created
 
 
@@ -152,21 +156,6 @@ def _overwritten(run_dir: Path) -> list[Path]:
     """The files an earlier run of this trainer wrote in `run_dir`: what --overwrite removes."""
     return [path for pattern in WRITTEN for path in run_dir.glob(pattern)
             if path.is_file() or path.is_symlink()]
-
-
-def _input_overwrite_removes(train: TrainConfig, run_dir: Path) -> str | None:
-    """Why --overwrite must not clear `run_dir`: the weights the run starts from are one of the
-    files it would remove (fine-tuning a run's own last.pth into that run), which a run that
-    failed before its first save would then have lost."""
-    if not train.overwrite or train.resume:
-        return None
-    removed = _overwritten(run_dir)
-    for option, value in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
-        if value and any(same_file(value, path) for path in removed):
-            return (f"{option} {value} is a file of the run in {run_dir}, which --overwrite removes "
-                    f"before this run writes its own: copy it out of {run_dir} first, or choose "
-                    "another --run-name (nothing was removed)")
-    return None
 
 
 def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
