@@ -40,7 +40,7 @@ from test_preemption import REPO, worker_log
     (["--set", "optim.lr=true"], ["option optim.lr", "expected a number, got True"]),
     (["--set", "train.batch_size=null"], ["option train.batch_size", "expected an integer, got null"]),
     (["--set", "dist.rendezvous_timeout_s=0"], ["option dist.rendezvous_timeout_s", "0 must be >= 1"]),
-    (["--loss-scale", "1e30"], ["option amp.loss_scale", "1e+30 is not 'dynamic' or a number > 0 and <= 16777216"]),
+    (["--loss-scale", "1e30"], ["option amp.loss_scale", "1e+30 is not 'dynamic' or a number from 2^-24 to 2^24"]),
     (["--device", "tpu"], ["option train.device", "'tpu' is not auto, cpu, cuda"]),
     (["--set", "optim.max_bad_steps=0"], ["option optim.max_bad_steps", "0 must be >= 1"]),
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),
