@@ -29,19 +29,19 @@ from engine.sampler import GlobalBatchSampler, ShardSampler
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
 WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "train_steps.jsonl", "config.yaml",
-           "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
+           "train.log", "environment.json", ".environment.*.tmp.json", "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
            "tensorboard/events.out.tfevents.*", "val_pictures/epoch_*.png", "val_pictures/.epoch_*.tmp.png")
 LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
 
-def _holds_run(path: Path) -> bool:
+def holds_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
 
 def newest_run_dir(out_dir: Path) -> Path | None:
     """The most recently written run directory under `out_dir` (for `--resume auto` without a name)."""
-    runs = [p for p in out_dir.glob("*") if _holds_run(p) and not p.name.startswith("_")]
+    runs = [p for p in out_dir.glob("*") if holds_run(p) and not p.name.startswith("_")]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
@@ -125,6 +125,9 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
         run_dir = named
     elif train.resume == "auto":
         run_dir = newest_run_dir(out_dir)
+    if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
+            run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
+        raise ConfigError(_nothing_to_resume(out_dir, run_dir))
     _make_out_dir(out_dir if run_dir is None else run_dir.parent)
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
@@ -137,7 +140,7 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
                 continue
     else:
         created = _claim(run_dir, exclusive=False)
-    if _holds_run(run_dir) and not train.resume and not train.overwrite:
+    if holds_run(run_dir) and not train.resume and not train.overwrite:
         release_run_dir(run_dir)
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume auto to continue it, "
@@ -150,6 +153,17 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
         release_run_dir(run_dir, remove_if_empty=created)
         raise
     return run_dir, created
+
+
+def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
+    """Why `--resume auto` that finds no run is refused: the run directory looked in (a misspelt
+    --run-name, or another --out-dir than the run's) would otherwise start a new run on the
+    synthetic dataset. Naming the data or the weights (a requeued job) starts afresh instead."""
+    where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
+             "the --out-dir the run was started with" if run_dir else
+             f"found no run in {out_dir}: give the --out-dir the runs were written to")
+    return (f"--resume auto: {where}; to start a new run instead, leave out --resume auto or name "
+            "its data (--train-h5) or weights (--weights)")
 
 
 def _overwritten(run_dir: Path) -> list[Path]:
