@@ -160,7 +160,7 @@ class RunTrainer(Trainer):
         """The hooks' `after_build`, a resumed run's state, then the run directory written."""
         cfg, ctx = self.cfg, self.ctx
         self._call("after_build")
-        state, reference, path = parts.start
+        state, reference, path, _ = parts.start
         if reference is not None:
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
             state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
