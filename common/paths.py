@@ -51,8 +51,8 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
     """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
     `reads` are {option: a path, several, or None}, the files and folders the command writes and
     reads. A written path is refused when it is a loop of symbolic links, when it is the same file
-    as one read or lies inside a folder read (a folder of pictures, say), and when another output
-    writes it too. Every command calls this once, before it writes anything, with everything it
+    as one read, when it is a folder read or a file already inside one (a folder of pictures, say:
+    the file may be one of them; a new file there is fine), and when another output writes it too. Every command calls this once, before it writes anything, with everything it
     reads (data, pictures, skeleton, weights, config) and writes, whether or not --overwrite was
     given."""
     sources = [(option, path) for option, value in reads.items() for path in _listed_paths(value)]
@@ -70,10 +70,10 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
         except (OSError, RuntimeError):
             raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
         for source_option, folder, folder_resolved in folders:
-            if resolved.is_relative_to(folder_resolved):
+            if resolved == folder_resolved or (resolved.is_relative_to(folder_resolved) and out.exists()):
                 raise ConfigError(f"{option} {out} is inside {source_option} {folder}, a folder this "
-                                  f"command reads: writing there could destroy an input; choose "
-                                  f"another {option} outside that folder")
+                                  f"command reads: writing it could destroy an input; choose "
+                                  f"another {option}")
         for source_option, source in sources:
             if same_file(out, source):
                 raise ConfigError(f"{option} {out} is the same file as {source_option} {source}: writing "

@@ -33,6 +33,8 @@ def files(tmp_path):
     (tmp_path / "ann.json").write_text(json.dumps(coco))
     (tmp_path / "images").mkdir()
     shutil.copy(COCO4_DIR / IMAGE, tmp_path / "images" / IMAGE)
+    shutil.copy(COCO4_DIR / IMAGE, tmp_path / "images" / "pose_pose.png")   # what demo draws for pose.png
+    shutil.copy(COCO4_DIR / IMAGE, tmp_path / "images" / "pose.png")
     (tmp_path / "skeleton.yaml").write_text("keypoints: [a, b]\nlimbs: [[a, b]]\n")
     (tmp_path / "preset.yaml").write_text("train:\n  epochs: 1\n")
     save_checkpoint(tmp_path / "weights.pth", {"model": {"w": torch.zeros(1)}})
@@ -67,8 +69,9 @@ CASES = {
                                          f"--skipped T/images/{IMAGE} is inside --images T/images"),
     "make_hdf5 --out is a picture": (make_hdf5.main, HDF5 + ["--out", f"T/images/{IMAGE}"],
                                      f"--out T/images/{IMAGE} is inside --images T/images"),
-    "make_hdf5 --dump-skeleton in the pictures": (make_hdf5.main, HDF5 + ["--dump-skeleton", "T/images/s.yaml"],
-                                                  "--dump-skeleton T/images/s.yaml is inside --images"),
+    "make_hdf5 --dump-skeleton is a picture": (make_hdf5.main, HDF5 + ["--dump-skeleton", f"T/images/{IMAGE}"],
+                                               f"--dump-skeleton T/images/{IMAGE} is inside --images"),
+    "make_hdf5 --out is --images": (make_hdf5.main, HDF5 + ["--out", "T/images"], "--out T/images is inside --images"),
     "make_hdf5 two outputs, one file": (make_hdf5.main, HDF5 + ["--out", "T/o.h5", "--skip-bad",
                                                               "--skipped", "T/both", "--dump-skeleton", "T/both"],
                                         "--dump-skeleton T/both and --skipped T/both are the same file"),
@@ -87,14 +90,14 @@ CASES = {
     "demo --out is --image": (demo.main, ["--weights", "T/weights.pth", "--image", f"T/images/{IMAGE}",
                                           "--out", f"T/images/../images/{IMAGE}"],
                               f"--out T/images/../images/{IMAGE} is the same file as --image"),
-    "demo --out inside the pictures folder": (demo.main, ["--weights", "T/weights.pth", "--image", "T/images",
-                                                          "--out", "T/images/drawn"],
-                                              "--out T/images/drawn/000000000785_pose.png is inside --image"),
+    "demo --out over a picture of the folder": (demo.main, ["--weights", "T/weights.pth", "--image", "T/images",
+                                                            "--out", "T/images"],
+                                                "--out T/images/pose_pose.png is inside --image T/images"),
     "export --out is --weights": (export.main, ["--weights", "T/weights.pth", "--out", "T/weights.pth"],
                                   "--out T/weights.pth is the same file as --weights"),
-    "export --out in --check-images": (export.main, ["--weights", "T/weights.pth", "--check-images", "T/images",
-                                                     "--out", "T/images/m.onnx"],
-                                       "--out T/images/m.onnx is inside --check-images T/images"),
+    "export --out is a picture of --check-images": (export.main, ["--weights", "T/weights.pth", "--check-images",
+                                                                  "T/images", "--out", f"T/images/{IMAGE}"],
+                                                    f"--out T/images/{IMAGE} is inside --check-images T/images"),
     "preview --out is --h5": (preview.main, ["--h5", "T/data.h5", "--out", "T/data.h5"],
                               "--out T/data.h5 is the same file as --h5"),
     "preview --out is --config": (preview.main, ["--h5", "T/data.h5", "--config", "T/preset.yaml",
