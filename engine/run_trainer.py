@@ -228,7 +228,7 @@ class RunTrainer(Trainer):
         an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
         it held."""
         path = self.run_dir / name
-        kept = (f"{path} still holds what it held" if path.exists() else f"{path} was not written")
+        kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
         if ran and skipped == ran:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "

@@ -133,10 +133,17 @@ def test_early_stop_with_ap_every_counts_only_the_validations_that_measure_ap(tm
 
 
 def test_early_stop_returns_the_epoch_it_stopped_at(tmp_path, synthetic_h5):
-    # every step skipped as abnormal: the model never changes, so the validation loss of epoch 2
-    # is that of epoch 1, no improvement, and patience 1 stops the run there
-    out = run(tmp_path, synthetic_h5, "--epochs", "4", "--run-name", "es1", "--early-stop", "1",
-              "--ap-every", "0", "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
+    # the validation loss of epoch 2 is that of epoch 1, no improvement, and patience 1 stops the
+    # run there (a run whose every step is skipped, which gave that before, is now a failure)
+    class SameLoss(Hook):
+        def after_validation(self, trainer, epoch, results):
+            results["loss"] = 1.0
+
+    sets = [f"data.train_h5={synthetic_h5[0]}", f"data.val_h5={synthetic_h5[1]}", "data.workers=0",
+            f"train.out_dir={tmp_path}", "train.run_name=es1", "train.batch_size=4", "train.max_steps_per_epoch=3",
+            "train.epochs=4", "train.early_stop_patience=1", "train.ap_every=0", "train.tensorboard=false"]
+    out = build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")),
+                        hooks=[SameLoss()]).fit()
     assert out["early_stopped"] and out["epoch"] == 2
     assert load_checkpoint(tmp_path / "es1/last.pth")["epoch"] == 2
     assert len(val_records(tmp_path / "es1")) == 2
