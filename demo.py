@@ -170,8 +170,8 @@ def run(args) -> list[Path]:
 
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
-        refuse_clashes({"--weights": args.weights, "--image": args.image, "--preset": args.preset},
-                       {"--out": [target for _, target in pairs]})
+        refuse_clashes({"--weights": args.weights, "--image": [source for source, _ in pairs],
+                        "--preset": args.preset}, {"--out": [target for _, target in pairs]})
         for _, target in pairs:
             refuse_existing("--out", target, args.overwrite)
     elif args.video is not None:

@@ -151,10 +151,10 @@ def run(args) -> Path:
 
     check_options(args)
     out = Path(args.out)
-    refuse_clashes({"--weights": args.weights, "--check-images": args.check_images, "--preset": args.preset},
+    pictures = check_pictures(args.check_images)
+    refuse_clashes({"--weights": args.weights, "--check-images": pictures, "--preset": args.preset},
                    {"--out": out})
     refuse_existing("--out", out, args.overwrite)
-    pictures = check_pictures(args.check_images)
     estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
     model, cfg = estimator.network.model, estimator.config
     try:

@@ -38,10 +38,12 @@ def _listed_paths(value) -> list[Path]:
     return [Path(item) for item in value if item]
 
 
-def _identity(path: Path, resolved: Path):
-    """What names one file: its inode when it exists (hard links too), else its resolved path."""
+def _identity(path: Path):
+    """What names one file: its device and inode when it exists (links, hard links and `a/../`
+    spellings too), else its resolved path; OSError or RuntimeError for a loop of symbolic links."""
+    resolved = path.resolve()
     try:
-        stat = path.stat()
+        stat = resolved.stat()
         return stat.st_dev, stat.st_ino
     except OSError:
         return str(resolved)
@@ -49,39 +51,39 @@ def _identity(path: Path, resolved: Path):
 
 def refuse_clashes(reads: dict, writes: dict) -> None:
     """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
-    `reads` are {option: a path, several, or None}, the files and folders the command writes and
-    reads. A written path is refused when it is a loop of symbolic links, when it is the same file
-    as one read, when it is a folder read or a file already inside one (a folder of pictures, say:
-    the file may be one of them; a new file there is fine), and when another output writes it too. Every command calls this once, before it writes anything, with everything it
-    reads (data, pictures, skeleton, weights, config) and writes, whether or not --overwrite was
-    given."""
-    sources = [(option, path) for option, value in reads.items() for path in _listed_paths(value)]
-    folders = []
-    for option, path in sources:
-        try:
-            if path.is_dir():
-                folders.append((option, path, path.resolve()))
-        except (OSError, RuntimeError):
-            continue
-    written: dict = {}
+    `reads` are {option: a path, several, or None}, the files the command writes and the files and
+    folders it reads (as exactly as it knows them: the pictures a JSON names, rather than their
+    folder). A written path is refused when it is a loop of symbolic links, when another output
+    writes it too, when it is the same file as one read, and when it is a folder read or a file
+    already inside one (it may be one of the files read there; a new file is fine). Every command
+    calls this before it writes anything, whether or not --overwrite was given."""
+    written: dict = {}                   # identity -> (option, path, resolved path)
     for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
         try:
-            resolved = out.resolve()
+            resolved, identity = out.resolve(), _identity(out)
         except (OSError, RuntimeError):
             raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
-        for source_option, folder, folder_resolved in folders:
-            if resolved == folder_resolved or (resolved.is_relative_to(folder_resolved) and out.exists()):
-                raise ConfigError(f"{option} {out} is inside {source_option} {folder}, a folder this "
-                                  f"command reads: writing it could destroy an input; choose "
-                                  f"another {option}")
-        for source_option, source in sources:
-            if same_file(out, source):
-                raise ConfigError(f"{option} {out} is the same file as {source_option} {source}: writing "
-                                  f"it would destroy the input; choose another {option}")
-        other = written.setdefault(_identity(out, resolved), (option, out))
-        if other != (option, out):
+        other = written.setdefault(identity, (option, out, resolved))
+        if other[:2] != (option, out):
             raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
                               "would replace the other; give each its own path")
+    for source_option, source in ((o, p) for o, value in reads.items() for p in _listed_paths(value)):
+        try:
+            identity, folder = _identity(source), source.resolve() if source.is_dir() else None
+        except (OSError, RuntimeError):
+            continue                     # a loop of links reads nothing
+        clash = written.get(identity)
+        if clash is None and folder is not None:
+            clash = next((entry for entry in written.values() if entry[2].is_relative_to(folder)
+                          and entry[1].exists()), None)
+        if clash is None:
+            continue
+        option, out, _ = clash
+        if folder is None:
+            raise ConfigError(f"{option} {out} is the same file as {source_option} {source}: writing it "
+                              f"would destroy the input; choose another {option}")
+        raise ConfigError(f"{option} {out} is inside {source_option} {source}, a folder this command "
+                          f"reads: writing it could destroy an input; choose another {option}")
 
 
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:

@@ -164,12 +164,14 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton) 
 # -- writing ---------------------------------------------------------------------------------------
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
-            overwrite: bool = True, categories: list | None = None) -> dict:
+            overwrite: bool = True, categories: list | None = None, side_outputs: dict | None = None) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
     returns the summary (counts, skipped images and annotations with their reasons, the skeleton
     and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
     inferred from the JSON; `categories`: see `load_coco`. `overwrite` False: an existing
-    `out_path` is refused (the command line's default). A `DataError` raised once the JSON was
+    `out_path` is refused (the command line's default). `side_outputs` ({option: path}): what the
+    caller writes afterwards, checked as `out_path` is (against the JSON, its pictures, each other,
+    and for being there already without `overwrite`) before anything is written. A `DataError` raised once the JSON was
     read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
@@ -179,12 +181,15 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    refuse_clashes({"--ann": ann_path, "--images": images_dir}, {"--out": out_path})
     category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories)
+    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
+                   {"--out": out_path, **(side_outputs or {})})
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
-    refuse_existing("--out", out_path, overwrite)
+    for option, path in {"--out": out_path, **(side_outputs or {})}.items():
+        if path:
+            refuse_existing(option, path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
                "skeleton": skeleton, "skeleton_origin": origin}
@@ -286,6 +291,11 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def pictures(selection, images_dir: Path) -> list[Path]:
+    """The pictures a conversion reads: what its outputs must never replace."""
+    return [images_dir / info["file_name"] for info in selection.images]
+
+
 def skipped_lines(summary: dict) -> list:
     """One line per skipped image or annotation, with its reason (stderr)."""
     return [f"skipped: {item['reason']}" for item in summary.get("bad", [])
@@ -366,16 +376,15 @@ def _main(argv=None) -> int:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
     if args.skipped and not args.skip_bad:
         raise ConfigError("option --skipped lists what --skip-bad skips: give --skip-bad too")
-    refuse_clashes({"--ann": args.ann, "--images": args.images, "--skeleton": args.skeleton},
-                   {"--out": args.out, "--skipped": args.skipped, "--dump-skeleton": args.dump_skeleton})
-    for option, path in (("--skipped", args.skipped), ("--dump-skeleton", args.dump_skeleton)):
-        if path:
-            refuse_existing(option, path, args.overwrite)
+    side_outputs = {"--skipped": args.skipped, "--dump-skeleton": args.dump_skeleton}
+    refuse_clashes({"--ann": args.ann, "--skeleton": args.skeleton}, {"--out": args.out, **side_outputs})
     skeleton = load_skeleton(args.skeleton) if args.skeleton else None
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if not args.out:
-        _, _, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
-                                           categories)
+        _, selection, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
+                                                   categories)
+        refuse_clashes({"--images": pictures(selection, Path(args.images))}, side_outputs)
+        refuse_existing("--dump-skeleton", args.dump_skeleton, args.overwrite)
         print(origin)
         dump_skeleton(skeleton, Path(args.dump_skeleton), args.overwrite)
         print(f"wrote {args.dump_skeleton} (nothing converted: no --out)")
@@ -383,7 +392,7 @@ def _main(argv=None) -> int:
     try:
         summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
                           progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
-                          overwrite=args.overwrite, categories=categories)
+                          overwrite=args.overwrite, categories=categories, side_outputs=side_outputs)
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise

@@ -104,7 +104,7 @@ def test_an_output_equal_to_an_input_is_refused(env, capsys):
             ["--out", "is the same file as --ann"], root)
     refused(capsys, make_hdf5.main, ["--ann", root / "coco.json", "--images", env["images"],
                                      "--out", env["images"] / ".." / "images" / IMAGE],
-            [f"is inside --images {env['images']}, a folder this command reads"], root)
+            [f"is the same file as --images {env['images'] / IMAGE}"], root)
     weights = env["runs"] / "done" / "last.pth"
     refused(capsys, evaluate.main, ["--weights", weights, "--h5", env["train_h5"], "--out", weights,
                                     "--device", "cpu"], ["--out", "same file as --weights"], root)
