@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 
 from common.errors import ArgumentParser, DataError, run_cli
-from common.paths import refuse_existing, refuse_output_as_input, same_file
+from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path
 from inference.command_line import CONFIG_CARRIED, weights_options
 
@@ -170,13 +170,14 @@ def run(args) -> list[Path]:
 
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
-        for _, target in pairs:             # a picture drawn over an input picture or the weights
-            clash = next((source for source, _ in pairs if same_file(source, target)), None)
-            refuse_output_as_input("--out", target, {"--weights": args.weights, "--image": clash})
+        refuse_clashes({"--weights": args.weights, "--image": [source for source, _ in pairs],
+                        "--preset": args.preset}, {"--out": [target for _, target in pairs]})
+        for _, target in pairs:
             refuse_existing("--out", target, args.overwrite)
     elif args.video is not None:
         target = check_video_out(args.out or Path(args.video).with_name(Path(args.video).stem + "_pose.mp4"))
-        refuse_output_as_input("--out", target, {"--weights": args.weights, "--video": args.video})
+        refuse_clashes({"--weights": args.weights, "--video": args.video, "--preset": args.preset},
+                       {"--out": target})
         refuse_existing("--out", target, args.overwrite)
         opened = open_video(args.video)
     else:

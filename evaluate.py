@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
-from common.paths import refuse_existing, refuse_output_as_input
+from common.paths import refuse_clashes, refuse_existing
 from data.skeleton import METRIC_KEYS
 from inference.command_line import CONFIG_CARRIED, weights_options
 
@@ -214,7 +214,8 @@ def run(args) -> dict:
     temp_dir = None
     try:
         out = _results_path(args, args.ann or args.h5)
-        refuse_output_as_input("--out", out, {"--weights": args.weights, "--h5": args.h5, "--ann": args.ann})
+        refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann, "--images": args.images,
+                        "--preset": args.preset}, {"--out": out})
         _on_rank0(lambda: _check_writable(out, args.overwrite), ctx.rank)
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
-from common.paths import refuse_existing, refuse_output_as_input, written_whole
+from common.paths import refuse_clashes, refuse_existing, written_whole
 from inference.command_line import weights_options
 
 FORMATS = ("onnx",)
@@ -151,9 +151,10 @@ def run(args) -> Path:
 
     check_options(args)
     out = Path(args.out)
-    refuse_output_as_input("--out", out, {"--weights": args.weights})
-    refuse_existing("--out", out, args.overwrite)
     pictures = check_pictures(args.check_images)
+    refuse_clashes({"--weights": args.weights, "--check-images": pictures, "--preset": args.preset},
+                   {"--out": out})
+    refuse_existing("--out", out, args.overwrite)
     estimator = PoseEstimator.from_checkpoint(args.weights, "cpu", args.preset, args.set)
     model, cfg = estimator.network.model, estimator.config
     try:

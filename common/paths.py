@@ -1,5 +1,6 @@
-"""The paths a command writes: no output may be one of the command's inputs, none replaces a file
-that exists unless the user passed --overwrite, and an output appears whole or not at all
+"""The paths a command writes: no output may be one of the command's inputs, lie inside a folder
+it reads or be another of its outputs (`refuse_clashes`), none replaces a file that exists unless
+the user passed --overwrite, and an output appears whole or not at all
 (`written_whole`). A new output is created exclusively: when two commands write the same new path,
 the second to finish fails in one line instead of replacing the first one's file unasked.
 
@@ -28,17 +29,61 @@ def same_file(a, b) -> bool:
         return False
 
 
-def refuse_output_as_input(out_option: str, out, inputs: dict) -> None:
-    """ConfigError when `out` (given by `out_option`) is a loop of symbolic links or one of
-    `inputs` ({option: path})."""
+def _listed_paths(value) -> list[Path]:
+    """A path, several, or none (None, "") as a list."""
+    if not value:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [Path(value)]
+    return [Path(item) for item in value if item]
+
+
+def _identity(path: Path):
+    """What names one file: its device and inode when it exists (links, hard links and `a/../`
+    spellings too), else its resolved path; OSError or RuntimeError for a loop of symbolic links."""
+    resolved = path.resolve()
     try:
-        Path(out).resolve()
-    except (OSError, RuntimeError):
-        raise ConfigError(f"{out_option} {out}: a loop of symbolic links; give another path") from None
-    for option, path in inputs.items():
-        if path and same_file(out, path):
-            raise ConfigError(f"{out_option} {out} is the same file as {option} {path}: writing it would "
-                              f"destroy the input; choose another {out_option}")
+        stat = resolved.stat()
+        return stat.st_dev, stat.st_ino
+    except OSError:
+        return str(resolved)
+
+
+def refuse_clashes(reads: dict, writes: dict) -> None:
+    """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
+    `reads` are {option: a path, several, or None}, the files the command writes and the files and
+    folders it reads (as exactly as it knows them: the pictures a JSON names, rather than their
+    folder). A written path is refused when it is a loop of symbolic links, when another output
+    writes it too, when it is the same file as one read, and when it is a folder read or a file
+    already inside one (it may be one of the files read there; a new file is fine). Every command
+    calls this before it writes anything, whether or not --overwrite was given."""
+    written: dict = {}                   # identity -> (option, path, resolved path)
+    for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
+        try:
+            resolved, identity = out.resolve(), _identity(out)
+        except (OSError, RuntimeError):
+            raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
+        other = written.setdefault(identity, (option, out, resolved))
+        if other[:2] != (option, out):
+            raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
+                              "would replace the other; give each its own path")
+    for source_option, source in ((o, p) for o, value in reads.items() for p in _listed_paths(value)):
+        try:
+            identity, folder = _identity(source), source.resolve() if source.is_dir() else None
+        except (OSError, RuntimeError):
+            continue                     # a loop of links reads nothing
+        clash = written.get(identity)
+        if clash is None and folder is not None:
+            clash = next((entry for entry in written.values() if entry[2].is_relative_to(folder)
+                          and entry[1].exists()), None)
+        if clash is None:
+            continue
+        option, out, _ = clash
+        if folder is None:
+            raise ConfigError(f"{option} {out} is the same file as {source_option} {source}: writing it "
+                              f"would destroy the input; choose another {option}")
+        raise ConfigError(f"{option} {out} is inside {source_option} {source}, a folder this command "
+                          f"reads: writing it could destroy an input; choose another {option}")
 
 
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:

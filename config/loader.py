@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
-from config.schema import MAX_LOSS_SCALE, Config, declared
+from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -322,9 +322,10 @@ def validate(cfg: Config) -> None:
         except ValueError:
             pass
     if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
-                               or not 0 < scale <= MAX_LOSS_SCALE):
-        raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number > 0 and "
-                          f"<= {MAX_LOSS_SCALE:.0f} (2^24)")
+                               or not MIN_LOSS_SCALE <= scale <= MAX_LOSS_SCALE):
+        raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number from 2^-24 to "
+                          "2^24 (smaller makes every float16 gradient under 1 zero, larger overflows "
+                          "float16 at every step)")
     if len(cfg.loss.scale_weights) != cfg.model.depth + 1:
         raise ConfigError(f"option loss.scale_weights: {len(cfg.loss.scale_weights)} weights for "
                           f"{cfg.model.depth + 1} scales (model.depth + 1)")

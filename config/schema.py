@@ -32,7 +32,12 @@ class Bounds:
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0, 1)
-MAX_LOSS_SCALE = 2.0 ** 24         # Apex's max_loss_scale: a larger static scale overflows float16
+# A loss scale (static, or a dynamic one's start) lies in [2^-24, 2^24]. 2^24 is Apex's largest
+# (max_loss_scale): a static scale above it overflows float16 at every step. 2^-24 is float16's
+# smallest positive value: below it, every gradient under 1 in size (nearly all of a network's)
+# becomes 0 in float16, so no weight moves, at any learning rate.
+MIN_LOSS_SCALE, MAX_LOSS_SCALE = 2.0 ** -24, 2.0 ** 24
+LOSS_SCALE = Bounds(MIN_LOSS_SCALE, MAX_LOSS_SCALE)
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 
@@ -213,7 +218,7 @@ class AmpConfig:
         flag=flag("--loss-scale", PRECISION, type=parse_loss_scale, metavar="dynamic|NUMBER",
                   help="float16 loss scale: dynamic (GradScaler) or fixed"))
     # dynamic scaler start (65536 overflows fp16 early); a larger one halves at each overflow
-    init_scale: float = option(1024.0, bounds=POSITIVE)
+    init_scale: float = option(1024.0, bounds=LOSS_SCALE)
     # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
     # H100, bench/RESULTS.md), off on CPU
     channels_last: str | bool = option("auto", choices=("auto", True, False),

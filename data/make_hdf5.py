@@ -35,7 +35,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
-from common.paths import refuse_existing, refuse_output_as_input, written_whole
+from common.paths import refuse_clashes, refuse_existing, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -193,13 +193,15 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
 def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
             overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
-            keep_all: bool = False) -> dict:
+            keep_all: bool = False, side_outputs: dict | None = None) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
     returns the summary (counts, skipped images and annotations with their reasons, the skeleton
     and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
     inferred from the JSON; `categories`, `links_from`: see `load_coco`; `keep_all`: the train
     split keeps every picture with a labelled person (`main_people`). `overwrite` False: an existing
-    `out_path` is refused (the command line's default). A `DataError` raised once the JSON was
+    `out_path` is refused (the command line's default). `side_outputs` ({option: path}): what the
+    caller writes afterwards, checked as `out_path` is (against the JSON, its pictures, each other,
+    and for being there already without `overwrite`) before anything is written. A `DataError` raised once the JSON was
     read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
@@ -209,15 +211,16 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    refuse_output_as_input("--out", out_path, {"--ann": ann_path})
     category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories,
                                                       links_from)
+    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
+                   {"--out": out_path, **(side_outputs or {})})
     images, by_image = selection.images, selection.by_image
     if max_images > 0:
         images = images[:max_images]
-    for info in images if out_path.resolve().is_relative_to(images_dir.resolve()) else []:
-        refuse_output_as_input("--out", out_path, {"an image of --images": images_dir / info["file_name"]})
-    refuse_existing("--out", out_path, overwrite)
+    for option, path in {"--out": out_path, **(side_outputs or {})}.items():
+        if path:
+            refuse_existing(option, path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
                "skeleton": skeleton, "skeleton_origin": origin, "keep_all": keep_all}
@@ -324,6 +327,11 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def pictures(selection, images_dir: Path) -> list[Path]:
+    """The pictures a conversion reads: what its outputs must never replace."""
+    return [images_dir / info["file_name"] for info in selection.images]
+
+
 def skipped_lines(summary: dict) -> list:
     """One line per skipped image or annotation, with its reason (stderr)."""
     return [f"skipped: {item['reason']}" for item in summary.get("bad", [])
@@ -410,15 +418,15 @@ def _main(argv=None) -> int:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
     if args.skipped and not args.skip_bad:
         raise ConfigError("option --skipped lists what --skip-bad skips: give --skip-bad too")
-    for option, path in (("--skipped", args.skipped), ("--dump-skeleton", args.dump_skeleton)):
-        if path:
-            refuse_output_as_input(option, path, {"--ann": args.ann, "--out": args.out})
-            refuse_existing(option, path, args.overwrite)
+    side_outputs = {"--skipped": args.skipped, "--dump-skeleton": args.dump_skeleton}
+    refuse_clashes({"--ann": args.ann, "--skeleton": args.skeleton}, {"--out": args.out, **side_outputs})
     skeleton = load_skeleton(args.skeleton) if args.skeleton else None
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if not args.out:
-        _, _, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
-                                           categories, args.links_from)
+        _, selection, skeleton, origin = load_coco(Path(args.ann), Path(args.images), args.skip_bad, skeleton,
+                                                   categories, args.links_from)
+        refuse_clashes({"--images": pictures(selection, Path(args.images))}, side_outputs)
+        refuse_existing("--dump-skeleton", args.dump_skeleton, args.overwrite)
         print(origin)
         dump_skeleton(skeleton, Path(args.dump_skeleton), args.overwrite)
         print(f"wrote {args.dump_skeleton} (nothing converted: no --out)")
@@ -427,7 +435,7 @@ def _main(argv=None) -> int:
         summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
                           progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
                           overwrite=args.overwrite, categories=categories,
-                          links_from=args.links_from, keep_all=args.keep_all)
+                          links_from=args.links_from, keep_all=args.keep_all, side_outputs=side_outputs)
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise

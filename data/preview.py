@@ -16,7 +16,7 @@ import numpy as np
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.loader import build_config
-from common.paths import refuse_existing, refuse_output_as_input
+from common.paths import refuse_clashes, refuse_existing
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.picture_files import write_image
@@ -83,7 +83,7 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.n < 1:
         raise ConfigError(f"option --n: {args.n} must be at least 1")
-    refuse_output_as_input("--out", args.out, {"--h5": args.h5})
+    refuse_clashes({"--h5": args.h5, "--config": args.config}, {"--out": args.out})
     refuse_existing("--out", args.out, args.overwrite)
     cfg = build_config(args.config or None)
     dataset = KeypointDataset(args.h5, SampleSettings.of(cfg), train=not args.val)

@@ -50,7 +50,7 @@ class Parts:
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
     eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
-    start: tuple                # (resume state, the authors' checkpoint, its path), see resume.load_start
+    start: tuple                # (resume state, the authors' checkpoint, its path, fresh tensors): resume.load_start
     frozen: dict | None         # counts of freeze()
 
 
@@ -101,7 +101,10 @@ class TrainerBuilder:
         data = self.build_data(cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
         start = load_start(model, plan, cfg.train, data.skeleton, say)
-        frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
+        frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
+        if frozen and frozen["fresh"]:
+            say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names start "
+                f"fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
         if cfg.dist.sync_bn and ctx.distributed:
             model = convert_sync_bn(model, ctx, cfg.amp)

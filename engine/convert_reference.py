@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, run_cli
-from common.paths import refuse_existing, refuse_output_as_input
+from common.paths import refuse_clashes, refuse_existing
 
 DEFAULT_PRESET = "imhn512"
 
@@ -40,7 +40,7 @@ def run(args) -> dict:
     from engine.reference_resume import convert
 
     source, out = Path(args.source), Path(args.out)
-    refuse_output_as_input("OUT.pth", out, {"IN.pth": source})
+    refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})
     refuse_existing("OUT.pth", out, args.overwrite)
     # the network the file holds; a file of another layout is refused by `convert`, naming it
     settings = reference_file_settings(source)

@@ -4,7 +4,9 @@ A pattern names modules (or parameters) of the unwrapped model: by prefix on who
 (`stem` freezes `stem.conv1`, not `stems`) or by an fnmatch glob (`stacks.0.*`). Frozen parameters
 get `requires_grad=False`; the optimizer is built from `trainable_parameters` so they get no
 optimizer state either (no momentum, no weight decay); BatchNorm layers inside frozen parts are
-kept in eval mode by `set_frozen_bn_eval`, so their running statistics stay frozen too.
+kept in eval mode by `set_frozen_bn_eval`, so their running statistics stay frozen too. A tensor
+that `--allow-partial` started fresh (its random initial values) is never frozen: it stays
+trainable, whatever the patterns name.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ def _parameter_count(model: nn.Module, trainable: bool) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad == trainable)
 
 
-def freeze(model: nn.Module, patterns: list[str]) -> dict:
-    """Freeze what `patterns` name; return {"frozen", "trainable"} parameter counts and "modules".
+def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
+    """Freeze what `patterns` name, except the tensors named in `fresh` (started fresh by
+    --allow-partial); return {"frozen", "trainable"} parameter counts, "modules" and "fresh" (the
+    parameters the patterns name that stay trainable for being fresh).
 
     ConfigError when a pattern matches nothing or when nothing would be left to train.
     """
@@ -44,8 +48,11 @@ def freeze(model: nn.Module, patterns: list[str]) -> dict:
             shown = ", ".join(top[:12]) + (" ..." if len(top) > 12 else "")
             raise ConfigError(f"--freeze pattern '{pattern}' matches no module of the model; "
                               f"top-level modules: {shown}")
-    matched = [name for name, module in modules if any(_matches(name, p) for p in patterns)]
-    to_freeze = [p for name, p in model.named_parameters() if any(_matches(name, q) for q in patterns)]
+    fresh = set(fresh)
+    matched = [name for name, module in modules if any(_matches(name, p) for p in patterns)
+               and not any(f"{name}.{own}" in fresh for own, _ in module.named_parameters(recurse=False))]
+    named = [(name, p) for name, p in model.named_parameters() if any(_matches(name, q) for q in patterns)]
+    to_freeze = [p for name, p in named if name not in fresh]
     frozen_ids = {id(p) for p in to_freeze}
     if patterns and not any(p.requires_grad and id(p) not in frozen_ids for p in model.parameters()):
         raise ConfigError(f"--freeze {' '.join(patterns)} freezes all {_parameter_count(model, True)} "
@@ -57,7 +64,8 @@ def freeze(model: nn.Module, patterns: list[str]) -> dict:
             setattr(module, _FROZEN_MARK, True)
     return {"frozen": _parameter_count(model, False), "trainable": _parameter_count(model, True),
             "modules": [name for name in matched if not any(
-                name.startswith(other + ".") for other in matched)]}
+                name.startswith(other + ".") for other in matched)],
+            "fresh": [name for name, _ in named if name in fresh]}
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

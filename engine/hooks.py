@@ -151,12 +151,10 @@ class DivergenceStop(Hook):
     def after_step(self, trainer, out):
         streak = trainer.optim_step.bad_streak
         if streak >= trainer.cfg.optim.max_bad_steps:
-            last = trainer.run_dir / "last.pth"
-            kept = (f"The last good checkpoint is {last}" if last.exists()
-                    else "No checkpoint was written before")
             raise TrainingDiverged(
                 f"{streak} consecutive steps had a non-finite or abnormal loss or "
-                f"gradients (last loss {out.loss:.4g}); stopped. {kept}: {DIVERGENCE_ADVICE}")
+                f"gradients (last loss {out.loss:.4g}); stopped. {trainer.good_checkpoint()}: "
+                f"{DIVERGENCE_ADVICE}")
 
 
 class Preemption(Hook):

@@ -1,4 +1,6 @@
-"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events (pictures too), curves.png.
+"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events (pictures too), curves.png,
+and (`RunConsole`) train.log, the console's lines without the progress bars, with environment.json,
+what the numbers depend on besides the config (runtime/environment.py).
 
 metrics.jsonl holds a "train" record every `log_every` steps and a "val" record per validation;
 train_steps.jsonl holds the loss of every step (`log_step`), so that curves.png shows the training
@@ -19,7 +21,11 @@ import json
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from common.errors import UserError, os_reason
+from common.paths import written_whole
+from runtime.environment import changed_versions, describe_environment
 
 SHARES = ("AP", "PCK", "AUC")      # validation metrics from 0 to 1 that curves.png draws (the first found)
 
@@ -34,6 +40,48 @@ def writing(path: Path):
         kept = path.parent / "last.pth"
         raise UserError(f"cannot write {path}: {os_reason(exc)}"
                         + (f"; the last good checkpoint {kept} is intact" if kept.exists() else "")) from None
+
+
+class RunConsole:
+    """The run's console lines, said on the main process (above any progress bar) and appended to
+    RUN/train.log from `open` on; lines said before the run directory is written wait for it."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.path, self.waiting = enabled, None, []
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            tqdm.write(text)
+            self.record(text)
+
+    def record(self, text: str) -> None:
+        """Keep a line in train.log without printing it (the error line the command prints)."""
+        if not self.enabled:
+            return
+        if self.path is None:
+            self.waiting.append(text)
+            return
+        with writing(self.path), open(self.path, "a") as fh:
+            fh.write(text + "\n")
+
+    def open(self, run_dir: Path, device, world_size: int) -> None:
+        """Start train.log (appended to by a resumed run) and write environment.json (replaced
+        whole; a line says which versions differ from the run's earlier start)."""
+        if not self.enabled:
+            return
+        self.path, waiting, self.waiting = Path(run_dir) / "train.log", self.waiting, []
+        path, now = Path(run_dir) / "environment.json", describe_environment(device, world_size)
+        changed = []
+        if path.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                changed = changed_versions(json.loads(path.read_text()), now)
+        with writing(path), written_whole(path) as temp:
+            temp.write_text(json.dumps(now, indent=1) + "\n")
+        for text in waiting:
+            self.record(text)
+        if changed:
+            self(f"the environment differs from this run's earlier start: {'; '.join(changed)} "
+                 f"(now in {path})")
 
 
 class RunLogger:

@@ -78,7 +78,7 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
     reader = reader or CheckpointReader()
 
     def decide():
-        run_dir, created = pick_and_claim(cfg.train)
+        run_dir, created = pick_and_claim(cfg)
         try:
             return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
         except BaseException:      # a run that did not start leaves no directory behind
@@ -127,8 +127,8 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
 
 def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
     """Load the weights the run starts from into `model`; returns (resume state or None, the
-    authors' checkpoint whose run continues or None, its path). Without a `plan` (parts built
-    outside a run): --weights only."""
+    authors' checkpoint whose run continues or None, its path, the names of the tensors that
+    --allow-partial left fresh). Without a `plan` (parts built outside a run): --weights only."""
     if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
@@ -137,14 +137,14 @@ def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skelet
         ckpt.check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
-        return state, None, plan.resume_path
+        return state, None, plan.resume_path, ()
     if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
     if train.resume_reference:
         path = Path(train.resume_reference)
         reference = ckpt.read_reference(path)
         say(f"loaded weights from {path}: {load_summary(ckpt.load_weights(model, reference))}")
-        return None, reference, path
+        return None, reference, path, ()
     if train.weights:
         weights = ckpt.read_file(train.weights)
         if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
@@ -154,13 +154,25 @@ def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skelet
                                    source=str(train.weights))
         say(f"loaded weights from {train.weights}: {load_summary(report)}"
             + (f"; {ema_note}" if ema_note else ""))
-    return None, None, None
+        return None, None, None, fresh_tensors(report)
+    return None, None, None, ()
+
+
+def _reshaped(report: dict) -> list[str]:
+    """The tensors of a `load_weights` report whose shape differs in the file."""
+    return [name.split(" (")[0] for name in report.get("mismatched") or []]
+
+
+def fresh_tensors(report: dict) -> list[str]:
+    """The tensors a `load_weights` report left at their initial values: missing from the file,
+    or of another shape there."""
+    return list(report.get("missing") or []) + _reshaped(report)
 
 
 def load_summary(report: dict) -> str:
     loaded = report.get("loaded", "?")
     missing = report.get("missing") or []
-    fresh = [name.split(" (")[0] for name in report.get("mismatched") or []]
+    fresh = _reshaped(report)
     return (f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"

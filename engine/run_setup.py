@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from common.errors import ConfigError, UserError, os_reason
-from common.paths import same_file
+from common.paths import refuse_clashes
 from config.loader import to_yaml
 from config.schema import Config, DataConfig, TrainConfig
 from data.h5format import KeypointH5, check_split
@@ -29,19 +29,19 @@ from engine.sampler import GlobalBatchSampler, ShardSampler
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
 WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "train_steps.jsonl", "config.yaml",
-           "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
+           "train.log", "environment.json", ".environment.*.tmp.json", "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
            "tensorboard/events.out.tfevents.*", "val_pictures/epoch_*.png", "val_pictures/.epoch_*.tmp.png")
 LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
 
-def _holds_run(path: Path) -> bool:
+def holds_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
 
 def newest_run_dir(out_dir: Path) -> Path | None:
     """The most recently written run directory under `out_dir` (for `--resume auto` without a name)."""
-    runs = [p for p in out_dir.glob("*") if _holds_run(p) and not p.name.startswith("_")]
+    runs = [p for p in out_dir.glob("*") if holds_run(p) and not p.name.startswith("_")]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
@@ -100,17 +100,18 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
         Path(run_dir).rmdir()
 
 
-def choose_run_dir(train: TrainConfig, ctx) -> tuple[Path, bool]:
+def choose_run_dir(cfg: Config, ctx) -> tuple[Path, bool]:
     """Pick and claim the run directory on the main process; every rank gets the same path, or the
     same error. Returns (path, whether this call created it)."""
-    path, created = dist.decided_on_main(lambda: pick_and_claim(train))
+    path, created = dist.decided_on_main(lambda: pick_and_claim(cfg))
     return Path(path), created
 
 
-def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
+def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     """The run directory, claimed (on the main process): a directory that holds a run is refused
-    unless resumed or overwritten (`clear_run_dir`, once every other check has passed); two runs
-    never share one."""
+    unless resumed or overwritten (`clear_run_dir`, once every other check has passed), and so is
+    one whose files the run would write over a file it reads; two runs never share one."""
+    train = cfg.train
     out_dir = Path(train.out_dir)
     run_dir, created = None, False
     named = out_dir / train.run_name if train.run_name else None
@@ -124,6 +125,9 @@ def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
         run_dir = named
     elif train.resume == "auto":
         run_dir = newest_run_dir(out_dir)
+    if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
+            run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
+        raise ConfigError(_nothing_to_resume(out_dir, run_dir))
     _make_out_dir(out_dir if run_dir is None else run_dir.parent)
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
@@ -136,37 +140,36 @@ def pick_and_claim(train: TrainConfig) -> tuple[Path, bool]:
                 continue
     else:
         created = _claim(run_dir, exclusive=False)
-    if _holds_run(run_dir) and not train.resume and not train.overwrite:
+    if holds_run(run_dir) and not train.resume and not train.overwrite:
         release_run_dir(run_dir)
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume auto to continue it, "
             f"--overwrite to replace it, or choose another --run-name")
-    problem = _input_overwrite_removes(train, run_dir)
-    if problem:
-        release_run_dir(run_dir)
-        raise ConfigError(problem)
+    try:      # the files it writes (or, with --overwrite, removes) there: none may be an input
+        refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
+                        "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5, "--config": cfg.preset},
+                       {"--run-name/--out-dir": _overwritten(run_dir)})
+    except ConfigError:
+        release_run_dir(run_dir, remove_if_empty=created)
+        raise
     return run_dir, created
+
+
+def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
+    """Why `--resume auto` that finds no run is refused: the run directory looked in (a misspelt
+    --run-name, or another --out-dir than the run's) would otherwise start a new run on the
+    synthetic dataset. Naming the data or the weights (a requeued job) starts afresh instead."""
+    where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
+             "the --out-dir the run was started with" if run_dir else
+             f"found no run in {out_dir}: give the --out-dir the runs were written to")
+    return (f"--resume auto: {where}; to start a new run instead, leave out --resume auto or name "
+            "its data (--train-h5) or weights (--weights)")
 
 
 def _overwritten(run_dir: Path) -> list[Path]:
     """The files an earlier run of this trainer wrote in `run_dir`: what --overwrite removes."""
     return [path for pattern in WRITTEN for path in run_dir.glob(pattern)
             if path.is_file() or path.is_symlink()]
-
-
-def _input_overwrite_removes(train: TrainConfig, run_dir: Path) -> str | None:
-    """Why --overwrite must not clear `run_dir`: the weights the run starts from are one of the
-    files it would remove (fine-tuning a run's own last.pth into that run), which a run that
-    failed before its first save would then have lost."""
-    if not train.overwrite or train.resume:
-        return None
-    removed = _overwritten(run_dir)
-    for option, value in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
-        if value and any(same_file(value, path) for path in removed):
-            return (f"{option} {value} is a file of the run in {run_dir}, which --overwrite removes "
-                    f"before this run writes its own: copy it out of {run_dir} first, or choose "
-                    "another --run-name (nothing was removed)")
-    return None
 
 
 def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:

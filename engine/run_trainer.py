@@ -16,12 +16,12 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from common.errors import TrainingDiverged, UserError
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import non_finite, remove_stale_temps, save_checkpoint, unwrap_model
+from engine.precision.loss_scale import scaler_problem
 from engine.build import Data, Parts, TrainerBuilder
 from engine.checkpoint_hooks import BestCheckpoint, EarlyStop, LastCheckpoint, PeriodicCheckpoint
 from engine.device_feed import DeviceFeed
@@ -30,7 +30,7 @@ from engine.epoch_end import Validation
 from engine.freeze import trainable_parameters
 from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
                           Preemption, ProgressBar, TrainLog)
-from engine.logger import RunLogger
+from engine.logger import RunConsole, RunLogger
 from engine.optim import peak_lr, updates_rounded_away
 from engine.precision import check_backend
 from engine.reference_resume import resume_state
@@ -94,12 +94,13 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
-    say = _sayer(launch.ctx)
+    say = RunConsole(launch.ctx.is_main)
+    say(f"run directory: {plan.run_dir}")
     try:
         check_backend(cfg)           # as the command line does, for a config built in Python
         parts = (builder or TrainerBuilder()).build(cfg, launch, plan, say)
         trainer = RunTrainer(cfg, launch, plan.run_dir, parts,
-                             default_hooks(cfg.train, evaluator) + list(hooks))
+                             default_hooks(cfg.train, evaluator) + list(hooks), say)
         trainer.start(parts)
         return trainer
     except BaseException:               # a run that did not start leaves no directory behind
@@ -141,28 +142,26 @@ def training_feed(data: Data, device) -> Callable[[int, int], Iterator]:
     return batches
 
 
-def _sayer(ctx) -> Callable[[str], None]:
-    return lambda text: tqdm.write(text) if ctx.is_main else None
-
-
 class RunTrainer(Trainer):
     """The loop with a run around it: `cfg`, `launch`, `ctx`, `run_dir`, `data`, `model`,
     `precision`, `optimizer`, `eval_net`, `skeleton`, `logger`; `save()` writes a checkpoint."""
 
-    def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook]):
+    def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook],
+                 console: RunConsole | None = None):
         self.cfg, self.launch, self.ctx, self.run_dir = cfg, launch, launch.ctx, run_dir
         self.data, self.model, self.precision = parts.data, parts.model, parts.precision
         self.optimizer, self.eval_net = parts.optimizer, parts.eval_net
         self.skeleton, self.train_set = parts.data.skeleton, parts.data.train_set
-        self.say = _sayer(self.ctx)
-        self.logger, self.resumed = None, None
+        self.say = console or RunConsole(self.ctx.is_main)
+        self.logger, self.resumed, self.resumed_from = None, None, None
         super().__init__(loop_parts(cfg.train, parts, self.ctx.device), hooks)
+        self.started_at = (0, 0)          # (step, skipped steps) when this process's run began
 
     def start(self, parts: Parts) -> None:
         """The hooks' `after_build`, a resumed run's state, then the run directory written."""
         cfg, ctx = self.cfg, self.ctx
         self._call("after_build")
-        state, reference, path = parts.start
+        state, reference, path, _ = parts.start
         if reference is not None:
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
             state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
@@ -173,10 +172,13 @@ class RunTrainer(Trainer):
             # a run started elsewhere (step None): the steps of the epochs it finished
             steps = self.batches_per_epoch // cfg.train.accumulate
             self.step = self.resumed.step if self.resumed.step is not None else self.epoch * steps
+            self.resumed_from = path
+        self.started_at = (self.step, self.optim_step.skipped_total)
         if ctx.is_main:     # the run directory is written only once everything above has worked
             clear_run_dir(cfg.train, self.run_dir)
             save_resolved_config(cfg, self.run_dir)
             remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
+            self.say.open(self.run_dir, ctx.device, ctx.world_size)
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
                                 resumed_step=self.step if state is not None else None)
         self._describe(parts.frozen)
@@ -186,7 +188,6 @@ class RunTrainer(Trainer):
         cfg, data = self.cfg, self.data
         batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
         n_train = sum(p.numel() for p in trainable_parameters(self.model))
-        self.say(f"run directory: {self.run_dir}")
         self.say(f"mode {self.launch.mode}, {self.ctx.world_size} process(es) on {self.ctx.device}; "
                  f"batch {batch // self.ctx.world_size} per process, {batch} in total"
                  + (f", {accumulate} batches per step ({batch * accumulate} samples)"
@@ -223,9 +224,8 @@ class RunTrainer(Trainer):
 
     def save(self, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
         """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser).
-        Weights that hold a NaN or an infinite value are never written: every rank (each holds the
-        same weights) ends the run with `TrainingDiverged` instead, and the file keeps what it held."""
-        self.refuse_non_finite_weights(name)
+        A state that is no good to resume is never written (`refuse_unusable_state`)."""
+        self.refuse_unusable_state(name)
         if self.cfg.dist.zero and self.ctx.distributed:
             self.optimizer.consolidate_state_dict(to=0)
         hooks = hook_states(self)
@@ -239,18 +239,44 @@ class RunTrainer(Trainer):
             save_checkpoint(self.run_dir / name, state)
         dist.barrier()
 
-    def refuse_non_finite_weights(self, name: str) -> None:
-        """`TrainingDiverged` when the weights a checkpoint would hold are not all finite."""
-        bad = non_finite(self.precision.weight_sources(unwrap_model(self.model)))
-        if not bad:
-            return
+    def refuse_unusable_state(self, name: str) -> None:
+        """`TrainingDiverged` on every rank (each holds the same state) instead of writing RUN/name
+        when every step of this run was skipped (nothing trained), when the weights hold a NaN or
+        an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
+        it held."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
-        raise TrainingDiverged(f"after step {self.step} the weights hold NaN or infinite values ({len(bad)} "
-                               f"tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
+        ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
+        if ran and skipped == ran:
+            raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
+                                   f"or gradients at each): nothing trained and {kept}. "
+                                   f"{self.good_checkpoint()}: {DIVERGENCE_ADVICE}")
+        bad = non_finite(self.precision.weight_sources(unwrap_model(self.model)))
+        if bad:
+            raise TrainingDiverged(f"after step {self.step} the weights hold NaN or infinite values ({len(bad)} "
+                                   f"tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
+        problem = scaler_problem(self.precision.state_dict())
+        if problem:
+            raise TrainingDiverged(f"after step {self.step} the loss scaler's state is unusable ({problem}); "
+                                   f"{kept}: {DIVERGENCE_ADVICE}")
+
+    def good_checkpoint(self) -> str:
+        """Which checkpoint a run that stops diverged names to go back to: last.pth, unless this run
+        resumed a checkpoint and no step has succeeded since (that file is then no good start)."""
+        ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
+        if self.resumed_from is not None and ran == skipped:
+            return (f"Every step since the resume from {self.resumed_from} was skipped, so it is no good "
+                    "start: go back to an earlier checkpoint of the run, or start from its weights with "
+                    "--weights")
+        last = self.run_dir / "last.pth"
+        return f"The last good checkpoint is {last}" if last.exists() else "No checkpoint was written before"
 
     def fit(self) -> dict:
-        return {"run_dir": str(self.run_dir), **super().fit()}
+        try:
+            return {"run_dir": str(self.run_dir), **super().fit()}
+        except UserError as exc:       # the line the command ends with, in train.log too
+            self.say.record(f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}")
+            raise
 
     def failure(self, exc: Exception) -> Exception | None:
         """What a failure means: under DDP, another rank's error or death when that is the cause

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from common.errors import CheckpointError
 from config.loader import to_dict
+from engine.precision.loss_scale import checked_scaler_state
 from runtime import checkpoint as ckpt
 
 _STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
@@ -49,10 +50,12 @@ def checkpoint_of(trainer, position: TrainState, hooks: dict) -> dict:
 
 def restore(trainer, state: dict, path: Path) -> TrainState:
     """Optimiser, scaler, RNG and the hooks' states from `state` (the checkpoint at `path`) into
-    `trainer`; returns the position it continues from."""
+    `trainer`; returns the position it continues from. The scaler's state is checked first, as
+    weights are (engine.precision.loss_scale)."""
+    scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
     try:
         trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.precision.load_state_dict(state.get("scaler") or {})
+        trainer.precision.load_state_dict(scaler or {})
         if trainer.ctx.is_main and state.get("rng"):
             ckpt.restore_rng_state(state["rng"])
         for hook in trainer.hooks:
@@ -70,6 +73,8 @@ def restore(trainer, state: dict, path: Path) -> TrainState:
         raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "
                               f"this run ({type(exc).__name__}: {first_line}); start from its "
                               "weights with --weights instead of --resume") from None
+    if note:
+        trainer.say(note)
     position = TrainState.of_checkpoint(state)
     trainer.optim_step.skipped_total = position.skipped_steps
     origin = state.get("origin") or (f"saved by a {state.get('mode', '?')} run of "

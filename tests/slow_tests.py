@@ -5,8 +5,9 @@ A test is slow when its own code, a fixture it uses, or a helper either calls (f
 modules of tests/, followed through every call, nested functions and lambdas included) refers to
 `subprocess`, `multiprocessing` or `torch.multiprocessing`, to an entry script that trains
 (`train`, `train_parallel`, `train_distributed`) or to a benchmark (`bench`), uses a class with
-a `fit` method (the `Trainer`: built, it trains), or runs code from text with `exec` (a
-documented example: it cannot be read here, so it counts as slow). The names are read from the
+a `fit` method (the `Trainer`: built, it trains) or a function that returns one (`build_trainer`),
+or runs code from text with `exec` (a documented example: it cannot be read here, so it counts as
+slow). The names are read from the
 compiled code, so a new test is classified as it is written; a process started by a test that was
 not classified slow is reported by `process_guard` (conftest.py) as a failure of that test; such a
 test (DataLoader workers started by the product's code from a config value) carries
@@ -20,6 +21,7 @@ import importlib
 import inspect
 import sys
 import types
+import typing
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -80,6 +82,16 @@ def _resolve(kind: str, value):
     return module if attr is None else getattr(module, attr, None)
 
 
+def _returns_a_trainer(func) -> bool:
+    """Whether `func` is annotated to return a class with a `fit` method (it builds a run, which
+    also starts processes: git, for the run's environment.json)."""
+    try:
+        returned = typing.get_type_hints(func).get("return")
+    except Exception:             # an annotation that does not resolve here
+        return False
+    return inspect.isclass(returned) and callable(getattr(returned, "fit", None))
+
+
 class SlowCode:
     """Decides, once per function, whether code reaches a process start or training."""
 
@@ -112,6 +124,8 @@ class SlowCode:
         if _starts_processes(getattr(obj, "__module__", None)):        # Popen, Process, spawn, ...
             return True
         if inspect.isclass(obj) and callable(getattr(obj, "fit", None)):      # a trainer
+            return True
+        if inspect.isfunction(obj) and _returns_a_trainer(obj):             # build_trainer
             return True
         if module and _in_tests(obj):                                   # helpers used as module.attr
             return any(self.function(getattr(obj, attr)) for attr in attributes

@@ -34,7 +34,7 @@ SMALL = ["--set", "model.stacks=1", "--set", "model.depth=2", "--set", "model.ch
          "--set", "model.increase=8", "--set", "model.stem_channels=4", "--set", "data.input_size=64",
          "--set", "loss.scale_weights=[1,1,1]", "--set", "data.workers=0", "--set", "train.tensorboard=false",
          "--set", "train.max_steps_per_epoch=2", "--batch-size", "2", "--set", "train.log_every=1",
-         "--set", "amp.init_scale=8",
+         "--set", "amp.init_scale=8", "--lr", "1e-4",
          "--amp-dtype", "float16", "--channels-last", "off", "--device", "cpu"]
 VALIDATE = ["--ap-every", "1", "--set", "train.ap_max_images=1", "--set", "inference.scales=[0.5]",
             "--set", "train.val_pictures=0"]

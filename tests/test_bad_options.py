@@ -41,7 +41,7 @@ from test_preemption import REPO, worker_log
     (["--set", "train.batch_size=null"], ["option train.batch_size", "expected an integer, got null"]),
     (["--set", "dist.rendezvous_timeout_s=0"], ["option dist.rendezvous_timeout_s", "0 must be >= 1"]),
     (["--set", "dist.heartbeat_timeout_s=1"], ["option dist.heartbeat_timeout_s", "1 must be >= 3"]),
-    (["--loss-scale", "1e30"], ["option amp.loss_scale", "1e+30 is not 'dynamic' or a number > 0 and <= 16777216"]),
+    (["--loss-scale", "1e30"], ["option amp.loss_scale", "1e+30 is not 'dynamic' or a number from 2^-24 to 2^24"]),
     (["--device", "tpu"], ["option train.device", "'tpu' is not auto, cpu, cuda"]),
     (["--set", "optim.max_bad_steps=0"], ["option optim.max_bad_steps", "0 must be >= 1"]),
     (["--set", "model.stacks=1000000000"], ["option model.stacks", "must be >= 1 and <= 64"]),

@@ -296,3 +296,46 @@ def test_rng_round_trip_through_a_checkpoint_reproduces_draws(tmp_path):
     draws()
     restore_rng_state(load_checkpoint(tmp_path / "rng.pth")["rng"])
     assert draws() == expected
+
+
+# -- the loss scaler's saved state, checked like weights ------------------------------------------
+GOOD_SCALER = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+               "_growth_tracker": 3}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"scale": float("nan")}, "scale is nan, not a finite number >= 2^-24"),
+    ({"scale": float("inf")}, "scale is inf, not a finite number >= 2^-24"),
+    ({"scale": 0.0}, "scale is 0.0, not a finite number >= 2^-24"),
+    ({"scale": 1e-30}, "scale is 1e-30, not a finite number >= 2^-24"),
+    ({"scale": "1024"}, "scale is '1024' (text), not a finite number >= 2^-24"),
+    ({"growth_factor": float("nan")}, "growth_factor is nan, not a finite number > 1"),
+    ({"growth_factor": 1.0}, "growth_factor is 1.0, not a finite number > 1"),
+    ({"backoff_factor": 1.5}, "backoff_factor is 1.5, not a number between 0 and 1"),
+    ({"backoff_factor": 0}, "backoff_factor is 0, not a number between 0 and 1"),
+    ({"growth_interval": 0}, "growth_interval is 0, not a whole number >= 1"),
+    ({"_growth_tracker": -1}, "_growth_tracker is -1, not a whole number >= 0"),
+    ({"_growth_tracker": True}, "_growth_tracker is True, not a whole number >= 0"),
+    ("apex", "loss_scaler0.loss_scale is nan, not a finite number >= 2^-24"),
+    ([1024.0], "it is a list"),
+])
+def test_a_damaged_loss_scaler_state_is_refused_naming_the_file_and_the_field(change, says):
+    from engine.precision.loss_scale import checked_scaler_state
+    state = ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}} if change == "apex" else
+             change if isinstance(change, list) else {**GOOD_SCALER, **change})
+    with pytest.raises(CheckpointError) as refused:
+        checked_scaler_state(state, "checkpoint run/last.pth")
+    assert str(refused.value) == (f"checkpoint run/last.pth: its loss scaler state is damaged ({says}); start "
+                                  "from its weights with --weights instead of --resume")
+
+
+def test_a_usable_loss_scaler_state_loads_and_a_scale_above_2_to_24_continues_from_2_to_24():
+    from engine.precision.loss_scale import checked_scaler_state
+    for usable in (GOOD_SCALER, {}, None, {"loss_scaler0": {"loss_scale": 2.0 ** -24, "unskipped": 5}}):
+        assert checked_scaler_state(usable, "c.pth") == (usable, "")
+    state, note = checked_scaler_state({**GOOD_SCALER, "scale": 1e30}, "c.pth")
+    assert state == {**GOOD_SCALER, "scale": 2.0 ** 24}
+    assert note == ("c.pth: its loss scale 1e+30 is above 2^24, where float16 overflows at every step; the "
+                    "run continues from 2^24 (a dynamic scale lowers itself from there)")
+    state, _ = checked_scaler_state({"loss_scaler0": {"loss_scale": 1e30, "unskipped": 5}}, "c.pth")
+    assert state == {"loss_scaler0": {"loss_scale": 2.0 ** 24, "unskipped": 5}}

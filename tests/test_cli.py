@@ -71,9 +71,24 @@ def test_channels_last_is_on_for_cuda_by_default_and_can_be_turned_off():
 
 def test_a_switch_is_not_taken_for_a_loss_scale():
     with pytest.raises(ConfigError,
-                       match="option amp.loss_scale: True is not 'dynamic' or a number > 0 and <= 16777216"):
+                       match="option amp.loss_scale: True is not 'dynamic' or a number from 2\\^-24 to 2\\^24"):
         config_of("--set", "amp.loss_scale=true")
     assert config_of("--loss-scale", "128").amp.loss_scale == 128
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--loss-scale", "1e-30"], "option amp.loss_scale: 1e-30 is not 'dynamic' or a number from 2^-24 to 2^24 "
+                                "(smaller makes every float16 gradient under 1 zero"),
+    (["--set", "amp.init_scale=1e-30"], "option amp.init_scale: 1e-30 must be >= 5.96046e-08 and <= 16777216"),
+    (["--set", "amp.init_scale=1e30"], "option amp.init_scale: 1e+30 must be >= 5.96046e-08 and <= 16777216"),
+])
+def test_a_loss_scale_that_zeroes_or_overflows_every_float16_gradient_is_refused(args, says):
+    """At 1e-30 every float16 gradient is 0: runs at two learning rates ended with the same weights."""
+    with pytest.raises(ConfigError) as refused:
+        config_of(*args)
+    assert says in str(refused.value)
+    assert config_of("--loss-scale", str(2.0 ** -24)).amp.loss_scale == 2.0 ** -24   # the bounds are legal
+    assert config_of("--loss-scale", "0.5").amp.loss_scale == 0.5
 
 
 @pytest.mark.parametrize("content,says", [

@@ -41,8 +41,8 @@ def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_fil
     link.symlink_to(work / "last.pth")
     for weights in (work / "last.pth", link):
         refused(capsys, train_cli, env["trainer"] + ["--run-name", "again", "--overwrite", "--weights", weights],
-                [f"--weights {weights} is a file of the run in {work}, which --overwrite removes",
-                 "(nothing was removed)"], env["root"])
+                [f"--run-name/--out-dir {work / 'last.pth'} is the same file as --weights {weights}"],
+                env["root"])
     link.unlink()
     assert train_cli(env["trainer"] + ["--run-name", "again", "--overwrite", "--epochs", "1",
                                        "--set", "train.max_steps_per_epoch=1"]) == 0
@@ -62,8 +62,8 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
 
     cfg = build_config(str(env["preset"]), sets=[f"train.out_dir={env['runs']}"])
     monkeypatch.setattr("time.strftime", lambda fmt: "run-20260101-000000")   # the same second
-    first, made_first = choose_run_dir(cfg.train, DistContext())
-    second, made_second = choose_run_dir(cfg.train, DistContext())
+    first, made_first = choose_run_dir(cfg, DistContext())
+    second, made_second = choose_run_dir(cfg, DistContext())
     assert first != second and made_first and made_second and second.name == "run-20260101-000000-2"
     release_run_dir(first, remove_if_empty=True)
     release_run_dir(second, remove_if_empty=True)
@@ -104,7 +104,7 @@ def test_an_output_equal_to_an_input_is_refused(env, capsys):
             ["--out", "is the same file as --ann"], root)
     refused(capsys, make_hdf5.main, ["--ann", root / "coco.json", "--images", env["images"],
                                      "--out", env["images"] / ".." / "images" / IMAGE],
-            ["is the same file as an image of --images"], root)
+            [f"is the same file as --images {env['images'] / IMAGE}"], root)
     weights = env["runs"] / "done" / "last.pth"
     refused(capsys, evaluate.main, ["--weights", weights, "--h5", env["train_h5"], "--out", weights,
                                     "--device", "cpu"], ["--out", "same file as --weights"], root)

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import train
-from data.skeleton import builtin
 from config.loader import build_config
 from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
@@ -33,7 +32,6 @@ from engine.run_setup import PersistentWorkersLoader, ignore_stop_signals
 from engine.optim import lr_at
 from child_env import child_env
 
-COCO = builtin("coco")
 
 REPO = Path(__file__).resolve().parents[1]
 # A model of ~20k parameters on 64 px inputs: a step takes a fraction of a second on one core.
@@ -378,14 +376,16 @@ def test_non_finite_loss_stops_after_k_bad_steps_and_keeps_the_last_good_checkpo
     assert [r["skipped_steps"] for r in records] == [0, 0, 0, 0, 1]   # 3 good, 1 good, 1 bad logged
 
 
-def test_fp16_scaler_overflows_are_skipped_and_counted(tmp_path, synthetic_h5):
-    # a dynamic loss scale of 2^40 overflows float16 gradients: the scaler halves it at each skip
-    in_process(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "fp16", "--opt-level", "O1",
-               "--amp-dtype", "float16", "--set", "amp.init_scale=1099511627776")
-    state = load_checkpoint(tmp_path / "fp16" / "last.pth")
-    assert state["skipped_steps"] == 3 and state["scaler"]["scale"] == 2.0 ** 37
+def test_fp16_scaler_overflows_are_skipped_and_counted(tmp_path, synthetic_h5, capsys):
+    # a dynamic loss scale of 2^24 overflows float16 gradients: the scaler halves it at each skip,
+    # and a run whose every step was skipped ends diverged, writing no checkpoint
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_main(lambda argv: in_process(tmp_path, synthetic_h5, *argv),
+                 ["--epochs", "1", "--run-name", "fp16", "--opt-level", "O1", "--amp-dtype", "float16",
+                  "--set", "amp.init_scale=16777216"])
+    assert stop.value.code == 3
+    assert message_lines(capsys.readouterr().err)[-1].startswith(
+        "error: all 3 steps of this run were skipped (a non-finite or abnormal loss or gradients at each)")
     assert [r["skipped_steps"] for r in read_metrics(tmp_path / "fp16")] == [1, 2, 3]
-    torch.manual_seed(0)
-    from models import build_model
-    initial = build_model(build_config(str(tmp_path / "micro.yaml")).model, COCO).state_dict()
-    assert all(torch.equal(initial[k], state["model"][k]) for k in initial)   # BatchNorm's stats too
+    assert not (tmp_path / "fp16" / "last.pth").exists()

@@ -12,9 +12,16 @@ turned off one at a time on that machine and changed no weight. The digest is th
 checkpoint's weights (and its EMA weights when there are some), by sorted name, with its dtype and
 shape.
 
-A change that is meant to change the numbers records new digests with
-`python tests/test_run_digest.py` (it rewrites tests/data/run_digests.json) and says why in its
-commit.
+The same file holds the digest of a small draw of the project's synthetic dataset (the main job's
+data): the pixels of its pictures as OpenCV writes and reads them back (JPEG) and its annotations,
+with the versions that drew it. A release of OpenCV or NumPy that changes what the dataset holds
+fails `test_the_synthetic_dataset_draws_what_it_drew` (an OpenCV release once moved the main job's
+AP from 0.5746 to 0.5206 without a word); requirements-lock.txt holds the set the digests were
+recorded with.
+
+A change that is meant to change the numbers (code, or a new package set in
+requirements-lock.txt) records new digests with `python tests/test_run_digest.py` (it rewrites
+tests/data/run_digests.json) and says why in its commit.
 """
 from __future__ import annotations
 
@@ -55,6 +62,39 @@ def weights_digest(checkpoint: dict) -> str:
         sha.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
+
+
+def synthetic_digest(folder: Path) -> str:
+    """SHA-256 of a small draw of the synthetic dataset: each split's annotations, then each
+    picture's pixels as read back from its JPEG file."""
+    import cv2
+    import numpy as np
+    from data.synthetic import write_dataset
+
+    sha = hashlib.sha256()
+    for split, path in write_dataset(folder, train_images=3, val_images=2).items():
+        coco = json.loads(path.read_text())
+        sha.update(json.dumps(coco, sort_keys=True).encode())
+        for image in coco["images"]:
+            pixels = cv2.imread(str(folder / split / image["file_name"]), cv2.IMREAD_COLOR)
+            sha.update(np.ascontiguousarray(pixels).tobytes())
+    return sha.hexdigest()
+
+
+def versions() -> dict:
+    """The versions of the libraries the synthetic dataset is drawn with."""
+    import cv2
+    import numpy as np
+    return {"opencv": cv2.__version__, "numpy": np.__version__}
+
+
+def test_the_synthetic_dataset_draws_what_it_drew(tmp_path):
+    stored = json.loads(DIGESTS.read_text())["synthetic"]
+    assert synthetic_digest(tmp_path) == stored["digest"], (
+        f"the synthetic dataset's pictures or annotations differ from those drawn with {stored['versions']}; "
+        f"this is {versions()}: a library release changed what the main job trains on (and its AP). "
+        "Install requirements-lock.txt, or, if the change is meant, record new digests with "
+        "python tests/test_run_digest.py and a new requirements-lock.txt")
 
 
 def coco4_h5(folder: Path) -> Path:
@@ -104,5 +144,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         h5 = coco4_h5(Path(tmp))
         made = {name: run_digest(name, h5, Path(tmp) / "runs") for name in RUNS}
-    DIGESTS.write_text(json.dumps({"torch": torch.__version__, "pinned": PINNED, "runs": made}, indent=2) + "\n")
+        synthetic = {"versions": versions(), "digest": synthetic_digest(Path(tmp) / "synthetic")}
+    DIGESTS.write_text(json.dumps({"torch": torch.__version__, "pinned": PINNED, "runs": made,
+                                   "synthetic": synthetic}, indent=2) + "\n")
     print(f"wrote {DIGESTS}")

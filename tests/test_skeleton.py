@@ -190,7 +190,7 @@ def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith(f"error: {weights} was trained on skeleton coco")
     assert "--allow-partial" in error[0] and not (tmp_path / "refused").exists()
-    train.main([*argv, "--run-name", "tuned", "--allow-partial"])
+    train.main([*argv, "--run-name", "tuned", "--allow-partial", "--freeze", "stacks.0.*"])   # docs/data.md
     said = capsys.readouterr().out
     coco_model = load_checkpoint(weights)["model"]
     tuned = load_checkpoint(tmp_path / "tuned" / "last.pth")
@@ -199,6 +199,18 @@ def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic
     assert fresh and all(k.endswith((".weight", ".bias")) for k in fresh)
     assert f"{len(coco_model) - len(fresh)} tensors; {len(fresh)} of another shape start fresh " \
            f"(--allow-partial): " in said and all(k in said for k in fresh)
+    # the fresh heads of the frozen stack 0 trained (they used to stay at their random values); the
+    # rest of stack 0, BatchNorm statistics included, stayed as the COCO model had it
+    fresh_0 = [k for k in fresh if k.startswith("stacks.0.")]
+    line = next(line for line in said.splitlines() if line.startswith("--freeze"))
+    assert line.startswith(f"--freeze stacks.0.*: {len(fresh_0)} of the tensors it names start fresh "
+                           "(--allow-partial), so they stay trainable: ")
+    assert sorted(line.split("trainable: ")[1].split(", ")) == fresh_0
+    torch.manual_seed(0)                                    # the run's seed: its initial weights
+    initial = build_model(build_config("tiny").model, CROWDPOSE).state_dict()
+    assert fresh_0 and all(not torch.equal(tuned["model"][k], initial[k]) for k in fresh_0)
+    assert all(torch.equal(tuned["model"][k], v) for k, v in coco_model.items()
+               if k.startswith("stacks.0.") and k not in fresh)
     # everything else came from the COCO model: loaded into a fresh CrowdPose network, it is that
     model = build_model(build_config("tiny").model, CROWDPOSE)
     report = load_weights(model, weights, allow_partial=True)

@@ -14,7 +14,8 @@ from config import build_config
 from engine.cli import single_process_context
 from engine.hooks import Hook
 from engine.run_trainer import Launch, build_trainer
-from runtime.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint, save_checkpoint
+from bad_inputs import refused, train_cli
 
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
          "--set", "train.tensorboard=false"]
@@ -135,25 +136,104 @@ def test_early_stop_with_ap_every_counts_only_the_validations_that_measure_ap(tm
 
 
 def test_early_stop_returns_the_epoch_it_stopped_at(tmp_path, synthetic_h5):
-    # every step skipped as abnormal: the model never changes, so the validation loss of epoch 2
-    # is that of epoch 1, no improvement, and patience 1 stops the run there
-    out = run(tmp_path, synthetic_h5, "--epochs", "4", "--run-name", "es1", "--early-stop", "1",
-              "--ap-every", "0", "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
+    # the validation loss of epoch 2 is that of epoch 1, no improvement, and patience 1 stops the
+    # run there (a run whose every step is skipped, which gave that before, is now a failure)
+    class SameLoss(Hook):
+        def after_validation(self, trainer, epoch, results):
+            results["loss"] = 1.0
+
+    sets = [f"data.train_h5={synthetic_h5[0]}", f"data.val_h5={synthetic_h5[1]}", "data.workers=0",
+            f"train.out_dir={tmp_path}", "train.run_name=es1", "train.batch_size=4", "train.max_steps_per_epoch=3",
+            "train.epochs=4", "train.early_stop_patience=1", "train.ap_every=0", "train.tensorboard=false"]
+    out = build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")),
+                        hooks=[SameLoss()]).fit()
     assert out["early_stopped"] and out["epoch"] == 2
     assert load_checkpoint(tmp_path / "es1/last.pth")["epoch"] == 2
     assert len(val_records(tmp_path / "es1")) == 2
 
 
-def test_abnormal_loss_is_skipped_and_counted(tmp_path, synthetic_h5):
-    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "skip", "--val-every", "0",
-        "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=100")
-    ckpt = load_checkpoint(tmp_path / "skip/last.pth")
-    assert ckpt["skipped_steps"] == 3
+def test_abnormal_loss_is_skipped_and_counted_and_a_run_of_skips_only_is_no_success(tmp_path, synthetic_h5):
+    """Every step skipped (fewer than optim.max_bad_steps): the run used to end with exit code 0 and
+    a last.pth of its untouched weights. It ends diverged, writing nothing."""
+    sets = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
+            "train.run_name=skip", "train.batch_size=4", "train.max_steps_per_epoch=3", "train.epochs=1",
+            "train.val_every=0", "train.tensorboard=false", "optim.skip_loss_above=1e-30",
+            "optim.max_bad_steps=100"]
+    trainer = build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
+    with pytest.raises(TrainingDiverged, match="all 3 steps of this run were skipped") as stopped:
+        trainer.fit()
+    assert f"{tmp_path / 'skip/last.pth'} was not written. No checkpoint was written before" in str(stopped.value)
+    assert not (tmp_path / "skip/last.pth").exists() and trainer.optim_step.skipped_total == 3
     torch.manual_seed(0)
-    from config import build_config
     from models import build_model
     init = build_model(build_config("tiny").model, COCO).state_dict()
-    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)   # BN statistics included
+    state = trainer.model.state_dict()
+    assert all(torch.equal(init[k], state[k]) for k in init)   # BN statistics included
+
+
+def test_a_damaged_loss_scaler_is_refused_on_resume_and_a_resume_that_only_skips_is_not_called_good(
+        tmp_path, synthetic_h5, capsys):
+    """A NaN, text or backoff above 1 in a checkpoint's scaler used to be resumed (every step then
+    skipped), and the diverged run named the file it resumed 'the last good checkpoint'."""
+    fp16 = ["--opt-level", "O1", "--amp-dtype", "float16", "--set", "amp.init_scale=8", "--val-every", "0"]
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "s", *fp16)
+    last = tmp_path / "s/last.pth"
+    good = load_checkpoint(last)
+    resume = ["--train-h5", synthetic_h5[0], "--out-dir", tmp_path, *QUICK, "--epochs", "2", "--run-name", "s",
+              "--resume", "auto", *fp16]
+    for field, value, says in (("scale", float("nan"), "scale is nan, not a finite number >= 2^-24"),
+                               ("scale", "1024", "scale is '1024' (text), not a finite number >= 2^-24"),
+                               ("backoff_factor", 1.5, "backoff_factor is 1.5, not a number between 0 and 1")):
+        save_checkpoint(last, {**good, "scaler": {**good["scaler"], field: value}})
+        refused(capsys, train_cli, resume, [f"checkpoint {last}: its loss scaler state is damaged ({says})"],
+                tmp_path / "s")
+    save_checkpoint(last, good)
+    with pytest.raises(TrainingDiverged) as stopped:
+        train.main([str(a) for a in resume] + ["--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=2"])
+    assert f"stopped. Every step since the resume from {last} was skipped" in str(stopped.value)
+    assert "last good" not in str(stopped.value)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["misspelt --run-name", "another --out-dir"])
+def test_resume_auto_that_finds_no_run_is_refused_naming_the_folder_it_looked_in(tmp_path, capsys, named):
+    """It used to start a new run on the synthetic dataset, its one line scrolling away."""
+    (tmp_path / "runs").mkdir()
+    argv = ["--out-dir", tmp_path / "runs", "--resume", "auto", *(["--run-name", "tpyo"] if named else [])]
+    where = (f"found no run in {tmp_path / 'runs' / 'tpyo'} (no checkpoint, no config.yaml): check --run-name"
+             if named else f"found no run in {tmp_path / 'runs'}: give the --out-dir the runs were written to")
+    refused(capsys, train_cli, argv, [f"--resume auto: {where}", "name its data (--train-h5) or weights"],
+            tmp_path)
+    assert [p.name for p in tmp_path.rglob("*")] == ["runs"]          # no folder made either
+
+
+def test_a_requeued_run_starts_afresh_saying_so_and_its_folder_holds_its_log_and_environment(
+        tmp_path, synthetic_h5, capsys):
+    import cv2
+    import numpy
+    capsys.readouterr()
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "q", "--resume", "auto", "--val-every", "0")
+    run_dir = tmp_path / "q"
+    said = capsys.readouterr().out.splitlines()
+    assert said[:2] == [f"run directory: {run_dir}", f"--resume auto: no checkpoint in {run_dir} yet, starting afresh"]
+    assert (run_dir / "train.log").read_text().splitlines() == said        # the console, without progress bars
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["versions"]["torch"] == torch.__version__ and env["versions"]["opencv"] == cv2.__version__
+    assert env["versions"]["numpy"] == numpy.__version__
+    assert {"python", "cuda", "cudnn", "h5py", "pycocotools"} <= env["versions"].keys() and "apex" in env
+    assert env["git"]["commit"] is None or len(env["git"]["commit"]) == 40
+    assert env["device"] == "cpu" and env["devices"] and env["command"]
+    # resumed under another OpenCV (as recorded): one line says so, and the log goes on
+    env["versions"]["opencv"] = "4.9.0"
+    (run_dir / "environment.json").write_text(json.dumps(env))
+    with pytest.raises(TrainingDiverged):
+        run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "q", "--resume", "auto", "--val-every", "0",
+            "--set", "optim.skip_loss_above=1e-30", "--set", "optim.max_bad_steps=2")
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert log[:len(said)] == said and log[len(said)] == f"run directory: {run_dir}"
+    assert f"the environment differs from this run's earlier start: opencv 4.9.0 -> {cv2.__version__} " \
+           f"(now in {run_dir / 'environment.json'})" in log
+    assert log[-1].startswith("error: 2 consecutive steps had a non-finite or abnormal loss")   # its last line
+    assert json.loads((run_dir / "environment.json").read_text())["versions"]["opencv"] == cv2.__version__
 
 
 def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):

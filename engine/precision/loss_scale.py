@@ -7,8 +7,20 @@ are the same dynamic scheme (x0.5 on an overflow, x2 after a window of finite st
 2000 by default), so two numbers carry over: the current scale, and the finite steps since the
 last overflow or growth (Apex's `unskipped`, GradScaler's `_growth_tracker`). The other
 GradScaler fields are its settings, which the run's config gives.
+
+A saved state is checked like saved weights (`checked_scaler_state`, on resume; `scaler_problem`,
+before a save): a scale that is not a finite number above 0, a growth factor not above 1, a
+backoff outside (0, 1) or step counts that are not whole numbers would skip every step of the run
+that takes them, silently, and are refused naming the file and the field; so is a scale below
+2^-24, the lower bound of `amp.loss_scale` (config/schema.py says why), which zeroes the gradients.
+A scale above 2^24 (a native dynamic scale may grow there) continues from 2^24, with a line.
 """
 from __future__ import annotations
+
+import math
+
+from common.errors import CheckpointError
+from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
 APEX_KEY = "loss_scaler0"
 
@@ -35,3 +47,58 @@ def apex_amp_state(state) -> dict:
         return {}
     return {APEX_KEY: {"loss_scale": float(fields["scale"]),
                        "unskipped": int(fields.get("_growth_tracker", 0))}}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# field: (what it must be, the test); GradScaler's layout, then Apex's (under APEX_KEY)
+_GRAD_SCALER_FIELDS = {
+    "scale": ("a finite number >= 2^-24", lambda v: _number(v) and v >= MIN_LOSS_SCALE),
+    "growth_factor": ("a finite number > 1", lambda v: _number(v) and v > 1),
+    "backoff_factor": ("a number between 0 and 1", lambda v: _number(v) and 0 < v < 1),
+    "growth_interval": ("a whole number >= 1", lambda v: _count(v) and v >= 1),
+    "_growth_tracker": ("a whole number >= 0", _count),
+}
+_APEX_FIELDS = {"loss_scale": _GRAD_SCALER_FIELDS["scale"], "unskipped": _GRAD_SCALER_FIELDS["_growth_tracker"]}
+
+
+def scaler_problem(state) -> str | None:
+    """What makes a saved scaler state (either layout) unusable, naming the field; None when it is
+    usable or holds no scale (a disabled scaler's empty state, None)."""
+    if is_apex_layout(state):
+        fields, prefix, state = _APEX_FIELDS, f"{APEX_KEY}.", state[APEX_KEY]
+        if "loss_scale" not in state:
+            return f"{prefix}loss_scale is missing"
+    elif isinstance(state, dict) and "scale" in state:
+        fields, prefix = _GRAD_SCALER_FIELDS, ""
+    else:
+        return None if state is None or isinstance(state, dict) else f"it is a {type(state).__name__}"
+    for name, (wanted, good) in fields.items():
+        if name in state and not good(state[name]):
+            value = state[name]
+            return (f"{prefix}{name} is {value!r}" + (" (text)" if isinstance(value, (str, bytes)) else "")
+                    + f", not {wanted}")
+    return None
+
+
+def checked_scaler_state(state, source: str) -> tuple[object, str]:
+    """A checkpoint's scaler entry (`source` names the file) ready to load, and '' or the line that
+    says its scale was brought within the bounds; CheckpointError naming the file and the field
+    when it cannot be used."""
+    problem = scaler_problem(state)
+    if problem:
+        raise CheckpointError(f"{source}: its loss scaler state is damaged ({problem}); start from its "
+                              "weights with --weights instead of --resume")
+    scale = grad_scaler_fields(state).get("scale")
+    if scale is None or scale <= MAX_LOSS_SCALE:
+        return state, ""
+    state = ({APEX_KEY: {**state[APEX_KEY], "loss_scale": MAX_LOSS_SCALE}} if is_apex_layout(state)
+             else {**state, "scale": MAX_LOSS_SCALE})
+    return state, (f"{source}: its loss scale {scale:g} is above 2^24, where float16 overflows at "
+                   "every step; the run continues from 2^24 (a dynamic scale lowers itself from there)")
