@@ -43,7 +43,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
                   reader) -> tuple[Path | None, dict | None]:
     """(checkpoint, the config stored in it) that --resume will load, if it can be found; read
     with `reader` (engine.resume.CheckpointReader), which the trainer then reads it with."""
-    from engine.run_setup import newest_run_dir
+    from engine.run_dir import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
         run_dir = base / run_name if run_name else newest_run_dir(base)

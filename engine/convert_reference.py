@@ -37,7 +37,7 @@ def build_parser() -> ArgumentParser:
 def run(args) -> dict:
     from config.loader import build_config
     from runtime.checkpoint import reference_file_settings
-    from engine.reference_resume import convert
+    from engine.resume import convert
 
     source, out = Path(args.source), Path(args.out)
     refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})

@@ -7,8 +7,8 @@ AP (`inference.estimator`: the run's scales, flip and grouping settings), each p
 colour (`inference.draw`). Every image is fitted into a TILE x TILE square (grey around it) below
 a one-line header. The picture is also sent to TensorBoard when the run logs there.
 
-`write_val_pictures` is the drawing part the entry scripts hand the training engine's hook
-(`engine.picture_hook.ValidationPictures`), which calls it after each AP validation, with the
+`write_val_pictures` is the drawing part the entry scripts hand the training engine
+(`engine.epoch_end.validate`), which calls it after each AP validation, with the
 averaged weights still in the model when `--ema` is on.
 """
 from __future__ import annotations

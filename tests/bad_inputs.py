@@ -35,7 +35,7 @@ from common.errors import run_cli
 from config.loader import build_config
 from data.skeleton import builtin
 from runtime.checkpoint import save_checkpoint
-from engine.run_setup import LOCK_FILE
+from engine.run_dir import LOCK_FILE
 from runtime.launch_env import find_free_port
 from models import build_model
 from child_env import child_env
@@ -278,7 +278,7 @@ def check_row(table: dict, row: str) -> None:
 # -- the checks of a refusal ------------------------------------------------------------------------
 def snapshot(root: Path) -> dict:
     """Every file under `root` and its bytes; the empty lock file a run claims its folder with
-    (engine.run_setup.LOCK_FILE) is bookkeeping, not content."""
+    (engine.run_dir.LOCK_FILE) is bookkeeping, not content."""
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 

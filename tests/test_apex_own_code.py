@@ -81,9 +81,9 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
         def __call__(self, images, target, mask):
             return eval_net(images, target, mask)
 
-    trainer = SimpleNamespace(ctx=DistContext(), cfg=cfg, stop_signal=None, evaluator=None,
-                              data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
-    results = validate(trainer, None, 0, loss_due=True, ap_due=False)
+    run = SimpleNamespace(ctx=DistContext(), cfg=cfg, evaluator=None,
+                          data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
+    results = validate(run, SimpleNamespace(stop_signal=None), 0, loss_due=True, ap_due=False)
     every = [value for per_sample in seen for value in per_sample.tolist()]   # not torch.sum: O1 casts
     assert results["loss"] == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
 

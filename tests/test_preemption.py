@@ -28,7 +28,7 @@ import train
 from config.loader import build_config
 from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
 from engine.cli import run_main
-from engine.run_setup import PersistentWorkersLoader, ignore_stop_signals
+from engine.loaders import PersistentWorkersLoader, ignore_stop_signals
 from engine.optim import lr_at
 from child_env import child_env
 
