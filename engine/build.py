@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError, DataError, os_reason
-from config.schema import AmpConfig, Config, LossConfig, ModelConfig, OptimConfig
+from config.schema import AmpConfig, Config, DataConfig, LossConfig, ModelConfig, OptimConfig
 from data.h5format import KeypointH5, check_split
 from data.skeleton import Skeleton
 from data.skeleton_words import skeleton_words

@@ -69,7 +69,8 @@ class EpochEnd(Hook):
             self.finish(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
-        self.checkpoints.save(trainer, "last.pth", epoch + 1, 0, validation_pending=any(self.due(trainer, epoch)))
+        pending = any(self.due(trainer, epoch))
+        self.checkpoints.save(trainer, "last.pth", epoch + 1, 0, validation_pending=pending)
         self.finish(trainer, epoch, train_loss)
 
     def finish(self, trainer, epoch: int, train_loss: float | None) -> None:
@@ -97,7 +98,8 @@ class EpochEnd(Hook):
         if self.save_every and (epoch + 1) % self.save_every == 0:
             self.checkpoints.save(trainer, f"epoch_{epoch + 1}.pth", epoch + 1, 0)
         if self.patience and self.bad_validations >= self.patience:
-            self.say(f"early stop after epoch {epoch + 1}: no improvement in {self.bad_validations} validations")
+            self.say(f"early stop after epoch {epoch + 1}: no improvement in {self.bad_validations} "
+                     "validations")
             self.stopped = trainer.finish_requested = True
 
     def judge(self, results: dict) -> bool | None:

@@ -82,9 +82,10 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
 
 
 def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
-    """Load the weights the run starts from into `model` (`plan`: an `engine.run_dir.RunPlan`); returns (resume state or None, the
+    """Load the weights the run starts from into `model`; returns (resume state or None, the
     authors' checkpoint whose run continues or None, its path, the names of the tensors that
-    --allow-partial left fresh). Without a `plan` (parts built outside a run): --weights only."""
+    --allow-partial left fresh). Without a `plan` (`engine.run_dir.RunPlan`: parts built outside a
+    run): --weights only."""
     if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:

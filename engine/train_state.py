@@ -110,12 +110,12 @@ class Checkpoints:
                                    f"{self.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
         bad = ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model)))
         if bad:
-            raise TrainingDiverged(f"after step {trainer.step} the weights hold NaN or infinite values ({len(bad)} "
-                                   f"tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
+            raise TrainingDiverged(f"after step {trainer.step} the weights hold NaN or infinite values "
+                                   f"({len(bad)} tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
         problem = scaler_problem(self.precision.state_dict())
         if problem:
-            raise TrainingDiverged(f"after step {trainer.step} the loss scaler's state is unusable ({problem}); "
-                                   f"{kept}: {DIVERGENCE_ADVICE}")
+            raise TrainingDiverged(f"after step {trainer.step} the loss scaler's state is unusable "
+                                   f"({problem}); {kept}: {DIVERGENCE_ADVICE}")
 
     def _since_start(self, trainer) -> tuple[int, int]:
         """(steps, skipped steps) of this process's run."""

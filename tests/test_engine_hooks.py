@@ -121,10 +121,11 @@ def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0):
     """An `EpochEnd` whose validations give `values` in turn, on a stand-in loop; (the hook, the
     checkpoints it saves as (name, epoch), the loop, the lines it says)."""
     saved, said = [], []
-    checkpoints = SimpleNamespace(save=lambda trainer, name, epoch, batch, **pending: saved.append((name, epoch)))
+    checkpoints = SimpleNamespace(save=lambda trainer, name, epoch, *rest, **pending: saved.append((name, epoch)))
     logger = SimpleNamespace(log=lambda *args, **kwargs: None, plot_curves=lambda: None)
     train = build_config("tiny", sets=["train.val_every=1", f"train.early_stop_patience={patience}"]).train
-    hook = EpochEnd(train, checkpoints, logger, said.append, lambda trainer, epoch, *due: values[epoch], metric)
+    validate = lambda trainer, epoch, *due: values[epoch]                      # noqa: E731
+    hook = EpochEnd(train, checkpoints, logger, said.append, validate, metric)
     trainer = SimpleNamespace(hooks=[hook], epochs=len(values), step=0, finish_requested=False)
     return hook, saved, trainer, said
 
@@ -135,8 +136,9 @@ def test_the_epoch_end_decides_best_pth_and_early_stopping_in_one_place():
     for epoch in range(5):
         hook.after_epoch(trainer, epoch, 1.0)
     assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 1), ("best.pth", 2)]  # improved twice
-    assert hook.state_dict() == {"best_metric": 2.0, "bad_validations": 2}  # a pass without a loss: no verdict
-    assert trainer.finish_requested and hook.outcome() == {"loss": 2.1, "best_metric": 2.0, "early_stopped": True}
+    assert hook.state_dict() == {"best_metric": 2.0, "bad_validations": 2}  # a pass without a loss: none
+    assert trainer.finish_requested
+    assert hook.outcome() == {"loss": 2.1, "best_metric": 2.0, "early_stopped": True}
     assert [line for line in said if "best" in line] == ["epoch 1/5: train loss 1, val loss 3 (best)",
                                                          "epoch 2/5: train loss 1, val loss 2 (best)"]
     assert said[-1] == "early stop after epoch 5: no improvement in 2 validations"

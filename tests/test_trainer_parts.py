@@ -95,7 +95,8 @@ def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
     assert [r["loss"] for r in logger.read() if r["kind"] == "val"] == [2.0, 1.0, 1.5]
     best, last = load_checkpoint(tmp_path / "best.pth"), load_checkpoint(tmp_path / "last.pth")
     assert (best["epoch"], best["best_metric"], last["epoch"], last["bad_validations"]) == (2, 1.0, 3, 1)
-    assert last["ema"]["updates"] == 6 and said[-1] == "early stop after epoch 3: no improvement in 1 validations"
+    assert last["ema"]["updates"] == 6
+    assert said[-1] == "early stop after epoch 3: no improvement in 1 validations"
     again, checkpoints = parts_and_hooks([])           # resumed: the loop and every hook where they were
     checkpoints.restore(again, last, tmp_path / "last.pth", said.append)
     ema, end = (next(h for h in again.hooks if isinstance(h, kind)) for kind in (WeightsEMA, EpochEnd))

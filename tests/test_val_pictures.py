@@ -69,7 +69,8 @@ class Recorder:
 def test_validation_draws_after_an_ap_pass_on_the_main_process(tiny_network, synthetic_h5, tmp_path):
     logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
     logger.tb = Recorder()
-    run = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger, draw=write_val_pictures,
+    run = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger,
+                          draw=write_val_pictures,
                           evaluator=lambda *args, **kwargs: {"AP": 0.0, "num_images": 2},
                           ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
                           cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
