@@ -31,7 +31,6 @@ from engine.freeze import trainable_parameters
 from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
                           Preemption, ProgressBar, TrainLog)
 from engine.logger import RunConsole, RunLogger
-from engine.optim import peak_lr, updates_rounded_away
 from engine.precision import check_backend
 from engine.reference_resume import resume_state
 from engine.resume import CheckpointReader, plan_run
@@ -182,7 +181,6 @@ class RunTrainer(Trainer):
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
                                 resumed_step=self.step if state is not None else None)
         self._describe(parts.frozen)
-        self.optim_step.first_update_check = self._say_updates_rounded_away
 
     def _describe(self, frozen: dict | None) -> None:
         cfg, data = self.cfg, self.data
@@ -201,20 +199,6 @@ class RunTrainer(Trainer):
             self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
         self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
                  + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
-
-    def _say_updates_rounded_away(self, params: list) -> None:
-        """At the first step, where half weights are stepped without float32 masters (O3): how many
-        updates of the peak LR round away (`engine.optim.updates_rounded_away`), in one line."""
-        cfg = self.cfg
-        lr = peak_lr(cfg.optim, cfg.train.batch_size * cfg.train.accumulate, self.ctx.world_size)
-        shares = updates_rounded_away(params, lr, cfg.optim)
-        if shares is None:
-            return
-        dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
-        self.say(f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
-                 "the first step's updates round away (under half the spacing at the weight)"
-                 + (f", and {shares[1]:.0%} of its weight decay" if cfg.optim.weight_decay else "")
-                 + "; --opt-level O2 keeps float32 master weights")
 
     def stopped(self, where: str) -> Interrupted:
         """The error that ends a run stopped by a signal, once last.pth holds what it resumes from."""
