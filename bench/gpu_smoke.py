@@ -420,9 +420,9 @@ def section_first_step(check: bool) -> dict:
         build = time.perf_counter() - tick
         update, times = trainer.optim_step, {"build_s": build}
 
-        def forward(images, target, mask):         # what OptimStep runs of each batch
+        def forward(images, target, mask, net=trainer.net):     # what OptimStep runs of each batch
             tick = time.perf_counter()
-            per_sample, _ = trainer.net(images, target, mask)
+            per_sample, _ = net(images, target, mask)
             sync()
             times["forward_s"] = time.perf_counter() - tick
             return per_sample.mean()
@@ -445,7 +445,7 @@ def section_first_step(check: bool) -> dict:
         times["second_step_s"] = time.perf_counter() - tick
         times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
         rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
-        del trainer, parts, update
+        del trainer, parts, update, forward, backward
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 """SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
 `convert_sync_bn` and `wrap_ddp` pick, by `amp.backend`, one definition each of the native backend
-(torch) or of the apex backend (`apex.parallel`).
+(torch) or of the apex backend (`apex.parallel`, mended: docs/training.md, "What the apex backend
+gives Apex").
 
 Native SyncBN is `nn.SyncBatchNorm` on CUDA. PyTorch's refuses CPU tensors, so on CPU process
 groups (gloo) `CrossProcessBatchNorm` does the same job: in training it all-reduces per-channel
@@ -16,33 +17,6 @@ checkpoints load either way.
 Native DDP is torch's, with `dist`'s settings: `delay_allreduce` puts all gradients in one bucket,
 so the only all-reduce starts after the backward pass (Apex's option); otherwise buckets of
 `bucket_cap_mb` overlap their all-reduce with the backward pass.
-
-Apex's SyncBN. With Apex's CUDA extensions, `apex.parallel.SyncBatchNorm` is the optimized one. Its
-`channel_last` flag means "the channel is the last LOGICAL dim" (an [N, H, W, C] input), not
-torch's memory format: given a channels_last [N, C, H, W] tensor it normalises the wrong dim (or
-fails on a size mismatch, and in eval on its own `count_all`). So it is built with the flag off
-and mended (`NHWCViewSyncBatchNorm`): a training forward (batch statistics) on a channels_last input
-hands the kernels `x.permute(0, 2, 3, 1)`, the free contiguous [N, H, W, C] view of that memory,
-with the flag on for that call, and permutes the output back (channels_last again, no copy either
-way); any other input goes through with the flag off, and eval uses F.batch_norm, which takes
-either format. The Python-only build gives Apex's fallback SyncBatchNorm, which refuses
-`channel_last` and is mended in two ways (`MendedFallbackSyncBatchNorm`): it returns its output in its
-input's dtype (under O2 it stays float32, as BatchNorm does, and returned float32 into the next
-float16 convolution), and its running statistics keep their tensors (it assigned new ones every
-training forward, so whatever held the old ones, e.g. the snapshot of BN statistics a skipped
-step restores, or an EMA's buffer copies, worked on dead tensors).
-
-Apex's DDP all-reduces the sum of the ranks' gradients, then divides by the world size
-(`gradient_predivide_factor` 1): float16 scaled gradients would overflow N times sooner than under
-torch's DDP, which divides first. It is given `gradient_predivide_factor = world size`, so each
-rank divides before the sum and nothing is divided after (the same mean). With `amp_C` it copies
-the all-reduced flat buffer (each gradient in its logical order, as `contiguous()` lays it out)
-back with `multi_tensor_scale`, which walks every tensor as data_ptr + numel in MEMORY order: a
-channels_last gradient of a convolution with a kernel over 1x1 came back permuted. `apex_ddp`
-hands that kernel only the gradients whose memory order is their logical order; the others (the
-channels_last ones) get one stride-aware `_foreach_copy_`, as Apex's Python-only build copies all
-of them. The model stays channels_last (its convolutions run as on the native backend) and no
-gradient is copied twice.
 """
 from __future__ import annotations
 
@@ -238,9 +212,10 @@ def _to_cross_process(module: nn.Module) -> nn.Module:
 
 # -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------
 def apex_sync_bn(model: nn.Module) -> nn.Module:
-    """`--sync-bn` under the apex backend (see the module's doc), for either memory format. Each
-    SyncBatchNorm keeps the very parameters and mode of the batch norm it replaces (Apex's
-    conversion gives it new parameters, which would unfreeze a frozen one and leave the
+    """`apex.parallel.convert_syncbn_model`, its SyncBatchNorm mended for channels_last batches
+    (optimized build: its `channel_last` flag means an [N, H, W, C] SHAPE) or for dtypes and
+    running statistics (Python build). Each keeps the very parameters and mode of the batch norm
+    it replaces (Apex's gives it new parameters, which would unfreeze a frozen one and leave the
     optimiser's references behind)."""
     parallel = importlib.import_module("apex.parallel")
     before = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
@@ -264,12 +239,13 @@ _MENDED: dict[type, type] = {}
 
 
 def _mended_class(apex_class: type) -> type:
-    """Apex's SyncBatchNorm class (optimized or fallback) with the mends of the module's doc."""
+    """Apex's SyncBatchNorm class (optimized or fallback), mended."""
     if apex_class not in _MENDED:
         if apex_class.__module__.endswith("optimized_sync_batchnorm"):    # the CUDA extension's
             class Mended(apex_class):
-                """Apex's optimized SyncBatchNorm, given channels_last batches as their [N, H, W, C]
-                view."""
+                """Apex's optimized SyncBatchNorm: a training forward on a channels_last batch is
+                given its free [N, H, W, C] view with the flag on, the output permuted back;
+                other batches, and eval (F.batch_norm), with the flag off."""
 
                 def forward(self, input):
                     batch_stats = self.training or not self.track_running_stats
@@ -281,8 +257,10 @@ def _mended_class(apex_class: type) -> type:
             name = "NHWCViewSyncBatchNorm"
         else:
             class Mended(apex_class):
-                """Apex's Python SyncBatchNorm, output in the input's dtype, running statistics
-                kept in their own tensors."""
+                """Apex's Python SyncBatchNorm, output in the input's dtype (under O2 it returned
+                float32 into the next float16 convolution), running statistics kept in their own
+                tensors (it assigned new ones, so a skipped step's restore or an EMA held dead
+                ones)."""
 
                 def forward(self, input):
                     kept = (self.running_mean, self.running_var)
@@ -303,8 +281,8 @@ def _mended_class(apex_class: type) -> type:
 def _memory_order_only(kernel):
     """`amp_C.multi_tensor_scale` (dst = src * scale, each tensor walked in memory order) given
     only the pairs whose memory order is their logical order; the rest (channels_last gradients
-    of Apex DDP's logical-order buffer) copied stride-aware in one `_foreach_copy_` (see the
-    module's doc)."""
+    of Apex DDP's logical-order buffer, which the kernel gave back permuted) copied stride-aware
+    in one `_foreach_copy_`."""
     def scale(chunk_size, noop_flag, tensor_lists, factor):
         pairs = list(zip(*tensor_lists))
         walked = [pair for pair in pairs if pair[0].is_contiguous() and pair[1].is_contiguous()]
@@ -320,10 +298,11 @@ def _memory_order_only(kernel):
 
 
 def apex_ddp(model: nn.Module, dist_cfg: DistConfig, world_size: int) -> nn.Module:
-    """`apex.parallel.DistributedDataParallel`, with the `no_sync()` the engine uses for gradient
-    accumulation (Apex's disable_allreduce: no all-reduce in the forward and backward passes under
-    it; the last batch's backward all-reduces the sum), and its copy-back right for channels_last
-    gradients (see the module's doc)."""
+    """`apex.parallel.DistributedDataParallel` with `gradient_predivide_factor` = world size (each
+    rank divides its float16 scaled gradients before the sum, as torch's DDP does: Apex's default
+    sums first and overflows N times sooner), the `no_sync()` of gradient accumulation (Apex's
+    disable_allreduce; the last batch's backward all-reduces the sum), and its copy-back right
+    for channels_last gradients."""
     base = importlib.import_module("apex.parallel").DistributedDataParallel
 
     class ApexDDP(base):
