@@ -14,7 +14,7 @@ One host sync per step: the losses stay on the device. A bad loss (not finite, o
 `optim.skip_loss_above`) is not read before its backward: it poisons the step instead, its backward
 being that of `loss * nan`, so every gradient is NaN, and DDP's all-reduce carries the NaN to every
 rank. Every rank runs every backward (SyncBN's backward is a collective even under `no_sync`), so
-none waits alone. The step then reads one small tensor, [norm, loss sum, bad loss, non-finite norm,
+none waits alone. The step then reads one small tensor, [loss sum, bad loss, non-finite norm,
 stop], whose flags are first all-reduced (max) in one small collective: every rank takes the same
 decision. `stop_requested()` is asked once, for that read. A step poisoned by its loss leaves the
 loss scale as it was (it says nothing about the gradients' range); gradients that overflow by
