@@ -54,6 +54,7 @@ class OptimStep:
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.skipped_total, self.bad_streak = 0, 0
+        self.backoff_skips = 0    # this process's skips that were a dynamic loss scale's overflows
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -93,6 +94,7 @@ class OptimStep:
             with torch.no_grad():
                 torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
+        self.backoff_skips += skipped and not bad_loss and self.precision.dynamic
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return StepOutcome(loss_sum / len(batches), skipped, stop, note)
 

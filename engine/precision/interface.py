@@ -50,6 +50,7 @@ class PrecisionBackend(abc.ABC):
     """One run's mixed precision: see the module's doc for the order in which the engine calls it."""
 
     name: str = ""
+    dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         """The settings both backends read from `amp` the same way."""

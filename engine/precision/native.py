@@ -46,6 +46,7 @@ class NativePrecision(PrecisionBackend):
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.scaler = self._build_scaler(cfg)
+        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
 
     def _build_scaler(self, cfg: AmpConfig):
         use_scaler = self.level != "O0" and self.dtype == torch.float16
