@@ -230,7 +230,7 @@ def section_sync_debug(check: bool) -> dict:
     import torch.distributed as td
     from bench.group_of_one import force_sync_function
     from bench.host_syncs import count_host_syncs, optimizer_step_counters
-    from engine.precision import wrap_ddp
+    from engine.parallel import wrap_ddp
     from runtime.launch_env import find_free_port
 
     ctx = single_process_context("cpu" if check else "cuda")
@@ -418,28 +418,34 @@ def section_first_step(check: bool) -> dict:
         images, target, mask = next(toy_batches(cfg, cfg.train.batch_size, dev))
         sync()
         build = time.perf_counter() - tick
-        update = trainer.optim_step
-        times = {"build_s": build}
+        update, times = trainer.optim_step, {"build_s": build}
+
+        def forward(images, target, mask, net=trainer.net):     # what OptimStep runs of each batch
+            tick = time.perf_counter()
+            per_sample, _ = net(images, target, mask)
+            sync()
+            times["forward_s"] = time.perf_counter() - tick
+            return per_sample.mean()
+
+        def backward(loss, backend_backward=update.precision.backward):   # the backend's, timed
+            tick = time.perf_counter()
+            backend_backward(loss)
+            sync()
+            times["backward_s"] = time.perf_counter() - tick
+
+        update.precision.backward = backward
         tick = time.perf_counter()
-        update.begin(1)
-        per_sample, _ = trainer.net(images, target, mask)
+        update.update([(images, target, mask)], forward)
         sync()
-        times["forward_s"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        update.backward(per_sample.mean())
-        sync()
-        times["backward_s"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        update.finish()
-        sync()
-        times["optimiser_step_s"] = time.perf_counter() - tick
+        times["optimiser_step_s"] = time.perf_counter() - tick - times["forward_s"] - times["backward_s"]
+        del update.precision.backward
         tick = time.perf_counter()
         trainer.run_step([(images, target, mask)])
         sync()
         times["second_step_s"] = time.perf_counter() - tick
         times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
         rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
-        del trainer, parts, per_sample
+        del trainer, parts, update, forward, backward
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -79,13 +79,16 @@ class ProgressBar(Hook):
 
 class TrainLog(Hook):
     """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks
-    (and every step's loss, for curves.png), to `logger` (an `engine.logger.RunLogger`)."""
+    (and every step's loss, for curves.png), to `logger` (an `engine.logger.RunLogger`); a step's
+    note (how many updates round away) through `say`."""
     priority = 40
 
-    def __init__(self, logger, log_every: int, device=torch.device("cpu")):
-        self.logger, self.log_every, self.device = logger, log_every, device
+    def __init__(self, logger, log_every: int, device=torch.device("cpu"), say=print):
+        self.logger, self.log_every, self.device, self.say = logger, log_every, device, say
 
     def after_step(self, trainer, out):
+        if out.note:
+            self.say(out.note)
         self.logger.log_step(trainer.step, out.loss)
         if trainer.step % self.log_every and not out.last_of_epoch:
             return
@@ -153,7 +156,7 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
     train = cfg.train
     hooks = [FrozenBatchNorm(), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
-             TrainLog(logger, train.log_every, ctx.device), Preemption(checkpoints),
+             TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validate, metric)]
     if train.ema:
         ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)

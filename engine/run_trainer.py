@@ -30,7 +30,6 @@ from engine.freeze import trainable_parameters
 from engine.hooks import default_hooks
 from engine.loaders import close_loaders
 from engine.logger import RunConsole, RunLogger
-from engine.optim import peak_lr, updates_rounded_away
 from engine.precision import check_backend
 from engine.resume import CheckpointReader, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
@@ -135,7 +134,7 @@ class RunTrainer:
         fixed = {"config": to_dict(cfg), "skeleton": self.skeleton.to_spec(), "mode": launch.mode,
                  "world_size": self.ctx.world_size}
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
-                                       self.ctx.is_main)
+                                       self.ctx.is_main, self.say)
         validate = partial(epoch_end.validate, self) if self.data.val_set is not None else None
         metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
         engine_hooks = default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate, metric)
@@ -160,7 +159,6 @@ class RunTrainer:
             self.say.open(self.run_dir, ctx.device, ctx.world_size)
         self.logger.open(resumed_step=self.trainer.step if state is not None else None)
         self._describe(parts.frozen)
-        self.optim_step.first_update_check = self._say_updates_rounded_away
 
     def _describe(self, frozen: dict | None) -> None:
         cfg, data = self.cfg, self.data
@@ -178,20 +176,6 @@ class RunTrainer:
             self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
         self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
                  + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
-
-    def _say_updates_rounded_away(self, params: list) -> None:
-        """At the first step, where half weights are stepped without float32 masters (O3): how many
-        updates of the peak LR round away (`engine.optim.updates_rounded_away`), in one line."""
-        cfg = self.cfg
-        lr = peak_lr(cfg.optim, cfg.train.batch_size * cfg.train.accumulate, self.ctx.world_size)
-        shares = updates_rounded_away(params, lr, cfg.optim)
-        if shares is None:
-            return
-        dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
-        self.say(f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
-                 "the first step's updates round away (under half the spacing at the weight)"
-                 + (f", and {shares[1]:.0%} of its weight decay" if cfg.optim.weight_decay else "")
-                 + "; --opt-level O2 keeps float32 master weights")
 
     def fit(self) -> dict:
         try:
@@ -223,4 +207,6 @@ class RunTrainer:
         return UserError(f"out of memory on {self.ctx.device} ({reason})"
                          f" with batch {batch} per process at input {size}: lower --batch-size (add "
                          f"--accumulate K to keep the total batch) or --input-size"
+                         + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                            if getattr(self.net, "graphed", None) is not None else "")
                          + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

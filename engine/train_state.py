@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, TrainingDiverged
-from engine.precision.loss_scale import checked_scaler_state, scaler_problem
+from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
 from engine.trainer import Interrupted
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
@@ -63,11 +63,14 @@ def _keys(hook) -> tuple:
 
 class Checkpoints:
     """The checkpoints in `run_dir` of `model` (unwrapped), `optimizer` and `precision`; `fields`:
-    the entries fixed for the run; `main`: this process writes them (every rank calls `save`)."""
+    the entries fixed for the run; `main`: this process writes them (every rank calls `save`);
+    `say`: where its one line goes (a run whose every step was a loss scale's back-off)."""
 
-    def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True):
+    def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
+                 say=print):
         self.run_dir, self.model, self.optimizer, self.precision = Path(run_dir), model, optimizer, precision
-        self.fields, self.main = fields or {}, main
+        self.fields, self.main, self.say = fields or {}, main, say
+        self.said_backoff = False      # that line is said once
         self.started_at = (0, 0)       # (step, skipped steps) when this process's run began
         self.resumed_from = None       # the checkpoint this process's run resumed
 
@@ -98,13 +101,21 @@ class Checkpoints:
 
     def refuse_unusable_state(self, trainer, name: str) -> None:
         """`TrainingDiverged` on every rank (each holds the same state) instead of writing RUN/name
-        when every step of this run was skipped (nothing trained), when the weights hold a NaN or
+        when every step of this run was skipped (nothing trained) for another reason than a dynamic
+        loss scale's back-off (a line says so then, and the file is written), when the weights hold a NaN or
         an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
         it held."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self._since_start(trainer)
-        if ran and skipped == ran:
+        if ran and skipped == ran and trainer.optim_step.backoff_skips == ran:
+            if not self.said_backoff:
+                scale = grad_scaler_fields(self.precision.state_dict()).get("scale")
+                self.say(f"all {ran} steps of this run overflowed the dynamic loss scale, which backed off to "
+                         f"{scale:g}: no weight changed yet; {name} keeps the lowered scale, so a resume "
+                         "trains from there")
+                self.said_backoff = True
+        elif ran and skipped == ran:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
                                    f"or gradients at each): nothing trained and {kept}. "
                                    f"{self.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
