@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
-from config.loader import check_input_size, check_section, check_stride, check_value
+from config.loader import check_input_size, check_section, check_value
 from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
 
 
@@ -30,7 +30,7 @@ class SampleSettings:
 
     def __post_init__(self):
         check_input_size(self.input_size)
-        check_stride(self.stride)
+        check_value("data.stride", self.stride)
         check_section(self.augment, "augment")
         check_section(self.targets, "targets")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
