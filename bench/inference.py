@@ -31,14 +31,14 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from config.loader import build_config  # noqa: E402
+from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
 from inference.evaluation import read_ahead  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
-from inference.loading import pick_device  # noqa: E402
+from inference.loading import inference_config, pick_device  # noqa: E402
 
 COCO = builtin("coco")      # coco4's people; a model without --weights is built for them
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
@@ -79,15 +79,12 @@ def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray
 
 
 def build_estimator(args) -> PoseEstimator:
-    sets = list(args.set)
-    if args.scales:
-        sets.append("inference.scales=[" + ",".join(map(str, args.scales)) + "]")
-    sets.append(f"inference.flip={'true' if args.flip else 'false'}")
     if args.weights:
-        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=sets)
+        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=args.set, scales=args.scales,
+                                             flip=args.flip)
     from models import build_model
 
-    cfg = build_config(args.preset, sets=sets)
+    cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
     return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
                          PredictSettings.of(cfg))
 
@@ -132,10 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--weights", help="checkpoint: its network, and grouping on its own maps")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeat", type=int, default=4, help="times each coco4 picture is used")
-    p.add_argument("--scales", type=float, nargs="+", help="default: the config's")
-    p.add_argument("--flip", action="store_true")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_flags(p, ("inference.scales", "inference.flip", "train.device"), "inference.decode_threads=2")
+    p.set_defaults(device="auto")
     p.add_argument("--threads", type=int, nargs="*", default=[1, 2],
                    help="thread counts of the evaluation stream rows (none: skip them)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the evaluation stream")

@@ -97,22 +97,29 @@ def loader_batches(loop):
         epoch += 1
 
 
-def engine_config(args, h5: str, level: str, dtype: str, tf32: bool,
-                  channels_last: bool, compile_model: bool):
-    sets = [f"amp.backend={args.amp_backend}", f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
-            f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
-            f"data.input_size={args.input}", f"data.train_h5={h5}", f"data.workers={args.workers}",
-            f"train.batch_size={args.batch}", f"train.device={args.device}", "train.tensorboard=false"]
-    return build_config(args.preset, sets=sets)
+def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets: str):
+    """The config of a benchmark's trainer: no TensorBoard, no DataLoader workers unless `sets` say."""
+    return build_config(preset, sets=[f"data.input_size={size}", f"data.train_h5={h5}", "data.workers=0",
+                                      f"train.batch_size={batch}", f"train.device={device}",
+                                      "train.tensorboard=false", *sets])
+
+
+def build_quietly(cfg):
+    """(trainer, parts, device): what train.py builds for `cfg` (`engine.run_trainer.build_loop`:
+    no run directory), its start-up lines unprinted."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        launch = Launch(single_process_context(cfg.train.device))
+        return (*build_loop(cfg, launch), launch.ctx.device)
 
 
 def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_model) -> dict:
-    label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")) + (" +compile" if compile_model else "")
-    cfg = engine_config(args, h5, level, dtype, tf32, channels_last, compile_model)
-    with contextlib.redirect_stdout(io.StringIO()):       # the trainer's start-up lines
-        launch = Launch(single_process_context(cfg.train.device))
-        trainer, parts = build_loop(cfg, launch)
-    device = launch.ctx.device
+    label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")
+             + (" +compile" if compile_model else ""))
+    cfg = bench_config(args.preset, args.input, args.batch, args.device, h5, f"amp.backend={args.amp_backend}",
+                       f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
+                       f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
+                       f"data.workers={args.workers}")
+    trainer, parts, device = build_quietly(cfg)
     trainer.net.train()
     data = loader_batches(trainer) if args.from_loader else synthetic_batches(args.batch, cfg, device)
     if device.type == "cuda":
