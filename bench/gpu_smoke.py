@@ -1,37 +1,32 @@
-"""The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one prepared
-run that fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it). Each section ends with one
-JSON line {"section": NAME, ...}, so a run cut short loses only its tail.
+"""The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
+fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it). Each section ends with one JSON
+line {"section": NAME, ...}, so a run cut short loses only its tail.
 
-First, side by side, each in a process of its own with a time limit (tiny preset, a few steps,
-cuDNN benchmarking and AP off):
-  levels          native O1 fp16, O1 bf16, O2 and O3 (SGD), each with --ema, trained then resumed
+Side by side, each in a process of its own (tiny preset, a few steps, cuDNN benchmarking and AP off):
+  levels          native O1 fp16, O1 bf16, O2, O3 (SGD), each with --ema, trained then resumed
   entries         train_parallel.py, then evaluate.py on its last.pth
-  group_of_one    an NCCL group of one (bench/group_of_one.py): DDP, ZeRO, --accumulate 2, CUDA
-                  SyncBN through its distributed function; resumed with --delay-allreduce
+  group_of_one    an NCCL group of one (bench/group_of_one.py): DDP, ZeRO, --accumulate 2, SyncBN
+                  through its distributed function; resumed with --delay-allreduce
   feed            the device feed (2 workers, --accumulate 2) under TORCH_CUDA_SANITIZER=1
   apex_O1..O3     Apex's amp at each level; apex_sync_bn: Apex DDP + SyncBN in an NCCL group of one
-  nccl_abort_3/2  after `_abort_process_group()` in an NCCL group of one: is_initialized(), the
-                  project's collectives, torch's all_reduce and DDP's next all-reduce, at
+  nccl_abort_3/2  what a group of one does after `_abort_process_group()`, at
                   TORCH_NCCL_ASYNC_ERROR_HANDLING 3 and 2
-  sync_debug      device waits per step (`torch.cuda.set_sync_debug_mode("warn")`) beside the
-                  project's counter, without and with --sync-bn
-Then alone on the GPU, in this process (imhn512 at 512):
-  first_step      the first step's cost: import, CUDA init, libraries, build, forward, backward,
-                  optimiser step, with cuDNN benchmarking off and on
-  graph_numerics  the same 12 steps eagerly and with CUDA graphs (cuDNN deterministic)
-  throughput      O1 fp16 / O1 bf16 / O2 at batch 16 and 32, and O1 fp16 with CUDA graphs and the
-                  fused optimiser each on and off, 3 alternating rounds of SMOKE_STEPS (30) steps
-                  timed with CUDA events: median, spread, ratio to the default
-  evaluation      pictures/s of evaluation on real pictures at one scale + flip
+  sync_debug      device waits per step (sync debug mode "warn") beside the project's counter,
+                  without and with --sync-bn
+Then alone on the GPU (imhn512 at 512):
+  first_step      the first step's cost in parts, cuDNN benchmarking off and on
+  graph_numerics  12 steps eagerly and with CUDA graphs (cuDNN deterministic)
+  throughput      O1 fp16 / bf16 / O2 at batch 16 and 32, CUDA graphs and the fused optimiser on
+                  and off: alternating rounds of SMOKE_STEPS (30) steps timed with CUDA events
+  evaluation      pictures/s of evaluation on real pictures, one scale + flip
 
-    bash bench/gpu_smoke.sh                          # on the GPU machine: this, with its environment
-    python bench/gpu_smoke.py --cpu-check            # anywhere: every section's code on the CPU at
-                                                     # toy sizes, or its command line parsed
+    python bench/gpu_smoke.py --cpu-check            # anywhere: each section's code at toy sizes
+                                                     # on the CPU, training command lines parsed
     python bench/gpu_smoke.py --section throughput   # one section, in this process
     python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
 
-SMOKE_BUDGET_S (default 530) bounds the whole run: a section that would not fit is reported
-skipped. Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
+SMOKE_BUDGET_S (default 530) bounds the run: a section that would not fit is reported skipped.
+Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
-"""Inference throughput: pictures/s through the network (batched), through grouping, and both
-together as `inference.PoseEstimator` runs them (network in batches, grouping in a thread pool).
+"""Inference throughput: pictures/s through the network, through grouping, and both together as
+`inference.PoseEstimator` runs them.
 
     python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
-        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N]
+        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
 
-The pictures are the four COCO pictures of tests/data/coco4, each `--repeat` times. Without
-`--weights` the network is the preset's, untrained: its maps have almost no peaks, so grouping
-works on the ground-truth maps of the same pictures instead (data.targets, what a well-trained
-network approaches), after the network has run on the batch as usual. Per batch size it prints
-pictures/s of the network alone (resize, preprocessing, forward, maps back at picture size), of
-grouping alone (one thread), of both through the estimator's stream, and the network's share of
-the serial time. Then, per --threads count (torch threads and grouping threads), pictures/s of
-evaluation's stream from the JPEG bytes (decode, network, grouping on the network's maps), the
-decoding done in turn serially before each batch (the order of work of `evaluate_h5` until it
-read ahead) and read ahead in a thread (`inference.evaluation.read_ahead`, what it does now):
---rounds alternating rounds, the fastest of each by wall clock. Then one JSON line.
+On coco4's pictures, each `--repeat` times. Without `--weights` the preset's untrained network runs
+and grouping works on the pictures' ground-truth maps (what a trained network approaches). Per
+batch size: the network alone, grouping alone (one thread), both in the estimator's stream, the
+network's share. Per `--threads` count: evaluation's stream from JPEG bytes, decoded serially and
+read ahead (`inference.evaluation.read_ahead`), in alternating rounds. Then one JSON line.
 """
 from __future__ import annotations
 

@@ -1,26 +1,19 @@
 """Training throughput of the engine's own step per precision setting.
 
-For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16, each with and
-without channels_last and optionally torch.compile) it builds the parts that train.py
-builds (`engine.run_trainer.build_loop`: no run directory) and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
-already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
-the first step's time (under --compile, mostly the compilation), the time the step waited for data
-(and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
-that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
-the step time, against a large bf16 matmul timed in the same run), and the host syncs per timed
-step (the host's waits for the device, counted by bench/host_syncs.py: reads of tensor values,
-and on CUDA torch's own synchronizing operations; one per step outside logging steps). One JSON
-line last.
+For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16; channels_last
+off and on; optionally torch.compile) it builds what train.py builds (`build_loop`: no run
+directory) and times `Trainer.run_step` on synthetic batches on the device, or (--h5) fed by the
+engine's DataLoader. Per row: images/s, peak memory, the first step's time, the share of time
+waiting for data, op time by kind (--profile), the share of a bf16 matmul's measured peak
+(3 x 2 x forward MACs per image), and host syncs per step (bench/host_syncs.py). One JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
     python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
-    python bench/train_throughput.py --h5 coco_train.h5 --workers 16
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
     python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
 
-`--amp-backend apex` (NVIDIA Apex's amp) runs one configuration per process: Apex's O1
-patches torch's functions process-wide, so a second configuration would run under the first's.
+`--amp-backend apex` runs one configuration per process: Apex's O1 patches torch process-wide.
 """
 from __future__ import annotations
 

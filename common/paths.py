@@ -50,13 +50,11 @@ def _identity(path: Path):
 
 
 def refuse_clashes(reads: dict, writes: dict) -> None:
-    """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
-    `reads` are {option: a path, several, or None}, the files the command writes and the files and
-    folders it reads (as exactly as it knows them: the pictures a JSON names, rather than their
-    folder). A written path is refused when it is a loop of symbolic links, when another output
-    writes it too, when it is the same file as one read, and when it is a folder read or a file
-    already inside one (it may be one of the files read there; a new file is fine). Every command
-    calls this before it writes anything, whether or not --overwrite was given."""
+    """ConfigError (one line) unless every path a command writes is safe to write. `writes` and `reads`
+    are {option: a path, several, or None}: the command's outputs, and the files and folders it reads
+    (as exactly as it knows them: the pictures a JSON names, not their folder). An output is refused
+    when it is a loop of symbolic links, another output, the same file as one read, or a folder read
+    or a file already inside one. Every command calls this before it writes, --overwrite or not."""
     written: dict = {}                   # identity -> (option, path, resolved path)
     for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
         try:

@@ -6,17 +6,10 @@
         [--dump-skeleton FILE.yaml]
     python -m data.make_hdf5 --list-skeletons
 
-The JSON is read by `data.coco_intake` (categories, keypoint names, the skeleton: `--skeleton`'s,
-else the built-in whose keypoints the JSON lists, else one inferred and completed from the JSON;
-what was decided is printed); the skeleton is stored in the file, and everything downstream reads
-it from there.
-
-Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
-"main person" rule of SPEC (the train split keeps the pictures with one, and says how many;
-`keep_all` drops the rule's keypoint count and area); people without a labelled keypoint are
-masked out of the loss like crowds. The file is written under a temporary name and renamed at
-the end. Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the
-item; `skip_bad` skips bad images and lists each one with its reason instead.
+`data.coco_intake` reads the JSON and decides the skeleton (printed; stored in the file). Images are
+stored as their encoded bytes, masks as run-length codes (layout: `data.h5format`); the train
+split keeps the pictures with a main person (SPEC's rule); people without a labelled keypoint are
+masked out like crowds. The file is written under a temporary name and renamed at the end.
 """
 from __future__ import annotations
 
@@ -194,15 +187,12 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
             overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
             keep_all: bool = False, side_outputs: dict | None = None) -> dict:
-    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
-    returns the summary (counts, skipped images and annotations with their reasons, the skeleton
-    and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
-    inferred from the JSON; `categories`, `links_from`: see `load_coco`; `keep_all`: the train
-    split keeps every picture with a labelled person (`main_people`). `overwrite` False: an existing
-    `out_path` is refused (the command line's default). `side_outputs` ({option: path}): what the
-    caller writes afterwards, checked as `out_path` is (against the JSON, its pictures, each other,
-    and for being there already without `overwrite`) before anything is written. A `DataError` raised once the JSON was
-    read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
+    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`; returns
+    the summary (counts, what was skipped and why, the skeleton and where it came from). `skeleton`
+    None: the built-in the JSON names, else one inferred; `categories`, `links_from`: `load_coco`'s;
+    `keep_all`: see `main_people`. `overwrite` False refuses an existing file. `side_outputs`
+    ({option: path}, written by the caller afterwards) are checked as `out_path` is, before anything
+    is written. A `DataError` raised once the JSON was read carries the summary so far (`.summary`)."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")

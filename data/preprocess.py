@@ -1,12 +1,9 @@
 """Pictures to network input: the one convention that training and inference share.
 
-A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (value / 255, no
-offset, as the authors' network takes it; `_FULL_SCALE` is the only place where the scale is set),
-through `bgr_to_input` on any device: training normalises its uint8 batches on the device
-(`data.transfer`), inference its padded canvas. Whatever lies outside the picture (the border of the training warp, the padding of inference
-up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
-value there in training and at inference. `data.dataset` (training and validation samples) and
-`inference.predict` (pictures of any size, padded and batched) both build their input here.
+A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] by `normalise` (value / 255, no offset:
+`_FULL_SCALE` is the one place the scale is set), through `bgr_to_input` on any device. Whatever
+lies outside the picture (the training warp's border, inference's padding to a multiple of
+`PAD_MULTIPLE`) is `GREY` before normalisation, in training and at inference alike.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """An ONNX file written by export.py, run by onnxruntime as a network of `inference.predict`.
 
-The file maps the normalised input [B, 3, H, W] (`data.preprocess`; any B, H and W multiple of 64)
-to the last stack's stride-4 maps [B, C, H/4, W/4]; grouping stays in Python. Its metadata holds
-the config and the skeleton of the checkpoint it came from (`CONFIG_KEY`, `SKELETON_KEY`; files
-without a skeleton are COCO), so `PoseEstimator.from_onnx` runs it with the same scales, flip,
-grouping settings and channels. onnxruntime is an optional dependency
+The file maps the normalised input [B, 3, H, W] (H, W multiples of 64) to the last stack's stride-4
+maps; its metadata holds the checkpoint's config and skeleton (`CONFIG_KEY`, `SKELETON_KEY`; none:
+COCO), so `PoseEstimator.from_onnx` runs it with the same settings. onnxruntime is optional
 (requirements-export.txt).
 """
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
 
-Per scale s each picture is resized to height s * input_size (a picture over MAX_ASPECT times as
-wide as tall: to MAX_ASPECT times that width) and padded (bottom, right, with
-`data.preprocess.GREY`) to a multiple of 64; pictures of the same padded size go through the
-network together, each with its mirror image when flipping. The last stack's stride-4 output is
-sampled back to picture pixels (cell (i, j) of the stride-4 map sits at input point
-((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 - 0.5)), the mirror's output is un-mirrored and its channels
-permuted by the network's skeleton's `channel_flip`, and everything is averaged.
-
-The network is anything with `.device` that maps a float32 input batch [B, 3, H, W] to the stride-4
-maps [B, C, H/4, W/4] and has the `.skeleton` of those C channels: `TorchNetwork` (a model of this
-project) or `inference.onnx_network`.
+Per scale s each picture is resized to height s * input_size (at most MAX_ASPECT times that wide)
+and padded with `data.preprocess.GREY` to a multiple of 64; pictures of one padded size go through
+the network together, each with its mirror when flipping. The last stack's stride-4 output is
+sampled back to picture pixels (cell (i, j) at input point ((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 -
+0.5)), the mirror's un-mirrored with its channels permuted by `channel_flip`, and all averaged.
+The network is anything with `.device` and `.skeleton` that maps [B, 3, H, W] to [B, C, H/4, W/4]:
+`TorchNetwork` or `inference.onnx_network`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
 
-MACs (multiply-accumulates) are counted per image with forward hooks on `nn.Conv2d`,
-`nn.ConvTranspose2d` and `nn.Linear`: a conv costs (output elements) x (input channels / groups) x
-kernel area, a linear layer (output elements) x (input features). Biases, BatchNorm, activations,
-pooling, upsampling, additions and the SE gate multiplication are not counted. The forward runs on
-the `meta` device (shapes only), so counting the full network takes well under a second and
-allocates no memory.
+MACs per image are counted with forward hooks on `nn.Conv2d`, `nn.ConvTranspose2d` and `nn.Linear`
+(biases, BatchNorm, activations, pooling, upsampling, additions and the SE gate are not), on the
+`meta` device: the full network in well under a second, without memory.
 
     python -m models.summary --preset imhn --input 512
 
