@@ -157,3 +157,15 @@ def written_whole(path, overwrite: bool = True, option: str = "--out"):
     finally:
         with contextlib.suppress(OSError):
             temp.unlink()
+
+
+def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
+    """Write `text` to `path` whole (`written_whole`, its folder made), refusing an existing file
+    without `overwrite`; ConfigError naming `option` when it cannot be written there."""
+    refuse_existing(option, path, overwrite)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(path, overwrite, option) as temp:
+            temp.write_text(text)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)})") from None

@@ -28,7 +28,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
-from common.paths import refuse_clashes, refuse_existing, written_whole
+from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -330,28 +330,17 @@ def skipped_lines(summary: dict) -> list:
 
 def write_skipped(summary: dict, path: Path, overwrite: bool) -> None:
     """Every skipped image and annotation, with its kind and reason, as a JSON list at `path`."""
-    refuse_existing("--skipped", path, overwrite)
-    try:
-        with written_whole(path) as tmp:
-            tmp.write_text(json.dumps(summary.get("bad", []), indent=1) + "\n")
-    except OSError as exc:
-        raise DataError(f"--skipped {path}: cannot write the file there ({exc.strerror or exc})") from None
+    write_text("--skipped", path, json.dumps(summary.get("bad", []), indent=1) + "\n", overwrite)
 
 
 def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
     """The skeleton as a YAML file to edit and give back with --skeleton."""
     import yaml
 
-    refuse_existing("--dump-skeleton", path, overwrite)
-    text = ("# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) and convert again\n"
-            "# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
-            + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100))
-    try:
-        with written_whole(path) as tmp:
-            tmp.write_text(text)
-    except OSError as exc:
-        raise DataError(f"--dump-skeleton {path}: cannot write the file there "
-                        f"({exc.strerror or exc})") from None
+    write_text("--dump-skeleton", path, "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) "
+               "and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
+               + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),
+               overwrite)
 
 
 def list_skeletons() -> str:
