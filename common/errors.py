@@ -1,9 +1,6 @@
-"""Errors a user can fix: each says what is wrong and where (file, option, item).
-
-Entry scripts catch `UserError` and print its message on one line, then exit with its code, so
-bad input never ends in a bare traceback. Everything else is a bug and keeps its traceback. Their
-command lines are read by `ArgumentParser`, whose mistakes (an unknown option, a value of the wrong
-type) are one such line too.
+"""Errors a user can fix: each says what is wrong and where (file, option, item). Entry scripts print
+a `UserError` on one line and exit with its code (`run_cli`); anything else is a bug and keeps its
+traceback. `ArgumentParser`'s mistakes are one such line too.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The paths a command writes: no output may be one of the command's inputs, lie inside a folder
-it reads or be another of its outputs (`refuse_clashes`), none replaces a file that exists unless
-the user passed --overwrite, and an output appears whole or not at all
-(`written_whole`). A new output is created exclusively: when two commands write the same new path,
-the second to finish fails in one line instead of replacing the first one's file unasked.
-
-Paths are compared resolved (links, `..` and relative paths followed), so `--out ./a/../ann.json`
-is recognised as `ann.json`.
+"""The paths a command writes: no output may be an input, lie inside a folder read or be another
+output (`refuse_clashes`; paths compared resolved, links and `..` followed), none replaces a file
+without --overwrite, and an output appears whole or not at all (`written_whole`), a new one
+created exclusively (of two commands writing it, the second fails in one line).
 """
 from __future__ import annotations
 

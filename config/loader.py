@@ -1,9 +1,8 @@
 """Build a `Config` from a YAML preset and overrides, check it, and turn it back into YAML.
 
-A preset is `config/presets/NAME.yaml` (or any YAML path) holding a nested mapping of the
-sections of `config.schema.Config`; `base: OTHER` inherits another preset first. Overrides are
-dotted keys (`train.epochs=3`), values parsed as YAML (`optim.milestones=[10,20]`). Unknown keys,
-wrong types and impossible values raise `ConfigError` naming the key.
+A preset is `config/presets/NAME.yaml` (or any YAML path) of config sections; `base: OTHER`
+inherits another first. Overrides are dotted keys with YAML values (`optim.milestones=[10,20]`).
+Unknown keys, wrong types and impossible values raise `ConfigError` naming the key.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Typed configuration of a run: one dataclass per concern, gathered in `Config`.
 
-Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
-Presets in `config/presets/*.yaml` override them; the command line overrides the preset
-(`config.loader`). Every field is a plain YAML-able value so the resolved config of a run can be
-saved next to its checkpoints and in them. Each field is declared once, with what it accepts
-(`option(..., bounds=, choices=)`: range, list items, choices) and, for the common ones, its
-command-line flag and help (`flag=Flag(...)`): `config.loader.check_value` applies the former to
-every value, whether it comes from a preset, the command line or a checkpoint's saved config, and
-`add_flags` builds the flags from the latter, their choices the field's.
+Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise;
+presets override them, the command line the preset (`config.loader`). Each field is declared once,
+with what it accepts (`option(..., bounds=, choices=)`, applied to every value wherever it comes
+from by `config.loader.check_value`) and, for the common ones, its flag (`flag=Flag(...)`, built by
+`add_flags` with the field's choices).
 """
 from __future__ import annotations
 
