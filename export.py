@@ -128,7 +128,8 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float,
         if picture is None:
             raise DataError(f"{picture_path}: not a picture OpenCV can read")
         resized = resize_for_scale(picture, 1.0, cfg.data.input_size)
-        batch = pictures_to_batch([resized], padded_size(*resized.shape[:2]), torch.device("cpu"))
+        batch = pictures_to_batch([resized], padded_size(*resized.shape[:2], reference.size_multiple),
+                                  torch.device("cpu"))
         want, got = reference(batch).numpy(), exported(batch).numpy()
         error = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
         print(f"{picture_path.name} {tuple(batch.shape[2:])}: max |onnx - torch| = {error:.2e} of the "

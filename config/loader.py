@@ -243,14 +243,19 @@ def check_section(section: Any, prefix: str) -> None:
     _check_fields(section, prefix.rstrip(".") + ".")
 
 
+def input_multiple(depth: int = 4) -> int:
+    """What the sides of a network's input are multiples of: 64, and 4 x 2^depth (model.depth: the
+    coarsest scale's stride) for a deeper network."""
+    return 4 * 2 ** max(depth, 4)
+
+
 def check_input_size(size: Any, depth: int = 4, option: str = "option data.input_size") -> None:
     """Raise `ConfigError` naming `option` unless `size` is an input size a network of `depth`
-    (model.depth) takes: a whole number within data.input_size's bounds, a multiple of 64 and of
-    4 x 2^depth (the coarsest scale's stride)."""
+    takes: a whole number within data.input_size's bounds, a multiple of `input_multiple(depth)`."""
     if not isinstance(size, int) or isinstance(size, bool):
         raise ConfigError(f"{option}: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)
-    multiple = 4 * 2 ** max(depth, 4)
+    multiple = input_multiple(depth)
     if size % multiple:
         raise ConfigError(f"{option}: {size} is not a positive multiple of {multiple}"
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))

@@ -98,7 +98,7 @@ class DataConfig:
                   help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 and no --val-h5 there"
                        " is no validation and no best.pth"))
     synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
-    # network input, square, a multiple of 64
+    # network input, square, a multiple of 64 (config.loader.input_multiple)
     input_size: int = option(512, bounds=Bounds(64, 4096),
         flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
     stride: int = option(4, choices=(4,))             # output stride of the targets: the network's
