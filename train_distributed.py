@@ -16,7 +16,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from common.errors import ConfigError, UserError             # noqa: E402
 from runtime import distributed as dist                      # noqa: E402
-from engine.precision import wrap_ddp                        # noqa: E402
+from engine.parallel import wrap_ddp                          # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main   # noqa: E402
 from engine.resume import CheckpointReader                   # noqa: E402
 from engine.run_trainer import Launch, build_trainer         # noqa: E402

@@ -251,7 +251,7 @@ def section_sync_debug(check: bool) -> dict:
     from bench.group_of_one import force_sync_function
     from bench.host_syncs import count_host_syncs, optimizer_step_counters
     from engine.cli import single_process_context
-    from engine.precision import wrap_ddp
+    from engine.parallel import wrap_ddp
     from engine.run_trainer import Launch, build_loop
 
     ctx = single_process_context(device_of(check).type)
@@ -390,24 +390,34 @@ def section_first_step(check: bool) -> dict:
         trainer, parts, dev = build_quietly(cfg)
         images, target, mask = next(synthetic_batches(cfg.train.batch_size, cfg, dev))
         sync(dev)
-        times = {"build_s": time.perf_counter() - tick}
+        update, times = trainer.optim_step, {"build_s": time.perf_counter() - tick}
+
+        def forward(images, target, mask, net=trainer.net):     # what OptimStep runs of each batch
+            tick = time.perf_counter()
+            per_sample, _ = net(images, target, mask)
+            sync(dev)
+            times["forward_s"] = time.perf_counter() - tick
+            return per_sample.mean()
+
+        def backward(loss, backend_backward=update.precision.backward):   # the backend's, timed
+            tick = time.perf_counter()
+            backend_backward(loss)
+            sync(dev)
+            times["backward_s"] = time.perf_counter() - tick
+
+        update.precision.backward = backward
         tick = time.perf_counter()
-        trainer.optim_step.begin(1)
-        per_sample, _ = trainer.net(images, target, mask)
+        update.update([(images, target, mask)], forward)
         sync(dev)
-        times["forward_s"], tick = time.perf_counter() - tick, time.perf_counter()
-        trainer.optim_step.backward(per_sample.mean())
-        sync(dev)
-        times["backward_s"], tick = time.perf_counter() - tick, time.perf_counter()
-        trainer.optim_step.finish()
-        sync(dev)
-        times["optimiser_step_s"], tick = time.perf_counter() - tick, time.perf_counter()
+        times["optimiser_step_s"] = time.perf_counter() - tick - times["forward_s"] - times["backward_s"]
+        del update.precision.backward
+        tick = time.perf_counter()
         trainer.run_step([(images, target, mask)])
         sync(dev)
         times["second_step_s"] = time.perf_counter() - tick
         times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
         rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
-        del trainer, parts, per_sample
+        del trainer, parts, update, forward, backward
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

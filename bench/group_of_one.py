@@ -20,10 +20,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import distributed as dist                     # noqa: E402
-from engine.precision import wrap_ddp                         # noqa: E402
+from engine.parallel import CrossProcessBatchNorm, wrap_ddp    # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from runtime.launch_env import find_free_port                # noqa: E402
-from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 

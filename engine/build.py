@@ -17,10 +17,11 @@ from data.skeleton import Skeleton
 from data.skeleton_words import skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
-from engine.precision import PrecisionBackend, build_precision, convert_sync_bn
+from engine.parallel import convert_sync_bn
+from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
-from engine.optim import build_optimizer
+from engine.optim import build_optimizer, peak_lr
 from engine.optim_step import OptimStep
 from engine.resume import RunPlan, load_start
 from engine.run_setup import resolve_data, train_loader
@@ -87,7 +88,7 @@ class TrainerBuilder:
 
     def build_precision(self, cfg: AmpConfig, device: torch.device,
                         cudnn_benchmark: bool) -> PrecisionBackend:
-        """The precision backend named by `amp.backend` (engine.precision's registry)."""
+        """The precision backend named by `amp.backend` (engine.precision.BACKENDS)."""
         return build_precision(cfg, device, cudnn_benchmark)
 
     def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,
@@ -121,7 +122,8 @@ class TrainerBuilder:
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
         net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp)
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
-                               static_graph=cfg.dist.static_graph)
+                               static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
+                                   cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
 
 

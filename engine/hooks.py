@@ -126,10 +126,12 @@ class ProgressBar(Hook):
 
 class TrainLog(Hook):
     """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks
-    (and every step's loss, for curves.png)."""
+    (and every step's loss, for curves.png); a step's note on the console."""
     priority = 40
 
     def after_step(self, trainer, out):
+        if out.note:
+            trainer.say(out.note)
         trainer.logger.log_step(trainer.step, out.loss)
         if trainer.step % trainer.cfg.train.log_every and not out.last_of_epoch:
             return

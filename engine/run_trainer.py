@@ -21,7 +21,7 @@ from common.errors import TrainingDiverged, UserError
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import non_finite, remove_stale_temps, save_checkpoint, unwrap_model
-from engine.precision.loss_scale import scaler_problem
+from engine.precision.loss_scale import grad_scaler_fields, scaler_problem
 from engine.build import Data, Parts, TrainerBuilder
 from engine.checkpoint_hooks import BestCheckpoint, EarlyStop, LastCheckpoint, PeriodicCheckpoint
 from engine.device_feed import DeviceFeed
@@ -31,7 +31,6 @@ from engine.freeze import trainable_parameters
 from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
                           Preemption, ProgressBar, TrainLog)
 from engine.logger import RunConsole, RunLogger
-from engine.optim import peak_lr, updates_rounded_away
 from engine.precision import check_backend
 from engine.reference_resume import resume_state
 from engine.resume import CheckpointReader, plan_run
@@ -156,6 +155,7 @@ class RunTrainer(Trainer):
         self.logger, self.resumed, self.resumed_from = None, None, None
         super().__init__(loop_parts(cfg.train, parts, self.ctx.device), hooks)
         self.started_at = (0, 0)          # (step, skipped steps) when this process's run began
+        self.said_backoff = False         # the line on a run whose every step was a scale back-off
 
     def start(self, parts: Parts) -> None:
         """The hooks' `after_build`, a resumed run's state, then the run directory written."""
@@ -182,7 +182,6 @@ class RunTrainer(Trainer):
         self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
                                 resumed_step=self.step if state is not None else None)
         self._describe(parts.frozen)
-        self.optim_step.first_update_check = self._say_updates_rounded_away
 
     def _describe(self, frozen: dict | None) -> None:
         cfg, data = self.cfg, self.data
@@ -201,20 +200,6 @@ class RunTrainer(Trainer):
             self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
         self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
                  + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
-
-    def _say_updates_rounded_away(self, params: list) -> None:
-        """At the first step, where half weights are stepped without float32 masters (O3): how many
-        updates of the peak LR round away (`engine.optim.updates_rounded_away`), in one line."""
-        cfg = self.cfg
-        lr = peak_lr(cfg.optim, cfg.train.batch_size * cfg.train.accumulate, self.ctx.world_size)
-        shares = updates_rounded_away(params, lr, cfg.optim)
-        if shares is None:
-            return
-        dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
-        self.say(f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
-                 "the first step's updates round away (under half the spacing at the weight)"
-                 + (f", and {shares[1]:.0%} of its weight decay" if cfg.optim.weight_decay else "")
-                 + "; --opt-level O2 keeps float32 master weights")
 
     def stopped(self, where: str) -> Interrupted:
         """The error that ends a run stopped by a signal, once last.pth holds what it resumes from."""
@@ -241,13 +226,21 @@ class RunTrainer(Trainer):
 
     def refuse_unusable_state(self, name: str) -> None:
         """`TrainingDiverged` on every rank (each holds the same state) instead of writing RUN/name
-        when every step of this run was skipped (nothing trained), when the weights hold a NaN or
+        when every step of this run was skipped (nothing trained) for another reason than a dynamic
+        loss scale's back-off (a line says so then, and the file is written), when the weights hold a NaN or
         an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
         it held."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
-        if ran and skipped == ran:
+        if ran and skipped == ran and self.optim_step.backoff_skips == ran:
+            if not self.said_backoff:
+                scale = grad_scaler_fields(self.precision.state_dict()).get("scale")
+                self.say(f"all {ran} steps of this run overflowed the dynamic loss scale, which backed off to "
+                         f"{scale:g}: no weight changed yet; {name} keeps the lowered scale, so a resume "
+                         "trains from there")
+                self.said_backoff = True
+        elif ran and skipped == ran:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
                                    f"or gradients at each): nothing trained and {kept}. "
                                    f"{self.good_checkpoint()}: {DIVERGENCE_ADVICE}")
@@ -301,4 +294,6 @@ class RunTrainer(Trainer):
         return UserError(f"out of memory on {self.ctx.device} ({reason})"
                          f" with batch {batch} per process at input {size}: lower --batch-size (add "
                          f"--accumulate K to keep the total batch) or --input-size"
+                         + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                            if getattr(self.net, "graphed", None) is not None else "")
                          + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

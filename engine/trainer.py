@@ -27,7 +27,7 @@ class TrainParts:
     loss parts): the model and its loss as one module. `batches(epoch, start)` -> an iterator of
     model inputs (images, target, mask) from batch `start` of `epoch` on."""
     net: nn.Module
-    optim_step: object                 # engine.optim_step.OptimStep, or one with its methods
+    optim_step: object                 # engine.optim_step.OptimStep, or one with its `update`
     batches: Callable[[int, int], Iterator]
     batches_per_epoch: int             # a whole number of steps of `accumulate` batches
     epochs: int = 1
@@ -53,6 +53,7 @@ class StepResult:
     first: int = 0              # the step's first batch in its epoch
     samples_per_s: float = 0.0
     last_of_epoch: bool = False
+    note: str = ""              # a line for the run's console (OptimStep's: O3's first update)
 
 
 class Trainer:
@@ -68,16 +69,15 @@ class Trainer:
     def run_step(self, inputs: list) -> StepResult:
         """One optimisation step over the model inputs `inputs` (more than one: gradient
         accumulation), each (images, target, mask) on the device."""
-        update, parts = self.optim_step, {}
-        update.begin(len(inputs))
-        for i, (images, target, mask) in enumerate(inputs):
-            with update.accumulating(last=i == len(inputs) - 1):
-                per_sample, losses = self.net(images, target, mask)
-                for k, v in losses.items():
-                    parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
-                update.backward(per_sample.mean(), stop_requested=self.stop_signal is not None)
-        outcome = update.finish()
-        return StepResult(outcome.loss, update.lr, outcome.skipped, outcome.stop, parts)
+        parts = {}
+
+        def loss_of(images, target, mask):
+            per_sample, losses = self.net(images, target, mask)
+            for k, v in losses.items():
+                parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
+            return per_sample.mean()
+        out = self.optim_step.update(inputs, loss_of, lambda: self.stop_signal is not None)
+        return StepResult(out.loss, self.optim_step.lr, out.skipped, out.stop, parts, note=out.note)
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:

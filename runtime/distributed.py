@@ -1,6 +1,6 @@
 """Multi-process plumbing of training: who this process is (rank, device), the process group, the
-collectives the engine calls, per-rank seeding and the DistributedDataParallel wrapper. The
-launcher's environment is read by `runtime.launch_env`; a world of one process gets no group.
+collectives the engine calls, per-rank seeding (DDP's wrapper is engine.parallel's). The launcher's
+environment is read by `runtime.launch_env`; a world of one process gets no group.
 
 Ranks fail together. They meet in a store before the group exists; a rank whose set-up or training
 fails leaves its error there (`end_with_error`, `fail_before_group`, `error_of_another_rank`), and
@@ -17,8 +17,6 @@ holds its store on that port).
 from __future__ import annotations
 
 import gc
-import inspect
-import math
 import os
 import random
 import signal
@@ -31,7 +29,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
@@ -544,40 +541,6 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     np.random.seed(int(state[0]))
     torch.manual_seed(derived)   # also seeds every CUDA device
     return derived
-
-
-def single_bucket_cap_mb(model: nn.Module) -> int:
-    """A DDP bucket size (MiB) that holds every trainable gradient of `model` at once."""
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return math.ceil(grad_bytes / 2**20) + 1
-
-
-def wrap_ddp(model: nn.Module, ctx: DistContext, dist_cfg: DistConfig) -> nn.Module:
-    """DistributedDataParallel with the config's settings; the model itself when not distributed.
-
-    `delay_allreduce` puts all gradients in one bucket, so the only all-reduce starts once the last
-    gradient is ready, i.e. after the backward pass (Apex's option); otherwise buckets of
-    `bucket_cap_mb` overlap their all-reduce with the rest of the backward pass.
-    """
-    if not ctx.distributed:
-        return model
-    if dist_cfg.bucket_cap_mb <= 0:
-        raise ConfigError(f"dist.bucket_cap_mb must be positive, got {dist_cfg.bucket_cap_mb}")
-    bucket_mb = single_bucket_cap_mb(model) if dist_cfg.delay_allreduce else dist_cfg.bucket_cap_mb
-    on_cuda = ctx.device.type == "cuda"
-    ddp = nn.parallel.DistributedDataParallel
-    # newer PyTorch renamed broadcast_buffers (buffers are synced at start either way)
-    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-                  else "broadcast_buffers")
-    return ddp(
-        model,
-        device_ids=[ctx.device.index] if on_cuda else None,
-        output_device=ctx.device.index if on_cuda else None,
-        bucket_cap_mb=bucket_mb,
-        find_unused_parameters=dist_cfg.find_unused_parameters,
-        static_graph=dist_cfg.static_graph,
-        **{buffers_kw: dist_cfg.broadcast_buffers},
-    )
 
 
 def current_context() -> DistContext | None:
