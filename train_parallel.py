@@ -1,11 +1,7 @@
-"""Train on several GPUs of one machine with DataParallel.
-
-Model and loss are replicated together, so every GPU computes the loss of its part of the batch
-and only per-sample loss values come back to the first GPU (which is then not overloaded).
+"""Train on several GPUs of one machine with DataParallel: model and loss replicated together, so
+only per-sample losses come back to the first GPU. --sync-bn is refused (use train_distributed.py).
 
     python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
-
---sync-bn is refused: DataParallel cannot synchronise BatchNorm; use train_distributed.py for it.
 """
 import torch
 from torch import nn

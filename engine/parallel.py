@@ -1,7 +1,7 @@
 """SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
 `convert_sync_bn` and `wrap_ddp` pick, by `amp.backend`, one definition each of the native backend
-(torch) or of the apex backend (`apex.parallel`, mended: docs/training.md, "What the apex backend
-gives Apex").
+(torch) or of the apex backend (`apex.parallel`, mended as each function below says; docs/training.md,
+"Apex itself").
 
 Native SyncBN is `nn.SyncBatchNorm` on CUDA. PyTorch's refuses CPU tensors, so on CPU process
 groups (gloo) `CrossProcessBatchNorm` does the same job: in training it all-reduces per-channel

@@ -1,11 +1,9 @@
 """Checkpoints of a run: atomic saving, safe loading, weights-only loading, RNG states, resume lookup.
 
 A checkpoint is a dict of plain values and tensors (engine/train_state.py says which) plus
-`format_version`, so that `torch.load(weights_only=True)` reads it and no file can run code when it
-is loaded. Saving never
-leaves a half-written file under the final name: a kill or a full disk costs at most the
-checkpoint being written. Every problem a user can fix raises `common.errors.CheckpointError`
-with the file and the reason on one line.
+`format_version`, read with `torch.load(weights_only=True)` (no file runs code when loaded); saving
+never leaves a half-written file under the final name. Every problem a user can fix is a one-line
+`CheckpointError`.
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ def table(tmp_path_factory, synthetic_h5) -> dict:
                                                      "--amp-dtype", "float16"],
                                         ["O3 with --optimizer adamw in float16", "--opt-level O2"]),
         "unknown opt level": Case(with_data + ["--opt-level", "O4"],
-                                  ["amp.opt_level", "'O4'", "O0, O1, O2 or O3"]),
+                                  ["argument --opt-level", "'O4'", "'O0', 'O1', 'O2', 'O3'"]),
         "unknown preset": Case(with_data[:2] + ["--config", "imhn1024"], ["'imhn1024'", "imhn512", "tiny"]),
         "batch not divisible by processes": Case(
             torchrun(logs, "--config", str(preset), "--train-h5", str(train_h5), "--out-dir",
