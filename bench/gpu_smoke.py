@@ -1,27 +1,10 @@
 """The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
-fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it). Each section ends with one JSON
-line {"section": NAME, ...}, so a run cut short loses only its tail.
+fits a 9-minute device call (`bash bench/gpu_smoke.sh`). Each section ends with one JSON line
+{"section": NAME, ...}. The PARALLEL sections run side by side, each in its own process (tiny
+preset, a few steps); the ALONE ones then run alone on the GPU (imhn512 at 512); each section's
+docstring or name says what it measures.
 
-Side by side, each in a process of its own (tiny preset, a few steps, cuDNN benchmarking and AP off):
-  levels          native O1 fp16, O1 bf16, O2, O3 (SGD), each with --ema, trained then resumed
-  entries         train_parallel.py, then evaluate.py on its last.pth
-  group_of_one    an NCCL group of one (bench/group_of_one.py): DDP, ZeRO, --accumulate 2, SyncBN
-                  through its distributed function; resumed with --delay-allreduce
-  feed            the device feed (2 workers, --accumulate 2) under TORCH_CUDA_SANITIZER=1
-  apex_O1..O3     Apex's amp at each level; apex_sync_bn: Apex DDP + SyncBN in an NCCL group of one
-  nccl_abort_3/2  what a group of one does after `_abort_process_group()`, at
-                  TORCH_NCCL_ASYNC_ERROR_HANDLING 3 and 2
-  sync_debug      device waits per step (sync debug mode "warn") beside the project's counter,
-                  without and with --sync-bn
-Then alone on the GPU (imhn512 at 512):
-  first_step      the first step's cost in parts, cuDNN benchmarking off and on
-  graph_numerics  12 steps eagerly and with CUDA graphs (cuDNN deterministic)
-  throughput      O1 fp16 / bf16 / O2 at batch 16 and 32, CUDA graphs and the fused optimiser on
-                  and off: alternating rounds of SMOKE_STEPS (30) steps timed with CUDA events
-  evaluation      pictures/s of evaluation on real pictures, one scale + flip
-
-    python bench/gpu_smoke.py --cpu-check            # anywhere: each section's code at toy sizes
-                                                     # on the CPU, training command lines parsed
+    python bench/gpu_smoke.py --cpu-check            # anywhere: every section at toy sizes on a CPU
     python bench/gpu_smoke.py --section throughput   # one section, in this process
     python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
 
@@ -161,9 +144,8 @@ def section_group_of_one(check: bool) -> dict:
 
 
 def section_feed(check: bool) -> dict:
-    """The device feed's streams under the CUDA sanitizer. Forked DataLoader workers inherit the
-    sanitizer's dispatch mode, whose every CPU op would then ask CUDA for its stream in a forked
-    process: the mode is left in each worker, which runs no CUDA anyway."""
+    """The device feed (2 workers, --accumulate 2) under the CUDA sanitizer, which each forked
+    worker leaves (it runs no CUDA)."""
     import train
     if os.environ.get("TORCH_CUDA_SANITIZER"):
         from torch.cuda import _sanitizer
@@ -245,9 +227,8 @@ def section_nccl_abort(check: bool) -> dict:
 
 
 def section_sync_debug(check: bool) -> dict:
-    """Device waits per training step, by torch's sync debug mode (each synchronising CUDA call
-    warns), beside the project's counter of host reads, in an NCCL group of one; --sync-bn sends
-    every BatchNorm through torch's distributed SyncBatchNorm function."""
+    """Device waits per step (sync debug mode "warn") beside the project's counter of host reads,
+    in an NCCL group of one, without and with --sync-bn."""
     from bench.group_of_one import force_sync_function
     from bench.host_syncs import count_host_syncs, optimizer_step_counters
     from engine.cli import single_process_context
@@ -302,8 +283,7 @@ NEEDS_APEX = ("apex_O1", "apex_O2", "apex_O3", "apex_sync_bn")
 
 
 def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> list[dict]:
-    """Each section in a process of its own, all at once, each within the time left but what the
-    `alone` sections after them need (about 80 s each)."""
+    """Each section in its own process, all at once, leaving about 80 s per `alone` section."""
     limit = max(60.0, min(240.0, left_s() - 80 * alone))
     procs = {}
     for name in names:

@@ -1,22 +1,10 @@
 """SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
-`convert_sync_bn` and `wrap_ddp` pick, by `amp.backend`, one definition each of the native backend
-(torch) or of the apex backend (`apex.parallel`, mended as each function below says; docs/training.md,
-"Apex itself").
+one definition each for the native backend (torch) and for the apex backend (`apex.parallel`,
+mended as each function below says), picked by `amp.backend`.
 
-Native SyncBN is `nn.SyncBatchNorm` on CUDA. PyTorch's refuses CPU tensors, so on CPU process
-groups (gloo) `CrossProcessBatchNorm` does the same job: in training it all-reduces per-channel
-count, sum and sum of squares (float64), normalises with the global mean and biased variance,
-updates the running statistics with the unbiased global variance as BatchNorm does, and its
-backward all-reduces the two per-channel gradient sums. Input gradients are then those of the
-SUM of the ranks' losses over the joint batch, and weight/bias gradients are each rank's own,
-which DDP averages: with a per-rank mean loss, the step equals one process on the whole batch
-(the same convention as `nn.SyncBatchNorm`). In eval mode, or without a process group of more
-than one process, it is plain batch norm. State-dict keys are those of `nn.BatchNorm2d`, so
-checkpoints load either way.
-
-Native DDP is torch's, with `dist`'s settings: `delay_allreduce` puts all gradients in one bucket,
-so the only all-reduce starts after the backward pass (Apex's option); otherwise buckets of
-`bucket_cap_mb` overlap their all-reduce with the backward pass.
+On CPU groups (gloo), where `nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same
+statistics and gradients (the convention of `nn.SyncBatchNorm`); its state-dict keys are those of
+`nn.BatchNorm2d`.
 """
 from __future__ import annotations
 
@@ -35,16 +23,14 @@ from runtime import distributed as group
 
 
 def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-    """`--sync-bn`: the batch norms of `model` made cross-process for `ctx` (a
-    runtime.distributed.DistContext) by the run's backend; unchanged when not distributed."""
+    """`--sync-bn`: `model`'s batch norms made cross-process; unchanged when not distributed."""
     if not ctx.distributed:
         return model
     return apex_sync_bn(model) if amp.backend == "apex" else torch_sync_bn(model, ctx)
 
 
 def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
-    """train_distributed.py's wrapper: the run's backend's DDP with the options of `dist_cfg`,
-    with the `no_sync()` of gradient accumulation; the model itself when not distributed."""
+    """The backend's DDP with `dist_cfg`'s options; the model itself when not distributed."""
     if not ctx.distributed:
         return model
     if amp.backend == "apex":
@@ -54,8 +40,8 @@ def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.
 
 # -- native: torch's DDP, nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU ----------------------
 def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
-    """torch's DistributedDataParallel with `dist_cfg`'s settings (see the module's doc)."""
-    if dist_cfg.delay_allreduce:     # one bucket that holds every trainable gradient
+    """torch's DDP; `delay_allreduce` puts every gradient in one bucket (Apex's option)."""
+    if dist_cfg.delay_allreduce:
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         bucket_mb = math.ceil(grad_bytes / 2**20) + 1
     else:
@@ -149,8 +135,8 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
 
 
 class CrossProcessBatchNorm(_BatchNorm):
-    """Batch norm over the joint batch of all processes of `process_group` (default: all),
-    for inputs of any rank >= 2 (N, C, ...). Works on CPU/gloo where nn.SyncBatchNorm refuses."""
+    """Batch norm over the joint batch of `process_group` (default: all) for (N, C, ...) inputs;
+    plain batch norm in eval mode or in a group of one."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, device=None, dtype=None):
@@ -212,11 +198,8 @@ def _to_cross_process(module: nn.Module) -> nn.Module:
 
 # -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------
 def apex_sync_bn(model: nn.Module) -> nn.Module:
-    """`apex.parallel.convert_syncbn_model`, its SyncBatchNorm mended for channels_last batches
-    (optimized build: its `channel_last` flag means an [N, H, W, C] SHAPE) or for dtypes and
-    running statistics (Python build). Each keeps the very parameters and mode of the batch norm
-    it replaces (Apex's gives it new parameters, which would unfreeze a frozen one and leave the
-    optimiser's references behind)."""
+    """`apex.parallel.convert_syncbn_model`, mended (`_mended_class`), each keeping the very
+    parameters and mode of the batch norm it replaces (Apex's makes new ones)."""
     parallel = importlib.import_module("apex.parallel")
     before = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
     model = parallel.convert_syncbn_model(model)       # channel_last off: see _mended_class
@@ -243,9 +226,8 @@ def _mended_class(apex_class: type) -> type:
     if apex_class not in _MENDED:
         if apex_class.__module__.endswith("optimized_sync_batchnorm"):    # the CUDA extension's
             class Mended(apex_class):
-                """Apex's optimized SyncBatchNorm: a training forward on a channels_last batch is
-                given its free [N, H, W, C] view with the flag on, the output permuted back;
-                other batches, and eval (F.batch_norm), with the flag off."""
+                """Apex's optimized SyncBatchNorm given a channels_last training batch as its
+                [N, H, W, C] view (what its `channel_last` flag means), the output permuted back."""
 
                 def forward(self, input):
                     batch_stats = self.training or not self.track_running_stats
@@ -257,10 +239,8 @@ def _mended_class(apex_class: type) -> type:
             name = "NHWCViewSyncBatchNorm"
         else:
             class Mended(apex_class):
-                """Apex's Python SyncBatchNorm, output in the input's dtype (under O2 it returned
-                float32 into the next float16 convolution), running statistics kept in their own
-                tensors (it assigned new ones, so a skipped step's restore or an EMA held dead
-                ones)."""
+                """Apex's Python SyncBatchNorm, output in the input's dtype, running statistics
+                kept in their own tensors (it assigns new ones)."""
 
                 def forward(self, input):
                     kept = (self.running_mean, self.running_var)
@@ -279,10 +259,8 @@ def _mended_class(apex_class: type) -> type:
 
 
 def _memory_order_only(kernel):
-    """`amp_C.multi_tensor_scale` (dst = src * scale, each tensor walked in memory order) given
-    only the pairs whose memory order is their logical order; the rest (channels_last gradients
-    of Apex DDP's logical-order buffer, which the kernel gave back permuted) copied stride-aware
-    in one `_foreach_copy_`."""
+    """`amp_C.multi_tensor_scale` given only pairs whose memory order is their logical order; the
+    rest (channels_last gradients, which it permutes) copied stride-aware."""
     def scale(chunk_size, noop_flag, tensor_lists, factor):
         pairs = list(zip(*tensor_lists))
         walked = [pair for pair in pairs if pair[0].is_contiguous() and pair[1].is_contiguous()]
@@ -298,11 +276,8 @@ def _memory_order_only(kernel):
 
 
 def apex_ddp(model: nn.Module, dist_cfg: DistConfig, world_size: int) -> nn.Module:
-    """`apex.parallel.DistributedDataParallel` with `gradient_predivide_factor` = world size (each
-    rank divides its float16 scaled gradients before the sum, as torch's DDP does: Apex's default
-    sums first and overflows N times sooner), the `no_sync()` of gradient accumulation (Apex's
-    disable_allreduce; the last batch's backward all-reduces the sum), and its copy-back right
-    for channels_last gradients."""
+    """Apex's DDP dividing by the world size before the sum (as torch's does; overflows later),
+    with a `no_sync()` for gradient accumulation and channels_last gradients copied back right."""
     base = importlib.import_module("apex.parallel").DistributedDataParallel
 
     class ApexDDP(base):

@@ -1,12 +1,8 @@
 """Bottom-up grouping: keypoint peaks and limb maps at image size -> people with scores.
 
-Steps (../shared/SPEC.md, "Inference and grouping"): peaks (`inference.peaks`); for each limb,
-every candidate pair scored along its segment at once and matched greedily (`greedy_matching`);
-people assembled over the skeleton's limbs in order (main links, then redundant ones), two partial
-people merged when the joining limb is strong enough; parts that missing keypoints separate joined
-(`_bridge`); weak or tiny people dropped. Memory is bounded whatever the maps: limbs are matched in
-groups of at most PAIR_BUDGET pairs (or one limb's max_peaks ** 2), samples taken SAMPLE_CELLS at a
-time, the joining compares BRIDGE_CELLS pairs at a time.
+Peaks; limb candidates scored along their segments and matched greedily; people assembled over the
+skeleton's limbs in order; parts that missing keypoints separate joined (`_bridge`); weak people
+dropped. Memory is bounded by the *_CELLS / PAIR_BUDGET constants below.
 """
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ BRIDGE_CELLS = 1 << 20  # (person, part) or keypoint-pair cells the joining comp
 
 
 def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, t: np.ndarray) -> np.ndarray:
-    """[N, len(t)] values of limb `limb[n]`'s map at the points (x_a, y_a) + t * (dx, dy) of each
-    candidate segment, rounded to the nearest pixel inside the map."""
+    """[N, len(t)] values of limb `limb[n]`'s map at (x_a, y_a) + t * (dx, dy), nearest pixel."""
     _, height, width = limb_maps.shape
     columns, rows = t * (x_b - x_a)[:, None], t * (y_b - y_a)[:, None]      # [N, S] sample points
     columns += x_a[:, None]
@@ -72,9 +67,7 @@ def _sample_steps(count: int) -> np.ndarray:
 
 
 def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig) -> np.ndarray:
-    """False for the segments that surely fail the support rule: more of a few of their inner
-    samples (points that `_score_pairs` samples too; a wrong pair's ends lie on its people's maps,
-    its middle does not) are at or under `limb_threshold` than the rule allows of all of them."""
+    """False for segments that surely fail the support rule, judged on a few inner samples."""
     needed = math.ceil(cfg.limb_min_ratio * cfg.limb_samples)     # samples above, at least
     allowed = cfg.limb_samples - needed                            # samples under, at most
     inner = np.arange(1, cfg.limb_samples - 1)
@@ -87,12 +80,9 @@ def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig)
 
 
 def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
-    """Which candidates a greedy matcher takes, per limb: positions into the candidate arrays.
-    Candidate k is cell (limb[k], row[k], column[k]) of a [limbs, rows, columns] `shape`. Per limb the
-    greedy matcher takes candidates by decreasing `rank` (ties: the earlier first) whose row and column
-    are still free; with many candidates it runs in rounds, taking at once every candidate first in
-    both its row and its column among those still free (nothing before it can block it). Returns the
-    positions by limb, in the order the greedy matcher takes them."""
+    """Positions of the candidates (cells (limb, row, column) of `shape`) a greedy matcher takes
+    per limb by decreasing `rank` (ties: earlier first), each row and column once, in that order.
+    With many candidates it runs in rounds: every candidate best in its row and column at once."""
     if len(rank) < ROUNDS_FROM:
         order = np.lexsort((-rank, limb))
         span = shape[1] + shape[2]               # keys: rows, then columns, of each limb
@@ -130,13 +120,10 @@ def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
 
 def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
                      cfg: InferenceConfig, limbs) -> list[list[tuple]]:
-    """Per limb of `limbs` ((a, b) keypoint pairs), its connections matched greedily:
-    [(peak_a, peak_b, score, length), ...]. `bounds[k]:bounds[k + 1]` are keypoint k's peaks in `xy` /
-    `peak_score`. Every candidate pair is sampled at `cfg.limb_samples` points on its segment and kept
-    when at least `limb_min_ratio` of them exceed `limb_threshold` and its score (the mean sample plus
-    min(0.5 * image_height / max(length, 1) - 1, 0)) is positive (length 0 too: Halpe's hand roots on
-    the wrists); pairs are taken by decreasing 0.5 * score + 0.25 * (peak_a + peak_b), each peak once.
-    Memory holds at most max(PAIR_BUDGET, max_peaks ** 2) candidates at a time."""
+    """Per limb ((a, b) keypoint pairs), [(peak_a, peak_b, score, length), ...] matched greedily
+    by 0.5 * score + 0.25 * (peak_a + peak_b). `bounds[k]:bounds[k + 1]` are keypoint k's peaks.
+    A pair is kept when `limb_min_ratio` of its samples exceed `limb_threshold` and its score (mean
+    sample + min(0.5 * height / max(length, 1) - 1, 0)) is positive."""
     ends = np.asarray(limbs)
     count_a = bounds[ends[:, 0] + 1] - bounds[ends[:, 0]]
     count_b = bounds[ends[:, 1] + 1] - bounds[ends[:, 1]]
@@ -192,8 +179,7 @@ def _accepted(limb_maps, ends, bounds, count_b, first: int, last: int, lo: int, 
 
 
 class _Person:
-    """A partial person during assembly: peak id per keypoint slot, running scores, its weakest
-    and its longest connection."""
+    """A partial person: peak id per keypoint slot, scores, weakest and longest connection."""
 
     __slots__ = ("slots", "total", "parts", "weakest", "longest")
 
@@ -305,8 +291,7 @@ def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
     found = []
     for lo in range(0, crowd, max(1, BRIDGE_CELLS // crowd)):
         rows = slice(lo, lo + max(1, BRIDGE_CELLS // crowd))
-        # Limbs between i's keypoints and j's closest one: BRIDGE_HOPS + 1 - how many of the
-        # distances 0 ... BRIDGE_HOPS reach one of j's keypoints.
+        # limbs from i's keypoints to j's closest one
         closest = BRIDGE_HOPS + 1 - sum((w[rows] @ present.T > 0).astype(np.intp) for w in within)
         closest[lo + np.arange(len(closest))[:, None] >= np.arange(crowd)] = 0     # each pair once
         i, j = np.nonzero(closest >= 2)
@@ -351,14 +336,9 @@ def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list
 
 def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
             hops: np.ndarray, ratio: float) -> list[_Person]:
-    """Join to partial people the parts that only keypoints missing from both could link: another
-    partial person, or a peak no person holds (`channel[n]` is peak n's keypoint). A person and a part
-    join when they share no keypoint type, their closest keypoints are h = 2 to BRIDGE_HOPS limbs apart
-    (1: that link was scored and refused), and two of those lie within `ratio` x h x the shorter
-    part's longest connection (a lone peak: the person's); nearest first, skipped when the two sides
-    as joined so far hold the same keypoint or two one limb apart. Each person tries its
-    BRIDGE_PARTNERS nearest partial people and BRIDGE_LONE nearest lone peaks per keypoint type,
-    BRIDGE_CELLS pairs at a time."""
+    """Join to partial people the parts (another person, or a lone peak) that only missing keypoints
+    could link: no shared keypoint type, closest keypoints h = 2..BRIDGE_HOPS limbs apart and within
+    `ratio` x h x the shorter part's longest connection; nearest first, never across a kept limb."""
     if ratio <= 0 or not people:
         return people
     slots = np.array([p.slots for p in people])
@@ -400,12 +380,8 @@ def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_sco
 
 
 def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
-    """People in `maps` [C, H, W] (image size, the channels of `skeleton`): (keypoints float32
-    [P, K, 3], scores float32 [P]).
-
-    keypoints hold (x, y, peak score) in image pixels, score 0 for a missing keypoint; people are
-    sorted by decreasing score = 1 - 1 / total, at most `cfg.max_people`.
-    """
+    """People in `maps` [C, H, W]: keypoints [P, K, 3] (x, y, peak score; 0 if missing) and
+    scores [P] (1 - 1 / total, decreasing, at most `cfg.max_people`), float32."""
     maps = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float32)
     if maps.shape[0] != skeleton.num_channels:
         raise ValueError(f"{maps.shape[0]} maps but skeleton {skeleton.name} has "
@@ -432,11 +408,7 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
 
 def to_coco_results(image_id: int, keypoints: np.ndarray, scores: np.ndarray, skeleton: Skeleton,
                     category_id: int = 1) -> list[dict]:
-    """COCO keypoint results of one image: the skeleton's derived keypoints (COCO's neck) dropped,
-    the others in the annotations' order.
-
-    A missing keypoint is written as (0, 0, 0); a found one as (x, y, 1).
-    """
+    """COCO keypoint results of one image in the dataset's order: found (x, y, 1), missing 0s."""
     results = []
     for person, score in zip(keypoints, scores):
         coco = skeleton.to_dataset_order(person)

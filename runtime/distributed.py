@@ -1,18 +1,8 @@
-"""Multi-process plumbing of training: who this process is (rank, device), the process group, the
-collectives the engine calls, per-rank seeding (DDP's wrapper is engine.parallel's). The launcher's
-environment is read by `runtime.launch_env`; a world of one process gets no group.
+"""The process group: rank and device, collectives, per-rank seeding; ranks fail together.
 
-Ranks fail together. They meet in a store before the group exists; a rank whose set-up or training
-fails leaves its error there (`end_with_error`, `fail_before_group`, `error_of_another_rank`), and
-what only rank 0 checks it decides for all (`decided_on_main`). A rank that dies or freezes leaves
-no error, so every rank keeps a `runtime.rank_watch.RankWatch` (heartbeats, a verdict, the group
-aborted). Once the group this process joined is gone and `cleanup()` was not called, every
-collective here, `decided_on_main` and `check_group()` raise why instead of going on alone.
-
-NCCL: `TORCH_NCCL_ASYNC_ERROR_HANDLING` is set to 2 (abort, raise in the rank) unless the user set
-it: at torch's default, 3, a failed collective ends the process with SIGABRT before the rank can
-say which rank failed. The master port is checked on rank 0 only without a torchrun agent (which
-holds its store on that port).
+Ranks meet in a store before the group exists; a rank that fails leaves its error there, and a
+`RankWatch` catches one that dies or freezes. Once the group is lost, every collective here raises
+why. Under NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING is set to 2 (raise, not SIGABRT) unless set.
 """
 from __future__ import annotations
 
@@ -68,12 +58,7 @@ _CONTEXT: DistContext | None = None
 
 def init_distributed(dist_cfg: DistConfig, device: str = "auto",
                      local_rank_arg: int | None = None) -> DistContext:
-    """Read the launcher's environment, pick and set the device, and join the process group.
-
-    Ranks first meet in the rendezvous store for at most `dist.rendezvous_timeout_s`: a rank whose
-    set-up fails before the group exists (its device, say) leaves its error there, and every rank
-    ends with that line at once instead of waiting for `dist.timeout_s`.
-    """
+    """Read the launcher's environment, set the device, meet the other ranks, join the group."""
     launch = read_launch(os.environ, local_rank_arg)
     if launch.world_size <= 1 or dist.is_initialized():
         return _set_context(launch, resolve_device(device, launch), dist_cfg,
@@ -119,16 +104,15 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
 
 _ERROR_KEY, _JOINED_KEY, _ENDED_KEY = ERROR_KEY, "joined", "ended"
 _NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
-_STORE = None                       # the rendezvous store of the group, while it exists
-_WATCH: RankWatch | None = None     # this rank's watch on the others, while the group exists
-_GROUP: tuple[int, int] | None = None   # (rank, world) of the group of several processes joined,
-                                        # until cleanup()
-_LOST: UserError | None = None      # why that group is no longer there, once known
-_SERVES = False                     # this process serves the store (rank 0 without torchrun)
-_GONE: set[int] = set()             # ranks found dead or frozen: they will not leave
+_STORE = None                       # the group's rendezvous store
+_WATCH: RankWatch | None = None
+_GROUP: tuple[int, int] | None = None   # (rank, world) joined, until cleanup()
+_LOST: UserError | None = None      # why that group is gone, once known
+_SERVES = False                     # rank 0 without torchrun serves the store
+_GONE: set[int] = set()             # ranks found dead or frozen
 _READ_WAIT_S = 10.0                 # how long rank 0 keeps serving the store for the others
 _SAY_WAITING_S = 10.0               # how long rank 0 waits for the others before it says so
-_EVIDENCE_S = 10.0                  # how long a rank whose collective failed looks for a dead rank
+_EVIDENCE_S = 10.0                  # how long a failed rank looks for a dead one
 
 
 def _stop_watch() -> None:
@@ -140,24 +124,21 @@ def _stop_watch() -> None:
 
 
 def _abort() -> None:
-    """Abort the process group, if there is one: under NCCL a collective that waits for a rank
-    which is gone fails at once; on any backend this process's collectives raise from then on."""
+    """Abort the process group, if any: pending and later collectives fail at once."""
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
 
 
 def _bounded(work, seconds: float) -> None:
-    """`work()` in a thread, waited for at most `seconds`: a store whose host is stopped never
-    answers, whatever its timeout."""
+    """`work()` in a thread, waited for at most `seconds` (a dead store host never answers)."""
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
     thread.join(timeout=seconds)
 
 
 def _leave() -> None:
-    """Say in the store that this rank has left, and on the rank that serves the store wait up to
-    `_READ_WAIT_S` for every rank to leave, so that none finds it gone while it still reads (not
-    for those found dead). Bounded, whatever the store does."""
+    """Say in the store that this rank left; the serving rank waits up to `_READ_WAIT_S` for the
+    living others to leave too."""
     global _STORE
     store, world, _STORE = _STORE, _GROUP[1] if _GROUP else 1, None
     if store is None:
@@ -177,8 +158,7 @@ def _leave() -> None:
 
 
 def _hold_stop_signals() -> None:
-    """A rank that ends with an error ignores SIGTERM / SIGUSR1 until it has said why: torchrun
-    sends SIGTERM as soon as one rank has died, before the others have found out which one."""
+    """Ignore SIGTERM / SIGUSR1 until this rank has said why it ends (torchrun sends SIGTERM)."""
     try:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
@@ -187,11 +167,8 @@ def _hold_stop_signals() -> None:
 
 
 def end_with_error(err: UserError) -> None:
-    """This rank ends with `err` while others may wait in a collective: leave its message in the
-    store (the first error wins; nothing when the group is already lost to another rank's), leave
-    the process group, whose gloo connections then fail the others' pending collectives at once
-    (under NCCL their watch aborts them within a second), and on rank 0, which serves the store,
-    wait up to 10 s for the others to end too."""
+    """Leave `err` in the store (the first error wins) and leave the group, which fails the
+    others' pending collectives."""
     lost = _lost()
     _stop_watch()                       # this rank's own error is no reason to abort under it
     _hold_stop_signals()
@@ -211,11 +188,8 @@ def _post(store, message: str) -> str:
 
 
 def error_of_another_rank() -> UserError | None:
-    """Why a collective of this rank failed, when the cause lies with another rank: the error a rank
-    left, the watch's verdict, a rank that gives no sign of life now (looked for up to `_EVIDENCE_S`
-    s: a killed rank closes its connections at once), or the group aborted by another caller; the
-    group is then aborted. None when every rank lives and none left an error: the failure is this
-    rank's own (`end_with_error`)."""
+    """Why a collective failed when another rank is the cause (its error, the watch's verdict, a
+    rank silent for `_EVIDENCE_S` s, the group aborted), aborting the group; None if this rank's own."""
     global _LOST
     if _GROUP is None:
         return None
@@ -232,8 +206,7 @@ def error_of_another_rank() -> UserError | None:
 
 
 def _another_rank_failed() -> UserError | None:
-    """The error a rank left, or a rank without heartbeat for `_EVIDENCE_S` s (left in the store
-    as the job's error), or the store's host gone; None when every rank beats."""
+    """The error a rank left, a rank silent for `_EVIDENCE_S` s, or the store gone; else None."""
     store, (rank, world) = _STORE, _GROUP
     if store is None:
         return None
@@ -266,8 +239,7 @@ def _lost() -> UserError | None:
 
 
 def _group_lost() -> UserError:
-    """Why the group this process joined is gone: its watch's verdict, the error a rank left, or
-    a line saying that it was aborted or destroyed without a word."""
+    """Why the joined group is gone: the watch's verdict, a rank's error, or aborted unsaid."""
     global _LOST
     if _LOST is None:
         _LOST = _lost()
@@ -290,15 +262,13 @@ def _group_lost() -> UserError:
 
 
 def check_group() -> None:
-    """Raise why, once the process group of this process is lost (see the module docstring):
-    before what must not happen on a rank that trains alone, such as saving a checkpoint."""
+    """Raise why once this process's group is lost (call before saving a checkpoint)."""
     _active()
 
 
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
-    """The store where the ranks meet: torchrun's agent store when it shares it, prefixed per restart
-    attempt (`TORCHELASTIC_RESTART_COUNT`: a restarted attempt must not read the keys of the one
-    before), else one on MASTER_ADDR:MASTER_PORT held by rank 0 (`serve` False: a client of it)."""
+    """torchrun's agent store, prefixed per restart attempt, else one on MASTER_ADDR:MASTER_PORT
+    served by rank 0 (unless `serve` is False)."""
     where = f"{launch.master_addr}:{launch.master_port}"
     try:
         if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -319,11 +289,7 @@ def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
 
 
 def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None:
-    """A rank that fails before `init_distributed` (on its command line, say) leaves its error
-    where the others meet, so they end with it instead of waiting for it to join. Rank 0 serves
-    it for at most `_READ_WAIT_S` (the ones already waiting read it; one that starts later finds
-    no rank 0 and says so). Nothing in a world of one process, or where the launcher's variables
-    cannot be read."""
+    """Leave an error raised before `init_distributed` where the other ranks meet."""
     try:
         launch = read_launch(os.environ, local_rank_arg)
     except UserError:
@@ -334,10 +300,8 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 
 def _leave_error_before_group(launch, err: UserError, timeout_s: float,
                               serve_s: float | None = None) -> None:
-    """Best effort: put this rank's set-up error where the others wait to meet. Rank 0 serves the
-    store until they have all read it or ended (at most `serve_s`, by default the rendezvous
-    timeout: some may start late); another rank tries to reach it for at most 30 s (rank 0 may
-    start later, or not at all), and counts itself as ended there."""
+    """Best effort: put this rank's set-up error where the others meet; rank 0 serves it for at
+    most `serve_s` (default: the rendezvous timeout), another rank tries rank 0 for 30 s."""
     wait = timeout_s
     serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(wait, 30.0)):
@@ -369,8 +333,7 @@ def _reachable(host: str, port: int, within_s: float) -> bool:
 
 
 def _meet(store, launch, timeout_s: float) -> None:
-    """Wait until every rank has joined; raise the error a rank left instead, or say who is missing.
-    Rank 0 says that it waits, where and for how long, once the others are `_SAY_WAITING_S` late."""
+    """Wait until every rank has joined; raise a rank's error, or say how many are missing."""
     store.add(_JOINED_KEY, 1)
     started = time.monotonic()
     deadline, said = started + timeout_s, launch.rank != 0
@@ -421,8 +384,7 @@ def get_world_size() -> int:
 
 
 def _active() -> bool:
-    """Whether collectives go to other processes: False in a single process; raises why once the
-    group of several processes this process joined is lost (`_group_lost`)."""
+    """Whether collectives go to other processes; raises why once the joined group is lost."""
     global _GROUP
     if _lost() is not None:
         raise UserError(str(_lost()))
@@ -477,8 +439,7 @@ def all_reduce_mean(value):
 
 
 def all_reduce_max(value):
-    """Element-wise maximum of a tensor (or number) over ranks; the input itself when not
-    distributed. With NCCL the tensor stays on the device (no host sync)."""
+    """Element-wise maximum of a tensor (or number) over ranks; the input when not distributed."""
     return _all_reduce(value, dist.ReduceOp.MAX, divide=False)
 
 
@@ -506,10 +467,7 @@ def broadcast_object(obj, src: int = 0):
 
 
 def decided_on_main(decide):
-    """`decide()` run on rank 0 only, and its result on every rank; an exception it raises is
-    raised on every rank alike (the same one-line error) instead of leaving the others waiting in
-    a collective for `dist.timeout_s`. For one answer that every rank must share: the run
-    directory, the checkpoint to resume, a score."""
+    """`decide()` run on rank 0, its result (or exception) on every rank."""
     if not _active():
         return decide()
     outcome = None

@@ -1,23 +1,7 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares.
 
-The engine talks to the precision of a run only through this interface, whichever backend
-(`amp.backend`, `engine.precision.BACKENDS`) implements it:
-
-- before training: `check` (one-line refusals of what the backend cannot run, before anything
-  is built), `prepare_model` (cast, memory format), `optimizer_params` (what the optimiser
-  steps), `attach` (once the optimiser exists);
-- every batch: `cast_input`, `autocast_context`, `backward` (through the loss scaler);
-- every step, in this order (`engine.optim_step.OptimStep` sequences them and decides between
-  them): `unscale_` the accumulated gradients, `step` (or skip) and update the loss scale,
-  `zero_grad`;
-- checkpoints and the EMA: `weight_sources` (live float32 sources of the weights),
-  `float32_state_dict`, and the loss scaler's `state_dict` / `load_state_dict`
-  (`engine.precision.loss_scale` maps either backend's layout onto the other).
-
-`live_state_dict` gives a model's state dict as its own tensors without calling
-`Module.state_dict()`: Apex's O2/O3 registers a hook on every module that makes `state_dict()`
-return float32 copies of the half tensors (dead copies for an EMA, and quadratic in the number of
-modules: seconds per call on imhn512).
+The engine calls it in the order of the sections below: before training, every batch, every step
+(`engine.optim_step.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
 """
 from __future__ import annotations
 
@@ -32,8 +16,8 @@ from runtime.launch_env import device_kind
 
 
 def live_state_dict(model: nn.Module) -> dict:
-    """`model.state_dict(keep_vars=True)`'s keys and the module's own tensors (detached views of
-    the same storage), without running any state-dict hook."""
+    """`model.state_dict()`'s keys with the module's own tensors (detached), no state-dict hook
+    run: Apex's O2/O3 hook copies every half tensor to float32, seconds per call on imhn512."""
     state = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -47,13 +31,12 @@ def live_state_dict(model: nn.Module) -> dict:
 
 
 class PrecisionBackend(abc.ABC):
-    """One run's mixed precision: see the module's doc for the order in which the engine calls it."""
+    """One run's mixed precision."""
 
     name: str = ""
     dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
-        """The settings both backends read from `amp` the same way."""
         self.level = cfg.opt_level
         self.device_type = device.type
         self.cast_model = self.level in ("O2", "O3")
@@ -66,17 +49,14 @@ class PrecisionBackend(abc.ABC):
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, its O2 master)
 
     def _keep_frozen_float32(self, model: nn.Module) -> None:
-        """Frozen weights keep their float32 values for the checkpoint: a half copy saved as float32
-        would lose up to 1e-4 per fine-tune, compounding over chained ones."""
+        """Keep frozen weights' float32 values for the checkpoint (a half copy loses up to 1e-4)."""
         self._frozen_float32 = {id(p): p.detach().clone().float()
                                 for p in model.parameters() if not p.requires_grad}
 
     # -- before anything is built ------------------------------------------------------------------
     @classmethod
     def check(cls, cfg) -> None:
-        """Raise a one-line ConfigError where this backend cannot run `cfg`: pure float16 (O3)
-        with AdamW, whose moments and eps (1e-8 is 0 in float16) make the weights NaN at the first
-        step. A subclass adds its own refusals."""
+        """Raise a one-line ConfigError where this backend cannot run `cfg`."""
         if (cfg.amp.opt_level == "O3" and cfg.optim.name == "adamw"
                 and cls.half_dtype(cfg.amp, cfg.train.device) == torch.float16):
             raise ConfigError("--opt-level O3 with --optimizer adamw in float16: AdamW's moments and "
@@ -86,8 +66,8 @@ class PrecisionBackend(abc.ABC):
 
     @classmethod
     def half_dtype(cls, amp: AmpConfig, device: str | torch.device) -> torch.dtype:
-        """The half type of O1-O3 on `device` (a torch.device, or a `--device` value): `amp.dtype`,
-        or for "auto" float16 on CUDA and bfloat16 elsewhere."""
+        """The half type on `device` (torch.device or `--device` value); "auto": float16 on CUDA,
+        else bfloat16."""
         if amp.dtype != "auto":
             return getattr(torch, amp.dtype)
         kind = device.type if isinstance(device, torch.device) else device_kind(device)
@@ -95,7 +75,6 @@ class PrecisionBackend(abc.ABC):
 
     @classmethod
     def create(cls, cfg: AmpConfig, device: torch.device) -> "PrecisionBackend":
-        """The backend object of a run on `device`."""
         return cls(cfg, device)
 
     # -- model and optimiser -----------------------------------------------------------------------
@@ -131,8 +110,7 @@ class PrecisionBackend(abc.ABC):
     # -- every step ----------------------------------------------------------------------------------
     @abc.abstractmethod
     def unscale_(self, optimizer) -> None:
-        """The accumulated gradients of the optimiser's parameters in true scale (overflow made
-        visible to the engine as non-finite gradients)."""
+        """The accumulated gradients in true scale (an overflow shows as non-finite)."""
 
     @abc.abstractmethod
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
@@ -144,10 +122,8 @@ class PrecisionBackend(abc.ABC):
 
     # -- checkpoints and the EMA -----------------------------------------------------------------
     def weight_sources(self, model: nn.Module) -> dict:
-        """The model's state dict as live tensors holding the float32 values where the backend
-        keeps them, nothing copied: O2's master copies and frozen weights' float32 values, the
-        model's own tensors otherwise (half under O3; never `model.state_dict()`, which Apex's O2
-        hook copies). A weights EMA reads these after every step."""
+        """The model's state dict as live tensors, float32 where the backend keeps them (O2's
+        masters, frozen weights), nothing copied; the EMA reads these after every step."""
         return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
 
     def float32_state_dict(self, model: nn.Module) -> dict:
@@ -170,8 +146,7 @@ def channels_last_for(cfg: AmpConfig, device: torch.device) -> bool:
 
 
 def sources_with_masters(model: nn.Module, float32_by_param: dict) -> dict:
-    """`live_state_dict(model)` with each parameter whose id is in `float32_by_param` replaced by
-    that float32 tensor (O2's masters, frozen weights' float32 values)."""
+    """`live_state_dict(model)` with the parameters whose id is in `float32_by_param` replaced."""
     by_id = {id(p): name for name, p in model.named_parameters()}
     state = live_state_dict(model)
     for pid, tensor in float32_by_param.items():
