@@ -1,13 +1,8 @@
 """Counting host syncs: the host's waits for the device.
 
-(1) Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, `float()`, `int()`,
-`numpy()`), counted on any device by wrapping those methods of `torch.Tensor` while the context is
-open (copies to the host are not counted); (2) on CUDA, torch's own synchronising operations, each a
-warning of its sync debug mode "warn" outside a read of (1), as `cuda_sync` (torch's SyncBatchNorm
-makes one per layer and forward; the engine's CrossProcessBatchNorm reads one `item()` instead).
-Tensors that live on the host in a GPU run too (the optimiser's step counters:
-`optimizer_step_counters`) are passed as `host_tensors`; given a GPU `device`, no read of a tensor in
-host memory counts.
+Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, ...) are counted on any device;
+on CUDA, torch's own synchronising operations too (`cuda_sync`, from its sync debug mode). Tensors
+that live on the host in a GPU run (`optimizer_step_counters`) are passed as `host_tensors`.
 
     with count_host_syncs() as syncs:
         trainer.run_step(inputs)

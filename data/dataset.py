@@ -1,16 +1,10 @@
 """The training/validation dataset: one sample per main person of a keypoint HDF5 file.
 
-`KeypointDataset(h5_path, settings, train, rank)[key]` (`settings`: `config.views.SampleSettings`)
-returns the float32 network input [3, S, S], target [C, S/4, S/4] and mask [1, S/4, S/4] (1 =
-supervise), as `data.transfer.expand` of `compact_item(key)`, the uint8 sample the training
-loader's workers send (the device draws its targets, `painter_for(device)`). `sample_arrays(key)`
-gives the same sample as numpy arrays, drawn by `data.targets.render_targets`.
-
-A key is an index or an (epoch, index) pair (the training sampler's, so that workers that persist
-across epochs draw each epoch's augmentation). With train=True each sample gets `data.augment`'s
-random affine and colour tint, drawn from a generator seeded by (seed, epoch, rank, index); with
-train=False the main person is centred and scaled to `augment.person_height`. The HDF5 handle
-opens lazily in each worker.
+`KeypointDataset(h5_path, settings, train, rank)[key]` returns float32 input [3, S, S], target
+[C, S/4, S/4] and mask [1, S/4, S/4] (1 = supervise); `compact_item(key)` is the uint8 sample
+workers send, `sample_arrays(key)` the same as numpy arrays. A key is an index or an (epoch, index)
+pair; training samples get `data.augment`'s random affine and tint seeded by (seed, epoch, rank,
+index), validation ones the main person centred at `augment.person_height`.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Loader batches onto the device as the network's input, one batch ahead on CUDA.
 
-`to_model_input(batch, device, painter)` moves a batch (compact, `data.transfer`, or already
-float32) to `device` and expands it there: float32 input, target (drawn there by `painter`, the
-dataset's `data.device_targets.TargetPainter`) and mask. The person slots that no sample of the
-batch uses are cut on the host before the copy. It is idempotent, so a batch that `DeviceFeed`
-already delivered passes through unchanged.
-
-`DeviceFeed(batches, device, painter)` iterates loader batches as `to_model_input` gives them. On CUDA the
-copy (from pinned memory, non-blocking) and the expansion of batch n + 1 are queued on a side
-stream before batch n is handed over, so they overlap batch n's compute. An event recorded on the
-side stream right after batch n's work marks its end, and the compute stream waits on that event
-when it takes batch n: on batch n's copy alone, never on batch n + 1's, queued since. The side
-stream is one per device for the whole run (the caching allocator keeps its free blocks per
-stream, so a new stream each epoch would strand the last one's). Anywhere else it is a plain loop:
-no stream call is ever made off CUDA. `training_feed(data, device)` is the loop's `batches` of a
-run's training loader, through a `DeviceFeed`.
+`to_model_input` moves a batch (compact, `data.transfer`, or already float32) to the device and
+expands it there (targets drawn by the dataset's `TargetPainter`); it is idempotent. `DeviceFeed`
+iterates loader batches so; on CUDA it queues batch n + 1's copy and expansion on one side stream
+per device before handing over batch n, and the compute stream waits on batch n's event only. Off
+CUDA no stream call is ever made.
 """
 from __future__ import annotations
 

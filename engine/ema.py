@@ -1,26 +1,11 @@
 """An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
 and kept in `best.pth` when it is on.
 
-After every optimiser step that was not skipped, each floating-point parameter becomes
-`ema = d * ema + (1 - d) * weight` with a decay that warms up as YOLO and RTMO do,
-`d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`, 2000 steps by default), so that the
-average does not drag the random initial weights along for thousands of steps. Buffers (BatchNorm
-statistics and counters) are copied, not averaged. The average is float32 whatever the opt level:
-it reads O2's float32 master weights (and frozen weights' float32 values), the float32 model
-under O0 and O1, and the half model cast to float32 under O3 (`PrecisionBackend.weight_sources`). It is a
-deterministic function of the weights, which are identical on every rank, so every rank holds the
-same average without any communication.
-
-`WeightsEMA` is a hook of the training run: `attach` starts it at the model's weights,
-`after_step(trainer, out)` updates it, `evaluating(trainer)` is a context in which the
-averaged weights are in the model (validation, AP, best.pth), the training weights put back bit
-for bit after it, and `before_save` keeps the training weights in a checkpoint saved meanwhile. Its
-`state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
-averaged float32 state dict}) and `load_state_dict` restores it exactly, so a resumed run continues
-the average as the uninterrupted one would; resuming a checkpoint without one says that the
-average starts from its weights. `--weights`, evaluate.py and demo.py take the "ema"
-weights of a checkpoint that has them (`runtime.checkpoint.preferred_weights`). The trainer adds
-this hook itself when `train.ema` is set (`engine.hooks.default_hooks`).
+After every step not skipped, each floating-point parameter becomes `ema = d * ema + (1 - d) * w`
+with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`), as YOLO and RTMO warm it up;
+buffers are copied. The average is float32 at any opt level (`PrecisionBackend.weight_sources`)
+and the same on every rank without communication. Its state goes into every checkpoint under
+"ema"; `--weights`, evaluate.py and demo.py take those weights (`preferred_weights`).
 """
 from __future__ import annotations
 

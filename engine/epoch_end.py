@@ -1,19 +1,12 @@
 """The end of an epoch, decided in one hook, `EpochEnd`, in this order: last.pth (marked
-`validation_pending` when a validation follows: a stop during it loses no training); the
-validation when due (the loss every `train.val_every` epochs; the skeleton's metrics, AP or PCK,
-AUC, EPE, every `train.ap_every` epochs and at the last), handed to every hook's
-`after_validation`; the verdict on `metric` (improved: finite and better than the best so far; EPE
-and loss: lower is better), hence the best value and the count of validations without
-improvement, its state; the epoch's record and line; last.pth again with that state; best.pth,
-with the weights that were evaluated (e.g. the EMA's), when improved; epoch_N.pth every
-`train.save_every` epochs; the end of the run after `train.early_stop_patience` validations
-without improvement. A run resumed while validating ends its last epoch again (from the
-validation on).
+`validation_pending` when a validation follows); the validation when due (`train.val_every`,
+`train.ap_every`), handed to every hook's `after_validation`; the verdict on `metric` (the best
+value and the validations without improvement); the epoch's record; last.pth again; best.pth when
+improved; epoch_N.pth every `train.save_every` epochs; the end after
+`train.early_stop_patience` validations without improvement.
 
-`validate(run, trainer, epoch, loss_due, ap_due)` is a run's validation (engine/run_trainer.py
-hands it to the hook): the loss over the validation set, then the metrics from the evaluator the
-entry script hands in, and the validation pictures drawn by the part it hands in
-(`inference.val_pictures.write_val_pictures`).
+`validate(run, trainer, epoch, loss_due, ap_due)` is a run's validation: the loss, then the
+metrics of the entry script's evaluator, and the validation pictures.
 """
 from __future__ import annotations
 

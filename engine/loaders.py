@@ -1,18 +1,7 @@
 """The run's DataLoaders and their samplers, the same global batch whatever the number of processes.
 
-`GlobalBatchSampler` is the engine's DistributedSampler: each epoch draws one permutation from
-(seed, epoch) (call `set_epoch` every epoch), cuts it into global batches of `batch_size` and gives
-rank r the r-th slice of each global batch. Training with 2 processes of batch 2 therefore sees
-exactly the samples that 1 process of batch 4 sees, and a run resumed mid-epoch (`start_batch`),
-even with another number of processes, continues with the very next global batch. Its batches
-hold (epoch, index) pairs (`data.dataset.KeypointDataset` keys): the epoch travels with the
-indices, so DataLoader workers that persist across epochs draw each epoch's augmentation.
-
-`ShardSampler` splits an evaluation set into contiguous, disjoint shards (no padding, so no sample
-is counted twice).
-
-`train_loader` and `val_loader` load through `PersistentWorkersLoader`: worker processes that
-persist from epoch to epoch, safe from the stop signals sent to the process group.
+Loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
+stop signals sent to the process group.
 """
 from __future__ import annotations
 
@@ -28,8 +17,9 @@ from config.schema import DataConfig, TrainConfig
 
 
 class GlobalBatchSampler(Sampler):
-    """Yields this rank's per-process batches (lists of (epoch, index) pairs); drops an incomplete
-    last batch."""
+    """Each epoch one permutation from (seed, epoch), cut into global batches of `batch_size`; rank r
+    gets the r-th slice of each, as (epoch, index) pairs (workers then know the epoch). The samples
+    do not depend on the number of processes, and a resume (`start_batch`) takes the next batch."""
 
     def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True):
@@ -84,10 +74,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM / SIGUSR1: torchrun and SLURM signal the whole process
-    group, and a worker that died of it would make the main process fail at whatever line it is on
-    (even mid-save). The main process decides: it finishes the step, saves and stops; the workers
-    end with it (they watch their parent)."""
+    """Workers ignore SIGTERM / SIGUSR1 sent to the process group: the main process decides when
+    to stop, and they end with it."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # forked with them blocked (`PersistentWorkersLoader`): one that came since is dropped now
@@ -95,9 +83,8 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 
 def _stop_workers(iterator, workers) -> None:
-    """Shut down a loader iterator's worker processes (`iterator` None: it is gone) and kill any
-    that outlive torch's own shut-down: they ignore SIGTERM, which is all that shut-down and
-    Python's exit send a worker that did not leave when asked."""
+    """Shut down a loader iterator's workers (`iterator` None: it is gone) and kill any left
+    (they ignore SIGTERM)."""
     if iterator is not None:
         iterator._shutdown_workers()
     for worker in workers:
@@ -112,25 +99,14 @@ def _stop_workers_at_exit(iterator_ref, workers) -> None:
 
 
 class PersistentWorkersLoader(DataLoader):
-    """A DataLoader whose worker processes start safe from stop signals (see `_get_iterator`),
-    end with `close()`, and are shut down when Python exits, wherever its iterator is held; an
-    error of the user's that a worker meets is the same one line as without workers.
-    Python's exit would stop them with SIGTERM, which they ignore (`ignore_stop_signals`), then
-    wait for them forever, and torch's own shut-down does nothing once the interpreter exits. The
-    exit function is registered after torch's and multiprocessing's, so it runs before them.
-
-    A run calls `close()` when it ends: left to the garbage collector, the iterator's queues can
-    be finalised before the iterator itself (they are in the same garbage cycle), so its shut-down
-    cannot send the workers their stop message, waits 10 s per worker in vain, and the workers
-    live on until the exit function kills them."""
+    """A DataLoader whose workers start safe from stop signals, end with `close()` (call it: the
+    garbage collector cannot stop them cleanly) or when Python exits, and whose user errors read
+    as one line, as without workers."""
 
     def _get_iterator(self):
         if self.num_workers == 0:
             return super()._get_iterator()
-        # A worker installs torch's SIGTERM handler (which kills it when anyone but its parent
-        # signals) before it runs `worker_init_fn`. The workers are forked with the stop signals
-        # blocked, so one sent to the process group in between waits, then is ignored; this
-        # process takes its own copy when they are unblocked here.
+        # forked with stop signals blocked until `worker_init_fn` ignores them
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             iterator = super()._get_iterator()
@@ -147,10 +123,8 @@ class PersistentWorkersLoader(DataLoader):
 
 
 class _AsRaisedInWorker:
-    """A loader iterator whose `UserError` that a worker raised (a damaged picture) comes as the
-    worker raised it, one line: torch hands it over as the same type made anew from the message
-    "Caught DataError in DataLoader worker process N. Original Traceback ...", whose end is the
-    original error's line. Everything else is the iterator's."""
+    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's
+    "Caught ... in DataLoader worker process N. Original Traceback ..." text."""
 
     def __init__(self, iterator):
         self.iterator = iterator
@@ -172,7 +146,7 @@ class _AsRaisedInWorker:
 
 
 def close_loaders(*loaders) -> None:
-    """End the worker processes of the run's loaders (those that have them), once it is over."""
+    """End the worker processes of the run's loaders."""
     for loader in loaders:
         if isinstance(loader, PersistentWorkersLoader):
             loader.close()
@@ -180,9 +154,8 @@ def close_loaders(*loaders) -> None:
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
                  ) -> tuple[DataLoader, GlobalBatchSampler]:
-    """The training loader of a `KeypointDataset` and its sampler: compact batches
-    (`data.transfer`; `engine.device_feed` expands them on the device), `train.batch_size` in
-    total over the processes, in `data.workers` worker processes."""
+    """The training loader of a `KeypointDataset` (compact batches, `train.batch_size` in total
+    over the processes) and its sampler."""
     from data.dataset import CompactSamples
     if train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
@@ -195,8 +168,6 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
     if sampler.batches_per_epoch < train.accumulate:
         raise ConfigError(f"option train.accumulate: {train.accumulate} batches per step, but an "
                           f"epoch has only {sampler.batches_per_epoch} batches of {train.batch_size}")
-    # Workers persist across epochs (and keep their HDF5 handle): the epoch travels with the
-    # sampler's (epoch, index) keys. They send compact samples, expanded on the device.
     loader = PersistentWorkersLoader(CompactSamples(dataset), batch_sampler=sampler,
                                      **_worker_options(data, ctx))
     return loader, sampler
@@ -204,8 +175,7 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
 
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     """This rank's shard of a validation `KeypointDataset`, in compact batches of its share of
-    the total `batch_size`. Built once per run: its workers persist from one validation to the
-    next (and keep their HDF5 handle), as the training loader's do."""
+    the total `batch_size`; built once per run."""
     from data.dataset import CompactSamples
     per_process = max(1, batch_size // ctx.world_size)
     return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,
@@ -214,12 +184,9 @@ def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
 
 
 def _worker_options(data: DataConfig, ctx) -> dict:
-    """The DataLoader options of both loaders: `data.workers` persistent worker processes that
-    ignore stop signals, pinned batches for CUDA."""
+    """The DataLoader options of both loaders."""
     if data.workers > 0:
-        # Workers are the parallelism. OpenCV threads in them would oversubscribe the cores, and
-        # changing OpenCV's thread count inside a forked worker can deadlock on the pool the
-        # parent used: so the parent sets it once, before any worker is forked.
+        # one OpenCV thread, set before forking (setting it in a forked worker can deadlock)
         import cv2
         cv2.setNumThreads(1)
     return {"num_workers": data.workers, "persistent_workers": data.workers > 0,

@@ -1,18 +1,9 @@
-"""What a run writes besides checkpoints: metrics.jsonl, TensorBoard events (pictures too), curves.png,
-and (`RunConsole`) train.log, the console's lines without the progress bars, with environment.json,
-what the numbers depend on besides the config (runtime/environment.py).
+"""What a run writes besides checkpoints: metrics.jsonl ("train" records every `log_every` steps, a
+"val" record per validation), train_steps.jsonl (every step's loss), TensorBoard events,
+curves.png, and (`RunConsole`) train.log with environment.json. Only the main process logs.
 
-metrics.jsonl holds a "train" record every `log_every` steps and a "val" record per validation;
-train_steps.jsonl holds the loss of every step (`log_step`), so that curves.png shows the training
-loss of a short run step by step.
-
-Only the main process logs; the others get a `RunLogger` whose methods do nothing, so the engine
-never branches on the rank to log.
-
-A resumed run appends a `{"kind": "resume", "step": S}` record: the records above it with a step
-after S describe training that the resume rolled back (a crash or pre-emption after the last
-checkpoint). They stay in the file (nothing is deleted) but `read()`, and so curves.png, leave them
-out, and TensorBoard purges its events after S.
+A resumed run appends a `{"kind": "resume", "step": S}` record: `read()`, hence curves.png, leaves
+out the records above it with a later step (nothing is deleted), and TensorBoard purges them.
 """
 from __future__ import annotations
 

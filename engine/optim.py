@@ -1,16 +1,9 @@
 """Optimiser construction, the learning rate as a pure function of (epoch, iteration), and the
 gradient norm (in float32 at every opt level) with its clipping.
 
-`lr_at` is the whole schedule: linear warm-up by iteration over the first `warmup_epochs`, then
-step decay (x `decay_factor` at each milestone epoch, or every `decay_every` epochs). Because it
-depends only on where the run is, a resumed run, or one continued with another number of
-processes (the total batch, hence iterations per epoch, stays the same), follows the same curve.
-The peak is `lr`, or with `reference_batch` N the linear scaling rule `lr x total batch / N`, the
-total batch being batch_size x accumulate: the same in train.py, train_parallel.py and DDP.
-
-`updates_rounded_away` measures what half-precision weights stepped without float32 master copies
-(O3) lose: the share of the updates of a step that round away in the weights (`rounding_note`:
-the line the first step says).
+`lr_at` is the schedule: linear warm-up over `warmup_epochs`, then step decay; a resumed run, or
+one with another number of processes, follows the same curve. With `reference_batch` N the peak is
+`lr x total batch / N`. `updates_rounded_away` measures what O3's half weights lose per step.
 """
 from __future__ import annotations
 

@@ -2,23 +2,12 @@
 
     outcome = optim_step.update(batches, loss_of, stop_requested)
 
-`loss_of(*batch)` runs a batch's forward and returns its loss. `OptimStep` owns gradient
-accumulation (DDP's `no_sync` around every batch but the last), loss scaling through the
-precision backend, the skip vote, unscaling, the float32 gradient norm, clipping, master weights,
-the step, `zero_grad` and the bookkeeping of skipped steps (BatchNorm buffers restored, so a
-skipped step leaves no trace). The precision backend (`engine.precision.PrecisionBackend`) only
-does what it is told: backward through its scaler, unscale, step or skip (and the scale), free
-the gradients; every decision that needs all ranks to agree is taken here, in one place.
-
-One host sync per step: the losses stay on the device. A bad loss (not finite, or above
-`optim.skip_loss_above`) is not read before its backward: it poisons the step instead, its backward
-being that of `loss * nan`, so every gradient is NaN, and DDP's all-reduce carries the NaN to every
-rank. Every rank runs every backward (SyncBN's backward is a collective even under `no_sync`), so
-none waits alone. The step then reads one small tensor, [loss sum, bad loss, non-finite norm,
-stop], whose flags are first all-reduced (max) in one small collective: every rank takes the same
-decision. `stop_requested()` is asked once, for that read. A step poisoned by its loss leaves the
-loss scale as it was (it says nothing about the gradients' range); gradients that overflow by
-themselves lower it.
+`OptimStep` owns accumulation (DDP's `no_sync` but on the last batch), the skip vote, the float32
+gradient norm, clipping and skipped steps (BatchNorm buffers restored); the precision backend only
+does what it is told. One host sync per step: a bad loss (not finite, or above
+`optim.skip_loss_above`) poisons its backward with NaN instead of being read, every rank runs every
+backward, and one small tensor of flags, all-reduced, makes every rank decide alike. A step
+poisoned by its loss leaves the loss scale as it was.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""Where a run's weights start from, and what it continues: a `CheckpointReader`, made by the entry
-script and handed to the command line (`engine.cli.config_from_args`) and to `build_trainer`,
-scans a run directory for `--resume auto` and reads a checkpoint once for both; `load_start` puts
-the weights a run starts from (resume, the authors' run, --weights) into the model;
-engine/train_state.py restores the rest once the optimiser exists.
+"""Where a run's weights start from, and what it continues: a `CheckpointReader` (made by the entry
+script) finds the checkpoint of `--resume auto` and reads it once; `load_start` loads the starting
+weights (resume, the authors' run, --weights); engine/train_state.py restores the rest.
 
-Continuing the authors' training run: a training checkpoint of the reference holds, besides the
-weights, its SGD state by parameter index (`optimizer_weight`), the 0-based `epoch` it finished
-(their script restarts at epoch + 1) and, in the successor project, an Apex `amp` state.
-`resume_state` turns these into what `Checkpoints.restore` reads from one of our checkpoints:
-momentum buffers keyed by the index of our optimiser's parameters (mapped by name through
-`models.reference`), the loss scale and the steps since the last overflow as GradScaler fields, the
-next epoch at its first batch. The LR is not taken from the file: it is a function of (epoch,
-batch), so the run continues on the curve. `convert` writes the whole as a checkpoint file
-(`python -m engine.convert_reference`).
+`resume_state` continues the authors' training run: their SGD state by parameter index (mapped
+by name through `models.reference`), the loss scale and the next epoch; the LR follows from
+(epoch, batch). `convert` writes it as a checkpoint (`python -m engine.convert_reference`).
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """The training loop and nothing else: `Trainer(parts, hooks)` runs epochs of optimiser steps over
-the batches its parts give, with hooks around every step and epoch.
+the batches its parts give, with hooks around every step and epoch. It knows no configuration and
+no run directory (engine/run_trainer.py composes a run around it).
 
-It knows no configuration, no run directory and no launch mode: a test builds one from a model
-with its loss, an `OptimStep` and a list of model inputs. A run is composed around it
-(engine/run_trainer.py); the LR, logging, validation, checkpoints and early stopping are hooks
-(engine/hooks.py, engine/epoch_end.py), each given its settings when it is made.
-
-A hook overrides any of the methods of `Hook`. They run in this order: `before_train`, then per
-epoch `before_epoch`, per step `before_step` and `after_step` (with the step's `StepResult`), then
-`after_validation` and `after_epoch`; `after_train` when the epochs are done; `on_stop` last,
-whatever happened. Hooks run by `priority`, lower first, then in the order given. A hook reads
-the `Trainer` only through `LoopState`.
+Hook methods run in this order: `before_train`, per epoch `before_epoch`, per step `before_step`
+and `after_step`, then `after_validation` and `after_epoch`; `after_train`; `on_stop` last,
+whatever happened. Hooks run by `priority`, lower first, and read the loop through `LoopState`.
 """
 from __future__ import annotations
 

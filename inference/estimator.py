@@ -6,14 +6,9 @@
     people = estimator(cv2.imread("photo.jpg"))          # BGR, as OpenCV reads it
     print([(round(person.score, 3), person.box) for person in people])
 
-`estimator(picture)` gives its people (`Person`: keypoints (x, y, score) in picture pixels, score,
-box), best first; a list of pictures a list of those; `maps=True` `Prediction`s with the maps
-[C, H, W] too. Pictures are checked and converted by `inference.picture_input` (larger than
-`MAX_SIDE`: run shrunk). `estimator.stream(pictures)` takes any iterable, batched through the
-network while people are grouped in a pool of threads; `estimator.grouped` gives arrays (what
-evaluation scores). Settings are the checkpoint's, changed by `sets`, `scales`, `flip`
-(`estimator.settings`, `estimator.config`). `PoseEstimator(network, PredictSettings(...))` builds
-one from parts.
+`estimator(picture)` gives its `Person`s, best first (a list of pictures: a list of those;
+`maps=True`: `Prediction`s with the maps too). `estimator.stream(pictures)` batches any iterable;
+`estimator.grouped` gives arrays. Settings are the checkpoint's, changed by `sets`, `scales`, `flip`.
 """
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
-"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp (its DDP and SyncBN
-are engine.parallel's).
+"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, for users whose Apex
+still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency.
 
-What the reference ran, for users whose Apex still has `amp` (25.04 and older; checked by
-`engine.precision.apex_checks` before anything is built). `ApexPrecision` implements
-`engine.precision.interface.PrecisionBackend`, as the native backend does, so the engine's step
-is the same code for both:
-
-- `attach`: `amp.initialize(model, optimizer, opt_level, keep_batchnorm_fp32, loss_scale)`. Apex
-  casts the model itself (O2/O3) and patches its forward to cast inputs to float16 and outputs
-  to float32; under O1 it patches torch's functions. A dynamic scale starts at `amp.init_scale`
-  (given to Apex through `amp.load_state_dict`), as the native one does.
-- `backward`: `amp.scale_loss(..., delay_unscale=True)` for every batch of the step; `unscale_`
-  then closes the step with one `amp.scale_loss` exit that unscales what they accumulated (into
-  the float32 master gradients under O2), checks for overflow and updates the scale: the same as
-  passing delay_unscale=False on the last batch, without the engine telling which one is last.
-- Clipping and the gradient norm use `amp.master_params(optimizer)` (`optimizer_params` after
-  `attach`). When Apex finds an overflow it has already decided to skip the step; `unscale_`
-  then marks the gradients non-finite, so the engine's skip vote, its count of skipped steps and
-  its restore of the BatchNorm statistics agree with Apex, and `step` lets Apex's skip run.
-- Checkpoints and the EMA read the model's own tensors (`interface.live_state_dict`), never
-  `model.state_dict()`, which under O2/O3 runs the float32-copy hook Apex puts on every module.
-  Weights are saved in float32 (O2: the master values, which start from the float32 weights
-  rather than from Apex's float16 copy of them; frozen weights: their float32 values from before
-  Apex cast them), the optimiser state by index as the native backend saves it, and
-  `amp.state_dict()` as the `scaler` entry. Either layout loads in either backend
-  (`engine.precision.loss_scale`).
-- `describe` names the Apex build (with its CUDA extensions, or Python-only and what that costs:
-  `apex_checks.apex_build`).
-
-Apex is imported only when this backend is chosen; it is never a dependency.
+- `attach` runs `amp.initialize`; a dynamic scale starts at `amp.init_scale`, as the native one.
+- `backward` scales every batch with `delay_unscale=True`; `unscale_` closes the step with one
+  `amp.scale_loss` exit (unscale, overflow check, scale update). An overflow Apex found shows as
+  non-finite gradients, so the engine's skip vote agrees with Apex.
+- Checkpoints read the model's own tensors (`live_state_dict`), weights in float32 (O2: the
+  masters; frozen weights: their values from before Apex cast them), `amp.state_dict()` as the
+  `scaler` entry, loadable by either backend (`engine.precision.loss_scale`).
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""What the apex backend needs, checked in one line each before anything is built, and which Apex
-build is installed:
-
-- Apex not installed; an Apex without `amp` (25.07 removed `apex.amp` and `apex.parallel`: 25.04
-  is the last release that has them); an Apex that does not import with this PyTorch;
-- a PyTorch that lacks what Apex 25.04's amp patches or calls (`APEX_TORCH_NEEDS`);
-- no CUDA device (Apex's loss scaler is a `torch.cuda.IntTensor`, and `amp.initialize` refuses
-  parameters that are not on a GPU);
-- combinations Apex cannot run: bfloat16 (its casts are float16 only); `--compile` (amp works
-  by monkey-patching torch's functions (O1) and the model's forward (O2/O3) at run time, and
-  Apex 25.04 makes no provision for torch.compile); ZeRO under O2/O3 (amp.initialize reloads the
-  optimiser's state dict, which ZeroRedundancyOptimizer refuses unconsolidated; O2's masters
-  would also replace the parameters of its sharded inner optimiser); DataParallel over several
-  GPUs under O2/O3 (the replicas copy the patched forward, which runs the original module on
-  the first GPU).
-
-`apex_build()` says whether Apex's compiled extensions are there (`amp_C`: fused unscale and
-overflow check; `apex_C`: DDP's flatten; `syncbn`: the optimized SyncBatchNorm), or whether this
-is the Python-only build, whose fallbacks read every gradient on the host.
+"""What the apex backend needs, checked in one line each before anything is built (Apex with `amp`,
+importable with this PyTorch, a CUDA device, float16, no --compile, no ZeRO or multi-GPU
+DataParallel under O2/O3), and which Apex build is installed (`apex_build`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """The loss scaler's saved state in either layout, and the mapping between the two.
 
-A checkpoint's `scaler` entry holds torch's `GradScaler.state_dict()` when the native backend
-wrote it, and Apex's `amp.state_dict()` (`{'loss_scaler0': {'loss_scale': S, 'unskipped': N}}`)
-when the apex backend did; the authors' own checkpoints keep the latter under `amp`. Both scalers
-are the same dynamic scheme (x0.5 on an overflow, x2 after a window of finite steps; both windows
-2000 by default), so two numbers carry over: the current scale, and the finite steps since the
-last overflow or growth (Apex's `unskipped`, GradScaler's `_growth_tracker`). The other
-GradScaler fields are its settings, which the run's config gives.
-
-A saved state is checked like saved weights (`checked_scaler_state`, on resume; `scaler_problem`,
-before a save): a scale that is not a finite number above 0, a growth factor not above 1, a
-backoff outside (0, 1) or step counts that are not whole numbers would skip every step of the run
-that takes them, silently, and are refused naming the file and the field; so is a scale below
-2^-24, the lower bound of `amp.loss_scale` (config/schema.py says why), which zeroes the gradients.
-A scale above 2^24 (a native dynamic scale may grow there) continues from 2^24, with a line.
+The `scaler` entry holds torch's `GradScaler.state_dict()` (native backend) or Apex's
+`amp.state_dict()` (apex backend; the authors' checkpoints keep it under `amp`). Both are the same
+dynamic scheme, so two numbers carry over: the scale and the finite steps since the last change.
+A saved state that would skip every step (a scale not finite or below 2^-24, bad factors or
+counts) is refused naming the file and field; a scale above 2^24 continues from 2^24, with a line.
 """
 from __future__ import annotations
 

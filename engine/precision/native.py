@@ -1,16 +1,8 @@
-"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp
-(../shared/SPEC.md, "Apex, then and now").
+"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp.
 
-- O0: float32.
-- O1: autocast (float16 on CUDA by default, bfloat16 on CPU) and a loss scaler.
-- O2: the model cast to half precision except BatchNorm (`keep_batchnorm_fp32`, default on), the
-  optimiser stepping float32 master copies of the trainable weights, and a loss scaler.
-- O3: everything in half precision, no master weights.
-
-Loss scaling is only needed for float16 (bfloat16 has float32's range): with float16 the
-`GradScaler` is dynamic (`loss_scale="dynamic"`, starting at `init_scale`, since 65536 overflows
-early) or static (a number); either way a step whose gradients overflow is skipped. With
-bfloat16 the scaler is disabled and saves an empty state.
+O0 float32; O1 autocast and a loss scaler; O2 the model in half precision but BatchNorm
+(`keep_batchnorm_fp32`), float32 master weights and a loss scaler; O3 all half, no masters. Only
+float16 needs a `GradScaler` (dynamic from `init_scale`, or static); bfloat16's is disabled.
 """
 from __future__ import annotations
 
