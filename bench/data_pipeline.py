@@ -2,13 +2,9 @@
 
     python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--batch 16] [--h5 FILE.h5]
 
-On coco4 (`bench/bench_data.py`) or --h5, per CPU second (other load barely moves it), the fastest
-of --repeats passes: each stage of a loader worker's `KeypointDataset.compact_item` (read, augment,
-each in parts; the picture's read, decode and warp alone: a worker's ceiling) and their total;
-the CPU drawing of the targets; the CPU path of a CPU-only run (the worker's share, then batches
-of --batch expanded on the CPU device); the target drawing on the CPU, both ways (`data.device_targets`'
-whole grid, a GPU's; `data.targets`' windows, a CPU device's). Then the bytes per sample sent to the
-device, the HDF5 bytes per image against raw pixels, and one JSON line.
+On coco4 or --h5, per CPU second, the fastest of --repeats passes: each stage of a worker's
+`KeypointDataset.compact_item` and their total, the CPU target drawing both ways, the CPU-only
+path, then bytes per sample sent to the device and HDF5 bytes per image; one JSON line.
 """
 from __future__ import annotations
 

@@ -3,15 +3,10 @@
     python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise] [--cpu-time]
     taskset -c 0 python bench/grouping.py --against ../other_checkout --rounds 5 --cpu-time
 
-Each image composes real COCO poses (tests/data/coco4), 80-300 px tall, on a COCO-sized canvas;
-its ground-truth maps (stride 1) are drawn untimed, then `group_people` is timed: median and p90
-ms, people found, one JSON line. Targets: 20 ms for 5 people; with `--noise`, 150 ms and 400 ms for
-the maps of an untrained network ("blurred": uniform [0, 0.3] blurred by sigma 2, times 3;
-"pure": uniform [0, 1]), which give the decoder its most peaks. `--cpu-time` times CPU time.
-`--against DIR` alternates rounds of another checkout's grouping (`--code DIR`) and this one's on
-the same maps: each row's medians and their ratio. `--stages` splits each row into the peak
-search, the limbs and the rest, and times one max over the keypoint maps (the least any exact peak
-search costs).
+Real COCO poses (tests/data/coco4) composed on a canvas, ground-truth maps drawn untimed, then
+`group_people` timed: median and p90 ms, one JSON line. Targets: 20 ms for 5 people; `--noise`
+(an untrained network's maps): 150 ms and 400 ms. `--against DIR` alternates with another
+checkout's grouping; `--stages` splits the time by stage.
 """
 from __future__ import annotations
 

@@ -4,11 +4,8 @@
     python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
         [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
 
-On coco4's pictures, each `--repeat` times. Without `--weights` the preset's untrained network runs
-and grouping works on the pictures' ground-truth maps (what a trained network approaches). Per
-batch size: the network alone, grouping alone (one thread), both in the estimator's stream, the
-network's share. Per `--threads` count: evaluation's stream from JPEG bytes, decoded serially and
-read ahead (`inference.evaluation.read_ahead`), in alternating rounds. Then one JSON line.
+On coco4's pictures (without `--weights`: an untrained network, grouping on ground-truth maps),
+per batch size and per `--threads` count of evaluation's read-ahead; then one JSON line.
 """
 from __future__ import annotations
 

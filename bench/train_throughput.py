@@ -1,19 +1,13 @@
-"""Training throughput of the engine's own step per precision setting.
-
-For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16; channels_last
-off and on; optionally torch.compile) it builds what train.py builds (`build_loop`: no run
-directory) and times `Trainer.run_step` on synthetic batches on the device, or (--h5) fed by the
-engine's DataLoader. Per row: images/s, peak memory, the first step's time, the share of time
-waiting for data, op time by kind (--profile), the share of a bf16 matmul's measured peak
-(3 x 2 x forward MACs per image), and host syncs per step (bench/host_syncs.py). One JSON line last.
+"""Training throughput of the engine's own step per precision setting (O0 with TF32 off and on, O1
+fp16 and bf16, O2; channels_last; optionally torch.compile), built as train.py builds it, on
+synthetic batches or (--h5) the engine's DataLoader; per row images/s, memory, first step, data
+wait, share of bf16 peak, host syncs; one JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
     python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
     python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
-
-`--amp-backend apex` runs one configuration per process: Apex's O1 patches torch process-wide.
 """
 from __future__ import annotations
 

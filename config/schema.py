@@ -29,15 +29,12 @@ class Bounds:
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0, 1)
-# A loss scale (static, or a dynamic one's start) lies in [2^-24, 2^24]. 2^24 is Apex's largest
-# (max_loss_scale): a static scale above it overflows float16 at every step. 2^-24 is float16's
-# smallest positive value: below it, every gradient under 1 in size (nearly all of a network's)
-# becomes 0 in float16, so no weight moves, at any learning rate.
+# A loss scale lies in [2^-24, 2^24]: above Apex's largest, a static scale overflows float16 at
+# every step; below float16's smallest value, nearly every gradient becomes 0.
 MIN_LOSS_SCALE, MAX_LOSS_SCALE = 2.0 ** -24, 2.0 ** 24
 LOSS_SCALE = Bounds(MIN_LOSS_SCALE, MAX_LOSS_SCALE)
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
-
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,6 @@ def parse_loss_scale(text: str):
 
 @dataclass
 class DataConfig:
-    # empty: the project's own synthetic dataset (made once, cached)
     train_h5: str = option("",
         flag=flag("--train-h5", DATA, help="training HDF5 (default: the project's synthetic dataset)"))
     val_h5: str = option("",
@@ -98,11 +94,9 @@ class DataConfig:
                   help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 and no --val-h5 there"
                        " is no validation and no best.pth"))
     synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
-    # network input, square, a multiple of 64 (config.loader.input_multiple)
     input_size: int = option(512, bounds=Bounds(64, 4096),
         flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
     stride: int = option(4, choices=(4,))             # output stride of the targets: the network's
-    # DataLoader workers per process
     workers: int = option(2, bounds=Bounds(0, 256),
         flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
     pin_memory: bool = True
@@ -162,7 +156,6 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    # sgd | adamw
     name: str = option("sgd", choices=("sgd", "adamw"),
         flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
@@ -196,43 +189,32 @@ class OptimConfig:
 
 @dataclass
 class AmpConfig:
-    # O0 fp32 | O1 autocast + scaler | O2 half model, fp32 BN & master | O3 all half
     opt_level: str = option("O0", choices=("O0", "O1", "O2", "O3"),
         flag=flag("--opt-level", PRECISION,
                   help="O0 float32 | O1 autocast | O2 half model, float32 BN and master weights | O3 all "
                        "half"))
-    # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
     dtype: str = option("auto", choices=("auto", "float16", "bfloat16"),
         flag=flag("--amp-dtype", PRECISION,
                   help="half type of O1-O3; auto: float16 on CUDA, bfloat16 on CPU"))
-    # None: the opt level's default (True for O2, False for O3)
     keep_batchnorm_fp32: bool | None = option(None, choices=(None, True, False),
         flag=flag("--keep-batchnorm-fp32", PRECISION, type=parse_bool, nargs="?", const=True,
                   metavar="True|False",
                   help="BatchNorm in float32 under O2/O3 (default: True for O2, False for O3)"))
-    # "dynamic" or a number
     loss_scale: str | float = option("dynamic",
         flag=flag("--loss-scale", PRECISION, type=parse_loss_scale, metavar="dynamic|NUMBER",
                   help="float16 loss scale: dynamic (GradScaler) or fixed"))
     # dynamic scaler start (65536 overflows fp16 early); a larger one halves at each overflow
     init_scale: float = option(1024.0, bounds=LOSS_SCALE)
-    # NHWC model and inputs; auto: on for CUDA (O1 +20-30 % on an
-    # H100, bench/RESULTS.md), off on CPU
     channels_last: str | bool = option("auto", choices=("auto", True, False),
         flag=flag("--channels-last", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
                   help="NHWC memory format for model and inputs (default: on for CUDA, off on CPU)"))
-    # torch.compile the model
     compile: bool = option(False,
         flag=flag("--compile", PRECISION, action="store_true", default=None, help="torch.compile the model"))
-    # the network's training forward and backward replayed as CUDA graphs once its input shape has
-    # settled (engine/model_with_loss.py); auto: on for one CUDA process with the native backend
-    # and no --compile (imhn512 O1 fp16 1.58x on an H200, bench/RESULTS.md)
     cuda_graphs: str | bool = option("auto", choices=("auto", True, False),
         flag=flag("--cuda-graphs", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
                   help="replay the network's training forward and backward as CUDA graphs (default: on "
                        "for one CUDA process with the native backend, without --compile)"))
     tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
-    # native (torch.amp) | apex (NVIDIA Apex's amp, where installed)
     backend: str = option("native", choices=("native", "apex"),
         flag=flag("--amp-backend", PRECISION, metavar="native|apex",
                   help="native: torch.amp (default); apex: NVIDIA Apex's amp.initialize, apex.parallel DDP "
@@ -245,7 +227,6 @@ class DistConfig:
     sync_bn: bool = option(False,
         flag=flag("--sync-bn", MULTI_PROCESS, action="store_true", default=None,
                   help="batch norm over all processes"))
-    # one all-reduce after backward (Apex's option)
     delay_allreduce: bool = option(False,
         flag=flag("--delay-allreduce", MULTI_PROCESS, action="store_true", default=None,
                   help="one all-reduce after backward"))
@@ -253,7 +234,6 @@ class DistConfig:
     static_graph: bool = False
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
-    # ZeroRedundancyOptimizer
     zero: bool = option(False,
         flag=flag("--zero", MULTI_PROCESS, action="store_true", default=None,
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
@@ -298,49 +278,38 @@ class InferenceConfig:
 
 @dataclass
 class TrainConfig:
-    # empty: a timestamped name
     run_name: str = option("",
         flag=flag("--run-name", RUN, help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)"))
     out_dir: str = option("checkpoints",
         flag=flag("--out-dir", RUN, help="parent of run directories (default checkpoints)"))
     epochs: int = option(100, bounds=Bounds(1, 10 ** 6),
         flag=flag("--epochs", RUN, type=int, help="total epochs (a resumed run continues up to it)"))
-    # total over all processes / replicas
     batch_size: int = option(4, bounds=Bounds(1, 65536),
         flag=flag("--batch-size", RUN, type=int, help="total batch over all processes / GPUs"))
-    # batches per optimiser step (gradient accumulation): the step's
-    # gradient is the mean over accumulate x batch_size samples
     accumulate: int = option(1, bounds=Bounds(1, 65536),
         flag=flag("--accumulate", RUN, type=int, metavar="K",
                   help="batches per optimiser step (gradient accumulation): K x batch-size samples per step"))
     seed: int = option(0, bounds=Bounds(0, 2 ** 32 - 1),
         flag=flag("--seed", RUN, type=int, help="weights, sample order and augmentation"))
-    # auto | cpu | cuda | cuda:N
     device: str = option("auto", flag=flag("--device", RUN, help="auto | cpu | cuda | cuda:N"))
-    # epochs between validation-loss passes (0: off)
     val_every: int = option(1, bounds=Bounds(0),
         flag=flag("--val-every", RUN, type=int, help="epochs between validation-loss passes (0: off)"))
-    # epochs between validation-AP passes (0: off)
     ap_every: int = option(0, bounds=Bounds(0),
         flag=flag("--ap-every", RUN, type=int, help="epochs between validation-AP passes (0: off)"))
     ap_max_images: int = option(0, bounds=Bounds(0))        # 0: every image of the val split
-    # keep epoch_N.pth every N epochs (0: only last and best)
     save_every: int = option(0, bounds=Bounds(0),
         flag=flag("--save-every", RUN, type=int, help="also keep epoch_N.pth every N epochs"))
-    # validations without improvement before stopping (0: off)
     early_stop_patience: int = option(0, bounds=Bounds(0),
         flag=flag("--early-stop", RUN, type=int, metavar="N",
                   help="stop after N validations without improvement"))
     log_every: int = option(20, bounds=COUNT)           # iterations between metrics.jsonl lines
     max_steps_per_epoch: int = option(0, bounds=Bounds(0))  # 0: the whole epoch
-    # PATH | auto
     resume: str = option("",
         flag=flag("--resume", RUN,
                   help="checkpoint PATH (the run continues in its folder), or 'auto': the newest one of the"
                        " run"))
     weights: str = option("",
         flag=flag("--weights", RUN, help="initial weights only (fine-tuning); also the authors' layout"))
-    # a training checkpoint of the authors: continue their run from it
     resume_reference: str = option("",
         flag=flag("--resume-reference", RUN, metavar="FILE",
                   help="continue the authors' training run from their checkpoint: weights, SGD momentum, "
@@ -356,8 +325,6 @@ class TrainConfig:
                   help="replace an existing run directory"))
     tensorboard: bool = True
     cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
-    # decay of an exponential moving average of the weights (0: off),
-    # validated, AP-scored and saved when on (engine/ema.py)
     ema: float = option(0.0, bounds=Bounds(0, 1, high_open=True),
         flag=flag("--ema", OPTIMISATION, type=float, metavar="DECAY",
                   help="validate, score and keep in best.pth an exponential moving average of the weights "

@@ -1,14 +1,9 @@
 """The skeleton of a dataset: its keypoints, the limbs the network learns, flips, OKS sigmas, channels.
 
-A property of the data: `data.make_hdf5` stores it in the HDF5 file, the trainer in every
-checkpoint, and everything downstream reads it from there. It is written as a mapping (YAML file,
-HDF5 attribute, checkpoint entry; the fields are docs/data.md's example): `name`, `keypoints`
-(the JSON's, in its order), `sigmas`, and optionally `derived` (midpoints), `channels` (the
-network's keypoint order), `limbs` (main links, a tree), `redundant`, `flip`, `metric`,
-`pck_threshold`, `pck_normalize`. Output channels: limbs, keypoints (`channels` order), the person
-mask, the max over the keypoint maps. Built-ins live in data/skeletons/NAME.yaml (`coco`: the
-method's 18 keypoints and 50 channels, what files and checkpoints without one hold). Every problem
-with a skeleton is a one-line `ConfigError` naming its source.
+Stored in the HDF5 file and every checkpoint as a mapping (fields: docs/data.md); output channels
+are limbs, keypoints (`channels` order), the person mask, the max over the keypoint maps. Built-ins
+live in data/skeletons/NAME.yaml (`coco`: 18 keypoints, 50 channels, for files without one). Every
+problem with a skeleton is a one-line `ConfigError` naming its source.
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""What the launcher tells this process: rank, local rank, world, master address and port, and the
-device it should use. Pure reading of the environment; `runtime.distributed.init_distributed` acts
-on it. Launchers understood, first match wins:
-1. torchrun and the legacy `torch.distributed.launch` (RANK, LOCAL_RANK, WORLD_SIZE,
-   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the legacy --local-rank, as `local_rank_arg`, wins).
-2. The same variables set by hand (no torchrun agent); LOCAL_RANK defaults to RANK.
-3. SLURM: SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS. The master is
-   MASTER_ADDR, else 127.0.0.1 on one node, else the first host of the node list (before the
-   launch node, which may be a login node), else SLURM_LAUNCH_NODE_IPADDR. MASTER_PORT defaults to
-   20000 + SLURM_JOB_ID % 10000.
-Nothing of this, or a world of one process: a single process.
+"""What the launcher tells this process (rank, local rank, world, master address and port, device),
+read from the environment only; first match wins: torchrun or `torch.distributed.launch` (its
+--local-rank wins), the same variables set by hand, SLURM (master: MASTER_ADDR, else 127.0.0.1 on
+one node, else the node list's first host; port 20000 + SLURM_JOB_ID % 10000). Else one process.
 """
 from __future__ import annotations
 

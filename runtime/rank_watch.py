@@ -1,13 +1,7 @@
-"""The watch that every rank of a process group keeps on the others, so that a rank which dies or
-freezes ends the whole job within a bounded time, with one `error:` line naming it.
-
-`RankWatch` runs two threads, alive whatever the main thread does: the pulse adds 1 to this rank's
-heartbeat in the job's store every `every_s` seconds and reads the next rank's heartbeat (the last
-watches rank 0) and any error a rank left; the judge notices a store that stops answering. A
-verdict (an error left, the watched rank silent for `silent_s` seconds, the store's host gone)
-aborts the process group (`abort`), so that this rank's next collective raises it. A main thread
-that does not end the run within `grace_s` (waiting in a gloo collective for a frozen rank) is
-ended by the judge: the line, `leave()`, and `os._exit`.
+"""The watch every rank keeps on the others: a rank that dies or freezes ends the job in bounded
+time, with one `error:` line naming it. `RankWatch`'s pulse thread beats in the store and reads the
+next rank's beat and any error left; its judge notices a dead store. A verdict aborts the group; a
+main thread that does not end within `grace_s` is ended by the judge (`os._exit`).
 """
 from __future__ import annotations
 
