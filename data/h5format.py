@@ -35,11 +35,8 @@ SPLITS = ("train", "val")
 
 
 def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
-    """Stored form of an image's two 0/1 masks: row-major runs of (ignore + 2 x person).
-
-    Bytes: n little-endian uint16 run lengths, then n uint8 run values; an empty array when both
-    masks are empty. Runs longer than 65535 are split. Decoding is one `np.repeat`.
-    """
+    """Stored form of an image's two 0/1 masks: row-major runs of (ignore + 2 x person) as n
+    little-endian uint16 lengths (<= 65535) then n uint8 values; empty when both masks are."""
     codes = (ignore > 0).astype(np.uint8) | ((person > 0).astype(np.uint8) << 1)
     flat = codes.reshape(-1)
     if not flat.any():
@@ -79,11 +76,8 @@ def decode_masks(runs: np.ndarray, height: int, width: int) -> tuple[np.ndarray,
 
 
 def decode_mask_planes(runs: np.ndarray, height: int, width: int) -> np.ndarray | None:
-    """The two masks of `encode_masks` bytes as one uint8 HxWx4 image, None when both are empty.
-
-    Channel 0 is 255 where ignored, channel 1 is 255 on people, channels 2-3 are 0: the layout
-    `data.augment.warp_masks` moves in one vectorised warp, straight from the run lengths.
-    """
+    """The masks of `encode_masks` bytes as one uint8 HxWx4 image (255: ignored, person, then 0s)
+    for `data.augment.warp_masks`; None when both are empty."""
     if runs.size == 0:
         return None
     return _expand_runs(runs, _CODE_PLANES, height, width).view(np.uint8).reshape(height, width, 4)
@@ -335,8 +329,7 @@ MAX_SIDE = 65535
 
 
 def _meta_problem(meta: dict, per_image: dict) -> str | None:
-    """What makes the stored tables inconsistent (shapes, sizes, indices), or None: nothing read
-    from the file is trusted before it is used as an index or a size."""
+    """What makes the stored tables inconsistent (shapes, sizes, indices), or None."""
     n, ids, sizes, people, samples = (len(meta["ids"]), meta["ids"], meta["sizes"], meta["people"],
                                       meta["samples"])
     p = len(meta["keypoints"])

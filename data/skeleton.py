@@ -39,11 +39,8 @@ def _swap_token(part: str) -> str:
 
 
 def mirror_names(name: str, loose: bool = False) -> list:
-    """The names `name` may have on the other side, most likely first: a left/right word between
-    separators (`left_eye`, `l_knee`, `L_ear`, `paw_l`, `ear.L`, `FL_paw`), or glued to the name
-    (`leftEye`, `LeftEye`, `LEye`, `leftear`, `eyeL`, `forelegL1`, `eyeLeft`); with `loose`, also a
-    capital L/R glued to a lower-case word (`Lear`), which names a side only when its partner
-    (`Rear`) is there too. Empty: no side in the name."""
+    """The names `name` may have on the other side, most likely first (`left_eye`, `paw_l`, `LEye`,
+    `eyeLeft`, ...; with `loose` also `Lear`, a side only when `Rear` is there too); empty: none."""
     out = []
     parts = re.split(r"([_\-\s.]+)", name)
     swapped = [_swap_token(p) for p in parts]
@@ -65,9 +62,8 @@ def unpaired_sided(names) -> list:
 
 
 def name_flips(names) -> list:
-    """flip[k]: the keypoint that names[k] becomes in a mirrored image, from the sides in the names
-    (`mirror_names`, loose); k itself when none. A pairing must be mutual (eyeL->eyeR but
-    eyeR->eye_r: eyeL keeps no partner)."""
+    """flip[k]: the keypoint names[k] becomes in a mirrored image, from mutual pairs of
+    `mirror_names`; k itself when none."""
     index = {n: k for k, n in enumerate(names)}
     flip = [next((index[m] for m in mirror_names(n, loose=True) if m in index), k)
             for k, n in enumerate(names)]
@@ -76,9 +72,8 @@ def name_flips(names) -> list:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How a skeleton's data is scored: `metrics` (of METRIC_KEYS; the first is the one training
-    keeps best.pth by), PCK's `pck_threshold` times `pck_normalize`: "bbox" (the person box's
-    longer side, as mmpose's PCKAccuracy) or two annotated keypoints' names (their distance)."""
+    """How a skeleton's data is scored: `metrics` (the first keeps best.pth), PCK's `pck_threshold`
+    times `pck_normalize` ("bbox": the box's longer side; or two keypoints' distance)."""
 
     metrics: tuple = ("oks",)
     pck_threshold: float = 0.2
@@ -91,8 +86,7 @@ class Scoring:
 
 
 def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring()) -> Scoring:
-    """`base` with the fields `metric`, `pck_threshold`, `pck_normalize` that `spec` gives, checked
-    (`keypoints`: the annotations'); a `ConfigError` naming `source` and the field when wrong."""
+    """`base` with the scoring fields `spec` gives, checked; a `ConfigError` naming `source`."""
     metrics = spec.get("metric", base.metrics)
     metrics = [metrics] if isinstance(metrics, str) else metrics
     if (not isinstance(metrics, (list, tuple)) or not metrics

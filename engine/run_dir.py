@@ -52,9 +52,8 @@ def _make_out_dir(out_dir: Path) -> None:
 
 
 def _claim(run_dir: Path, exclusive: bool) -> bool:
-    """Create `run_dir` (only if absent when `exclusive`) and lock it for this process; returns
-    whether it was created. The lock (lockf of RUN/.run.lock) goes with the process, even a killed
-    one, and is not inherited by the processes it forks (DataLoader workers outliving it)."""
+    """Create `run_dir` (only if absent when `exclusive`) and lock it for this process (lockf of
+    RUN/.run.lock, not inherited by forks); returns whether it was created."""
     created = False
     try:
         run_dir.mkdir()
@@ -97,9 +96,8 @@ def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None
 
 
 def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
-    """The run directory, claimed (on the main process): a directory that holds a run is refused
-    unless resumed or overwritten (`clear_run_dir`, once every other check has passed), and so is
-    one whose files the run would write over a file it reads; two runs never share one."""
+    """The run directory, claimed on the main process: one that holds a run is refused unless
+    resumed or overwritten, and so is one where the run would write over a file it reads."""
     train = cfg.train
     out_dir = Path(train.out_dir)
     run_dir, created = None, False
@@ -145,9 +143,7 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
 
 
 def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
-    """Why `--resume auto` that finds no run is refused: the run directory looked in (a misspelt
-    --run-name, or another --out-dir than the run's) would otherwise start a new run on the
-    synthetic dataset. Naming the data or the weights (a requeued job) starts afresh instead."""
+    """Why `--resume auto` that finds no run (and names no data or weights) is refused."""
     where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
              "the --out-dir the run was started with" if run_dir else
              f"found no run in {out_dir}: give the --out-dir the runs were written to")
@@ -196,9 +192,8 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
-    """Decided on the main process, the same on every rank: one rank's view of a shared filesystem
-    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree.
-    `reader`: the one the command line read the saved config with, if any."""
+    """Decided on the main process, the same on every rank. `reader`: the one the command line
+    read the saved config with, if any."""
     reader = reader or CheckpointReader()
 
     def decide():
@@ -225,9 +220,7 @@ def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) ->
 
 
 def refuse_another_run(path: Path, run_dir: Path) -> None:
-    """ConfigError when resuming `path` would write over another run's files in `run_dir` (where a
-    resume writes): a file the trainer did not name itself (not last.pth, best.pth, epoch_N.pth)
-    beside a run's files is another run's checkpoint."""
+    """ConfigError when resuming `path` would write over another run's checkpoints in `run_dir`."""
     if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
         return
     theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]

@@ -51,10 +51,8 @@ class Launch:
 def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
                   hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
                   reader: CheckpointReader | None = None, draw: Callable | None = None) -> "RunTrainer":
-    """The run of `cfg` (a resumed run: its own saved config), ready to `fit()`. `evaluator` and
-    `draw`: the AP and the validation pictures (`engine.epoch_end.validate`). `reader`: the one
-    `engine.cli.config_from_args` read the saved config with (the checkpoints are read once); what
-    it holds is given back once the run has started."""
+    """The run of `cfg`, ready to `fit()`. `evaluator` and `draw`: the AP and the validation
+    pictures; `reader`: the one the command line read the saved config with."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
@@ -74,8 +72,7 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
 
 def build_loop(cfg: Config, launch: Launch, builder: TrainerBuilder | None = None
                ) -> tuple[Trainer, Parts]:
-    """The loop over `cfg`'s parts with no run around it: no run directory, no checkpoint, no
-    hook (benchmarks time its `run_step`); and the parts."""
+    """The loop over `cfg`'s parts with no run, checkpoint or hook around it; and the parts."""
     parts = (builder or TrainerBuilder()).build(cfg, launch)
     return Trainer(loop_parts(cfg.train, parts, launch.ctx.device)), parts
 
@@ -92,8 +89,8 @@ def loop_parts(train: TrainConfig, parts: Parts, device) -> TrainParts:
 
 
 class RunEnd(Hook):
-    """When the epochs are done: the logger closed, the ranks together, the `done.` line; whatever
-    happened, the loaders' workers shut down and the run directory's lock given up."""
+    """The logger closed, the ranks together, the `done.` line; whatever happened, the loaders'
+    workers shut down and the run directory's lock given up."""
     priority = 100
 
     def __init__(self, run: "RunTrainer"):
@@ -116,9 +113,7 @@ class RunEnd(Hook):
 
 
 class RunTrainer:
-    """A run around the loop `trainer`: `cfg`, `launch`, `ctx`, `run_dir`, the parts (`data`,
-    `model`, `precision`, `optimizer`, `optim_step`, `net`, `eval_net`, `skeleton`), `evaluator`
-    and `draw`, and what the run writes with: `checkpoints`, `logger`, `say`."""
+    """A run around the loop `trainer`: its config, launch, directory, parts and writers."""
 
     def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook] = (),
                  evaluator: Callable | None = None, draw: Callable | None = None,
@@ -185,10 +180,8 @@ class RunTrainer:
             raise
 
     def failure(self, exc: Exception) -> Exception | None:
-        """What a failure means: under DDP, another rank's error or death when that is the cause
-        (found while the stop signals are still the trainer's: torchrun stops the others as soon
-        as a rank dies); a DataLoader worker that died (killed: out of memory?); running out of
-        memory (the CPU allocator's failure is a plain RuntimeError): what to lower."""
+        """What a failure means: another rank's error or death, a DataLoader worker that died, or
+        running out of memory (and what to lower)."""
         if isinstance(exc, UserError):
             return None
         other = dist.error_of_another_rank() if self.ctx.distributed else None

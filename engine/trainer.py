@@ -55,21 +55,18 @@ class Hook:
         """Always, when the run ends: finished, stopped or failed."""
 
     def before_save(self, trainer: LoopState, name: str, state: dict) -> None:
-        """On the main process, the checkpoint `name` about to be written: a hook may change or add
-        entries (its own `state_dict()` is already there)."""
+        """On the main process, the checkpoint `name` about to be written: a hook may change it."""
 
     def evaluating(self, trainer: LoopState):
         """A context around validation, AP and saving best.pth (e.g. other weights swapped in)."""
         return contextlib.nullcontext()
 
     def state_dict(self):
-        """What a checkpoint keeps of this hook (any value `torch.save` stores); with a tuple
-        `checkpoint_key`, a dict of those keys, each kept as an entry of its own."""
+        """What a checkpoint keeps of this hook (a tuple `checkpoint_key`: a dict of those keys)."""
         return {}
 
     def load_state_dict(self, state) -> None:
-        """Continue from `state` (this hook's entry, or its entries found); a CheckpointError
-        saying what does not fit (the engine adds the file's name)."""
+        """Continue from `state`; a CheckpointError saying what does not fit."""
 
     def state_missing(self, trainer: LoopState, path) -> None:
         """The checkpoint resumed (`path`) holds none of this hook's entries: it goes on fresh."""
@@ -87,9 +84,8 @@ class Interrupted(UserError):
 
 @dataclass
 class TrainParts:
-    """What the loop runs. `net(images, target, mask)` -> (per-sample loss [B], dict of per-sample
-    loss parts): the model and its loss as one module. `batches(epoch, start)` -> an iterator of
-    model inputs (images, target, mask) from batch `start` of `epoch` on."""
+    """What the loop runs: `net(images, target, mask)` -> (per-sample loss [B], loss parts), and
+    `batches(epoch, start)` -> model inputs from batch `start` of `epoch` on."""
     net: nn.Module
     optim_step: object                 # engine.optim_step.OptimStep, or one with its `update`
     batches: Callable[[int, int], Iterator]
@@ -151,8 +147,7 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, inputs: list) -> StepResult:
-        """One optimisation step over the model inputs `inputs` (more than one: gradient
-        accumulation), each (images, target, mask) on the device."""
+        """One optimisation step over `inputs` (several: accumulation), each on the device."""
         parts = {}
 
         def loss_of(images, target, mask):
@@ -198,8 +193,7 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """The epochs from `self.epoch` on; {"epoch": epochs done, "step": steps done, and what
-        each hook's `outcome()` reports}."""
+        """The epochs from `self.epoch` on; {"epoch", "step", and each hook's `outcome()`}."""
         try:
             self._call("before_train")
             epochs_done = self.epoch

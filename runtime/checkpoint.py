@@ -75,12 +75,8 @@ _DEFAULT_FILE_MODE = _umask_file_mode()
 
 
 def save_checkpoint(path, state: dict) -> None:
-    """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be written.
-
-    The previous file at `path` stays intact on any failure, and no temporary file is left behind.
-    One process writes a directory's checkpoints: temporary files that a killed save left there
-    are removed before each save, so kills during saves leave at most one behind, never a pile.
-    """
+    """Write `state` + `format_version` to `path` atomically (the old file intact on failure);
+    CheckpointError if it cannot be written. Temporaries of killed saves are removed first."""
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
     tmp, replaced = None, False
@@ -109,8 +105,7 @@ def save_checkpoint(path, state: dict) -> None:
 
 
 def remove_stale_temps(directory) -> int:
-    """Delete the temporary files that saves killed mid-write left in `directory` (each one is
-    checkpoint-sized); returns how many. Only for the one process that saves there."""
+    """Delete the temporary files of killed saves in `directory`; returns how many."""
     removed = 0
     for stale in Path(directory).glob(f".*{TEMP_SUFFIX}"):
         try:
@@ -123,8 +118,7 @@ def remove_stale_temps(directory) -> int:
 
 # ---------------------------------------------------------------------------------------- loading
 def read_file(path, mmap: bool = False):
-    """torch.load(weights_only=True) of `path` (a checkpoint or any weights file) to CPU, every
-    failure a CheckpointError naming it."""
+    """torch.load(weights_only=True) of `path` to CPU; any failure a CheckpointError naming it."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -173,11 +167,8 @@ def _checkpoint_order(path: Path, state: dict):
 
 
 def find_latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint of `run_dir` with the highest stored step (`--resume auto`), or None.
-
-    Ties go to `last.pth`, then to the newer file. A file that cannot be read (damaged, or written
-    by a newer version) is an error, never skipped: the run would otherwise save over it.
-    """
+    """The checkpoint of `run_dir` with the highest stored step (ties: `last.pth`, then the newer),
+    or None. An unreadable file is an error, never skipped (the run would save over it)."""
     best, best_order = None, None
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
@@ -271,9 +262,8 @@ def _find_weights(obj, source: str) -> dict:
 
 
 def preferred_weights(obj) -> tuple[object, str]:
-    """(what to load, a note): the EMA weights of a checkpoint of a run with `--ema`
-    (`engine.ema`), which its validation, AP and best.pth were measured with, with a note saying
-    so; anything else as it is, with no note. A resume loads the training weights instead."""
+    """(what to load, a note): a checkpoint's EMA weights when it has them (with a note saying so),
+    anything else as it is."""
     ema = obj.get("ema") if isinstance(obj, dict) else None
     averaged = ema.get("model") if isinstance(ema, dict) else None
     if not _is_state_dict(averaged):
@@ -289,12 +279,9 @@ def _listed(names: list[str]) -> str:
 
 
 def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, source: str = "") -> dict:
-    """Load weights into `model` (unwrapped) from a file or a dict; return what matched and not.
-
-    The report: {"source", "loaded", "missing", "unexpected", "mismatched"} (names; mismatched
-    entries say both shapes). Any mismatch is a CheckpointError unless `allow_partial`; loading
-    nothing at all always is. `source` names a dict already read from a file in messages.
-    """
+    """Load weights into `model` (unwrapped) from a file or a dict; return {"source", "loaded",
+    "missing", "unexpected", "mismatched"}. A mismatch is a CheckpointError unless `allow_partial`;
+    loading nothing always is."""
     if isinstance(path_or_state, (str, os.PathLike)):
         source, obj = str(path_or_state), read_file(path_or_state)
     else:
@@ -339,9 +326,8 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
 
 
 def check_values(weights: dict, expected: dict, source: str) -> None:
-    """CheckpointError naming `source` and the first tensor of `weights` that a model could not use:
-    integer or boolean values where the model holds floating-point ones (load_state_dict would cast
-    them silently), or NaN / infinite values."""
+    """CheckpointError naming `source` and the first tensor of `weights` that is not floating-point
+    where the model's is (load_state_dict would cast it silently), or not finite."""
     for name, tensor in weights.items():
         wanted = expected[name]
         if wanted.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
