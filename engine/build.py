@@ -65,8 +65,7 @@ class TrainerBuilder:
     def build_data(self, cfg: Config, ctx) -> Data:
         from data.dataset import KeypointDataset
         train_h5, val_h5 = resolve_data(cfg.data, ctx)
-        # one augmentation stream per (seed, epoch, sample), not per rank: the global batch sampler
-        # never gives a sample to two ranks, and N processes then train exactly as one process
+        # augmentation drawn per (seed, epoch, sample), not per rank: N processes train as one
         samples = SampleSettings.of(cfg)
         train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
         loader, sampler = train_loader(train_set, cfg.data, cfg.train, ctx)
@@ -99,8 +98,7 @@ class TrainerBuilder:
         return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
 
     def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
-        """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from
-        (None: the network's initial weights, or --weights)."""
+        """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
         ctx = launch.ctx
         data = self.build_data(cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
@@ -136,16 +134,14 @@ def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: Am
     model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision,
                                     cuda_graphs=use_cuda_graphs(amp, launch))
     net = launch.wrap(model_with_loss)
-    # validation runs the model eagerly: under --compile its no-grad graph and its smaller last
-    # batch would each be compiled again, minutes apiece
+    # validation runs eagerly: under --compile each of its shapes would compile for minutes
     eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
     return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
 
 
 def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
-    """`amp.cuda_graphs` for this run: auto means where they can be used, True refuses a run where
-    they cannot (DDP's and DataParallel's hooks and replicas, Apex's patched functions and
-    torch.compile's own graphs do not go into a captured graph)."""
+    """`amp.cuda_graphs` for this run: auto where they can be used (not with DDP, DataParallel,
+    Apex or torch.compile), True refuses a run where they cannot."""
     unsupported = [why for why, bad in (
         ("the device is not CUDA", launch.ctx.device.type != "cuda"),
         (f"the launch mode is {launch.mode}", launch.mode != "single"),
@@ -158,8 +154,7 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
 
 
 def resolve_data(data: DataConfig, ctx) -> tuple[str, str]:
-    """(train_h5, val_h5): the user's files, or the project's synthetic dataset made once; checked
-    (or made) by rank 0, whose answer or error every rank gets."""
+    """(train_h5, val_h5): the user's files, or the synthetic dataset made once; decided on rank 0."""
     paths = dist.decided_on_main(lambda: _resolve_data(data))
     if not data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
         paths = _resolve_data(data)

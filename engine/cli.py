@@ -36,8 +36,7 @@ def _dest(flag: str) -> str:
 
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
                   reader) -> tuple[Path | None, dict | None]:
-    """(checkpoint, the config stored in it) that --resume will load, if it can be found; read
-    with `reader` (engine.resume.CheckpointReader), which the trainer then reads it with."""
+    """(checkpoint, its stored config) that --resume will load, if found; read with `reader`."""
     from engine.run_dir import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
@@ -54,15 +53,13 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
     return path, saved
 
 
-# what names one run, not how to train: never taken over from another run's saved config (the run
-# directory of a resume is where its checkpoint is, or --run-name: not the name saved in it)
+# what names one run: never taken over from a saved config
 RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False,
                 "run_name": ""}
 
 
 def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str]):
-    """The resumed run's config: its checkpoint's, then the flags given now. A field this version
-    does not know, or a value it does not accept, is named with the file and how to go on."""
+    """The resumed run's config: its checkpoint's, then the flags given now."""
     saved["train"].update(RUN_IDENTITY)
     deep_update(saved, overrides)
     try:
@@ -78,8 +75,7 @@ def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list
 
 
 def _is_saved_run_config(config: str | None) -> bool:
-    """Whether --config is a run's own config.yaml (the trainer writes a top-level `preset` key,
-    which a preset file does not have)."""
+    """Whether --config is a run's own config.yaml (it has a top-level `preset` key)."""
     if not config or not Path(config).is_file():
         return False
     try:
@@ -90,8 +86,7 @@ def _is_saved_run_config(config: str | None) -> bool:
 
 
 def _weights_network(path: str) -> tuple[dict | None, tuple]:
-    """(model settings, presets that may build it) of the network a --weights file holds, when the
-    file says: a checkpoint of this trainer carries its config; a file of the authors', its shapes."""
+    """(model settings, presets that may build it) of the network in a --weights file, if known."""
     from common.errors import CheckpointError
     from runtime.checkpoint import load_checkpoint, reference_file_settings
     try:
@@ -104,8 +99,7 @@ def _weights_network(path: str) -> tuple[dict | None, tuple]:
 
 
 def _check_weights_network(cfg) -> None:
-    """--weights or --resume-reference from a checkpoint of another network: say which model
-    settings differ and how to build it, instead of a list of hundreds of mismatched tensors."""
+    """Weights of another network: say which model settings differ, not hundreds of tensors."""
     from config.loader import to_dict
     from runtime.checkpoint import listed_difference, settings_difference
 
@@ -138,10 +132,8 @@ def _preset_model(preset: str) -> dict | None:
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
-    """The run's config from the flags; a backend that cannot run here (`--amp-backend apex`
-    without Apex, CUDA, ...) is refused now, before anything is built. `reader`: the
-    `engine.resume.CheckpointReader` that `build_trainer` gets too, so that a resumed run's
-    checkpoints are read once (None: a reader of its own)."""
+    """The run's config from the flags, refused now when its backend cannot run here. `reader`:
+    the `CheckpointReader` that `build_trainer` gets too (None: one of its own)."""
     from engine.precision import check_backend
     cfg = _resolve_config(args, reader)
     check_backend(cfg)
@@ -176,9 +168,7 @@ def run_main(main, argv=None) -> None:
 
 
 def single_process_context(device: str):
-    """The context of a one-process run (train.py, train_parallel.py) on `device`. A GPU other than
-    0 becomes the current device, or the DataLoader's pinning thread would open a CUDA context on
-    GPU 0 as well."""
+    """The context of a one-process run on `device` (made the current CUDA device)."""
     import torch
     from runtime.distributed import DistContext
     from runtime.launch_env import Launch, resolve_device

@@ -32,11 +32,9 @@ class WeightsEMA(Hook):
         self.averaged: dict[str, torch.Tensor] = {}
 
     def attach(self, model: nn.Module, precision: PrecisionBackend) -> "WeightsEMA":
-        """Start the average at the weights of `model` (loaded, frozen, cast and wrapped as it
-        trains; under Apex, after its masters exist); returns self."""
+        """Start the average at the weights of `model` as it trains; returns self."""
         sources = precision.weight_sources(model)
-        # the model's own tensors, live (not model.state_dict(): under Apex O2/O3 a hook makes
-        # that return float32 copies, which the average would never follow nor write into)
+        # the model's own tensors, live (see interface.live_state_dict)
         self._targets = live_state_dict(model)
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
         self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
@@ -82,8 +80,7 @@ class WeightsEMA(Hook):
         return self.applied()
 
     def before_save(self, trainer, name: str, state: dict) -> None:
-        """A checkpoint saved while the averaged weights are in the model (best.pth, right after
-        the validation that chose it) still holds the training weights under "model"."""
+        """A checkpoint saved while the average is in the model keeps the training weights."""
         if self._kept is None or not isinstance(state.get("model"), dict):
             return
         for (key, target), kept in zip(self._targets.items(), self._kept):
@@ -92,8 +89,7 @@ class WeightsEMA(Hook):
 
     @contextlib.contextmanager
     def applied(self):
-        """The averaged weights in the model (in its precision) inside the block, the training
-        weights kept aside and put back exactly as they were after it, whatever happens."""
+        """The averaged weights in the model inside the block, the training weights put back after."""
         with torch.no_grad():
             self._kept = [t.clone() for t in self._targets.values()]
             torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
@@ -111,8 +107,8 @@ class WeightsEMA(Hook):
 
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
-        """Continue the average saved in `state` (this run's decay and tau are kept); a
-        CheckpointError when it does not fit this model (the caller names the checkpoint)."""
+        """Continue the average saved in `state` (this run's decay and tau kept); CheckpointError
+        when it does not fit this model."""
         saved = state.get("model") if isinstance(state, dict) else None
         updates = state.get("updates") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \

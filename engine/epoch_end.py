@@ -96,9 +96,8 @@ class EpochEnd(Hook):
             self.stopped = trainer.finish_requested = True
 
     def judge(self, results: dict) -> bool | None:
-        """Whether `results` improve on the best (None: `metric` not measured, e.g. a loss-only pass
-        between AP passes); the best value and the count without improvement follow. A value that
-        is not finite (a float16 overflow) never improves, and a best that is not never blocks."""
+        """Whether `results` improve on the best (None: `metric` not measured); a value that is not
+        finite never improves, nor blocks as the best."""
         if self.metric not in results:
             return None
         value, best = results[self.metric], self.best
@@ -127,16 +126,14 @@ class EpochEnd(Hook):
 
 @torch.no_grad()
 def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
-    """The validation loss (all ranks, sharded) and the skeleton's metrics (COCO AP, PCK, ...) of
-    `run` (engine.run_trainer.RunTrainer), with its validation pictures. A stop signal is acted on
-    within a batch or an image (Interrupted; last.pth was saved before)."""
+    """The validation loss (sharded over ranks), the skeleton's metrics and the validation
+    pictures of `run`; a stop signal ends it within a batch or an image (Interrupted)."""
     results = {}
     ctx, cfg, val_set = run.ctx, run.cfg, run.data.val_set
     where = f"while validating epoch {epoch + 1} (resuming validates it again)"
     if loss_due:
         run.eval_net.eval()
-        # summed on the host in Python floats: under Apex's O1, torch's functions and operators are
-        # patched (float64 += float32 raises, a float64 sum is cast to float32)
+        # summed in Python floats: Apex's O1 patches torch's float64 sums
         loss_sum, count = 0.0, 0
         if run.data.val_loader is None:       # made once: its workers serve every validation
             run.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)

@@ -78,9 +78,8 @@ class ProgressBar(Hook):
 
 
 class TrainLog(Hook):
-    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks
-    (and every step's loss, for curves.png), to `logger` (an `engine.logger.RunLogger`); a step's
-    note (how many updates round away) through `say`."""
+    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks, to
+    `logger`; a step's note through `say`."""
     priority = 40
 
     def __init__(self, logger, log_every: int, device=torch.device("cpu"), say=print):
@@ -102,7 +101,7 @@ class TrainLog(Hook):
 
 class DivergenceStop(Hook):
     """`TrainingDiverged` after `max_bad_steps` skipped steps in a row, naming the checkpoint to go
-    back to (of `checkpoints`, an `engine.train_state.Checkpoints`)."""
+    back to."""
     priority = 20
 
     def __init__(self, max_bad_steps: int, checkpoints: Checkpoints):
@@ -117,8 +116,7 @@ class DivergenceStop(Hook):
 
 
 class Preemption(Hook):
-    """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved (to last.pth of
-    `checkpoints`), then the run ends with `Interrupted`, which says how to resume."""
+    """SIGTERM / SIGUSR1: save last.pth after the step under way, then end with `Interrupted`."""
     priority = 80
 
     def __init__(self, checkpoints: Checkpoints):
@@ -141,8 +139,7 @@ class Preemption(Hook):
             raise self.checkpoints.interrupted(trainer, f"at epoch {out.epoch + 1}, batch {batch}")
 
     def on_stop(self, trainer):
-        # the handlers hold this trainer (model, process group): let both go after the run; a
-        # handler set since (a rank that ends with an error holds the stop signals) stays
+        # let go of the trainer; a handler set since stays
         for sig, handler in self.previous.items():
             if signal.getsignal(sig) is self.handler:
                 signal.signal(sig, handler)
@@ -151,8 +148,7 @@ class Preemption(Hook):
 
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
                   validate=None, metric: str = "loss") -> list[Hook]:
-    """The engine's hooks for a run of `cfg` (`--ema`, `--early-stop` ...) that saves to
-    `checkpoints` and logs to `logger`; `validate` and `metric`: see `engine.epoch_end.EpochEnd`."""
+    """The engine's hooks for a run of `cfg`; `validate` and `metric`: see `EpochEnd`."""
     train = cfg.train
     hooks = [FrozenBatchNorm(), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),

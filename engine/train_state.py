@@ -63,8 +63,7 @@ def _keys(hook) -> tuple:
 
 class Checkpoints:
     """The checkpoints in `run_dir` of `model` (unwrapped), `optimizer` and `precision`; `fields`:
-    the entries fixed for the run; `main`: this process writes them (every rank calls `save`);
-    `say`: where its one line goes (a run whose every step was a loss scale's back-off)."""
+    the entries fixed for the run; `main`: this process writes them (every rank calls `save`)."""
 
     def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
                  say=print):
@@ -75,8 +74,7 @@ class Checkpoints:
         self.resumed_from = None       # the checkpoint this process's run resumed
 
     def save(self, trainer, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
-        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser).
-        A state that is no good to resume is never written (`refuse_unusable_state`)."""
+        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
         self.refuse_unusable_state(trainer, name)
         consolidate = getattr(self.optimizer, "consolidate_state_dict", None)    # ZeRO's
         if consolidate is not None:
@@ -100,11 +98,9 @@ class Checkpoints:
         dist.barrier()
 
     def refuse_unusable_state(self, trainer, name: str) -> None:
-        """`TrainingDiverged` on every rank (each holds the same state) instead of writing RUN/name
-        when every step of this run was skipped (nothing trained) for another reason than a dynamic
-        loss scale's back-off (a line says so then, and the file is written), when the weights hold a NaN or
-        an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
-        it held."""
+        """`TrainingDiverged` on every rank instead of writing RUN/name when every step was skipped
+        (but for a dynamic loss scale's back-off, which is said), the weights are not finite, or the
+        loss scaler's state could not be resumed."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self._since_start(trainer)
@@ -133,8 +129,8 @@ class Checkpoints:
         return trainer.step - self.started_at[0], trainer.optim_step.skipped_total - self.started_at[1]
 
     def good_checkpoint(self, trainer) -> str:
-        """Which checkpoint a run that stops diverged names to go back to: last.pth, unless this run
-        resumed a checkpoint and no step has succeeded since (that file is then no good start)."""
+        """The checkpoint a diverged run names to go back to: last.pth, unless no step succeeded
+        since the resumed one."""
         ran, skipped = self._since_start(trainer)
         if self.resumed_from is not None and ran == skipped:
             return (f"Every step since the resume from {self.resumed_from} was skipped, so it is no good "
@@ -150,9 +146,8 @@ class Checkpoints:
                            f"the same command and --resume auto --run-name {self.run_dir.name}")
 
     def restore(self, trainer, state: dict, path: Path, say=print) -> TrainState:
-        """Optimiser, scaler, RNG and the hooks' states from `state` (the checkpoint at `path`), and
-        the position `trainer` continues from. The scaler's state is checked first, as weights are
-        (engine.precision.loss_scale)."""
+        """Optimiser, scaler (checked first), RNG and the hooks' states from `state` (the checkpoint
+        at `path`), and the position `trainer` continues from."""
         scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
         try:
             self.optimizer.load_state_dict(state["optimizer"])
