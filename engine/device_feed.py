@@ -35,8 +35,7 @@ def _trimmed(batch):
 
 
 def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
-    """finish(start(item)) for each item, in order, where item n + 1 is started before item n is
-    finished and handed over (nothing is started beyond the item after the one handed over)."""
+    """finish(start(item)) for each item in order, item n + 1 started before item n is finished."""
     source = iter(items)
     try:
         pending = start(next(source))
@@ -78,8 +77,7 @@ def side_stream(device: torch.device):
 
 
 def _start_copy(batch, device: torch.device, painter, stream):
-    """Queue batch's copy and expansion (the target drawing included) on `stream`, then an event
-    that marks their end (CUDA only); returns (the tensors, the event)."""
+    """Queue batch's copy and expansion on `stream`, then an event; returns (the tensors, event)."""
     pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
     with torch.cuda.stream(stream):
         moved = _moved_and_expanded(pinned, device, painter, non_blocking=True)
@@ -89,8 +87,7 @@ def _start_copy(batch, device: torch.device, painter, stream):
 
 
 def _take(moved, ready, device: torch.device):
-    """Make the compute stream wait for this batch's work (its event), and tell the allocator
-    that stream uses the tensors."""
+    """Make the compute stream wait for this batch's event, and record it on the tensors."""
     current = torch.cuda.current_stream(device)
     current.wait_event(ready)
     for tensor in moved:
@@ -99,8 +96,7 @@ def _take(moved, ready, device: torch.device):
 
 
 def training_feed(data, device) -> Callable[[int, int], Iterator]:
-    """`batches(epoch, start)`: the model inputs of `epoch` from its batch `start` on (of `data`,
-    an `engine.build.Data`), the targets drawn on the device."""
+    """`batches(epoch, start)` of `data`'s training loader, through a `DeviceFeed`."""
     painter = data.train_set.painter_for(device)
 
     def batches(epoch: int, start: int) -> Iterator:

@@ -33,12 +33,8 @@ def _parameter_count(model: nn.Module, trainable: bool) -> int:
 
 
 def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
-    """Freeze what `patterns` name, except the tensors named in `fresh` (started fresh by
-    --allow-partial); return {"frozen", "trainable"} parameter counts, "modules" and "fresh" (the
-    parameters the patterns name that stay trainable for being fresh).
-
-    ConfigError when a pattern matches nothing or when nothing would be left to train.
-    """
+    """Freeze what `patterns` name but the `fresh` tensors; return {"frozen", "trainable",
+    "modules", "fresh"}. ConfigError when a pattern matches nothing or nothing is left to train."""
     model = unwrap_model(model)
     modules = [(name, module) for name, module in model.named_modules() if name]
     names = [name for name, _ in modules] + [name for name, _ in model.named_parameters()]
@@ -74,10 +70,8 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def set_frozen_bn_eval(model: nn.Module) -> int:
-    """Put frozen BatchNorm layers in eval mode (call after every `model.train()`); return how many.
-
-    A BatchNorm layer is frozen when a freeze pattern matched it or all its parameters are frozen.
-    """
+    """Put frozen BatchNorm layers (matched, or all parameters frozen) in eval mode (call after
+    every `model.train()`); return how many."""
     count = 0
     for module in unwrap_model(model).modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

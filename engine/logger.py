@@ -23,8 +23,7 @@ SHARES = ("AP", "PCK", "AUC")      # validation metrics from 0 to 1 that curves.
 
 @contextlib.contextmanager
 def writing(path: Path):
-    """A failed write (full disk, read-only folder) becomes one error line naming the file; the
-    checkpoints, written before the logs of each epoch, stay as they were."""
+    """A failed write becomes one error line naming the file."""
     try:
         yield
     except OSError as exc:
@@ -34,8 +33,8 @@ def writing(path: Path):
 
 
 class RunConsole:
-    """The run's console lines, said on the main process (above any progress bar) and appended to
-    RUN/train.log from `open` on; lines said before the run directory is written wait for it."""
+    """The run's console lines, said on the main process and appended to RUN/train.log (lines
+    said before `open` wait for it)."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.path, self.waiting = enabled, None, []
@@ -56,8 +55,7 @@ class RunConsole:
             fh.write(text + "\n")
 
     def open(self, run_dir: Path, device, world_size: int) -> None:
-        """Start train.log (appended to by a resumed run) and write environment.json (replaced
-        whole; a line says which versions differ from the run's earlier start)."""
+        """Start train.log and write environment.json (saying which versions changed since)."""
         if not self.enabled:
             return
         self.path, waiting, self.waiting = Path(run_dir) / "train.log", self.waiting, []
@@ -86,8 +84,7 @@ class RunLogger:
         self.tb = None
 
     def open(self, resumed_step: int | None = None) -> "RunLogger":
-        """Start writing (once the run directory is written); `resumed_step`: where a resumed run
-        continues from."""
+        """Start writing; `resumed_step`: where a resumed run continues from."""
         if self.enabled and self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -130,8 +127,7 @@ class RunLogger:
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def log_image(self, tag: str, path, step: int) -> None:
-        """Send the picture at `path` (written by the run, e.g. its validation pictures) to
-        TensorBoard; without TensorBoard the file alone is the record."""
+        """Send the picture at `path` to TensorBoard, if on."""
         if self.tb is None:
             return
         import cv2
@@ -140,8 +136,7 @@ class RunLogger:
             self.tb.add_image(tag, picture[:, :, ::-1].copy(), step, dataformats="HWC")
 
     def read(self, path: Path | None = None) -> list[dict]:
-        """The records of the training that counts (of metrics.jsonl, or `path`): those a later
-        resume rolled back are left out."""
+        """The records of metrics.jsonl (or `path`) but those a later resume rolled back."""
         path = path or self.metrics_path
         if not path.exists():
             return []
@@ -160,8 +155,7 @@ class RunLogger:
         return out
 
     def plot_curves(self) -> None:
-        """Loss (train per step, validation) with AP (or PCK, AUC), and LR, against the step, in
-        curves.png."""
+        """Loss, metric and LR against the step, in curves.png."""
         if not self.enabled:
             return
         import matplotlib

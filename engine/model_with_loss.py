@@ -36,14 +36,9 @@ class ModelWithLoss(nn.Module):
 
 
 class GraphedNetwork:
-    """The network's training forward and backward as CUDA graphs (`torch.cuda.make_graphed_callables`).
-
-    The first `warm_calls` calls run eagerly (cuDNN's benchmarking picks its algorithms, lazy
-    state is made); the next one captures the graphs for its input's shape, layout and type, and
-    every later call with that input replays them. A call with any other input (a smaller last
-    batch) runs eagerly. The capture runs the network a few extra times, whose BatchNorm updates
-    are put back, so the statistics are those of the eager run. Eval-mode calls never come here.
-    """
+    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
+    one capture for that input's shape, layout and type, replayed by later calls with it (others
+    run eagerly). The capture's BatchNorm updates are put back."""
 
     def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
                  make_graphed=None):
@@ -72,9 +67,7 @@ class GraphedNetwork:
         with torch.no_grad():
             for buffer, value in zip(self.model.buffers(), saved):
                 buffer.copy_(value)
-        # the capture's warm-up made the weights' gradient-accumulation nodes on its side stream;
-        # torch then warns once, at a later backward, that their stream differs (measured: the
-        # graphed step is 1.43x the eager one all the same, bench/RESULTS.md)
+        # torch warns once that the capture's side stream made the weights' accumulation nodes
         quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
         if quiet is not None:
             quiet(False)

@@ -13,8 +13,8 @@ from config.schema import OptimConfig
 
 
 def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 1) -> float:
-    """The LR after warm-up and before decay: `lr`, scaled by total batch / `reference_batch` when
-    that is set (0: not scaled), or by the world size under the legacy `scale_lr_by_world_size`."""
+    """The LR after warm-up: `lr`, times total batch / `reference_batch` (if set), or times the
+    world size under the legacy `scale_lr_by_world_size`."""
     base = cfg.lr * (world_size if cfg.scale_lr_by_world_size else 1)
     if cfg.reference_batch and total_batch:
         base *= total_batch / cfg.reference_batch
@@ -23,8 +23,7 @@ def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 
 
 def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
           world_size: int = 1, total_batch: int | None = None) -> float:
-    """The learning rate for iteration `iteration` (0-based) of epoch `epoch` (0-based), at a total
-    batch (batch_size x accumulate, over all processes) of `total_batch`."""
+    """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`."""
     base = peak_lr(cfg, total_batch, world_size)
     if cfg.milestones:
         drops = sum(1 for m in cfg.milestones if epoch >= int(m))
@@ -47,8 +46,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: str = "cpu",
                     native: bool = True):
-    """SGD (momentum, weight decay) or AdamW over `params`; ZeroRedundancyOptimizer when `zero`.
-    Fused kernels on CUDA when `optim.fused` says so (auto: with the `native` precision backend)."""
+    """SGD or AdamW over `params` (ZeRO-sharded when `zero`; fused as `optim.fused` says)."""
     params = list(params)
     fused = device_type == "cuda" and (cfg.fused is True or (cfg.fused == "auto" and native))
     if cfg.name == "sgd":
@@ -66,8 +64,7 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
 
 
 def grad_norm(params) -> torch.Tensor:
-    """L2 norm of the gradients of `params`, accumulated in float32 whatever their dtype: under O3
-    float16 a norm computed in float16 reads inf above 65504 although every gradient is finite."""
+    """L2 norm of the gradients of `params`, in float32 (a float16 norm overflows at 65504)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -75,13 +72,9 @@ def grad_norm(params) -> torch.Tensor:
 
 
 def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, float] | None:
-    """For the half-precision weights in `params` (float16, bfloat16: O3's): (the share of their
-    values that a first step of `lr` from the current gradients would leave unchanged, though its
-    update is not zero, because the update is under half the spacing of the weight's type at the
-    weight; the same share for the weight decay alone). The first step's update is
-    lr x (grad + weight_decay x w) for SGD (momentum scales later ones by up to 1 / (1 -
-    momentum)), lr x (sign(grad) + weight_decay x w) for AdamW. None without such weights with
-    gradients. One host read."""
+    """For the half weights in `params`: (the share whose non-zero first update of `lr` rounds away,
+    being under half their type's spacing; the same for the weight decay alone), the update being
+    lr x (grad + wd x w) for SGD, lr x (sign(grad) + wd x w) for AdamW. None without such weights."""
     halves = [p for p in params if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None]
     if not halves:
         return None

@@ -36,8 +36,7 @@ class OptimStep:
     def __init__(self, precision, optimizer, params: list, model: nn.Module, cfg: OptimConfig,
                  net: nn.Module | None = None, static_graph: bool = False,
                  rounding_lr: float | None = None):
-        """`rounding_lr`: the LR at which the first step that updates measures how many updates of
-        half weights round away (its `note`)."""
+        """`rounding_lr`: the LR at which the first step measures half weights' rounding (`note`)."""
         self.precision, self.optimizer, self.params, self.cfg = precision, optimizer, params, cfg
         self.net, self.static_graph, self.rounding_lr = net, static_graph, rounding_lr
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
@@ -54,9 +53,8 @@ class OptimStep:
 
     def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
                stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
-        """One step over `batches`: every batch's forward (`loss_of(*batch)`) and backward, on
-        every rank, then one precision update (unscale, norm, the step's one read, clipping, step
-        or skip, zero the gradients); on a skip the BatchNorm statistics are put back."""
+        """One step over `batches`: each batch's forward (`loss_of(*batch)`) and backward, then
+        unscale, norm, the one read, clipping, step or skip (BatchNorm statistics put back)."""
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
         loss_sum = bad = None
@@ -88,9 +86,7 @@ class OptimStep:
         return StepOutcome(loss_sum / len(batches), skipped, stop, note)
 
     def _sync_unless(self, last: bool):
-        """Around a batch's forward and backward: DDP all-reduces gradients in the backward of a
-        step's last batch only. With dist.static_graph it all-reduces every batch (the same mean):
-        DDP's static graph mode fails an internal assert under no_sync."""
+        """DDP's `no_sync` but on the step's last batch (not with static_graph, which fails under it)."""
         no_sync = getattr(self.net, "no_sync", None)
         if no_sync is None or last or self.static_graph:
             return contextlib.nullcontext()
@@ -99,8 +95,7 @@ class OptimStep:
     @staticmethod
     def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor,
                    stop: bool) -> tuple[float, bool, bool, bool]:
-        """The step's one host read: (loss sum, bad loss on some rank, non-finite norm on some
-        rank, stop asked on some rank); the flags all-reduced (max) in one small collective."""
+        """The step's one host read: (loss sum, bad loss, non-finite norm, stop), flags over ranks."""
         bad = bad.float().to(norm.device)
         # the stop flag joins as a fill of a device tensor: no host-to-device copy that would sync
         flags = torch.stack([bad, torch.logical_not(torch.isfinite(norm)).float().reshape(()),

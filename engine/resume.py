@@ -22,9 +22,8 @@ from engine.train_state import check_resumable
 
 
 class CheckpointReader:
-    """Reads a checkpoint, and scans a run directory for its latest checkpoint, once while the files
-    stay the same (names, sizes, times): one reader shared by the command line and `build_trainer`
-    reads the run directory's checkpoints once. It holds the last file read until `forget()`."""
+    """Reads a checkpoint, and finds a run directory's latest, once while the files stay the same;
+    holds the last file read until `forget()`."""
 
     def __init__(self):
         self._state: tuple[tuple, dict] | None = None        # (the file's identity, its state)
@@ -74,10 +73,9 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
 
 
 def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
-    """Load the weights the run starts from into `model`; returns (resume state or None, the
-    authors' checkpoint whose run continues or None, its path, the names of the tensors that
-    --allow-partial left fresh). Without a `plan` (`engine.run_dir.RunPlan`: parts built outside a
-    run): --weights only."""
+    """Load the weights the run starts from into `model`; returns (resume state, the authors'
+    checkpoint whose run continues, its path, the tensors --allow-partial left fresh). Without a
+    `plan`: --weights only."""
     if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
@@ -113,8 +111,7 @@ def _reshaped(report: dict) -> list[str]:
 
 
 def fresh_tensors(report: dict) -> list[str]:
-    """The tensors a `load_weights` report left at their initial values: missing from the file,
-    or of another shape there."""
+    """The tensors a `load_weights` report left at their initial values."""
     return list(report.get("missing") or []) + _reshaped(report)
 
 
@@ -141,10 +138,9 @@ def _param_groups(optimizer) -> list[dict]:
 
 def resume_state(reference: dict, source: str, model, optimizer, names: list[str], optim: OptimConfig,
                  depth: int, strict: bool = True) -> dict:
-    """The resume state of `reference` (a file of the authors' layout, already loaded into `model`,
-    an hourglass of `depth` levels) for `optimizer`, whose parameters are `model`'s parameters
-    `names`, in that order. Another optimiser than SGD with momentum (`optim`) is refused when
-    `strict`, else it starts without momentum."""
+    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`
+    over `model`'s parameters `names`. An optimiser other than SGD with momentum is refused when
+    `strict`, else starts without momentum."""
     sgd = optim.name == "sgd" and bool(optim.momentum)
     if strict and not sgd:
         raise ConfigError(f"{source}: the authors trained with SGD and momentum; continuing their run "
@@ -167,8 +163,7 @@ def resume_state(reference: dict, source: str, model, optimizer, names: list[str
 
 
 def convert(source: str, out: str, cfg: Config) -> dict:
-    """Write `source` (the authors' layout) as a checkpoint of this trainer at `out`, its config
-    `cfg` included: weights, momentum, loss scale, and the epoch to continue at."""
+    """Write `source` (the authors' layout) as a checkpoint of this trainer at `out`."""
     from data.skeleton import builtin
     from engine.optim import build_optimizer
     from models import build_model

@@ -34,9 +34,7 @@ def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool 
 
 
 def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
-    """TF32 for float32 convolutions and matmuls (PyTorch's own default is on for convolutions, off
-    for matmuls), and cuDNN autotuning, which pays off because every training batch has the same
-    shape. No effect on CPU."""
+    """TF32 for float32 convolutions and matmuls, and cuDNN autotuning; no effect on CPU."""
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cudnn.benchmark = cudnn_benchmark

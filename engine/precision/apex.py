@@ -81,16 +81,14 @@ class ApexPrecision(PrecisionBackend):
         return model
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Before `attach`: the model's trainable parameters (the optimiser is built on them, and
-        Apex swaps in its float32 copies under O2); after: `amp.master_params`, what it steps."""
+        """Before `attach`: the trainable parameters; after: `amp.master_params`."""
         if not self._attached:
             return trainable
         return list(self.amp.master_params(self._optimizer))
 
     def attach(self, model: nn.Module, optimizer):
         cast = self.level in ("O2", "O3")
-        # Apex copies its masters from the float16 model: they start from these float32 values
-        # instead, so a resumed run (either backend's checkpoint) continues from identical weights
+        # masters start from the float32 values, not Apex's copy of the float16 model
         exact = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
                  if self.master_weights else {})
         loss_scale = None if self.level == "O0" else ("dynamic" if self.dynamic else self.static_scale)
@@ -100,8 +98,7 @@ class ApexPrecision(PrecisionBackend):
         if self.dynamic:          # Apex starts at 2**16; the run's config says where to start
             self.amp.load_state_dict({"loss_scaler0": {"loss_scale": float(self.init_scale), "unskipped": 0}})
         if self.master_weights:
-            # Apex makes its float32 master copies lazily; its zero_grad makes them now, in the
-            # optimiser's order, so model parameter i pairs with master i
+            # Apex makes its masters lazily: zero_grad makes them now, in the optimiser's order
             halves = list(self.amp.master_params(optimizer))
             optimizer.zero_grad()
             self._pairs = list(zip(halves, self.amp.master_params(optimizer)))
@@ -125,8 +122,7 @@ class ApexPrecision(PrecisionBackend):
             scaled.backward()
 
     def unscale_(self, optimizer) -> None:
-        """Unscale the step's accumulated gradients (Apex's scale_loss exit, with no further
-        backward); where Apex found an overflow, make the engine see non-finite gradients."""
+        """Unscale (Apex's scale_loss exit); an overflow Apex found shows as non-finite gradients."""
         self._state_before = dict(self.amp.state_dict())
         before = self._scale()
         with self.amp.scale_loss(self._zero, optimizer):
@@ -143,9 +139,7 @@ class ApexPrecision(PrecisionBackend):
         return float(state["loss_scale"]) if state else 1.0
 
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
-        """Apex's step: the real one, or (after an overflow) its skip, which also restores the
-        real one for the next step. Apex updated the scale when it unscaled; after a bad loss
-        (gradients made NaN by the engine) the scale goes back to what it was."""
+        """Apex's step or (after an overflow) its skip; after a bad loss the scale is put back."""
         if grads_finite or self._apex_skips:
             optimizer.step()
         if bad_loss and self.dynamic and self._state_before:

@@ -21,8 +21,7 @@ def is_apex_layout(state) -> bool:
 
 
 def grad_scaler_fields(state) -> dict:
-    """`state` (either layout) as GradScaler fields; {} when it holds no scale (a disabled scaler's
-    empty state, None, or something else)."""
+    """`state` (either layout) as GradScaler fields; {} when it holds no scale."""
     if is_apex_layout(state):
         scaler = state[APEX_KEY]
         if "loss_scale" not in scaler:
@@ -60,8 +59,7 @@ _APEX_FIELDS = {"loss_scale": _GRAD_SCALER_FIELDS["scale"], "unskipped": _GRAD_S
 
 
 def scaler_problem(state) -> str | None:
-    """What makes a saved scaler state (either layout) unusable, naming the field; None when it is
-    usable or holds no scale (a disabled scaler's empty state, None)."""
+    """What makes a saved scaler state unusable, naming the field; None when usable or empty."""
     if is_apex_layout(state):
         fields, prefix, state = _APEX_FIELDS, f"{APEX_KEY}.", state[APEX_KEY]
         if "loss_scale" not in state:
@@ -79,9 +77,8 @@ def scaler_problem(state) -> str | None:
 
 
 def checked_scaler_state(state, source: str) -> tuple[object, str]:
-    """A checkpoint's scaler entry (`source` names the file) ready to load, and '' or the line that
-    says its scale was brought within the bounds; CheckpointError naming the file and the field
-    when it cannot be used."""
+    """A checkpoint's scaler entry ready to load, and '' or a line saying its scale was brought
+    within bounds; CheckpointError naming the file (`source`) and field when unusable."""
     problem = scaler_problem(state)
     if problem:
         raise CheckpointError(f"{source}: its loss scaler state is damaged ({problem}); start from its "

@@ -19,9 +19,7 @@ _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
 class _HalfParamsGradScaler(torch.amp.GradScaler):
-    """O3 in float16: the parameters, so their gradients, are float16 themselves (no float32 master
-    copies). GradScaler refuses to unscale float16 gradients unless asked; Apex's O3 unscaled them
-    in place, and so does this."""
+    """O3 in float16: unscales float16 gradients in place, as Apex's O3 did."""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
@@ -102,17 +100,15 @@ class NativePrecision(PrecisionBackend):
         self.scaler.scale(loss).backward()
 
     def unscale_(self, optimizer) -> None:
-        """Bring gradients to the optimiser's parameters in true scale (before clipping); no host
-        sync. Under O2 the half gradients reach the float32 master copies in one multi-tensor copy."""
+        """The optimiser's parameters' gradients in true scale, with no host sync."""
         if self._pairs:
             self._copy_grads_to_masters()
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
 
     def _copy_grads_to_masters(self) -> None:
-        """master.grad = param.grad in float32 (None where param.grad is None): the master gradients
-        are views of one flat float32 buffer, freed with them by `zero_grad`, each with
-        its master's strides (channels_last too), filled by one `_foreach_copy_`."""
+        """master.grad = param.grad in float32, as views of one flat buffer with the masters'
+        strides, filled by one `_foreach_copy_`."""
         if self._grad_layout is None:
             self._grad_layout, total = [], 0
             for _, master in self._pairs:
@@ -132,10 +128,8 @@ class NativePrecision(PrecisionBackend):
             torch._foreach_copy_(fulls, halves)
 
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
-        """Step unless the gradients are not finite; update the loss scale either way, except after
-        a bad loss (`bad_loss`: the engine made the gradients NaN on purpose, which says nothing
-        about their range). `unscale_` has already looked for overflows, so the step itself does
-        not read them back on the host (GradScaler.step would)."""
+        """Step unless the gradients are not finite; update the loss scale, except after a bad loss
+        (NaN gradients made on purpose); no host read."""
         if grads_finite:
             optimizer.step()
             if self._pairs:
@@ -159,9 +153,7 @@ class NativePrecision(PrecisionBackend):
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved scaler state, GradScaler's or Apex's (`engine.precision.loss_scale`); fields it lacks
-        (an Apex state has only the scale and the steps since the last overflow) keep this
-        scaler's values."""
+        """A saved scaler state, GradScaler's or Apex's; fields it lacks keep this scaler's values."""
         state = grad_scaler_fields(state)
         if state and self.scaler.is_enabled():
             self.scaler.load_state_dict({**self.scaler.state_dict(), **state})
