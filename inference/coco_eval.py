@@ -18,12 +18,8 @@ STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")
 
 
 def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None) -> dict:
-    """{AP, AP50, AP75, APm, APl, AR} of `results` against `gt_dict`, on `image_ids` (default all),
-    OKS computed with the per-keypoint `sigmas` (a skeleton's; default: pycocotools' COCO ones).
-
-    Images of `image_ids` without any result count as misses. Stats that COCO cannot define (no
-    labelled person at all) are -1, as pycocotools reports them.
-    """
+    """{AP, AP50, AP75, APm, APl, AR} of `results` against `gt_dict` on `image_ids` (default all;
+    images without results are misses), OKS with `sigmas` (default COCO's); undefined stats -1."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -72,10 +68,8 @@ RIGHT_PLACE = 0.5          # a keypoint's own OKS term exp(-d^2 / (2 s^2 k^2)) a
 
 
 def matched_people(gt_dict: dict, results: list[dict], sigmas, image_ids=None):
-    """Each labelled person of `gt_dict` (not a crowd, at least one labelled keypoint, of an image
-    in `image_ids`; default all) as (annotation, keypoints [K, 3], the keypoints [K, 3] of the found
-    person paired with it, or None). Pairs are taken greedily per image, highest OKS first (the mean
-    over its labelled keypoints), each person and each found person once."""
+    """(annotation, keypoints [K, 3], the found person's [K, 3] or None) of each labelled person of
+    `gt_dict` (not a crowd) in `image_ids`, paired greedily per image by highest OKS."""
     sigmas = np.asarray(sigmas, np.float64)
     wanted = None if image_ids is None else {int(i) for i in image_ids}
     found: dict = {}
@@ -110,9 +104,8 @@ def oks_terms(points: np.ndarray, guess: np.ndarray, sigmas: np.ndarray, ann: di
 
 
 def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
-    """Per keypoint (the annotations' order): (labelled, recalled). A labelled keypoint of a person
-    is recalled when the found person `matched_people` pairs with that person has the keypoint
-    with an OKS term >= RIGHT_PLACE: within about 2.4 sigma x sqrt(area) of where it is labelled."""
+    """Per keypoint: (labelled, recalled), recalled when the matched found person has it with an
+    OKS term >= RIGHT_PLACE."""
     sigmas = np.asarray(sigmas, np.float64)
     labelled, recalled = np.zeros(len(sigmas), np.int64), np.zeros(len(sigmas), np.int64)
     for ann, points, guess in matched_people(gt_dict, results, sigmas, image_ids):
@@ -132,8 +125,7 @@ def _scale(ann: dict) -> float:
 
 
 def format_recall(names, recall: list[tuple]) -> list[str]:
-    """Lines 'name  recalled/labelled  percent', the lowest recall first; 'n/a' for a keypoint
-    never labelled (listed last)."""
+    """Lines 'name  recalled/labelled  percent', lowest first; never labelled: 'n/a', last."""
     rows = sorted(((r / n if n else 2.0), name, n, r) for name, (n, r) in zip(names, recall))
     width = max((len(name) for _, name, _, _ in rows), default=0)
     return [f"  {name:<{width}}  {r:>6}/{n:<6} " + (f"{100 * share:5.1f}%" if n else "  n/a")

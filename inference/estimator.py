@@ -34,9 +34,8 @@ COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of b
 
 @dataclass(frozen=True)
 class Person:
-    """One person: `keypoints` float32 [K, 3] (x, y in picture pixels, peak score; all 0 for a
-    keypoint not found), `score` (1 - 1 / the sum of its peak and limb scores: higher is
-    better), `box` (x0, y0, x1, y1) around the found keypoints."""
+    """One person: `keypoints` float32 [K, 3] (x, y in picture pixels, peak score; 0s if not found),
+    `score` (higher is better), `box` (x0, y0, x1, y1) around the found keypoints."""
 
     keypoints: np.ndarray
     score: float
@@ -74,9 +73,8 @@ def decode_threads(cfg: InferenceConfig) -> int:
 
 
 def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each maps of the stream, in order; `group_people` runs in a pool
-    of `decode_threads` threads (numpy and OpenCV release the GIL) while the stream makes the next
-    maps; at most two maps per thread wait."""
+    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a pool of
+    `decode_threads` threads while the stream makes the next maps."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
@@ -95,16 +93,14 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
 
 def grouped_in_pixels(maps_stream: Iterable[np.ndarray], factors: deque, cfg: InferenceConfig,
                       skeleton) -> Iterator[tuple]:
-    """`grouped_in_pool` of maps made at a shrunk size: (maps, keypoints in the picture's own
-    pixels, scores), each picture's factor taken from `factors` (appended as its maps are made,
-    picture pixels per map pixel) by `coordinates_back`."""
+    """`grouped_in_pool` with keypoints in the picture's own pixels (`factors`, appended as the
+    maps are made)."""
     for maps, keypoints, scores in grouped_in_pool(maps_stream, cfg, skeleton):
         yield maps, coordinates_back(keypoints, factors.popleft()), scores
 
 
 class PoseEstimator:
-    """A network (a model of this project, or `inference.onnx_network.OnnxNetwork`) with the
-    settings it runs at (`config.views.PredictSettings`)."""
+    """A network (a model of this project, or an `OnnxNetwork`) with the settings it runs at."""
 
     def __init__(self, network, settings: PredictSettings):
         self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
@@ -123,8 +119,7 @@ class PoseEstimator:
     @classmethod
     def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
                         flip: bool | None = None) -> "PoseEstimator":
-        """From a checkpoint of this trainer (its config builds the network) or a bare state dict
-        (`preset` builds it, default imhn512); on `device` (auto, cpu, cuda, cuda:N)."""
+        """From a checkpoint of this trainer or a bare state dict (`preset` builds it)."""
         if str(path).endswith(".onnx"):
             raise CheckpointError(f"{path} is an ONNX file, not a checkpoint: load it with "
                                   "PoseEstimator.from_onnx (demo.py takes it as --weights too)")
@@ -151,13 +146,11 @@ class PoseEstimator:
         return self.network.device
 
     def maps(self, pictures_bgr: list[np.ndarray]) -> list[np.ndarray]:
-        """The maps [C, H, W] of each picture at the size it runs at (its own, or shrunk to
-        `MAX_SIDE`), batched (`inference.predict`); pictures checked as `__call__` says."""
+        """The maps [C, H, W] of each picture at the size it runs at (shrunk to `MAX_SIDE`)."""
         return predict_maps_batch(self.network, list(self._prepared(pictures_bgr)), self.settings)
 
     def _prepared(self, pictures: Iterable, factors: deque | None = None) -> Iterator[np.ndarray]:
-        """Each picture checked and converted (`inference.picture_input`), shrunk to `MAX_SIDE`;
-        the factor each was shrunk by is appended to `factors`."""
+        """Each picture checked, converted and shrunk to `MAX_SIDE` (its factor appended to `factors`)."""
         for k, picture in enumerate(pictures):
             ready, factor = shrunk(checked_picture(picture, f"picture {k}"), self.max_side)
             if factors is not None:
@@ -166,8 +159,7 @@ class PoseEstimator:
 
     def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
                     ) -> Iterator[np.ndarray]:
-        """`maps` of an iterable of pictures, read `inference.batch_size` at a time, or fewer when
-        they are larger than COCO's 640 x 480 (their maps at picture size are held together)."""
+        """`maps` of an iterable of pictures, `inference.batch_size` at a time (fewer when large)."""
         batch_size = self.settings.inference.batch_size
         chunk, pixels = [], 0
         for picture in self._prepared(pictures, factors):
@@ -180,8 +172,7 @@ class PoseEstimator:
             yield from predict_maps_batch(self.network, chunk, self.settings)
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
-        """(maps, keypoints float32 [P, K, 3] in the picture's own pixels, scores [P]) of each
-        picture, in order: `group_people` of its maps, in a pool of threads (`grouped_in_pool`)."""
+        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order."""
         factors: deque = deque()
         yield from grouped_in_pixels(self.maps_stream(pictures, factors), factors, self.settings.inference,
                                      self.skeleton)
@@ -193,8 +184,7 @@ class PoseEstimator:
             yield Prediction(people, picture_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):
-        """People of one BGR uint8 picture [H, W, 3], or a list of them per picture of a list (other
-        pictures are converted or refused as `inference.picture_input` says)."""
+        """People of one BGR uint8 picture [H, W, 3], or per picture of a list."""
         if isinstance(pictures, np.ndarray):
             return next(self.stream([pictures], maps))
         if pictures is None or isinstance(pictures, (str, bytes, os.PathLike)):

@@ -48,9 +48,8 @@ def eval_mode(model):
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
-    """(maps, factor): the ground-truth maps [C, H, W] of image `img` (stride 1, the widths of
-    `targets`, the file's skeleton's channels) at the size the network path runs the picture at (its
-    own, or shrunk to `MAX_SIDE`), `factor` picture pixels per map pixel."""
+    """(maps, factor): the ground-truth maps [C, H, W] of image `img` at the size the network runs
+    the picture at, `factor` picture pixels per map pixel."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
@@ -65,10 +64,8 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
 
 
 def read_ahead(items: Iterable, count: int) -> Iterator:
-    """The items of `items`, in order, made by a background thread up to `count` ahead of the
-    consumer (JPEG decoding and HDF5 reads release the GIL, so picture n + 1 is decoded while the
-    network runs picture n). An exception of `items` is raised to the consumer in its place; when
-    the consumer stops early the thread stops at its next item and is joined."""
+    """The items of `items`, in order, made by a background thread up to `count` ahead (its
+    exception raised in its place); the thread is joined when the consumer stops."""
     finished, quit = object(), threading.Event()
     slots: queue.Queue = queue.Queue(maxsize=max(1, count))
 
@@ -107,10 +104,8 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
-    """{image id: COCO results with their keypoints' peak scores} of the image indices given, as the
-    inference API finds them: pictures decoded a batch ahead (`read_ahead`), batched through the
-    model (the ground-truth maps with `oracle`), people grouped in a thread pool. `stop()` True
-    before an image: the images so far."""
+    """{image id: COCO results with peak scores} of the image indices given, as the inference API
+    finds them (`oracle`: from the ground-truth maps); `stop()` True: the images so far."""
     taken: deque = deque()
 
     def until_stopped():
@@ -156,13 +151,10 @@ def check_same_skeleton(model_skeleton, h5) -> None:
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
                 oracle: bool = False, results_path=None, stop=None, skeleton=None,
                 overwrite: bool = True, scoring=None, recall: bool = False) -> dict | None:
-    """The stats of `model` (of this project, or a network of `inference.predict`) on the first
-    `max_images` images of `h5_path` (0: all), at `settings` (`config.views.PredictSettings`);
-    `oracle` decodes the ground-truth maps instead. `skeleton`: the model's, refused when not the
-    file's. `scoring` (default: the skeleton's) chooses the metrics; `recall` adds `keypoint_recall`
-    ({keypoint: [labelled, recalled]}). `results_path`: where rank 0 writes the results, atomically
-    (replacing a file only with `overwrite`): COCO's JSON, or per picture with a .jsonl name. `stop()`
-    True on any rank before an image: every rank returns None (a training run asked to stop)."""
+    """The stats of `model` (or `oracle`: the ground-truth maps) on the first `max_images` images of
+    `h5_path` (0: all). `skeleton`: the model's, refused when not the file's; `scoring` chooses the
+    metrics; `recall` adds `keypoint_recall`. Rank 0 writes `results_path` atomically (COCO JSON, or
+    .jsonl). `stop()` True on any rank: every rank returns None."""
     from data.h5format import KeypointH5
 
     if model is None and not oracle:
@@ -241,8 +233,7 @@ __all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads
 
 
 def training_evaluator():
-    """The AP part of a training run (`engine.run_trainer.build_trainer(evaluator=...)`): `evaluate_h5`,
-    looked up when called (tests replace it); the engine calls it without importing this layer."""
+    """The AP part of a training run: `evaluate_h5`, looked up when called (tests replace it)."""
     def evaluate(model, h5_path, settings: PredictSettings, device, **options):
         return evaluate_h5(model, h5_path, settings, device, **options)
     return evaluate

@@ -53,9 +53,7 @@ def _flags_wrong(preset, sets, scales, flip) -> bool:
 def load_model(weights: str, preset: str | None, sets: list[str], device, scales=None,
                flip: bool | None = None, say=None):
     """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
-    (its network read from its shapes; `say`, by default a line on stderr, tells that it was
-    converted) or a bare weights file; the model's skeleton is `model.skeleton`
-    (`data.skeleton.from_checkpoint` of the file: COCO for the authors' and bare ones)."""
+    (converted, `say` says so) or a bare weights file; its skeleton is `model.skeleton`."""
     from runtime.checkpoint import load_checkpoint, load_weights, preferred_weights, reference_file_settings
     from models import build_model
 
@@ -79,8 +77,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     try:
         report = load_weights(model, chosen if state is not None else weights, source=weights)
     except CheckpointError as exc:
-        # the same message twice: the file itself cannot be read (missing, corrupt, unsafe), and
-        # the preset has nothing to do with it
+        # the file itself cannot be read: the preset has nothing to do with it
         if saved is not None or settings is not None or str(exc) == str(not_a_checkpoint):
             raise
         raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "

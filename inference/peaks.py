@@ -27,10 +27,8 @@ def _neighbour(flat_index, i, j, di, dj, height, width):
 
 
 def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = None) -> np.ndarray:
-    """Sorted flat indices into contiguous float32 `heatmaps` [K, H, W] of the pixels above
-    `threshold` that are >= each of their (in-map) 8 neighbours. `dense` forces the way (None: the
-    cheaper one for these maps); both give the same indices.
-    """
+    """Sorted flat indices into float32 `heatmaps` [K, H, W] of the pixels above `threshold` and
+    >= their 8 neighbours; `dense` forces one of two equal ways (None: the cheaper)."""
     if dense is None:
         sample = heatmaps[:, ::_SAMPLE_ROWS]
         dense = np.count_nonzero(sample > threshold) > DENSE_FRACTION * sample.size
@@ -40,9 +38,8 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
 
 
 def _above_per_map(heatmaps, threshold):
-    """(map index, sorted indices into that map of its pixels above `threshold`) of each map with
-    any: the comparison's mask is one map's size and reused, so it stays in the cache and is never
-    page-faulted in anew (0.5 ms less on 18 maps of 480 x 640 than one mask of them all)."""
+    """(map index, sorted indices of its pixels above `threshold`) of each map with any, through
+    one reused map-sized mask (it stays in the cache)."""
     _, height, width = heatmaps.shape
     is_above = np.empty(height * width, bool)
     for index, heatmap in enumerate(heatmaps):
@@ -52,8 +49,7 @@ def _above_per_map(heatmaps, threshold):
 
 
 def _local_maxima_dense(heatmaps, threshold) -> np.ndarray:
-    """Per map: a pixel above threshold and equal to its 3x3 dilation (the border does not count),
-    the dilation taken over the rows from the first to the last such pixel (and one more each side)."""
+    """Per map: pixels above threshold equal to their 3x3 dilation (over the rows that hold any)."""
     _, height, width = heatmaps.shape
     neighbourhood_max = np.empty((height, width), np.float32)
     found = []
@@ -73,8 +69,7 @@ def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
     found = [cand + index * height * width for index, cand in _above_per_map(heatmaps, threshold)]
     cand = np.concatenate(found) if found else np.zeros(0, np.intp)
     value = flat[cand]
-    # Cheap horizontal test first (flat +-1, no bounds but the map's side columns): it keeps about
-    # one pixel per row of each blob, so the exact test below sees few candidates.
+    # a cheap horizontal test first leaves the exact test few candidates
     column = cand % width
     keep = (((value >= flat[cand - 1]) | (column == 0))
             & ((value >= flat[np.minimum(cand + 1, flat.size - 1)]) | (column == width - 1)))
@@ -89,10 +84,8 @@ def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
 
 
 def _plateau_firsts(flat, cand, height, width):
-    """(kept mask, half_step [N, 2]) of maxima `cand`: a maximum whose earlier neighbour holds the
-    same value is dropped; a kept one remembers where its plateau's centre lies (dx, dy in
-    {-0.5, 0, 0.5}: half a pixel right, left or down).
-    """
+    """(kept mask, half_step [N, 2]) of maxima `cand`: one whose earlier neighbour is equal is
+    dropped; a kept one notes its plateau's centre (dx, dy in {-0.5, 0, 0.5})."""
     value = flat[cand]
     plane = cand % (height * width)
     i, j = plane // width, plane % width
@@ -122,12 +115,9 @@ def _strongest_floor(value, channel, channels: int, count: int) -> np.ndarray:
 
 
 def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
-    """Local maxima of each map in `heatmaps` [K, H, W] (float32) above `threshold`.
-
-    Returns (channel int64 [N], xy float32 [N, 2] refined image coordinates, score float32 [N]),
-    sorted by channel then raster order. A peak is >= its 8 neighbours; of neighbouring equal
-    maxima only the first in raster order is kept; `max_per_map` > 0 keeps each map's strongest.
-    """
+    """Local maxima (>= 8 neighbours; of equal neighbours the first) of each float32 map [K, H, W]
+    above `threshold`: (channel int64 [N], refined xy float32 [N, 2], score float32 [N]) by channel
+    then raster order; `max_per_map` > 0 keeps each map's strongest."""
     heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
     channels, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
@@ -159,11 +149,8 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
 
 
 def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step=None) -> np.ndarray:
-    """Weighted centroid (x, y) of each peak's (2r+1)^2 window; pixels outside the map weigh 0.
-
-    `half_step` [N, 2] in {-0.5, 0, 0.5} centres the window on a plateau's centre instead: the
-    window then spans one more column (row) on that side, so it stays symmetric about the plateau.
-    """
+    """Weighted centroid (x, y) of each peak's (2r+1)^2 window (outside the map: 0), widened by
+    `half_step` [N, 2] to stay centred on a plateau."""
     xy = np.stack([j, i], axis=1).astype(np.float32)
     if radius <= 0 or len(channel) == 0:
         return xy + (half_step if half_step is not None else 0.0)

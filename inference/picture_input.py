@@ -68,8 +68,7 @@ def _as_bgr(picture: np.ndarray) -> np.ndarray:
 
 
 def shrunk(picture: np.ndarray, max_side: int = MAX_SIDE) -> tuple[np.ndarray, float]:
-    """(picture, factor): the picture shrunk so that its longer side is at most `max_side` (area
-    filter), and picture pixels per pixel of what is returned (1.0 when it was small enough)."""
+    """(picture with its longer side at most `max_side`, picture pixels per returned pixel)."""
     height, width = picture.shape[:2]
     if max(height, width) <= max_side:
         return picture, 1.0
@@ -80,8 +79,7 @@ def shrunk(picture: np.ndarray, max_side: int = MAX_SIDE) -> tuple[np.ndarray, f
 
 
 def coordinates_back(keypoints: np.ndarray, factor: float) -> np.ndarray:
-    """Keypoints [P, K, 3] found in a picture shrunk by `factor`, in the picture's pixels (pixel
-    centres kept: x -> (x + 0.5) * factor - 0.5); keypoints not found stay all 0."""
+    """Keypoints [P, K, 3] found in a picture shrunk by `factor`, in the picture's pixels (0s kept)."""
     if factor == 1.0 or not len(keypoints):
         return keypoints
     out = keypoints.copy()

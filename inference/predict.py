@@ -23,10 +23,7 @@ MAX_ASPECT = 4      # a picture runs at most this many times as wide as its scal
 
 
 class TorchNetwork:
-    """A model of this project as a network of this module: the last stack's stride-4 maps, float32.
-
-    The caller puts the model in eval mode (`inference.evaluation.eval_mode`); it runs under no_grad.
-    """
+    """A model of this project (in eval mode) as a network: the last stack's stride-4 maps."""
 
     def __init__(self, model: torch.nn.Module, device=None):
         self.model = model
@@ -42,12 +39,8 @@ class TorchNetwork:
 
 
 def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> torch.Tensor:
-    """Stride-`stride` maps [B, C, h, w] of an input resized to `resized_hw` -> [B, C, *image_hw].
-
-    Exact in continuous coordinates: image pixel y maps to resized pixel (y + 0.5) * rh / H - 0.5,
-    then to map cell (that + 0.5) / stride - 0.5, i.e. (y + 0.5) * rh / (stride * H) - 0.5: bilinear
-    interpolation with that scale factor (borders clamped), cropped to the image.
-    """
+    """Stride-`stride` maps [B, C, h, w] of an input resized to `resized_hw` -> [B, C, *image_hw],
+    bilinear with image pixel y at map cell (y + 0.5) * rh / (stride * H) - 0.5."""
     (rh, rw), (height, width) = resized_hw, image_hw
     # One extra replicated cell so that rounding never leaves the output a pixel short.
     padded = F.pad(maps.float(), (0, 1, 0, 1), mode="replicate")
@@ -58,10 +51,8 @@ def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> 
 
 
 def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> np.ndarray:
-    """The picture resized to height scale * input_size, or, for a picture more than MAX_ASPECT
-    times as wide as tall, to MAX_ASPECT times that width (aspect kept; area filter when
-    shrinking): the network's input is at most MAX_ASPECT x (scale x input_size)^2 pixels, whatever
-    the picture's shape (a 1 x 2048 strip by its height alone: 512 x 1048576)."""
+    """The picture resized to height scale * input_size, its width at most MAX_ASPECT times that
+    (aspect kept)."""
     height, width = picture_bgr.shape[:2]
     rh = max(1, int(round(float(scale) * input_size)))
     if width > MAX_ASPECT * height:
@@ -84,11 +75,8 @@ def _as_network(model):
 @torch.no_grad()
 def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictSettings
                        ) -> list[np.ndarray]:
-    """float32 [C, H, W] maps of each picture at its own size (see the module doc), at the scales
-    and flip of `settings.inference`.
-
-    `model`: a model of this project (in eval mode) or a network of this module.
-    """
+    """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
+    and flip; `model`: a model of this project (in eval mode) or a network of this module."""
     inference = settings.inference
     network = _as_network(model)
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)

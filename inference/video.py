@@ -95,10 +95,8 @@ def count_frames(path) -> int:
 
 
 class VideoOut:
-    """Context manager writing BGR frames of one size to `path` at `fps`: into a temporary file beside
-    it, which is read back when the block ends without an exception (every frame written must be
-    there: OpenCV's writer reports no error, e.g. on a full disk) and then takes `path`'s name
-    (replacing a file there only with `overwrite`); removed otherwise."""
+    """Context manager writing BGR frames to `path` at `fps` through a temporary file, which is read
+    back (OpenCV's writer reports no error) and then renamed (over a file only with `overwrite`)."""
 
     def __init__(self, path, fps: float, size: tuple[int, int], overwrite: bool = False):
         self.path = check_video_out(path)
