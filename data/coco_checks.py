@@ -172,9 +172,8 @@ def _triples(count: int) -> str:
 
 
 def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> None:
-    """Give a checked annotation the fields COCO defines but the file left out, with COCO's
-    meaning, and recount a `num_keypoints` that disagrees with its labelled points; each kind of
-    change is counted in `repairs`."""
+    """Fill a checked annotation's missing COCO fields and a wrong `num_keypoints`, counted in
+    `repairs`."""
     if "iscrowd" not in ann:
         ann["iscrowd"] = 0
         repairs["no iscrowd: 0 (not a crowd)"] += 1
@@ -223,11 +222,9 @@ class Selection:
 
 def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann_path: Path,
                  error, keypoints: int = 17) -> Selection:
-    """Check every image and person annotation of `data` (those of the categories `category_ids`,
-    a set or one id; `keypoints` per person: the skeleton's annotated ones); a problem raises
-    `error(message)`, or with `skip_bad` drops the image it concerns (a person left out would be
-    trained as background) and is listed in `rejected`. The kept annotations get the first
-    category's id (the categories are merged) and the fields `complete_fields` gives."""
+    """Check every image and person annotation of `data` in `category_ids`: a problem raises
+    `error(message)`, or with `skip_bad` drops its whole image (listed in `rejected`). Kept
+    annotations get the first category's id and `complete_fields`."""
     out = Selection()
     category_ids = list(category_ids) if isinstance(category_ids, (list, tuple, set)) else [category_ids]
     wanted = set(category_ids)

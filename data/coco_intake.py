@@ -22,9 +22,8 @@ WHOLEBODY_PARTS = ("foot_kpts", "face_kpts", "lefthand_kpts", "righthand_kpts") 
 
 
 def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: list) -> list:
-    """The categories to convert, as one: `wanted` (names or ids, from --categories), else
-    `person`, else those that list keypoints when they all list the same ones (a line in `said`
-    names those left out)."""
+    """The categories to convert as one: `wanted` (--categories), else `person`, else those that
+    list the same keypoints."""
     categories = [c for c in data["categories"] if isinstance(c, dict)]
     if wanted:
         chosen = []
@@ -58,9 +57,8 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
 
 
 def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path) -> list:
-    """Lines for the JSON's keypoint names that `skeleton` spells otherwise (`Right-ankle` for
-    `right_ankle`: matched) or renames (a few, taken by position); `DataError` when the names
-    are another skeleton's or in another order (each name shown as written, quoted)."""
+    """Lines for the JSON's keypoint names that `skeleton` spells or names otherwise; `DataError`
+    when they are another skeleton's or in another order."""
     given, common = skeleton.dataset_keypoints, min(len(names), len(skeleton.dataset_keypoints))
     plain = [plain_name(n) for n in names]
     differ = [k for k in range(common) if names[k] != given[k]]
@@ -82,10 +80,8 @@ def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path)
 
 def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: Path,
                     skeleton: Skeleton | None, links_from: int | None = None) -> tuple[Skeleton, str]:
-    """(the skeleton of the file, lines saying where it came from) or `DataError`: `skeleton` as
-    given, else the built-in the keypoints name or one inferred (`links_from`: how it counts the
-    category's links, see `infer_skeleton`), with links added where the keypoints `points` label
-    reach each other only through keypoints never labelled."""
+    """(the file's skeleton, lines saying where it came from): `skeleton`, else the built-in the
+    keypoints name, else one inferred; fitted to the labels (`fit_to_labels`)."""
     if skeleton is not None:
         lines = _name_lines(names, skeleton, category, ann_path)
         known = matching_builtin(skeleton.dataset_keypoints)
@@ -105,8 +101,7 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
 
 
 def _layouts(ann: dict) -> dict:
-    """{fields: keypoints they hold} of the ways one annotation gives its keypoints: `keypoints`,
-    that and COCO-WholeBody's parts, or a `keypoints_N` field (Human-Art's `keypoints_21`)."""
+    """{fields: keypoints they hold} of the ways an annotation gives its keypoints."""
     def size(field) -> int:
         value = ann.get(field)
         return len(value) // 3 if isinstance(value, list) else 0
@@ -119,9 +114,8 @@ def _layouts(ann: dict) -> dict:
 
 
 def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path: Path) -> tuple[int, list]:
-    """Read each annotation's keypoints from the fields that hold as many as `skeleton` has (None:
-    the most the file gives), into `keypoints`; (how many, a line saying which fields when there
-    was a choice) or `DataError` when no field holds the skeleton's count."""
+    """Read each annotation's keypoints from the fields that hold `skeleton`'s count (None: the
+    most), into `keypoints`; (how many, a line on a choice), or `DataError`."""
     wanted = skeleton and len(skeleton.dataset_keypoints)
     sample = next((a for a in own if isinstance(a, dict) and not a.get("iscrowd")
                    and isinstance(a.get("keypoints"), list)), None)
@@ -159,8 +153,7 @@ def _reader(names: list, count: int) -> str:
 
 
 def _strip_prefix(images: list, images_dir: Path) -> list:
-    """Drop leading folders that every file_name starts with and `images_dir` lacks (Human-Art's
-    `HumanArt/images/`), when the first picture is found without them; a line saying so."""
+    """Drop leading folders of every file_name that `images_dir` lacks; a line saying so."""
     if not images or (images_dir / images[0]["file_name"]).exists():
         return []
     parts = PurePosixPath(images[0]["file_name"].replace("\\", "/")).parts
@@ -197,11 +190,8 @@ def _read_json(ann_path: Path) -> dict:
 def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
               skeleton: Skeleton | None = None, categories: list | None = None,
               links_from: int | None = None) -> tuple[dict, Selection, Skeleton, str]:
-    """(keypoint category, the images and annotations that pass every check of `data.coco_checks`,
-    skeleton, what was decided: one line each) or `DataError`; with `skip_bad` the selection lists
-    what was left out; `skeleton` None: the built-in the category names, or one inferred from it
-    (`links_from`: how its links are counted, None: decided); `categories` (names or ids): the
-    categories to convert as one (default: see `_keypoint_categories`)."""
+    """(keypoint category, the images and annotations that pass `data.coco_checks`, skeleton, what
+    was decided) or `DataError`; `skeleton` None: `choose_skeleton` decides."""
     data = _read_json(ann_path)
     said: list = []
     chosen = _keypoint_categories(data, ann_path, categories, said)

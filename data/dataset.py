@@ -31,9 +31,8 @@ _KEEP_FREED_BYTES = 64 << 20
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep up to 64 MB of freed memory for reuse instead of returning it to the OS: each
-    sample allocates and frees the same few large buffers, which glibc otherwise maps fresh every
-    time (~500 page faults, a third of a sample's cost). Process-wide; nothing without glibc."""
+    """Let glibc keep up to 64 MB of freed memory for reuse (a sample's buffers were a third of
+    its cost in page faults); process-wide, nothing without glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -75,9 +74,8 @@ class KeypointDataset(Dataset):
         self._process = None          # pid `keep_freed_memory` ran in
 
     def painter_for(self, device: torch.device):
-        """What draws a batch's targets on `device`: on a CPU the windowed drawing of `data.targets`
-        sample by sample (some 40x cheaper there), elsewhere the whole-grid `TargetPainter`
-        (a few kernels per person slot, no host sync). They agree to float32 rounding."""
+        """What draws a batch's targets on `device`: on a CPU `data.targets`' windows (40x cheaper
+        there), elsewhere the whole-grid `TargetPainter`; they agree to float32 rounding."""
         return self.host_painter if torch.device(device).type == "cpu" else self.painter
 
     def set_epoch(self, epoch: int) -> None:
@@ -106,13 +104,9 @@ class KeypointDataset(Dataset):
 
     # -- samples --------------------------------------------------------------------------------
     def sample_arrays(self, key, timings: dict | None = None) -> dict:
-        """numpy view of sample `key`: image (uint8 SxSx3 BGR), people (input px), target (float32,
-        `data.targets.render_targets`), mask (float32 S/4 x S/4, 1 = supervise), ignore and
-        person_mask (uint8, 0-255), params, matrix (image px -> input px).
-
-        `timings`, if given, accumulates CPU seconds per stage: "read: ..." (HDF5 reads, decoding),
-        "augment: ..." (warps, tint) and "targets".
-        """
+        """numpy view of sample `key`: image, people, target, mask (1 = supervise), ignore and
+        person_mask (0-255), params, matrix (image px -> input px). `timings` accumulates CPU
+        seconds per stage."""
         sample = self.augmented(key, timings)
         clock = _StageClock(timings)
         sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()

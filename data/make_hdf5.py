@@ -188,11 +188,8 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
             overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
             keep_all: bool = False, side_outputs: dict | None = None) -> dict:
     """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`; returns
-    the summary (counts, what was skipped and why, the skeleton and where it came from). `skeleton`
-    None: the built-in the JSON names, else one inferred; `categories`, `links_from`: `load_coco`'s;
-    `keep_all`: see `main_people`. `overwrite` False refuses an existing file. `side_outputs`
-    ({option: path}, written by the caller afterwards) are checked as `out_path` is, before anything
-    is written. A `DataError` raised once the JSON was read carries the summary so far (`.summary`)."""
+    the summary (counts, what was skipped and why, the skeleton). `side_outputs` ({option: path})
+    are checked as `out_path` is; a `DataError` carries the summary so far (`.summary`)."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")

@@ -21,10 +21,8 @@ def check_picture_path(path, option: str = "--out") -> Path:
 
 
 def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: bool = True) -> Path:
-    """Write a BGR picture to `path` (its folder made if needed) atomically: a temporary file of the
-    same format, renamed, so a reader never sees half a picture. `DataError` naming `option` and the
-    path when the extension is not a picture format or the place is not writable; without
-    `overwrite`, a file that appeared at `path` meanwhile is kept (`common.paths.written_whole`)."""
+    """Write a BGR picture to `path` atomically (folder made if needed); `DataError` naming `option`
+    when it cannot be written there; without `overwrite` a file there meanwhile is kept."""
     path = check_picture_path(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,17 +15,13 @@ _FULL_SCALE = 255            # the uint8 value that becomes 1.0
 
 
 def normalise(rgb: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 RGB values (any shape, any device) -> the network's input: value / 255, no offset (the
-    authors' convention, so their weights compute their maps here), in `dtype`."""
+    """uint8 RGB values -> the network's input, value / 255 (the authors' convention), in `dtype`."""
     return rgb.to(dtype).div_(_FULL_SCALE)
 
 
 def bgr_to_input(pictures_bgr: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 [..., H, W, 3] BGR (one picture or a batch, any device) -> contiguous [..., 3, H, W]
-    RGB network input in `dtype` (the reordering is done on the uint8 values, then `normalise`).
-
-    float32 on the CPU is one numpy division per channel into a numpy array (numpy's huge pages
-    spare most page faults of a fresh batch): the values of `normalise`, in a third of the time."""
+    """uint8 [..., H, W, 3] BGR (any device) -> contiguous [..., 3, H, W] RGB input in `dtype`
+    (float32 on the CPU: numpy, the same values in a third of the time)."""
     if pictures_bgr.device.type == "cpu" and dtype == torch.float32:
         bgr = pictures_bgr.numpy()
         rgb = np.empty(bgr.shape[:-3] + (3,) + bgr.shape[-3:-1], np.float32)
@@ -47,11 +43,8 @@ def padded_size(height: int, width: int, multiple: int) -> tuple[int, int]:
 
 
 def pictures_to_batch(pictures_bgr: list[np.ndarray], size: tuple[int, int], device) -> torch.Tensor:
-    """uint8 BGR pictures, each at most `size` (height, width) -> float32 [B, 3, *size] network input
-    on `device`: each picture at the top left, `GREY` to the right of and below it.
-
-    The uint8 canvas goes to the device and is normalised there (a quarter of the bytes to move).
-    """
+    """uint8 BGR pictures, each at most `size` -> float32 [B, 3, *size] input on `device`, each at
+    the top left on `GREY` (normalised on the device)."""
     canvas = np.empty((len(pictures_bgr), *size, 3), np.uint8)
     canvas[:] = GREY
     for slot, picture in zip(canvas, pictures_bgr):

@@ -34,10 +34,8 @@ def plain_name(name: str) -> str:
 
 
 def matching_builtin(names, count: int | None = None) -> Skeleton | None:
-    """The built-in whose annotation keypoints are `names`, in this order (spelling aside: case,
-    separators, and L/R/F/B for left/right/front/back: `L_F_Paw` is `left_front_paw`); with
-    `count`, the built-in of `count` keypoints whose first ones are `names` (COCO-WholeBody's 133
-    after COCO's 17)."""
+    """The built-in whose keypoints are `names` in this order (spelling aside, `plain_name`); with
+    `count`, the one of `count` keypoints that `names` begin."""
     wanted = tuple(plain_name(n) for n in names)
     for name in builtin_names():
         known = builtin(name).dataset_keypoints
@@ -83,9 +81,8 @@ def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list
 
 
 def _links(category: dict, count: int, source: str, links_from: int | None) -> tuple[list, list]:
-    """The category's `skeleton` links as 0-based index pairs, and the line saying how they were
-    counted: from 0 when a link uses keypoint 0, else from 1 (COCO's rule); `links_from` (0 or
-    1) decides instead."""
+    """The category's links as 0-based pairs, and a line saying how they were counted (from 0 if a
+    link uses keypoint 0, else from 1; or `links_from`)."""
     links = category.get("skeleton") or []
     if not isinstance(links, list):
         _fail(source, "the category's skeleton is not a list of keypoint pairs")
@@ -176,10 +173,8 @@ def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, 
 
 
 def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[Skeleton, list]:
-    """(skeleton, report lines): `skeleton` with links added (nearest in the data, and their
-    mirrors) where the keypoints the people `points` [N, D, 3] label reach each other only through
-    keypoints they never label (such links join nothing in this file: halpe136 joins head only
-    through neck); as it is when its links between labelled keypoints join them all."""
+    """(skeleton, report lines): `skeleton` with links (and mirrors) added, nearest first, where
+    the keypoints `points` label reach each other only through keypoints never labelled."""
     if not len(points):
         return skeleton, []
     ours = skeleton.from_annotation(points)
@@ -203,9 +198,8 @@ def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[
 
 def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
                    links_from: int | None = None) -> tuple[Skeleton, list]:
-    """(skeleton, report lines) for a category with keypoints `names` no built-in has; `points`
-    [N, K, 3]: the labelled people, whose keypoints measure the distances of added links;
-    `links_from`: how the category's links are counted (None: see `_links`)."""
+    """(skeleton, report lines) for a category whose keypoints `names` no built-in has; `points`:
+    the labelled people, measuring added links."""
     pairs, report = _links(category, len(names), source, links_from)
     flip = name_flips(names)
     links, mirrors, joins = _complete(pairs, flip, points)

@@ -6,9 +6,7 @@ from data.skeleton import Skeleton
 
 
 def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
-    """`skeleton` in a few words for an error about it and `other`: name and sizes, and, where
-    those are the same words, what differs (a keypoint's name, the limbs, the flip pairs, the
-    derived keypoints or the OKS sigmas), so the two sides of a message read differently."""
+    """`skeleton` in a few words that tell it from `other`: name and sizes, else what differs."""
     words = f"{skeleton.name}, {skeleton.num_keypoints} keypoints, {skeleton.num_channels} channels"
     if words != f"{other.name}, {other.num_keypoints} keypoints, {other.num_channels} channels":
         return words

@@ -215,9 +215,8 @@ SKELETONS = ("coco", synthetic_animals.NAME)
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
                 skeleton: str = "coco", overwrite: bool = True) -> Path:
-    """Draw `count` images of people (`skeleton` coco) or animals (quadruped) into out_dir/split/
-    and write out_dir/split.json (a JSON that appeared there meanwhile replaced only with
-    `overwrite`); returns the JSON path."""
+    """Draw `count` images of people or animals into out_dir/split/ and write out_dir/split.json;
+    returns its path."""
     split_index = {"train": 0, "val": 1}[split]
     rng = np.random.default_rng([seed, split_index])            # different streams per split
     folder = out_dir / split
@@ -258,11 +257,8 @@ def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: 
 
 def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50,
                         size: int = 192, seed: int = 0, skeleton: str = "coco") -> tuple[Path, Path]:
-    """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, drawn and converted once.
-
-    Reused while both files open fine and were made with the same settings. Two processes may
-    call it at once: a lock file serialises them, and files appear only complete (rename).
-    """
+    """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, drawn and converted once (under
+    a lock), reused while both open fine and were made with the same settings."""
     from data.h5format import KeypointH5
     from data.make_hdf5 import convert
 
@@ -301,8 +297,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
 
 
 def refuse_existing_dataset(out_dir: Path, overwrite: bool) -> None:
-    """ConfigError when `out_dir` already holds a dataset's files (split JSONs, pictures of the split
-    folders) and `overwrite` is not given; a file as `out_dir` always."""
+    """ConfigError when `out_dir` holds a dataset's files (without `overwrite`) or is a file."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
     for split in ("train", "val"):

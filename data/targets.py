@@ -72,9 +72,8 @@ def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height:
 
 def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
                 margin: float) -> None:
-    """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W]: the cells
-    of the limbs' windows laid end to end in flat arrays (at most `_CHUNK_CELLS` at a time), added in
-    person order, then divided by how many limbs reached each."""
+    """Mean of one perpendicular-distance Gaussian per labelled limb into maps [L,H,W], the limbs'
+    windows flattened (at most `_CHUNK_CELLS` cells at a time)."""
     height, width = maps.shape[1:]
     limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
     if limb.size == 0:
@@ -119,10 +118,8 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
 
 def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig, skeleton: Skeleton,
                    person_mask=None, out: np.ndarray | None = None) -> np.ndarray:
-    """float32 [C, out_h, out_w] targets of `people` [P,K,3] (input pixels, v > 0 labelled), in the
-    channel layout of `skeleton`, values in [0, 1]. `person_mask` (out_h x out_w, in [0, 1]) fills
-    the person-mask channel after a 3x3 erosion (else 0); the last channel is the keypoint maps' max.
-    `out`, if given, is a zeroed C-contiguous array to draw into, and is returned."""
+    """float32 [C, out_h, out_w] targets in [0, 1] of `people` [P,K,3] (input pixels) in `skeleton`'s
+    channels; `person_mask` fills its channel after a 3x3 erosion; `out`: a zeroed array to fill."""
     people = np.asarray(people, np.float32).reshape(-1, skeleton.num_keypoints, 3)
     shape = (skeleton.num_channels, out_h, out_w)
     if out is None:
@@ -144,10 +141,8 @@ def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfi
 
 
 class HostTargetPainter:
-    """`data.device_targets.TargetPainter`'s call on the host: padded people [B, P, K, 3] and
-    uint8 person masks [B, 1, h, w] (0-255) -> float32 targets [B, C, h, w], each sample drawn by
-    `render_targets` with the mask as `data.augment.mask_fraction` makes it (so a sample's maps
-    are those of `KeypointDataset.sample_arrays`, bit for bit). Padding rows (v = 0) draw nothing."""
+    """`TargetPainter`'s call on the host: padded people [B, P, K, 3] and uint8 person masks
+    [B, 1, h, w] -> float32 targets [B, C, h, w] by `render_targets` (as `sample_arrays` draws)."""
 
     def __init__(self, skeleton: Skeleton, cfg: TargetConfig, stride: int):
         self.skeleton = skeleton

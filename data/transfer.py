@@ -33,8 +33,7 @@ def pack_people(people: np.ndarray, slots: int) -> np.ndarray:
 
 def compact_sample(image_bgr: np.ndarray, people: np.ndarray, ignore: np.ndarray,
                    person_mask: np.ndarray):
-    """(uint8 image [S,S,3], float32 people [P,K,3], uint8 masks [2,h,w]) tensors of one sample:
-    uint8 BGR picture, packed people (`pack_people`), uint8 ignore and person masks (0-255)."""
+    """(uint8 BGR image [S,S,3], packed people [P,K,3], uint8 masks [2,h,w]) tensors of a sample."""
     return (torch.from_numpy(image_bgr), torch.from_numpy(people),
             torch.from_numpy(np.stack([ignore, person_mask])))
 
@@ -45,8 +44,7 @@ def is_compact(batch) -> bool:
 
 
 def trim_people(people: torch.Tensor) -> torch.Tensor:
-    """The packed people of a batch [B, P, K, 3] (host memory) without the slots no sample uses:
-    the drawing skips them, and they would draw nothing. Left whole off the host (no sync)."""
+    """A host batch's packed people [B, P, K, 3] without the slots no sample uses."""
     if people.device.type != "cpu":
         return people
     used = int((people[..., 2] > 0).any(dim=-1).sum(dim=-1).max()) if people.numel() else 0
