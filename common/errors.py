@@ -32,9 +32,7 @@ class TrainingDiverged(UserError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, except that a mistake on the command line ends like any other bad input:
-    one `error:` line naming the option, exit code 2, instead of the whole usage first (`--help`
-    still prints it)."""
+    """argparse's parser, but a command-line mistake is one `error:` line and exit code 2."""
 
     def error(self, message: str):
         self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
@@ -46,8 +44,7 @@ def os_reason(exc: OSError) -> str:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, in a command that stops on it as on Ctrl-C (`run_cli` with `kept`): raised in the
-    main thread, so `finally` blocks remove temporary files and no `except Exception` swallows it."""
+    """SIGTERM as raised in a command that stops on it as on Ctrl-C (not an `Exception`)."""
 
 
 _STOP_SIGNALS_SEEN: list[int] = []    # the stop signals a command run by `run_cli` received
@@ -67,8 +64,7 @@ TRAINING_KEPT = "the last completed checkpoint is kept"
 
 
 def chained_os_reason(exc: BaseException) -> str:
-    """The most telling reason in an exception chain (torch and onnx hide a write's OSError as
-    its context), in lower case; the exception's type and text when the chain holds none."""
+    """The OSError reason in an exception chain, in lower case; else the exception's type and text."""
     seen = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
@@ -78,11 +74,9 @@ def chained_os_reason(exc: BaseException) -> str:
 
 
 def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
-    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s after `print_error` printed it.
-    Ctrl-C ends with one line saying what the command `kept` (exit code 130); a command other than
-    training (whose trainer saves on SIGTERM itself) stops on SIGTERM the same way (143), removing its
-    temporary files. Once such a command has received a stop signal, whatever ends it is that stop (a
-    signal inside a library's C code can surface as a TypeError or an ImportError there)."""
+    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s after `print_error`.
+    Ctrl-C (130) and, with `kept`, SIGTERM (143) end with one line saying what was kept; once
+    stopped, whatever ends the command counts as that stop."""
     import signal
     import threading
 
@@ -108,8 +102,7 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
 
 
 def print_error(exc: UserError) -> int:
-    """`exc`'s one line on stderr (`error: ...`; a clean stop's message as is); its exit code.
-    It goes through `tqdm.write`, so a progress bar left open is cleared first."""
+    """`exc`'s one line on stderr (`error: ...`) through `tqdm.write`; its exit code."""
     import sys
 
     from tqdm import tqdm

@@ -14,8 +14,7 @@ from common.errors import ConfigError, os_reason
 
 
 def same_file(a, b) -> bool:
-    """Whether two paths name the same file (resolved; an existing pair also by inode). A loop of
-    symbolic links names no file, so it is the same as nothing."""
+    """Whether two paths name the same file (resolved, or by inode); a symlink loop names none."""
     a, b = Path(a), Path(b)
     try:
         if a.exists() and b.exists():
@@ -35,8 +34,7 @@ def _listed_paths(value) -> list[Path]:
 
 
 def _identity(path: Path):
-    """What names one file: its device and inode when it exists (links, hard links and `a/../`
-    spellings too), else its resolved path; OSError or RuntimeError for a loop of symbolic links."""
+    """(device, inode) of an existing file, else its resolved path; raises for a symlink loop."""
     resolved = path.resolve()
     try:
         stat = resolved.stat()
@@ -46,11 +44,9 @@ def _identity(path: Path):
 
 
 def refuse_clashes(reads: dict, writes: dict) -> None:
-    """ConfigError (one line) unless every path a command writes is safe to write. `writes` and `reads`
-    are {option: a path, several, or None}: the command's outputs, and the files and folders it reads
-    (as exactly as it knows them: the pictures a JSON names, not their folder). An output is refused
-    when it is a loop of symbolic links, another output, the same file as one read, or a folder read
-    or a file already inside one. Every command calls this before it writes, --overwrite or not."""
+    """ConfigError unless every output is safe to write: `writes` and `reads` are {option: path(s)};
+    an output is refused when it is a symlink loop, another output, a file read, or in or of a
+    folder read. Every command calls this before it writes."""
     written: dict = {}                   # identity -> (option, path, resolved path)
     for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
         try:
@@ -81,18 +77,15 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
 
 
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:
-    """ConfigError when a file `out` (given by `out_option`, or its default) exists and --overwrite
-    was not given: a command never replaces a file the user has without being asked to. (A folder
-    there is for the command to refuse in its own words.)"""
+    """ConfigError when a file `out` (of `out_option`) exists and --overwrite was not given."""
     if Path(out).exists() and not Path(out).is_dir() and not overwrite:
         raise ConfigError(f"{out_option} {out} already exists; remove it, choose another {out_option} "
                           "or pass --overwrite to replace it (nothing was written)")
 
 
 def temporary_twin(path) -> Path:
-    """The hidden file next to `path` that an output is written to before it takes `path`'s name:
-    same folder (so the rename is atomic), same extension (OpenCV picks the format by it), this
-    process's id (two writers never share one)."""
+    """The hidden file beside `path` an output is written to first: same folder and extension,
+    this process's id."""
     path = Path(path)
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
@@ -112,8 +105,7 @@ def _synced_size(temp: Path, option: str, path) -> int:
 
 
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
-    """Give `temp` the name `path` only if no file has it (a hard link, which never replaces, then
-    the temporary name removed); a rename checked just before where links are not supported."""
+    """Give `temp` the name `path` only if no file has it (a hard link, else a checked rename)."""
     try:
         os.link(temp, path)
     except FileExistsError:
@@ -133,11 +125,9 @@ def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
 
 @contextlib.contextmanager
 def written_whole(path, overwrite: bool = True, option: str = "--out"):
-    """Write an output atomically: yields the temporary twin of `path` to write; when the block
-    ends without an exception and the twin exists, it is synced to disk and takes `path`'s name
-    (replacing a file there only with `overwrite`; otherwise a file that appeared there meanwhile
-    is a ConfigError naming `option`); on any failure, a signal's KeyboardInterrupt included, the
-    twin is removed and `path` (a file the user already had, or nothing) is left as it was."""
+    """Write an output atomically: yields the temporary twin of `path`, which, when the block ends
+    well, is synced and takes `path`'s name (over a file only with `overwrite`, else ConfigError
+    naming `option`); on any failure it is removed and `path` left as it was."""
     path = Path(path)
     temp = temporary_twin(path)
     try:
@@ -156,8 +146,7 @@ def written_whole(path, overwrite: bool = True, option: str = "--out"):
 
 
 def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
-    """Write `text` to `path` whole (`written_whole`, its folder made), refusing an existing file
-    without `overwrite`; ConfigError naming `option` when it cannot be written there."""
+    """Write `text` to `path` whole (folder made); ConfigError naming `option` when it cannot."""
     refuse_existing(option, path, overwrite)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -72,11 +72,8 @@ class DilatedContext(nn.Module):
 
 
 class Stem(nn.Sequential):
-    """Image to stride 4: 7x7/2 conv, residual to 2*base, maxpool, residual, dilated context.
-
-    With base 64 and out 256 (the paper): 3->64, 64->128, pool, 128->128, six dilated convs of 128
-    channels concatenated to their 128-channel input = 256.
-    """
+    """Image to stride 4: 7x7/2 conv, residual to 2*base, maxpool, residual, six dilated convs
+    concatenated to their input (base 64: 3->64->128, pool, 128->128, +128 = 256)."""
 
     def __init__(self, base: int, out_channels: int):
         wide = 2 * base

@@ -165,9 +165,8 @@ class IMHN(nn.Module):
 
 
 def build_model(cfg: ModelConfig, skeleton: Skeleton) -> IMHN:
-    """The network of `cfg` (a `ModelConfig`) with the output channels of `skeleton`, which it
-    keeps as `model.skeleton` (a plain attribute: not in the state dict) for whoever runs it;
-    `ConfigError` when it would hold more than `cfg.max_params_m` million parameters."""
+    """The network of `cfg` with `skeleton`'s output channels (kept as `model.skeleton`, not in the
+    state dict); `ConfigError` above `cfg.max_params_m` million parameters."""
     with torch.device("meta"):           # counted without memory or initialisation
         count = sum(p.numel() for p in IMHN(cfg, skeleton.num_channels).parameters())
     if count > cfg.max_params_m * 1e6:

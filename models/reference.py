@@ -99,8 +99,7 @@ def _count(keys, pattern: str) -> int:
 
 
 def model_settings(weights: dict[str, torch.Tensor]) -> tuple[dict, int] | None:
-    """(the `model.*` settings, output channels) of the network a reference state dict holds, read
-    from its names and shapes; None when the tensors these are read from are missing."""
+    """(`model.*` settings, output channels) of a reference state dict, from its shapes; or None."""
     try:
         shape = {k: tuple(v.shape) for k, v in weights.items()}
         channels = shape["hourglass.0.hg.0.0.convBlock.6.weight"][0]
@@ -123,8 +122,8 @@ def model_settings(weights: dict[str, torch.Tensor]) -> tuple[dict, int] | None:
 
 
 def to_ours(weights: dict[str, torch.Tensor], model: nn.Module, depth: int) -> dict[str, torch.Tensor]:
-    """A reference state dict renamed to `model`'s keys, first conv BGR -> RGB, missing BatchNorm
-    counters added as 0; reference keys with no counterpart in `model` stay as they are."""
+    """A reference state dict renamed to `model`'s keys, first conv BGR -> RGB, BatchNorm counters
+    added as 0; keys without counterpart kept."""
     names = name_map(model, depth)
     ours = {names.get(k, k): v for k, v in weights.items()}
     for key, value in model.state_dict().items():
@@ -137,8 +136,7 @@ def to_ours(weights: dict[str, torch.Tensor], model: nn.Module, depth: int) -> d
 
 
 def to_reference(state: dict[str, torch.Tensor], model: nn.Module, depth: int) -> dict:
-    """Our state dict in the authors' layout (`posenet.` keys in their order, first conv RGB -> BGR):
-    the inverse of `to_ours`, for files that the reference code reads."""
+    """Our state dict in the authors' layout: the inverse of `to_ours`."""
     out = {}
     for ref_key, key in name_map(model, depth).items():
         value = state[key]
@@ -153,11 +151,8 @@ def parameter_keys(model: nn.Module, depth: int) -> list[str]:
 
 
 def momentum_by_name(optimizer_state: dict, model: nn.Module, depth: int) -> dict[str, torch.Tensor]:
-    """{our parameter name: SGD momentum buffer} from the reference's `optimizer_weight`.
-
-    Its state is keyed by parameter index over its param groups in order, which is the index in
-    the reference's parameter order. Raises ValueError (with the reason) when it does not fit.
-    """
+    """{our parameter name: SGD momentum buffer} from the reference's `optimizer_weight` (keyed by
+    the reference's parameter index); ValueError with the reason when it does not fit."""
     if not isinstance(optimizer_state, dict) or "state" not in optimizer_state:
         raise ValueError("optimizer_weight is not an optimiser state dict")
     ids = [i for group in optimizer_state.get("param_groups", []) for i in group.get("params", [])]

@@ -35,8 +35,7 @@ def _version(module: str) -> str | None:
 
 
 def _apex() -> dict | None:
-    """Where Apex is, its version and the compiled extensions found beside it; None without it.
-    Found, not imported: importing Apex patches torch."""
+    """Where Apex is, its version and compiled extensions (found, not imported); None without it."""
     spec = importlib.util.find_spec("apex")
     if spec is None:
         return None
@@ -86,8 +85,7 @@ def describe_environment(device: torch.device, world_size: int) -> dict:
 
 
 def changed_versions(before, now: dict) -> list[str]:
-    """'name old -> new' for each version that differs between an earlier description (whatever
-    an earlier file held) and `now`."""
+    """'name old -> new' for each version that differs between `earlier` and `now`."""
     old = before.get("versions") if isinstance(before, dict) else None
     old = old if isinstance(old, dict) else {}
     return [f"{name} {old.get(name)} -> {value}" for name, value in now["versions"].items()

@@ -129,8 +129,7 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
 
 
 def device_kind(spec: str) -> str:
-    """"cpu" or "cuda": what --device `spec` runs on (auto: CUDA where a GPU is visible; every
-    spelling but cpu and auto names GPUs: cuda, cuda:N, 0,1)."""
+    """"cpu" or "cuda": what --device `spec` runs on (auto: CUDA where a GPU is visible)."""
     spec = device_spelling(spec or "auto")
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -177,9 +176,8 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
 
 
 def _bound_to_one_gpu() -> bool:
-    """CUDA_VISIBLE_DEVICES names one GPU. Under SLURM or hand-set launch variables that is a
-    per-process binding (srun --gpu-bind, mpirun wrappers): the only GPU this process should use,
-    whatever its local rank. torchrun never binds: there it is the user's choice of one GPU."""
+    """CUDA_VISIBLE_DEVICES names one GPU as a per-process binding (SLURM or hand-set launch
+    variables; torchrun never binds)."""
     names = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
     return len(names) == 1
 

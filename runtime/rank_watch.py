@@ -31,9 +31,7 @@ def who_am_i() -> str:
 
 
 def fate(rank: int, who: str | None) -> str:
-    """"rank R ..." and what became of its process `who` ("HOST PID") as far as this machine
-    can tell: on this machine /proc says whether it is gone, stopped or still there (a killed
-    process may take a moment to go: it is given a second)."""
+    """"rank R ..." and what became of its process `who` ("HOST PID"), as far as /proc here tells."""
     host, _, pid = (who or "").partition(" ")
     if host != socket.gethostname() or not pid.isdigit() or not Path("/proc/self").exists():
         return f"rank {rank} was killed, stopped or froze (SIGKILL, out of memory, SIGSTOP?)"
@@ -53,10 +51,8 @@ def fate(rank: int, who: str | None) -> str:
 
 
 class RankWatch:
-    """See the module docstring. `host`: who serves the store ("rank 0" or "the torchrun
-    agent"), `where` it does (ADDR:PORT), for the lines; `verdict`: the `UserError` that ends this rank, once
-    there is one; `stop()` ends the watch (the run ends without it, or this rank's own error is
-    the reason)."""
+    """`host` and `where`: who serves the store, and at which ADDR:PORT, for the lines; `verdict`:
+    the `UserError` that ends this rank, once there is one; `stop()` ends the watch."""
 
     def __init__(self, store, rank: int, world: int, host: str, where: str, abort, leave,
                  silent_s: float, every_s: float = 1.0, grace_s: float = 5.0):
