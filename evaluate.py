@@ -83,8 +83,7 @@ def _results_path(args, data_path: str) -> Path:
 
 
 def _check_writable(path: Path, overwrite: bool) -> None:
-    """Fail before the evaluation, not after it, when the results JSON cannot be written there (or
-    would replace a file without --overwrite)."""
+    """Fail before the evaluation when the results JSON cannot be written there."""
     if path.is_dir():
         raise DataError(f"--out {path}: a folder; give the path of the results JSON to write")
     refuse_existing("--out", path, overwrite)
@@ -117,8 +116,7 @@ def _on_rank0(work, rank: int):
 
 
 def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
-    """(h5 path, temp dir to remove): rank 0 converts --ann/--images once (people in `skeleton`,
-    the model's; None: as the JSON says), the others wait."""
+    """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
     from runtime.distributed import barrier
 
     if args.h5:
@@ -156,8 +154,7 @@ def _scoring(args, skeleton):
 
 
 def _print_stats(stats: dict, scoring, skeleton) -> dict:
-    """The metrics' table on stderr (and each keypoint's recall, lowest first, when measured); the
-    stats for the JSON line (recall as {name: share or None})."""
+    """The metrics' table (and recall) on stderr; the stats for the JSON line."""
     from inference.coco_eval import format_recall
 
     if "oks" in scoring.metrics and skeleton.stand_in_sigmas:

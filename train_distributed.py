@@ -10,8 +10,7 @@ Without a launcher it runs as one process. On CPU it uses the gloo backend.
 """
 import os
 
-# before torch is imported: c10d's C++ warnings (a stack trace for each request to the store of a
-# rank that is gone) would surround the one line that says which rank failed
+# before torch is imported: c10d's C++ warnings would bury the line saying which rank failed
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from common.errors import ConfigError, UserError             # noqa: E402
@@ -55,8 +54,7 @@ def main(argv=None) -> dict:
 
 
 def _refuse(parser, message: str):
-    """A mistake on the command line: handed to the other ranks first, then the usual one-line
-    error and exit code 2 of every command's parser."""
+    """A command-line mistake: handed to the other ranks, then the usual one line and exit code 2."""
     line = f"{' '.join(message.split())} (see {parser.prog} --help)"
     dist.fail_before_group(ConfigError(line))
     parser.exit(2, f"error: {line}\n")

@@ -24,8 +24,7 @@ def find_coco4(coco_dir: str | None = None) -> Path | None:
 
 def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
     """A copy of a COCO annotation file with each image (and its people) listed `repeat` times,
-    each copy a picture file of its own in `images_dir` (a link to the original): the converter
-    refuses one file listed under two ids."""
+    each copy its own linked picture file in `images_dir`."""
     coco = json.loads(Path(ann_path).read_text())
     images_dir.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []

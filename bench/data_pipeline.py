@@ -33,10 +33,8 @@ DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    #
 
 
 def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
-    """CPU seconds over `samples` samples: per stage of a worker's work (each stage's fastest of
-    `repeats` passes of `augmented`) and of the target drawing (one pass); and for `samples`
-    compact items (what a loader worker makes), the fastest of `repeats` passes (the least
-    disturbed by other load on the machine, as timeit reports) and their median."""
+    """CPU seconds over `samples` samples per stage of a worker's work and of the target drawing,
+    and of whole compact items: the fastest of `repeats` passes (as timeit) and their median."""
     count = len(dataset)
     dataset.sample_arrays(0)                                   # open the file, warm caches
     stages: dict = {}
@@ -65,10 +63,8 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
 
 
 def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -> tuple[float, list]:
-    """(fastest, every pass's) CPU seconds of what a CPU-only run does for `samples` samples: the
-    worker's compact items, collated in batches of `batch` (the last one shorter), then expanded
-    on the CPU device (`data.transfer.expand` with `painter_for(cpu)`: float input, targets
-    drawn, mask), as `engine.device_feed.to_model_input` does."""
+    """(fastest, every pass's) CPU seconds of a CPU-only run's data for `samples` samples: compact
+    items in batches of `batch`, expanded on the CPU as `to_model_input` does."""
     count, painter = len(dataset), dataset.painter_for(torch.device("cpu"))
     passes = []
     for _ in range(repeats):

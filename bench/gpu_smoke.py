@@ -420,10 +420,8 @@ CANDIDATES = [  # name, level, dtype, batch, extra config
 
 
 def section_throughput(check: bool) -> dict:
-    """Alternating rounds within each batch size: every candidate of that size once per round, in
-    turn, timed with CUDA events; the group is freed before the next (a graphed candidate keeps
-    its step's activations between steps, so nine at once do not fit). A candidate that runs out
-    of memory is dropped with its error."""
+    """Alternating rounds per batch size, each candidate once per round, timed with CUDA events;
+    each size's group freed before the next; a candidate out of memory dropped with its error."""
     rounds, steps = (1, 2) if check else (3, int(os.environ.get("SMOKE_STEPS", 30)))
     rows, errors = {}, {}
     for batch in sorted({c[3] for c in CANDIDATES}):
@@ -519,8 +517,8 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of the evaluation path on real pictures (coco80 when carried in .bench_data/,
-    else the repository's coco4 repeated), at one scale with flip, an untrained imhn512."""
+    """Pictures/s of evaluation on real pictures (coco80 if in .bench_data/, else coco4), one scale
+    with flip, an untrained imhn512."""
     from config.views import PredictSettings
     from data.h5format import KeypointH5
     from data.make_hdf5 import convert

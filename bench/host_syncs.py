@@ -37,8 +37,7 @@ def optimizer_step_counters(optimizer) -> list:
 
 @contextlib.contextmanager
 def count_host_syncs(host_tensors=(), device=None):
-    """Count the host's waits for the device inside the block: reads of tensor values, and on
-    CUDA torch's own synchronizing operations (see the module's docstring)."""
+    """Count the host's waits for the device inside the block (see the module's docstring)."""
     syncs = HostSyncs()
     ignored = {id(t) for t in host_tensors}
     on_gpu = device is not None and torch.device(device).type != "cpu"
@@ -70,8 +69,7 @@ def count_host_syncs(host_tensors=(), device=None):
 
 @contextlib.contextmanager
 def _cuda_syncs(syncs: HostSyncs, inside: list):
-    """Kind (2) of the module's docstring: torch's sync debug mode "warn" for the block, each of
-    its warnings outside a read counted as `cuda_sync` (and not shown)."""
+    """Each warning of torch's sync debug mode outside a read, counted as `cuda_sync` (not shown)."""
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.filterwarnings("always", message=SYNC_WARNING)

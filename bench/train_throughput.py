@@ -92,8 +92,7 @@ def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets
 
 
 def build_quietly(cfg):
-    """(trainer, parts, device): what train.py builds for `cfg` (`engine.run_trainer.build_loop`:
-    no run directory), its start-up lines unprinted."""
+    """(trainer, parts, device): `build_loop` of `cfg`, its start-up lines unprinted."""
     with contextlib.redirect_stdout(io.StringIO()):
         launch = Launch(single_process_context(cfg.train.device))
         return (*build_loop(cfg, launch), launch.ctx.device)
@@ -119,8 +118,7 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
         first_step = time.perf_counter() - tick       # under --compile: mostly the compilation
         for i in range(1, args.warmup):
             trainer.run_step([next(data)])
-        # then on while the fp16 loss scale still falls: an overflow skips the optimiser step, and
-        # the timed steps should be whole ones
+        # then on while the fp16 loss scale still falls (only whole steps are timed)
         i = args.warmup
         while trainer.run_step([next(data)]).skipped and i < args.warmup + 50:
             i += 1

@@ -146,7 +146,8 @@ def written_whole(path, overwrite: bool = True, option: str = "--out"):
 
 
 def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
-    """Write `text` to `path` whole (folder made); ConfigError naming `option` when it cannot."""
+    """Write `text` to `path` whole (over a file only with `overwrite`); ConfigError naming `option`
+    when it cannot."""
     refuse_existing(option, path, overwrite)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

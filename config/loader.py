@@ -80,9 +80,8 @@ def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Check `value` against the type of the field's default; ints are accepted for floats.
-    A value of the wrong type is an error, never silently None; so is null (an empty YAML value)
-    for an option that has a value by default."""
+    """Check `value` against the type of the field's default (ints accepted for floats; null only
+    where the default is None)."""
     if default is None:
         return value
     if value is None:
@@ -131,8 +130,7 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
                 raise ConfigError(f"option {full}: expected a mapping of {type(current).__name__} fields")
             _apply(current, value, full + ".")
         else:
-            # fields of a union type take several (auto or a switch, dynamic or a number): their
-            # choices, or validate(), check them
+            # union types (auto or a switch, ...): their choices, or validate(), check them
             several = "|" in str(fields[key].type)
             setattr(cfg, key, value if several else _coerce(full, value, current))
 
@@ -192,8 +190,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 def check_value(key: str, value: Any) -> None:
-    """Raise `ConfigError` for a value of option `key` (e.g. "train.seed") that is not a finite
-    number, or outside the bounds and choices that config.schema declares for it."""
+    """Raise `ConfigError` for a value of option `key` not finite or outside its declared bounds and
+    choices."""
     declaration = declared(key)
     choices, bounds = declaration["choices"], declaration["bounds"]
     if choices is not None and value not in choices:
@@ -238,20 +236,17 @@ def _check_fields(section: Any, prefix: str = "") -> None:
 
 
 def check_section(section: Any, prefix: str) -> None:
-    """Raise `ConfigError` for a value of one section (e.g. an `InferenceConfig` built in code,
-    `prefix` "inference") outside what config.schema declares it accepts."""
+    """`check_value` for every field of one section (`prefix`: e.g. "inference")."""
     _check_fields(section, prefix.rstrip(".") + ".")
 
 
 def input_multiple(depth: int = 4) -> int:
-    """What the sides of a network's input are multiples of: 64, and 4 x 2^depth (model.depth: the
-    coarsest scale's stride) for a deeper network."""
+    """What a network's input sides are multiples of: 64, or 4 x 2^depth when larger."""
     return 4 * 2 ** max(depth, 4)
 
 
 def check_input_size(size: Any, depth: int = 4, option: str = "option data.input_size") -> None:
-    """Raise `ConfigError` naming `option` unless `size` is an input size a network of `depth`
-    takes: a whole number within data.input_size's bounds, a multiple of `input_multiple(depth)`."""
+    """Raise `ConfigError` naming `option` unless a network of `depth` takes input `size`."""
     if not isinstance(size, int) or isinstance(size, bool):
         raise ConfigError(f"{option}: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)
@@ -285,8 +280,7 @@ def check_device(spec: str, option: str) -> None:
 
 
 def _check_start(train) -> None:
-    """One way to start a run. `--resume auto` beside --weights or --resume-reference is a job that
-    may be requeued: the first start takes the weights and every later one resumes the run."""
+    """One way to start a run (`--resume auto` with --weights: a requeued job)."""
     if train.resume_reference and train.weights:
         raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint already "
                           "holds the weights)")

@@ -16,9 +16,7 @@ from typing import Any, Iterable, Iterator
 # -- what each field accepts -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bounds:
-    """The values a number field accepts, or each item of a list field: `low` <= value <= `high`
-    (`low_open`: `low` < value; `high_open`: value < `high`). Floats must also be finite, whatever
-    their bounds."""
+    """The (finite) values a number field, or each item of a list field, accepts."""
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -39,8 +37,7 @@ LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_para
 
 @dataclass(frozen=True)
 class Flag:
-    """A field's command-line flag: its name, its group in --help, its help and any other
-    argument of argparse's `add_argument` (type, metavar, action ...)."""
+    """A field's command-line flag: name, --help group, help and other `add_argument` options."""
     name: str
     group: str
     help: str | None = None
@@ -182,8 +179,7 @@ class OptimConfig:
     skip_loss_above: float = option(2e5, bounds=POSITIVE)  # a step whose loss exceeds this is skipped
     # consecutive skipped steps before the run stops
     max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))
-    # torch.optim's fused kernels; auto: on for CUDA with the native backend (imhn512 O1 fp16 1.14x
-    # on an H200, bench/RESULTS.md)
+    # torch.optim's fused kernels; auto: on for CUDA with the native backend
     fused: str | bool = option("auto", choices=("auto", True, False))
 
 
@@ -265,14 +261,11 @@ class InferenceConfig:
     min_parts: int = option(2, bounds=Bounds(1, 18))
     min_mean_score: float = 0.45
     max_people: int = option(20, bounds=Bounds(1, 10000))
-    # strongest peaks kept per keypoint type (bounds noisy maps' cost;
-    # grouping holds up to max_peaks ** 2 candidate pairs of a limb)
+    # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 1000))
-    # evaluation: images grouped in this many threads while the next one
-    # runs through the network (0: this machine's cores / its processes, <= 8)
+    # evaluation's grouping threads (0: this machine's cores / its processes, <= 8)
     decode_threads: int = option(0, bounds=Bounds(0, 256))
-    # pictures per network pass at input_size x input_size (fewer when
-    # larger; with flip each goes with its mirror)
+    # pictures per network pass at input_size x input_size (fewer when larger)
     batch_size: int = option(8, bounds=Bounds(1, 4096))
 
 
@@ -351,8 +344,7 @@ class Config:
 
 
 def declared(key: str) -> dict:
-    """The declaration of option `key` ("train.seed"): {"bounds", "choices", "flag"}, each None
-    when the field declares none (and for a key that is not a field)."""
+    """{"bounds", "choices", "flag"} of option `key` ("train.seed"), each None if not declared."""
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
@@ -373,9 +365,8 @@ def flags() -> Iterator[tuple[str, Flag]]:
 
 def add_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None,
               set_example: str = "optim.milestones=[30,45]") -> None:
-    """Add to `parser` `--set KEY=VALUE` (any field) and the flags of the fields `keys` ("train.device";
-    default: the training flags, each in its group of --help). A flag that takes a word takes the
-    field's choices."""
+    """Add to `parser` `--set KEY=VALUE` and the flags of the fields `keys` (default: the training
+    flags, in their --help groups), with the fields' choices."""
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override any config field, e.g. {set_example}")
     groups = {name: parser.add_argument_group(name) for name in FLAG_GROUPS} if keys is None else {}

@@ -15,8 +15,7 @@ from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
 
 @dataclass(frozen=True)
 class SampleSettings:
-    """How `data.dataset.KeypointDataset` makes a sample: the network input (`input_size` square),
-    the targets' stride and widths, the augmentation, and the seed its random draws start from."""
+    """How `KeypointDataset` makes a sample: input size, targets, augmentation and seed."""
 
     input_size: int
     stride: int
@@ -40,9 +39,8 @@ class SampleSettings:
 
 @dataclass(frozen=True)
 class PredictSettings:
-    """How the inference layer turns pictures into people: its `inference` section (scales, flip,
-    grouping, batches), the network's input size a scale is relative to, and the target widths the
-    evaluation's oracle draws ground-truth maps with."""
+    """How the inference layer turns pictures into people: the `inference` section, the input size
+    scales are relative to, and the target widths of the oracle's maps."""
 
     inference: InferenceConfig
     input_size: int
