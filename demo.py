@@ -118,8 +118,7 @@ def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Pat
 
 def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmaps: bool,
                overwrite: bool = False) -> None:
-    """Annotate every frame of `opened` (capture, first frame) into the video `target`, or into a live
-    window when `target` is None; prints the frames/s achieved."""
+    """Annotate every frame of `opened` into the video `target` (None: a live window); prints frames/s."""
     from tqdm import tqdm
 
     from inference.video import VideoOut, frames

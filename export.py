@@ -115,8 +115,7 @@ def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
 
 
 def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float, name: Path) -> list[float]:
-    """Relative map differences ONNX (the file at `path`, to be written as `name`) vs PyTorch per
-    picture (at scale 1); ExportMismatch beyond `tolerance`."""
+    """Relative map differences ONNX (`path`) vs PyTorch per picture; ExportMismatch beyond `tolerance`."""
     from data.preprocess import padded_size, pictures_to_batch
     from inference.onnx_network import OnnxNetwork
     from inference.predict import TorchNetwork, resize_for_scale

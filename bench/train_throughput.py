@@ -76,8 +76,7 @@ def synthetic_batches(batch: int, cfg, device):
 
 
 def loader_batches(loop):
-    """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
-    iterates it."""
+    """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch iterates it."""
     epoch = 0
     while True:
         yield from loop.parts.batches(epoch, 0)

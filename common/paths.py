@@ -84,8 +84,7 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
 
 
 def temporary_twin(path) -> Path:
-    """The hidden file beside `path` an output is written to first: same folder and extension,
-    this process's id."""
+    """The hidden file beside `path` (same extension, this process's id) an output is written to."""
     path = Path(path)
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
@@ -146,8 +145,7 @@ def written_whole(path, overwrite: bool = True, option: str = "--out"):
 
 
 def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
-    """Write `text` to `path` whole (over a file only with `overwrite`); ConfigError naming `option`
-    when it cannot."""
+    """Write `text` to `path` whole (over a file only with `overwrite`); ConfigError naming `option`."""
     refuse_existing(option, path, overwrite)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -80,8 +80,7 @@ def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Check `value` against the type of the field's default (ints accepted for floats; null only
-    where the default is None)."""
+    """Check `value` against the type of the field's default (ints accepted for floats)."""
     if default is None:
         return value
     if value is None:
@@ -190,8 +189,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def check_value(key: str, value: Any) -> None:
-    """Raise `ConfigError` for a value of option `key` not finite or outside its declared bounds and
-    choices."""
+    """Raise `ConfigError` for a value of option `key` not finite or outside its bounds and choices."""
     declaration = declared(key)
     choices, bounds = declaration["choices"], declaration["bounds"]
     if choices is not None and value not in choices:

@@ -365,8 +365,7 @@ def flags() -> Iterator[tuple[str, Flag]]:
 
 def add_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None,
               set_example: str = "optim.milestones=[30,45]") -> None:
-    """Add to `parser` `--set KEY=VALUE` and the flags of the fields `keys` (default: the training
-    flags, in their --help groups), with the fields' choices."""
+    """Add to `parser` `--set KEY=VALUE` and the flags of the fields `keys` (default: training's)."""
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override any config field, e.g. {set_example}")
     groups = {name: parser.add_argument_group(name) for name in FLAG_GROUPS} if keys is None else {}

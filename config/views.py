@@ -39,8 +39,7 @@ class SampleSettings:
 
 @dataclass(frozen=True)
 class PredictSettings:
-    """How the inference layer turns pictures into people: the `inference` section, the input size
-    scales are relative to, and the target widths of the oracle's maps."""
+    """How pictures become people: the `inference` section, the input size, the oracle's widths."""
 
     inference: InferenceConfig
     input_size: int

@@ -172,8 +172,7 @@ def _triples(count: int) -> str:
 
 
 def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> None:
-    """Fill a checked annotation's missing COCO fields and a wrong `num_keypoints`, counted in
-    `repairs`."""
+    """Fill a checked annotation's missing COCO fields and a wrong `num_keypoints`, counted in `repairs`."""
     if "iscrowd" not in ann:
         ann["iscrowd"] = 0
         repairs["no iscrowd: 0 (not a crowd)"] += 1

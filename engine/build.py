@@ -59,8 +59,7 @@ class Parts:
 
 
 class TrainerBuilder:
-    """The parts of a run. Override a method to build that part differently; each is called once,
-    in `build`'s order."""
+    """The parts of a run, each built once by its method, in `build`'s order."""
 
     def build_data(self, cfg: Config, ctx) -> Data:
         from data.dataset import KeypointDataset

@@ -107,8 +107,7 @@ class WeightsEMA(Hook):
 
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
-        """Continue the average saved in `state` (this run's decay and tau kept); CheckpointError
-        when it does not fit this model."""
+        """Continue the average saved in `state`; CheckpointError when it does not fit."""
         saved = state.get("model") if isinstance(state, dict) else None
         updates = state.get("updates") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \

@@ -38,8 +38,7 @@ def weights_evaluated(trainer):
 
 
 class EpochEnd(Hook):
-    """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation); `checkpoints`
-    an `engine.train_state.Checkpoints`, `logger` an `engine.logger.RunLogger`."""
+    """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation)."""
     checkpoint_key = ("best_metric", "bad_validations")
     priority = 90
 

@@ -70,8 +70,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def set_frozen_bn_eval(model: nn.Module) -> int:
-    """Put frozen BatchNorm layers (matched, or all parameters frozen) in eval mode (call after
-    every `model.train()`); return how many."""
+    """Put frozen BatchNorm layers in eval mode (after every `model.train()`); return how many."""
     count = 0
     for module in unwrap_model(model).modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -78,8 +78,7 @@ class ProgressBar(Hook):
 
 
 class TrainLog(Hook):
-    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks, to
-    `logger`; a step's note through `say`."""
+    """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks."""
     priority = 40
 
     def __init__(self, logger, log_every: int, device=torch.device("cpu"), say=print):
@@ -100,8 +99,7 @@ class TrainLog(Hook):
 
 
 class DivergenceStop(Hook):
-    """`TrainingDiverged` after `max_bad_steps` skipped steps in a row, naming the checkpoint to go
-    back to."""
+    """`TrainingDiverged` after `max_bad_steps` skipped steps in a row."""
     priority = 20
 
     def __init__(self, max_bad_steps: int, checkpoints: Checkpoints):

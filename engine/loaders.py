@@ -74,8 +74,7 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """Workers ignore SIGTERM / SIGUSR1 sent to the process group: the main process decides when
-    to stop, and they end with it."""
+    """Workers ignore SIGTERM / SIGUSR1: the main process decides when to stop, and they end with it."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # forked with them blocked (`PersistentWorkersLoader`): one that came since is dropped now
@@ -83,8 +82,7 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 
 def _stop_workers(iterator, workers) -> None:
-    """Shut down a loader iterator's workers (`iterator` None: it is gone) and kill any left
-    (they ignore SIGTERM)."""
+    """Shut down a loader iterator's workers (`iterator` None: gone) and kill any left."""
     if iterator is not None:
         iterator._shutdown_workers()
     for worker in workers:
@@ -154,8 +152,7 @@ def close_loaders(*loaders) -> None:
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
                  ) -> tuple[DataLoader, GlobalBatchSampler]:
-    """The training loader of a `KeypointDataset` (compact batches, `train.batch_size` in total
-    over the processes) and its sampler."""
+    """The training loader of a `KeypointDataset` (compact batches) and its sampler."""
     from data.dataset import CompactSamples
     if train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
@@ -174,8 +171,7 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
 
 
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
-    """This rank's shard of a validation `KeypointDataset`, in compact batches of its share of
-    the total `batch_size`; built once per run."""
+    """This rank's shard of a validation `KeypointDataset`, in compact batches; built once per run."""
     from data.dataset import CompactSamples
     per_process = max(1, batch_size // ctx.world_size)
     return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,

@@ -33,8 +33,7 @@ def writing(path: Path):
 
 
 class RunConsole:
-    """The run's console lines, said on the main process and appended to RUN/train.log (lines
-    said before `open` wait for it)."""
+    """The run's console lines, said on the main process and appended to RUN/train.log."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.path, self.waiting = enabled, None, []

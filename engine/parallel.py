@@ -135,8 +135,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
 
 
 class CrossProcessBatchNorm(_BatchNorm):
-    """Batch norm over the joint batch of `process_group` (default: all) for (N, C, ...) inputs;
-    plain batch norm in eval mode or in a group of one."""
+    """Batch norm over the joint batch of `process_group` (default: all); plain in eval mode."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, device=None, dtype=None):

@@ -22,8 +22,7 @@ from engine.train_state import check_resumable
 
 
 class CheckpointReader:
-    """Reads a checkpoint, and finds a run directory's latest, once while the files stay the same;
-    holds the last file read until `forget()`."""
+    """Reads a checkpoint, and finds a run's latest, once while the files stay the same."""
 
     def __init__(self):
         self._state: tuple[tuple, dict] | None = None        # (the file's identity, its state)

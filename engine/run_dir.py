@@ -192,8 +192,7 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
-    """Decided on the main process, the same on every rank. `reader`: the one the command line
-    read the saved config with, if any."""
+    """Decided on the main process, the same on every rank."""
     reader = reader or CheckpointReader()
 
     def decide():

@@ -51,8 +51,7 @@ class Launch:
 def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
                   hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
                   reader: CheckpointReader | None = None, draw: Callable | None = None) -> "RunTrainer":
-    """The run of `cfg`, ready to `fit()`. `evaluator` and `draw`: the AP and the validation
-    pictures; `reader`: the one the command line read the saved config with."""
+    """The run of `cfg`, ready to `fit()`; `evaluator` and `draw`: the AP and validation pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
@@ -180,8 +179,7 @@ class RunTrainer:
             raise
 
     def failure(self, exc: Exception) -> Exception | None:
-        """What a failure means: another rank's error or death, a DataLoader worker that died, or
-        running out of memory (and what to lower)."""
+        """What a failure means: another rank's end, a worker's death, or memory (and what to lower)."""
         if isinstance(exc, UserError):
             return None
         other = dist.error_of_another_rank() if self.ctx.distributed else None

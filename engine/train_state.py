@@ -129,8 +129,7 @@ class Checkpoints:
         return trainer.step - self.started_at[0], trainer.optim_step.skipped_total - self.started_at[1]
 
     def good_checkpoint(self, trainer) -> str:
-        """The checkpoint a diverged run names to go back to: last.pth, unless no step succeeded
-        since the resumed one."""
+        """The checkpoint to go back to: last.pth, unless no step succeeded since the resumed one."""
         ran, skipped = self._since_start(trainer)
         if self.resumed_from is not None and ran == skipped:
             return (f"Every step since the resume from {self.resumed_from} was skipped, so it is no good "

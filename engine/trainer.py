@@ -23,8 +23,7 @@ __all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook", "LoopSt
 
 
 class LoopState(Protocol):
-    """What a hook may read of the loop that calls it; it may set `stop_signal` (stop after the
-    step) and `finish_requested` (no further epoch)."""
+    """What a hook may read of the loop; it may set `stop_signal` and `finish_requested`."""
     model: nn.Module                 # the network whose weights train (unwrapped)
     net: nn.Module                   # what trains: the network and its loss, wrapped
     optim_step: Any                  # engine.optim_step.OptimStep
@@ -129,8 +128,7 @@ class Throughput:
 
 
 class Trainer:
-    """`failure(exc)`: the error to raise instead of `exc` (found before the hooks' `on_stop`), or
-    None to raise `exc` itself."""
+    """`failure(exc)`: the error to raise instead of `exc`, or None."""
 
     def __init__(self, parts: TrainParts, hooks: Iterable[Hook] = (),
                  failure: Callable[[Exception], Exception | None] = lambda exc: None):

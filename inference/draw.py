@@ -20,8 +20,7 @@ def person_colours(count: int) -> list[tuple[int, int, int]]:
 
 
 def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray, skeleton: Skeleton) -> np.ndarray:
-    """A copy of the image with each person's main limbs (the redundant ones are not drawn) and
-    keypoints ([P, K, 3] of `skeleton`, score 0 = missing)."""
+    """A copy of the image with each person's main limbs and keypoints ([P, K, 3], 0 = missing)."""
     out = image_bgr.copy()
     size = min(out.shape[:2])
     thickness = max(2, int(round(size / 200)))
@@ -38,8 +37,7 @@ def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray, skeleton: Skeleton
 
 
 def maps_panel(image_bgr: np.ndarray, maps: np.ndarray, skeleton: Skeleton) -> np.ndarray:
-    """The summed keypoint and limb maps, keypoints in full, limbs at half strength, clipped to
-    [0, 1], in colour over the greyed image."""
+    """The summed keypoint and (half-strength) limb maps in colour over the greyed image."""
     total = np.clip(maps[skeleton.keypoint_channels].sum(0) + 0.5 * maps[skeleton.limb_channels].sum(0),
                     0.0, 1.0)
     heat = cv2.applyColorMap((total * 255).astype(np.uint8), cv2.COLORMAP_JET)

@@ -48,8 +48,7 @@ def eval_mode(model):
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
-    """(maps, factor): the ground-truth maps [C, H, W] of image `img` at the size the network runs
-    the picture at, `factor` picture pixels per map pixel."""
+    """(ground-truth maps [C, H, W] of image `img` at the network's size, picture px per map px)."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)

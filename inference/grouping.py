@@ -285,8 +285,7 @@ def _nearest(rows: np.ndarray, relative: np.ndarray, count: int) -> np.ndarray:
 
 
 def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
-    """(relative distance, i, j) of the pairs of partial people i < j that `_bridge` may join,
-    each person's BRIDGE_PARTNERS nearest."""
+    """(relative distance, i, j) of partial people i < j `_bridge` may join (BRIDGE_PARTNERS nearest)."""
     crowd = len(slots)
     found = []
     for lo in range(0, crowd, max(1, BRIDGE_CELLS // crowd)):

@@ -38,8 +38,7 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
 
 
 def _above_per_map(heatmaps, threshold):
-    """(map index, sorted indices of its pixels above `threshold`) of each map with any, through
-    one reused map-sized mask (it stays in the cache)."""
+    """(map index, sorted indices of its pixels above `threshold`) of each map with any."""
     _, height, width = heatmaps.shape
     is_above = np.empty(height * width, bool)
     for index, heatmap in enumerate(heatmaps):

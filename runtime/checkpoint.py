@@ -262,8 +262,7 @@ def _find_weights(obj, source: str) -> dict:
 
 
 def preferred_weights(obj) -> tuple[object, str]:
-    """(what to load, a note): a checkpoint's EMA weights when it has them (with a note saying so),
-    anything else as it is."""
+    """(what to load, a note): a checkpoint's EMA weights (with a note), anything else as it is."""
     ema = obj.get("ema") if isinstance(obj, dict) else None
     averaged = ema.get("model") if isinstance(ema, dict) else None
     if not _is_state_dict(averaged):

@@ -137,8 +137,7 @@ def _bounded(work, seconds: float) -> None:
 
 
 def _leave() -> None:
-    """Say in the store that this rank left; the serving rank waits up to `_READ_WAIT_S` for the
-    living others to leave too."""
+    """Say in the store that this rank left; the serving rank waits up to `_READ_WAIT_S` for the rest."""
     global _STORE
     store, world, _STORE = _STORE, _GROUP[1] if _GROUP else 1, None
     if store is None:
@@ -167,8 +166,7 @@ def _hold_stop_signals() -> None:
 
 
 def end_with_error(err: UserError) -> None:
-    """Leave `err` in the store (the first error wins) and leave the group, which fails the
-    others' pending collectives."""
+    """Leave `err` in the store (the first error wins) and leave the group, failing the others."""
     lost = _lost()
     _stop_watch()                       # this rank's own error is no reason to abort under it
     _hold_stop_signals()
@@ -267,8 +265,7 @@ def check_group() -> None:
 
 
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
-    """torchrun's agent store, prefixed per restart attempt, else one on MASTER_ADDR:MASTER_PORT
-    served by rank 0 (unless `serve` is False)."""
+    """torchrun's agent store (per restart attempt), else rank 0's on MASTER_ADDR:MASTER_PORT."""
     where = f"{launch.master_addr}:{launch.master_port}"
     try:
         if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

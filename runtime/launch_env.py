@@ -176,8 +176,7 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
 
 
 def _bound_to_one_gpu() -> bool:
-    """CUDA_VISIBLE_DEVICES names one GPU as a per-process binding (SLURM or hand-set launch
-    variables; torchrun never binds)."""
+    """CUDA_VISIBLE_DEVICES names one GPU as a per-process binding (not under torchrun)."""
     names = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
     return len(names) == 1
 

@@ -66,8 +66,7 @@ class PrecisionBackend(abc.ABC):
 
     @classmethod
     def half_dtype(cls, amp: AmpConfig, device: str | torch.device) -> torch.dtype:
-        """The half type on `device` (torch.device or `--device` value); "auto": float16 on CUDA,
-        else bfloat16."""
+        """The half type on `device`; "auto": float16 on CUDA, else bfloat16."""
         if amp.dtype != "auto":
             return getattr(torch, amp.dtype)
         kind = device.type if isinstance(device, torch.device) else device_kind(device)
