@@ -23,8 +23,7 @@ def find_coco4(coco_dir: str | None = None) -> Path | None:
 
 
 def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
-    """A copy of a COCO annotation file with each image (and its people) listed `repeat` times,
-    each copy its own linked picture file in `images_dir`."""
+    """A COCO annotation file with each image listed `repeat` times, each a linked picture file."""
     coco = json.loads(Path(ann_path).read_text())
     images_dir.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []

@@ -79,8 +79,7 @@ def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -
 
 
 def drawing_batches(dataset: KeypointDataset, samples: int, batch: int) -> list:
-    """[(people, person masks)] of compact batches of `batch` samples, as the engine hands them to a
-    target drawing (unused person slots cut)."""
+    """[(people, person masks)] of compact batches of `batch` samples, as the engine draws them."""
     items = [dataset.compact_item((0, n % len(dataset))) for n in range(max(batch, min(samples, 4 * batch)))]
     batches = [items[n:n + batch] for n in range(0, len(items) - batch + 1, batch)]
     return [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))

@@ -144,8 +144,7 @@ def section_group_of_one(check: bool) -> dict:
 
 
 def section_feed(check: bool) -> dict:
-    """The device feed (2 workers, --accumulate 2) under the CUDA sanitizer, which each forked
-    worker leaves (it runs no CUDA)."""
+    """The device feed (2 workers, --accumulate 2) under the CUDA sanitizer (left in workers)."""
     import train
     if os.environ.get("TORCH_CUDA_SANITIZER"):
         from torch.cuda import _sanitizer
@@ -186,8 +185,7 @@ def join_group_of_one(device: torch.device) -> str:
 
 
 def section_nccl_abort(check: bool) -> dict:
-    """What a group of one does after `_abort_process_group()` (the NCCL error watch's call); a
-    watchdog ends the process with what it saw if a call hangs."""
+    """What a group of one does after `_abort_process_group()` (a watchdog ends a hung call)."""
     import torch.distributed as td
     from torch import nn
     from torch.distributed.distributed_c10d import _abort_process_group
@@ -517,8 +515,7 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of evaluation on real pictures (coco80 if in .bench_data/, else coco4), one scale
-    with flip, an untrained imhn512."""
+    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512."""
     from config.views import PredictSettings
     from data.h5format import KeypointH5
     from data.make_hdf5 import convert

@@ -30,8 +30,7 @@ SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
 
 
 def force_sync_function(model: nn.Module) -> int:
-    """Route every nn.SyncBatchNorm's training forward through torch's distributed function (its
-    statistics all-gathered over the group), whatever the group's size; returns how many."""
+    """Route every nn.SyncBatchNorm's training forward through its distributed function; how many."""
     from torch.nn.modules._functions import SyncBatchNorm as SyncFunction
     layers = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     for layer in layers:

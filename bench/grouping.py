@@ -94,8 +94,7 @@ def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_co
 
 
 def time_stages(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter) -> dict:
-    """Median ms per image of `group_people`, its stages and one max over the keypoint maps, each
-    timed once per map after a warm-up call, in turn on the same maps."""
+    """Median ms per image of `group_people`, its stages and one max over the keypoint maps."""
     times: dict = {"total": [], "peaks": [], "limbs": [], "read_once": []}
     for _ in range(reps):
         maps = make_maps()

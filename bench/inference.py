@@ -36,8 +36,7 @@ COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
 def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, rounds: int) -> dict:
-    """Fastest pictures/s over `rounds` of decoding `encoded` (JPEG bytes) serially and read ahead,
-    alternating, with `threads` torch and grouping threads (see the module doc)."""
+    """Fastest pictures/s over `rounds` of evaluating `encoded` (JPEG), serially and read ahead."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     inference_cfg = estimator.settings.inference

@@ -82,8 +82,7 @@ def from_reduced(matrix: np.ndarray, reduce: int) -> np.ndarray:
 
 
 def transform_people(people: np.ndarray, matrix: np.ndarray, flip=None) -> np.ndarray:
-    """People [P,K,3] moved by `matrix`; with `flip` (a skeleton's `flip` permutation, given
-    when the matrix mirrors), left and right keypoints swap places."""
+    """People [P,K,3] moved by `matrix`; with `flip` (the skeleton's), left and right swap."""
     out = people.copy()
     out[..., :2] = people[..., :2] @ matrix[:, :2].T + matrix[:, 2]
     if flip:
@@ -124,8 +123,7 @@ def mask_fraction(mask: np.ndarray) -> np.ndarray:
 
 
 def tint(image: np.ndarray, params: AugmentParams) -> np.ndarray:
-    """HSV jitter of a uint8 BGR image (hue shift, saturation and value scaling): one 3-channel
-    lookup table between the two conversions."""
+    """HSV jitter of a uint8 BGR image (hue shift, saturation and value scaling)."""
     hsv = cv2.cvtColor(image, cv2.COLOR_BGR2HSV)
     levels = np.arange(256, dtype=np.float32)
     table = np.empty((256, 1, 3), np.uint8)

@@ -122,8 +122,7 @@ def _segmentation_problem(seg, info: dict) -> str | None:
 
 
 def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
-    """What is wrong with one person annotation of image `info` with `keypoints` (x, y, v) triples
-    (None: nothing)."""
+    """What is wrong with one person annotation of image `info` (None: nothing)."""
     if not isinstance(ann, dict):
         return f"an entry of annotations is a {type(ann).__name__}, not an object"
     where = f"annotation {ann.get('id')!r} (image {info['id']})"

@@ -22,8 +22,7 @@ WHOLEBODY_PARTS = ("foot_kpts", "face_kpts", "lefthand_kpts", "righthand_kpts") 
 
 
 def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: list) -> list:
-    """The categories to convert as one: `wanted` (--categories), else `person`, else those that
-    list the same keypoints."""
+    """The categories to convert as one: `wanted`, else `person`, else those listing keypoints."""
     categories = [c for c in data["categories"] if isinstance(c, dict)]
     if wanted:
         chosen = []

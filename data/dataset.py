@@ -31,8 +31,7 @@ _KEEP_FREED_BYTES = 64 << 20
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep up to 64 MB of freed memory for reuse (a sample's buffers were a third of
-    its cost in page faults); process-wide, nothing without glibc."""
+    """Let glibc keep up to 64 MB of freed memory for reuse (page faults cost a third of a sample)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -148,8 +147,7 @@ class KeypointDataset(Dataset):
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
     def compact_item(self, key, timings: dict | None = None):
-        """(uint8 BGR image [S,S,3], float32 people [slots,K,3], uint8 masks [2,h,w]) of sample
-        `key`: what a loader worker sends (`data.transfer`)."""
+        """(uint8 image [S,S,3], people [slots,K,3], uint8 masks [2,h,w]): what a worker sends."""
         sample = self.augmented(key, timings)
         return compact_sample(sample["image"], pack_people(sample["people"], self.person_slots),
                               sample["ignore"], sample["person_mask"])

@@ -370,8 +370,7 @@ def _text(value) -> str:
 
 
 def check_split(h5: KeypointH5, expected: str, option: str = "") -> None:
-    """Raise `DataError` (naming `option`, e.g. --train-h5, when given) unless the file holds split
-    `expected` (a val file never feeds training)."""
+    """Raise `DataError` (naming `option`) unless the file holds split `expected`."""
     if h5.split != expected:
         raise DataError(f"{option + ' ' if option else ''}{h5.path}: holds the {h5.split!r} split, but "
                         f"{expected!r} is needed here (a {h5.split} file never feeds "

@@ -62,8 +62,7 @@ def unpaired_sided(names) -> list:
 
 
 def name_flips(names) -> list:
-    """flip[k]: the keypoint names[k] becomes in a mirrored image, from mutual pairs of
-    `mirror_names`; k itself when none."""
+    """flip[k]: the keypoint names[k] becomes when mirrored (`mirror_names`); k itself when none."""
     index = {n: k for k, n in enumerate(names)}
     flip = [next((index[m] for m in mirror_names(n, loose=True) if m in index), k)
             for k, n in enumerate(names)]

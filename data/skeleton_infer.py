@@ -52,8 +52,7 @@ def _listed(items) -> str:
 
 
 def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list, list]:
-    """(the category's keypoint names, report lines). A category without names: those of the
-    one built-in with as many keypoints as the annotations' arrays hold, else `keypoint_1`, ..."""
+    """(the category's keypoint names, report lines); without names: a built-in's, or `keypoint_1`..."""
     names = category.get("keypoints")
     if names:
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
@@ -81,8 +80,7 @@ def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list
 
 
 def _links(category: dict, count: int, source: str, links_from: int | None) -> tuple[list, list]:
-    """The category's links as 0-based pairs, and a line saying how they were counted (from 0 if a
-    link uses keypoint 0, else from 1; or `links_from`)."""
+    """The category's links as 0-based pairs, and a line saying how they were counted."""
     links = category.get("skeleton") or []
     if not isinstance(links, list):
         _fail(source, "the category's skeleton is not a list of keypoint pairs")
@@ -198,8 +196,7 @@ def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[
 
 def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
                    links_from: int | None = None) -> tuple[Skeleton, list]:
-    """(skeleton, report lines) for a category whose keypoints `names` no built-in has; `points`:
-    the labelled people, measuring added links."""
+    """(skeleton, report lines) for a category whose keypoints `names` no built-in has."""
     pairs, report = _links(category, len(names), source, links_from)
     flip = name_flips(names)
     links, mirrors, joins = _complete(pairs, flip, points)

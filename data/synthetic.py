@@ -215,8 +215,7 @@ SKELETONS = ("coco", synthetic_animals.NAME)
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
                 skeleton: str = "coco", overwrite: bool = True) -> Path:
-    """Draw `count` images of people or animals into out_dir/split/ and write out_dir/split.json;
-    returns its path."""
+    """Draw `count` images into out_dir/split/ and write out_dir/split.json; returns its path."""
     split_index = {"train": 0, "val": 1}[split]
     rng = np.random.default_rng([seed, split_index])            # different streams per split
     folder = out_dir / split

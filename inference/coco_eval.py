@@ -104,8 +104,7 @@ def oks_terms(points: np.ndarray, guess: np.ndarray, sigmas: np.ndarray, ann: di
 
 
 def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
-    """Per keypoint: (labelled, recalled), recalled when the matched found person has it with an
-    OKS term >= RIGHT_PLACE."""
+    """Per keypoint: (labelled, recalled: the matched person's OKS term >= RIGHT_PLACE)."""
     sigmas = np.asarray(sigmas, np.float64)
     labelled, recalled = np.zeros(len(sigmas), np.int64), np.zeros(len(sigmas), np.int64)
     for ann, points, guess in matched_people(gt_dict, results, sigmas, image_ids):

@@ -73,8 +73,7 @@ def decode_threads(cfg: InferenceConfig) -> int:
 
 
 def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a pool of
-    `decode_threads` threads while the stream makes the next maps."""
+    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a thread pool."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
@@ -93,8 +92,7 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
 
 def grouped_in_pixels(maps_stream: Iterable[np.ndarray], factors: deque, cfg: InferenceConfig,
                       skeleton) -> Iterator[tuple]:
-    """`grouped_in_pool` with keypoints in the picture's own pixels (`factors`, appended as the
-    maps are made)."""
+    """`grouped_in_pool` with keypoints in the picture's own pixels (by `factors`)."""
     for maps, keypoints, scores in grouped_in_pool(maps_stream, cfg, skeleton):
         yield maps, coordinates_back(keypoints, factors.popleft()), scores
 

@@ -29,8 +29,7 @@ def pick_device(device) -> torch.device:
 
 def inference_config(saved: dict | None, preset: str | None, sets: list[str],
                      scales=None, flip: bool | None = None, model: dict | None = None) -> Config:
-    """The run's config: `saved` (a checkpoint's) or `preset` with `model` settings, then `sets`,
-    then scales / flip."""
+    """The run's config: `saved` or `preset` with `model` settings, then `sets`, scales, flip."""
     extra = list(sets or [])
     if scales:
         extra.append("inference.scales=[" + ",".join(str(float(s)) for s in scales) + "]")

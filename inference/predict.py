@@ -51,8 +51,7 @@ def resample_to_image(maps: torch.Tensor, stride: int, resized_hw, image_hw) -> 
 
 
 def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> np.ndarray:
-    """The picture resized to height scale * input_size, its width at most MAX_ASPECT times that
-    (aspect kept)."""
+    """The picture resized to height scale * input_size (width at most MAX_ASPECT times that)."""
     height, width = picture_bgr.shape[:2]
     rh = max(1, int(round(float(scale) * input_size)))
     if width > MAX_ASPECT * height:

@@ -40,8 +40,7 @@ def fitted(picture: np.ndarray, size: int = TILE) -> np.ndarray:
 
 def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: list[np.ndarray],
                   skeleton: Skeleton, title: str) -> np.ndarray:
-    """BGR uint8: `title`, then one row per picture: its true people [P, K, 3] drawn on the left,
-    the people found on the right."""
+    """BGR uint8: `title`, then per picture its true people (left) and the people found (right)."""
     rows = [np.hstack([fitted(draw_people(picture, truth, skeleton)),
                        fitted(draw_people(picture, people, skeleton))])
             for picture, truth, people in zip(pictures, truths, found)]
@@ -52,8 +51,7 @@ def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: l
 
 
 def found_people(model, pictures: list[np.ndarray], settings: PredictSettings, device) -> list[np.ndarray]:
-    """The keypoints [P, K, 3] of the people `model` (a model of this project) finds in each picture,
-    as the AP's inference finds them (at `settings`)."""
+    """The keypoints [P, K, 3] of the people `model` finds in each picture at `settings`."""
     with eval_mode(model):
         people = PoseEstimator(TorchNetwork(model, device), settings)(pictures)
     k = model.skeleton.num_keypoints

@@ -82,8 +82,7 @@ def _unwrap_key(key: str) -> str:
 
 
 def reference_weights(obj) -> dict[str, torch.Tensor] | None:
-    """The reference state dict (keys without `module.` / `posenet.`) if `obj` is a file of the
-    authors' layout, else None."""
+    """The reference state dict (without `module.` / `posenet.`) of an authors' file, else None."""
     weights = obj.get("weights") if isinstance(obj, dict) else None
     if not isinstance(weights, dict) or not weights:
         return None
