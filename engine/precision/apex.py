@@ -32,7 +32,6 @@ class ApexPrecision(PrecisionBackend):
         super().__init__(cfg, device)
         self.amp = importlib.import_module("apex.amp")
         self.build = apex_checks.apex_build()
-        self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
         self._optimizer = None

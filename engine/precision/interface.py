@@ -38,6 +38,7 @@ class PrecisionBackend(abc.ABC):
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         self.level = cfg.opt_level
+        self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.device_type = device.type
         self.cast_model = self.level in ("O2", "O3")
         keep = cfg.keep_batchnorm_fp32

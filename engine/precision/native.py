@@ -32,7 +32,6 @@ class NativePrecision(PrecisionBackend):
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         super().__init__(cfg, device)
-        self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.scaler = self._build_scaler(cfg)
