@@ -1,11 +1,8 @@
 """The maps of `data.targets.render_targets`, drawn in torch on whatever device holds the people.
 
-`TargetPainter(skeleton, cfg, stride)(people, person_mask)` turns padded people [B, P, K, 3] (input
-pixels, v > 0 labelled, padding rows 0) and uint8 person masks [B, 1, h, w] into float32 targets
-[B, C, h, w] by the rules of `data.targets` (the same grid, Gaussians, margins and cut-off; the
-person mask eroded 3x3). Where `data.targets` stamps windows, this computes whole-grid maps one
-person slot at a time (a few kernels per slot on a GPU, no host sync), to float32 rounding of the
-CPU drawing (tests/test_device_targets.py).
+`TargetPainter(skeleton, cfg, stride)(people, person_mask)`: padded people [B, P, K, 3] and uint8
+person masks [B, 1, h, w] -> float32 targets [B, C, h, w] by `data.targets`' rules, as whole-grid
+maps one person slot at a time (no host sync), equal to float32 rounding.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A skeleton for a COCO keypoint category: a built-in when the category's keypoints are one's,
-else one inferred from the category and completed from the data.
-
-Links 1-based (COCO's rule) or 0-based are decided from the links (`--links-from` overrides); the
-file's links are kept with their mirrors, and what they leave unconnected is joined by a minimum
-spanning tree over the mean distance between keypoints in the annotations; main limbs are a
-breadth-first tree from the best-linked keypoint, the other links redundant. Every decision is
-one line of the returned report.
+"""A skeleton for a COCO keypoint category: a built-in when its keypoints are one's, else one inferred
+from the category's links (1- or 0-based, `--links-from`), joined where they leave parts apart by a
+minimum spanning tree over the keypoints' mean distances; every decision is a line of the report.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
 
-`render_targets` draws the channels of a `data.skeleton.Skeleton` on an output grid whose cell
-(i, j) samples the input point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5). Keypoints are
-Gaussians (several people: max); limbs are Gaussians of the distance to the segment inside its box
-widened by a margin (several people: mean). Each Gaussian is computed only in a window around its
-joint or limb, 0 below exp(-GAUSSIAN_CUTOFF), so the cost grows with the people, not the grid.
-`HostTargetPainter` draws a batch of compact samples (`data.transfer`) this way into one numpy
-array: a CPU device's drawing (the whole-grid one of `data.device_targets` costs 40x more there).
+Output cell (i, j) samples the input point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5).
+Keypoints are Gaussians (several people: max); limbs are Gaussians of the distance to the segment
+inside its box widened by a margin (several people: mean). Each is computed only in a window,
+0 below exp(-GAUSSIAN_CUTOFF). `HostTargetPainter` is a CPU device's drawing of a batch.
 """
 from __future__ import annotations
 

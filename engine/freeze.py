@@ -1,12 +1,9 @@
 """Freezing parts of the model (`--freeze PATTERN...`) for fine-tuning.
 
-A pattern names modules (or parameters) of the unwrapped model: by prefix on whole name parts
-(`stem` freezes `stem.conv1`, not `stems`) or by an fnmatch glob (`stacks.0.*`). Frozen parameters
-get `requires_grad=False`; the optimizer is built from `trainable_parameters` so they get no
-optimizer state either (no momentum, no weight decay); BatchNorm layers inside frozen parts are
-kept in eval mode by `set_frozen_bn_eval`, so their running statistics stay frozen too. A tensor
-that `--allow-partial` started fresh (its random initial values) is never frozen: it stays
-trainable, whatever the patterns name.
+A pattern names modules or parameters by prefix on whole name parts (`stem`, not `stems`) or by an
+fnmatch glob (`stacks.0.*`). Frozen parameters get no gradient and no optimiser state; BatchNorm
+layers inside frozen parts stay in eval mode (`set_frozen_bn_eval`). A tensor `--allow-partial`
+started fresh is never frozen.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The network and its loss as one module: what every launch mode wraps.
-
-Wrapping model and loss together is what lets DataParallel compute the loss on every replica
-(only per-sample loss vectors come back to the first GPU), and it puts the precision policy in one
-place: inputs cast for O2/O3, the forward under autocast for O1, the loss always in float32.
-
-With `cuda_graphs` the network's training forward and backward are captured as CUDA graphs once
-their input has settled, then replayed (`GraphedNetwork`): one launch per graph instead of one per
-kernel, which is what an imhn512 step at batch 16 waits for on a fast GPU (bench/RESULTS.md).
+"""The network and its loss as one module: what every launch mode wraps, so that DataParallel
+computes the loss on every replica, with the precision policy in one place (inputs cast for O2/O3,
+autocast for O1, the loss in float32). With `cuda_graphs` the training forward and backward are
+replayed as CUDA graphs (`GraphedNetwork`).
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The run directory `checkpoints/RUN/` and what a run resumes there, decided once.
-
-The directory is never reused by accident: one that already holds a run is refused unless the
-user resumes it (`--resume`) or replaces it (`--overwrite`, which removes only the trainer's own
-files, once every other check has passed), and the main process claims it (creates a fresh name
-exclusively, locks `RUN/.run.lock`) so that two runs never share one. `plan_run` picks it and the
-checkpoint a resume continues (on rank 0, for every rank).
+"""The run directory `checkpoints/RUN/` and what a run resumes there, decided once (`plan_run`, on
+rank 0 for every rank). One that holds a run is refused unless resumed (`--resume`) or replaced
+(`--overwrite`: only the trainer's own files); the main process claims it (created exclusively,
+`RUN/.run.lock` held), so two runs never share one.
 """
 from __future__ import annotations
 

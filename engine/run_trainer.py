@@ -1,12 +1,8 @@
-"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run (its
-directory and what it resumes: engine/run_dir.py), builds its parts (`engine.build.TrainerBuilder`,
-whose methods a subclass overrides) and returns a `RunTrainer`, which holds the `Trainer` of
-engine/trainer.py with the engine's hooks (`engine.hooks.default_hooks`) and the caller's, and the
-run around it: its checkpoints (engine/train_state.py), logger, console and validation
-(`engine.epoch_end.validate`); a resumed run's state restored, the run directory written.
-
-train.py, train_parallel.py and train_distributed.py all call it; a launch mode only decides how
-`ModelWithLoss` is wrapped (nothing, DataParallel, DDP) and what `DistContext` it runs in.
+"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run
+(engine/run_dir.py), builds its parts (`engine.build.TrainerBuilder`) and returns a `RunTrainer`:
+the `Trainer` with the engine's hooks and the caller's, and the run around it (checkpoints,
+logger, console, validation). Every launch mode calls it; it only decides how `ModelWithLoss` is
+wrapped (nothing, DataParallel, DDP) and in what `DistContext` it runs.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """COCO keypoint AP of a list of results, scored by pycocotools (iouType='keypoints'), quietly.
 
-The ground truth is a COCO dataset dict (`data.h5format.KeypointH5.coco_ground_truth()`), optionally
-restricted to the images evaluated; OKS uses the skeleton's sigmas; no results give AP 0. The
-annotations are numbered 1, 2, ... in the copy scored (pycocotools reads an id 0 as "no match"), so
-AP does not depend on the file's ids. `matched_people` pairs each labelled person with a found one;
-`keypoint_recall` counts, per keypoint, the labelled points in a found person at the right place.
+OKS uses the skeleton's sigmas; no results give AP 0; annotations are renumbered 1, 2, ... in the
+copy scored (pycocotools reads id 0 as "no match"). `matched_people` pairs labelled and found
+people; `keypoint_recall` counts each keypoint's points found at the right place.
 """
 from __future__ import annotations
 

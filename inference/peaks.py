@@ -1,10 +1,8 @@
 """Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, centroid refinement.
 
-On clean maps only the pixels above the threshold are compared with their 8 neighbours; on noisy
-ones each map is max-filtered by a 3x3 dilation instead (one pass whatever the peaks): the same
-result. A plateau keeps its first pixel in raster order, which the 5x5 weighted centroid moves to
-the plateau's centre. With `max_per_map`, only each map's strongest maxima go through the plateau
-step.
+Clean maps compare only the pixels above the threshold with their neighbours, noisy ones take a 3x3
+dilation: the same result. A plateau keeps its first pixel in raster order, which the weighted
+centroid moves to the plateau's centre.
 """
 from __future__ import annotations
 

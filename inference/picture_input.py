@@ -1,11 +1,6 @@
-"""What the inference API (`inference.estimator.PoseEstimator`) takes as a picture, checked and made
-the BGR uint8 [H, W, 3] array the network reads.
-
-Converted: grey [H, W] or [H, W, 1], BGRA (alpha dropped), uint16 (/ 257), float in 0-1 (x 255) or
-0-255. Refused with a `TypeError` or `ValueError` naming the picture: None, a path, other types,
-bool or other integer dtypes, channels first, other channel counts, an empty picture, float values
-not finite or outside 0-255. A picture whose longer side exceeds `MAX_SIDE` runs shrunk to it, and
-its people's coordinates are mapped back to the picture's pixels.
+"""What the inference API takes as a picture, checked and made the BGR uint8 [H, W, 3] array the
+network reads: grey, BGRA, uint16 and float pictures are converted; anything else is refused with
+a `TypeError` or `ValueError` naming the picture. Larger than `MAX_SIDE`: run shrunk.
 """
 from __future__ import annotations
 

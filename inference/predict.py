@@ -1,12 +1,9 @@
 """Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
 
-Per scale s each picture is resized to height s * input_size (at most MAX_ASPECT times that wide)
-and padded with `data.preprocess.GREY` to the sizes the network takes; pictures of one padded size go through
-the network together, each with its mirror when flipping. The last stack's stride-4 output is
-sampled back to picture pixels (cell (i, j) at input point ((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 -
-0.5)), the mirror's un-mirrored with its channels permuted by `channel_flip`, and all averaged.
-The network is anything with `.device` and `.skeleton` that maps [B, 3, H, W] to [B, C, H/4, W/4]
-(and `.size_multiple`, the sides it takes, when not 64): `TorchNetwork` or `inference.onnx_network`.
+Per scale s each picture is resized to height s * input_size, padded with `GREY` and batched with
+others of its padded size (with its mirror when flipping); the last stack's stride-4 output is
+sampled back to picture pixels, the mirror's un-mirrored (`channel_flip`), all averaged. The
+network maps [B, 3, H, W] to [B, C, H/4, W/4]: `TorchNetwork` or `inference.onnx_network`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Validation pictures: what the model finds on a few fixed validation images, beside the truth.
-
-`write_val_pictures`, which the entry scripts hand the training engine (`engine.epoch_end.validate`
-calls it), draws after each AP validation `RUN/val_pictures/epoch_N.png`: the first
-`train.val_pictures` images of the validation file, one per row, the ground-truth people on the
-left, on the right those the model finds with the AP's own inference (`inference.estimator`; the
-averaged weights under `--ema`), each in a TILE x TILE square below a header; also to TensorBoard.
+"""Validation pictures: after each AP validation `RUN/val_pictures/epoch_N.png` (and TensorBoard)
+shows the first `train.val_pictures` validation images, the true people on the left and those the
+model finds with the AP's own inference on the right.
 """
 from __future__ import annotations
 

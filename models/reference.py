@@ -1,11 +1,8 @@
 """The Simple Pose authors' checkpoint layout, mapped onto this project's IMHN.
 
-Their file is a `torch.save`d dict: `weights` (the state dict under `posenet.`, maybe behind
-`module.`), `optimizer_weight` (SGD state by parameter index), `train_loss`, `epoch` (0-based,
-finished), maybe an Apex `amp` state. Every tensor has one counterpart of the same shape here.
-Names are mapped by structure: `reference_name` rewrites one of our names by a rule per kind of
-module, and `reference_order` sorts names as the reference registers them (its optimiser's
-parameter order). Only the first convolution changes: its input channels are reversed (BGR).
+Their file holds `weights` (under `posenet.`, maybe `module.`), `optimizer_weight` (SGD state by
+parameter index), `train_loss`, `epoch` (0-based, finished), maybe an Apex `amp` state. Names map
+by structure (`reference_name`, `reference_order`); only the first conv changes (BGR input).
 """
 from __future__ import annotations
 
