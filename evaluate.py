@@ -99,25 +99,9 @@ def _check_writable(path: Path, overwrite: bool) -> None:
         os.unlink(path)
 
 
-def _on_rank0(work, rank: int):
-    """`work()` on rank 0 only; its result, or the exception it raised, on every rank."""
-    from runtime.distributed import broadcast_object
-
-    outcome = None
-    if rank == 0:
-        try:
-            outcome = work()
-        except Exception as exc:            # every rank must reach the broadcast
-            outcome = exc
-    outcome = broadcast_object(outcome)
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
-
 def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
     """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
-    from runtime.distributed import barrier
+    from runtime.distributed import barrier, decided_on_main
 
     if args.h5:
         return args.h5, None
@@ -134,7 +118,7 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
             raise
         return tmp
 
-    tmp = _on_rank0(convert_to_temp, rank)
+    tmp = decided_on_main(convert_to_temp)
     barrier()
     return str(Path(tmp) / "val.h5"), (tmp if rank == 0 else None)
 
@@ -197,7 +181,7 @@ def _file_skeleton(h5_path: str):
 def run(args) -> dict:
     from config.loader import build_config
     from config.views import PredictSettings
-    from runtime.distributed import barrier, cleanup, init_distributed
+    from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
     from inference.evaluation import evaluate_h5
     from inference.estimator import PoseEstimator
     from inference.loading import inference_config
@@ -209,7 +193,7 @@ def run(args) -> dict:
         out = _results_path(args, args.ann or args.h5)
         refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann, "--images": args.images,
                         "--preset": args.preset}, {"--out": out})
-        _on_rank0(lambda: _check_writable(out, args.overwrite), ctx.rank)
+        decided_on_main(lambda: _check_writable(out, args.overwrite))
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
                                                 scales=args.scales, flip=args.flip)
