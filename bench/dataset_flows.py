@@ -2,12 +2,9 @@
 
     python bench/dataset_flows.py [--only coco zebra ...] [--steps 3] [--keep DIR] [--device cpu]
 
-Each stand-in is in its dataset's published layout (tests/shipped_layouts.py: coco4's JSON and
-pictures, 3 for training and 1 for validation; quadruped: `data.synthetic`'s animals, 6 + 1).
-Each step runs through the command's own main(argv): data.make_hdf5 converts the train split and
-dumps its skeleton, converts the validation split with it, train.py trains `--steps` steps
-(tiny, batch 2), evaluate.py scores the oracle and the network, demo.py draws the validation
-picture. One table, then one JSON line; a step that fails is said in its row (exit code 1).
+Per stand-in (tests/shipped_layouts.py), through each command's main(argv): data.make_hdf5 converts
+both splits, train.py trains `--steps` steps, evaluate.py scores the oracle and the network, demo.py
+draws a picture. One table, then one JSON line; a failed step is said in its row (exit code 1).
 """
 from __future__ import annotations
 

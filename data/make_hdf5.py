@@ -6,10 +6,8 @@
         [--dump-skeleton FILE.yaml]
     python -m data.make_hdf5 --list-skeletons
 
-`data.coco_intake` reads the JSON and decides the skeleton (printed; stored in the file). Images are
-stored as their encoded bytes, masks as run-length codes (layout: `data.h5format`); the train
-split keeps the pictures with a main person (SPEC's rule); people without a labelled keypoint are
-masked out like crowds. The file is written under a temporary name and renamed at the end.
+Images are stored encoded, masks as run-length codes (`data.h5format`); the train split keeps the
+pictures with a main person; people without a labelled keypoint are masked out like crowds.
 """
 from __future__ import annotations
 

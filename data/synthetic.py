@@ -3,11 +3,9 @@
     python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
         [--skeleton coco|quadruped]
 
-writes DIR/train.json, DIR/val.json (COCO keypoint format) and DIR/train/*.jpg, DIR/val/*.jpg (a DIR
-that holds them is refused unless --overwrite). Each image shows 1-3 stick figures facing the camera
-(or `data.synthetic_animals`' animals) on a plain background, with occluded (v=1) and unlabelled
-(v=0) keypoints, people cut by the border, small people without keypoints and crowd regions, so
-every mask path is exercised. `ensure_synthetic_h5(cache_dir)` makes and converts it once.
+writes DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick
+figures (or animals) per image with occluded and unlabelled keypoints, people cut by the border,
+small people and crowds, so every mask path is exercised. `ensure_synthetic_h5` makes it once.
 """
 from __future__ import annotations
 

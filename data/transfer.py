@@ -1,13 +1,8 @@
 """What a training sample carries from the loader's workers to the device, and how it unpacks there.
 
-A compact sample is three tensors, about 0.82 MB at 512 input (6.6 MB as float32 tensors):
-    image   uint8   [S, S, 3]       the augmented BGR picture
-    people  float32 [P, K, 3]       the augmented keypoints, people with a labelled keypoint first,
-                                    zero rows up to the file's most people per image (`pack_people`)
-    masks   uint8   [2, S/4, S/4]   the warped ignore (255 = do not supervise) and person masks
-`expand` turns a compact sample or batch, on whatever device, into the network's float32 input
-(`data.preprocess.bgr_to_input`), targets (a `data.device_targets.TargetPainter`) and mask
-(1 - ignore / 255); `KeypointDataset[i]` is its CPU result.
+A compact sample (about 0.82 MB at 512 input, 6.6 MB as float32) is the augmented BGR image uint8
+[S, S, 3], the people float32 [P, K, 3] (`pack_people`) and the warped ignore and person masks
+uint8 [2, S/4, S/4]; `expand` turns it, on any device, into input, targets and mask.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
 
-MACs per image are counted with forward hooks on `nn.Conv2d`, `nn.ConvTranspose2d` and `nn.Linear`
-(biases, BatchNorm, activations, pooling, upsampling, additions and the SE gate are not), on the
-`meta` device: the full network in well under a second, without memory.
+MACs per image are counted with forward hooks on convolutions and linear layers, on the `meta`
+device (no memory, well under a second).
 
     python -m models.summary --preset imhn --input 512
-
-prints the per-module breakdown and ends with one JSON line.
 """
 from __future__ import annotations
 
