@@ -1,10 +1,8 @@
 """Typed configuration of a run: one dataclass per concern, gathered in `Config`.
 
-Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise;
-presets override them, the command line the preset (`config.loader`). Each field is declared once,
-with what it accepts (`option(..., bounds=, choices=)`, applied to every value wherever it comes
-from by `config.loader.check_value`) and, for the common ones, its flag (`flag=Flag(...)`, built by
-`add_flags` with the field's choices).
+Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
+Each field is declared once, with what it accepts (`option(..., bounds=, choices=)`, checked by
+`config.loader.check_value`) and, for the common ones, its command-line `flag`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
-(`build_data`, `build_model`, `build_loss`, `build_optimizer`, ...), each taking its own
-sub-config, and `build` calls them in the order the engine needs (the same seeds at the same
-points, so that N processes train exactly as one) and returns the `Parts` a run trains with.
-A subclass replaces any part (`build_trainer(cfg, launch, builder=MyBuilder())`). `resolve_data`
-finds the run's data files, or makes the project's synthetic dataset.
+(`build_data`, `build_model`, ...), which `build` calls in the order the engine needs (the same
+seeds at the same points); a subclass replaces any part (`build_trainer(..., builder=MyBuilder())`).
 """
 from __future__ import annotations
 

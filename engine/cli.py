@@ -1,9 +1,6 @@
 """The command line shared by the three entry scripts: flags -> resolved `Config`, and error exits.
-
-Named flags cover the common options (Apex's names for mixed precision and DDP), each declared
-beside its field in config/schema.py; `--set KEY=VALUE` reaches any config field. With `--resume`
-and no `--config`, the run's saved config is the base, so a resumed run trains with what it
-started with (plus any flag given now).
+Flags are declared beside their fields in config/schema.py; `--set KEY=VALUE` reaches any field.
+With `--resume` and no `--config`, the run's saved config is the base.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""A run's checkpoints, written and read back in one place: `TrainState` is the run's position as
-a checkpoint holds it; `Checkpoints` writes RUN/NAME (the parts' states: model, optimiser, scaler,
-RNG; the position; the entries fixed for the run: config, skeleton, launch mode; each hook's
-`state_dict()` under its `checkpoint_key`), never one that is no good to resume, and `restore`s
-the same entries into a run built from the same configuration. `check_resumable` refuses a file
-without what a resume reads; each hook checks its own entries (`Hook.load_state_dict`).
+"""A run's checkpoints, written and read back in one place: `TrainState` is the run's position;
+`Checkpoints` writes RUN/NAME (the parts' states, the position, the run's fixed entries and each
+hook's `state_dict()`), never one that is no good to resume, and `restore`s them.
+`check_resumable` refuses a file without what a resume reads.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The scores of a model (or of the ground-truth maps, `oracle`) on an HDF5 split: COCO keypoint AP,
-PCK, AUC, EPE, as the skeleton's `scoring` says; used by evaluate.py and training's validation.
-
-Under torch.distributed each rank decodes images rank, rank + world, ... (each exactly once); rank
-0 scores the gathered results and broadcasts the stats. The next pictures are decoded in a thread
-while the network runs, and people grouped in a pool of threads meanwhile.
+"""The scores of a model (or of the ground-truth maps, `oracle`) on an HDF5 split as the skeleton's
+`scoring` says, for evaluate.py and training's validation. Under torch.distributed each rank decodes
+every world-th image; rank 0 scores the gathered results and broadcasts the stats.
 """
 from __future__ import annotations
 
