@@ -225,8 +225,7 @@ def section_nccl_abort(check: bool) -> dict:
 
 
 def section_sync_debug(check: bool) -> dict:
-    """Device waits per step (sync debug mode "warn") beside the project's counter of host reads,
-    in an NCCL group of one, without and with --sync-bn."""
+    """Device waits per step beside the project's host-read counter, without and with --sync-bn."""
     from bench.group_of_one import force_sync_function
     from bench.host_syncs import count_host_syncs, optimizer_step_counters
     from engine.cli import single_process_context
@@ -488,8 +487,7 @@ def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
 
 
 def section_graph_numerics(check: bool) -> dict:
-    """The same 12 steps (other batches each step) eagerly and with CUDA graphs, cuDNN
-    deterministic: the largest relative difference of their losses and of the weights after."""
+    """The largest relative differences of 12 steps' losses and weights, eager vs CUDA graphs."""
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     losses, weights = {}, {}
     for graphs in (False, True):

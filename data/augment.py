@@ -97,8 +97,7 @@ def flip_people(people: np.ndarray, width: int, flip) -> np.ndarray:
 
 
 def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
-    """uint8 size x size x 3 image through `matrix`, `GREY` outside the source (warped as 4
-    channels: OpenCV's bilinear warp is twice as fast so)."""
+    """uint8 size x size x 3 image through `matrix`, `GREY` outside (warped as 4 channels: faster)."""
     padded = cv2.cvtColor(image, cv2.COLOR_BGR2BGRA)
     warped = cv2.warpAffine(padded, matrix, (size, size), flags=cv2.INTER_LINEAR,
                             borderMode=cv2.BORDER_CONSTANT, borderValue=GREY + (0,))

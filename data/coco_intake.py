@@ -56,8 +56,7 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
 
 
 def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path) -> list:
-    """Lines for the JSON's keypoint names that `skeleton` spells or names otherwise; `DataError`
-    when they are another skeleton's or in another order."""
+    """Lines for the JSON's keypoint names that `skeleton` names otherwise; or `DataError`."""
     given, common = skeleton.dataset_keypoints, min(len(names), len(skeleton.dataset_keypoints))
     plain = [plain_name(n) for n in names]
     differ = [k for k in range(common) if names[k] != given[k]]

@@ -85,8 +85,7 @@ class TargetPainter:
         return torch.exp(dist2.neg_()).mul_(reached), reached
 
     def _in_box(self, a, b, count: int) -> torch.Tensor:
-        """[B, L, count] cells whose sample points lie in [min(a, b) - margin, max + margin] (the
-        cell ranges of `data.targets._cell_range`, computed the same way in float64)."""
+        """[B, L, count] cells within the limbs' boxes widened by `margin` (as `_cell_range`)."""
         a, b = a.to(torch.float64), b.to(torch.float64)
         margin, stride = self.cfg.limb_margin, self.stride
         first = torch.ceil((torch.minimum(a, b) - margin + 0.5) / stride - 0.5)

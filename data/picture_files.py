@@ -21,8 +21,7 @@ def check_picture_path(path, option: str = "--out") -> Path:
 
 
 def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: bool = True) -> Path:
-    """Write a BGR picture to `path` atomically (folder made if needed); `DataError` naming `option`
-    when it cannot be written there; without `overwrite` a file there meanwhile is kept."""
+    """Write a BGR picture to `path` atomically; `DataError` naming `option` when it cannot."""
     path = check_picture_path(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,7 @@ def padded_size(height: int, width: int, multiple: int) -> tuple[int, int]:
 
 
 def pictures_to_batch(pictures_bgr: list[np.ndarray], size: tuple[int, int], device) -> torch.Tensor:
-    """uint8 BGR pictures, each at most `size` -> float32 [B, 3, *size] input on `device`, each at
-    the top left on `GREY` (normalised on the device)."""
+    """uint8 BGR pictures, each at most `size` -> [B, 3, *size] input on `device`, top left on `GREY`."""
     canvas = np.empty((len(pictures_bgr), *size, 3), np.uint8)
     canvas[:] = GREY
     for slot, picture in zip(canvas, pictures_bgr):

@@ -176,8 +176,7 @@ class Skeleton:
 
     # -- annotations ----------------------------------------------------------------------------
     def from_annotation(self, values) -> np.ndarray:
-        """An annotation's flat (x, y, v) list -> float32 [K, 3] in network order, derived added
-        (many people's, [N, D * 3] or [N, D, 3] -> [N, K, 3])."""
+        """Annotations' (x, y, v) -> float32 [K, 3] (or [N, K, 3]) in network order, derived added."""
         given = np.asarray(values, np.float32)
         count = len(self.dataset_keypoints)
         lead = given.shape[:-2] if given.shape[-2:] == (count, 3) else given.shape[:-1]

@@ -22,15 +22,13 @@ _WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
 
 
 def plain_name(name: str) -> str:
-    """`name` as lower-case words run together, single-letter sides and ends written out:
-    `L_F_Paw`, `left_front_paw` and `LeftFrontPaw` are all `leftfrontpaw`."""
+    """`name` in one spelling: `L_F_Paw`, `left_front_paw` and `LeftFrontPaw` are `leftfrontpaw`."""
     words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)
     return "".join(_WORDS.get(w.lower(), w.lower()) for w in words)
 
 
 def matching_builtin(names, count: int | None = None) -> Skeleton | None:
-    """The built-in whose keypoints are `names` in this order (spelling aside, `plain_name`); with
-    `count`, the one of `count` keypoints that `names` begin."""
+    """The built-in whose keypoints are `names` (with `count`: begin with them), spelling aside."""
     wanted = tuple(plain_name(n) for n in names)
     for name in builtin_names():
         known = builtin(name).dataset_keypoints
@@ -153,8 +151,7 @@ def _joins(links: list, flip: list, distance: np.ndarray, among) -> list:
 
 
 def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, list]:
-    """(all links, mirrors added, links added to join the parts): the file's links, each one's
-    mirror, and a minimum spanning forest over the mean distances joining what they leave apart."""
+    """(all links, mirrors added, links added): the file's links completed (`_joins`)."""
     count = len(flip)
     links = list(pairs)
     mirrors = [m for m in dict.fromkeys((flip[a], flip[b]) for a, b in pairs)

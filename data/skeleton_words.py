@@ -30,8 +30,7 @@ def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
 
 
 def limb_changes(skeleton: Skeleton, other: Skeleton) -> str:
-    """The limbs `skeleton` has and `other` lacks (`with limb a-b`), else those it lacks
-    (`without limb c-d`), by keypoint name; empty when both join the same keypoints."""
+    """`with limb a-b` that `other` lacks, else `without limb c-d`; empty when the limbs agree."""
     def limbs(of: Skeleton) -> set:
         return {"-".join(sorted((of.keypoints[a], of.keypoints[b]))) for a, b in of.limbs}
     own, lacks = sorted(limbs(skeleton) - limbs(other)), sorted(limbs(other) - limbs(skeleton))

@@ -254,8 +254,7 @@ def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: 
 
 def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50,
                         size: int = 192, seed: int = 0, skeleton: str = "coco") -> tuple[Path, Path]:
-    """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, drawn and converted once (under
-    a lock), reused while both open fine and were made with the same settings."""
+    """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, made once (under a lock)."""
     from data.h5format import KeypointH5
     from data.make_hdf5 import convert
 

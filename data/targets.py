@@ -69,8 +69,7 @@ def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height:
 
 def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
                 margin: float) -> None:
-    """Mean of one perpendicular-distance Gaussian per labelled limb into maps [L,H,W], the limbs'
-    windows flattened (at most `_CHUNK_CELLS` cells at a time)."""
+    """Mean of one perpendicular-distance Gaussian per labelled limb into maps [L,H,W]."""
     height, width = maps.shape[1:]
     limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
     if limb.size == 0:

@@ -136,8 +136,7 @@ def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: Am
 
 
 def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
-    """`amp.cuda_graphs` for this run: auto where they can be used (not with DDP, DataParallel,
-    Apex or torch.compile), True refuses a run where they cannot."""
+    """`amp.cuda_graphs` for this run: auto where they can be used, True refuses where not."""
     unsupported = [why for why, bad in (
         ("the device is not CUDA", launch.ctx.device.type != "cuda"),
         (f"the launch mode is {launch.mode}", launch.mode != "single"),

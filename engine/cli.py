@@ -129,8 +129,7 @@ def _preset_model(preset: str) -> dict | None:
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
-    """The run's config from the flags, refused now when its backend cannot run here. `reader`:
-    the `CheckpointReader` that `build_trainer` gets too (None: one of its own)."""
+    """The run's config from the flags, refused now when its backend cannot run here."""
     from engine.precision import check_backend
     cfg = _resolve_config(args, reader)
     check_backend(cfg)

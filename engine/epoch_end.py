@@ -125,8 +125,7 @@ class EpochEnd(Hook):
 
 @torch.no_grad()
 def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
-    """The validation loss (sharded over ranks), the skeleton's metrics and the validation
-    pictures of `run`; a stop signal ends it within a batch or an image (Interrupted)."""
+    """The validation loss, the skeleton's metrics and the validation pictures of `run`."""
     results = {}
     ctx, cfg, val_set = run.ctx, run.cfg, run.data.val_set
     where = f"while validating epoch {epoch + 1} (resuming validates it again)"

@@ -121,8 +121,7 @@ class PersistentWorkersLoader(DataLoader):
 
 
 class _AsRaisedInWorker:
-    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's
-    "Caught ... in DataLoader worker process N. Original Traceback ..." text."""
+    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's."""
 
     def __init__(self, iterator):
         self.iterator = iterator

@@ -13,8 +13,7 @@ from config.schema import OptimConfig
 
 
 def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 1) -> float:
-    """The LR after warm-up: `lr`, times total batch / `reference_batch` (if set), or times the
-    world size under the legacy `scale_lr_by_world_size`."""
+    """The LR after warm-up: `lr` x total batch / `reference_batch` (if set; or x the world size)."""
     base = cfg.lr * (world_size if cfg.scale_lr_by_world_size else 1)
     if cfg.reference_batch and total_batch:
         base *= total_batch / cfg.reference_batch

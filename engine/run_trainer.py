@@ -84,8 +84,7 @@ def loop_parts(train: TrainConfig, parts: Parts, device) -> TrainParts:
 
 
 class RunEnd(Hook):
-    """The logger closed, the ranks together, the `done.` line; whatever happened, the loaders'
-    workers shut down and the run directory's lock given up."""
+    """The logger closed, the `done.` line; whatever happened, workers and run lock let go."""
     priority = 100
 
     def __init__(self, run: "RunTrainer"):

@@ -60,8 +60,7 @@ def _keys(hook) -> tuple:
 
 
 class Checkpoints:
-    """The checkpoints in `run_dir` of `model` (unwrapped), `optimizer` and `precision`; `fields`:
-    the entries fixed for the run; `main`: this process writes them (every rank calls `save`)."""
+    """The checkpoints of a run; `fields`: the entries fixed for it; `main`: this process writes."""
 
     def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
                  say=print):
@@ -143,8 +142,7 @@ class Checkpoints:
                            f"the same command and --resume auto --run-name {self.run_dir.name}")
 
     def restore(self, trainer, state: dict, path: Path, say=print) -> TrainState:
-        """Optimiser, scaler (checked first), RNG and the hooks' states from `state` (the checkpoint
-        at `path`), and the position `trainer` continues from."""
+        """Optimiser, scaler, RNG and hooks' states from `state`, and `trainer`'s position."""
         scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
         try:
             self.optimizer.load_state_dict(state["optimizer"])

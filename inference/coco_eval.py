@@ -95,8 +95,7 @@ def matched_people(gt_dict: dict, results: list[dict], sigmas, image_ids=None):
 
 
 def oks_terms(points: np.ndarray, guess: np.ndarray, sigmas: np.ndarray, ann: dict) -> np.ndarray:
-    """Per keypoint, COCO's OKS term exp(-d^2 / (2 s^2 k^2)) of `guess` against the labelled
-    `points` of annotation `ann` (s^2: its area)."""
+    """Per keypoint, COCO's OKS term exp(-d^2 / (2 s^2 k^2)) of `guess` against `points` of `ann`."""
     d2 = ((guess[:, :2] - points[:, :2]) ** 2).sum(1)
     return np.exp(-d2 / (2 * (2 * sigmas) ** 2 * (_scale(ann) + np.spacing(1))))
 

@@ -100,8 +100,7 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
-    """{image id: COCO results with peak scores} of the image indices given, as the inference API
-    finds them (`oracle`: from the ground-truth maps); `stop()` True: the images so far."""
+    """{image id: COCO results} of the image indices given; `stop()` True: the images so far."""
     taken: deque = deque()
 
     def until_stopped():

@@ -312,8 +312,7 @@ def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
 
 
 def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list:
-    """(relative distance, i, crowd + n) of partial people i and lone peaks lone[n] that `_bridge`
-    may join: per person and keypoint type, the BRIDGE_LONE nearest of that type."""
+    """(relative distance, i, crowd + n) of people i and lone peaks lone[n] `_bridge` may join."""
     crowd = len(slots)
     found = []
     for kind in np.unique(channel[lone]):

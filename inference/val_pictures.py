@@ -61,8 +61,7 @@ def val_pictures_path(run_dir, epoch: int) -> Path:
 
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
                        run_dir, device, count: int = 4) -> Path:
-    """Draw the first `count` images of `val_h5` with their true people and those `model` finds into
-    RUN/val_pictures/epoch_`epoch`.png (1-based epoch), written atomically; returns its path."""
+    """Write RUN/val_pictures/epoch_`epoch`.png of the first `count` images; returns its path."""
     from data.h5format import KeypointH5
 
     h5 = KeypointH5(val_h5)

@@ -95,8 +95,7 @@ def count_frames(path) -> int:
 
 
 class VideoOut:
-    """Context manager writing BGR frames to `path` at `fps` through a temporary file, which is read
-    back (OpenCV's writer reports no error) and then renamed (over a file only with `overwrite`)."""
+    """Context manager writing BGR frames to `path` at `fps` atomically, read back before renaming."""
 
     def __init__(self, path, fps: float, size: tuple[int, int], overwrite: bool = False):
         self.path = check_video_out(path)

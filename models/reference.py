@@ -118,8 +118,7 @@ def model_settings(weights: dict[str, torch.Tensor]) -> tuple[dict, int] | None:
 
 
 def to_ours(weights: dict[str, torch.Tensor], model: nn.Module, depth: int) -> dict[str, torch.Tensor]:
-    """A reference state dict renamed to `model`'s keys, first conv BGR -> RGB, BatchNorm counters
-    added as 0; keys without counterpart kept."""
+    """A reference state dict renamed to `model`'s keys, first conv BGR -> RGB, counters added."""
     names = name_map(model, depth)
     ours = {names.get(k, k): v for k, v in weights.items()}
     for key, value in model.state_dict().items():

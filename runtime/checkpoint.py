@@ -75,8 +75,7 @@ _DEFAULT_FILE_MODE = _umask_file_mode()
 
 
 def save_checkpoint(path, state: dict) -> None:
-    """Write `state` + `format_version` to `path` atomically (the old file intact on failure);
-    CheckpointError if it cannot be written. Temporaries of killed saves are removed first."""
+    """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be."""
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
     tmp, replaced = None, False
@@ -167,8 +166,7 @@ def _checkpoint_order(path: Path, state: dict):
 
 
 def find_latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint of `run_dir` with the highest stored step (ties: `last.pth`, then the newer),
-    or None. An unreadable file is an error, never skipped (the run would save over it)."""
+    """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
     best, best_order = None, None
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:

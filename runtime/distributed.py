@@ -297,8 +297,7 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 
 def _leave_error_before_group(launch, err: UserError, timeout_s: float,
                               serve_s: float | None = None) -> None:
-    """Best effort: put this rank's set-up error where the others meet; rank 0 serves it for at
-    most `serve_s` (default: the rendezvous timeout), another rank tries rank 0 for 30 s."""
+    """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
     wait = timeout_s
     serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(wait, 30.0)):

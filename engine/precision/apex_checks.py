@@ -69,8 +69,7 @@ def check_backend(cfg: Config) -> None:
 
 
 def check_installed(device: str) -> None:
-    """ConfigError (one line) unless an Apex with amp imports, can patch this PyTorch, and a CUDA
-    device is there (`device`: the run's train.device)."""
+    """ConfigError unless an Apex with amp imports, can patch this PyTorch, and CUDA is there."""
     _check_apex_installed()
     _check_torch()
     _check_cuda(device)

@@ -106,8 +106,7 @@ class NativePrecision(PrecisionBackend):
             self.scaler.unscale_(optimizer)
 
     def _copy_grads_to_masters(self) -> None:
-        """master.grad = param.grad in float32, as views of one flat buffer with the masters'
-        strides, filled by one `_foreach_copy_`."""
+        """master.grad = param.grad in float32: views of one flat buffer, one `_foreach_copy_`."""
         if self._grad_layout is None:
             self._grad_layout, total = [], 0
             for _, master in self._pairs:
@@ -127,8 +126,7 @@ class NativePrecision(PrecisionBackend):
             torch._foreach_copy_(fulls, halves)
 
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
-        """Step unless the gradients are not finite; update the loss scale, except after a bad loss
-        (NaN gradients made on purpose); no host read."""
+        """Step unless the gradients are not finite; update the loss scale unless `bad_loss`."""
         if grads_finite:
             optimizer.step()
             if self._pairs:
