@@ -10,6 +10,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pytest
 
 from data.h5format import KeypointH5
 from data.preview import main as preview_main
@@ -100,6 +101,7 @@ def test_preview_refuses_no_samples_and_a_non_picture_name(synthetic_h5, tmp_pat
     assert preview_main(["--h5", h5, "--out", str(out), "--n", "1", "--config", "tiny"]) == 0
     assert cv2.imread(str(out)).shape == (128, 2 * 128, 3)
 
+@pytest.mark.slow
 def test_benchmark_prints_table_and_json_last():
     proc = subprocess.run([sys.executable, "bench/data_pipeline.py", "--samples", "12",
                            "--input-size", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -115,6 +117,7 @@ def test_benchmark_prints_table_and_json_last():
     assert any(line.startswith("targets") for line in lines)
 
 
+@pytest.mark.slow
 def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_loaded_batches():
     command = [sys.executable, "bench/train_throughput.py", "--preset", "tiny", "--input", "64",
                "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cpu",

@@ -96,6 +96,7 @@ def test_each_ap_validation_writes_a_picture(straight, synthetic_h5):
     assert not list((straight / "val_pictures").glob(".*"))      # no temporary file left
 
 
+@pytest.mark.slow
 def test_two_ranks_hold_the_same_ema_and_rank_0_saves_it(tmp_path, synthetic_h5):
     from multiprocess_runs import data_args, dumps, launch
 

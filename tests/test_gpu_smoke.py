@@ -25,6 +25,7 @@ def load_script(name: str):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_gpu_scripts_parse(script):
     proc = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
