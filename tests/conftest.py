@@ -70,6 +70,15 @@ def tiny_network(tiny_cfg):
     return model.eval()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's `--dist loadgroup` (the README's command): a module's tests run on
+    one worker, which sets its module fixtures up once; so do the tests that read the bad-input
+    table (tests/bad_inputs.py), a session fixture of 22 processes."""
+    for item in items:
+        group = "bad-input table" if "table" in item.fixturenames else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @contextlib.contextmanager
 def _processes_started():
     """The list of the processes (subprocess or multiprocessing) started inside the block, but for
