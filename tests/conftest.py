@@ -70,13 +70,31 @@ def tiny_network(tiny_cfg):
     return model.eval()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `--dist loadgroup` (the README's command): a module's tests run on
-    one worker, which sets its module fixtures up once; so do the tests that read the bad-input
-    table (tests/bad_inputs.py), a session fixture of 22 processes."""
-    for item in items:
-        group = "bad-input table" if "table" in item.fixturenames else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (pytest-xdist, the README's command): a module's tests run on one worker, which sets
+    its module fixtures up once; so do the modules that read the bad-input table (tests/bad_inputs.py),
+    a session fixture of 22 processes. (xdist's own `--dist loadgroup` reads groups from node ids,
+    which pytest 9 no longer lets a plugin change.)"""
+    if config.getvalue("dist") != "load":          # another --dist asked for: xdist's own
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    from bad_inputs import TABLE_ROWS
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "bad-input table" if Path(module).stem in TABLE_ROWS else module
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """The table's readers are the modules named in TABLE_ROWS: elsewhere a worker would run it again."""
+    from bad_inputs import TABLE_ROWS
+    strays = [item.nodeid for item in items if "table" in item.fixturenames
+              and item.module.__name__ not in TABLE_ROWS]
+    if strays:
+        raise pytest.UsageError(f"{strays[0]} reads the bad-input table: name its module in TABLE_ROWS")
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ def test_a_saved_config_that_no_longer_fits_names_the_file_and_the_way_on(env, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", TABLE_ROWS["checkpoints"])
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_checkpoints"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 

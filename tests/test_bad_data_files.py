@@ -207,7 +207,7 @@ def test_a_damaged_picture_is_one_line_naming_it_with_or_without_dataloader_work
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", TABLE_ROWS["data files"])
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_data_files"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 

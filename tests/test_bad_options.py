@@ -93,7 +93,7 @@ def test_a_validation_file_without_training_data_is_refused_not_ignored(env, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", TABLE_ROWS["options"])
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_options"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 

@@ -203,7 +203,7 @@ def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", TABLE_ROWS["outputs"])
+@pytest.mark.parametrize("row", TABLE_ROWS["test_output_safety"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 
