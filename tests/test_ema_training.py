@@ -13,9 +13,7 @@ import train
 from config.loader import build_config
 from runtime.checkpoint import load_checkpoint
 from inference.val_pictures import HEADER, TILE
-
-QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
-         "--set", "train.tensorboard=false"]
+from test_train import QUICK
 EMA = ["--ema", "0.9", "--set", "train.ema_tau=2", "--ap-every", "1", "--set", "train.ap_max_images=2",
        "--set", "train.val_pictures=2"]
 
