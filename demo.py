@@ -7,12 +7,9 @@
     python demo.py --weights best.pth --camera 0          # live window; q or Esc ends it
     python demo.py --weights pose.onnx --image photo.jpg  # a network exported by export.py
 
-Each person's limbs and keypoints (the checkpoint's skeleton) are drawn in its own colour;
-`--heatmaps` adds a side panel of the summed keypoint and limb maps. For pictures: one line per
-person (score, keypoints found) and one per picture; a folder is read without its subfolders, each
-NAME.EXT written as OUT/NAME_pose.png. A video (any format OpenCV reads) is written at its own
-frame rate (.mp4 or .avi; an existing file is never overwritten) with a progress bar; videos and
-the camera end with the frames/s achieved. The work goes through `inference.PoseEstimator`.
+Each person is drawn in its own colour (`--heatmaps`: a side panel of the summed maps); pictures get
+one line per person and per picture, a folder's NAME.EXT is written as OUT/NAME_pose.png; a video
+keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s achieved.
 """
 from __future__ import annotations
 

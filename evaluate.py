@@ -5,13 +5,9 @@
     python evaluate.py --oracle --h5 coco_val.h5      # ground-truth maps through the decoder
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
-Prints the metrics the file's skeleton names (data/skeletons/*.yaml `metric`; --metric chooses):
-oks: COCO's AP, AP50, AP75, APm, APl, AR; pck: PCK (--pck-threshold of --pck-normalize); auc: AUC
-(PCK from 0 to 30 pixels); epe: EPE (pixels). With --oracle also each keypoint's recall: the share
-of its labelled points that end up in a found person at the right place, lowest first. Writes the
-COCO results JSON (--out; a .jsonl name: one JSON line per picture with its people's keypoints and
-scores) and ends with one JSON line of the stats. Under torchrun every image is decoded by exactly
-one process.
+Prints the metrics the file's skeleton names (--metric chooses: oks AP, pck, auc, epe; with
+--oracle each keypoint's recall too), writes the results (--out) and ends with one JSON line of the
+stats. Under torchrun every image is decoded by exactly one process.
 """
 from __future__ import annotations
 

@@ -2,17 +2,12 @@
 
     python export.py --weights best.pth --format onnx --out pose.onnx [--opset 17]
 
-The file holds the network only: normalised pictures in ([B, 3, H, W], `data.preprocess`; batch,
-height and width dynamic, H and W multiples of 64), the last stack's stride-4 maps out
-([B, C, H/4, W/4]); grouping stays in Python (`PoseEstimator.from_onnx`, or demo.py and
-evaluate.py with `--weights pose.onnx`). The checkpoint's config rides in the file's metadata.
-
-Before the file is put in place, onnxruntime runs it on the check pictures (default: the four COCO
-pictures of tests/data/coco4, at the config's input size) and the export fails (exit code 1, no
-file written) unless every map value agrees with PyTorch within `--tolerance` (default 1e-4) of
-the largest magnitude of PyTorch's maps of that picture. An existing --out is replaced only with
---overwrite, and never when it is the --weights file (in any spelling of its path).
-Needs the optional packages onnx and onnxruntime (pip install -r requirements-export.txt).
+The file holds the network only (normalised pictures [B, 3, H, W] in, batch, height and width
+dynamic; the last stack's stride-4 maps out) and the checkpoint's config in its metadata; grouping
+stays in Python (`PoseEstimator.from_onnx`, demo.py, evaluate.py). Before the file is put in place,
+onnxruntime runs it on the check pictures (default tests/data/coco4) and the export fails (exit
+code 1, nothing written) unless every map value is within `--tolerance` of the largest magnitude of
+PyTorch's maps. Needs onnx and onnxruntime (pip install -r requirements-export.txt).
 """
 from __future__ import annotations
 
@@ -133,7 +128,8 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float,
         if picture is None:
             raise DataError(f"{picture_path}: not a picture OpenCV can read")
         resized = resize_for_scale(picture, 1.0, cfg.data.input_size)
-        batch = pictures_to_batch([resized], padded_size(*resized.shape[:2]), torch.device("cpu"))
+        batch = pictures_to_batch([resized], padded_size(*resized.shape[:2], reference.size_multiple),
+                                  torch.device("cpu"))
         want, got = reference(batch).numpy(), exported(batch).numpy()
         error = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
         print(f"{picture_path.name} {tuple(batch.shape[2:])}: max |onnx - torch| = {error:.2e} of the "

@@ -8,7 +8,6 @@
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.resume import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
-from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
 
@@ -17,7 +16,7 @@ def main(argv=None) -> dict:
     reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     cfg = config_from_args(build_parser(__doc__).parse_args(argv), reader)
     return build_trainer(cfg, Launch(single_process_context(cfg.train.device)), training_evaluator(),
-                         hooks=[ValidationPictures(write_val_pictures)], reader=reader).fit()
+                         draw=write_val_pictures, reader=reader).fit()
 
 
 if __name__ == "__main__":

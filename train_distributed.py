@@ -16,11 +16,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from common.errors import ConfigError, UserError             # noqa: E402
 from runtime import distributed as dist                      # noqa: E402
-from engine.precision import wrap_ddp                        # noqa: E402
+from engine.parallel import wrap_ddp                          # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main   # noqa: E402
 from engine.resume import CheckpointReader                   # noqa: E402
 from engine.run_trainer import Launch, build_trainer         # noqa: E402
-from engine.picture_hook import ValidationPictures           # noqa: E402
 from inference.evaluation import training_evaluator          # noqa: E402
 from inference.val_pictures import write_val_pictures        # noqa: E402
 
@@ -41,7 +40,7 @@ def main(argv=None) -> dict:
     try:
         wrap = lambda module: wrap_ddp(module, ctx, cfg.amp, cfg.dist)  # noqa: E731
         return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="ddp"), training_evaluator(),
-                             hooks=[ValidationPictures(write_val_pictures)], reader=reader).fit()
+                             draw=write_val_pictures, reader=reader).fit()
     except UserError as err:            # the others may wait in a collective: tell them, then leave
         dist.end_with_error(err)
         raise

@@ -1,11 +1,7 @@
-"""Train on several GPUs of one machine with DataParallel.
-
-Model and loss are replicated together, so every GPU computes the loss of its part of the batch
-and only per-sample loss values come back to the first GPU (which is then not overloaded).
+"""Train on several GPUs of one machine with DataParallel: model and loss replicated together, so
+only per-sample losses come back to the first GPU. --sync-bn is refused (use train_distributed.py).
 
     python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
-
---sync-bn is refused: DataParallel cannot synchronise BatchNorm; use train_distributed.py for it.
 """
 import torch
 from torch import nn
@@ -16,7 +12,6 @@ from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.resume import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
-from engine.picture_hook import ValidationPictures
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
 
@@ -46,7 +41,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return build_trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                             training_evaluator(), hooks=[ValidationPictures(write_val_pictures)],
+                             training_evaluator(), draw=write_val_pictures,
                          reader=reader).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg.amp, len(ids))
@@ -60,7 +55,7 @@ def main(argv=None) -> dict:
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                         training_evaluator(), hooks=[ValidationPictures(write_val_pictures)],
+                         training_evaluator(), draw=write_val_pictures,
                          reader=reader).fit()
 
 

@@ -1,10 +1,6 @@
-"""The benchmarks' training file: real COCO images (the coco4 sample set), else synthetic ones.
-
-`make_bench_h5(work, repeat)` converts coco4 (4 val2017 images, 14 people) with every image listed
-`repeat` times, so a loader has enough distinct samples for whole batches and epochs of realistic
-length. coco4 is looked for in `--coco-dir`, then `$SIMPLEPOSE_COCO4`, then the repository's own
-`tests/data/coco4`; without it, 640x640 synthetic images are drawn instead (their JPEGs decode
-faster than photographs, so the rate is then an upper bound).
+"""The benchmarks' training file: coco4 (`--coco-dir`, `$SIMPLEPOSE_COCO4`, else tests/data/coco4),
+each image listed `repeat` times so that a loader has whole batches and epochs; without coco4,
+640x640 synthetic images (faster to decode: the rate is then an upper bound).
 """
 from __future__ import annotations
 

@@ -2,24 +2,13 @@
 
     python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--batch 16] [--h5 FILE.h5]
 
-Converts the real COCO sample set coco4 (`bench/bench_data.py` says where it is looked for; it
-draws 640x640 synthetic images when coco4 is absent), or uses --h5, then times each stage of
-`KeypointDataset` with augmentation:
-read (HDF5 read + JPEG decode + mask decode), augment (affine warps, colour tint, joints), each
-split into its parts (the fastest of --repeats passes per part), with the picture's read, decode
-and warp alone: the most a worker could reach if everything else it does cost nothing; then
-targets (the CPU drawing of `data.targets`, 50 maps at stride 4: not a worker's job), and the
-total of `dataset.compact_item(i)`: all the host-side work of a loader worker per sample (tensors
-included; `data.transfer`). Rates are per CPU second of this process (one thread), so other load
-on the machine barely moves them. Then the CPU path, what a CPU-only run does per sample: the
-worker's share, then batches of --batch collated and expanded on the CPU device (float input,
-targets drawn by `KeypointDataset.painter_for(cpu)`, mask), fastest of the --repeats passes; every
-pass of both is printed. Then it times the device's share run here on the CPU: the
-target drawing on batches of --batch compact samples (CPU ms per batch), both ways: the whole-grid
-drawing of `data.device_targets` (what a GPU runs) and the windowed one of `data.targets` that a
-CPU device uses (`KeypointDataset.painter_for`).
-It prints a table, the bytes per sample sent from a worker to the device (against float32
-tensors), then the HDF5 bytes per image next to the raw-pixel size, then one JSON line.
+On coco4 (`bench/bench_data.py`) or --h5, per CPU second (other load barely moves it), the fastest
+of --repeats passes: each stage of a loader worker's `KeypointDataset.compact_item` (read, augment,
+each in parts; the picture's read, decode and warp alone: a worker's ceiling) and their total;
+the CPU drawing of the targets; the CPU path of a CPU-only run (the worker's share, then batches
+of --batch expanded on the CPU device); the target drawing on the CPU, both ways (`data.device_targets`'
+whole grid, a GPU's; `data.targets`' windows, a CPU device's). Then the bytes per sample sent to the
+device, the HDF5 bytes per image against raw pixels, and one JSON line.
 """
 from __future__ import annotations
 

@@ -2,18 +2,12 @@
 
     python bench/dataset_flows.py [--only coco zebra ...] [--steps 3] [--keep DIR] [--device cpu]
 
-For each built-in skeleton (data/skeletons/*.yaml), a stand-in in its dataset's published layout
-(tests/shipped_layouts.py: coco4's JSON and pictures, its first 3 pictures the train split, the 4th
-the validation split): COCO-WholeBody's fields for wholebody133; halpe26 (no file ships Halpe's 26
-points: Halpe's hold 136) coco4 named with the built-in's names; quadruped (the project's own
-animal, no published dataset) `data.synthetic --skeleton quadruped`'s drawings, 6 + 1 pictures
-(3 would hold one batch of 2: an epoch of 1 step).
-Then, each through the command's own main(argv): data.make_hdf5 converts the train split and
-writes its skeleton (--dump-skeleton), converts the validation split with that skeleton (the
-three files' skeletons, their scoring included, must be the same), train.py trains up to
-`--steps` steps (one epoch; tiny preset, batch 2, workers 0), evaluate.py scores the ground-truth
-maps (--oracle) and the network with the skeleton's metrics, demo.py draws the validation picture.
-Prints one table, then one JSON line; a step that fails is said in its row (and the exit code is 1).
+Each stand-in is in its dataset's published layout (tests/shipped_layouts.py: coco4's JSON and
+pictures, 3 for training and 1 for validation; quadruped: `data.synthetic`'s animals, 6 + 1).
+Each step runs through the command's own main(argv): data.make_hdf5 converts the train split and
+dumps its skeleton, converts the validation split with it, train.py trains `--steps` steps
+(tiny, batch 2), evaluate.py scores the oracle and the network, demo.py draws the validation
+picture. One table, then one JSON line; a step that fails is said in its row (exit code 1).
 """
 from __future__ import annotations
 

@@ -1,37 +1,32 @@
-"""One GPU call that tells the whole truth: every CUDA path of the trainer and the figures only a GPU
-gives, in one prepared run that fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it).
-Each section ends with one JSON line {"section": NAME, ...}, so a run cut short loses only its tail.
+"""The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
+fits a 9-minute device call (`bash bench/gpu_smoke.sh` wraps it). Each section ends with one JSON
+line {"section": NAME, ...}, so a run cut short loses only its tail.
 
-First, side by side, each in a process of its own with a time limit (tiny preset, a few steps,
-cuDNN benchmarking and AP off):
-  levels          native O1 fp16, O1 bf16, O2 and O3 (SGD), each with --ema, trained then resumed
+Side by side, each in a process of its own (tiny preset, a few steps, cuDNN benchmarking and AP off):
+  levels          native O1 fp16, O1 bf16, O2, O3 (SGD), each with --ema, trained then resumed
+  entries         train_parallel.py, then evaluate.py on its last.pth
+  group_of_one    an NCCL group of one (bench/group_of_one.py): DDP, ZeRO, --accumulate 2, SyncBN
+                  through its distributed function; resumed with --delay-allreduce
   feed            the device feed (2 workers, --accumulate 2) under TORCH_CUDA_SANITIZER=1
   apex_O1..O3     Apex's amp at each level; apex_sync_bn: Apex DDP + SyncBN in an NCCL group of one
-  nccl_abort_3/2  after `_abort_process_group()` in an NCCL group of one: is_initialized(), the
-                  project's collectives, `decided_on_main`, torch's all_reduce and DDP's next
-                  all-reduce, at TORCH_NCCL_ASYNC_ERROR_HANDLING 3 and 2
-  sync_debug      what the device waits for per step (`torch.cuda.set_sync_debug_mode("warn")`)
-                  beside the project's counter, without and with --sync-bn
-  apex_cuda_ext   whether Apex's CUDA extensions can be built here
-Then alone on the GPU, in this process (imhn512 at 512):
-  first_step      the first step's cost: import, CUDA init, CUDA libraries, model build, forward,
-                  backward, optimiser step, with cuDNN benchmarking off and on
-  graph_numerics  the same 12 steps eagerly and with CUDA graphs (cuDNN deterministic): how far
-                  their losses and weights differ
-  throughput      O1 fp16 / O1 bf16 / O2 at batch 16 and 32, and O1 fp16 with CUDA graphs and the
-                  fused optimiser each on and off (the default before 2026-11-27: both off), 3
-                  alternating rounds of SMOKE_STEPS (30) steps timed with CUDA events: median and
-                  spread, ratio to the default
-  evaluation      pictures/s of evaluation on real pictures at one scale + flip
+  nccl_abort_3/2  what a group of one does after `_abort_process_group()`, at
+                  TORCH_NCCL_ASYNC_ERROR_HANDLING 3 and 2
+  sync_debug      device waits per step (sync debug mode "warn") beside the project's counter,
+                  without and with --sync-bn
+Then alone on the GPU (imhn512 at 512):
+  first_step      the first step's cost in parts, cuDNN benchmarking off and on
+  graph_numerics  12 steps eagerly and with CUDA graphs (cuDNN deterministic)
+  throughput      O1 fp16 / bf16 / O2 at batch 16 and 32, CUDA graphs and the fused optimiser on
+                  and off: alternating rounds of SMOKE_STEPS (30) steps timed with CUDA events
+  evaluation      pictures/s of evaluation on real pictures, one scale + flip
 
-    bash bench/gpu_smoke.sh                          # on the GPU machine: this, with its environment
-    python bench/gpu_smoke.py --cpu-check            # anywhere: every section's code on the CPU at
-                                                     # toy sizes, or its command line parsed
+    python bench/gpu_smoke.py --cpu-check            # anywhere: each section's code at toy sizes
+                                                     # on the CPU, training command lines parsed
     python bench/gpu_smoke.py --section throughput   # one section, in this process
     python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
 
-SMOKE_BUDGET_S (default 530) bounds the whole run: a section that would not fit is reported
-skipped. Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
+SMOKE_BUDGET_S (default 530) bounds the run: a section that would not fit is reported skipped.
+Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
 """
 from __future__ import annotations
 
@@ -61,17 +56,16 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.train_throughput import bench_config, build_quietly, synthetic_batches, sync  # noqa: E402
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
-from engine.cli import single_process_context  # noqa: E402
-from engine.run_trainer import Launch, build_loop  # noqa: E402
 
 _IMPORT_ALL_S = time.perf_counter() - _START
 CUDA = torch.cuda.is_available()
 SYNTHETIC = ROOT / "checkpoints" / "_synthetic"
 BUDGET_S = float(os.environ.get("SMOKE_BUDGET_S", 530))
-PARALLEL = ["levels", "feed", "apex_O1", "apex_O2", "apex_O3", "apex_sync_bn", "nccl_abort_3",
-            "nccl_abort_2", "sync_debug", "apex_cuda_ext"]
+PARALLEL = ["levels", "entries", "group_of_one", "feed", "apex_O1", "apex_O2", "apex_O3", "apex_sync_bn",
+            "nccl_abort_3", "nccl_abort_2", "sync_debug"]
 ALONE = ["first_step", "graph_numerics", "throughput", "evaluation"]
 
 
@@ -85,38 +79,43 @@ def left_s() -> float:
     return BUDGET_S - (time.perf_counter() - _START)
 
 
-def sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
+def device_of(check: bool) -> torch.device:
+    return torch.device("cpu" if check else "cuda")
 
 
 def quick_args(out_dir: str, check: bool) -> list[str]:
     """A tiny run of a few steps: cuDNN benchmarking, AP, TensorBoard and pictures off."""
     return ["--config", "tiny", "--epochs", "2", "--set", "train.max_steps_per_epoch=3",
             "--set", "train.ap_every=0", "--set", "train.cudnn_benchmark=false",
-            "--set", "train.tensorboard=false", "--device", "cpu" if check else "cuda",
-            "--out-dir", out_dir]
+            "--set", "train.tensorboard=false", "--device", device_of(check).type, "--out-dir", out_dir]
+
+
+class _Parsed(BaseException):
+    """Raised once an entry script's parser has taken its arguments (past any `except Exception`)."""
 
 
 def run_entry(main, argv: list[str], check: bool):
-    """`main(argv)` of an entry script; under --cpu-check its parser only (nothing trains)."""
+    """`main(argv)` of an entry script; under --cpu-check its parser only (nothing runs)."""
     if not check:
         return main(argv)
-    from bench.check_args import _Accepted
-    import argparse as ap
-    parse = ap.ArgumentParser.parse_args
+    parse = argparse.ArgumentParser.parse_args
 
     def parse_only(self, args=None, namespace=None):
         parse(self, args, namespace)
-        raise _Accepted
-    ap.ArgumentParser.parse_args = parse_only
+        raise _Parsed
+    argparse.ArgumentParser.parse_args = parse_only
     try:
         main(argv)
-    except _Accepted:
+    except _Parsed:
         return {"parsed": True}
     finally:
-        ap.ArgumentParser.parse_args = parse
+        argparse.ArgumentParser.parse_args = parse
     raise RuntimeError("the entry script ended without parsing its arguments")
+
+
+def trained(main, argv: list[str], check: bool) -> dict:
+    result = run_entry(main, argv, check)
+    return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
 
 
 # -- the side-by-side sections -------------------------------------------------------------------
@@ -132,12 +131,33 @@ def section_levels(check: bool) -> dict:
                 first = run_entry(train.main, [*opts, "--ema", "0.99", "--run-name", run, *quick_args(out, check)],
                                   check)
                 resumed = run_entry(train.main, ["--resume", "auto", "--run-name", run, "--epochs", "3",
-                                                 "--out-dir", out, "--device", "cpu" if check else "cuda"], check)
+                                                 "--out-dir", out, "--device", device_of(check).type], check)
                 rows[name] = {"ok": True, **{k: first.get(k) for k in ("step", "loss")},
                               "resumed_to_step": resumed.get("step"), "resumed_loss": resumed.get("loss")}
             except (Exception, SystemExit) as exc:      # noqa: BLE001 - one row's failure, reported
                 rows[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return {"status": "ok" if all(r["ok"] for r in rows.values()) else "failed", "levels": rows}
+
+
+def section_entries(check: bool) -> dict:
+    import evaluate
+    import train_parallel
+    with tempfile.TemporaryDirectory() as out:
+        result = trained(train_parallel.main, ["--opt-level", "O1", "--run-name", "dp", *quick_args(out, check)],
+                         check)
+        scored = run_entry(evaluate.main, ["--weights", f"{out}/dp/last.pth", "--h5", str(SYNTHETIC / "val.h5"),
+                                           "--max-images", "8", "--device", device_of(check).type,
+                                           "--no-progress"], check)
+    return {**result, "evaluated": scored, "status": "ok" if scored in (0, {"parsed": True}) else "failed"}
+
+
+def section_group_of_one(check: bool) -> dict:
+    from bench import group_of_one
+    opts = ["--opt-level", "O1", "--sync-bn", "--force-sync-function", "--run-name", "g1"]
+    with tempfile.TemporaryDirectory() as out:
+        trained(group_of_one.main, [*opts, "--zero", "--accumulate", "2", *quick_args(out, check)], check)
+        return trained(group_of_one.main, [*opts, "--delay-allreduce", "--resume", "auto", "--epochs", "3",
+                                           "--out-dir", out, "--device", device_of(check).type], check)
 
 
 def section_feed(check: bool) -> dict:
@@ -153,27 +173,34 @@ def section_feed(check: bool) -> dict:
             _sanitizer.cuda_sanitizer.enabled = False
         os.register_at_fork(after_in_child=sanitizer_off)
     with tempfile.TemporaryDirectory() as out:
-        result = run_entry(train.main, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
-                                        "--cuda-graphs", "false", "--run-name", "feed",
-                                        *quick_args(out, check)], check)
-    return {"status": "ok", "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER"),
-            "step": result.get("step"), "loss": result.get("loss")}
+        result = trained(train.main, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
+                                      "--cuda-graphs", "false", "--run-name", "feed", *quick_args(out, check)], check)
+    return {**result, "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER")}
 
 
 def section_apex(level: str, check: bool) -> dict:
     import train
     opts = ["--amp-backend", "apex", "--opt-level", level] + (["--optimizer", "sgd"] if level == "O3" else [])
     with tempfile.TemporaryDirectory() as out:
-        result = run_entry(train.main, [*opts, "--run-name", "apex", *quick_args(out, check)], check)
-    return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
+        return trained(train.main, [*opts, "--run-name", "apex", *quick_args(out, check)], check)
 
 
 def section_apex_sync_bn(check: bool) -> dict:
     from bench import group_of_one
     with tempfile.TemporaryDirectory() as out:
-        result = run_entry(group_of_one.main, ["--amp-backend", "apex", "--opt-level", "O1", "--sync-bn",
-                                               "--run-name", "g1", *quick_args(out, check)], check)
-    return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
+        return trained(group_of_one.main, ["--amp-backend", "apex", "--opt-level", "O1", "--sync-bn",
+                                           "--run-name", "g1", *quick_args(out, check)], check)
+
+
+def join_group_of_one(device: torch.device) -> str:
+    """This process as the one rank of a process group (NCCL on a GPU, gloo on a CPU); its backend."""
+    import torch.distributed as td
+    from runtime.launch_env import find_free_port
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    td.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=20),
+                          device_id=device if backend == "nccl" else None)
+    return backend
 
 
 def section_nccl_abort(check: bool) -> dict:
@@ -184,19 +211,14 @@ def section_nccl_abort(check: bool) -> dict:
     from torch.distributed.distributed_c10d import _abort_process_group
     from torch.nn.parallel import DistributedDataParallel
     from runtime import distributed as dist
-    from runtime.launch_env import find_free_port
 
     seen = {"handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
     device = torch.device("cuda", 0) if CUDA and not check else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
-    td.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=20),
-                          device_id=device if backend == "nccl" else None)
-    model = DistributedDataParallel(nn.Linear(8, 8).to(device), device_ids=[0] if backend == "nccl" else None)
+    seen["backend"] = join_group_of_one(device)
+    model = DistributedDataParallel(nn.Linear(8, 8).to(device), device_ids=[0] if device.type == "cuda" else None)
     x = torch.randn(4, 8, device=device)
     model(x).sum().backward()
-    sync()
-    seen["backend"] = backend
+    sync(device)
     current = {"call": "abort"}
 
     def watchdog():
@@ -210,13 +232,12 @@ def section_nccl_abort(check: bool) -> dict:
              ("decided_on_main", lambda: dist.decided_on_main(lambda: "decided")),
              ("barrier", dist.barrier),
              ("torch_all_reduce", lambda: td.all_reduce(torch.ones(1, device=device))),
-             ("ddp_next_step", lambda: (model(x).sum().backward(), sync()))]
+             ("ddp_next_step", lambda: (model(x).sum().backward(), sync(device)))]
     for name, call in calls:
         current["call"] = name
         print(f"probe: calling {name}", flush=True)
         try:
-            value = call()
-            seen[name] = f"returned {value!r}"[:160]
+            seen[name] = f"returned {call()!r}"[:160]
         except Exception as exc:      # noqa: BLE001 - what each call does is the finding
             seen[name] = f"raised {type(exc).__name__}: {exc}"[:200]
         print(f"probe: {name}: {seen[name]}", flush=True)
@@ -227,34 +248,27 @@ def section_sync_debug(check: bool) -> dict:
     """Device waits per training step, by torch's sync debug mode (each synchronising CUDA call
     warns), beside the project's counter of host reads, in an NCCL group of one; --sync-bn sends
     every BatchNorm through torch's distributed SyncBatchNorm function."""
-    import torch.distributed as td
     from bench.group_of_one import force_sync_function
     from bench.host_syncs import count_host_syncs, optimizer_step_counters
-    from engine.precision import wrap_ddp
-    from runtime.launch_env import find_free_port
+    from engine.cli import single_process_context
+    from engine.parallel import wrap_ddp
+    from engine.run_trainer import Launch, build_loop
 
-    ctx = single_process_context("cpu" if check else "cuda")
-    ctx.backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
-    td.init_process_group(ctx.backend, store=store, rank=0, world_size=1,
-                          device_id=ctx.device if ctx.backend == "nccl" else None)
-    ctx.distributed = True
+    ctx = single_process_context(device_of(check).type)
+    ctx.backend, ctx.distributed = join_group_of_one(ctx.device), True
     rows = {}
     for sync_bn in (False, True):
-        cfg = build_config("tiny" if check else "imhn512", sets=[
-            f"dist.sync_bn={sync_bn}", f"data.input_size={64 if check else 256}", "train.batch_size=4",
-                                            "data.workers=0", f"data.train_h5={SYNTHETIC / 'train.h5'}",
-                                            f"train.device={ctx.device.type}", "train.tensorboard=false",
-                                            "amp.opt_level=O1"])
+        cfg = bench_config("tiny" if check else "imhn512", 64 if check else 256, 4, ctx.device.type,
+                           SYNTHETIC / "train.h5", f"dist.sync_bn={sync_bn}", "amp.opt_level=O1")
         with contextlib.redirect_stdout(io.StringIO()):
             trainer, parts = build_loop(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
                                                     mode="ddp"))
         if sync_bn and ctx.device.type == "cuda":
             force_sync_function(trainer.net)
-        batch = next(toy_batches(cfg, 4, ctx.device))
+        batch = next(synthetic_batches(4, cfg, ctx.device))
         for _ in range(2):
             trainer.run_step([batch])
-        sync()
+        sync(ctx.device)
         steps = 3
         with warnings.catch_warnings(record=True) as caught, \
                 count_host_syncs(optimizer_step_counters(parts.optimizer), ctx.device) as reads:
@@ -264,7 +278,7 @@ def section_sync_debug(check: bool) -> dict:
             try:
                 for _ in range(steps):
                     trainer.run_step([batch])
-                sync()
+                sync(ctx.device)
             finally:
                 if ctx.device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
@@ -277,39 +291,11 @@ def section_sync_debug(check: bool) -> dict:
     return {"status": "ok", **rows}
 
 
-def section_apex_cuda_ext(check: bool) -> dict:
-    nvcc = shutil.which("nvcc")
-    version = None
-    if nvcc:
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    try:
-        import apex
-        apex_dir = Path(apex.__path__[0]).parent
-    except ImportError:
-        return {"status": "skipped: Apex does not import", "nvcc": version}
-    sources = [p for p in ("csrc", "setup.py") if (apex_dir / p).exists()]
-    compiled = {m: importlib_ok(m) for m in ("amp_C", "apex_C", "syncbn")}
-    if not sources:
-        return {"status": "not built", "nvcc": version, "compiled_importable": compiled,
-                "why": f"{apex_dir} holds Apex's Python package only (no csrc/ or setup.py): amp_C, apex_C "
-                       "and syncbn cannot be built from it"}
-    return {"status": "sources present, build not attempted in this run", "nvcc": version,
-            "sources": sources, "compiled_importable": compiled}
-
-
-def importlib_ok(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except ImportError:
-        return False
-
-
-SECTIONS = {"levels": section_levels, "feed": section_feed,
-            "apex_O1": lambda c: section_apex("O1", c), "apex_O2": lambda c: section_apex("O2", c),
-            "apex_O3": lambda c: section_apex("O3", c), "apex_sync_bn": section_apex_sync_bn,
-            "nccl_abort_3": section_nccl_abort, "nccl_abort_2": section_nccl_abort,
-            "sync_debug": section_sync_debug, "apex_cuda_ext": section_apex_cuda_ext}
+SECTIONS = {"levels": section_levels, "entries": section_entries, "group_of_one": section_group_of_one,
+            "feed": section_feed, "apex_O1": lambda c: section_apex("O1", c),
+            "apex_O2": lambda c: section_apex("O2", c), "apex_O3": lambda c: section_apex("O3", c),
+            "apex_sync_bn": section_apex_sync_bn, "nccl_abort_3": section_nccl_abort,
+            "nccl_abort_2": section_nccl_abort, "sync_debug": section_sync_debug}
 SECTION_ENV = {"feed": {"TORCH_CUDA_SANITIZER": "1"}, "nccl_abort_3": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
                "nccl_abort_2": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}}
 NEEDS_APEX = ("apex_O1", "apex_O2", "apex_O3", "apex_sync_bn")
@@ -347,17 +333,24 @@ def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> l
             error = next((ln for ln in text if ln.startswith("error:") or "Error" in ln or "CSAN" in ln),
                          text[-1] if text else "no output")
             lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc,
-                              seconds=round(time.perf_counter() - started, 1),
-                              last_lines=text[-6:]))
+                              seconds=round(time.perf_counter() - started, 1), last_lines=text[-6:]))
     return lines
+
+
+def apex_imports() -> bool:
+    try:
+        import apex  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def run_one(name: str, check: bool) -> int:
     """`--section NAME`: that section here, its JSON line last."""
-    if name in NEEDS_APEX and not check and not importlib_ok("apex"):
+    if name in NEEDS_APEX and not check and not apex_imports():
         emit(name, status="skipped: Apex does not import")
         return 0
-    if name in SECTIONS and not check and not CUDA and name != "apex_cuda_ext":
+    if name in SECTIONS and not check and not CUDA:
         emit(name, status="skipped: no CUDA")
         return 0
     started = time.perf_counter()
@@ -371,34 +364,14 @@ def run_one(name: str, check: bool) -> int:
 
 
 # -- the sections alone on the GPU --------------------------------------------------------------
-def toy_batches(cfg, batch: int, device):
-    """One batch on the device, repeated: sparse targets like real heatmaps."""
-    s, o = cfg.data.input_size, cfg.data.input_size // cfg.data.stride
-    images = torch.rand(batch, 3, s, s, device=device)
-    target = torch.rand(batch, builtin("coco").num_channels, o, o, device=device)
-    target = target * (target > 0.97)
-    mask = torch.ones(batch, 1, o, o, device=device)
-    while True:
-        yield images, target, mask
-
-
 def alone_config(check: bool, level: str, dtype: str, batch: int, *sets: str):
-    size = 64 if check else 512
-    return build_config("tiny" if check else "imhn512", sets=[
-        f"amp.opt_level={level}", f"amp.dtype={dtype}", f"data.input_size={size}", f"train.batch_size={batch}",
-        "data.workers=0", f"data.train_h5={SYNTHETIC / 'train.h5'}", f"train.device={'cpu' if check else 'cuda'}",
-        "train.tensorboard=false", *sets])
-
-
-def build_quietly(cfg):
-    with contextlib.redirect_stdout(io.StringIO()):
-        launch = Launch(single_process_context(cfg.train.device))
-        return build_loop(cfg, launch) + (launch.ctx.device,)
+    return bench_config("tiny" if check else "imhn512", 64 if check else 512, batch, device_of(check).type,
+                        SYNTHETIC / "train.h5", f"amp.opt_level={level}", f"amp.dtype={dtype}", *sets)
 
 
 def section_first_step(check: bool) -> dict:
     """The cost of a process's first training step, in parts."""
-    device = torch.device("cpu" if check else "cuda")
+    device = device_of(check)
     tick = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.init()
@@ -415,31 +388,36 @@ def section_first_step(check: bool) -> dict:
         cfg = alone_config(check, "O1", "float16" if not check else "bfloat16", 2 if check else 16,
                            f"train.cudnn_benchmark={benchmark}")
         trainer, parts, dev = build_quietly(cfg)
-        images, target, mask = next(toy_batches(cfg, cfg.train.batch_size, dev))
-        sync()
-        build = time.perf_counter() - tick
-        update = trainer.optim_step
-        times = {"build_s": build}
+        images, target, mask = next(synthetic_batches(cfg.train.batch_size, cfg, dev))
+        sync(dev)
+        update, times = trainer.optim_step, {"build_s": time.perf_counter() - tick}
+
+        def forward(images, target, mask, net=trainer.net):     # what OptimStep runs of each batch
+            tick = time.perf_counter()
+            per_sample, _ = net(images, target, mask)
+            sync(dev)
+            times["forward_s"] = time.perf_counter() - tick
+            return per_sample.mean()
+
+        def backward(loss, backend_backward=update.precision.backward):   # the backend's, timed
+            tick = time.perf_counter()
+            backend_backward(loss)
+            sync(dev)
+            times["backward_s"] = time.perf_counter() - tick
+
+        update.precision.backward = backward
         tick = time.perf_counter()
-        update.begin(1)
-        per_sample, _ = trainer.net(images, target, mask)
-        sync()
-        times["forward_s"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        update.backward(per_sample.mean())
-        sync()
-        times["backward_s"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        update.finish()
-        sync()
-        times["optimiser_step_s"] = time.perf_counter() - tick
+        update.update([(images, target, mask)], forward)
+        sync(dev)
+        times["optimiser_step_s"] = time.perf_counter() - tick - times["forward_s"] - times["backward_s"]
+        del update.precision.backward
         tick = time.perf_counter()
         trainer.run_step([(images, target, mask)])
-        sync()
+        sync(dev)
         times["second_step_s"] = time.perf_counter() - tick
         times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
         rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
-        del trainer, parts, per_sample
+        del trainer, parts, update, forward, backward
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -448,16 +426,16 @@ def section_first_step(check: bool) -> dict:
 
 
 OLD = ["amp.cuda_graphs=false", "optim.fused=false"]     # the default before 2026-11-27
-CANDIDATES = [  # name, level, dtype, batch, extra config, cuDNN benchmarking
-    ("O1 fp16 b16 (default: CUDA graphs, fused AdamW)", "O1", "float16", 16, [], True),
-    ("O1 fp16 b16 eager, unfused (old default)", "O1", "float16", 16, OLD, True),
-    ("O1 fp16 b16 eager, fused", "O1", "float16", 16, ["amp.cuda_graphs=false"], True),
-    ("O1 fp16 b16 graphs, unfused", "O1", "float16", 16, ["optim.fused=false"], True),
-    ("O1 bf16 b16", "O1", "bfloat16", 16, [], True),
-    ("O2 fp16 b16", "O2", "float16", 16, [], True),
-    ("O1 fp16 b32 (default)", "O1", "float16", 32, [], True),
-    ("O1 fp16 b32 eager, unfused (old default)", "O1", "float16", 32, OLD, True),
-    ("O2 fp16 b32", "O2", "float16", 32, [], True),
+CANDIDATES = [  # name, level, dtype, batch, extra config
+    ("O1 fp16 b16 (default: CUDA graphs, fused AdamW)", "O1", "float16", 16, []),
+    ("O1 fp16 b16 eager, unfused (old default)", "O1", "float16", 16, OLD),
+    ("O1 fp16 b16 eager, fused", "O1", "float16", 16, ["amp.cuda_graphs=false"]),
+    ("O1 fp16 b16 graphs, unfused", "O1", "float16", 16, ["optim.fused=false"]),
+    ("O1 bf16 b16", "O1", "bfloat16", 16, []),
+    ("O2 fp16 b16", "O2", "float16", 16, []),
+    ("O1 fp16 b32 (default)", "O1", "float16", 32, []),
+    ("O1 fp16 b32 eager, unfused (old default)", "O1", "float16", 32, OLD),
+    ("O2 fp16 b32", "O2", "float16", 32, []),
 ]
 
 
@@ -480,25 +458,23 @@ def section_throughput(check: bool) -> dict:
 
 def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
     built, times, skipped = {}, {}, {}
-    for name, level, dtype, _, sets, benchmark in group:
+    for name, level, dtype, _, sets in group:
         try:
             cfg = alone_config(check, level, dtype, batch, *sets)
             trainer, parts, dev = build_quietly(cfg)
-            data = toy_batches(cfg, batch, dev)
-            torch.backends.cudnn.benchmark = benchmark
+            data = synthetic_batches(batch, cfg, dev)
             for i in range(40):   # warm: cuDNN tuned, graphs captured, the fp16 loss scale settled
                 if not trainer.run_step([next(data)]).skipped and i >= (1 if check else 6):
                     break
-            sync()
-            built[name], times[name], skipped[name] = (trainer, data, benchmark), [], 0
+            sync(dev)
+            built[name], times[name], skipped[name] = (trainer, data, dev), [], 0
         except Exception as exc:      # noqa: BLE001 - one candidate's failure, reported
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
     for r in range(rounds):
         round_start = time.perf_counter()
         for name in list(built):
-            trainer, data, benchmark = built[name]
-            torch.backends.cudnn.benchmark = benchmark
-            sync()
+            trainer, data, dev = built[name]
+            sync(dev)
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if CUDA else (None, None)
             tick = time.perf_counter()
             try:
@@ -519,7 +495,6 @@ def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
         if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 15:
             errors["rounds"] = f"stopped after {r + 1} round(s): the budget"
             break
-    torch.backends.cudnn.benchmark = True
     default = group[0][0] if times.get(group[0][0]) else None
     for name, ms in times.items():
         if not ms:
@@ -529,8 +504,7 @@ def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
                       "images_per_s": round(batch * 1e3 / statistics.median(ms), 1),
                       "rounds": len(ms), "skipped_steps": skipped[name]}
         if default:
-            rows[name][f"x_{default}"] = round(statistics.median(
-                d / m for d, m in zip(times[default], ms)), 3)
+            rows[name][f"x_{default}"] = round(statistics.median(d / m for d, m in zip(times[default], ms)), 3)
     built.clear()
     gc.collect()
     if CUDA:
@@ -577,7 +551,7 @@ def section_evaluation(check: bool) -> dict:
     ann = source / "person_keypoints_train2017.json"
     if not ann.is_file():
         source, ann = ROOT / "tests" / "data" / "coco4", ROOT / "tests" / "data" / "coco4" / "test_coco.json"
-    device = "cpu" if check else "cuda"
+    device = device_of(check)
     cfg = build_config("tiny" if check else "imhn512", sets=["inference.scales=[1.0]", "inference.flip=true"])
     model = build_model(cfg.model, builtin("coco")).to(device)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
@@ -589,10 +563,10 @@ def section_evaluation(check: bool) -> dict:
         with eval_mode(model):
             decode_images(model, h5, indices[:4], PredictSettings.of(cfg), device, progress=False)
             for _ in range(1 if check else 2):
-                sync()
+                sync(device)
                 tick = time.perf_counter()
                 decode_images(model, h5, indices, PredictSettings.of(cfg), device, progress=False)
-                sync()
+                sync(device)
                 rates.append(len(indices) / (time.perf_counter() - tick))
         h5.close()
     return {"status": "ok", "pictures": len(indices), "source": source.name, "scales": [1.0], "flip": True,
@@ -605,7 +579,8 @@ ALONE_SECTIONS = {"first_step": section_first_step, "graph_numerics": section_gr
 
 def environment(check: bool) -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "python": sys.version.split()[0], "cpus": os.cpu_count(), "budget_s": BUDGET_S}
+            "python": sys.version.split()[0], "cpus": os.cpu_count(), "budget_s": BUDGET_S,
+            "apex": apex_imports(), "nvcc": shutil.which("nvcc")}
     if CUDA and not check:
         info["device"] = torch.cuda.get_device_name(0)
         smi = shutil.which("nvidia-smi")
@@ -655,7 +630,7 @@ def main(argv=None) -> int:
     for line in lines:
         print(f"{line['section']:<16} {line.get('seconds') or '-':>8}  {str(line.get('status'))[:100]}")
     (logs / "sections.jsonl").write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
-    bad = [ln["section"] for ln in lines if not str(ln.get("status", "")).startswith(("ok", "skipped", "not built"))]
+    bad = [ln["section"] for ln in lines if not str(ln.get("status", "")).startswith(("ok", "skipped"))]
     return 1 if bad else 0
 
 

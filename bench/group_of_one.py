@@ -1,18 +1,12 @@
-"""Train through a real process group of ONE rank: DDP, ZeRO, SyncBN and the backend's collectives
-built and run on a single device (NCCL on one GPU; gloo on a CPU, to check the script). With
-`--amp-backend apex` the DDP and SyncBN are apex.parallel's (engine.precision chooses, as in
-train_distributed.py).
-
-A 1-process `torchrun` creates no process group (world size 1 trains as a single process), so it
-exercises none of the multi-process code; this script joins a group of one on purpose and then
-runs the same `Trainer` that train_distributed.py runs, with every train.py flag.
+"""Train through a real process group of ONE rank (NCCL on one GPU; gloo on a CPU, to check the
+script): DDP, ZeRO, SyncBN and the backend's collectives built and run, with every train.py flag
+(`--amp-backend apex`: apex.parallel's DDP and SyncBN). A 1-process torchrun makes no group.
 
     python bench/group_of_one.py --device cuda --sync-bn --zero --accumulate 2 --opt-level O1 ...
     python bench/group_of_one.py --device cpu --epochs 1 --set train.max_steps_per_epoch=2
 
-In a group of one, nn.SyncBatchNorm takes the plain batch-norm path (nothing to synchronise);
-`--force-sync-function` sends its training forward through torch's distributed SyncBatchNorm
-function anyway, so that its NCCL collectives run (CUDA only).
+In a group of one nn.SyncBatchNorm takes the plain path; `--force-sync-function` sends its
+training forward through torch's distributed SyncBatchNorm function anyway (CUDA only).
 """
 from __future__ import annotations
 
@@ -26,10 +20,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import distributed as dist                     # noqa: E402
-from engine.precision import wrap_ddp                         # noqa: E402
+from engine.parallel import CrossProcessBatchNorm, wrap_ddp    # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from runtime.launch_env import find_free_port                # noqa: E402
-from engine.sync_bn import CrossProcessBatchNorm            # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 

@@ -3,26 +3,15 @@
     python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise] [--cpu-time]
     taskset -c 0 python bench/grouping.py --against ../other_checkout --rounds 5 --cpu-time
 
-Each image is a random composition of real COCO poses (tests/data/coco4) scaled to 80-300 px
-tall on a COCO-sized canvas; its ground-truth maps (data.targets, stride 1) are rendered untimed,
-then `group_people` is timed. Prints median and p90 ms and the people found, then one JSON line.
-The target of the project: under 20 ms for 5 people (the reference: 5.2 images/s, ~190 ms).
-
-`--noise` adds the maps of a network early in training, as validation AP sees them: "blurred"
-(uniform noise in [0, 0.3], Gaussian blur sigma 2, times 3: smooth, ~0.45 everywhere) and "pure"
-(uniform noise in [0, 1]); both give the decoder its most peaks (`max_peaks` per keypoint type).
-Targets: under 150 ms and 400 ms.
-
-`--cpu-time` times with the process's CPU time instead of the wall clock (steadier on a shared
-machine). `--against DIR` compares with the grouping of another checkout (DIR, e.g. a `git
-worktree` of an older commit): `--rounds` rounds, each running this script once with DIR's code
-(`--code DIR`) and once with this one's, alternately, on the same maps; it prints each round's
-medians and, per row, the median over rounds of both and their ratio (this / DIR).
-
-`--stages` also splits each row's time, on the same maps, into the peak search (`find_peaks`),
-the limbs (`limb_connections`) and the rest (assembly, bridging, output), and times one max over
-the keypoint maps: every exact peak search reads each of their pixels once, so that read is the
-least the peak search can cost (medians per row, in ms).
+Each image composes real COCO poses (tests/data/coco4), 80-300 px tall, on a COCO-sized canvas;
+its ground-truth maps (stride 1) are drawn untimed, then `group_people` is timed: median and p90
+ms, people found, one JSON line. Targets: 20 ms for 5 people; with `--noise`, 150 ms and 400 ms for
+the maps of an untrained network ("blurred": uniform [0, 0.3] blurred by sigma 2, times 3;
+"pure": uniform [0, 1]), which give the decoder its most peaks. `--cpu-time` times CPU time.
+`--against DIR` alternates rounds of another checkout's grouping (`--code DIR`) and this one's on
+the same maps: each row's medians and their ratio. `--stages` splits each row into the peak
+search, the limbs and the rest, and times one max over the keypoint maps (the least any exact peak
+search costs).
 """
 from __future__ import annotations
 

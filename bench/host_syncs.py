@@ -1,24 +1,13 @@
-"""Counting host syncs: the waits of the host for the device.
+"""Counting host syncs: the host's waits for the device.
 
-Two kinds are counted. (1) The calls by which Python reads a tensor's value on the host (`item`,
-`tolist`, `bool()`, `float()`, `int()`, `numpy()`), each of which waits for the device's queue on
-a GPU; counted on any device, CPU included, by wrapping those methods of `torch.Tensor` while the
-context is open, so the figure of a training step can be measured and tested without a GPU.
-(Copies to the host, `.cpu()` / `.to("cpu")`, are not counted by this: on a CPU run they are
-no-ops.) (2) On a CUDA run, every synchronizing CUDA operation that torch makes inside its own
-ops, where no Python read shows it: with `torch.cuda.set_sync_debug_mode("warn")` on for the
-block, each such operation warns, and each warning outside a read counted in (1) counts once as
-`cuda_sync` (a read's own warning is that read). torch's SyncBatchNorm makes one per layer and
-training forward (it drops the ranks with empty batches by a mask over the gathered counts, whose
-size the host must know: docs/distributed.md). On a CPU process group the engine's own
-CrossProcessBatchNorm reads its gathered count with `item()`, one read (1) per layer and training
-forward: the same figure.
-
-Tensors that live on the host in a GPU run too, such as the optimiser's step counters (PyTorch
-keeps them on the CPU unless the optimiser is fused or capturable; Adam reads them per parameter),
-are passed as `host_tensors` and their reads are not counted (`optimizer_step_counters`). Given
-the run's `device`, a GPU, no read of a tensor in host memory is counted: the host copy of a
-batch, read before it goes to the GPU, waits for nothing.
+(1) Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, `float()`, `int()`,
+`numpy()`), counted on any device by wrapping those methods of `torch.Tensor` while the context is
+open (copies to the host are not counted); (2) on CUDA, torch's own synchronising operations, each a
+warning of its sync debug mode "warn" outside a read of (1), as `cuda_sync` (torch's SyncBatchNorm
+makes one per layer and forward; the engine's CrossProcessBatchNorm reads one `item()` instead).
+Tensors that live on the host in a GPU run too (the optimiser's step counters:
+`optimizer_step_counters`) are passed as `host_tensors`; given a GPU `device`, no read of a tensor in
+host memory counts.
 
     with count_host_syncs() as syncs:
         trainer.run_step(inputs)

@@ -1,20 +1,14 @@
-"""Inference throughput: pictures/s through the network (batched), through grouping, and both
-together as `inference.PoseEstimator` runs them (network in batches, grouping in a thread pool).
+"""Inference throughput: pictures/s through the network, through grouping, and both together as
+`inference.PoseEstimator` runs them.
 
     python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
-        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N]
+        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
 
-The pictures are the four COCO pictures of tests/data/coco4, each `--repeat` times. Without
-`--weights` the network is the preset's, untrained: its maps have almost no peaks, so grouping
-works on the ground-truth maps of the same pictures instead (data.targets, what a well-trained
-network approaches), after the network has run on the batch as usual. Per batch size it prints
-pictures/s of the network alone (resize, preprocessing, forward, maps back at picture size), of
-grouping alone (one thread), of both through the estimator's stream, and the network's share of
-the serial time. Then, per --threads count (torch threads and grouping threads), pictures/s of
-evaluation's stream from the JPEG bytes (decode, network, grouping on the network's maps), the
-decoding done in turn serially before each batch (the order of work of `evaluate_h5` until it
-read ahead) and read ahead in a thread (`inference.evaluation.read_ahead`, what it does now):
---rounds alternating rounds, the fastest of each by wall clock. Then one JSON line.
+On coco4's pictures, each `--repeat` times. Without `--weights` the preset's untrained network runs
+and grouping works on the pictures' ground-truth maps (what a trained network approaches). Per
+batch size: the network alone, grouping alone (one thread), both in the estimator's stream, the
+network's share. Per `--threads` count: evaluation's stream from JPEG bytes, decoded serially and
+read ahead (`inference.evaluation.read_ahead`), in alternating rounds. Then one JSON line.
 """
 from __future__ import annotations
 
@@ -31,14 +25,14 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from config.loader import build_config  # noqa: E402
+from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
 from inference.evaluation import read_ahead  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
-from inference.loading import pick_device  # noqa: E402
+from inference.loading import inference_config, pick_device  # noqa: E402
 
 COCO = builtin("coco")      # coco4's people; a model without --weights is built for them
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
@@ -79,15 +73,12 @@ def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray
 
 
 def build_estimator(args) -> PoseEstimator:
-    sets = list(args.set)
-    if args.scales:
-        sets.append("inference.scales=[" + ",".join(map(str, args.scales)) + "]")
-    sets.append(f"inference.flip={'true' if args.flip else 'false'}")
     if args.weights:
-        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=sets)
+        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=args.set, scales=args.scales,
+                                             flip=args.flip)
     from models import build_model
 
-    cfg = build_config(args.preset, sets=sets)
+    cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
     return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
                          PredictSettings.of(cfg))
 
@@ -132,10 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--weights", help="checkpoint: its network, and grouping on its own maps")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeat", type=int, default=4, help="times each coco4 picture is used")
-    p.add_argument("--scales", type=float, nargs="+", help="default: the config's")
-    p.add_argument("--flip", action="store_true")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_flags(p, ("inference.scales", "inference.flip", "train.device"), "inference.decode_threads=2")
+    p.set_defaults(device="auto")
     p.add_argument("--threads", type=int, nargs="*", default=[1, 2],
                    help="thread counts of the evaluation stream rows (none: skip them)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the evaluation stream")

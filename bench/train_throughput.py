@@ -1,26 +1,19 @@
 """Training throughput of the engine's own step per precision setting.
 
-For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16, each with and
-without channels_last and optionally torch.compile) it builds the parts that train.py
-builds (`engine.run_trainer.build_loop`: no run directory) and times a fixed number of `Trainer.run_step` calls, fed either with synthetic batches
-already on the device or (--h5) by the engine's own DataLoader. It prints images/s, peak memory,
-the first step's time (under --compile, mostly the compilation), the time the step waited for data
-(and, with --profile, the op time by kind), and the share of the GPU's bf16 matrix-multiply peak
-that the step reaches (model FLOPs per step, counted from the model as 3 x forward MACs x 2, over
-the step time, against a large bf16 matmul timed in the same run), and the host syncs per timed
-step (the host's waits for the device, counted by bench/host_syncs.py: reads of tensor values,
-and on CUDA torch's own synchronizing operations; one per step outside logging steps). One JSON
-line last.
+For each configuration (O0 float32 with TF32 off and on, O1 fp16, O1 bf16, O2 fp16; channels_last
+off and on; optionally torch.compile) it builds what train.py builds (`build_loop`: no run
+directory) and times `Trainer.run_step` on synthetic batches on the device, or (--h5) fed by the
+engine's DataLoader. Per row: images/s, peak memory, the first step's time, the share of time
+waiting for data, op time by kind (--profile), the share of a bf16 matmul's measured peak
+(3 x 2 x forward MACs per image), and host syncs per step (bench/host_syncs.py). One JSON line last.
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
     python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
-    python bench/train_throughput.py --h5 coco_train.h5 --workers 16
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
     python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
 
-`--amp-backend apex` (NVIDIA Apex's amp) runs one configuration per process: Apex's O1
-patches torch's functions process-wide, so a second configuration would run under the first's.
+`--amp-backend apex` runs one configuration per process: Apex's O1 patches torch process-wide.
 """
 from __future__ import annotations
 
@@ -97,22 +90,29 @@ def loader_batches(loop):
         epoch += 1
 
 
-def engine_config(args, h5: str, level: str, dtype: str, tf32: bool,
-                  channels_last: bool, compile_model: bool):
-    sets = [f"amp.backend={args.amp_backend}", f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
-            f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
-            f"data.input_size={args.input}", f"data.train_h5={h5}", f"data.workers={args.workers}",
-            f"train.batch_size={args.batch}", f"train.device={args.device}", "train.tensorboard=false"]
-    return build_config(args.preset, sets=sets)
+def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets: str):
+    """The config of a benchmark's trainer: no TensorBoard, no DataLoader workers unless `sets` say."""
+    return build_config(preset, sets=[f"data.input_size={size}", f"data.train_h5={h5}", "data.workers=0",
+                                      f"train.batch_size={batch}", f"train.device={device}",
+                                      "train.tensorboard=false", *sets])
+
+
+def build_quietly(cfg):
+    """(trainer, parts, device): what train.py builds for `cfg` (`engine.run_trainer.build_loop`:
+    no run directory), its start-up lines unprinted."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        launch = Launch(single_process_context(cfg.train.device))
+        return (*build_loop(cfg, launch), launch.ctx.device)
 
 
 def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_model) -> dict:
-    label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")) + (" +compile" if compile_model else "")
-    cfg = engine_config(args, h5, level, dtype, tf32, channels_last, compile_model)
-    with contextlib.redirect_stdout(io.StringIO()):       # the trainer's start-up lines
-        launch = Launch(single_process_context(cfg.train.device))
-        trainer, parts = build_loop(cfg, launch)
-    device = launch.ctx.device
+    label = (name + (" apex" if args.amp_backend == "apex" else "") + (" +cl" if channels_last else "")
+             + (" +compile" if compile_model else ""))
+    cfg = bench_config(args.preset, args.input, args.batch, args.device, h5, f"amp.backend={args.amp_backend}",
+                       f"amp.opt_level={level}", f"amp.dtype={dtype}", f"amp.tf32={tf32}",
+                       f"amp.channels_last={channels_last}", f"amp.compile={compile_model}",
+                       f"data.workers={args.workers}")
+    trainer, parts, device = build_quietly(cfg)
     trainer.net.train()
     data = loader_batches(trainer) if args.from_loader else synthetic_batches(args.batch, cfg, device)
     if device.type == "cuda":

@@ -1,9 +1,6 @@
-"""Errors a user can fix: each says what is wrong and where (file, option, item).
-
-Entry scripts catch `UserError` and print its message on one line, then exit with its code, so
-bad input never ends in a bare traceback. Everything else is a bug and keeps its traceback. Their
-command lines are read by `ArgumentParser`, whose mistakes (an unknown option, a value of the wrong
-type) are one such line too.
+"""Errors a user can fix: each says what is wrong and where (file, option, item). Entry scripts print
+a `UserError` on one line and exit with its code (`run_cli`); anything else is a bug and keeps its
+traceback. `ArgumentParser`'s mistakes are one such line too.
 """
 from __future__ import annotations
 
@@ -81,17 +78,11 @@ def chained_os_reason(exc: BaseException) -> str:
 
 
 def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
-    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s code after printing its
-    message as one line on stderr (`error: ...`; a clean stop prints its message as is).
-
-    Ctrl-C (SIGINT) ends with one line saying what the command `kept` and exit code 130. A
-    command other than training (whose trainer saves on SIGTERM itself) names what it keeps and
-    stops on SIGTERM the same way (exit code 143): its temporary files are removed on the way out.
-    The line is `print_error`'s. A stop signal that lands inside a library's C code can surface
-    as another exception there (numpy's `__array__` fallback, say, reports it as a TypeError; an
-    import it interrupts can surface as an ImportError, and so as a missing optional package):
-    once such a command has received a stop signal, whatever ends it is that stop.
-    """
+    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s after `print_error` printed it.
+    Ctrl-C ends with one line saying what the command `kept` (exit code 130); a command other than
+    training (whose trainer saves on SIGTERM itself) stops on SIGTERM the same way (143), removing its
+    temporary files. Once such a command has received a stop signal, whatever ends it is that stop (a
+    signal inside a library's C code can surface as a TypeError or an ImportError there)."""
     import signal
     import threading
 

@@ -1,11 +1,7 @@
-"""The paths a command writes: no output may be one of the command's inputs, lie inside a folder
-it reads or be another of its outputs (`refuse_clashes`), none replaces a file that exists unless
-the user passed --overwrite, and an output appears whole or not at all
-(`written_whole`). A new output is created exclusively: when two commands write the same new path,
-the second to finish fails in one line instead of replacing the first one's file unasked.
-
-Paths are compared resolved (links, `..` and relative paths followed), so `--out ./a/../ann.json`
-is recognised as `ann.json`.
+"""The paths a command writes: no output may be an input, lie inside a folder read or be another
+output (`refuse_clashes`; paths compared resolved, links and `..` followed), none replaces a file
+without --overwrite, and an output appears whole or not at all (`written_whole`), a new one
+created exclusively (of two commands writing it, the second fails in one line).
 """
 from __future__ import annotations
 
@@ -50,13 +46,11 @@ def _identity(path: Path):
 
 
 def refuse_clashes(reads: dict, writes: dict) -> None:
-    """ConfigError (one line) unless every path a command writes is safe to write: `writes` and
-    `reads` are {option: a path, several, or None}, the files the command writes and the files and
-    folders it reads (as exactly as it knows them: the pictures a JSON names, rather than their
-    folder). A written path is refused when it is a loop of symbolic links, when another output
-    writes it too, when it is the same file as one read, and when it is a folder read or a file
-    already inside one (it may be one of the files read there; a new file is fine). Every command
-    calls this before it writes anything, whether or not --overwrite was given."""
+    """ConfigError (one line) unless every path a command writes is safe to write. `writes` and `reads`
+    are {option: a path, several, or None}: the command's outputs, and the files and folders it reads
+    (as exactly as it knows them: the pictures a JSON names, not their folder). An output is refused
+    when it is a loop of symbolic links, another output, the same file as one read, or a folder read
+    or a file already inside one. Every command calls this before it writes, --overwrite or not."""
     written: dict = {}                   # identity -> (option, path, resolved path)
     for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
         try:
@@ -159,3 +153,15 @@ def written_whole(path, overwrite: bool = True, option: str = "--out"):
     finally:
         with contextlib.suppress(OSError):
             temp.unlink()
+
+
+def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
+    """Write `text` to `path` whole (`written_whole`, its folder made), refusing an existing file
+    without `overwrite`; ConfigError naming `option` when it cannot be written there."""
+    refuse_existing(option, path, overwrite)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(path, overwrite, option) as temp:
+            temp.write_text(text)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)})") from None

@@ -1,9 +1,8 @@
 """Build a `Config` from a YAML preset and overrides, check it, and turn it back into YAML.
 
-A preset is `config/presets/NAME.yaml` (or any YAML path) holding a nested mapping of the
-sections of `config.schema.Config`; `base: OTHER` inherits another preset first. Overrides are
-dotted keys (`train.epochs=3`), values parsed as YAML (`optim.milestones=[10,20]`). Unknown keys,
-wrong types and impossible values raise `ConfigError` naming the key.
+A preset is `config/presets/NAME.yaml` (or any YAML path) of config sections; `base: OTHER`
+inherits another first. Overrides are dotted keys with YAML values (`optim.milestones=[10,20]`).
+Unknown keys, wrong types and impossible values raise `ConfigError` naming the key.
 """
 from __future__ import annotations
 
@@ -200,7 +199,8 @@ def check_value(key: str, value: Any) -> None:
     if choices is not None and value not in choices:
         shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
                  for c in choices]
-        raise ConfigError(f"option {key}: {value!r} is not {', '.join(shown[:-1])} or {shown[-1]}")
+        listed = f"{', '.join(shown[:-1])} or {shown[-1]}" if len(shown) > 1 else shown[0]
+        raise ConfigError(f"option {key}: {value!r} is not {listed}")
     items = value if isinstance(value, list) else [value]
     if isinstance(value, list) and bounds is not None:
         if len(value) < bounds.min_items or (bounds.max_items is not None and len(value) > bounds.max_items):
@@ -243,20 +243,22 @@ def check_section(section: Any, prefix: str) -> None:
     _check_fields(section, prefix.rstrip(".") + ".")
 
 
-def check_input_size(size: Any) -> None:
-    """Raise `ConfigError` unless `size` is an input size the network takes (data.input_size):
-    an integer multiple of 64 within its declared bounds."""
+def input_multiple(depth: int = 4) -> int:
+    """What the sides of a network's input are multiples of: 64, and 4 x 2^depth (model.depth: the
+    coarsest scale's stride) for a deeper network."""
+    return 4 * 2 ** max(depth, 4)
+
+
+def check_input_size(size: Any, depth: int = 4, option: str = "option data.input_size") -> None:
+    """Raise `ConfigError` naming `option` unless `size` is an input size a network of `depth`
+    takes: a whole number within data.input_size's bounds, a multiple of `input_multiple(depth)`."""
     if not isinstance(size, int) or isinstance(size, bool):
-        raise ConfigError(f"option data.input_size: {size!r} is not a whole number of pixels")
+        raise ConfigError(f"{option}: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)
-    if size % 64:
-        raise ConfigError(f"option data.input_size: {size} is not a positive multiple of 64")
-
-
-def check_stride(stride: Any) -> None:
-    """Raise `ConfigError` unless `stride` (data.stride) is the network's output stride, 4."""
-    if stride != 4 or isinstance(stride, bool):
-        raise ConfigError(f"option data.stride: {stride!r}: the network's output stride is 4")
+    multiple = input_multiple(depth)
+    if size % multiple:
+        raise ConfigError(f"{option}: {size} is not a positive multiple of {multiple}"
+                          + (" (4 x 2^model.depth)" if depth > 4 else ""))
 
 
 def _check_run_name(name: str) -> None:
@@ -312,9 +314,7 @@ def validate(cfg: Config) -> None:
                           f"({cfg.augment.scale_max}): the minimum is above the maximum")
     if cfg.optim.milestones != sorted(set(cfg.optim.milestones)):
         raise ConfigError(f"option optim.milestones: {cfg.optim.milestones} must be increasing epochs")
-    size = cfg.data.input_size
-    check_input_size(size)
-    check_stride(cfg.data.stride)
+    check_input_size(cfg.data.input_size, cfg.model.depth)
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":
         try:
@@ -329,6 +329,3 @@ def validate(cfg: Config) -> None:
     if len(cfg.loss.scale_weights) != cfg.model.depth + 1:
         raise ConfigError(f"option loss.scale_weights: {len(cfg.loss.scale_weights)} weights for "
                           f"{cfg.model.depth + 1} scales (model.depth + 1)")
-    if size % (4 * 2 ** cfg.model.depth):
-        raise ConfigError(f"option data.input_size: {size} is not a multiple of "
-                          f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")

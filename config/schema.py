@@ -1,19 +1,16 @@
 """Typed configuration of a run: one dataclass per concern, gathered in `Config`.
 
-Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
-Presets in `config/presets/*.yaml` override them; the command line overrides the preset
-(`config.loader`). Every field is a plain YAML-able value so the resolved config of a run can be
-saved next to its checkpoints and in them. Each field is declared once, with what it accepts
-(`option(..., bounds=, choices=)`: range, list items, choices) and, for the common ones, its
-command-line flag and help (`flag=Flag(...)`): `config.loader.check_value` applies the former to
-every value, whether it comes from a preset, the command line or a checkpoint's saved config, and
-`engine.cli.build_parser` builds the flags from the latter (`flags()`).
+Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise;
+presets override them, the command line the preset (`config.loader`). Each field is declared once,
+with what it accepts (`option(..., bounds=, choices=)`, applied to every value wherever it comes
+from by `config.loader.check_value`) and, for the common ones, its flag (`flag=Flag(...)`, built by
+`add_flags` with the field's choices).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 # -- what each field accepts -------------------------------------------------------------------------
@@ -66,9 +63,9 @@ def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
     return Flag(name, group, help, tuple(options.items()))
 
 
-# the flags' groups, in the order --help shows them
-DATA, RUN, OPTIMISATION, PRECISION, MULTI_PROCESS = (
-    "data", "run", "optimisation", "mixed precision (Apex's names)", "multi-process")
+# the flags' groups, in the order --help shows them; the training scripts take the first five
+DATA, RUN, OPTIMISATION, PRECISION, MULTI_PROCESS, INFERENCE = (
+    "data", "run", "optimisation", "mixed precision (Apex's names)", "multi-process", "inference")
 FLAG_GROUPS = (DATA, RUN, OPTIMISATION, PRECISION, MULTI_PROCESS)
 REFERENCE_PRESET = "imhn512"     # the authors' published network
 
@@ -101,10 +98,10 @@ class DataConfig:
                   help="validation HDF5 (data.make_hdf5 --split val); with --train-h5 and no --val-h5 there"
                        " is no validation and no best.pth"))
     synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
-    # network input, square, a multiple of 64
+    # network input, square, a multiple of 64 (config.loader.input_multiple)
     input_size: int = option(512, bounds=Bounds(64, 4096),
         flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
-    stride: int = option(4, bounds=Bounds(1, 64))             # output stride of the targets
+    stride: int = option(4, choices=(4,))             # output stride of the targets: the network's
     # DataLoader workers per process
     workers: int = option(2, bounds=Bounds(0, 256),
         flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
@@ -167,7 +164,7 @@ class LossConfig:
 class OptimConfig:
     # sgd | adamw
     name: str = option("sgd", choices=("sgd", "adamw"),
-        flag=flag("--optimizer", OPTIMISATION, choices=["sgd", "adamw"]))
+        flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
     # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
@@ -206,7 +203,7 @@ class AmpConfig:
                        "half"))
     # float16 | bfloat16 | auto (float16 on CUDA, bfloat16 on CPU)
     dtype: str = option("auto", choices=("auto", "float16", "bfloat16"),
-        flag=flag("--amp-dtype", PRECISION, choices=["auto", "float16", "bfloat16"],
+        flag=flag("--amp-dtype", PRECISION,
                   help="half type of O1-O3; auto: float16 on CUDA, bfloat16 on CPU"))
     # None: the opt level's default (True for O2, False for O3)
     keep_batchnorm_fp32: bool | None = option(None, choices=(None, True, False),
@@ -270,8 +267,11 @@ class DistConfig:
 class InferenceConfig:
     # x input_size / image height
     scales: list[float] = option(
-        factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16))
-    flip: bool = False
+        factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
+        flag=flag("--scales", INFERENCE, type=float, nargs="+",
+                  help="image heights to run, in units of input_size (1: input_size px; default: the config's)"))
+    flip: bool = option(False, flag=flag("--flip", INFERENCE, action=argparse.BooleanOptionalAction, default=None,
+                                         help="also run the mirror image (default: the config's)"))
     # compared with the network's maps, which hold any value (2: no peak; -1: every sample)
     peak_threshold: float = 0.1
     refine_radius: int = option(2, bounds=Bounds(0, 32))        # 5x5 weighted centroid
@@ -402,3 +402,19 @@ def flags() -> Iterator[tuple[str, Flag]]:
         for fld in fields(section.default_factory):
             if fld.metadata.get("flag") is not None:
                 yield f"{section.name}.{fld.name}", fld.metadata["flag"]
+
+
+def add_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None,
+              set_example: str = "optim.milestones=[30,45]") -> None:
+    """Add to `parser` `--set KEY=VALUE` (any field) and the flags of the fields `keys` ("train.device";
+    default: the training flags, each in its group of --help). A flag that takes a word takes the
+    field's choices."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override any config field, e.g. {set_example}")
+    groups = {name: parser.add_argument_group(name) for name in FLAG_GROUPS} if keys is None else {}
+    for key, flg in flags():
+        if (flg.group in FLAG_GROUPS) if keys is None else key in keys:
+            options, choices = dict(flg.options), declared(key)["choices"]
+            if choices and not {"type", "action"} & set(options):
+                options["choices"] = list(choices)
+            groups.get(flg.group, parser).add_argument(flg.name, help=flg.help, **options)

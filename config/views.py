@@ -1,19 +1,15 @@
 """What a layer below the engine needs of a run's `Config`, where that spans sections.
 
-The data and inference layers never receive the whole `Config`: a function that needs one section
-takes that section (`InferenceConfig`, `TargetConfig`, ...), and one that needs a few fields of
-several takes one of the small frozen views here, built from a `Config` by its `of`. What such a
-layer reads is then in its signature, and it can be called without building a whole run's config.
-The engine (and the entry scripts) hold the `Config` and hand each part down. A view built in code
-is checked as a config is (`config.loader`): a value it cannot work with is a `ConfigError` naming
-the option.
+The data and inference layers never receive the whole `Config`: a function takes the section it
+needs (`InferenceConfig`, ...) or one of the small frozen views here, built by its `of`, so what it
+reads is in its signature. A view built in code is checked as a config is (`config.loader`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
-from config.loader import check_input_size, check_section, check_stride, check_value
+from config.loader import check_input_size, check_section, check_value
 from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
 
 
@@ -30,7 +26,7 @@ class SampleSettings:
 
     def __post_init__(self):
         check_input_size(self.input_size)
-        check_stride(self.stride)
+        check_value("data.stride", self.stride)
         check_section(self.augment, "augment")
         check_section(self.targets, "targets")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -1,10 +1,9 @@
 """Augmentation of SPEC: one affine per sample (scale, rotation, shift, flip) and a colour tint.
 
-The affine maps image pixels to network-input pixels (pixel centres at integer coordinates). It
-puts the main person's box centre at the input centre, scaled so the box height is
-`person_height` x input size, then applies the random scale, rotation, shift and mirror. The same
-matrix moves the image, the masks (straight to the stride-4 output grid) and the joints; a mirror
-also swaps left and right keypoints (the skeleton's `flip`), which swaps the limbs.
+The affine maps image pixels to input pixels: the main person's box centre to the input centre,
+its height to `person_height` x input size, then the random scale, rotation, shift and mirror. It
+moves the image, the masks (straight to the stride-4 grid) and the joints; a mirror also swaps the
+skeleton's `flip` pairs.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Field-by-field checks of a COCO person-keypoint JSON, before anything is converted.
 
-Each check returns the problem as text (naming the image or annotation id), or None when the entry
-is sound, so that `data.make_hdf5` can stop at the first problem or, with `--skip-bad`, skip the
-image and list why. Fields that published datasets leave out or get wrong in a harmless way are
-completed with COCO's meaning and counted (`Selection.repairs`): a missing `iscrowd` is 0, a missing
-`area` is the segment's (else the box's), a `num_keypoints` that disagrees with the labelled points
-is recounted; an annotation id 0 is kept and said (pycocotools reads it as "no match";
-`inference.coco_eval` numbers the annotations itself). Nothing here trusts the JSON: types, finiteness, sizes, ids and file names are
-all checked, because a wrong value would otherwise be trained on silently (a NaN keypoint, a box of
-no size, an image read from outside `--images`, the same image trained twice).
+Each check returns the problem as text naming the image or annotation id (None when sound), so that
+`data.make_hdf5` stops at the first or, with `--skip-bad`, skips and lists it. Nothing is trusted:
+types, finiteness, sizes, ids and file names are checked (a NaN keypoint, a box of no size, a file
+outside `--images` would be trained on silently). What published datasets leave out harmlessly is
+completed with COCO's meaning and counted (`Selection.repairs`).
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
 """The training/validation dataset: one sample per main person of a keypoint HDF5 file.
 
-`KeypointDataset(h5_path, settings, train, rank)[key]` (`settings`: a `config.views.SampleSettings`,
-`SampleSettings.of(cfg)` of a run's config) returns
-    image  float32 [3, S, S]     RGB network input (`data.preprocess`), S = settings.input_size
-    target float32 [C, S/4, S/4] the maps of `data.targets` (C: the file's skeleton's channels,
-                                 50 for COCO), as a CPU device draws them (`painter_for`)
-    mask   float32 [1, S/4, S/4]  1 = supervise, 0 = ignore (crowds, people without keypoints)
-which is `data.transfer.expand` of `compact_item(key)`, the uint8 image and masks and the
-augmented keypoints that the training loader's workers send (an eighth of the float32 bytes; the
-device draws the targets, with `painter_for(device)`). `sample_arrays(key)` gives the same
-sample as numpy arrays, its target drawn by `data.targets.render_targets` (equal to `[key]`'s).
+`KeypointDataset(h5_path, settings, train, rank)[key]` (`settings`: `config.views.SampleSettings`)
+returns the float32 network input [3, S, S], target [C, S/4, S/4] and mask [1, S/4, S/4] (1 =
+supervise), as `data.transfer.expand` of `compact_item(key)`, the uint8 sample the training
+loader's workers send (the device draws its targets, `painter_for(device)`). `sample_arrays(key)`
+gives the same sample as numpy arrays, drawn by `data.targets.render_targets`.
 
-A key is a sample index, or an (epoch, index) pair: the training sampler sends pairs, so that
-workers that persist across epochs draw each epoch's augmentation; a bare index uses the epoch of
-`set_epoch`. With train=True (and settings.augment.enabled) each sample gets the random affine and
-colour tint of `data.augment`, drawn from a generator seeded by (settings.seed, epoch, rank,
-index): the same tuple redraws the same sample, and every worker, rank and index draws its own.
-With train=False the main person is centred and scaled to settings.augment.person_height of the
-input, no randomness.
-
-The HDF5 handle opens lazily in each worker and stays open while the worker lives.
-The engine refuses a val file as --train-h5 with `data.h5format.check_split`.
+A key is an index or an (epoch, index) pair (the training sampler's, so that workers that persist
+across epochs draw each epoch's augmentation). With train=True each sample gets `data.augment`'s
+random affine and colour tint, drawn from a generator seeded by (seed, epoch, rank, index); with
+train=False the main person is centred and scaled to `augment.person_height`. The HDF5 handle
+opens lazily in each worker.
 """
 from __future__ import annotations
 
@@ -47,13 +37,9 @@ _KEEP_FREED_BYTES = 64 << 20
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep up to 64 MB of freed memory for reuse instead of returning it to the OS.
-
-    Every sample allocates and frees the same few large buffers (decoded image, warps, the 3.2 MB
-    target at 512 px). By default glibc maps such buffers fresh from the OS and unmaps them on
-    free, so each sample page-faults ~500 new pages (~2-3 ms, a third of its cost); from the heap
-    they are reused. Process-wide and harmless elsewhere; nothing happens without glibc.
-    """
+    """Let glibc keep up to 64 MB of freed memory for reuse instead of returning it to the OS: each
+    sample allocates and frees the same few large buffers, which glibc otherwise maps fresh every
+    time (~500 page faults, a third of a sample's cost). Process-wide; nothing without glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -1,18 +1,11 @@
 """The maps of `data.targets.render_targets`, drawn in torch on whatever device holds the people.
 
-`TargetPainter(skeleton, cfg, stride)(people, person_mask)` turns a padded batch of people
-[B, P, K, 3] (output of `data.augment.transform_people`: input pixels, v > 0 labelled; padding
-rows are all 0) and the uint8 person masks [B, 1, h, w] (0-255, `data.augment.warp_masks`) into
-float32 targets [B, C, h, w] in the skeleton's channel layout, by the rules of `data.targets`:
-the same cell-centre grid (cell (i, j) samples x = (j + 0.5) * stride - 0.5, likewise y),
-keypoint Gaussians max-combined, limb Gaussians of the perpendicular distance (of the distance
-to the point for a degenerate limb) inside the limb's box widened by the margin, the mean of the
-limbs that reach a cell, every value below exp(-GAUSSIAN_CUTOFF) set to 0, the person mask
-eroded 3x3 (border replicated), and the max over the keypoint maps.
-
-Where `data.targets` stamps windows, this computes whole-grid maps one person slot at a time (a
-few kernels per slot on a GPU, no host sync), adding limbs in person order as the CPU does.
-Values agree with the CPU drawing to float32 rounding (tests/test_device_targets.py).
+`TargetPainter(skeleton, cfg, stride)(people, person_mask)` turns padded people [B, P, K, 3] (input
+pixels, v > 0 labelled, padding rows 0) and uint8 person masks [B, 1, h, w] into float32 targets
+[B, C, h, w] by the rules of `data.targets` (the same grid, Gaussians, margins and cut-off; the
+person mask eroded 3x3). Where `data.targets` stamps windows, this computes whole-grid maps one
+person slot at a time (a few kernels per slot on a GPU, no host sync), to float32 rounding of the
+CPU drawing (tests/test_device_targets.py).
 """
 from __future__ import annotations
 

@@ -1,24 +1,18 @@
 """The keypoint HDF5 file: its layout, and `KeypointH5`, the lazy reader used by every consumer.
 
-One file holds one split ("train" or "val") of a COCO-format person-keypoint set, written by
-`data.make_hdf5`. Layout (all arrays indexed by image unless said otherwise):
+One file holds one split of a COCO-format keypoint set, written by `data.make_hdf5`:
 
-    attrs: format = FORMAT_MARKER, version = FORMAT_VERSION, split, categories (JSON), source,
-           skeleton (JSON of `data.skeleton.Skeleton.to_spec`; absent in older files: COCO)
-    images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG), never re-encoded
-    images/id           int64        COCO image id
-    images/file_name    vlen str
-    images/size         int32 [N,2]  (height, width)
+    attrs: format, version, split, categories (JSON), source, skeleton (JSON; absent: COCO)
+    images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG)
+    images/id, file_name, size       int64; vlen str; int32 [N,2] (height, width)
     images/people       int64 [N,2]  (first row in people/*, count): people with keypoints
     images/annotations  vlen str     JSON list of the image's COCO annotations (no segmentation)
-    images/masks        vlen uint8   run-length codes of the ignore and person masks
-                                     (`encode_masks`; empty = both masks empty)
+    images/masks        vlen uint8   run-length codes of the ignore and person masks (`encode_masks`)
     people/keypoints    float32 [P,K,3]   x, y, v in image pixels, the skeleton's keypoint order
     people/box          float32 [P,4]     COCO bbox x, y, w, h
     samples             int64 [S,2]  (image index, person index within the image)
 
-The h5py handle is opened on first use in each process and never pickled, so a dataset holding a
-`KeypointH5` can be sent to DataLoader workers (fork or spawn).
+The h5py handle opens on first use in each process and is never pickled (DataLoader workers).
 """
 from __future__ import annotations
 

@@ -6,17 +6,10 @@
         [--dump-skeleton FILE.yaml]
     python -m data.make_hdf5 --list-skeletons
 
-The JSON is read by `data.coco_intake` (categories, keypoint names, the skeleton: `--skeleton`'s,
-else the built-in whose keypoints the JSON lists, else one inferred and completed from the JSON;
-what was decided is printed); the skeleton is stored in the file, and everything downstream reads
-it from there.
-
-Images are stored once as their original encoded bytes; masks as run-length codes; samples follow the
-"main person" rule of SPEC (the train split keeps the pictures with one, and says how many;
-`keep_all` drops the rule's keypoint count and area); people without a labelled keypoint are
-masked out of the loss like crowds. The file is written under a temporary name and renamed at
-the end. Layout and reader: `data.h5format`. Bad input raises `DataError` naming the file and the
-item; `skip_bad` skips bad images and lists each one with its reason instead.
+`data.coco_intake` reads the JSON and decides the skeleton (printed; stored in the file). Images are
+stored as their encoded bytes, masks as run-length codes (layout: `data.h5format`); the train
+split keeps the pictures with a main person (SPEC's rule); people without a labelled keypoint are
+masked out like crowds. The file is written under a temporary name and renamed at the end.
 """
 from __future__ import annotations
 
@@ -35,7 +28,7 @@ from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
-from common.paths import refuse_clashes, refuse_existing, written_whole
+from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
@@ -194,15 +187,12 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
             progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
             overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
             keep_all: bool = False, side_outputs: dict | None = None) -> dict:
-    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`;
-    returns the summary (counts, skipped images and annotations with their reasons, the skeleton
-    and where it came from). `skeleton` None: the built-in the JSON's keypoints name, or one
-    inferred from the JSON; `categories`, `links_from`: see `load_coco`; `keep_all`: the train
-    split keeps every picture with a labelled person (`main_people`). `overwrite` False: an existing
-    `out_path` is refused (the command line's default). `side_outputs` ({option: path}): what the
-    caller writes afterwards, checked as `out_path` is (against the JSON, its pictures, each other,
-    and for being there already without `overwrite`) before anything is written. A `DataError` raised once the JSON was
-    read carries the summary so far (`.summary`), so that what was skipped can still be listed."""
+    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`; returns
+    the summary (counts, what was skipped and why, the skeleton and where it came from). `skeleton`
+    None: the built-in the JSON names, else one inferred; `categories`, `links_from`: `load_coco`'s;
+    `keep_all`: see `main_people`. `overwrite` False refuses an existing file. `side_outputs`
+    ({option: path}, written by the caller afterwards) are checked as `out_path` is, before anything
+    is written. A `DataError` raised once the JSON was read carries the summary so far (`.summary`)."""
     ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
@@ -340,28 +330,17 @@ def skipped_lines(summary: dict) -> list:
 
 def write_skipped(summary: dict, path: Path, overwrite: bool) -> None:
     """Every skipped image and annotation, with its kind and reason, as a JSON list at `path`."""
-    refuse_existing("--skipped", path, overwrite)
-    try:
-        with written_whole(path) as tmp:
-            tmp.write_text(json.dumps(summary.get("bad", []), indent=1) + "\n")
-    except OSError as exc:
-        raise DataError(f"--skipped {path}: cannot write the file there ({exc.strerror or exc})") from None
+    write_text("--skipped", path, json.dumps(summary.get("bad", []), indent=1) + "\n", overwrite)
 
 
 def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
     """The skeleton as a YAML file to edit and give back with --skeleton."""
     import yaml
 
-    refuse_existing("--dump-skeleton", path, overwrite)
-    text = ("# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) and convert again\n"
-            "# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
-            + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100))
-    try:
-        with written_whole(path) as tmp:
-            tmp.write_text(text)
-    except OSError as exc:
-        raise DataError(f"--dump-skeleton {path}: cannot write the file there "
-                        f"({exc.strerror or exc})") from None
+    write_text("--dump-skeleton", path, "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) "
+               "and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
+               + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),
+               overwrite)
 
 
 def list_skeletons() -> str:

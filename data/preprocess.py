@@ -1,12 +1,9 @@
 """Pictures to network input: the one convention that training and inference share.
 
-A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] through `normalise` (value / 255, no
-offset, as the authors' network takes it; `_FULL_SCALE` is the only place where the scale is set),
-through `bgr_to_input` on any device: training normalises its uint8 batches on the device
-(`data.transfer`), inference its padded canvas. Whatever lies outside the picture (the border of the training warp, the padding of inference
-up to a multiple of `PAD_MULTIPLE`) is `GREY` before normalisation, so the network sees the same
-value there in training and at inference. `data.dataset` (training and validation samples) and
-`inference.predict` (pictures of any size, padded and batched) both build their input here.
+A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] by `normalise` (value / 255, no offset:
+`_FULL_SCALE` is the one place the scale is set), through `bgr_to_input` on any device. Whatever
+lies outside the picture (the training warp's border, inference's padding to the sizes the network
+takes, `padded_size`) is `GREY` before normalisation, in training and at inference alike.
 """
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ import numpy as np
 import torch
 
 GREY = (128, 128, 128)       # BGR uint8 outside the picture: training's warp border, inference's padding
-PAD_MULTIPLE = 64            # inference pads a picture (bottom, right) to a multiple of this
 _FULL_SCALE = 255            # the uint8 value that becomes 1.0
 
 
@@ -45,9 +41,9 @@ def picture_to_input(picture_bgr: np.ndarray, dtype: torch.dtype = torch.float32
     return bgr_to_input(torch.from_numpy(picture_bgr), dtype)
 
 
-def padded_size(height: int, width: int) -> tuple[int, int]:
-    """(height, width) rounded up to multiples of `PAD_MULTIPLE`."""
-    return -(-height // PAD_MULTIPLE) * PAD_MULTIPLE, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+def padded_size(height: int, width: int, multiple: int) -> tuple[int, int]:
+    """(height, width) rounded up to multiples of `multiple` (`config.loader.input_multiple`)."""
+    return -(-height // multiple) * multiple, -(-width // multiple) * multiple
 
 
 def pictures_to_batch(pictures_bgr: list[np.ndarray], size: tuple[int, int], device) -> torch.Tensor:

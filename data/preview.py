@@ -2,10 +2,9 @@
 
     python -m data.preview --h5 FILE.h5 --out preview.png [--n 8] [--config tiny] [--val]
 
-Each sample gets two panels: the input with the keypoint maps (their max channel) and the joints
-on the main limbs, and the input with the limb maps (their max), the ignore mask (red) and the
-person-mask outline, all in the channels of the file's skeleton. Samples are drawn exactly as
-`data.dataset.KeypointDataset` serves them.
+Two panels per sample, as `data.dataset.KeypointDataset` serves it: the input with the keypoint
+maps' max and the joints on the main limbs; the input with the limb maps' max, the ignore mask
+(red) and the person-mask outline.
 """
 from __future__ import annotations
 

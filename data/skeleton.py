@@ -1,29 +1,14 @@
 """The skeleton of a dataset: its keypoints, the limbs the network learns, flips, OKS sigmas, channels.
 
-A `Skeleton` is a property of the data, not of the code: `data.make_hdf5` stores it in the HDF5
-file, the trainer copies it into every checkpoint, and everything downstream (targets, flips,
-loss weights, network heads, grouping, evaluation, drawing) reads it from there. It is written as
-a mapping (YAML file, HDF5 attribute, checkpoint entry):
-
-    name: crowdpose
-    keypoints: [left_shoulder, ...]      # the annotation JSON's keypoints, in its order
-    sigmas: [0.079, ...]                 # OKS sigma per keypoint of `keypoints` (or one number)
-    derived: {neck: [left_shoulder, right_shoulder]}   # optional: midpoints, labelled when both are
-    channels: [nose, neck, ...]          # optional: the network's keypoint order (default:
-                                         # `keypoints` then `derived`)
-    limbs: [[neck, head], ...]           # the method's main links (a tree; drawn)
-    redundant: [[head, left_shoulder], ...]   # extra links, learned and used by the grouping
-    flip: [[left_shoulder, right_shoulder], ...]   # optional: default from left/right in names
-    metric: [pck, auc, epe]              # optional: how the dataset's authors score it (default oks;
-                                         # evaluate.py's default, the first picks best.pth)
-    pck_threshold: 0.2                   # optional: PCK's threshold (default 0.2) of
-    pck_normalize: bbox                  # the box's longer side (default) or [keypoint, keypoint]'s
-                                         # distance
-
-Output channels: limbs, then keypoints (in `channels` order), then the person mask, then the max
-over the keypoint maps. Built-ins live in data/skeletons/NAME.yaml (`coco` is exactly the
-method's 18 keypoints, 30 limbs and 50 channels: files and checkpoints without a stored skeleton
-are COCO). Every problem with a skeleton is a `ConfigError` on one line naming its source.
+A property of the data: `data.make_hdf5` stores it in the HDF5 file, the trainer in every
+checkpoint, and everything downstream reads it from there. It is written as a mapping (YAML file,
+HDF5 attribute, checkpoint entry; the fields are docs/data.md's example): `name`, `keypoints`
+(the JSON's, in its order), `sigmas`, and optionally `derived` (midpoints), `channels` (the
+network's keypoint order), `limbs` (main links, a tree), `redundant`, `flip`, `metric`,
+`pck_threshold`, `pck_normalize`. Output channels: limbs, keypoints (`channels` order), the person
+mask, the max over the keypoint maps. Built-ins live in data/skeletons/NAME.yaml (`coco`: the
+method's 18 keypoints and 50 channels, what files and checkpoints without one hold). Every problem
+with a skeleton is a one-line `ConfigError` naming its source.
 """
 from __future__ import annotations
 

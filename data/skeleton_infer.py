@@ -1,14 +1,11 @@
 """A skeleton for a COCO keypoint category: a built-in when the category's keypoints are one's,
 else one inferred from the category and completed from the data.
 
-Published files differ in what they give: keypoint names or none (then the count of values in the
-annotations names a built-in, or the keypoints are numbered), links 1-based (COCO's rule) or
-0-based (decided from the links, and said; `--links-from` overrides), no links at
-all, or links that leave keypoints unconnected. The inferred skeleton keeps the file's links, adds
-each one's mirror, and joins what is left unconnected by a minimum spanning tree over the mean
-distance between keypoints in the annotations (relative to the person's box); main limbs are a
-breadth-first tree from the best-linked keypoint, the other links are redundant.
-Every decision is one short line of the returned report.
+Links 1-based (COCO's rule) or 0-based are decided from the links (`--links-from` overrides); the
+file's links are kept with their mirrors, and what they leave unconnected is joined by a minimum
+spanning tree over the mean distance between keypoints in the annotations; main limbs are a
+breadth-first tree from the best-linked keypoint, the other links redundant. Every decision is
+one line of the returned report.
 """
 from __future__ import annotations
 

@@ -3,15 +3,11 @@
     python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
         [--skeleton coco|quadruped]
 
-writes DIR/train.json, DIR/val.json (a DIR that holds them, or pictures in DIR/train or DIR/val, is
-refused unless --overwrite is given) (COCO keypoint format: 17 person keypoints, or with
-`--skeleton quadruped` the animals of `data.synthetic_animals`) and DIR/train/*.jpg,
-DIR/val/*.jpg. Each image shows 1-3 stick figures facing the camera (so a person's right side is
-on the image's left, as for real people seen from the front): thick limbs coloured by limb type,
-joint markers, a head with eyes, nose and ears, on a plain background. It includes occluded
-keypoints (v=1, behind a box), unlabelled ones (v=0: ears not drawn, or outside the image), people
-cut by the border, small people without keypoints and crowd regions, so every mask path is
-exercised. `ensure_synthetic_h5(cache_dir)` makes and converts it once.
+writes DIR/train.json, DIR/val.json (COCO keypoint format) and DIR/train/*.jpg, DIR/val/*.jpg (a DIR
+that holds them is refused unless --overwrite). Each image shows 1-3 stick figures facing the camera
+(or `data.synthetic_animals`' animals) on a plain background, with occluded (v=1) and unlabelled
+(v=0) keypoints, people cut by the border, small people without keypoints and crowd regions, so
+every mask path is exercised. `ensure_synthetic_h5(cache_dir)` makes and converts it once.
 """
 from __future__ import annotations
 

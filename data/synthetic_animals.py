@@ -1,8 +1,6 @@
-"""Synthetic four-legged animals seen from above (skeleton `quadruped`), for `data.synthetic`.
-
-Each figure has its head up (turned by at most 15 degrees), so its left legs are on the image's
-left: a body and a head, four two-part legs and a tail, limbs coloured by kind (the same on both
-sides), joints marked. Keypoints outside the image are unlabelled (v = 0), the others v = 2.
+"""Synthetic four-legged animals seen from above (skeleton `quadruped`), for `data.synthetic`: head
+up (turned at most 15 degrees, so the left legs are on the image's left), a body, four two-part
+legs and a tail, coloured by kind; keypoints outside the image are v = 0, the others v = 2.
 """
 from __future__ import annotations
 

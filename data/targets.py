@@ -1,19 +1,12 @@
 """Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
 
-`render_targets` draws the channels of a `data.skeleton.Skeleton` (COCO: 30 limbs, 18
-keypoints, 50 channels) on an output grid whose cell (i, j)
-samples the input point x = (j + 0.5) * stride - 0.5, y = (i + 0.5) * stride - 0.5 (the grid that
-cv2.resize upsampling inverts). Keypoints are Gaussians (several people: max); limbs are Gaussians
-of the perpendicular distance to the segment inside its box widened by a margin (several people:
-mean of the contributing ones). Each Gaussian is computed only in a window around its joint or
-limb (the cells of all windows laid out in a few flat numpy arrays), and set to 0 below
-exp(-GAUSSIAN_CUTOFF), so the cost grows with the people, not the grid.
-
-`HostTargetPainter` draws a batch of compact samples (`data.transfer`) this way, sample by sample,
-straight into the batch's array: what a CPU device uses instead of the whole-grid drawing of
-`data.device_targets`, which suits a GPU but costs some 40x more on a CPU. The batch array is
-numpy's (numpy asks the kernel for huge pages for large arrays, so the tens of megabytes of a
-fresh batch cost a fraction of the page faults of a torch allocation).
+`render_targets` draws the channels of a `data.skeleton.Skeleton` on an output grid whose cell
+(i, j) samples the input point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5). Keypoints are
+Gaussians (several people: max); limbs are Gaussians of the distance to the segment inside its box
+widened by a margin (several people: mean). Each Gaussian is computed only in a window around its
+joint or limb, 0 below exp(-GAUSSIAN_CUTOFF), so the cost grows with the people, not the grid.
+`HostTargetPainter` draws a batch of compact samples (`data.transfer`) this way into one numpy
+array: a CPU device's drawing (the whole-grid one of `data.device_targets` costs 40x more there).
 """
 from __future__ import annotations
 
@@ -79,13 +72,9 @@ def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height:
 
 def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
                 margin: float) -> None:
-    """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W].
-
-    The cells of the limbs' windows are laid end to end in flat arrays (no padding to a common
-    window size; at most `_CHUNK_CELLS` cells at a time), so numpy works on a few arrays as long
-    as the windows' total area. The limbs of one channel add up in person order, then cells
-    reached by several are divided by their count.
-    """
+    """Mean-combine one perpendicular-distance Gaussian per labelled limb into maps [L,H,W]: the cells
+    of the limbs' windows laid end to end in flat arrays (at most `_CHUNK_CELLS` at a time), added in
+    person order, then divided by how many limbs reached each."""
     height, width = maps.shape[1:]
     limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
     if limb.size == 0:
@@ -130,14 +119,10 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
 
 def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfig, skeleton: Skeleton,
                    person_mask=None, out: np.ndarray | None = None) -> np.ndarray:
-    """float32 [C, out_h, out_w] targets of `people` [P,K,3] (input pixels, v > 0 labelled), in
-    the channel layout of `skeleton` (COCO: C = 50, K = 18).
-
-    `person_mask` (out_h x out_w, values in [0, 1]) fills the person-mask channel after a 3x3
-    erosion; without it that channel is 0. The last channel is the max over the keypoint maps.
-    Values lie in [0, 1]. `out`, if given, is a zeroed float32 C-contiguous [C, out_h, out_w]
-    array to draw into (a view of a batch's buffer), and is returned.
-    """
+    """float32 [C, out_h, out_w] targets of `people` [P,K,3] (input pixels, v > 0 labelled), in the
+    channel layout of `skeleton`, values in [0, 1]. `person_mask` (out_h x out_w, in [0, 1]) fills
+    the person-mask channel after a 3x3 erosion (else 0); the last channel is the keypoint maps' max.
+    `out`, if given, is a zeroed C-contiguous array to draw into, and is returned."""
     people = np.asarray(people, np.float32).reshape(-1, skeleton.num_keypoints, 3)
     shape = (skeleton.num_channels, out_h, out_w)
     if out is None:

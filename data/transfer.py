@@ -1,20 +1,13 @@
 """What a training sample carries from the loader's workers to the device, and how it unpacks there.
 
-A compact sample is three tensors, about 0.82 MB at 512 input (COCO: 50 channels at 128 x 128
-would be 6.6 MB as float32 tensors, 2.45 MB with float16 targets):
-    image   uint8   [S, S, 3]       the warped BGR picture, as augmented (786 kB)
-    people  float32 [P, K, 3]       the augmented keypoints (input pixels, v > 0 labelled): the
-                                    people with a labelled keypoint first, then zero rows up to the
-                                    file's most people per image P (`pack_people`; 1.1 kB at P = 5, coco4)
-    masks   uint8   [2, S/4, S/4]   the warped ignore mask (255 = do not supervise) and person
-                                    mask (0-255), as `data.augment.warp_masks` gives them (32 kB)
-`expand` turns a compact sample or a collated batch of them, on whatever device it lies, into the
-network's float32 input, target and mask: the image through `data.preprocess.bgr_to_input` (the
-one convention, shared with inference), the targets drawn there by a
-`data.device_targets.TargetPainter` (the rules of `data.targets`, to float32 rounding), the mask
-as 1 - ignore / 255. `KeypointDataset[i]` is `expand` of `compact_item(i)` on the CPU, so what
-the network trains on does not depend on where the unpacking runs; `sample_arrays` still gives
-the CPU drawing of `data.targets`.
+A compact sample is three tensors, about 0.82 MB at 512 input (6.6 MB as float32 tensors):
+    image   uint8   [S, S, 3]       the augmented BGR picture
+    people  float32 [P, K, 3]       the augmented keypoints, people with a labelled keypoint first,
+                                    zero rows up to the file's most people per image (`pack_people`)
+    masks   uint8   [2, S/4, S/4]   the warped ignore (255 = do not supervise) and person masks
+`expand` turns a compact sample or batch, on whatever device, into the network's float32 input
+(`data.preprocess.bgr_to_input`), targets (a `data.device_targets.TargetPainter`) and mask
+(1 - ignore / 255); `KeypointDataset[i]` is its CPU result.
 """
 from __future__ import annotations
 

@@ -2,28 +2,32 @@
 (`build_data`, `build_model`, `build_loss`, `build_optimizer`, ...), each taking its own
 sub-config, and `build` calls them in the order the engine needs (the same seeds at the same
 points, so that N processes train exactly as one) and returns the `Parts` a run trains with.
-A subclass replaces any part (`build_trainer(cfg, launch, builder=MyBuilder())`).
+A subclass replaces any part (`build_trainer(cfg, launch, builder=MyBuilder())`). `resolve_data`
+finds the run's data files, or makes the project's synthetic dataset.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from common.errors import ConfigError, DataError
-from config.schema import AmpConfig, Config, LossConfig, ModelConfig, OptimConfig
+from common.errors import ConfigError, DataError, os_reason
+from config.schema import AmpConfig, Config, DataConfig, LossConfig, ModelConfig, OptimConfig
+from data.h5format import KeypointH5, check_split
 from data.skeleton import Skeleton
 from data.skeleton_words import skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
-from engine.precision import PrecisionBackend, build_precision, convert_sync_bn
+from engine.parallel import convert_sync_bn
+from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
-from engine.optim import build_optimizer
+from engine.optim import build_optimizer, peak_lr
 from engine.optim_step import OptimStep
-from engine.resume import RunPlan, load_start
-from engine.run_setup import resolve_data, train_loader
+from engine.loaders import train_loader
+from engine.resume import load_start
 
 
 @dataclass
@@ -87,15 +91,15 @@ class TrainerBuilder:
 
     def build_precision(self, cfg: AmpConfig, device: torch.device,
                         cudnn_benchmark: bool) -> PrecisionBackend:
-        """The precision backend named by `amp.backend` (engine.precision's registry)."""
+        """The precision backend named by `amp.backend` (engine.precision.BACKENDS)."""
         return build_precision(cfg, device, cudnn_benchmark)
 
     def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,
                         native: bool = True):
         return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
 
-    def build(self, cfg: Config, launch, plan: RunPlan | None = None, say=print) -> Parts:
-        """All parts, in order; `plan` (engine.resume.plan_run) says what the weights start from
+    def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
+        """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from
         (None: the network's initial weights, or --weights)."""
         ctx = launch.ctx
         data = self.build_data(cfg, ctx)
@@ -121,7 +125,8 @@ class TrainerBuilder:
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
         net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp)
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
-                               static_graph=cfg.dist.static_graph)
+                               static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
+                                   cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
 
 
@@ -150,3 +155,35 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
                           f"with the native backend and no --compile, and here {', '.join(unsupported)}; "
                           "leave it at auto")
     return amp.cuda_graphs is not False and not unsupported
+
+
+def resolve_data(data: DataConfig, ctx) -> tuple[str, str]:
+    """(train_h5, val_h5): the user's files, or the project's synthetic dataset made once; checked
+    (or made) by rank 0, whose answer or error every rank gets."""
+    paths = dist.decided_on_main(lambda: _resolve_data(data))
+    if not data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
+        paths = _resolve_data(data)
+    return paths
+
+
+def _resolve_data(data: DataConfig) -> tuple[str, str]:
+    if data.train_h5:
+        for option, path in (("--train-h5", data.train_h5), ("--val-h5", data.val_h5)):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{option} {path}: no such file")
+        check_split(KeypointH5(data.train_h5), "train", "--train-h5")
+        return data.train_h5, data.val_h5
+    if data.val_h5:
+        raise ConfigError(f"--val-h5 {data.val_h5} without --train-h5: the run would train and validate "
+                          "on the project's synthetic dataset and ignore it; give --train-h5 too")
+    paths = _synthetic(data.synthetic_dir)
+    return str(paths[0]), str(paths[1])
+
+
+def _synthetic(folder: str):
+    from data.synthetic import ensure_synthetic_h5
+    try:
+        return ensure_synthetic_h5(folder)
+    except OSError as exc:
+        raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
+                          f"({os_reason(exc)}); choose a writable folder") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
 from config.loader import deep_update, build_config, nested
-from config.schema import FLAG_GROUPS, REFERENCE_PRESET, flags
+from config.schema import REFERENCE_PRESET, add_flags, flags
 from config.yaml_file import read_yaml
 
 DEFAULT_PRESET = "tiny"
@@ -23,14 +23,9 @@ DEFAULT_PRESET = "tiny"
 def build_parser(description: str) -> ArgumentParser:
     """--config, --set and the flags that config/schema.py declares beside their fields."""
     p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = p.add_argument
-    add("--config", default=None,
-        help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")
-    add("--set", action="append", default=[], metavar="KEY=VALUE",
-        help="any config field, e.g. optim.milestones=[30,45]")
-    groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
-    for _, flag in flags():
-        groups[flag.group].add_argument(flag.name, help=flag.help, **dict(flag.options))
+    p.add_argument("--config", default=None,
+                   help=f"preset name (config/presets) or YAML path; default {DEFAULT_PRESET}")
+    add_flags(p)
     return p
 
 
@@ -43,7 +38,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
                   reader) -> tuple[Path | None, dict | None]:
     """(checkpoint, the config stored in it) that --resume will load, if it can be found; read
     with `reader` (engine.resume.CheckpointReader), which the trainer then reads it with."""
-    from engine.run_setup import newest_run_dir
+    from engine.run_dir import newest_run_dir
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
         run_dir = base / run_name if run_name else newest_run_dir(base)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, run_cli
 from common.paths import refuse_clashes, refuse_existing
+from config.schema import add_flags
 
 DEFAULT_PRESET = "imhn512"
 
@@ -29,7 +30,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("out", metavar="OUT.pth", help="checkpoint of this trainer to write")
     p.add_argument("--config", default=DEFAULT_PRESET,
                    help=f"preset or YAML of the run it continues (default {DEFAULT_PRESET})")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field")
+    add_flags(p, keys=())
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.pth")
     return p
 
@@ -37,7 +38,7 @@ def build_parser() -> ArgumentParser:
 def run(args) -> dict:
     from config.loader import build_config
     from runtime.checkpoint import reference_file_settings
-    from engine.reference_resume import convert
+    from engine.resume import convert
 
     source, out = Path(args.source), Path(args.out)
     refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})

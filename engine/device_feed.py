@@ -13,7 +13,8 @@ side stream right after batch n's work marks its end, and the compute stream wai
 when it takes batch n: on batch n's copy alone, never on batch n + 1's, queued since. The side
 stream is one per device for the whole run (the caching allocator keeps its free blocks per
 stream, so a new stream each epoch would strand the last one's). Anywhere else it is a plain loop:
-no stream call is ever made off CUDA.
+no stream call is ever made off CUDA. `training_feed(data, device)` is the loop's `batches` of a
+run's training loader, through a `DeviceFeed`.
 """
 from __future__ import annotations
 
@@ -105,3 +106,15 @@ def _take(moved, ready, device: torch.device):
     for tensor in moved:
         tensor.record_stream(current)
     return moved
+
+
+def training_feed(data, device) -> Callable[[int, int], Iterator]:
+    """`batches(epoch, start)`: the model inputs of `epoch` from its batch `start` on (of `data`,
+    an `engine.build.Data`), the targets drawn on the device."""
+    painter = data.train_set.painter_for(device)
+
+    def batches(epoch: int, start: int) -> Iterator:
+        data.train_set.set_epoch(epoch)
+        data.sampler.set_epoch(epoch, start)
+        return iter(DeviceFeed(data.loader, device, painter))
+    return batches

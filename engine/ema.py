@@ -11,8 +11,8 @@ under O0 and O1, and the half model cast to float32 under O3 (`PrecisionBackend.
 deterministic function of the weights, which are identical on every rank, so every rank holds the
 same average without any communication.
 
-`WeightsEMA` is a hook of the training run: `after_build(trainer)` starts it at the model's
-weights, `after_step(trainer, out)` updates it, `evaluating(trainer)` is a context in which the
+`WeightsEMA` is a hook of the training run: `attach` starts it at the model's weights,
+`after_step(trainer, out)` updates it, `evaluating(trainer)` is a context in which the
 averaged weights are in the model (validation, AP, best.pth), the training weights put back bit
 for bit after it, and `before_save` keeps the training weights in a checkpoint saved meanwhile. Its
 `state_dict()` goes into every checkpoint under "ema" ({"decay", "tau", "updates", "model": the
@@ -20,7 +20,7 @@ averaged float32 state dict}) and `load_state_dict` restores it exactly, so a re
 the average as the uninterrupted one would; resuming a checkpoint without one says that the
 average starts from its weights. `--weights`, evaluate.py and demo.py take the "ema"
 weights of a checkpoint that has them (`runtime.checkpoint.preferred_weights`). The trainer adds
-this hook itself when `train.ema` is set (`engine.run_trainer.default_hooks`).
+this hook itself when `train.ema` is set (`engine.hooks.default_hooks`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from common.errors import CheckpointError
 from engine.precision import PrecisionBackend, live_state_dict
-from engine.hooks import Hook
+from engine.trainer import Hook
 
 CHECKPOINT_KEY = "ema"
 
@@ -40,10 +40,10 @@ CHECKPOINT_KEY = "ema"
 class WeightsEMA(Hook):
     checkpoint_key = CHECKPOINT_KEY
 
-    def __init__(self, decay: float, tau: float = 2000.0):
+    def __init__(self, decay: float, tau: float = 2000.0, say=print):
         if not 0.0 <= decay < 1.0 or not tau > 0:
             raise ValueError(f"EMA decay {decay} must be in [0, 1) and tau {tau} positive")
-        self.decay, self.tau, self.updates = float(decay), float(tau), 0
+        self.decay, self.tau, self.updates, self.say = float(decay), float(tau), 0, say
         self.averaged: dict[str, torch.Tensor] = {}
 
     def attach(self, model: nn.Module, precision: PrecisionBackend) -> "WeightsEMA":
@@ -88,12 +88,8 @@ class WeightsEMA(Hook):
         if not out.skipped:          # a skipped step changed no weight: the average stays too
             self.update()
 
-    def after_build(self, trainer) -> None:
-        self.attach(trainer.model, trainer.precision)
-        trainer.say(self.describe())
-
     def state_missing(self, trainer, path) -> None:
-        trainer.say(f"checkpoint {path} has no EMA of the weights (its run had no --ema): the "
+        self.say(f"checkpoint {path} has no EMA of the weights (its run had no --ema): the "
                     "average starts from its weights now, its decay warming up again")
 
     def evaluating(self, trainer=None):

@@ -1,43 +1,39 @@
-"""The end of an epoch's validation, as a hook: `Validation` measures the validation loss and the
-skeleton's metrics (AP, or PCK, AUC, EPE: `data.skeleton.Scoring`; through the evaluator part the
-entry script hands in) when they are due, hands the results to
-every hook's `after_validation`, logs the epoch's line and saves last.pth again with the hooks'
-updated states. best.pth, epoch_N.pth and early stopping are hooks of their own
-(engine/checkpoint_hooks.py).
+"""The end of an epoch, decided in one hook, `EpochEnd`, in this order: last.pth (marked
+`validation_pending` when a validation follows: a stop during it loses no training); the
+validation when due (the loss every `train.val_every` epochs; the skeleton's metrics, AP or PCK,
+AUC, EPE, every `train.ap_every` epochs and at the last), handed to every hook's
+`after_validation`; the verdict on `metric` (improved: finite and better than the best so far; EPE
+and loss: lower is better), hence the best value and the count of validations without
+improvement, its state; the epoch's record and line; last.pth again with that state; best.pth,
+with the weights that were evaluated (e.g. the EMA's), when improved; epoch_N.pth every
+`train.save_every` epochs; the end of the run after `train.early_stop_patience` validations
+without improvement. A run resumed while validating ends its last epoch again (from the
+validation on).
 
-last.pth is saved before this runs (`LastCheckpoint`), marked `validation_pending` when a
-validation is due: a stop signal during validation loses no training, and a resumed run validates
-that epoch again (`EpochEndHook.before_train`).
+`validate(run, trainer, epoch, loss_due, ap_due)` is a run's validation (engine/run_trainer.py
+hands it to the hook): the loss over the validation set, then the metrics from the evaluator the
+entry script hands in, and the validation pictures drawn by the part it hands in
+(`inference.val_pictures.write_val_pictures`).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
 
 import torch
 
+from common.errors import CheckpointError
+from config.schema import TrainConfig
 from config.views import PredictSettings
+from data.skeleton import LOWER_IS_BETTER
 from runtime import distributed as dist
-from engine.precision import cudnn_autotuning_off
-from engine.hooks import Hook
 from engine.device_feed import to_model_input
-from engine.run_setup import val_loader
+from engine.loaders import val_loader
+from engine.precision import cudnn_autotuning_off
+from engine.train_state import bad_value
+from engine.trainer import Hook
 
-def validations_due(trainer, epoch: int) -> tuple[bool, bool]:
-    """(validation loss, AP) due after `epoch` (0-based)."""
-    cfg = trainer.cfg.train
-    if trainer.data.val_set is None:
-        return False, False
-    return (bool(cfg.val_every) and (epoch + 1) % cfg.val_every == 0,
-            bool(cfg.ap_every) and ((epoch + 1) % cfg.ap_every == 0 or epoch + 1 == cfg.epochs))
-
-
-def revalidating(trainer) -> bool:
-    """Whether the run resumed was stopped while validating: the epoch-end hooks then run again
-    for its last epoch (`before_train`)."""
-    resumed = getattr(trainer, "resumed", None)
-    return resumed is not None and resumed.validation_pending and trainer.epoch > 0
+TENSORBOARD_TAG = "val_pictures"
 
 
 def weights_evaluated(trainer):
@@ -48,83 +44,134 @@ def weights_evaluated(trainer):
     return stack
 
 
-class EpochEndHook(Hook):
-    """A hook of the epoch's end that runs again for the last epoch of a run resumed while
-    validating (`revalidating`)."""
-
-    def before_train(self, trainer):
-        if revalidating(trainer):
-            self.after_epoch(trainer, trainer.epoch - 1, None)
-
-
-class Validation(EpochEndHook):
-    """`evaluator(model, val_h5, settings, device, max_images=, progress=, stop=, skeleton=)` ->
-    the stats of the skeleton's metrics (or None when stopped) is the AP part; without one, no AP. `settings` is the run's
-    `config.views.PredictSettings`. `best` (a `BestCheckpoint`) marks the epoch's line."""
+class EpochEnd(Hook):
+    """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation); `checkpoints`
+    an `engine.train_state.Checkpoints`, `logger` an `engine.logger.RunLogger`."""
+    checkpoint_key = ("best_metric", "bad_validations")
     priority = 90
 
-    def __init__(self, evaluator: Callable | None = None, best=None):
-        self.evaluator, self.best, self.results = evaluator, best, {}
+    def __init__(self, train: TrainConfig, checkpoints, logger, say=print, validate=None,
+                 metric: str = "loss"):
+        self.every = (train.val_every, train.ap_every) if validate is not None else (0, 0)
+        self.save_every, self.patience = train.save_every, train.early_stop_patience
+        self.checkpoints, self.logger, self.say, self.validate = checkpoints, logger, say, validate
+        self.metric, self.best, self.bad_validations = metric, None, 0
+        self.stopped, self.results = False, {}
+
+    def due(self, trainer, epoch: int) -> tuple[bool, bool]:
+        """(validation loss, metrics) due after `epoch` (0-based)."""
+        val_every, ap_every = self.every
+        return (bool(val_every) and (epoch + 1) % val_every == 0,
+                bool(ap_every) and ((epoch + 1) % ap_every == 0 or epoch + 1 == trainer.epochs))
+
+    def before_train(self, trainer):
+        if trainer.resumed is not None and trainer.resumed.validation_pending and trainer.epoch > 0:
+            self.finish(trainer, trainer.epoch - 1, None)
 
     def after_epoch(self, trainer, epoch, train_loss):
-        cfg = trainer.cfg.train
-        loss_due, ap_due = validations_due(trainer, epoch)
-        results = {}
-        if loss_due or ap_due:
+        pending = any(self.due(trainer, epoch))
+        self.checkpoints.save(trainer, "last.pth", epoch + 1, 0, validation_pending=pending)
+        self.finish(trainer, epoch, train_loss)
+
+    def finish(self, trainer, epoch: int, train_loss: float | None) -> None:
+        """The epoch's end from its validation on."""
+        due, results, improved = self.due(trainer, epoch), {}, None
+        if any(due):
             with weights_evaluated(trainer):
-                results = validate(trainer, self.evaluator, epoch, loss_due, ap_due)
+                results = self.validate(trainer, epoch, *due)
                 for hook in trainer.hooks:
                     hook.after_validation(trainer, epoch, results)
+            improved = self.judge(results)
         trained = {} if train_loss is None else {"train_loss": train_loss}
-        trainer.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
-        if loss_due or ap_due:   # last.pth again, now with the hooks' states after validation
-            trainer.save("last.pth", epoch + 1, 0)
-        trainer.logger.plot_curves()
-        improved = self.best is not None and self.best.improved
+        self.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
+        if any(due):            # last.pth again, now with the hooks' states after validation
+            self.checkpoints.save(trainer, "last.pth", epoch + 1, 0)
+        self.logger.plot_curves()
         shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
-        trainer.say(f"epoch {epoch + 1}/{cfg.epochs}: "
-                    + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
-                    + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+        self.say(f"epoch {epoch + 1}/{trainer.epochs}: "
+                 + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
+                 + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
         self.results = results
+        if improved:
+            with weights_evaluated(trainer):
+                self.checkpoints.save(trainer, "best.pth", epoch + 1, 0)
+        if self.save_every and (epoch + 1) % self.save_every == 0:
+            self.checkpoints.save(trainer, f"epoch_{epoch + 1}.pth", epoch + 1, 0)
+        if self.patience and self.bad_validations >= self.patience:
+            self.say(f"early stop after epoch {epoch + 1}: no improvement in {self.bad_validations} "
+                     "validations")
+            self.stopped = trainer.finish_requested = True
+
+    def judge(self, results: dict) -> bool | None:
+        """Whether `results` improve on the best (None: `metric` not measured, e.g. a loss-only pass
+        between AP passes); the best value and the count without improvement follow. A value that
+        is not finite (a float16 overflow) never improves, and a best that is not never blocks."""
+        if self.metric not in results:
+            return None
+        value, best = results[self.metric], self.best
+        improved = math.isfinite(value) and (best is None or not math.isfinite(best) or (
+            value < best if self.metric in LOWER_IS_BETTER else value > best))
+        if improved:
+            self.best = value
+        self.bad_validations = 0 if improved else self.bad_validations + 1
+        return improved
+
+    def state_dict(self):
+        return {"best_metric": self.best, "bad_validations": self.bad_validations}
+
+    def load_state_dict(self, state):
+        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int)):
+            if key in state and bad_value(state[key], kind):
+                raise CheckpointError(f"its {key} is damaged ({type(state[key]).__name__} "
+                                      f"{str(state[key])[:40]!r}); start from its weights with "
+                                      "--weights instead of --resume")
+        self.best = state.get("best_metric", self.best)
+        self.bad_validations = state.get("bad_validations", self.bad_validations)
 
     def outcome(self) -> dict:
-        return dict(self.results)
+        return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
 
 
 @torch.no_grad()
-def validate(trainer, evaluator, epoch: int, loss_due: bool, ap_due: bool) -> dict:
-    """Validation loss (all ranks, sharded) and the skeleton's metrics (COCO AP, PCK, ...). A stop signal is acted on within a batch
-    or an image (Interrupted; last.pth was saved before)."""
+def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
+    """The validation loss (all ranks, sharded) and the skeleton's metrics (COCO AP, PCK, ...) of
+    `run` (engine.run_trainer.RunTrainer), with its validation pictures. A stop signal is acted on
+    within a batch or an image (Interrupted; last.pth was saved before)."""
     results = {}
-    ctx, cfg, val_set = trainer.ctx, trainer.cfg, trainer.data.val_set
+    ctx, cfg, val_set = run.ctx, run.cfg, run.data.val_set
     where = f"while validating epoch {epoch + 1} (resuming validates it again)"
     if loss_due:
-        trainer.eval_net.eval()
+        run.eval_net.eval()
         # summed on the host in Python floats: under Apex's O1, torch's functions and operators are
         # patched (float64 += float32 raises, a float64 sum is cast to float32)
         loss_sum, count = 0.0, 0
-        if trainer.data.val_loader is None:       # made once: its workers serve every validation
-            trainer.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
-        loader = trainer.data.val_loader
+        if run.data.val_loader is None:       # made once: its workers serve every validation
+            run.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
+        loader = run.data.val_loader
         # a stop vote per batch while every rank still has one (shards differ by one at most)
         voted_batches = -(-(len(val_set) // ctx.world_size) // loader.batch_size)
         for n, batch in enumerate(loader):
             images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
                                                   non_blocking=False)
-            per_sample, _ = trainer.eval_net(images, target, mask)
+            per_sample, _ = run.eval_net(images, target, mask)
             loss_sum += math.fsum(per_sample.detach().float().cpu().tolist())
             count += per_sample.numel()
             if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):
-                raise trainer.stopped(where)
+                raise run.checkpoints.interrupted(trainer, where)
         total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
         loss_sum, count = total.tolist()
         results["loss"] = loss_sum / max(count, 1.0)
-    if ap_due and evaluator is not None:
-        with cudnn_autotuning_off():
-            stats = evaluator(trainer.model, trainer.data.val_h5, PredictSettings.of(cfg),
-                              ctx.device, max_images=cfg.train.ap_max_images, progress=ctx.is_main,
-                              stop=lambda: trainer.stop_signal is not None, skeleton=trainer.skeleton)
-        if stats is None:
-            raise trainer.stopped(where)
-        results.update({k: v for k, v in stats.items() if k != "num_images" and isinstance(v, float)})
+    if ap_due and run.evaluator is not None:
+        settings, pictures = PredictSettings.of(cfg), cfg.train.val_pictures
+        with cudnn_autotuning_off():    # pictures of several sizes: none worth timing algorithms for
+            stats = run.evaluator(run.model, run.data.val_h5, settings, ctx.device,
+                                  max_images=cfg.train.ap_max_images, progress=ctx.is_main,
+                                  stop=lambda: trainer.stop_signal is not None, skeleton=run.skeleton)
+            if stats is None:
+                raise run.checkpoints.interrupted(trainer, where)
+            results.update({k: v for k, v in stats.items() if k != "num_images" and isinstance(v, float)})
+            if run.draw is not None and pictures and ctx.is_main and run.skeleton.scoring.key in results:
+                path = run.draw(run.model, run.data.val_h5, run.skeleton, settings, epoch + 1, run.run_dir,
+                                ctx.device, pictures)
+                run.logger.log_image(TENSORBOARD_TAG, path, trainer.step)
     return results

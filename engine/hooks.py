@@ -1,98 +1,48 @@
-"""Hooks: what runs around the training loop, so that adding a feature never means editing it.
+"""The engine's own hooks, each given its settings when it is made, and `default_hooks`, those of a
+run. The base `Hook` and what a hook may read (`LoopState`) are in engine/trainer.py.
 
-A hook overrides any of the methods of `Hook`. They run in this order: `after_build`,
-`before_train`, then per epoch `before_epoch`, per step `before_step` and `after_step` (which
-receives the step's `engine.trainer.StepResult`), then `after_validation` and `after_epoch`;
-`after_train` when the epochs are done; `on_stop` last, whatever happened. A `Trainer` runs its
-hooks by `priority`, lower first, then in the order given: in a run that `build_trainer`
-assembles, a user's hook (50) runs after the LR, divergence and logging hooks and before the
-pre-emption save (80) and the end of the epoch (90 and up), so that what it keeps is saved.
-
-What a hook may read: the trainer's parts (`model`, `optim_step`, `optimizer`, `data`, `ctx`,
-`run_dir`, `logger`, `cfg` in a run `build_trainer` assembles) and its position (`epoch`,
-`step`). A hook keeps its own state: with a `checkpoint_key`, `state_dict()` is saved under that
-key in every checkpoint and given back through `load_state_dict()` on resume (`state_missing()`
-when the checkpoint has none); `outcome()` adds to what `fit()` returns; `evaluating()` wraps
-validation, AP and the saving of best.pth (e.g. to swap other weights in).
-
-The engine's own hooks here: the LR schedule, frozen BatchNorm, the progress bar, the training
-log, the divergence stop and the pre-emption stop. Validation is engine/epoch_end.py; the
-checkpoints and early stopping are engine/checkpoint_hooks.py.
+In a run, a user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30)
+and logging (40) hooks and before the pre-emption save (80) and the end of the epoch (90:
+engine/epoch_end.py), so that what it keeps is saved.
 """
 from __future__ import annotations
 
-import contextlib
 import signal
-import time
 
 import torch
 from tqdm import tqdm
 
-from common.errors import TrainingDiverged, UserError
+from common.errors import TrainingDiverged
+from config.schema import Config, OptimConfig
 from runtime import distributed as dist
+from runtime.distributed import DistContext
+from engine.ema import WeightsEMA
+from engine.epoch_end import EpochEnd
 from engine.freeze import set_frozen_bn_eval
+from engine.loaders import STOP_SIGNALS
 from engine.optim import lr_at
-from engine.run_setup import STOP_SIGNALS, memory_gb
+from engine.train_state import DIVERGENCE_ADVICE, Checkpoints
+from engine.trainer import Hook
 
 
-class Hook:
-    checkpoint_key: str | None = None     # set to keep state_dict() in checkpoints
-    priority: int = 50                    # lower runs first
-
-    def after_build(self, trainer) -> None:
-        """The parts exist, before a resume restores the hooks' states (e.g. to copy weights)."""
-
-    def before_train(self, trainer) -> None: ...
-    def before_epoch(self, trainer, epoch: int) -> None: ...
-    def before_step(self, trainer, epoch: int, first: int) -> None: ...
-    def after_step(self, trainer, out) -> None: ...
-    def after_validation(self, trainer, epoch: int, results: dict) -> None: ...
-    def after_epoch(self, trainer, epoch: int, train_loss: float | None) -> None: ...
-    def after_train(self, trainer) -> None: ...
-    def on_stop(self, trainer) -> None:
-        """Always, when the run ends: finished, stopped or failed."""
-
-    def before_save(self, trainer, name: str, state: dict) -> None:
-        """On the main process, the checkpoint `name` about to be written: a hook may change or add
-        entries (its own `state_dict()` is already there under `checkpoint_key`)."""
-
-    def evaluating(self, trainer):
-        """A context around validation, AP and saving best.pth."""
-        return contextlib.nullcontext()
-
-    def state_dict(self):
-        """What a checkpoint keeps of this hook (any value `torch.save` stores)."""
-        return {}
-
-    def load_state_dict(self, state) -> None:
-        """Continue from `state`, this hook's entry of the checkpoint resumed; a CheckpointError
-        saying what does not fit (the engine adds the file's name)."""
-
-    def state_missing(self, trainer, path) -> None:
-        """The checkpoint resumed (`path`) holds no entry under `checkpoint_key` (its run had no
-        such hook): this hook goes on from its fresh state."""
-
-    def outcome(self) -> dict:
-        """What this hook adds to the result of `Trainer.fit()`."""
-        return {}
-
-
-class Interrupted(UserError):
-    """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
-
-    plain_message = True
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocations on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 class LRSchedule(Hook):
     """The LR of each step from `lr_at`: by where the run is, at the run's total batch."""
     priority = 10
 
+    def __init__(self, optim: OptimConfig, total_batch: int, world_size: int = 1):
+        self.optim, self.total_batch, self.world_size = optim, total_batch, world_size
+
     def before_step(self, trainer, epoch, first):
-        cfg = trainer.cfg
-        last_batch = first + cfg.train.accumulate - 1
-        trainer.optim_step.set_lr(lr_at(cfg.optim, epoch, last_batch, trainer.batches_per_epoch,
-                                        trainer.ctx.world_size,
-                                        cfg.train.batch_size * cfg.train.accumulate))
+        trainer.optim_step.set_lr(lr_at(self.optim, epoch, first + trainer.accumulate - 1,
+                                        trainer.batches_per_epoch, self.world_size, self.total_batch))
 
 
 class FrozenBatchNorm(Hook):
@@ -106,61 +56,73 @@ class FrozenBatchNorm(Hook):
 class ProgressBar(Hook):
     priority = 30
 
+    def __init__(self, shown: bool = True, device=torch.device("cpu")):
+        self.shown, self.device, self.bar = shown, device, None
+
     def before_epoch(self, trainer, epoch):
-        self.bar = tqdm(total=trainer.steps_this_epoch, desc=f"epoch {epoch + 1}/{trainer.cfg.train.epochs}",
-                        disable=not trainer.ctx.is_main, dynamic_ncols=True, leave=False)
+        self.bar = tqdm(total=trainer.steps_this_epoch, desc=f"epoch {epoch + 1}/{trainer.epochs}",
+                        disable=not self.shown, dynamic_ncols=True, leave=False)
 
     def after_step(self, trainer, out):
         self.bar.set_postfix(loss=f"{out.loss:.4g}", lr=f"{out.lr:.3g}",
-                             img_s=f"{out.samples_per_s:.1f}", mem=f"{memory_gb(trainer.ctx.device):.2f}G")
+                             img_s=f"{out.samples_per_s:.1f}", mem=f"{memory_gb(self.device):.2f}G")
         self.bar.update()
 
     def after_epoch(self, trainer, epoch, train_loss):
         self.on_stop(trainer)
 
     def on_stop(self, trainer):
-        if getattr(self, "bar", None) is not None:
+        if self.bar is not None:
             self.bar.close()
             self.bar = None
 
 
 class TrainLog(Hook):
     """Every `log_every` steps and at an epoch's last: the loss and its parts, mean over ranks
-    (and every step's loss, for curves.png)."""
+    (and every step's loss, for curves.png), to `logger` (an `engine.logger.RunLogger`); a step's
+    note (how many updates round away) through `say`."""
     priority = 40
 
+    def __init__(self, logger, log_every: int, device=torch.device("cpu"), say=print):
+        self.logger, self.log_every, self.device, self.say = logger, log_every, device, say
+
     def after_step(self, trainer, out):
-        trainer.logger.log_step(trainer.step, out.loss)
-        if trainer.step % trainer.cfg.train.log_every and not out.last_of_epoch:
+        if out.note:
+            self.say(out.note)
+        self.logger.log_step(trainer.step, out.loss)
+        if trainer.step % self.log_every and not out.last_of_epoch:
             return
         names = list(out.parts)
         means = dist.all_reduce_mean(torch.stack(
             [out.parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
-        trainer.logger.log("train", trainer.step, epoch=out.epoch, loss=means[-1], lr=out.lr,
-                           samples_per_s=out.samples_per_s,
-                           skipped_steps=trainer.optim_step.skipped_total,
-                           memory_gb=memory_gb(trainer.ctx.device), **dict(zip(names, means)))
-
-
-DIVERGENCE_ADVICE = "lower optim.lr, enable --clip-grad, or use O0"
+        self.logger.log("train", trainer.step, epoch=out.epoch, loss=means[-1], lr=out.lr,
+                        samples_per_s=out.samples_per_s, skipped_steps=trainer.optim_step.skipped_total,
+                        memory_gb=memory_gb(self.device), **dict(zip(names, means)))
 
 
 class DivergenceStop(Hook):
+    """`TrainingDiverged` after `max_bad_steps` skipped steps in a row, naming the checkpoint to go
+    back to (of `checkpoints`, an `engine.train_state.Checkpoints`)."""
     priority = 20
+
+    def __init__(self, max_bad_steps: int, checkpoints: Checkpoints):
+        self.max_bad_steps, self.checkpoints = max_bad_steps, checkpoints
 
     def after_step(self, trainer, out):
         streak = trainer.optim_step.bad_streak
-        if streak >= trainer.cfg.optim.max_bad_steps:
+        if streak >= self.max_bad_steps:
             raise TrainingDiverged(
-                f"{streak} consecutive steps had a non-finite or abnormal loss or "
-                f"gradients (last loss {out.loss:.4g}); stopped. {trainer.good_checkpoint()}: "
-                f"{DIVERGENCE_ADVICE}")
+                f"{streak} consecutive steps had a non-finite or abnormal loss or gradients (last loss "
+                f"{out.loss:.4g}); stopped. {self.checkpoints.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
 
 
 class Preemption(Hook):
-    """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved, then the run ends
-    with `Interrupted`, which says how to resume."""
+    """SIGTERM / SIGUSR1 ask for a stop after the step under way: it is saved (to last.pth of
+    `checkpoints`), then the run ends with `Interrupted`, which says how to resume."""
     priority = 80
+
+    def __init__(self, checkpoints: Checkpoints):
+        self.checkpoints, self.previous, self.handler = checkpoints, {}, None
 
     def before_train(self, trainer):
         def request_stop(signum, frame):
@@ -174,25 +136,30 @@ class Preemption(Hook):
 
     def after_step(self, trainer, out):
         if out.stop:
-            batch = out.first + trainer.cfg.train.accumulate
-            trainer.save("last.pth", out.epoch, batch)
-            raise trainer.stopped(f"at epoch {out.epoch + 1}, batch {batch}")
+            batch = out.first + trainer.accumulate
+            self.checkpoints.save(trainer, "last.pth", out.epoch, batch)
+            raise self.checkpoints.interrupted(trainer, f"at epoch {out.epoch + 1}, batch {batch}")
 
     def on_stop(self, trainer):
         # the handlers hold this trainer (model, process group): let both go after the run; a
         # handler set since (a rank that ends with an error holds the stop signals) stays
-        for sig, handler in getattr(self, "previous", {}).items():
+        for sig, handler in self.previous.items():
             if signal.getsignal(sig) is self.handler:
                 signal.signal(sig, handler)
         self.previous, self.handler = {}, None
 
 
-class Throughput:
-    """Samples per second since the epoch's first step (a helper of the loop, not a hook)."""
-
-    def __init__(self, samples_per_step: int):
-        self.samples_per_step, self.tick, self.steps = samples_per_step, time.perf_counter(), 0
-
-    def step(self) -> float:
-        self.steps += 1
-        return self.samples_per_step * self.steps / (time.perf_counter() - self.tick)
+def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
+                  validate=None, metric: str = "loss") -> list[Hook]:
+    """The engine's hooks for a run of `cfg` (`--ema`, `--early-stop` ...) that saves to
+    `checkpoints` and logs to `logger`; `validate` and `metric`: see `engine.epoch_end.EpochEnd`."""
+    train = cfg.train
+    hooks = [FrozenBatchNorm(), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
+             DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
+             TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
+             EpochEnd(train, checkpoints, logger, say, validate, metric)]
+    if train.ema:
+        ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)
+        say(ema.describe())
+        hooks.append(ema)
+    return hooks

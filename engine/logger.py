@@ -85,15 +85,19 @@ class RunConsole:
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True,
-                 resumed_step: int | None = None):
-        self.run_dir = Path(run_dir)
-        self.enabled = enabled
+    """The run's records in `run_dir`, written from `open()` on."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
+        self.run_dir, self.enabled, self.tensorboard = Path(run_dir), enabled, tensorboard
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.steps_path = self.run_dir / "train_steps.jsonl"
         self.curves_path = self.run_dir / "curves.png"
         self.tb = None
-        if enabled and tensorboard:
+
+    def open(self, resumed_step: int | None = None) -> "RunLogger":
+        """Start writing (once the run directory is written); `resumed_step`: where a resumed run
+        continues from."""
+        if self.enabled and self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 purge = None if resumed_step is None else resumed_step + 1
@@ -101,7 +105,7 @@ class RunLogger:
             except Exception:   # tensorboard not installed: metrics.jsonl and curves.png still work
                 self.tb = None
         for path in (self.metrics_path, self.steps_path):
-            if enabled and path.exists():    # a line cut by a crash must not swallow ours
+            if self.enabled and path.exists():    # a line cut by a crash must not swallow ours
                 with writing(path), open(path, "rb+") as fh:
                     size = fh.seek(0, 2)
                     if size:
@@ -111,6 +115,7 @@ class RunLogger:
         if resumed_step is not None:
             self.log("resume", resumed_step)
             self._append(self.steps_path, {"kind": "resume", "step": resumed_step})
+        return self
 
     def _append(self, path: Path, record: dict) -> None:
         with writing(path):

@@ -9,7 +9,8 @@ The peak is `lr`, or with `reference_batch` N the linear scaling rule `lr x tota
 total batch being batch_size x accumulate: the same in train.py, train_parallel.py and DDP.
 
 `updates_rounded_away` measures what half-precision weights stepped without float32 master copies
-(O3) lose: the share of the updates of a step that round away in the weights.
+(O3) lose: the share of the updates of a step that round away in the weights (`rounding_note`:
+the line the first step says).
 """
 from __future__ import annotations
 
@@ -101,6 +102,18 @@ def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, fl
             counts[2 * i:2 * i + 2] += torch.stack([(meant & kept).sum(), meant.sum()])
     lost, moving, decay_lost, decaying = counts.tolist()
     return lost / max(moving, 1), decay_lost / max(decaying, 1)
+
+
+def rounding_note(params, lr: float, cfg: OptimConfig) -> str:
+    """One line on `updates_rounded_away(params, lr, cfg)`; '' without half weights."""
+    shares = updates_rounded_away(params, lr, cfg)
+    if shares is None:
+        return ""
+    dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
+    return (f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
+            "the first step's updates round away (under half the spacing at the weight)"
+            + (f", and {shares[1]:.0%} of its weight decay" if cfg.weight_decay else "")
+            + "; --opt-level O2 keeps float32 master weights")
 
 
 def clip_grads(params, max_norm: float, norm: torch.Tensor) -> None:

@@ -1,44 +1,38 @@
-"""One optimiser step over one or more batches (cf. mmengine's OptimWrapper): `OptimStep` owns
-gradient accumulation (DDP's `no_sync`), loss scaling through the precision backend, the skip vote,
-unscaling, the float32 gradient norm, clipping, master weights, the step, `zero_grad` and the
-bookkeeping of skipped steps (BatchNorm buffers restored, so a skipped step leaves no trace).
+"""One optimiser step over one or more batches, in one call (cf. mmengine's OptimWrapper):
 
-The engine drives it per step:
+    outcome = optim_step.update(batches, loss_of, stop_requested)
 
-    optim_step.begin(len(batches))
-    for i, batch in enumerate(batches):
-        with optim_step.accumulating(last=i == len(batches) - 1):
-            loss = forward(batch)
-            optim_step.backward(loss, stop_requested)
-    outcome = optim_step.finish()
-
-The precision backend (`engine.precision.PrecisionBackend`) does the scaling, unscaling and
-stepping, in one `update(optimizer, decide)` per step; this object decides when, and `decide` is
-its part of that update (norm, skip vote, clipping). Every decision that needs all ranks to agree (the
-skip vote) is taken here, in one place.
+`loss_of(*batch)` runs a batch's forward and returns its loss. `OptimStep` owns gradient
+accumulation (DDP's `no_sync` around every batch but the last), loss scaling through the
+precision backend, the skip vote, unscaling, the float32 gradient norm, clipping, master weights,
+the step, `zero_grad` and the bookkeeping of skipped steps (BatchNorm buffers restored, so a
+skipped step leaves no trace). The precision backend (`engine.precision.PrecisionBackend`) only
+does what it is told: backward through its scaler, unscale, step or skip (and the scale), free
+the gradients; every decision that needs all ranks to agree is taken here, in one place.
 
 One host sync per step: the losses stay on the device. A bad loss (not finite, or above
 `optim.skip_loss_above`) is not read before its backward: it poisons the step instead, its backward
 being that of `loss * nan`, so every gradient is NaN, and DDP's all-reduce carries the NaN to every
 rank. Every rank runs every backward (SyncBN's backward is a collective even under `no_sync`), so
-none waits alone. `finish` then reads one small tensor, [norm, loss sum, bad loss, non-finite norm,
+none waits alone. The step then reads one small tensor, [loss sum, bad loss, non-finite norm,
 stop], whose flags are first all-reduced (max) in one small collective: every rank takes the same
-decision. A step poisoned by its loss leaves the loss scale as it was (it says nothing about the
-gradients' range); gradients that overflow by themselves lower it.
+decision. `stop_requested()` is asked once, for that read. A step poisoned by its loss leaves the
+loss scale as it was (it says nothing about the gradients' range); gradients that overflow by
+themselves lower it.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from config.schema import OptimConfig
 from runtime import distributed as dist
-from engine.optim import clip_grads, grad_norm, set_lr
-from engine.precision import StepDecision
+from engine.optim import clip_grads, grad_norm, rounding_note, set_lr
 
 
 @dataclass
@@ -46,19 +40,21 @@ class StepOutcome:
     loss: float          # the mean of the batches' losses (a skipped step's too)
     skipped: bool        # no update: a bad loss on some rank, or non-finite gradients
     stop: bool           # some rank was asked to stop (signal) during the step
+    note: str = ""       # a line for the run's console: O3's first update (`engine.optim.rounding_note`)
 
 
 class OptimStep:
     def __init__(self, precision, optimizer, params: list, model: nn.Module, cfg: OptimConfig,
-                 net: nn.Module | None = None, static_graph: bool = False):
+                 net: nn.Module | None = None, static_graph: bool = False,
+                 rounding_lr: float | None = None):
+        """`rounding_lr`: the LR at which the first step that updates measures how many updates of
+        half weights round away (its `note`)."""
         self.precision, self.optimizer, self.params, self.cfg = precision, optimizer, params, cfg
-        self.net, self.static_graph = net, static_graph
+        self.net, self.static_graph, self.rounding_lr = net, static_graph, rounding_lr
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.skipped_total, self.bad_streak = 0, 0
-        self._count, self._stop, self._loss_sum, self._bad, self._batches = 1, False, None, None, 0
-        # called once, with `params`, at the first step that updates (gradients unscaled, clipped)
-        self.first_update_check = None
+        self.backoff_skips = 0    # this process's skips that were a dynamic loss scale's overflows
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -67,13 +63,42 @@ class OptimStep:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def begin(self, count: int) -> None:
-        """A step over `count` batches starts."""
-        self._count, self._stop, self._loss_sum, self._bad, self._batches = count, False, None, None, 0
+    def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
+               stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
+        """One step over `batches`: every batch's forward (`loss_of(*batch)`) and backward, on
+        every rank, then one precision update (unscale, norm, the step's one read, clipping, step
+        or skip, zero the gradients); on a skip the BatchNorm statistics are put back."""
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
+        loss_sum = bad = None
+        for i, batch in enumerate(batches):
+            with self._sync_unless(last=i == len(batches) - 1):
+                loss = loss_of(*batch)
+                value = loss.detach().float()
+                bad_now = torch.logical_not(torch.isfinite(value)) | (value > self.cfg.skip_loss_above)
+                loss_sum = value if loss_sum is None else loss_sum + value
+                bad = bad_now if bad is None else bad | bad_now
+                poison = torch.where(bad_now, torch.full_like(value, math.nan), torch.ones_like(value))
+                self.precision.backward(loss * poison.to(loss.dtype) / len(batches))
+        self.precision.unscale_(self.optimizer)
+        norm = grad_norm(self.params).to(loss_sum.device)   # float32 whatever the grads' dtype
+        loss_sum, bad_loss, not_finite, stop = self._read_step(norm, loss_sum, bad, stop_requested())
+        skipped, note = bad_loss or not_finite, ""
+        if not skipped and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
+            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
+        if not skipped and self.rounding_lr is not None:
+            note, self.rounding_lr = rounding_note(self.params, self.rounding_lr, self.cfg), None
+        self.precision.step(self.optimizer, not skipped, bad_loss=bad_loss)
+        self.precision.zero_grad(self.optimizer)
+        if skipped and self.buffers:   # a skipped step leaves no trace, not even in BN statistics
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self.buffers_before_step)
+        self.skipped_total += skipped
+        self.backoff_skips += skipped and not bad_loss and self.precision.dynamic
+        self.bad_streak = self.bad_streak + 1 if skipped else 0
+        return StepOutcome(loss_sum / len(batches), skipped, stop, note)
 
-    def accumulating(self, last: bool):
+    def _sync_unless(self, last: bool):
         """Around a batch's forward and backward: DDP all-reduces gradients in the backward of a
         step's last batch only. With dist.static_graph it all-reduces every batch (the same mean):
         DDP's static graph mode fails an internal assert under no_sync."""
@@ -82,52 +107,16 @@ class OptimStep:
             return contextlib.nullcontext()
         return no_sync()
 
-    def backward(self, loss: torch.Tensor, stop_requested: bool = False) -> None:
-        """Backward of the batch's share of the step's loss through the loss scaler, without reading
-        the loss on the host: a bad loss makes every gradient NaN (the step is then skipped by all
-        ranks). Every batch of the step runs its backward, on every rank."""
-        self._stop = self._stop or bool(stop_requested)
-        value = loss.detach().float()
-        bad = torch.logical_not(torch.isfinite(value)) | (value > self.cfg.skip_loss_above)
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._bad = bad if self._bad is None else self._bad | bad
-        self._batches += 1
-        poison = torch.where(bad, torch.full_like(value, math.nan), torch.ones_like(value))
-        self.precision.backward(loss * poison.to(loss.dtype) / self._count)
-
-    def _read_step(self, norm: torch.Tensor) -> tuple[float, float, bool, bool, bool]:
-        """The step's one host read: (norm, loss sum, bad loss on some rank, non-finite norm on some
+    @staticmethod
+    def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor,
+                   stop: bool) -> tuple[float, bool, bool, bool]:
+        """The step's one host read: (loss sum, bad loss on some rank, non-finite norm on some
         rank, stop asked on some rank); the flags all-reduced (max) in one small collective."""
-        norm = norm.detach().float().reshape(())
-        bad = self._bad.float().to(norm.device)
+        bad = bad.float().to(norm.device)
         # the stop flag joins as a fill of a device tensor: no host-to-device copy that would sync
-        flags = torch.stack([bad, torch.logical_not(torch.isfinite(norm)).float(),
-                             torch.full_like(bad, float(self._stop))])
+        flags = torch.stack([bad, torch.logical_not(torch.isfinite(norm)).float().reshape(()),
+                             torch.full_like(bad, float(stop))])
         flags = dist.all_reduce_max(flags)
-        norm_value, loss_sum, bad, not_finite, stop = torch.cat(
-            [norm.reshape(1), self._loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
-        return norm_value, loss_sum, bad > 0, not_finite > 0, stop > 0
-
-    def finish(self) -> StepOutcome:
-        """One precision update (unscale, `_decide`, step or skip, zero the gradients); skips
-        counted and, on a skip, the BatchNorm statistics put back."""
-        decision = self.precision.update(self.optimizer, self._decide)
-        skipped = not decision.grads_finite
-        if skipped and self.buffers:   # a skipped step leaves no trace, not even in BN statistics
-            with torch.no_grad():
-                torch._foreach_copy_(self.buffers, self.buffers_before_step)
-        self.skipped_total += skipped
-        self.bad_streak = self.bad_streak + 1 if skipped else 0
-        return StepOutcome(self._loss_sum_read / self._batches, skipped, self._stop)
-
-    def _decide(self) -> StepDecision:
-        """On unscaled gradients: the float32 norm, the step's one read, clipping; step or skip."""
-        norm = grad_norm(self.params).to(self._loss_sum.device)   # float32 whatever the grads' dtype
-        _, self._loss_sum_read, bad_loss, not_finite, self._stop = self._read_step(norm)
-        grads_finite = not (bad_loss or not_finite)
-        if grads_finite and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
-            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
-        if grads_finite and self.first_update_check is not None:
-            check, self.first_update_check = self.first_update_check, None
-            check(self.params)
-        return StepDecision(grads_finite, bad_loss)
+        loss_sum, bad, not_finite, stop = torch.cat(
+            [loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
+        return loss_sum, bad > 0, not_finite > 0, stop > 0

@@ -1,25 +1,32 @@
-"""Where a run starts from, decided once: `plan_run` picks (on rank 0, for every rank) the run
-directory and the checkpoint a resume continues; a `CheckpointReader`, made by the entry script
-and handed to the command line (`engine.cli.config_from_args`) and to `build_trainer`, scans a run
-directory for `--resume auto` and reads a checkpoint once for both (the command line's look at the
-saved config, the trainer's plan and load); `load_start` puts the weights a run starts from
-(resume, the authors' run, --weights) into the model; engine/train_state.py restores the rest
-once the optimiser exists.
+"""Where a run's weights start from, and what it continues: a `CheckpointReader`, made by the entry
+script and handed to the command line (`engine.cli.config_from_args`) and to `build_trainer`,
+scans a run directory for `--resume auto` and reads a checkpoint once for both; `load_start` puts
+the weights a run starts from (resume, the authors' run, --weights) into the model;
+engine/train_state.py restores the rest once the optimiser exists.
+
+Continuing the authors' training run: a training checkpoint of the reference holds, besides the
+weights, its SGD state by parameter index (`optimizer_weight`), the 0-based `epoch` it finished
+(their script restarts at epoch + 1) and, in the successor project, an Apex `amp` state.
+`resume_state` turns these into what `Checkpoints.restore` reads from one of our checkpoints:
+momentum buffers keyed by the index of our optimiser's parameters (mapped by name through
+`models.reference`), the loss scale and the steps since the last overflow as GradScaler fields, the
+next epoch at its first batch. The LR is not taken from the file: it is a function of (epoch,
+batch), so the run continues on the curve. `convert` writes the whole as a checkpoint file
+(`python -m engine.convert_reference`).
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
-from common.paths import same_file
-from config.schema import Config, TrainConfig
+from config.loader import to_dict
+from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint
 from data.skeleton_words import skeleton_words
-from engine.run_setup import RUN_FILES, pick_and_claim, release_run_dir
+from models.reference import momentum_by_name
 from runtime import checkpoint as ckpt
-from runtime import distributed as dist
+from engine.precision.loss_scale import grad_scaler_fields
+from engine.train_state import check_resumable
 
 
 class CheckpointReader:
@@ -62,57 +69,6 @@ class CheckpointReader:
         self._state = self._latest = None
 
 
-@dataclass
-class RunPlan:
-    run_dir: Path
-    created: bool                     # this run created run_dir (removed again if it fails to start)
-    resume_path: Path | None          # the checkpoint this run continues, if any
-    config: Config                    # the main process's: the one every rank trains with
-    reader: CheckpointReader          # reads resume_path (the command line may have read it)
-
-
-def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
-    """Decided on the main process, the same on every rank: one rank's view of a shared filesystem
-    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree.
-    `reader`: the one the command line read the saved config with, if any."""
-    reader = reader or CheckpointReader()
-
-    def decide():
-        run_dir, created = pick_and_claim(cfg)
-        try:
-            return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
-        except BaseException:      # a run that did not start leaves no directory behind
-            release_run_dir(run_dir, remove_if_empty=created)
-            raise
-    run_dir, created, path, config = dist.decided_on_main(decide)
-    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader)
-
-
-def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:
-    if not train.resume:
-        return None
-    if train.resume == "auto":
-        path = reader.latest(run_dir)
-        return str(path) if path else None
-    if not Path(train.resume).is_file():
-        raise CheckpointError(f"--resume {train.resume}: no such file")
-    refuse_another_run(Path(train.resume), run_dir)
-    return train.resume
-
-
-def refuse_another_run(path: Path, run_dir: Path) -> None:
-    """ConfigError when resuming `path` would write over another run's files in `run_dir` (where a
-    resume writes): a file the trainer did not name itself (not last.pth, best.pth, epoch_N.pth)
-    beside a run's files is another run's checkpoint."""
-    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
-        return
-    theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
-    if theirs:
-        raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
-                          "resuming there would write over; nothing was touched: copy the checkpoint "
-                          f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
-
-
 def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
     """CheckpointError when a checkpoint's skeleton is not the data's (see the messages)."""
     if theirs == ours:
@@ -125,16 +81,17 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
                           f"has {skeleton_words(ours, theirs)}: {fix}")
 
 
-def load_start(model, plan: RunPlan | None, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
+def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
     """Load the weights the run starts from into `model`; returns (resume state or None, the
     authors' checkpoint whose run continues or None, its path, the names of the tensors that
-    --allow-partial left fresh). Without a `plan` (parts built outside a run): --weights only."""
+    --allow-partial left fresh). Without a `plan` (`engine.run_dir.RunPlan`: parts built outside a
+    run): --weights only."""
     if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
                 say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
         state = plan.reader.state(plan.resume_path)
-        ckpt.check_resumable(state, plan.resume_path)
+        check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
         return state, None, plan.resume_path, ()
@@ -177,3 +134,61 @@ def load_summary(report: dict) -> str:
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
                if fresh else ""))
+
+
+def _param_groups(optimizer) -> list[dict]:
+    """`optimizer.state_dict()["param_groups"]` without asking the optimiser for its state."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + count))})
+        start += count
+    return groups
+
+
+def resume_state(reference: dict, source: str, model, optimizer, names: list[str], optim: OptimConfig,
+                 depth: int, strict: bool = True) -> dict:
+    """The resume state of `reference` (a file of the authors' layout, already loaded into `model`,
+    an hourglass of `depth` levels) for `optimizer`, whose parameters are `model`'s parameters
+    `names`, in that order. Another optimiser than SGD with momentum (`optim`) is refused when
+    `strict`, else it starts without momentum."""
+    sgd = optim.name == "sgd" and bool(optim.momentum)
+    if strict and not sgd:
+        raise ConfigError(f"{source}: the authors trained with SGD and momentum; continuing their run "
+                          f"needs optim.name=sgd with momentum (this config: {optim.name})")
+    saved = reference.get("optimizer_weight") if sgd else None
+    momentum = {}
+    if saved is not None:
+        try:
+            momentum = momentum_by_name(saved, model, depth)
+        except ValueError as exc:
+            raise CheckpointError(f"{source}: its optimiser state does not fit the model ({exc})") from None
+    epoch, scaler = reference.get("epoch"), grad_scaler_fields(reference.get("amp"))
+    state = {i: {"momentum_buffer": momentum[n].clone()} for i, n in enumerate(names) if n in momentum}
+    origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
+              else f"the authors' run: no momentum, optim.name is {optim.name}")
+    origin += f", loss scale {scaler['scale']:g}" if scaler else ""
+    return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
+            "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
+            "origin": origin}
+
+
+def convert(source: str, out: str, cfg: Config) -> dict:
+    """Write `source` (the authors' layout) as a checkpoint of this trainer at `out`, its config
+    `cfg` included: weights, momentum, loss scale, and the epoch to continue at."""
+    from data.skeleton import builtin
+    from engine.optim import build_optimizer
+    from models import build_model
+
+    coco = builtin("coco")          # the authors trained on COCO persons
+    reference = ckpt.read_reference(source)
+    model = build_model(cfg.model, coco)
+    ckpt.load_weights(model, reference)
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    state = resume_state(reference, source, model, optimizer, names, cfg.optim, cfg.model.depth,
+                         strict=False)
+    state.update(model=model.state_dict(), config=to_dict(cfg), skeleton=coco.to_spec())
+    ckpt.save_checkpoint(out, state)
+    return state

@@ -1,45 +1,42 @@
-"""The assembly of a training run: `build_trainer(cfg, launch, ...)` plans the run (its directory,
-what it resumes), builds its parts (`engine.build.TrainerBuilder`, whose methods a subclass
-overrides), restores a resumed run's state, writes the run directory and returns a `RunTrainer`:
-the loop of engine/trainer.py with the run's configuration, directory, logger and checkpoints, and
-the engine's own hooks (`default_hooks`) beside the caller's.
+"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run (its
+directory and what it resumes: engine/run_dir.py), builds its parts (`engine.build.TrainerBuilder`,
+whose methods a subclass overrides) and returns a `RunTrainer`, which holds the `Trainer` of
+engine/trainer.py with the engine's hooks (`engine.hooks.default_hooks`) and the caller's, and the
+run around it: its checkpoints (engine/train_state.py), logger, console and validation
+(`engine.epoch_end.validate`); a resumed run's state restored, the run directory written.
 
 train.py, train_parallel.py and train_distributed.py all call it; a launch mode only decides how
 `ModelWithLoss` is wrapped (nothing, DataParallel, DDP) and what `DistContext` it runs in.
 """
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
 
-from common.errors import TrainingDiverged, UserError
+from common.errors import UserError
+from config.loader import to_dict
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
-from runtime.checkpoint import non_finite, remove_stale_temps, save_checkpoint, unwrap_model
-from engine.precision.loss_scale import scaler_problem
-from engine.build import Data, Parts, TrainerBuilder
-from engine.checkpoint_hooks import BestCheckpoint, EarlyStop, LastCheckpoint, PeriodicCheckpoint
-from engine.device_feed import DeviceFeed
-from engine.ema import WeightsEMA
-from engine.epoch_end import Validation
+from runtime.checkpoint import remove_stale_temps
+from engine import epoch_end
+from engine.build import Parts, TrainerBuilder
+from engine.device_feed import training_feed
 from engine.freeze import trainable_parameters
-from engine.hooks import (DIVERGENCE_ADVICE, DivergenceStop, FrozenBatchNorm, Hook, Interrupted, LRSchedule,
-                          Preemption, ProgressBar, TrainLog)
+from engine.hooks import default_hooks
+from engine.loaders import close_loaders
 from engine.logger import RunConsole, RunLogger
-from engine.optim import peak_lr, updates_rounded_away
 from engine.precision import check_backend
-from engine.reference_resume import resume_state
-from engine.resume import CheckpointReader, plan_run
-from engine.run_setup import clear_run_dir, close_loaders, release_run_dir, save_resolved_config
-from engine.train_state import TrainState, checkpoint_of, hook_states, restore
-from engine.trainer import Trainer, TrainParts
+from engine.resume import CheckpointReader, resume_state
+from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
+from engine.train_state import Checkpoints
+from engine.trainer import Hook, Trainer, TrainParts
 
-__all__ = ["Launch", "RunTrainer", "build_trainer", "build_loop", "default_hooks", "Interrupted", "Hook"]
+__all__ = ["Launch", "RunTrainer", "build_trainer", "build_loop"]
 
 
 @dataclass
@@ -51,44 +48,11 @@ class Launch:
     wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
 
 
-def default_hooks(train: TrainConfig, evaluator: Callable | None = None) -> list[Hook]:
-    """The engine's own hooks for a run of `train`'s settings (`--ema`, `--early-stop` ...);
-    `evaluator` measures AP (see `engine.epoch_end.Validation`)."""
-    best = BestCheckpoint(None if train.ap_every else "loss")      # None: the skeleton's metric
-    hooks = [LastCheckpoint(), FrozenBatchNorm(), LRSchedule(), DivergenceStop(), ProgressBar(),
-             TrainLog(), Preemption(), Validation(evaluator, best), best,
-             PeriodicCheckpoint(train.save_every), EarlyStop(best, train.early_stop_patience),
-             RunEnd()]
-    if train.ema:
-        hooks.append(WeightsEMA(train.ema, train.ema_tau))
-    return hooks
-
-
-class RunEnd(Hook):
-    """When the epochs are done: the logger closed, the ranks together, the `done.` line; whatever
-    happened, the loaders' workers shut down and the run directory's lock given up."""
-    priority = 100
-
-    def after_train(self, trainer):
-        trainer.logger.close()
-        dist.barrier()   # ranks leave together: none tears down its process group while one still works
-        run_dir = trainer.run_dir
-        trainer.say(f"done. checkpoints: {run_dir / 'last.pth'}"
-                    + (f", {run_dir / 'best.pth'}" if (run_dir / 'best.pth').exists() else "")
-                    + f"; metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}"
-                    + (f"; pictures: {run_dir / 'val_pictures'}/" if (run_dir / "val_pictures").is_dir()
-                       else ""))
-
-    def on_stop(self, trainer):
-        close_loaders(trainer.data.loader, trainer.data.val_loader)   # before the group is left
-        if trainer.ctx.is_main:
-            release_run_dir(trainer.run_dir)
-
-
 def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
                   hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
-                  reader: CheckpointReader | None = None) -> "RunTrainer":
-    """The run of `cfg` (a resumed run: its own saved config), ready to `fit()`. `reader`: the one
+                  reader: CheckpointReader | None = None, draw: Callable | None = None) -> "RunTrainer":
+    """The run of `cfg` (a resumed run: its own saved config), ready to `fit()`. `evaluator` and
+    `draw`: the AP and the validation pictures (`engine.epoch_end.validate`). `reader`: the one
     `engine.cli.config_from_args` read the saved config with (the checkpoints are read once); what
     it holds is given back once the run has started."""
     reader = reader or CheckpointReader()
@@ -99,10 +63,7 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
     try:
         check_backend(cfg)           # as the command line does, for a config built in Python
         parts = (builder or TrainerBuilder()).build(cfg, launch, plan, say)
-        trainer = RunTrainer(cfg, launch, plan.run_dir, parts,
-                             default_hooks(cfg.train, evaluator) + list(hooks), say)
-        trainer.start(parts)
-        return trainer
+        return RunTrainer(cfg, launch, plan.run_dir, parts, hooks, evaluator, draw, say)
     except BaseException:               # a run that did not start leaves no directory behind
         if launch.ctx.is_main:
             release_run_dir(plan.run_dir, remove_if_empty=plan.created)
@@ -127,62 +88,77 @@ def loop_parts(train: TrainConfig, parts: Parts, device) -> TrainParts:
         steps = min(steps, train.max_steps_per_epoch)
     return TrainParts(parts.net, parts.optim_step, training_feed(parts.data, device),
                       steps * train.accumulate, train.epochs, train.accumulate,
-                      train.batch_size * train.accumulate)
+                      train.batch_size * train.accumulate, parts.model)
 
 
-def training_feed(data: Data, device) -> Callable[[int, int], Iterator]:
-    """`batches(epoch, start)`: the model inputs of `epoch` from its batch `start` on, through
-    the device feed (engine.device_feed), the targets drawn on the device."""
-    painter = data.train_set.painter_for(device)
+class RunEnd(Hook):
+    """When the epochs are done: the logger closed, the ranks together, the `done.` line; whatever
+    happened, the loaders' workers shut down and the run directory's lock given up."""
+    priority = 100
 
-    def batches(epoch: int, start: int) -> Iterator:
-        data.train_set.set_epoch(epoch)
-        data.sampler.set_epoch(epoch, start)
-        return iter(DeviceFeed(data.loader, device, painter))
-    return batches
+    def __init__(self, run: "RunTrainer"):
+        self.run = run
+
+    def after_train(self, trainer):
+        self.run.logger.close()
+        dist.barrier()   # ranks leave together: none tears down its process group while one still works
+        run_dir = self.run.run_dir
+        self.run.say(f"done. checkpoints: {run_dir / 'last.pth'}"
+                     + (f", {run_dir / 'best.pth'}" if (run_dir / 'best.pth').exists() else "")
+                     + f"; metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}"
+                     + (f"; pictures: {run_dir / 'val_pictures'}/" if (run_dir / "val_pictures").is_dir()
+                        else ""))
+
+    def on_stop(self, trainer):
+        close_loaders(self.run.data.loader, self.run.data.val_loader)   # before the group is left
+        if self.run.ctx.is_main:
+            release_run_dir(self.run.run_dir)
 
 
-class RunTrainer(Trainer):
-    """The loop with a run around it: `cfg`, `launch`, `ctx`, `run_dir`, `data`, `model`,
-    `precision`, `optimizer`, `eval_net`, `skeleton`, `logger`; `save()` writes a checkpoint."""
+class RunTrainer:
+    """A run around the loop `trainer`: `cfg`, `launch`, `ctx`, `run_dir`, the parts (`data`,
+    `model`, `precision`, `optimizer`, `optim_step`, `net`, `eval_net`, `skeleton`), `evaluator`
+    and `draw`, and what the run writes with: `checkpoints`, `logger`, `say`."""
 
-    def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook],
+    def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook] = (),
+                 evaluator: Callable | None = None, draw: Callable | None = None,
                  console: RunConsole | None = None):
         self.cfg, self.launch, self.ctx, self.run_dir = cfg, launch, launch.ctx, run_dir
         self.data, self.model, self.precision = parts.data, parts.model, parts.precision
-        self.optimizer, self.eval_net = parts.optimizer, parts.eval_net
+        self.optimizer, self.optim_step, self.net, self.eval_net = (parts.optimizer, parts.optim_step,
+                                                                    parts.net, parts.eval_net)
         self.skeleton, self.train_set = parts.data.skeleton, parts.data.train_set
+        self.evaluator, self.draw = evaluator, draw
         self.say = console or RunConsole(self.ctx.is_main)
-        self.logger, self.resumed, self.resumed_from = None, None, None
-        super().__init__(loop_parts(cfg.train, parts, self.ctx.device), hooks)
-        self.started_at = (0, 0)          # (step, skipped steps) when this process's run began
+        self.logger = RunLogger(run_dir, self.ctx.is_main, cfg.train.tensorboard)
+        fixed = {"config": to_dict(cfg), "skeleton": self.skeleton.to_spec(), "mode": launch.mode,
+                 "world_size": self.ctx.world_size}
+        self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
+                                       self.ctx.is_main, self.say)
+        validate = partial(epoch_end.validate, self) if self.data.val_set is not None else None
+        metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
+        engine_hooks = default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate, metric)
+        self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),
+                               engine_hooks + [RunEnd(self)] + list(hooks), self.failure)
+        self._start(parts)
 
-    def start(self, parts: Parts) -> None:
-        """The hooks' `after_build`, a resumed run's state, then the run directory written."""
+    def _start(self, parts: Parts) -> None:
+        """A resumed run's state, then the run directory written."""
         cfg, ctx = self.cfg, self.ctx
-        self._call("after_build")
         state, reference, path, _ = parts.start
         if reference is not None:
             names = [name for name, p in self.model.named_parameters() if p.requires_grad]
             state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
                                  cfg.model.depth)
         if state is not None:
-            self.resumed = restore(self, state, path)
-            self.epoch, self.start_batch = self.resumed.epoch, self.resumed.iteration
-            # a run started elsewhere (step None): the steps of the epochs it finished
-            steps = self.batches_per_epoch // cfg.train.accumulate
-            self.step = self.resumed.step if self.resumed.step is not None else self.epoch * steps
-            self.resumed_from = path
-        self.started_at = (self.step, self.optim_step.skipped_total)
+            self.checkpoints.restore(self.trainer, state, path, self.say)
         if ctx.is_main:     # the run directory is written only once everything above has worked
             clear_run_dir(cfg.train, self.run_dir)
             save_resolved_config(cfg, self.run_dir)
             remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
             self.say.open(self.run_dir, ctx.device, ctx.world_size)
-        self.logger = RunLogger(self.run_dir, ctx.is_main, cfg.train.tensorboard,
-                                resumed_step=self.step if state is not None else None)
+        self.logger.open(resumed_step=self.trainer.step if state is not None else None)
         self._describe(parts.frozen)
-        self.optim_step.first_update_check = self._say_updates_rounded_away
 
     def _describe(self, frozen: dict | None) -> None:
         cfg, data = self.cfg, self.data
@@ -196,84 +172,14 @@ class RunTrainer(Trainer):
                  + (f", {len(data.val_set)} validation samples from {data.val_h5}" if data.val_set
                     else "; no --val-h5, so no validation loss, no AP and no best.pth")
                  + f"; {self.skeleton.describe()}")
-        validation = next((h for h in self.hooks if isinstance(h, Validation)), None)
-        if data.val_set is not None and cfg.train.ap_every and getattr(validation, "evaluator", None) is None:
+        if data.val_set is not None and cfg.train.ap_every and self.evaluator is None:
             self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
         self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
                  + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
 
-    def _say_updates_rounded_away(self, params: list) -> None:
-        """At the first step, where half weights are stepped without float32 masters (O3): how many
-        updates of the peak LR round away (`engine.optim.updates_rounded_away`), in one line."""
-        cfg = self.cfg
-        lr = peak_lr(cfg.optim, cfg.train.batch_size * cfg.train.accumulate, self.ctx.world_size)
-        shares = updates_rounded_away(params, lr, cfg.optim)
-        if shares is None:
-            return
-        dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
-        self.say(f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
-                 "the first step's updates round away (under half the spacing at the weight)"
-                 + (f", and {shares[1]:.0%} of its weight decay" if cfg.optim.weight_decay else "")
-                 + "; --opt-level O2 keeps float32 master weights")
-
-    def stopped(self, where: str) -> Interrupted:
-        """The error that ends a run stopped by a signal, once last.pth holds what it resumes from."""
-        name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
-        return Interrupted(f"stopped by {name} {where}; saved {self.run_dir / 'last.pth'}. Resume with "
-                           f"the same command and --resume auto --run-name {self.run_dir.name}")
-
-    def save(self, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
-        """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser).
-        A state that is no good to resume is never written (`refuse_unusable_state`)."""
-        self.refuse_unusable_state(name)
-        if self.cfg.dist.zero and self.ctx.distributed:
-            self.optimizer.consolidate_state_dict(to=0)
-        hooks = hook_states(self)
-        if self.ctx.is_main:
-            position = TrainState(epoch, iteration, self.step, self.optim_step.skipped_total,
-                                  validation_pending)
-            state = checkpoint_of(self, position, hooks)
-            for hook in self.hooks:
-                hook.before_save(self, name, state)
-            dist.check_group()          # a rank whose group is lost trains alone: it saves nothing
-            save_checkpoint(self.run_dir / name, state)
-        dist.barrier()
-
-    def refuse_unusable_state(self, name: str) -> None:
-        """`TrainingDiverged` on every rank (each holds the same state) instead of writing RUN/name
-        when every step of this run was skipped (nothing trained), when the weights hold a NaN or
-        an infinite value, or when the loss scaler's state could not be resumed: the file keeps what
-        it held."""
-        path = self.run_dir / name
-        kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
-        ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
-        if ran and skipped == ran:
-            raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
-                                   f"or gradients at each): nothing trained and {kept}. "
-                                   f"{self.good_checkpoint()}: {DIVERGENCE_ADVICE}")
-        bad = non_finite(self.precision.weight_sources(unwrap_model(self.model)))
-        if bad:
-            raise TrainingDiverged(f"after step {self.step} the weights hold NaN or infinite values ({len(bad)} "
-                                   f"tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
-        problem = scaler_problem(self.precision.state_dict())
-        if problem:
-            raise TrainingDiverged(f"after step {self.step} the loss scaler's state is unusable ({problem}); "
-                                   f"{kept}: {DIVERGENCE_ADVICE}")
-
-    def good_checkpoint(self) -> str:
-        """Which checkpoint a run that stops diverged names to go back to: last.pth, unless this run
-        resumed a checkpoint and no step has succeeded since (that file is then no good start)."""
-        ran, skipped = self.step - self.started_at[0], self.optim_step.skipped_total - self.started_at[1]
-        if self.resumed_from is not None and ran == skipped:
-            return (f"Every step since the resume from {self.resumed_from} was skipped, so it is no good "
-                    "start: go back to an earlier checkpoint of the run, or start from its weights with "
-                    "--weights")
-        last = self.run_dir / "last.pth"
-        return f"The last good checkpoint is {last}" if last.exists() else "No checkpoint was written before"
-
     def fit(self) -> dict:
         try:
-            return {"run_dir": str(self.run_dir), **super().fit()}
+            return {"run_dir": str(self.run_dir), **self.trainer.fit()}
         except UserError as exc:       # the line the command ends with, in train.log too
             self.say.record(f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}")
             raise
@@ -301,4 +207,6 @@ class RunTrainer(Trainer):
         return UserError(f"out of memory on {self.ctx.device} ({reason})"
                          f" with batch {batch} per process at input {size}: lower --batch-size (add "
                          f"--accumulate K to keep the total batch) or --input-size"
+                         + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                            if getattr(self.net, "graphed", None) is not None else "")
                          + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

@@ -2,23 +2,93 @@
 the batches its parts give, with hooks around every step and epoch.
 
 It knows no configuration, no run directory and no launch mode: a test builds one from a model
-with its loss, an `OptimStep` and a list of model inputs. engine/run_trainer.py assembles the
-`Trainer` that train.py, train_parallel.py and train_distributed.py run (`build_trainer`); the LR,
-logging, validation, checkpoints, early stopping and any user feature are hooks (engine/hooks.py,
-engine/epoch_end.py, engine/checkpoint_hooks.py).
+with its loss, an `OptimStep` and a list of model inputs. A run is composed around it
+(engine/run_trainer.py); the LR, logging, validation, checkpoints and early stopping are hooks
+(engine/hooks.py, engine/epoch_end.py), each given its settings when it is made.
+
+A hook overrides any of the methods of `Hook`. They run in this order: `before_train`, then per
+epoch `before_epoch`, per step `before_step` and `after_step` (with the step's `StepResult`), then
+`after_validation` and `after_epoch`; `after_train` when the epochs are done; `on_stop` last,
+whatever happened. Hooks run by `priority`, lower first, then in the order given. A hook reads
+the `Trainer` only through `LoopState`.
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
 
+from common.errors import UserError
 from runtime import distributed as dist
-from engine.hooks import Hook, Interrupted, Throughput
 
-__all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook"]
+__all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook", "LoopState"]
+
+
+class LoopState(Protocol):
+    """What a hook may read of the loop that calls it; it may set `stop_signal` (stop after the
+    step) and `finish_requested` (no further epoch)."""
+    model: nn.Module                 # the network whose weights train (unwrapped)
+    net: nn.Module                   # what trains: the network and its loss, wrapped
+    optim_step: Any                  # engine.optim_step.OptimStep
+    hooks: list
+    epoch: int                       # the epoch a run starts or resumes at
+    step: int                        # optimiser steps done
+    epochs: int
+    accumulate: int
+    batches_per_epoch: int
+    steps_this_epoch: int
+    resumed: Any                     # the engine.train_state.TrainState resumed, or None
+    stop_signal: int | None
+    finish_requested: bool
+
+
+class Hook:
+    checkpoint_key: str | tuple | None = None   # keep state_dict() in checkpoints under this key
+    priority: int = 50                          # lower runs first
+
+    def before_train(self, trainer: LoopState) -> None: ...
+    def before_epoch(self, trainer: LoopState, epoch: int) -> None: ...
+    def before_step(self, trainer: LoopState, epoch: int, first: int) -> None: ...
+    def after_step(self, trainer: LoopState, out: "StepResult") -> None: ...
+    def after_validation(self, trainer: LoopState, epoch: int, results: dict) -> None: ...
+    def after_epoch(self, trainer: LoopState, epoch: int, train_loss: float | None) -> None: ...
+    def after_train(self, trainer: LoopState) -> None: ...
+    def on_stop(self, trainer: LoopState) -> None:
+        """Always, when the run ends: finished, stopped or failed."""
+
+    def before_save(self, trainer: LoopState, name: str, state: dict) -> None:
+        """On the main process, the checkpoint `name` about to be written: a hook may change or add
+        entries (its own `state_dict()` is already there)."""
+
+    def evaluating(self, trainer: LoopState):
+        """A context around validation, AP and saving best.pth (e.g. other weights swapped in)."""
+        return contextlib.nullcontext()
+
+    def state_dict(self):
+        """What a checkpoint keeps of this hook (any value `torch.save` stores); with a tuple
+        `checkpoint_key`, a dict of those keys, each kept as an entry of its own."""
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        """Continue from `state` (this hook's entry, or its entries found); a CheckpointError
+        saying what does not fit (the engine adds the file's name)."""
+
+    def state_missing(self, trainer: LoopState, path) -> None:
+        """The checkpoint resumed (`path`) holds none of this hook's entries: it goes on fresh."""
+
+    def outcome(self) -> dict:
+        """What this hook adds to the result of `Trainer.fit()`."""
+        return {}
+
+
+class Interrupted(UserError):
+    """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
+
+    plain_message = True
 
 
 @dataclass
@@ -27,12 +97,13 @@ class TrainParts:
     loss parts): the model and its loss as one module. `batches(epoch, start)` -> an iterator of
     model inputs (images, target, mask) from batch `start` of `epoch` on."""
     net: nn.Module
-    optim_step: object                 # engine.optim_step.OptimStep, or one with its methods
+    optim_step: object                 # engine.optim_step.OptimStep, or one with its `update`
     batches: Callable[[int, int], Iterator]
     batches_per_epoch: int             # a whole number of steps of `accumulate` batches
     epochs: int = 1
     accumulate: int = 1                # batches per optimiser step
     samples_per_step: int = 1          # for the samples-per-second figure
+    model: nn.Module | None = None     # the network inside `net` (None: `net` itself)
 
     @staticmethod
     def feed(inputs: Iterable) -> Callable[[int, int], Iterator]:
@@ -53,13 +124,33 @@ class StepResult:
     first: int = 0              # the step's first batch in its epoch
     samples_per_s: float = 0.0
     last_of_epoch: bool = False
+    note: str = ""              # a line for the run's console (OptimStep's: O3's first update)
+
+
+class Throughput:
+    """Samples per second since the epoch's first step."""
+
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step, self.tick, self.steps = samples_per_step, time.perf_counter(), 0
+
+    def step(self) -> float:
+        self.steps += 1
+        return self.samples_per_step * self.steps / (time.perf_counter() - self.tick)
 
 
 class Trainer:
-    def __init__(self, parts: TrainParts, hooks: Iterable[Hook] = ()):
+    """`failure(exc)`: the error to raise instead of `exc` (found before the hooks' `on_stop`), or
+    None to raise `exc` itself."""
+
+    def __init__(self, parts: TrainParts, hooks: Iterable[Hook] = (),
+                 failure: Callable[[Exception], Exception | None] = lambda exc: None):
         self.parts, self.net, self.optim_step = parts, parts.net, parts.optim_step
+        self.model = parts.model if parts.model is not None else parts.net
+        self.epochs, self.accumulate = parts.epochs, parts.accumulate
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
+        self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
+        self.resumed = None
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
         self.finish_requested = False     # set by a hook (early stopping): no further epoch
         self.steps_this_epoch = 0
@@ -68,16 +159,15 @@ class Trainer:
     def run_step(self, inputs: list) -> StepResult:
         """One optimisation step over the model inputs `inputs` (more than one: gradient
         accumulation), each (images, target, mask) on the device."""
-        update, parts = self.optim_step, {}
-        update.begin(len(inputs))
-        for i, (images, target, mask) in enumerate(inputs):
-            with update.accumulating(last=i == len(inputs) - 1):
-                per_sample, losses = self.net(images, target, mask)
-                for k, v in losses.items():
-                    parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
-                update.backward(per_sample.mean(), stop_requested=self.stop_signal is not None)
-        outcome = update.finish()
-        return StepResult(outcome.loss, update.lr, outcome.skipped, outcome.stop, parts)
+        parts = {}
+
+        def loss_of(images, target, mask):
+            per_sample, losses = self.net(images, target, mask)
+            for k, v in losses.items():
+                parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
+            return per_sample.mean()
+        out = self.optim_step.update(inputs, loss_of, lambda: self.stop_signal is not None)
+        return StepResult(out.loss, self.optim_step.lr, out.skipped, out.stop, parts, note=out.note)
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:
@@ -137,8 +227,3 @@ class Trainer:
             raise failure from None
         finally:
             self._call("on_stop")
-
-    def failure(self, exc: Exception) -> Exception | None:
-        """The error to raise instead of `exc` (e.g. a user's message for running out of
-        memory), or None to raise `exc` itself."""
-        return None

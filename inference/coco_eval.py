@@ -1,13 +1,10 @@
 """COCO keypoint AP of a list of results, scored by pycocotools (iouType='keypoints'), quietly.
 
-The ground truth is a COCO dataset dict (as `data.h5format.KeypointH5.coco_ground_truth()` gives);
-scoring can be restricted to the images that were evaluated; OKS uses the skeleton's sigmas. No
-results gives AP 0, not a crash. Annotations without `iscrowd`, `area` or `num_keypoints` (files
-converted before those were completed) get COCO's meaning here too. pycocotools reads a matched
-annotation id 0 as "no match" and keeps one of two annotations with the same id: the annotations are
-numbered 1, 2, ... in the copy it scores, so that AP does not depend on the file's ids.
-`matched_people` pairs each labelled person with a found one; `keypoint_recall` says, per keypoint,
-how many labelled keypoints ended up in a found person at the right place.
+The ground truth is a COCO dataset dict (`data.h5format.KeypointH5.coco_ground_truth()`), optionally
+restricted to the images evaluated; OKS uses the skeleton's sigmas; no results give AP 0. The
+annotations are numbered 1, 2, ... in the copy scored (pycocotools reads an id 0 as "no match"), so
+AP does not depend on the file's ids. `matched_people` pairs each labelled person with a found one;
+`keypoint_recall` counts, per keypoint, the labelled points in a found person at the right place.
 """
 from __future__ import annotations
 

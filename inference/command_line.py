@@ -1,12 +1,11 @@
 """The options evaluate.py, demo.py and export.py share, declared once as an argparse parent parser
 (`ArgumentParser(parents=[weights_options(...)])`): the network to load (--weights), the config a
 bare state dict is read with (--preset, --set), --overwrite of the output, and for the scripts that
-decode pictures --scales, --flip and --device. Each script words what its --weights accepts."""
+decode pictures the flags of inference.scales, inference.flip and train.device (config/schema.py)."""
 from __future__ import annotations
 
-import argparse
-
 from common.errors import ArgumentParser
+from config.schema import add_flags
 
 CONFIG_CARRIED = "a checkpoint of this trainer carries its own config"
 
@@ -20,12 +19,6 @@ def weights_options(weights_help: str, *, required: bool = True, preset_help: st
     p.add_argument("--weights", required=required, help=weights_help)
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--preset", help=f"config preset for a bare state dict{preset_help}")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override any config field, e.g. {set_example}")
-    if decoding:
-        p.add_argument("--scales", type=float, nargs="+", help="image heights to run, in units of "
-                       "input_size (1: input_size px; default: the config's)")
-        p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
-                       help="also run the mirror image (default: config)")
-        p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add_flags(p, ("inference.scales", "inference.flip", "train.device") if decoding else (), set_example)
+    p.set_defaults(device="auto")
     return p

@@ -6,20 +6,14 @@
     people = estimator(cv2.imread("photo.jpg"))          # BGR, as OpenCV reads it
     print([(round(person.score, 3), person.box) for person in people])
 
-`estimator(picture)` gives the picture's people (`Person`: keypoints (x, y, score) in picture
-pixels, score, box), best first; `estimator([p1, p2, ...])` a list of those per picture;
-`maps=True` gives `Prediction`s that also hold the maps [C, H, W] at picture size (a picture whose
-longer side is over `MAX_SIDE` = 2048 runs shrunk to it: its maps are of that size, its people in
-the picture's pixels). Grey, BGRA, uint16 and float pictures are converted, anything else that is
-not a picture is a TypeError / ValueError naming it (`inference.picture_input`). A list, or
-`estimator.stream(pictures)` over any iterable (video frames), goes through the network in
-batches (`inference.predict`) while people are grouped in a pool of `decode_threads` threads;
-`estimator.grouped(pictures)` gives the same as arrays (what evaluation scores).
-Scales, flip and grouping settings are the checkpoint's (`inference` section of its config),
-changed by `sets` ("inference.flip=true") or `scales` / `flip`; `estimator.settings` holds them
-(`config.views.PredictSettings`) and `estimator.config` the whole config read from the file.
-`PoseEstimator(network, PredictSettings(InferenceConfig(...), input_size))` builds one from parts.
-demo.py and evaluate.py use this.
+`estimator(picture)` gives its people (`Person`: keypoints (x, y, score) in picture pixels, score,
+box), best first; a list of pictures a list of those; `maps=True` `Prediction`s with the maps
+[C, H, W] too. Pictures are checked and converted by `inference.picture_input` (larger than
+`MAX_SIDE`: run shrunk). `estimator.stream(pictures)` takes any iterable, batched through the
+network while people are grouped in a pool of threads; `estimator.grouped` gives arrays (what
+evaluation scores). Settings are the checkpoint's, changed by `sets`, `scales`, `flip`
+(`estimator.settings`, `estimator.config`). `PoseEstimator(network, PredictSettings(...))` builds
+one from parts.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The scores of a model (or of the ground-truth maps, `oracle`) on an HDF5 split: COCO keypoint AP,
-PCK, AUC, EPE, as the skeleton's `scoring` says (`data.skeleton.Scoring`).
+PCK, AUC, EPE, as the skeleton's `scoring` says; used by evaluate.py and training's validation.
 
-Used by evaluate.py and by the training engine's validation. Under torch.distributed each rank
-decodes images rank, rank + world, ... (each image exactly once, no padding), the per-image
-results are gathered on rank 0, which scores them; the stats are broadcast so every rank returns
-the same numbers. On each rank the next batch of pictures is read and decoded in a thread while
-the network runs the current one, and people are grouped in a pool of threads meanwhile.
+Under torch.distributed each rank decodes images rank, rank + world, ... (each exactly once); rank
+0 scores the gathered results and broadcasts the stats. The next pictures are decoded in a thread
+while the network runs, and people grouped in a pool of threads meanwhile.
 """
 from __future__ import annotations
 
@@ -50,11 +48,9 @@ def eval_mode(model):
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
-    """(maps, factor): the ground-truth target maps [C, H, W] of image `img` (stride 1), drawn with
-    the widths of `targets`, in the channels of the file's skeleton, at the size the network path
-    runs the picture at: its own, or shrunk to `MAX_SIDE` on its longer side (a 20000-pixel
-    panorama would take 80 GB of maps); `factor` picture pixels per map pixel
-    (`inference.estimator.grouped_in_pixels` takes what is found there back)."""
+    """(maps, factor): the ground-truth maps [C, H, W] of image `img` (stride 1, the widths of
+    `targets`, the file's skeleton's channels) at the size the network path runs the picture at (its
+    own, or shrunk to `MAX_SIDE`), `factor` picture pixels per map pixel."""
     from data.targets import render_targets
 
     height, width = h5.image_size(img)
@@ -111,11 +107,10 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
-    """{image id: COCO results, each with its keypoints' peak scores (`keypoint_scores`)} for the
-    image indices given: pictures read and decoded a batch ahead
-    in a thread (`read_ahead`), through the model in batches and people grouped in a thread pool by
-    `inference.estimator` (the ground-truth maps with `oracle`), as the inference API finds them.
-    `stop()` True before an image: the images so far."""
+    """{image id: COCO results with their keypoints' peak scores} of the image indices given, as the
+    inference API finds them: pictures decoded a batch ahead (`read_ahead`), batched through the
+    model (the ground-truth maps with `oracle`), people grouped in a thread pool. `stop()` True
+    before an image: the images so far."""
     taken: deque = deque()
 
     def until_stopped():
@@ -161,20 +156,13 @@ def check_same_skeleton(model_skeleton, h5) -> None:
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
                 oracle: bool = False, results_path=None, stop=None, skeleton=None,
                 overwrite: bool = True, scoring=None, recall: bool = False) -> dict | None:
-    """The stats of `model` (a model of this project or a network of `inference.predict`, e.g. an
-    ONNX file's) on the first `max_images` images of `h5_path` (0: all), `num_images` with them, at
-    `settings` (`config.views.PredictSettings`: scales, flip, grouping, input size). `oracle`
-    decodes the ground-truth maps instead (no model needed). `skeleton`: the model's, refused when
-    it is not the file's. `scoring` (`data.skeleton.Scoring`; default: `skeleton`'s, else the
-    file's skeleton's) chooses the metrics: oks gives STAT_NAMES (OKS with the file's sigmas),
-    pck, auc, epe `inference.pck_eval.distance_stats`'s. `recall`: also `keypoint_recall`, as
-    {keypoint: [labelled, recalled]}.
-    `results_path`: where rank 0 writes the results (atomically; a file there replaced only with
-    `overwrite`): COCO's results JSON, or with a .jsonl name one JSON line per picture (`image_id`,
-    `file_name`, `people`: `score` and `keypoints`, {name: [x, y, peak score]} of those found).
-    `stop()`, asked before each image, True on any rank: every rank returns None, unscored (a
-    training run asked to stop).
-    """
+    """The stats of `model` (of this project, or a network of `inference.predict`) on the first
+    `max_images` images of `h5_path` (0: all), at `settings` (`config.views.PredictSettings`);
+    `oracle` decodes the ground-truth maps instead. `skeleton`: the model's, refused when not the
+    file's. `scoring` (default: the skeleton's) chooses the metrics; `recall` adds `keypoint_recall`
+    ({keypoint: [labelled, recalled]}). `results_path`: where rank 0 writes the results, atomically
+    (replacing a file only with `overwrite`): COCO's JSON, or per picture with a .jsonl name. `stop()`
+    True on any rank before an image: every rank returns None (a training run asked to stop)."""
     from data.h5format import KeypointH5
 
     if model is None and not oracle:

@@ -1,15 +1,12 @@
 """Bottom-up grouping: keypoint peaks and limb maps at image size -> people with scores.
 
-Steps (../shared/SPEC.md, "Inference and grouping"): peaks by 3x3 NMS with centroid refinement
-(`inference.peaks`); for each limb, every candidate pair is scored along its segment at once
-(numpy, in cache-sized chunks), pairs are matched greedily (in vectorised rounds, see
-`greedy_matching`); people are assembled greedily over the skeleton's limbs in their order (main
-links, a tree from its root, then redundant ones; COCO: 30), merging two partial people when the
-joining limb is strong enough; parts of a person that missing keypoints separate are joined
-(`_bridge`); weak or tiny people are dropped. Any skeleton works whose limbs join every keypoint
-(`data.skeleton` refuses one that does not). Memory is bounded whatever the maps: limbs are matched
-in groups of at most PAIR_BUDGET candidate pairs (or one limb's max_peaks ** 2), samples are taken
-SAMPLE_CELLS at a time and the joining compares BRIDGE_CELLS pairs at a time.
+Steps (../shared/SPEC.md, "Inference and grouping"): peaks (`inference.peaks`); for each limb,
+every candidate pair scored along its segment at once and matched greedily (`greedy_matching`);
+people assembled over the skeleton's limbs in order (main links, then redundant ones), two partial
+people merged when the joining limb is strong enough; parts that missing keypoints separate joined
+(`_bridge`); weak or tiny people dropped. Memory is bounded whatever the maps: limbs are matched in
+groups of at most PAIR_BUDGET pairs (or one limb's max_peaks ** 2), samples taken SAMPLE_CELLS at a
+time, the joining compares BRIDGE_CELLS pairs at a time.
 """
 from __future__ import annotations
 
@@ -91,15 +88,11 @@ def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig)
 
 def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
     """Which candidates a greedy matcher takes, per limb: positions into the candidate arrays.
-
-    Candidate k is cell (limb[k], row[k], column[k]) of a [limbs, rows, columns] `shape`, listed
-    by limb then row-major. Per limb, the greedy matcher walks its candidates by decreasing `rank`
-    (ties: the earlier candidate first) and takes one whose row and column are both still free.
-    With many candidates it runs in rounds instead: every candidate that comes first in both its
-    row and its column among those still free is taken at once (the greedy matcher takes it too:
-    nothing before it can block it), then its row and column are closed. Returns the positions by
-    limb, each limb's in the order the greedy matcher takes them.
-    """
+    Candidate k is cell (limb[k], row[k], column[k]) of a [limbs, rows, columns] `shape`. Per limb the
+    greedy matcher takes candidates by decreasing `rank` (ties: the earlier first) whose row and column
+    are still free; with many candidates it runs in rounds, taking at once every candidate first in
+    both its row and its column among those still free (nothing before it can block it). Returns the
+    positions by limb, in the order the greedy matcher takes them."""
     if len(rank) < ROUNDS_FROM:
         order = np.lexsort((-rank, limb))
         span = shape[1] + shape[2]               # keys: rows, then columns, of each limb
@@ -138,18 +131,12 @@ def greedy_matching(limb, row, column, rank, shape) -> np.ndarray:
 def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
                      cfg: InferenceConfig, limbs) -> list[list[tuple]]:
     """Per limb of `limbs` ((a, b) keypoint pairs), its connections matched greedily:
-    [(peak_a, peak_b, score, length), ...].
-
-    `bounds[k]:bounds[k + 1]` are the peaks of keypoint k in `xy` / `peak_score`. Every candidate
-    pair of every limb is sampled at `cfg.limb_samples` points on its segment; a pair is kept when
-    at least `limb_min_ratio` of its samples exceed `limb_threshold` and its score, the mean
-    sample plus min(0.5 * image_height / max(length, 1) - 1, 0), is positive (two keypoints on the
-    same spot, length 0, are a pair too: Halpe's hand roots on the wrists). Per limb, pairs are taken in
-    decreasing order of 0.5 * score + 0.25 * (peak_a + peak_b), each peak at most once. Limbs are
-    matched in groups of at most PAIR_BUDGET candidate pairs (a larger limb alone, its pairs
-    enumerated PAIR_BUDGET at a time), so memory holds at most max(PAIR_BUDGET, max_peaks ** 2)
-    candidates.
-    """
+    [(peak_a, peak_b, score, length), ...]. `bounds[k]:bounds[k + 1]` are keypoint k's peaks in `xy` /
+    `peak_score`. Every candidate pair is sampled at `cfg.limb_samples` points on its segment and kept
+    when at least `limb_min_ratio` of them exceed `limb_threshold` and its score (the mean sample plus
+    min(0.5 * image_height / max(length, 1) - 1, 0)) is positive (length 0 too: Halpe's hand roots on
+    the wrists); pairs are taken by decreasing 0.5 * score + 0.25 * (peak_a + peak_b), each peak once.
+    Memory holds at most max(PAIR_BUDGET, max_peaks ** 2) candidates at a time."""
     ends = np.asarray(limbs)
     count_a = bounds[ends[:, 0] + 1] - bounds[ends[:, 0]]
     count_b = bounds[ends[:, 1] + 1] - bounds[ends[:, 1]]
@@ -364,17 +351,14 @@ def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list
 
 def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
             hops: np.ndarray, ratio: float) -> list[_Person]:
-    """Join to partial people the parts that only keypoints missing from both could link (a chain
-    broken where a keypoint was not found): another partial person, or a peak no person holds (a
-    keypoint left on its own; `channel[n]` is peak n's keypoint). A person and a part are joined
-    when they hold no keypoint of the same type, their closest keypoints in the skeleton are h = 2
-    to BRIDGE_HOPS limbs apart (1: their link was scored and refused), and two of those lie at most
-    `ratio` x h x the shorter of the two parts' longest connections apart in the image (a lone peak
-    has none: the person's). Pairs are joined nearest first (distance over h x that length),
-    skipped when the two sides as joined so far hold the same keypoint or two one limb apart, or
-    the lone peak is taken; each person's BRIDGE_PARTNERS nearest partial people and BRIDGE_LONE
-    nearest lone peaks per keypoint type are tried. Peaks nobody takes stay out. Memory:
-    BRIDGE_CELLS (person, part) or keypoint pairs at a time."""
+    """Join to partial people the parts that only keypoints missing from both could link: another
+    partial person, or a peak no person holds (`channel[n]` is peak n's keypoint). A person and a part
+    join when they share no keypoint type, their closest keypoints are h = 2 to BRIDGE_HOPS limbs apart
+    (1: that link was scored and refused), and two of those lie within `ratio` x h x the shorter
+    part's longest connection (a lone peak: the person's); nearest first, skipped when the two sides
+    as joined so far hold the same keypoint or two one limb apart. Each person tries its
+    BRIDGE_PARTNERS nearest partial people and BRIDGE_LONE nearest lone peaks per keypoint type,
+    BRIDGE_CELLS pairs at a time."""
     if ratio <= 0 or not people:
         return people
     slots = np.array([p.slots for p in people])

@@ -1,10 +1,7 @@
 """What the inference API (`inference.estimator`) reads from a weights file: its config, its model
-(whose `.skeleton` says what its channels are), and the device to run on.
-
-A checkpoint written by the engine carries its resolved config and its skeleton: they are the
-base, so the network built matches the weights; a bare state dict uses `--preset` (default
-imhn512) and the COCO skeleton (`data.skeleton.from_checkpoint` reads either). `--set KEY=VALUE`
-overrides apply on top, then the inference flags (scales, flip).
+(whose `.skeleton` names its channels), and the device to run on. A checkpoint of the engine
+carries its config and skeleton; a bare state dict uses `--preset` (default imhn512) and COCO.
+`--set` overrides apply on top, then scales and flip.
 """
 from __future__ import annotations
 

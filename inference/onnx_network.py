@@ -1,11 +1,9 @@
 """An ONNX file written by export.py, run by onnxruntime as a network of `inference.predict`.
 
-The file maps the normalised input [B, 3, H, W] (`data.preprocess`; any B, H and W multiple of 64)
-to the last stack's stride-4 maps [B, C, H/4, W/4]; grouping stays in Python. Its metadata holds
-the config and the skeleton of the checkpoint it came from (`CONFIG_KEY`, `SKELETON_KEY`; files
-without a skeleton are COCO), so `PoseEstimator.from_onnx` runs it with the same scales, flip,
-grouping settings and channels. onnxruntime is an optional dependency
-(requirements-export.txt).
+The file maps the normalised input [B, 3, H, W] (sides multiples of `size_multiple`) to the last
+stack's stride-4 maps; its metadata holds the checkpoint's config and skeleton (`CONFIG_KEY`,
+`SKELETON_KEY`; none: COCO), so `PoseEstimator.from_onnx` runs it with the same settings.
+onnxruntime is optional (requirements-export.txt).
 """
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common.errors import CheckpointError, ConfigError
+from config.loader import input_multiple
 from config.schema import Config
 from data.skeleton import from_checkpoint
 
@@ -57,6 +56,7 @@ class OnnxNetwork:
         self.device = torch.device("cpu")        # where the input batch is made
         spec = self.metadata.get(SKELETON_KEY)
         self.skeleton = from_checkpoint({"skeleton": json.loads(spec)} if spec else None)
+        self.size_multiple = input_multiple(self.config().model.depth)
 
     def config(self, sets=(), scales=None, flip: bool | None = None) -> Config:
         """The config stored in the file, with `sets`, `scales` and `flip` applied on top."""

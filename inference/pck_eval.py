@@ -1,18 +1,13 @@
 """PCK, AUC and EPE of found people against the labelled ones, as mmpose's PCKAccuracy, AUC and EPE
-metrics define them for a top-down model (one prediction per labelled box). Bottom-up, each labelled
-person is scored against the found person `inference.coco_eval.matched_people` pairs with it; a
-labelled keypoint that no paired found person has is a miss (never correct, no distance).
+define them, bottom-up: each labelled person is scored against the found person
+`inference.coco_eval.matched_people` pairs with it; a point that person lacks is a miss.
 
-- PCK: per keypoint, the share of its labelled points found closer than `threshold` x the person's
-  normaliser (the box's longer side, or the distance between two of its labelled keypoints; a person
-  without one is left out and counted in `PCK_unnormalised`), then the mean over the keypoints
-  labelled at all.
-- AUC: the mean of that PCK at the AUC_STEPS thresholds 0, 1/AUC_STEPS, ... of AUC_PIXELS pixels
-  (mmpose's AUC: norm_factor 30, num_thrs 20).
-- EPE: the mean distance in pixels from a labelled point to the paired found person's, over the
-  points found; `EPE_found` is the share of labelled points that were.
-
-A stat that nothing defines (no labelled point) is -1, as pycocotools reports such stats.
+- PCK: per keypoint, the share of its labelled points closer than `threshold` x the person's
+  normaliser (the box's longer side, or the distance of two labelled keypoints; a person without
+  one is counted in `PCK_unnormalised`), then the mean over the keypoints labelled at all.
+- AUC: the mean PCK at AUC_STEPS thresholds from 0 to AUC_PIXELS pixels (mmpose: 30, 20).
+- EPE: the mean distance in pixels over the points found; `EPE_found` is their share.
+A stat nothing defines is -1, as pycocotools reports such stats.
 """
 from __future__ import annotations
 

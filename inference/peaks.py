@@ -1,12 +1,10 @@
 """Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, centroid refinement.
 
-Two ways to find the pixels that are >= their 8 neighbours, with the same result: on clean maps
-(few pixels above the threshold) only those pixels are compared with their neighbours; on noisy
-maps (a network early in training) each map is max-filtered with a 3x3 dilation instead, which
-costs one pass whatever the number of peaks. A plateau of equal neighbouring maxima keeps only its
-first pixel in raster order; the 5x5 weighted centroid then moves that peak to the plateau's centre
-(a two-pixel plateau gives a half-pixel peak). With `max_per_map`, only each map's strongest
-maxima go through the plateau step at all (more only if plateaus drop some of them).
+On clean maps only the pixels above the threshold are compared with their 8 neighbours; on noisy
+ones each map is max-filtered by a 3x3 dilation instead (one pass whatever the peaks): the same
+result. A plateau keeps its first pixel in raster order, which the 5x5 weighted centroid moves to
+the plateau's centre. With `max_per_map`, only each map's strongest maxima go through the plateau
+step.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """What the inference API (`inference.estimator.PoseEstimator`) takes as a picture, checked and made
 the BGR uint8 [H, W, 3] array the network reads.
 
-Taken as they are: BGR uint8 [H, W, 3] (what `cv2.imread` gives). Converted: grey [H, W] or
-[H, W, 1] (repeated to three channels), BGRA [H, W, 4] (the alpha channel dropped), uint16
-(divided by 257: 65535 becomes 255), float in 0-1 (times 255) or in 0-255 (as it is). Refused with
-a `TypeError` (what it is) or `ValueError` (its shape, channels or values) naming the picture:
-None (a file `cv2.imread` could not read), a path, other types, bool or other integer dtypes,
-channels first [3, H, W], other channel counts, an empty picture, float values that are not finite
-or outside 0-255. A picture whose longer side exceeds `MAX_SIDE` is shrunk to it before the
-network runs (its maps are held at the size it runs at), and its people's coordinates are mapped
-back to the picture's pixels.
+Converted: grey [H, W] or [H, W, 1], BGRA (alpha dropped), uint16 (/ 257), float in 0-1 (x 255) or
+0-255. Refused with a `TypeError` or `ValueError` naming the picture: None, a path, other types,
+bool or other integer dtypes, channels first, other channel counts, an empty picture, float values
+not finite or outside 0-255. A picture whose longer side exceeds `MAX_SIDE` runs shrunk to it, and
+its people's coordinates are mapped back to the picture's pixels.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
 
-Per scale s each picture is resized to height s * input_size (a picture over MAX_ASPECT times as
-wide as tall: to MAX_ASPECT times that width) and padded (bottom, right, with
-`data.preprocess.GREY`) to a multiple of 64; pictures of the same padded size go through the
-network together, each with its mirror image when flipping. The last stack's stride-4 output is
-sampled back to picture pixels (cell (i, j) of the stride-4 map sits at input point
-((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 - 0.5)), the mirror's output is un-mirrored and its channels
-permuted by the network's skeleton's `channel_flip`, and everything is averaged.
-
-The network is anything with `.device` that maps a float32 input batch [B, 3, H, W] to the stride-4
-maps [B, C, H/4, W/4] and has the `.skeleton` of those C channels: `TorchNetwork` (a model of this
-project) or `inference.onnx_network`.
+Per scale s each picture is resized to height s * input_size (at most MAX_ASPECT times that wide)
+and padded with `data.preprocess.GREY` to the sizes the network takes; pictures of one padded size go through
+the network together, each with its mirror when flipping. The last stack's stride-4 output is
+sampled back to picture pixels (cell (i, j) at input point ((j + 0.5) * 4 - 0.5, (i + 0.5) * 4 -
+0.5)), the mirror's un-mirrored with its channels permuted by `channel_flip`, and all averaged.
+The network is anything with `.device` and `.skeleton` that maps [B, 3, H, W] to [B, C, H/4, W/4]
+(and `.size_multiple`, the sides it takes, when not 64): `TorchNetwork` or `inference.onnx_network`.
 """
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from config.views import PredictSettings
+from config.loader import input_multiple
 from data.preprocess import padded_size, pictures_to_batch
 
 MAX_ASPECT = 4      # a picture runs at most this many times as wide as its scale's height
@@ -34,6 +31,7 @@ class TorchNetwork:
     def __init__(self, model: torch.nn.Module, device=None):
         self.model = model
         self.skeleton = model.skeleton          # `models.build_model` gives every model its skeleton
+        self.size_multiple = input_multiple(getattr(getattr(model, "config", None), "depth", 4))
         params = [p for p in model.parameters() if p.is_floating_point()]
         self.device = torch.device(device) if device is not None else params[0].device
         self.dtype = params[0].dtype if params else torch.float32
@@ -94,12 +92,13 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictS
     inference = settings.inference
     network = _as_network(model)
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
+    multiple = getattr(network, "size_multiple", input_multiple())
     totals: list = [None] * len(pictures_bgr)
     for scale in inference.scales:
         resized = [resize_for_scale(p, scale, settings.input_size) for p in pictures_bgr]
         by_size: dict[tuple[int, int], list[int]] = {}
         for k, picture in enumerate(resized):
-            by_size.setdefault(padded_size(*picture.shape[:2]), []).append(k)
+            by_size.setdefault(padded_size(*picture.shape[:2], multiple), []).append(k)
         for size, members in by_size.items():
             step = pictures_per_forward(size, settings)
             for lo in range(0, len(members), step):

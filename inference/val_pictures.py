@@ -1,15 +1,10 @@
 """Validation pictures: what the model finds on a few fixed validation images, beside the truth.
 
-After each AP validation of a training run, `RUN/val_pictures/epoch_N.png` (N counted from 1) shows
-the first `train.val_pictures` images of the validation file, one per row: on the left the
-ground-truth people, on the right the people the model finds, by the same inference code as the
-AP (`inference.estimator`: the run's scales, flip and grouping settings), each person in its own
-colour (`inference.draw`). Every image is fitted into a TILE x TILE square (grey around it) below
-a one-line header. The picture is also sent to TensorBoard when the run logs there.
-
-`write_val_pictures` is the drawing part the entry scripts hand the training engine's hook
-(`engine.picture_hook.ValidationPictures`), which calls it after each AP validation, with the
-averaged weights still in the model when `--ema` is on.
+`write_val_pictures`, which the entry scripts hand the training engine (`engine.epoch_end.validate`
+calls it), draws after each AP validation `RUN/val_pictures/epoch_N.png`: the first
+`train.val_pictures` images of the validation file, one per row, the ground-truth people on the
+left, on the right those the model finds with the AP's own inference (`inference.estimator`; the
+averaged weights under `--ema`), each in a TILE x TILE square below a header; also to TensorBoard.
 """
 from __future__ import annotations
 

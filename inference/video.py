@@ -1,9 +1,7 @@
 """Videos for demo.py: reading a file or a camera frame by frame, writing an annotated video.
 
-Opening errors are `DataError`s naming the option (FFmpeg's own log lines are silenced, so a bad
-file gives one line). The annotated video is written to a temporary file beside its target and
-renamed onto it once read back complete (demo.py refuses a target that exists unless --overwrite is
-given).
+Opening errors are `DataError`s naming the option (FFmpeg's own log lines silenced). The video is
+written to a temporary file beside its target and renamed onto it once read back complete.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Building blocks of the IMHN network: conv+BN(+LeakyReLU), bottleneck residual, SE, stem.
-
-Every convolution here has no bias (a BatchNorm follows it); every activation is LeakyReLU(0.01)
-(SPEC "Network"). The blocks are small `nn.Sequential`/`nn.Module`s with readable child names so
-that parameter names such as `stem.context.convs.2.0.weight` say where a weight lives.
+"""Building blocks of the IMHN network: conv+BN(+LeakyReLU), bottleneck residual, SE, stem. Convs
+have no bias (a BatchNorm follows), activations are LeakyReLU(0.01) (SPEC "Network"), and child
+names say where a weight lives (`stem.context.convs.2.0.weight`).
 """
 from __future__ import annotations
 

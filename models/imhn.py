@@ -2,29 +2,20 @@
 
 Layout (names are stable: users freeze and load weights by them):
 - `stem`: 7x7/2 conv, residual, maxpool, residual, six dilated 3x3 convs concatenated -> stride 4.
-- `stacks.{i}.hourglass`: depth D levels; level k works at stride 4*2^k with
-  `channels + k*increase` channels. Level k: `skip` residual at its own scale; `down` residual
-  (after 2x2 maxpool) to the next level's channels; `up_reduce` residual back to level k's
-  channels on the output of the level below, then nearest 2x upsampling and `up_conv` (3x3);
-  the level's output is skip + up. `bottom` is a residual at the deepest scale. The hourglass
-  returns D+1 feature maps, stride 4 first.
-- `stacks.{i}.heads.{s}`: per scale two 3x3 convs to `head_channels`, squeeze-excitation
-  (reduction `se_reduction`), and a linear 1x1 conv (with bias) to the skeleton's output
-  channels (`data.skeleton`: 50 for COCO).
+- `stacks.{i}.hourglass`: D levels, level k at stride 4*2^k with `channels + k*increase` channels:
+  `skip` residual; `down` residual after a 2x2 maxpool; `up_reduce` residual on the level below's
+  output, nearest 2x upsampling and `up_conv` (3x3); output skip + up. `bottom` at the deepest
+  scale. Returns D+1 feature maps, stride 4 first.
+- `stacks.{i}.heads.{s}`: two 3x3 convs, squeeze-excitation, a 1x1 conv (with bias) to the
+  skeleton's output channels.
 - `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
-  back to the scale's channels by 1x1 conv + BN each: merge_s. merge_0 is added to this stack's
-  input to make the next stack's input (inputs accumulate); every merge_s, stride 4 included, is
-  added to the next hourglass's output at scale s, before that scale's head. Nothing enters the
-  hourglass itself. This is the reference network's function (../shared/fidelity/README.md;
-  `tests/test_reference_golden.py` checks it against the reference's own outputs).
+  back by 1x1 conv + BN each; merge_0 is added to this stack's input to make the next one's, every
+  merge_s to the next hourglass's output at scale s, before its head: the reference network's
+  function (`tests/test_reference_golden.py`).
 
-The input is RGB as `data.preprocess.normalise` makes it: value / 255, no offset, as the
-reference's (which takes BGR: `models.reference` flips the first conv's input channels when
-importing its weights). Output: a list over stacks of lists
-over scales (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Initialisation: conv and
-linear weights N(0, init_std) (0.001 in the paper), biases 0, BatchNorm weight 1 and bias 0, so
-initial outputs are near 0. The `imhn512` preset has 129.0 M parameters and 264.7 GMAC per 512x512
-image counted by `models.summary` (paper: 129.0 M, 268.5 GMAC).
+Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of lists over scales
+(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Conv and linear weights
+N(0, init_std), biases 0, BatchNorm 1 and 0, so initial outputs are near 0.
 """
 from __future__ import annotations
 

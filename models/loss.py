@@ -10,21 +10,12 @@ For outputs P[i][j] (stack i of S, scale j of J), target G (stride 4) and mask M
     L_ij[b] = sum of e over channels and pixels of sample b
     loss[b] = (1 / S) * sum_i sum_j (s_j / sum_k s_k) * L_ij[b]     s = scale_weights
 
-`per_sample` is loss[b], shape [B]; the training loss is its mean over the batch. Nothing is
-divided by the batch size or the number of devices, so the loss of a batch is the mean of the
-losses of its samples whichever way the batch is split across replicas or processes. The
-magnitude is the reference's per-sample sum, so the reference LR (2.5e-5, SGD) keeps its meaning.
-
-Everything is computed in float32 (outputs of a bfloat16/float16 autocast forward are cast).
-`parts` (each [B]): `keypoints`, `limbs`, `person_mask`, `keypoint_max` and `scale{j}` are the
-shares of loss[b] from those channels or that scale (each family sums to loss[b]); `stack{i}` is
-the loss of stack i alone, sum_j (s_j / sum s) L_ij[b] (their mean is loss[b]). Parts are
-detached (for logging).
-
-The focal factor f is part of the differentiated expression by default (the formula as written);
-`LossConfig.focal_detach = true` treats it as a constant weight, so every gradient points from P
-towards G (with f differentiated, a prediction slightly above a mid-range target is pushed further
-up when gamma > 0).
+`per_sample` is loss[b]; the training loss is its mean, so a batch's loss does not depend on how
+it is split over devices, and its size is the reference's per-sample sum (its LR keeps its
+meaning). Computed in float32. `parts` (each [B], detached): the shares of loss[b] of `keypoints`,
+`limbs`, `person_mask`, `keypoint_max` and `scale{j}` (each family sums to loss[b]), and
+`stack{i}`, the loss of stack i alone. `LossConfig.focal_detach` makes f a constant weight, so every
+gradient points from P towards G.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The Simple Pose authors' checkpoint layout, mapped onto this project's IMHN.
 
-The authors' file is a `torch.save`d dict: `weights` (the network's state dict, every key under
-`posenet.`, possibly behind a DataParallel `module.`, BatchNorm counters present or not),
-`optimizer_weight` (SGD state, by parameter index), `train_loss` and `epoch` (the 0-based epoch it
-finished); the successor project may add an Apex `amp` state. Its network is this one: every
-tensor has exactly one counterpart of the same shape here (../shared/fidelity/README.md).
-
-Names are mapped by structure, not by a table: `reference_name` rewrites one name of ours with a
-dozen rules (one per kind of module), so the mapping of any IMHN size follows from the model's own
-state dict; `reference_order` sorts names the way the reference module registers them (stem, all
-hourglasses, all heads, all predictions, all merges of features, all merges of predictions), which
-is also the order of its optimiser's parameter indices. The only tensor that changes is the first
-convolution: the reference reads BGR, this network RGB, so its input channels are reversed.
+Their file is a `torch.save`d dict: `weights` (the state dict under `posenet.`, maybe behind
+`module.`), `optimizer_weight` (SGD state by parameter index), `train_loss`, `epoch` (0-based,
+finished), maybe an Apex `amp` state. Every tensor has one counterpart of the same shape here.
+Names are mapped by structure: `reference_name` rewrites one of our names by a rule per kind of
+module, and `reference_order` sorts names as the reference registers them (its optimiser's
+parameter order). Only the first convolution changes: its input channels are reversed (BGR).
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
 
-MACs (multiply-accumulates) are counted per image with forward hooks on `nn.Conv2d`,
-`nn.ConvTranspose2d` and `nn.Linear`: a conv costs (output elements) x (input channels / groups) x
-kernel area, a linear layer (output elements) x (input features). Biases, BatchNorm, activations,
-pooling, upsampling, additions and the SE gate multiplication are not counted. The forward runs on
-the `meta` device (shapes only), so counting the full network takes well under a second and
-allocates no memory.
+MACs per image are counted with forward hooks on `nn.Conv2d`, `nn.ConvTranspose2d` and `nn.Linear`
+(biases, BatchNorm, activations, pooling, upsampling, additions and the SE gate are not), on the
+`meta` device: the full network in well under a second, without memory.
 
     python -m models.summary --preset imhn --input 512
 
@@ -22,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 from common.errors import ArgumentParser, run_cli
+from config.schema import add_flags
 from data.skeleton import load_skeleton
 
 COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
@@ -92,8 +90,7 @@ def summarize(model: nn.Module, input_size: int, depth: int = 2) -> dict:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from common.errors import ConfigError
-    from config.loader import build_config
+    from config.loader import build_config, check_input_size
     from models.imhn import build_model
 
     parser = ArgumentParser(prog="python -m models.summary",
@@ -103,16 +100,13 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", type=int, default=0, help="input size in pixels (default: the preset's)")
     parser.add_argument("--depth", type=int, default=2,
                         help="breakdown by this many named levels (2: stacks.0.heads)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. model.stacks=2")
+    add_flags(parser, (), "model.stacks=2")
     parser.add_argument("--skeleton", default="coco", metavar="NAME|FILE.yaml",
                         help="the skeleton whose channels the heads output (default coco)")
     args = parser.parse_args(argv)
     cfg = build_config(args.preset, sets=args.set)
     size = args.input or cfg.data.input_size
-    if size <= 0 or size % (4 * 2 ** cfg.model.depth):
-        raise ConfigError(f"--input {size}: must be a positive multiple of "
-                          f"{4 * 2 ** cfg.model.depth} (4 x 2^model.depth)")
+    check_input_size(size, cfg.model.depth, "--input")
     with torch.device("meta"):
         model = build_model(cfg.model, load_skeleton(args.skeleton))
     info = summarize(model, size, args.depth)

@@ -1,11 +1,9 @@
 """Checkpoints of a run: atomic saving, safe loading, weights-only loading, RNG states, resume lookup.
 
-A checkpoint is a dict of plain values and tensors (model, optimizer and scaler state dicts, epoch,
-step, best metric, resolved config, RNG states) plus `format_version`, so that
-`torch.load(weights_only=True)` reads it and no file can run code when it is loaded. Saving never
-leaves a half-written file under the final name: a kill or a full disk costs at most the
-checkpoint being written. Every problem a user can fix raises `common.errors.CheckpointError`
-with the file and the reason on one line.
+A checkpoint is a dict of plain values and tensors (engine/train_state.py says which) plus
+`format_version`, read with `torch.load(weights_only=True)` (no file runs code when loaded); saving
+never leaves a half-written file under the final name. Every problem a user can fix is a one-line
+`CheckpointError`.
 """
 from __future__ import annotations
 
@@ -166,28 +164,6 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
         raise CheckpointError(f"checkpoint {path} has format version {version}, newer than this "
                               f"trainer's {FORMAT_VERSION}: update the trainer to load it")
     return state
-
-
-# what a checkpoint must hold to be resumed, and the type of each value
-RESUME_FIELDS = {"model": dict, "optimizer": dict, "epoch": int, "iteration": int, "step": int}
-RESUME_OPTIONAL = {"scaler": (dict, type(None)), "best_metric": (int, float, type(None)),
-                   "bad_validations": int, "skipped_steps": int, "rng": (dict, type(None)),
-                   "ema": dict}
-
-
-def check_resumable(state: dict, path) -> None:
-    """CheckpointError naming `path` unless `state` holds everything a resume reads, well typed."""
-    for key, kind in list(RESUME_FIELDS.items()) + list(RESUME_OPTIONAL.items()):
-        if key not in state:
-            if key in RESUME_FIELDS:
-                raise CheckpointError(f"checkpoint {path} cannot be resumed: it has no {key!r}; start from "
-                                      "its weights with --weights instead of --resume")
-            continue
-        value = state[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
-            raise CheckpointError(f"checkpoint {path} is damaged: {key} is {type(value).__name__} "
-                                  f"{str(value)[:40]!r}; start from its weights with --weights "
-                                  "instead of --resume")
 
 
 def _checkpoint_order(path: Path, state: dict):

@@ -1,37 +1,22 @@
-"""Multi-process plumbing of training: who this process is (rank, device), the process group,
-the collectives the engine calls, per-rank seeding and the DistributedDataParallel wrapper.
+"""Multi-process plumbing of training: who this process is (rank, device), the process group, the
+collectives the engine calls, per-rank seeding (DDP's wrapper is engine.parallel's). The launcher's
+environment is read by `runtime.launch_env`; a world of one process gets no group.
 
-The launcher's environment is read by `runtime.launch_env` (torchrun, the legacy launcher's
---local-rank, hand-set variables, SLURM); a world of one process gets no process group.
+Ranks fail together. They meet in a store before the group exists; a rank whose set-up or training
+fails leaves its error there (`end_with_error`, `fail_before_group`, `error_of_another_rank`), and
+what only rank 0 checks it decides for all (`decided_on_main`). A rank that dies or freezes leaves
+no error, so every rank keeps a `runtime.rank_watch.RankWatch` (heartbeats, a verdict, the group
+aborted). Once the group this process joined is gone and `cleanup()` was not called, every
+collective here, `decided_on_main` and `check_group()` raise why instead of going on alone.
 
-Ranks fail together: they meet in a store with a short timeout before the group exists, a rank
-whose set-up or training fails leaves its error there for the others (`end_with_error`,
-`error_of_another_rank`, `fail_before_group`), and what only rank 0 checks it decides for all
-(`decided_on_main`). Under gloo the failed rank's closed connections end the others' collectives
-at once; under NCCL a collective would wait for it until `dist.timeout_s`. A rank that dies or
-freezes leaves no error. So every rank keeps a `runtime.rank_watch.RankWatch`: heartbeats in the
-store, a verdict when a rank left an error or went silent, the group aborted then, and the process
-ended with the verdict's line when its main thread cannot end it.
-
-Once the group of several processes that this process joined is gone (aborted by the watch or by
-any other caller of torch's `_abort_process_group`, or destroyed) and `cleanup()` has not been
-called, every collective here, `decided_on_main` and a checkpoint's `check_group()` raise why,
-instead of carrying on alone with local values.
-
-NCCL: `TORCH_NCCL_ASYNC_ERROR_HANDLING` is set to 2 (abort the communicators, raise in the rank)
-unless the user set it: at torch's default, 3, its watchdog ends the process with SIGABRT when a
-collective fails, which an abort makes every pending one do, before the rank can say which rank
-failed. (Torch's note on `_abort_process_group` asks for 0, which would also keep a hung
-collective from ever timing out.)
-
-The master port is checked on rank 0 only when no torchrun agent runs: the agent already holds
-its store on that port and the workers join it, so a bind test there would always fail.
+NCCL: `TORCH_NCCL_ASYNC_ERROR_HANDLING` is set to 2 (abort, raise in the rank) unless the user set
+it: at torch's default, 3, a failed collective ends the process with SIGABRT before the rank can
+say which rank failed. The master port is checked on rank 0 only without a torchrun agent (which
+holds its store on that port).
 """
 from __future__ import annotations
 
 import gc
-import inspect
-import math
 import os
 import random
 import signal
@@ -44,7 +29,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
@@ -227,13 +211,11 @@ def _post(store, message: str) -> str:
 
 
 def error_of_another_rank() -> UserError | None:
-    """Why a collective of this rank failed, when the cause lies with another rank: the error a
-    rank left (`end_with_error`), the watch's verdict on a rank that died or froze, or a rank that
-    gives no sign of life now (one killed outright closes its connections at once, so this rank
-    looks for up to `_EVIDENCE_S` s which rank no longer beats), or the group aborted by another
-    caller. None when every rank lives and none left an error: the failure is then this rank's
-    own (leave it for the others with `end_with_error`). The group is given up (aborted: under
-    NCCL its destruction would wait for the dead rank)."""
+    """Why a collective of this rank failed, when the cause lies with another rank: the error a rank
+    left, the watch's verdict, a rank that gives no sign of life now (looked for up to `_EVIDENCE_S`
+    s: a killed rank closes its connections at once), or the group aborted by another caller; the
+    group is then aborted. None when every rank lives and none left an error: the failure is this
+    rank's own (`end_with_error`)."""
     global _LOST
     if _GROUP is None:
         return None
@@ -314,14 +296,9 @@ def check_group() -> None:
 
 
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
-    """The store where the ranks meet: torchrun's agent store when it shares it, with a prefix per
-    restart attempt, else one on MASTER_ADDR:MASTER_PORT held by rank 0 (`serve` False: a
-    connection of its own to that store, as the others make).
-
-    torchrun (`--max-restarts`) gives every attempt the same store and no prefix, so workers of a
-    restarted attempt could read the keys of the attempt before (a dead rank's gloo address) and
-    fail or hang while joining; `TORCHELASTIC_RESTART_COUNT` keeps the attempts apart.
-    """
+    """The store where the ranks meet: torchrun's agent store when it shares it, prefixed per restart
+    attempt (`TORCHELASTIC_RESTART_COUNT`: a restarted attempt must not read the keys of the one
+    before), else one on MASTER_ADDR:MASTER_PORT held by rank 0 (`serve` False: a client of it)."""
     where = f"{launch.master_addr}:{launch.master_port}"
     try:
         if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -421,7 +398,7 @@ def _meet(store, launch, timeout_s: float) -> None:
 
 def cleanup() -> None:
     """Leave the process group (if any) and the store (`_leave`); safe to call twice."""
-    global _CONTEXT, _STORE, _GROUP, _LOST
+    global _CONTEXT, _GROUP, _LOST
     _stop_watch()
     if dist.is_available() and dist.is_initialized():
         gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first
@@ -564,40 +541,6 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     np.random.seed(int(state[0]))
     torch.manual_seed(derived)   # also seeds every CUDA device
     return derived
-
-
-def single_bucket_cap_mb(model: nn.Module) -> int:
-    """A DDP bucket size (MiB) that holds every trainable gradient of `model` at once."""
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return math.ceil(grad_bytes / 2**20) + 1
-
-
-def wrap_ddp(model: nn.Module, ctx: DistContext, dist_cfg: DistConfig) -> nn.Module:
-    """DistributedDataParallel with the config's settings; the model itself when not distributed.
-
-    `delay_allreduce` puts all gradients in one bucket, so the only all-reduce starts once the last
-    gradient is ready, i.e. after the backward pass (Apex's option); otherwise buckets of
-    `bucket_cap_mb` overlap their all-reduce with the rest of the backward pass.
-    """
-    if not ctx.distributed:
-        return model
-    if dist_cfg.bucket_cap_mb <= 0:
-        raise ConfigError(f"dist.bucket_cap_mb must be positive, got {dist_cfg.bucket_cap_mb}")
-    bucket_mb = single_bucket_cap_mb(model) if dist_cfg.delay_allreduce else dist_cfg.bucket_cap_mb
-    on_cuda = ctx.device.type == "cuda"
-    ddp = nn.parallel.DistributedDataParallel
-    # newer PyTorch renamed broadcast_buffers (buffers are synced at start either way)
-    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-                  else "broadcast_buffers")
-    return ddp(
-        model,
-        device_ids=[ctx.device.index] if on_cuda else None,
-        output_device=ctx.device.index if on_cuda else None,
-        bucket_cap_mb=bucket_mb,
-        find_unused_parameters=dist_cfg.find_unused_parameters,
-        static_graph=dist_cfg.static_graph,
-        **{buffers_kw: dist_cfg.broadcast_buffers},
-    )
 
 
 def current_context() -> DistContext | None:

@@ -1,7 +1,6 @@
-"""What a run's numbers depend on besides its config: Python and the libraries' versions (an OpenCV
-release alone moved the main job's AP by 0.05), the Apex build, the git commit and whether the tree
-held changes, the command line and the devices. `describe_environment` gathers them for
-RUN/environment.json; `changed_versions` says what differs from an earlier start of the run.
+"""What a run's numbers depend on besides its config: Python and library versions, the Apex build,
+the git commit and a clean-tree flag, the command line, the devices (`describe_environment`, for
+RUN/environment.json); `changed_versions` says what differs from an earlier start of the run.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""What the launcher tells this process: rank, local rank, world, master address and port, and
-the device it should use. Pure reading of the environment (no process group), so it can be tested
-without processes; `runtime.distributed.init_distributed` acts on it.
-
-Launchers understood, first match wins:
-1. torchrun and the legacy `torch.distributed.launch`: RANK, LOCAL_RANK, WORLD_SIZE,
-   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the legacy launcher also passes --local-rank,
-   which the script hands in as `local_rank_arg`; it wins over LOCAL_RANK).
-2. The same variables set by hand or by another tool (no torchrun agent). LOCAL_RANK defaults to
-   RANK (one node).
-3. SLURM (`srun`): SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS. The master
-   is MASTER_ADDR if set, else 127.0.0.1 on a one-node step, else the first host of the node list
-   (plain name, or `scontrol show hostnames`), else SLURM_LAUNCH_NODE_IPADDR. The node list comes
-   before the launch node because `srun` started from a login node names that node, where no rank
-   runs. MASTER_PORT defaults to 20000 + SLURM_JOB_ID % 10000 (the same on every task).
+"""What the launcher tells this process: rank, local rank, world, master address and port, and the
+device it should use. Pure reading of the environment; `runtime.distributed.init_distributed` acts
+on it. Launchers understood, first match wins:
+1. torchrun and the legacy `torch.distributed.launch` (RANK, LOCAL_RANK, WORLD_SIZE,
+   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the legacy --local-rank, as `local_rank_arg`, wins).
+2. The same variables set by hand (no torchrun agent); LOCAL_RANK defaults to RANK.
+3. SLURM: SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS. The master is
+   MASTER_ADDR, else 127.0.0.1 on one node, else the first host of the node list (before the
+   launch node, which may be a login node), else SLURM_LAUNCH_NODE_IPADDR. MASTER_PORT defaults to
+   20000 + SLURM_JOB_ID % 10000.
 Nothing of this, or a world of one process: a single process.
 """
 from __future__ import annotations

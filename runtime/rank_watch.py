@@ -1,21 +1,13 @@
 """The watch that every rank of a process group keeps on the others, so that a rank which dies or
 freezes ends the whole job within a bounded time, with one `error:` line naming it.
 
-`RankWatch` runs two threads of its own, alive as long as the process runs, whatever its main
-thread does (a long validation, a checkpoint, a wait in a collective):
-- the pulse adds 1 to this rank's heartbeat in the job's store every `every_s` seconds, and reads
-  the heartbeat of the next rank (rank + 1, the last watches rank 0: every rank is watched by one
-  other, three store requests per rank and second) and the error a rank may have left;
-- the judge notices a store that stops answering (its host stopped: a stopped TCPStore server
-  never answers, whatever the client's timeout) and ends the process when its main thread does
-  not end by itself.
-A verdict comes from an error a rank left, from the watched rank silent for `silent_s` seconds
-(killed, out of memory, stopped, frozen: a stopped process stops its threads too; this one is
-left in the store for the others' watches), or from the store's host gone. It aborts the process
-group (`abort`): this rank's next collective raises the verdict. Its main thread then has
-`grace_s` seconds to end the run with that line itself; one that does not (it waits in a gloo
-collective for a frozen rank, which no abort ends) is ended by the judge: the line, `leave()`
-(rank 0 serves the store a few seconds more for the others to read it), and `os._exit`.
+`RankWatch` runs two threads, alive whatever the main thread does: the pulse adds 1 to this rank's
+heartbeat in the job's store every `every_s` seconds and reads the next rank's heartbeat (the last
+watches rank 0) and any error a rank left; the judge notices a store that stops answering. A
+verdict (an error left, the watched rank silent for `silent_s` seconds, the store's host gone)
+aborts the process group (`abort`), so that this rank's next collective raises it. A main thread
+that does not end the run within `grace_s` (waiting in a gloo collective for a frozen rank) is
+ended by the judge: the line, `leave()`, and `os._exit`.
 """
 from __future__ import annotations
 
@@ -121,7 +113,7 @@ class RankWatch:
                 for rank in {0, self.peer} - self.who.keys():
                     if store.check([who_key(rank)]):
                         self.who[rank] = store.get(who_key(rank)).decode()
-            except RuntimeError as exc:          # torch's DistError: the store closed
+            except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
                 return
             now = self._answered = time.monotonic()

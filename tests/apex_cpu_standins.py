@@ -312,17 +312,17 @@ def run_module_with_standins(module: str, argv: list[str]) -> None:
     if repo not in sys.path:
         sys.path.insert(0, repo)
     install()
-    from engine.precision import apex_parallel
-    convert = apex_parallel.convert_sync_bn
+    from engine import parallel
+    convert = parallel.apex_sync_bn
 
     def counted(model):
         model = convert(model)
-        made = [m for m in model.modules() if type(m).__module__.startswith(("apex.", apex_parallel.__name__))
+        made = [m for m in model.modules() if type(m).__module__.startswith(("apex.", parallel.__name__))
                 and "SyncBatchNorm" in type(m).__name__]
         print(f"apex SyncBatchNorm layers: {len(made)}", flush=True)
         return model
 
-    apex_parallel.convert_sync_bn = counted
+    parallel.apex_sync_bn = counted
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__")
 

@@ -35,7 +35,7 @@ from common.errors import run_cli
 from config.loader import build_config
 from data.skeleton import builtin
 from runtime.checkpoint import save_checkpoint
-from engine.run_setup import LOCK_FILE
+from engine.run_dir import LOCK_FILE
 from runtime.launch_env import find_free_port
 from models import build_model
 from child_env import child_env
@@ -215,7 +215,7 @@ def table(tmp_path_factory, synthetic_h5) -> dict:
                                                      "--amp-dtype", "float16"],
                                         ["O3 with --optimizer adamw in float16", "--opt-level O2"]),
         "unknown opt level": Case(with_data + ["--opt-level", "O4"],
-                                  ["amp.opt_level", "'O4'", "O0, O1, O2 or O3"]),
+                                  ["argument --opt-level", "'O4'", "'O0', 'O1', 'O2', 'O3'"]),
         "unknown preset": Case(with_data[:2] + ["--config", "imhn1024"], ["'imhn1024'", "imhn512", "tiny"]),
         "batch not divisible by processes": Case(
             torchrun(logs, "--config", str(preset), "--train-h5", str(train_h5), "--out-dir",
@@ -279,7 +279,7 @@ def check_row(table: dict, row: str) -> None:
 # -- the checks of a refusal ------------------------------------------------------------------------
 def snapshot(root: Path) -> dict:
     """Every file under `root` and its bytes; the empty lock file a run claims its folder with
-    (engine.run_setup.LOCK_FILE) is bookkeeping, not content."""
+    (engine.run_dir.LOCK_FILE) is bookkeeping, not content."""
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 

@@ -105,6 +105,7 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 # -- the driver (runs in the launched processes) ------------------------------------------------
 def _patch_trainer_and_run() -> None:
     from engine import trainer as engine_trainer
+    from engine.run_trainer import RunTrainer
     from runtime.checkpoint import unwrap_model
     from engine.cli import run_main
     from engine.model_with_loss import ModelWithLoss
@@ -113,7 +114,7 @@ def _patch_trainer_and_run() -> None:
     blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")
     crash = os.environ.get("TEST_CRASH")
     Trainer = engine_trainer.Trainer
-    forward, fit, run_step = ModelWithLoss.forward, Trainer.fit, Trainer.run_step
+    forward, fit, run_step = ModelWithLoss.forward, RunTrainer.fit, Trainer.run_step
     steps = []
 
     def blown_forward(self, images, target, mask):
@@ -135,8 +136,7 @@ def _patch_trainer_and_run() -> None:
     def fit_and_dump(self):
         result = fit(self)
         state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
-        ema = [h.state_dict() for h in getattr(self, "hooks", [])
-               if getattr(h, "checkpoint_key", "") == "ema"]
+        ema = [h.state_dict() for h in self.trainer.hooks if h.checkpoint_key == "ema"]
         torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads,
                         ema=ema[0] if ema else None), self.run_dir / f"rank{rank}.pt")
         return result
@@ -149,7 +149,7 @@ def _patch_trainer_and_run() -> None:
         return load(file, *args, **kwargs)
     torch.load = recorded_load
 
-    ModelWithLoss.forward, Trainer.run_step, Trainer.fit = blown_forward, recorded_step, fit_and_dump
+    ModelWithLoss.forward, Trainer.run_step, RunTrainer.fit = blown_forward, recorded_step, fit_and_dump
     if os.environ.get("TEST_SLOW_VAL"):
         _slow_validation_samples(float(os.environ["TEST_SLOW_VAL"]))
     if os.environ.get("TEST_FLAT_VAL"):
@@ -190,14 +190,14 @@ def _abort_before_save() -> None:
     import time
 
     import torch.distributed as torch_dist
-    from engine.run_trainer import RunTrainer
-    save = RunTrainer.save
+    from engine.train_state import Checkpoints
+    save = Checkpoints.save
 
     def aborted_save(self, *args, **kwargs):
         torch_dist.distributed_c10d._abort_process_group()
         (self.run_dir.parent / "aborted_at").write_text(repr(time.time()))
         return save(self, *args, **kwargs)
-    RunTrainer.save = aborted_save
+    Checkpoints.save = aborted_save
 
 
 def _stale_checkpoint_view(name: str) -> None:

@@ -85,8 +85,8 @@ def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synth
         t.net.train()
         bn_eval(t.model)
     painter, cpu = joined.train_set.painter_for("cpu"), torch.device("cpu")
-    out_joined = joined.run_step([to_model_input(batch, cpu, painter)])
-    out_split = split.run_step([to_model_input(half, cpu, painter) for half in halves])
+    out_joined = joined.trainer.run_step([to_model_input(batch, cpu, painter)])
+    out_split = split.trainer.run_step([to_model_input(half, cpu, painter) for half in halves])
     assert not out_joined.skipped and not out_split.skipped
     assert out_split.loss == pytest.approx(out_joined.loss, rel=10 * tolerance)  # mean of the 4 samples
     a = joined.precision.float32_state_dict(joined.model)

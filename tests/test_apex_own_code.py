@@ -27,7 +27,7 @@ from gloo_ranks import gloo_group_of_one  # noqa: F401 - a fixture
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.ema import WeightsEMA
 from engine.optim_step import OptimStep
-from engine.precision import registry
+from engine import parallel
 from engine.precision.apex import ApexPrecision
 
 CPU = torch.device("cpu")
@@ -81,9 +81,9 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
         def __call__(self, images, target, mask):
             return eval_net(images, target, mask)
 
-    trainer = SimpleNamespace(ctx=DistContext(), cfg=cfg, stop_signal=None, evaluator=None,
-                              data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
-    results = validate(trainer, None, 0, loss_due=True, ap_due=False)
+    run = SimpleNamespace(ctx=DistContext(), cfg=cfg, evaluator=None,
+                          data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
+    results = validate(run, SimpleNamespace(stop_signal=None), 0, loss_due=True, ap_due=False)
     every = [value for per_sample in seen for value in per_sample.tolist()]   # not torch.sum: O1 casts
     assert results["loss"] == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
 
@@ -91,7 +91,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
 # -- Apex's Python SyncBatchNorm ---------------------------------------------------------------------
 @requires_apex
 def test_apex_python_syncbn_under_o2_hands_float16_to_the_next_convolution(apex_cpu):
-    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    model = parallel.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
     assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)      # the Python one
     _, model, _ = apex_attached(model, "O2")
     assert model[1].weight.dtype == torch.float32 and model[3].weight.dtype == torch.float16
@@ -103,7 +103,7 @@ def test_apex_python_syncbn_under_o2_hands_float16_to_the_next_convolution(apex_
 
 @requires_apex
 def test_apex_python_syncbn_updates_its_running_statistics_in_their_own_tensors(apex_cpu):
-    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    model = parallel.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
     bn = model[1]
     mean, var = bn.running_mean, bn.running_var
     model(torch.randn(4, 3, 8, 8) * 3 + 1)
@@ -117,7 +117,7 @@ def test_apex_syncbn_keeps_the_parameters_and_freezing_of_the_batch_norms_it_rep
     model = conv_bn_net(blocks=2)
     freeze(model, ["1"])                                # the first batch norm
     frozen, trained = model[1].weight, model[4].weight
-    model = registry.convert_sync_bn(model, DISTRIBUTED, AmpConfig(backend="apex"))
+    model = parallel.convert_sync_bn(model, DISTRIBUTED, AmpConfig(backend="apex"))
     assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)
     assert model[1].weight is frozen and not model[1].weight.requires_grad
     assert model[4].weight is trained and model[4].weight.requires_grad
@@ -127,15 +127,12 @@ def test_apex_syncbn_keeps_the_parameters_and_freezing_of_the_batch_norms_it_rep
 
 @requires_apex
 def test_a_skipped_step_under_apex_syncbn_leaves_the_running_statistics_as_they_were(apex_cpu):
-    model = registry.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
+    model = parallel.convert_sync_bn(conv_bn_net(), DISTRIBUTED, AmpConfig(backend="apex"))
     precision, model, optimizer = apex_attached(model, "O2", init_scale=2.0 ** 10)
     step = OptimStep(precision, optimizer, precision.optimizer_params([]), model, OptimConfig())
     before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-    step.begin(1)
-    with step.accumulating(last=True):
-        loss = model(torch.randn(4, 3, 8, 8) * 3 + 1).float().mean() * float("inf")  # overflows
-        step.backward(loss)
-    assert step.finish().skipped
+    overflowing = [(torch.randn(4, 3, 8, 8) * 3 + 1, float("inf"))]
+    assert step.update(overflowing, lambda x, factor: model(x).float().mean() * factor).skipped
     after = {k: v for k, v in model.state_dict().items() if "running" in k}
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -189,7 +186,7 @@ def test_apex_optimized_syncbn_is_batch_norm_per_channel_in_either_memory_format
     are nn.BatchNorm2d's. The width equals the channel count, so normalising the wrong dim would
     not even fail on a shape."""
     reference = conv_bn_net()
-    model = registry.convert_sync_bn(copy.deepcopy(reference), DISTRIBUTED,
+    model = parallel.convert_sync_bn(copy.deepcopy(reference), DISTRIBUTED,
                                      AmpConfig(backend="apex", opt_level="O2", channels_last=channels_last))
     assert isinstance(model[1], apex_syncbn_kernels)
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -222,7 +219,7 @@ def test_apex_ddp_gives_channels_last_gradients_back_as_they_were_all_reduced(
     reference = nn.Sequential(conv_bn_net(), nn.Conv2d(8, 4, 1))
     model = copy.deepcopy(reference).to(memory_format=torch.channels_last)
     ctx = SimpleNamespace(device=CPU, distributed=True, world_size=1)
-    net = registry.wrap_ddp(model, ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
+    net = parallel.wrap_ddp(model, ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
     assert sys.modules["apex.parallel.distributed"].flatten_impl is apex_c.flatten
     x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
     net(x).square().mean().backward()
@@ -258,7 +255,7 @@ def recording_apex_parallel(monkeypatch):
 
 def test_apex_ddp_divides_by_the_world_size_before_summing(recording_apex_parallel):
     ctx = SimpleNamespace(device=CPU, distributed=True, world_size=4)
-    net = registry.wrap_ddp(conv_bn_net(), ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
+    net = parallel.wrap_ddp(conv_bn_net(), ctx, AmpConfig(backend="apex"), DistConfig(delay_allreduce=True))
     (kind, kwargs), = recording_apex_parallel
     assert kind == "ddp" and kwargs["gradient_predivide_factor"] == 4.0
     assert kwargs.get("gradient_average", True) and kwargs["delay_allreduce"] is True

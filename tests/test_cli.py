@@ -163,9 +163,9 @@ FLAG_VALUES = {
 def test_each_flag_declared_beside_its_field_sets_that_field():
     from config.loader import to_dict
     from engine.cli import _resolve_config
-    from config.schema import flags
-    assert {flag.name for _, flag in flags()} == set(FLAG_VALUES)
-    declared = {flag.name: key for key, flag in flags()}
+    from config.schema import FLAG_GROUPS, flags
+    declared = {flag.name: key for key, flag in flags() if flag.group in FLAG_GROUPS}
+    assert set(declared) == set(FLAG_VALUES)
     assert declared == {name: key for name, (_, key, _) in FLAG_VALUES.items()}
     alone = ("--resume-reference", "--resume")             # each refused with --weights
     runs = [{name: v for name, v in FLAG_VALUES.items() if name not in alone}]
@@ -175,3 +175,14 @@ def test_each_flag_declared_beside_its_field_sets_that_field():
         for name, (_, key, expected) in given.items():
             section, field = key.split(".")
             assert values[section][field] == expected, name
+
+
+def test_a_flag_that_takes_a_word_offers_its_fields_choices_and_stride_declares_its_one_value():
+    from config.loader import check_value
+    from config.schema import declared
+    actions = {a.option_strings[0]: a for a in build_parser("test")._actions if a.option_strings}
+    assert actions["--opt-level"].choices == ["O0", "O1", "O2", "O3"]
+    assert actions["--amp-backend"].choices == ["native", "apex"]
+    assert actions["--amp-dtype"].choices == list(declared("amp.dtype")["choices"])
+    with pytest.raises(ConfigError, match="option data.stride: 8 is not 4"):
+        check_value("data.stride", 8)          # the declaration refuses what the network cannot take

@@ -19,7 +19,7 @@ from config.loader import build_config
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.transfer import batch_bytes, expand, pack_people
-from engine.run_setup import train_loader, val_loader
+from engine.loaders import train_loader, val_loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,7 @@ from types import SimpleNamespace
 from config.loader import build_config
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
-from engine.run_setup import train_loader
+from engine.loaders import train_loader
 cfg = build_config(None, {"data": {"input_size": 64, "workers": 2}, "train": {"batch_size": 4}})
 ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
 dataset = KeypointDataset(sys.argv[1], SampleSettings.of(cfg), train=True)

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common.errors import ConfigError
-from config.schema import DistConfig
+from config.schema import AmpConfig, DistConfig
 from runtime import distributed as D
+from engine.parallel import wrap_ddp
 from child_env import child_env
 from runtime import launch_env
 from runtime.launch_env import Launch, find_free_port, read_launch, resolve_device
@@ -190,7 +191,7 @@ def test_no_launcher_is_a_single_process_and_helpers_are_no_ops(clean_env):
     assert D.any_rank(True) and not D.any_rank(False)
     assert D.broadcast_object({"a": 1}) == {"a": 1} and D.all_gather_object(5) == [5]
     model = nn.Linear(2, 2)
-    assert D.wrap_ddp(model, ctx, DistConfig(delay_allreduce=True)) is model
+    assert wrap_ddp(model, ctx, AmpConfig(), DistConfig(delay_allreduce=True)) is model
     D.barrier()
     D.cleanup()
 
@@ -239,7 +240,7 @@ def _ddp_bucket_calls(ctx, delay: bool) -> tuple[list[int], list[torch.Tensor]]:
 
     torch.manual_seed(100 + ctx.rank)   # different start per rank: DDP must broadcast rank 0's
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-    ddp = D.wrap_ddp(model, ctx, DistConfig(delay_allreduce=delay, bucket_cap_mb=0.01))
+    ddp = wrap_ddp(model, ctx, AmpConfig(), DistConfig(delay_allreduce=delay, bucket_cap_mb=0.01))
     calls = []
     ddp.register_comm_hook(None, lambda state, bucket: calls.append(1) or allreduce_hook(state, bucket))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -40,7 +40,7 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     from engine.device_feed import to_model_input
     from runtime.distributed import DistContext
     from engine.model_with_loss import ModelWithLoss
-    from engine.run_setup import val_loader
+    from engine.loaders import val_loader
     from models import FocalL2Loss, build_model
 
     cfg = build_config(None, overrides={k: v for k, v in saved_config.items() if k != "preset"})

@@ -12,9 +12,12 @@ import torch
 
 import config
 from config import build_config
+from common.errors import CheckpointError
 from runtime.checkpoint import load_checkpoint
+from runtime.distributed import DistContext
 from engine.cli import single_process_context
-from engine.hooks import Hook, LRSchedule
+from engine.epoch_end import EpochEnd
+from engine.hooks import Hook, LRSchedule, default_hooks
 from engine.optim import lr_at
 from engine.run_trainer import Launch, build_trainer
 
@@ -92,11 +95,11 @@ def lr_of_mode(world_size: int, batch_size: int, accumulate: int, reference_batc
     cfg = build_config("tiny", sets=[f"train.batch_size={batch_size}", f"train.accumulate={accumulate}",
                                      f"optim.reference_batch={reference_batch}", "optim.warmup_epochs=0"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    trainer = SimpleNamespace(cfg=cfg, batches_per_epoch=10 * accumulate,
-                              ctx=SimpleNamespace(world_size=world_size),
+    trainer = SimpleNamespace(accumulate=accumulate, batches_per_epoch=10 * accumulate,
                               optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0]
                                                          .update(lr=lr)))
-    LRSchedule().before_step(trainer, 0, 0)
+    hooks = default_hooks(cfg, checkpoints=None, logger=None, ctx=DistContext(world_size=world_size))
+    next(hook for hook in hooks if isinstance(hook, LRSchedule)).before_step(trainer, 0, 0)
     return optimizer.param_groups[0]["lr"]
 
 
@@ -114,30 +117,38 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
 
 
-def test_best_checkpoint_and_early_stop_keep_their_own_state():
-    from engine.checkpoint_hooks import BestCheckpoint, EarlyStop
+def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0):
+    """An `EpochEnd` whose validations give `values` in turn, on a stand-in loop; (the hook, the
+    checkpoints it saves as (name, epoch), the loop, the lines it says)."""
     saved, said = [], []
-    trainer = SimpleNamespace(hooks=[], finish_requested=False, say=said.append,
-                              save=lambda name, epoch, batch: saved.append((name, epoch)))
-    best = BestCheckpoint("loss")
-    stop = EarlyStop(best, patience=2)
-    for epoch, results in enumerate([{"loss": 3.0}, {"loss": 2.0}, {"loss": 2.5}, {}, {"loss": 2.1}]):
-        for hook in (best, stop):
-            hook.after_validation(trainer, epoch, results)
-        for hook in (best, stop):
-            hook.after_epoch(trainer, epoch, 1.0)
-    assert saved == [("best.pth", 1), ("best.pth", 2)]     # improved after epochs 1 and 2 only
-    assert (best.state_dict(), stop.state_dict()) == (2.0, 2)  # a pass without a loss is no verdict
-    assert trainer.finish_requested and stop.outcome() == {"early_stopped": True}
-    assert said == ["early stop after epoch 5: no improvement in 2 validations"]
-    resumed_best, resumed_stop = BestCheckpoint("loss"), EarlyStop(BestCheckpoint("loss"), 2)
-    resumed_best.load_state_dict(best.state_dict())
-    resumed_stop.load_state_dict(stop.state_dict())
-    assert (resumed_best.outcome(), resumed_stop.bad_validations) == ({"best_metric": 2.0}, 2)
-    ap = BestCheckpoint("AP")                               # AP: higher is better
-    for value in (0.2, 0.1, 0.3):
-        ap.after_validation(trainer, 0, {"AP": value, "loss": 1.0})
-    assert ap.state_dict() == 0.3
+    checkpoints = SimpleNamespace(save=lambda trainer, name, epoch, *rest, **pending: saved.append((name, epoch)))
+    logger = SimpleNamespace(log=lambda *args, **kwargs: None, plot_curves=lambda: None)
+    train = build_config("tiny", sets=["train.val_every=1", f"train.early_stop_patience={patience}"]).train
+    validate = lambda trainer, epoch, *due: values[epoch]                      # noqa: E731
+    hook = EpochEnd(train, checkpoints, logger, said.append, validate, metric)
+    trainer = SimpleNamespace(hooks=[hook], epochs=len(values), step=0, finish_requested=False)
+    return hook, saved, trainer, said
+
+
+def test_the_epoch_end_decides_best_pth_and_early_stopping_in_one_place():
+    hook, saved, trainer, said = epoch_end([{"loss": 3.0}, {"loss": 2.0}, {"loss": 2.5}, {}, {"loss": 2.1}],
+                                           patience=2)
+    for epoch in range(5):
+        hook.after_epoch(trainer, epoch, 1.0)
+    assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 1), ("best.pth", 2)]  # improved twice
+    assert hook.state_dict() == {"best_metric": 2.0, "bad_validations": 2}  # a pass without a loss: none
+    assert trainer.finish_requested
+    assert hook.outcome() == {"loss": 2.1, "best_metric": 2.0, "early_stopped": True}
+    assert [line for line in said if "best" in line] == ["epoch 1/5: train loss 1, val loss 3 (best)",
+                                                         "epoch 2/5: train loss 1, val loss 2 (best)"]
+    assert said[-1] == "early stop after epoch 5: no improvement in 2 validations"
+    resumed = epoch_end([{"loss": 2.05}], patience=2)[0]
+    resumed.load_state_dict(hook.state_dict())
+    assert resumed.judge({"loss": 2.05}) is False and resumed.bad_validations == 3
+    with pytest.raises(CheckpointError, match="its bad_validations is damaged"):
+        resumed.load_state_dict({"best_metric": 1.0, "bad_validations": -1})
+    ap = epoch_end([], metric="AP")[0]                            # AP: higher is better
+    assert [ap.judge({"AP": value, "loss": 1.0}) for value in (0.2, 0.1, 0.3)] == [True, False, True]
 
 
 @pytest.mark.parametrize("name, values, best_value", [
@@ -148,38 +159,26 @@ def test_best_pth_follows_the_skeletons_first_metric(name, values, best_value):
     from dataclasses import replace
 
     from data.skeleton import Scoring, builtin
-    from engine.checkpoint_hooks import BestCheckpoint
-    from engine.run_trainer import default_hooks
 
-    trainer = SimpleNamespace(skeleton=builtin(name))
-    best = next(h for h in default_hooks(build_config("tiny", sets=["train.ap_every=1"]).train)
-                if isinstance(h, BestCheckpoint))
+    hook = epoch_end([], metric=builtin(name).scoring.key)[0]
     key = "PCK" if name == "fly" else "AP"
     for value in values:
-        best.after_validation(trainer, 0, {key: value, "loss": 1.0})
-    assert best.state_dict() == best_value
-    trainer.skeleton = replace(builtin("fly"), scoring=Scoring(("epe", "pck")))    # EPE: lower is better
-    epe = BestCheckpoint(None)
-    for value in (3.0, 2.0, 2.5):
-        epe.after_validation(trainer, 0, {"EPE": value, "PCK": 1 / value})
-    assert epe.state_dict() == 2.0
+        hook.judge({key: value, "loss": 1.0})
+    assert hook.best == best_value
+    epe = epoch_end([], metric=replace(builtin("fly"), scoring=Scoring(("epe", "pck"))).scoring.key)[0]
+    for value in (3.0, 2.0, 2.5):                                 # EPE: lower is better
+        epe.judge({"EPE": value, "PCK": 1 / value})
+    assert epe.best == 2.0
 
 
 @pytest.mark.parametrize("saved_best", [None, float("nan")])    # a fresh run; one resumed from a NaN best
 def test_a_nan_validation_loss_is_never_the_best_and_never_blocks_a_later_one(saved_best):
     """A float16 validation that overflowed (loss NaN) must not become best.pth, nor the value every
     later loss is compared with (NaN < x is false: best.pth would never be written again)."""
-    from engine.checkpoint_hooks import BestCheckpoint, EarlyStop
-    saved = []
-    trainer = SimpleNamespace(hooks=[], finish_requested=False, say=print,
-                              save=lambda name, epoch, batch: saved.append((name, epoch)))
-    best = BestCheckpoint("loss")
-    best.load_state_dict(saved_best)
-    stop = EarlyStop(best, patience=3)
-    for epoch, loss in enumerate([float("nan"), 2.0, float("inf"), 1.5]):
-        for hook in (best, stop):
-            hook.after_validation(trainer, epoch, {"loss": loss})
-        for hook in (best, stop):
-            hook.after_epoch(trainer, epoch, 1.0)
-    assert saved == [("best.pth", 2), ("best.pth", 4)]
-    assert best.state_dict() == 1.5 and stop.bad_validations == 0
+    hook, saved, trainer, _ = epoch_end([{"loss": loss} for loss in (float("nan"), 2.0, float("inf"), 1.5)],
+                                        patience=3)
+    hook.load_state_dict({"best_metric": saved_best})
+    for epoch in range(4):
+        hook.after_epoch(trainer, epoch, 1.0)
+    assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 2), ("best.pth", 4)]
+    assert hook.best == 1.5 and hook.bad_validations == 0

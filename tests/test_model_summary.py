@@ -47,7 +47,7 @@ def test_cli_ends_with_one_json_line(capsys):
 
 def test_cli_rejects_an_input_size_the_network_cannot_take(capsys):
     assert main(["--preset", "tiny", "--input", "100"]) == 2
-    assert "--input 100" in capsys.readouterr().err
+    assert "--input: 100 is not a positive multiple of 64" in capsys.readouterr().err
 
 
 def test_cli_takes_config_like_train_py_and_names_itself(capsys):

@@ -31,7 +31,7 @@ from data.dataset import KeypointDataset
 from runtime.checkpoint import load_checkpoint
 from runtime.launch_env import find_free_port
 from engine.cli import run_main
-from engine.sampler import GlobalBatchSampler
+from engine.loaders import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,

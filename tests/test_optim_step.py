@@ -4,6 +4,7 @@ scale after a bad loss and after an overflow, and two real gloo ranks of which o
 (both skip, weights and BatchNorm statistics unchanged on both, no rank left waiting)."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -15,8 +16,7 @@ from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.optim import updates_rounded_away
 from engine.precision import NativePrecision as Precision
 from engine.optim_step import OptimStep
-from engine.sync_bn import convert_sync_bn
-from runtime.distributed import wrap_ddp
+from engine.parallel import convert_sync_bn, wrap_ddp
 from gloo_ranks import on_gloo_ranks
 
 WORLD = 2
@@ -29,22 +29,22 @@ def small_net() -> nn.Module:
                          nn.Conv2d(4, 2, 1))
 
 
-def build_step(net: nn.Module, amp: AmpConfig, optim: OptimConfig = OptimConfig(), wrapped=None):
+def build_step(net: nn.Module, amp: AmpConfig, optim: OptimConfig = OptimConfig(), wrapped=None,
+               rounding_lr=None):
     precision = Precision(amp, torch.device("cpu"))
     net = precision.prepare_model(net)
     params = precision.optimizer_params([p for p in net.parameters() if p.requires_grad])
     optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return net, precision, OptimStep(precision, optimizer, params, net, optim, net=wrapped)
+    return net, precision, OptimStep(precision, optimizer, params, net, optim, net=wrapped,
+                                     rounding_lr=rounding_lr)
 
 
 def take_step(step: OptimStep, net, precision, inputs: list, factors: list):
     """One step over the batches `inputs`, batch i's loss multiplied by factors[i]."""
-    step.begin(len(inputs))
-    for i, (x, factor) in enumerate(zip(inputs, factors)):
-        with step.accumulating(last=i == len(inputs) - 1), precision.autocast_context():
-            loss = net(precision.cast_input(x)).float().pow(2).mean() * factor
-            step.backward(loss)
-    return step.finish()
+    def loss_of(x, factor):
+        with precision.autocast_context():
+            return net(precision.cast_input(x)).float().pow(2).mean() * factor
+    return step.update(list(zip(inputs, factors)), loss_of)
 
 
 def state_of(net: nn.Module) -> dict:
@@ -104,8 +104,8 @@ def test_a_gpu_run_counts_the_syncs_torch_makes_inside_its_ops(monkeypatch):
 def test_o3_measures_the_updates_that_round_away_in_its_half_weights_at_its_first_step():
     """A float16 weight of 1.0 has neighbours 2**-10 away: at lr 1e-4 an SGD update of gradient 1
     (1e-4, under half of that) leaves it as it was, one of gradient 10 moves it, and weight decay
-    5e-4 (5e-8 of it) never does; AdamW's first update is lr x sign(grad). OptimStep hands its
-    parameters to the check once: at its first step that updates (not a skipped one)."""
+    5e-4 (5e-8 of it) never does; AdamW's first update is lr x sign(grad). OptimStep says it in
+    its outcome's note once: at its first step that updates (not a skipped one)."""
     weight = nn.Parameter(torch.ones(4, dtype=torch.float16))
     weight.grad = torch.tensor([1.0, 10.0, 1.0, 0.0], dtype=torch.float16)
     assert updates_rounded_away([weight], 1e-4, OptimConfig(name="sgd", weight_decay=5e-4)) == (0.75, 1.0)
@@ -115,12 +115,15 @@ def test_o3_measures_the_updates_that_round_away_in_its_half_weights_at_its_firs
     master = nn.Parameter(torch.ones(4))
     master.grad = torch.ones(4)
     assert updates_rounded_away([master], 1e-4, OptimConfig()) is None       # O2's float32 masters
-    net, precision, step = build_step(small_net(), AmpConfig(opt_level="O3", dtype="float16"))
-    seen = []
-    step.first_update_check = lambda params: seen.append(updates_rounded_away(params, 1e-6, OptimConfig()))
+    net, precision, step = build_step(small_net(), AmpConfig(opt_level="O3", dtype="float16"),
+                                      rounding_lr=1e-6)
     inputs = [torch.randn(2, 3, 6, 6)]
-    outcomes = [take_step(step, net, precision, inputs, [factor]).skipped for factor in (BLOWN, 1, 1)]
-    assert outcomes == [True, False, False] and len(seen) == 1 and seen[0][0] > 0.5
+    outcomes = [take_step(step, net, precision, inputs, [factor]) for factor in (BLOWN, 1, 1)]
+    assert [outcome.skipped for outcome in outcomes] == [True, False, False]
+    assert [bool(outcome.note) for outcome in outcomes] == [False, True, False]
+    share = re.match(r"float16 weights without float32 masters: at the peak lr 1e-06, (\d+)% of the "
+                     r"first step's updates round away .*, and 100% of its weight decay", outcomes[1].note)
+    assert share and int(share.group(1)) > 50, outcomes[1].note
 
 
 def test_a_bad_loss_keeps_the_loss_scale_an_overflow_lowers_it():
@@ -152,8 +155,8 @@ def test_a_skipped_steps_loss_is_the_mean_of_its_batches():
 def _steps(rank: int, ctx) -> dict:
     """Three steps of two batches each, SyncBN (a collective in every backward) under DDP; at the
     second step rank 1's first batch has a blown-up loss."""
-    model = convert_sync_bn(small_net(), ctx)
-    ddp = wrap_ddp(model, ctx, DistConfig())
+    model = convert_sync_bn(small_net(), ctx, AmpConfig())
+    ddp = wrap_ddp(model, ctx, AmpConfig(), DistConfig())
     _, precision, step = build_step(model, AmpConfig(), wrapped=ddp)
     gen = torch.Generator().manual_seed(10 + rank)
     record = {"states": [state_of(model)], "outcomes": []}

@@ -57,21 +57,20 @@ def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_fil
 
 @pytest.mark.slow
 def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, capsys, monkeypatch):
-    from runtime.distributed import DistContext
-    from engine.run_setup import choose_run_dir, release_run_dir
+    from engine.run_dir import pick_and_claim, release_run_dir
     from config.loader import build_config
 
     cfg = build_config(str(env["preset"]), sets=[f"train.out_dir={env['runs']}"])
     monkeypatch.setattr("time.strftime", lambda fmt: "run-20260101-000000")   # the same second
-    first, made_first = choose_run_dir(cfg, DistContext())
-    second, made_second = choose_run_dir(cfg, DistContext())
+    first, made_first = pick_and_claim(cfg)
+    second, made_second = pick_and_claim(cfg)
     assert first != second and made_first and made_second and second.name == "run-20260101-000000-2"
     release_run_dir(first, remove_if_empty=True)
     release_run_dir(second, remove_if_empty=True)
     busy = env["runs"] / "busy"
     busy.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from engine.run_setup import _claim; _claim(Path(sys.argv[1]), False); "
+                               "from engine.run_dir import _claim; _claim(Path(sys.argv[1]), False); "
                                "print('locked', flush=True); time.sleep(60)", str(busy)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -193,10 +192,12 @@ def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, caps
     def oom(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(ModelWithLoss, "forward", oom)
+    monkeypatch.setattr("engine.build.use_cuda_graphs", lambda amp, launch: True)   # as on one GPU
     kept = (tmp_path / "disk" / "last.pth").read_bytes()
     assert train_cli(args + ["--run-name", "disk", "--resume", "auto", "--epochs", "2"]) == 2
     line = one_error_line(capsys.readouterr().err)
     for text in ("out of memory on cpu", "lower --batch-size", "--input-size",
+                 "or add --cuda-graphs False (the captured graphs hold their own memory)",
                  f"the last good checkpoint {tmp_path / 'disk' / 'last.pth'} is intact"):
         assert text in line, line
     assert (tmp_path / "disk" / "last.pth").read_bytes() == kept

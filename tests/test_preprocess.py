@@ -66,3 +66,16 @@ def test_the_cpu_input_has_the_values_of_the_device_conversion():
     assert torch.equal(bgr_to_input(batch)[0, :, 0, 0], torch.tensor([255.0, 128.0, 0.0]) / 255)
     half = bgr_to_input(batch, torch.float16)
     assert torch.equal(half, normalise(batch.movedim(-1, -3).flip(-3).contiguous(), torch.float16))
+
+
+def test_a_deeper_network_runs_on_pictures_padded_to_the_sizes_it_takes():
+    """model.depth 5 takes multiples of 128 (config.loader.input_multiple); a picture padded to 64 x
+    192 pixels alone would break its hourglass."""
+    from config.loader import build_config
+    from models import build_model
+
+    cfg = build_config("tiny", sets=["model.depth=5", "loss.scale_weights=[1,1,1,1,1,1]",
+                                     "inference.scales=[1.0]"])
+    model = build_model(cfg.model, COCO).eval()
+    maps = predict_maps(model, np.full((128, 160, 3), 7, np.uint8), PredictSettings.of(cfg), "cpu")
+    assert maps.shape == (COCO.num_channels, 128, 160)

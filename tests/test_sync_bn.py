@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from bench.host_syncs import count_host_syncs
-from config.schema import DistConfig
-from runtime.distributed import DistContext, all_reduce_sum, wrap_ddp
-from engine.sync_bn import CrossProcessBatchNorm, convert_sync_bn, revert_sync_bn
+from config.schema import AmpConfig, DistConfig
+from runtime.distributed import DistContext, all_reduce_sum
+from engine.parallel import CrossProcessBatchNorm, convert_sync_bn, wrap_ddp
 from gloo_ranks import on_gloo_ranks
 
 TOTAL_BATCH = 4
@@ -70,11 +70,11 @@ def ddp_step(net, shard: slice, mean_over: int):
 
 def _record(rank: int, ctx) -> dict:
     shard = slice(rank * TOTAL_BATCH // WORLD, (rank + 1) * TOTAL_BATCH // WORLD)
-    net = convert_sync_bn(small_net(), ctx)
+    net = convert_sync_bn(small_net(), ctx, AmpConfig())
     kinds = sorted({type(m).__name__ for m in net.modules()})
     record = run_steps(net, shard)
     record["grads_summed"] = [[all_reduce_sum(g) for g in step] for step in record["grads"]]
-    ddp_net = wrap_ddp(convert_sync_bn(small_net(), ctx), ctx, DistConfig())
+    ddp_net = wrap_ddp(convert_sync_bn(small_net(), ctx, AmpConfig()), ctx, AmpConfig(), DistConfig())
     with count_host_syncs() as syncs:
         record["after_step"] = ddp_step(ddp_net, shard, mean_over=TOTAL_BATCH // WORLD)
     record["syncs"] = syncs.by_kind
@@ -133,21 +133,18 @@ def test_single_process_is_plain_batch_norm():
     assert cross.num_batches_tracked.item() == 1
 
 
-def test_convert_keeps_checkpoints_loadable_and_reverts():
+def test_convert_keeps_checkpoints_loadable():
     net = small_net()
     keys = list(net.state_dict())
     cpu_ctx = DistContext(world_size=2, distributed=True)
-    converted = convert_sync_bn(net, cpu_ctx)
-    assert isinstance(converted[1], CrossProcessBatchNorm)
+    converted = convert_sync_bn(net, cpu_ctx, AmpConfig())
+    assert isinstance(converted[1], CrossProcessBatchNorm) and converted[4].momentum is None
     converted.load_state_dict(small_net().state_dict())        # a plain checkpoint loads
     assert list(converted.state_dict()) == keys
-    reverted = revert_sync_bn(converted)
-    assert type(reverted[1]) is nn.BatchNorm2d and reverted[4].momentum is None
-    assert list(reverted.state_dict()) == keys
 
 
 def test_convert_uses_torch_sync_batchnorm_on_cuda_and_nothing_alone():
     cuda_ctx = DistContext(world_size=2, distributed=True, device=torch.device("cuda", 0))
-    assert isinstance(convert_sync_bn(small_net(), cuda_ctx)[1], nn.SyncBatchNorm)
+    assert isinstance(convert_sync_bn(small_net(), cuda_ctx, AmpConfig())[1], nn.SyncBatchNorm)
     net = small_net()
-    assert convert_sync_bn(net, DistContext()) is net
+    assert convert_sync_bn(net, DistContext(), AmpConfig()) is net

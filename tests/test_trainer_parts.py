@@ -10,11 +10,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import pytest
+
+from config import build_config
 from config.schema import AmpConfig, OptimConfig
-from engine.precision import NativePrecision as Precision
-from engine.hooks import Hook
+from runtime.checkpoint import load_checkpoint
+from engine.ema import WeightsEMA
+from engine.epoch_end import EpochEnd
+from engine.hooks import Hook, default_hooks
+from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
+from engine.optim import lr_at
 from engine.optim_step import OptimStep
+from engine.precision import NativePrecision as Precision
+from engine.train_state import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
@@ -55,6 +64,44 @@ def test_a_trainer_runs_from_a_model_a_loss_an_optimiser_step_and_batches(tmp_pa
     assert losses[-1] < 0.5 * losses[0]                  # it learnt the target, step by step
     assert set(hook.seen[0].parts) == {"squared"}
     assert os.listdir(tmp_path) == []                     # no run directory, no file of any kind
+
+
+def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
+    """The engine's hooks take their settings when they are made and read the loop alone: a bare
+    `Trainer` runs with them, writes checkpoints and logs, keeps best.pth and stops early."""
+    def parts_and_hooks(validations):
+        torch.manual_seed(0)
+        model = nn.Conv2d(3, 2, 3, padding=1)
+        precision = Precision(AmpConfig(), torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        step = OptimStep(precision, optimizer, list(model.parameters()), model, OptimConfig())
+        checkpoints = Checkpoints(tmp_path, model, optimizer, precision)
+        hooks = default_hooks(cfg, checkpoints, logger, said.append,
+                              validate=lambda trainer, epoch, *due: validations[epoch])
+        parts = TrainParts(ModelWithLoss(model, SquaredError(), precision), step, TrainParts.feed(inputs),
+                           batches_per_epoch=2, epochs=4, model=model)
+        return Trainer(parts, hooks), checkpoints
+
+    cfg = build_config("tiny", sets=["train.val_every=1", "train.ap_every=0", "train.early_stop_patience=1",
+                                     "train.log_every=1", "train.ema=0.5"])
+    images = torch.randn(4, 3, 8, 8)
+    inputs = [(images[i:i + 2], images[i:i + 2, :2] * 0.5, torch.ones(2, 1, 8, 8)) for i in (0, 2)]
+    logger, said = RunLogger(tmp_path, True, tensorboard=False).open(), []
+    trainer, _ = parts_and_hooks([{"loss": 2.0}, {"loss": 1.0}, {"loss": 1.5}, {"loss": 0.5}])
+    assert trainer.fit() == {"epoch": 3, "step": 6, "loss": 1.5, "best_metric": 1.0, "early_stopped": True}
+    train = [r for r in logger.read() if r["kind"] == "train"]
+    assert [r["lr"] for r in train] == pytest.approx([lr_at(cfg.optim, e, b, 2, total_batch=8)
+                                                      for e in range(3) for b in (0, 1)])
+    assert [r["loss"] for r in logger.read() if r["kind"] == "val"] == [2.0, 1.0, 1.5]
+    best, last = load_checkpoint(tmp_path / "best.pth"), load_checkpoint(tmp_path / "last.pth")
+    assert (best["epoch"], best["best_metric"], last["epoch"], last["bad_validations"]) == (2, 1.0, 3, 1)
+    assert last["ema"]["updates"] == 6
+    assert said[-1] == "early stop after epoch 3: no improvement in 1 validations"
+    again, checkpoints = parts_and_hooks([])           # resumed: the loop and every hook where they were
+    checkpoints.restore(again, last, tmp_path / "last.pth", said.append)
+    ema, end = (next(h for h in again.hooks if isinstance(h, kind)) for kind in (WeightsEMA, EpochEnd))
+    assert (again.epoch, again.step, ema.updates) == (3, 6, 6)
+    assert end.state_dict() == {"best_metric": 1.0, "bad_validations": 1}
 
 
 def test_accumulated_steps_take_the_model_inputs_of_several_batches():

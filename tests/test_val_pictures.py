@@ -1,6 +1,6 @@
 """Validation pictures (inference/val_pictures.py): the grid shows the ground truth on the left and,
-on the right, the people the model finds (nothing drawn where it finds none); the hook writes it
-only after an AP validation, on the main process, and sends it to TensorBoard."""
+on the right, the people the model finds (nothing drawn where it finds none); the validation
+writes it only after an AP pass, on the main process, and sends it to TensorBoard."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -14,7 +14,7 @@ from data.skeleton import builtin
 from config.views import PredictSettings
 from data.h5format import KeypointH5
 from engine.logger import RunLogger
-from engine.picture_hook import ValidationPictures
+from engine.epoch_end import validate
 from inference.val_pictures import HEADER, TILE, fitted, write_val_pictures
 
 COCO = builtin("coco")
@@ -66,19 +66,22 @@ class Recorder:
         pass
 
 
-def test_the_hook_draws_after_an_ap_validation_on_the_main_process(tiny_network, synthetic_h5, tmp_path):
+def test_validation_draws_after_an_ap_pass_on_the_main_process(tiny_network, synthetic_h5, tmp_path):
     logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
     logger.tb = Recorder()
-    trainer = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger, step=12,
-                              ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
-                              cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
-                              data=SimpleNamespace(val_h5=synthetic_h5[1]))
-    hook = ValidationPictures(write_val_pictures)
-    hook.after_validation(trainer, 0, {"loss": 1.0})               # no AP: no picture
-    trainer.ctx.is_main = False
-    hook.after_validation(trainer, 1, {"AP": 0.0})                 # not the main process
+    run = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger,
+                          draw=write_val_pictures,
+                          evaluator=lambda *args, **kwargs: {"AP": 0.0, "num_images": 2},
+                          ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
+                          cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
+                          data=SimpleNamespace(val_set=None, val_h5=synthetic_h5[1]))
+    trainer = SimpleNamespace(step=12, stop_signal=None)
+    run.evaluator, evaluator = (lambda *args, **kwargs: {"loss": 1.0}), run.evaluator     # no AP: no picture
+    validate(run, trainer, 0, loss_due=False, ap_due=True)
+    run.evaluator, run.ctx.is_main = evaluator, False
+    assert validate(run, trainer, 1, loss_due=False, ap_due=True) == {"AP": 0.0}    # not the main process
     assert not (tmp_path / "val_pictures").exists() and not logger.tb.images
-    trainer.ctx.is_main = True
-    hook.after_validation(trainer, 4, {"AP": 0.0, "loss": 1.0})
+    run.ctx.is_main = True
+    validate(run, trainer, 4, loss_due=False, ap_due=True)
     assert (tmp_path / "val_pictures/epoch_5.png").is_file()
     assert logger.tb.images == [("val_pictures", (HEADER + TILE, 2 * TILE, 3), 12, "HWC")]

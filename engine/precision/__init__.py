@@ -1,16 +1,53 @@
-"""A run's mixed precision, in one package: the interface every precision backend implements
-(`interface.PrecisionBackend`), the native (torch.amp) and Apex implementations side by side
-(`native`, `apex` with `apex_checks` and `apex_parallel`), the loss scaler's state in either
-layout (`loss_scale`), the registry by name (`registry`, `amp.backend`), and the process-wide CUDA
-switches (`cuda_switches`).
+"""A run's mixed precision, in one package: the interface every backend implements
+(`interface.PrecisionBackend`), the native (torch.amp) and Apex backends side by side (`native`,
+`apex` with `apex_checks`), the loss scaler's state in either layout (`loss_scale`); here, the
+backends by name (`amp.backend`) and the process-wide CUDA switches. SyncBN and DDP are
+engine.parallel's.
 """
-from engine.precision.cuda_switches import cudnn_autotuning_off, set_cuda_backends
-from engine.precision.interface import PrecisionBackend, StepDecision, live_state_dict
-from engine.precision.native import NativePrecision
-from engine.precision.registry import (BACKENDS, build_precision, check_backend, convert_sync_bn,
-                                       wrap_ddp)
-from engine.precision.apex_checks import check_data_parallel
+from __future__ import annotations
 
-__all__ = ["BACKENDS", "NativePrecision", "PrecisionBackend", "StepDecision", "build_precision",
-           "check_backend", "check_data_parallel", "convert_sync_bn", "cudnn_autotuning_off",
-           "live_state_dict", "set_cuda_backends", "wrap_ddp"]
+import contextlib
+
+import torch
+
+from config.schema import AmpConfig, Config
+from engine.precision.apex import ApexPrecision
+from engine.precision.apex_checks import check_data_parallel
+from engine.precision.interface import PrecisionBackend, live_state_dict
+from engine.precision.native import NativePrecision
+
+__all__ = ["BACKENDS", "NativePrecision", "PrecisionBackend", "build_precision", "check_backend",
+           "check_data_parallel", "cudnn_autotuning_off", "live_state_dict", "set_cuda_backends"]
+
+BACKENDS: dict[str, type[PrecisionBackend]] = {cls.name: cls for cls in (NativePrecision, ApexPrecision)}
+
+
+def check_backend(cfg: Config) -> None:
+    """A one-line ConfigError where the run's backend cannot run `cfg`, before anything is built."""
+    BACKENDS[cfg.amp.backend].check(cfg)
+
+
+def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool = False) -> PrecisionBackend:
+    """The run's precision backend, with the process-wide CUDA switches set."""
+    set_cuda_backends(cfg, cudnn_benchmark)
+    return BACKENDS[cfg.backend].create(cfg, device)
+
+
+def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
+    """TF32 for float32 convolutions and matmuls (PyTorch's own default is on for convolutions, off
+    for matmuls), and cuDNN autotuning, which pays off because every training batch has the same
+    shape. No effect on CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
+@contextlib.contextmanager
+def cudnn_autotuning_off():
+    """For evaluation inside a training run: images of many sizes would each be autotuned anew."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous

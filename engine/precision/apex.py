@@ -1,4 +1,5 @@
-"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, DDP and SyncBN.
+"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp (its DDP and SyncBN
+are engine.parallel's).
 
 What the reference ran, for users whose Apex still has `amp` (25.04 and older; checked by
 `engine.precision.apex_checks` before anything is built). `ApexPrecision` implements
@@ -24,7 +25,6 @@ is the same code for both:
   Apex cast them), the optimiser state by index as the native backend saves it, and
   `amp.state_dict()` as the `scaler` entry. Either layout loads in either backend
   (`engine.precision.loss_scale`).
-- SyncBN and DDP are `apex.parallel`'s (`engine.precision.apex_parallel`).
 - `describe` names the Apex build (with its CUDA extensions, or Python-only and what that costs:
   `apex_checks.apex_build`).
 
@@ -38,8 +38,8 @@ import importlib
 import torch
 from torch import nn
 
-from config.schema import AmpConfig, DistConfig
-from engine.precision import apex_checks, apex_parallel
+from config.schema import AmpConfig
+from engine.precision import apex_checks
 from engine.precision.interface import PrecisionBackend
 from engine.precision.loss_scale import apex_amp_state
 
@@ -77,14 +77,6 @@ class ApexPrecision(PrecisionBackend):
         """Checked again here for callers that did not come through `check` (bench scripts)."""
         apex_checks.check_installed(device.type)
         return cls(cfg, device)
-
-    @classmethod
-    def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-        return apex_parallel.convert_sync_bn(model)
-
-    @classmethod
-    def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
-        return apex_parallel.wrap_ddp(model, dist_cfg, ctx.world_size)
 
     def describe(self) -> str:
         text = f"Apex amp {self.level}"

@@ -1,16 +1,15 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares.
 
 The engine talks to the precision of a run only through this interface, whichever backend
-(`amp.backend`, `engine.precision.registry`) implements it:
+(`amp.backend`, `engine.precision.BACKENDS`) implements it:
 
-- before training: `prepare_model` (cast, memory format), `optimizer_params` (what the optimiser
-  steps), `attach` (once the optimiser exists), and the class methods `convert_sync_bn` and
-  `wrap_ddp` (`--sync-bn` and the DDP wrapper of the backend) and `check` (one-line refusals of
-  what the backend cannot run, before anything is built);
+- before training: `check` (one-line refusals of what the backend cannot run, before anything
+  is built), `prepare_model` (cast, memory format), `optimizer_params` (what the optimiser
+  steps), `attach` (once the optimiser exists);
 - every batch: `cast_input`, `autocast_context`, `backward` (through the loss scaler);
-- every step: one `update(optimizer, decide)`: unscale the accumulated gradients, let the engine
-  decide (`decide()`: norm, skip vote, clipping; returns a `StepDecision`), step or skip, update
-  the loss scale, zero the gradients;
+- every step, in this order (`engine.optim_step.OptimStep` sequences them and decides between
+  them): `unscale_` the accumulated gradients, `step` (or skip) and update the loss scale,
+  `zero_grad`;
 - checkpoints and the EMA: `weight_sources` (live float32 sources of the weights),
   `float32_state_dict`, and the loss scaler's `state_dict` / `load_state_dict`
   (`engine.precision.loss_scale` maps either backend's layout onto the other).
@@ -23,21 +22,13 @@ modules: seconds per call on imhn512).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from common.errors import ConfigError
-from config.schema import AmpConfig, DistConfig
+from config.schema import AmpConfig
 from runtime.launch_env import device_kind
-
-
-@dataclass
-class StepDecision:
-    grads_finite: bool       # step (True) or skip (False)
-    bad_loss: bool = False   # the engine poisoned the gradients on purpose: keep the loss scale
 
 
 def live_state_dict(model: nn.Module) -> dict:
@@ -59,6 +50,7 @@ class PrecisionBackend(abc.ABC):
     """One run's mixed precision: see the module's doc for the order in which the engine calls it."""
 
     name: str = ""
+    dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         """The settings both backends read from `amp` the same way."""
@@ -106,16 +98,6 @@ class PrecisionBackend(abc.ABC):
         """The backend object of a run on `device`."""
         return cls(cfg, device)
 
-    @classmethod
-    @abc.abstractmethod
-    def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-        """`--sync-bn`: the model's batch norms made cross-process for `ctx`."""
-
-    @classmethod
-    @abc.abstractmethod
-    def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
-        """The DDP wrapper of this backend, with a `no_sync()`; the model itself without a group."""
-
     # -- model and optimiser -----------------------------------------------------------------------
     @abc.abstractmethod
     def describe(self) -> str:
@@ -144,7 +126,7 @@ class PrecisionBackend(abc.ABC):
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` through the loss scaler; gradients accumulate until `update`."""
+        """Backward of `loss` through the loss scaler; gradients accumulate until `zero_grad`."""
 
     # -- every step ----------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -159,15 +141,6 @@ class PrecisionBackend(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self, optimizer) -> None:
         """Every gradient the step used, freed."""
-
-    def update(self, optimizer, decide: Callable[[], StepDecision]) -> StepDecision:
-        """One optimiser step: unscale, `decide()` (norm, skip vote, clipping: the engine's), step
-        or skip, loss scale, zero the gradients. Returns the decision."""
-        self.unscale_(optimizer)
-        decision = decide()
-        self.step(optimizer, decision.grads_finite, bad_loss=decision.bad_loss)
-        self.zero_grad(optimizer)
-        return decision
 
     # -- checkpoints and the EMA -----------------------------------------------------------------
     def weight_sources(self, model: nn.Module) -> dict:

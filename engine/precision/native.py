@@ -10,8 +10,7 @@
 Loss scaling is only needed for float16 (bfloat16 has float32's range): with float16 the
 `GradScaler` is dynamic (`loss_scale="dynamic"`, starting at `init_scale`, since 65536 overflows
 early) or static (a number); either way a step whose gradients overflow is skipped. With
-bfloat16 the scaler is disabled and saves an empty state. SyncBN is `engine.sync_bn`'s, DDP
-torch's (`runtime.distributed.wrap_ddp`).
+bfloat16 the scaler is disabled and saves an empty state.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import contextlib
 import torch
 from torch import nn
 
-from config.schema import AmpConfig, DistConfig
+from config.schema import AmpConfig
 from engine.precision.interface import PrecisionBackend
 from engine.precision.loss_scale import grad_scaler_fields
 
@@ -47,16 +46,7 @@ class NativePrecision(PrecisionBackend):
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
         self.scaler = self._build_scaler(cfg)
-
-    @classmethod
-    def convert_sync_bn(cls, model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
-        from engine.sync_bn import convert_sync_bn
-        return convert_sync_bn(model, ctx)
-
-    @classmethod
-    def wrap_ddp(cls, model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
-        from runtime.distributed import wrap_ddp
-        return wrap_ddp(model, ctx, dist_cfg)
+        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
 
     def _build_scaler(self, cfg: AmpConfig):
         use_scaler = self.level != "O0" and self.dtype == torch.float16

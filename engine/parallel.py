@@ -1,0 +1,323 @@
+"""SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
+`convert_sync_bn` and `wrap_ddp` pick, by `amp.backend`, one definition each of the native backend
+(torch) or of the apex backend (`apex.parallel`, mended as each function below says; docs/training.md,
+"Apex itself").
+
+Native SyncBN is `nn.SyncBatchNorm` on CUDA. PyTorch's refuses CPU tensors, so on CPU process
+groups (gloo) `CrossProcessBatchNorm` does the same job: in training it all-reduces per-channel
+count, sum and sum of squares (float64), normalises with the global mean and biased variance,
+updates the running statistics with the unbiased global variance as BatchNorm does, and its
+backward all-reduces the two per-channel gradient sums. Input gradients are then those of the
+SUM of the ranks' losses over the joint batch, and weight/bias gradients are each rank's own,
+which DDP averages: with a per-rank mean loss, the step equals one process on the whole batch
+(the same convention as `nn.SyncBatchNorm`). In eval mode, or without a process group of more
+than one process, it is plain batch norm. State-dict keys are those of `nn.BatchNorm2d`, so
+checkpoints load either way.
+
+Native DDP is torch's, with `dist`'s settings: `delay_allreduce` puts all gradients in one bucket,
+so the only all-reduce starts after the backward pass (Apex's option); otherwise buckets of
+`bucket_cap_mb` overlap their all-reduce with the backward pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from config.schema import AmpConfig, DistConfig
+from runtime import distributed as group
+
+
+def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
+    """`--sync-bn`: the batch norms of `model` made cross-process for `ctx` (a
+    runtime.distributed.DistContext) by the run's backend; unchanged when not distributed."""
+    if not ctx.distributed:
+        return model
+    return apex_sync_bn(model) if amp.backend == "apex" else torch_sync_bn(model, ctx)
+
+
+def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
+    """train_distributed.py's wrapper: the run's backend's DDP with the options of `dist_cfg`,
+    with the `no_sync()` of gradient accumulation; the model itself when not distributed."""
+    if not ctx.distributed:
+        return model
+    if amp.backend == "apex":
+        return apex_ddp(model, dist_cfg, ctx.world_size)
+    return torch_ddp(model, ctx, dist_cfg)
+
+
+# -- native: torch's DDP, nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU ----------------------
+def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
+    """torch's DistributedDataParallel with `dist_cfg`'s settings (see the module's doc)."""
+    if dist_cfg.delay_allreduce:     # one bucket that holds every trainable gradient
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        bucket_mb = math.ceil(grad_bytes / 2**20) + 1
+    else:
+        bucket_mb = dist_cfg.bucket_cap_mb
+    on_cuda = ctx.device.type == "cuda"
+    ddp = nn.parallel.DistributedDataParallel
+    # newer PyTorch renamed broadcast_buffers (buffers are synced at start either way)
+    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+                  else "broadcast_buffers")
+    return ddp(model, device_ids=[ctx.device.index] if on_cuda else None,
+               output_device=ctx.device.index if on_cuda else None, bucket_cap_mb=bucket_mb,
+               find_unused_parameters=dist_cfg.find_unused_parameters,
+               static_graph=dist_cfg.static_graph, **{buffers_kw: dist_cfg.broadcast_buffers})
+
+
+def torch_sync_bn(model: nn.Module, ctx) -> nn.Module:
+    """nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU."""
+    if ctx.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return _replace_batchnorms(model, _to_cross_process)
+
+
+def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _reduce_dims(x: torch.Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+class _CrossProcessBatchNormFn(torch.autograd.Function):
+    """Normalisation with statistics and gradient sums all-reduced over a process group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, group):
+        dims = _reduce_dims(x)
+        xf = x.float()
+        local = torch.cat([
+            torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
+            xf.sum(dims, dtype=torch.float64),
+            (xf * xf).sum(dims, dtype=torch.float64),
+        ])
+        dist.all_reduce(local, group=group)
+        channels = x.shape[1]
+        total = local[0].item()
+        if total <= 1:
+            raise ValueError("Expected more than 1 value per channel when training, "
+                             f"got input size {list(x.shape)} on this rank")
+        mean = local[1:1 + channels] / total
+        var = (local[1 + channels:] / total - mean * mean).clamp_min(0)
+        if running_mean is not None:
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            unbiased = var * (total / (total - 1))
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        mean32 = mean.float()
+        invstd = torch.rsqrt(var + eps).float()
+        y = (xf - _channel_view(mean32, x.dim())) * _channel_view(invstd, x.dim())
+        if weight is not None:
+            y = y * _channel_view(weight.float(), x.dim())
+        if bias is not None:
+            y = y + _channel_view(bias.float(), x.dim())
+        ctx.save_for_backward(x, weight, mean32, invstd)
+        ctx.total = total
+        ctx.group = group
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = _reduce_dims(x)
+        dy = grad_out.float()
+        xhat = (x.float() - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        grad_x = grad_w = grad_b = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = sum_dy_xhat.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = sum_dy.to(weight.dtype if weight is not None else dy.dtype)
+        if ctx.needs_input_grad[0]:
+            both = torch.cat([sum_dy, sum_dy_xhat]).double()
+            dist.all_reduce(both, group=ctx.group)
+            channels = x.shape[1]
+            mean_dy = (both[:channels] / ctx.total).float()
+            mean_dy_xhat = (both[channels:] / ctx.total).float()
+            scale = invstd if weight is None else invstd * weight.float()
+            grad_x = (dy - _channel_view(mean_dy, x.dim()) - xhat * _channel_view(mean_dy_xhat, x.dim()))
+            grad_x = (grad_x * _channel_view(scale, x.dim())).to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class CrossProcessBatchNorm(_BatchNorm):
+    """Batch norm over the joint batch of all processes of `process_group` (default: all),
+    for inputs of any rank >= 2 (N, C, ...). Works on CPU/gloo where nn.SyncBatchNorm refuses."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_group=None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D input")
+
+    def _group_size(self) -> int:
+        if self.process_group is None:     # the default group: raises once it is lost or aborted
+            return group.get_world_size()
+        return dist.get_world_size(self.process_group)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        normalise_with_batch = self.training or self.running_mean is None
+        if not normalise_with_batch or self._group_size() == 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        update = self.training and self.track_running_stats
+        if update and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return _CrossProcessBatchNormFn.apply(
+            input, self.weight, self.bias,
+            self.running_mean if update else None, self.running_var if update else None,
+            factor, self.eps, self.process_group)
+
+
+def _replace_batchnorms(module: nn.Module, convert) -> nn.Module:
+    """Rebuild `module` with `convert(m)` applied to every module (convert returns m if unchanged)."""
+    result = convert(module)
+    for name, child in module.named_children():
+        result.add_module(name, _replace_batchnorms(child, convert))
+    return result
+
+
+def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
+    """Give `dst` the very parameters and buffers of `src` (optimizers keep their references)."""
+    if src.affine:
+        dst.weight, dst.bias = src.weight, src.bias
+    dst.running_mean, dst.running_var = src.running_mean, src.running_var
+    dst.num_batches_tracked = src.num_batches_tracked
+    dst.train(src.training)
+    return dst
+
+
+def _to_cross_process(module: nn.Module) -> nn.Module:
+    if not isinstance(module, _BatchNorm) or isinstance(module, (nn.SyncBatchNorm, CrossProcessBatchNorm)):
+        return module
+    bn = CrossProcessBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                               module.track_running_stats, device="meta")
+    return _move_state(module, bn)
+
+
+# -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------
+def apex_sync_bn(model: nn.Module) -> nn.Module:
+    """`apex.parallel.convert_syncbn_model`, its SyncBatchNorm mended for channels_last batches
+    (optimized build: its `channel_last` flag means an [N, H, W, C] SHAPE) or for dtypes and
+    running statistics (Python build). Each keeps the very parameters and mode of the batch norm
+    it replaces (Apex's gives it new parameters, which would unfreeze a frozen one and leave the
+    optimiser's references behind)."""
+    parallel = importlib.import_module("apex.parallel")
+    before = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
+    model = parallel.convert_syncbn_model(model)       # channel_last off: see _mended_class
+    mended = _mended_class(parallel.SyncBatchNorm)
+    for name, module in model.named_modules():
+        if name in before and module is not before[name]:
+            old = before[name]
+            if old.affine:
+                module.weight, module.bias = old.weight, old.bias
+            module.train(old.training)
+            for key, value in vars(old).items():     # marks set on it, e.g. engine.freeze's
+                if key.startswith("_frozen"):
+                    setattr(module, key, value)
+        if type(module) is parallel.SyncBatchNorm:
+            module.__class__ = mended
+    return model
+
+
+_MENDED: dict[type, type] = {}
+
+
+def _mended_class(apex_class: type) -> type:
+    """Apex's SyncBatchNorm class (optimized or fallback), mended."""
+    if apex_class not in _MENDED:
+        if apex_class.__module__.endswith("optimized_sync_batchnorm"):    # the CUDA extension's
+            class Mended(apex_class):
+                """Apex's optimized SyncBatchNorm: a training forward on a channels_last batch is
+                given its free [N, H, W, C] view with the flag on, the output permuted back;
+                other batches, and eval (F.batch_norm), with the flag off."""
+
+                def forward(self, input):
+                    batch_stats = self.training or not self.track_running_stats
+                    self.channel_last = (batch_stats and input.dim() == 4 and not input.is_contiguous()
+                                         and input.is_contiguous(memory_format=torch.channels_last))
+                    if not self.channel_last:
+                        return super().forward(input)
+                    return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            name = "NHWCViewSyncBatchNorm"
+        else:
+            class Mended(apex_class):
+                """Apex's Python SyncBatchNorm, output in the input's dtype (under O2 it returned
+                float32 into the next float16 convolution), running statistics kept in their own
+                tensors (it assigned new ones, so a skipped step's restore or an EMA held dead
+                ones)."""
+
+                def forward(self, input):
+                    kept = (self.running_mean, self.running_var)
+                    out = super().forward(input)
+                    with torch.no_grad():
+                        for name, tensor in zip(("running_mean", "running_var"), kept):
+                            now = getattr(self, name)
+                            if tensor is not None and now is not tensor:
+                                tensor.copy_(now)
+                                setattr(self, name, tensor)
+                    return out if out.dtype == input.dtype else out.to(input.dtype)
+            name = "MendedFallbackSyncBatchNorm"
+        Mended.__name__ = Mended.__qualname__ = name
+        _MENDED[apex_class] = Mended
+    return _MENDED[apex_class]
+
+
+def _memory_order_only(kernel):
+    """`amp_C.multi_tensor_scale` (dst = src * scale, each tensor walked in memory order) given
+    only the pairs whose memory order is their logical order; the rest (channels_last gradients
+    of Apex DDP's logical-order buffer, which the kernel gave back permuted) copied stride-aware
+    in one `_foreach_copy_`."""
+    def scale(chunk_size, noop_flag, tensor_lists, factor):
+        pairs = list(zip(*tensor_lists))
+        walked = [pair for pair in pairs if pair[0].is_contiguous() and pair[1].is_contiguous()]
+        strided = [pair for pair in pairs if not (pair[0].is_contiguous() and pair[1].is_contiguous())]
+        if walked:
+            kernel(chunk_size, noop_flag, [list(side) for side in zip(*walked)], factor)
+        if strided:
+            sources, targets = ([pair[i] for pair in strided] for i in (0, 1))
+            torch._foreach_copy_(targets, sources)
+            if factor != 1.0:
+                torch._foreach_mul_(targets, factor)
+    return scale
+
+
+def apex_ddp(model: nn.Module, dist_cfg: DistConfig, world_size: int) -> nn.Module:
+    """`apex.parallel.DistributedDataParallel` with `gradient_predivide_factor` = world size (each
+    rank divides its float16 scaled gradients before the sum, as torch's DDP does: Apex's default
+    sums first and overflows N times sooner), the `no_sync()` of gradient accumulation (Apex's
+    disable_allreduce; the last batch's backward all-reduces the sum), and its copy-back right
+    for channels_last gradients."""
+    base = importlib.import_module("apex.parallel").DistributedDataParallel
+
+    class ApexDDP(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if hasattr(self, "multi_tensor_scale"):        # Apex with amp_C
+                self.multi_tensor_scale = _memory_order_only(self.multi_tensor_scale)
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.disable_allreduce()
+            try:
+                yield
+            finally:
+                self.enable_allreduce()
+
+    return ApexDDP(model, delay_allreduce=dist_cfg.delay_allreduce,
+                   gradient_predivide_factor=float(world_size), gradient_average=True)

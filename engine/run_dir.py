@@ -1,0 +1,237 @@
+"""The run directory `checkpoints/RUN/` and what a run resumes there, decided once.
+
+The directory is never reused by accident: one that already holds a run is refused unless the
+user resumes it (`--resume`) or replaces it (`--overwrite`, which removes only the trainer's own
+files, once every other check has passed), and the main process claims it (creates a fresh name
+exclusively, locks `RUN/.run.lock`) so that two runs never share one. `plan_run` picks it and the
+checkpoint a resume continues (on rank 0, for every rank).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import CheckpointError, ConfigError, UserError, os_reason
+from common.paths import refuse_clashes, same_file
+from config.loader import to_yaml
+from config.schema import Config, TrainConfig
+from runtime import distributed as dist
+from engine.resume import CheckpointReader
+
+RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
+# what the trainer writes in a run directory: all --overwrite ever removes
+WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "train_steps.jsonl", "config.yaml",
+           "train.log", "environment.json", ".environment.*.tmp.json", "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
+           "tensorboard/events.out.tfevents.*", "val_pictures/epoch_*.png", "val_pictures/.epoch_*.tmp.png")
+LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
+_claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
+
+
+def holds_run(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+
+
+def newest_run_dir(out_dir: Path) -> Path | None:
+    """The most recently written run directory under `out_dir` (for `--resume auto` without a name)."""
+    runs = [p for p in out_dir.glob("*") if holds_run(p) and not p.name.startswith("_")]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def _make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs"
+                          ) from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
+
+
+def _claim(run_dir: Path, exclusive: bool) -> bool:
+    """Create `run_dir` (only if absent when `exclusive`) and lock it for this process; returns
+    whether it was created. The lock (lockf of RUN/.run.lock) goes with the process, even a killed
+    one, and is not inherited by the processes it forks (DataLoader workers outliving it)."""
+    created = False
+    try:
+        run_dir.mkdir()
+        created = True
+    except FileExistsError:
+        if exclusive or not run_dir.is_dir():
+            if exclusive:
+                raise
+            raise ConfigError(f"{run_dir}: a file, not a run directory; choose another --run-name") from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {run_dir.parent}: cannot create the run directory there "
+                          f"({exc.strerror})") from None
+    key = str(run_dir.resolve())
+    if key not in _claimed:
+        try:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            release_run_dir(run_dir, remove_if_empty=created)
+            raise ConfigError(f"{run_dir}: cannot write there ({exc.strerror})") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(f"{run_dir} is in use by another run right now; wait for it to end, or "
+                              "choose another --run-name") from None
+        _claimed[key] = fd
+    return created
+
+
+def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None:
+    """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
+    if run_dir is None:
+        return
+    fd = _claimed.pop(str(Path(run_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+    if remove_if_empty and {p.name for p in Path(run_dir).iterdir()} <= {LOCK_FILE}:
+        (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)
+        Path(run_dir).rmdir()
+
+
+def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
+    """The run directory, claimed (on the main process): a directory that holds a run is refused
+    unless resumed or overwritten (`clear_run_dir`, once every other check has passed), and so is
+    one whose files the run would write over a file it reads; two runs never share one."""
+    train = cfg.train
+    out_dir = Path(train.out_dir)
+    run_dir, created = None, False
+    named = out_dir / train.run_name if train.run_name else None
+    if train.resume and train.resume != "auto":
+        run_dir = Path(train.resume).resolve().parent     # writes next to the file resumed
+        if named is not None and named.resolve() != run_dir:
+            raise ConfigError(f"--resume {train.resume} continues the run in {run_dir}, not "
+                              f"--run-name {train.run_name}: copy the checkpoint into {named} "
+                              "and resume it there, or leave out --run-name")
+    elif named is not None:
+        run_dir = named
+    elif train.resume == "auto":
+        run_dir = newest_run_dir(out_dir)
+    if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
+            run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
+        raise ConfigError(_nothing_to_resume(out_dir, run_dir))
+    _make_out_dir(out_dir if run_dir is None else run_dir.parent)
+    if run_dir is None:                 # a fresh name, created exclusively: never one in use
+        stamp = time.strftime("run-%Y%m%d-%H%M%S")
+        for attempt in range(1, 1000):
+            run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+            try:
+                created = _claim(run_dir, exclusive=True)
+                break
+            except FileExistsError:
+                continue
+    else:
+        created = _claim(run_dir, exclusive=False)
+    if holds_run(run_dir) and not train.resume and not train.overwrite:
+        release_run_dir(run_dir)
+        raise ConfigError(
+            f"{run_dir} already holds a run: pass --resume auto to continue it, "
+            f"--overwrite to replace it, or choose another --run-name")
+    try:      # the files it writes (or, with --overwrite, removes) there: none may be an input
+        refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
+                        "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5, "--config": cfg.preset},
+                       {"--run-name/--out-dir": _overwritten(run_dir)})
+    except ConfigError:
+        release_run_dir(run_dir, remove_if_empty=created)
+        raise
+    return run_dir, created
+
+
+def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
+    """Why `--resume auto` that finds no run is refused: the run directory looked in (a misspelt
+    --run-name, or another --out-dir than the run's) would otherwise start a new run on the
+    synthetic dataset. Naming the data or the weights (a requeued job) starts afresh instead."""
+    where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
+             "the --out-dir the run was started with" if run_dir else
+             f"found no run in {out_dir}: give the --out-dir the runs were written to")
+    return (f"--resume auto: {where}; to start a new run instead, leave out --resume auto or name "
+            "its data (--train-h5) or weights (--weights)")
+
+
+def _overwritten(run_dir: Path) -> list[Path]:
+    """The files an earlier run of this trainer wrote in `run_dir`: what --overwrite removes."""
+    return [path for pattern in WRITTEN for path in run_dir.glob(pattern)
+            if path.is_file() or path.is_symlink()]
+
+
+def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
+    """--overwrite: remove what an earlier run of this trainer wrote in `run_dir`, nothing else."""
+    if not train.overwrite or train.resume:
+        return
+    for path in _overwritten(run_dir):
+        path.unlink()
+    for folder in ("tensorboard", "val_pictures"):
+        try:
+            (run_dir / folder).rmdir()
+        except OSError:
+            pass                            # absent, or holds files the trainer did not write
+
+
+def save_resolved_config(cfg: Config, run_dir: Path) -> None:
+    tmp = run_dir / "config.yaml.tmp"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(to_yaml(cfg))
+        tmp.replace(run_dir / "config.yaml")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {run_dir / 'config.yaml'}: {os_reason(exc)}; "
+                          "choose a writable --out-dir with free space") from None
+
+
+@dataclass
+class RunPlan:
+    run_dir: Path
+    created: bool                     # this run created run_dir (removed again if it fails to start)
+    resume_path: Path | None          # the checkpoint this run continues, if any
+    config: Config                    # the main process's: the one every rank trains with
+    reader: CheckpointReader          # reads resume_path (the command line may have read it)
+
+
+def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
+    """Decided on the main process, the same on every rank: one rank's view of a shared filesystem
+    (a newer file, a stale listing, hence another saved config) never makes the ranks disagree.
+    `reader`: the one the command line read the saved config with, if any."""
+    reader = reader or CheckpointReader()
+
+    def decide():
+        run_dir, created = pick_and_claim(cfg)
+        try:
+            return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
+        except BaseException:      # a run that did not start leaves no directory behind
+            release_run_dir(run_dir, remove_if_empty=created)
+            raise
+    run_dir, created, path, config = dist.decided_on_main(decide)
+    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader)
+
+
+def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:
+    if not train.resume:
+        return None
+    if train.resume == "auto":
+        path = reader.latest(run_dir)
+        return str(path) if path else None
+    if not Path(train.resume).is_file():
+        raise CheckpointError(f"--resume {train.resume}: no such file")
+    refuse_another_run(Path(train.resume), run_dir)
+    return train.resume
+
+
+def refuse_another_run(path: Path, run_dir: Path) -> None:
+    """ConfigError when resuming `path` would write over another run's files in `run_dir` (where a
+    resume writes): a file the trainer did not name itself (not last.pth, best.pth, epoch_N.pth)
+    beside a run's files is another run's checkpoint."""
+    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
+        return
+    theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
+    if theirs:
+        raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
+                          "resuming there would write over; nothing was touched: copy the checkpoint "
+                          f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
