@@ -135,7 +135,8 @@ class IMHN(nn.Module):
         self.stem = Stem(cfg.stem_channels, cfg.channels)
         self.stacks = nn.ModuleList(Stack(widths, cfg, out_channels, last=i == cfg.stacks - 1)
                                     for i in range(cfg.stacks))
-        self.reset_parameters(cfg.init_std)
+        if not next(self.parameters()).is_meta:      # on the meta device it is only counted
+            self.reset_parameters(cfg.init_std)
 
     def reset_parameters(self, std: float) -> None:
         for module in self.modules():

@@ -3,7 +3,7 @@ a finished run to be refused beside, and the run of every row of the table in do
 
 Each row of the table is a fresh process of `python -m data.make_hdf5`, `train.py` or
 `train_distributed.py` (under torchrun where the row is about processes), all started together by
-the session fixture `table`; the test files of each subject check their rows (`TABLE_ROWS`). What
+the session fixture `table`; the test file of each subject checks its rows (`TABLE_ROWS`). What
 every row asserts: a non-zero exit code, no traceback, and exactly one message line on stderr
 (progress bars aside) that starts with `error:` and names the file or option; rows that must not
 lose data also check the files they must leave untouched. Two rows need what this machine lacks (a
@@ -254,15 +254,16 @@ def table(tmp_path_factory, synthetic_h5) -> dict:
             "agent_stderr": agent_stderr}
 
 
-TABLE_ROWS = {   # subject: the rows of the docs table its test file checks
-    "data files": ["malformed JSON", "non-keypoint COCO JSON", "missing image", "unreadable image",
-                   "corrupt image", "missing HDF5", "truncated HDF5", "foreign HDF5", "older HDF5 format"],
-    "checkpoints": ["checkpoint of another model", "authors' checkpoint of another network",
-                    "truncated checkpoint", "checkpoint that runs code"],
-    "options": ["learning rate that overflows AdamW", "pure float16 with AdamW", "unknown opt level",
-                "unknown preset", "batch not divisible by processes",
-                "more processes than GPUs", "port in use", "freeze pattern matching nothing"],
-    "outputs": ["full disk while saving", "output directory of another run"],
+TABLE_ROWS = {   # test module: the rows of the docs table it checks (tests/conftest.py: on one worker)
+    "test_bad_data_files": ["malformed JSON", "non-keypoint COCO JSON", "missing image", "unreadable image",
+                            "corrupt image", "missing HDF5", "truncated HDF5", "foreign HDF5",
+                            "older HDF5 format"],
+    "test_bad_checkpoints": ["checkpoint of another model", "authors' checkpoint of another network",
+                             "truncated checkpoint", "checkpoint that runs code"],
+    "test_bad_options": ["learning rate that overflows AdamW", "pure float16 with AdamW", "unknown opt level",
+                         "unknown preset", "batch not divisible by processes", "more processes than GPUs",
+                         "port in use", "freeze pattern matching nothing"],
+    "test_output_safety": ["full disk while saving", "output directory of another run"],
 }
 
 

@@ -1,5 +1,6 @@
 """The environment of the processes the tests start: none of the caller's launcher or SLURM
-variables (a test run inside torchrun or srun must not leak them), one thread per process."""
+variables (a test run inside torchrun or srun must not leak them); tests/conftest.py has already
+set OMP_NUM_THREADS=1 for every process they start."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 def child_env(**extra: str) -> dict:
-    """This environment without launcher variables, one thread per process, plus `extra`."""
+    """This environment without launcher variables, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env.update(PYTHONUNBUFFERED="1", **extra)
     return env

@@ -1,9 +1,11 @@
 """Shared pytest fixtures (the real COCO sample directory, a small synthetic HDF5 dataset, the
-bad-input tests' fixtures from tests/bad_inputs.py) and the `slow` mark of every test that starts a
-process or trains; a test that takes many CPU-seconds in this process carries the mark itself."""
+bad-input tests' fixtures from tests/bad_inputs.py) and the guard of the fast tier: a test not
+marked `slow` fails when it, or a fixture it sets up, starts a process."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,6 +13,11 @@ import pytest
 import torch
 
 COCO4_DIR = Path(__file__).resolve().parent / "data" / "coco4"
+
+# One thread in this process and in those it starts (tests/child_env.py says so too): the tests'
+# tensors are small, and two threads of them on a busy machine mostly wait for each other.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 pytest_plugins = ["bad_inputs"]        # the fixtures and checks of the bad-input tests
 
@@ -63,30 +70,71 @@ def tiny_network(tiny_cfg):
     return model.eval()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Mark `slow` every test that starts a process or trains (tests/slow_tests.py says how)."""
-    from slow_tests import SlowCode, starts_processes_or_trains
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (pytest-xdist, the README's command): a module's tests run on one worker, which sets
+    its module fixtures up once; so do the modules that read the bad-input table (tests/bad_inputs.py),
+    a session fixture of 22 processes. (xdist's own `--dist loadgroup` reads groups from node ids,
+    which pytest 9 no longer lets a plugin change.)"""
+    if config.getvalue("dist") != "load":          # another --dist asked for: xdist's own
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    from bad_inputs import TABLE_ROWS
 
-    judge = SlowCode()
-    for item in items:
-        if "slow" not in item.keywords and starts_processes_or_trains(item, judge):
-            item.add_marker(pytest.mark.slow)
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "bad-input table" if Path(module).stem in TABLE_ROWS else module
+    return ByModule(config, log)
 
 
-@pytest.fixture(autouse=True)
-def process_guard(request, monkeypatch):
-    """A test not marked `slow` that starts a process fails: tests/slow_tests.py missed how it does."""
-    if "slow" in request.keywords:
-        yield
-        return
-    started = []
+def pytest_collection_modifyitems(items):
+    """The table's readers are the modules named in TABLE_ROWS: elsewhere a worker would run it again."""
+    from bad_inputs import TABLE_ROWS
+    strays = [item.nodeid for item in items if "table" in item.fixturenames
+              and item.module.__name__ not in TABLE_ROWS]
+    if strays:
+        raise pytest.UsageError(f"{strays[0]} reads the bad-input table: name its module in TABLE_ROWS")
+
+
+@contextlib.contextmanager
+def _processes_started():
+    """The list of the processes (subprocess or multiprocessing) started inside the block, but for
+    `git`: a run asks it for the commit it records (runtime/environment.py), in milliseconds."""
+    started, originals = [], []
     for cls, method in ((subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start")):
         original = getattr(cls, method)
+        originals.append((cls, method, original))
 
         def record(*args, _original=original, **kwargs):
-            started.append(args[0])
+            what = args[1] if len(args) > 1 else args[0]          # Popen's command, or the Process
+            if not (isinstance(what, (list, tuple)) and what[:1] == ["git"]):
+                started.append(what)
             return _original(*args, **kwargs)
-        monkeypatch.setattr(cls, method, record)
-    yield
-    assert not started, (f"{request.node.nodeid} started a process ({started[0]!r}) but is not marked slow; "
-                         "teach tests/slow_tests.py how it starts one")
+        setattr(cls, method, record)
+    try:
+        yield started
+    finally:
+        for cls, method, original in originals:
+            setattr(cls, method, original)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _fast_only(item, "its fixtures"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _fast_only(item, "it"))
+
+
+def _fast_only(item, who: str):
+    """A test not marked `slow` fails when it, or a fixture it sets up, starts a process."""
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _processes_started() as started:
+        result = yield
+    assert not started, (f"{item.nodeid}: {who} started a process ({started[0]!r}); a test that starts "
+                         "processes is marked @pytest.mark.slow")
+    return result

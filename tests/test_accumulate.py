@@ -22,13 +22,15 @@ from engine.cli import single_process_context
 from engine.device_feed import to_model_input
 from engine.run_trainer import Launch, RunTrainer, build_trainer
 from engine.trainer import Interrupted, Trainer
+from test_preemption import write_micro_preset
 
 QUICK = ["--set", "data.workers=0", "--set", "train.tensorboard=false", "--val-every", "0",
          "--optimizer", "sgd", "--lr", "0.01", "--warmup-epochs", "1"]
 
 
 def run(tmp_path, synthetic_h5, *extra):
-    return train.main(["--train-h5", str(synthetic_h5[0]), "--out-dir", str(tmp_path), *QUICK, *extra])
+    return train.main(["--config", str(write_micro_preset(tmp_path)), "--train-h5", str(synthetic_h5[0]),
+                       "--out-dir", str(tmp_path), *QUICK, *extra])
 
 
 def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *extra: str) -> RunTrainer:
@@ -36,7 +38,8 @@ def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *ext
             f"train.run_name={name}", f"train.batch_size={batch}", f"train.accumulate={accumulate}",
             "optim.name=sgd", "optim.lr=0.01", "optim.warmup_epochs=0", "optim.decay_every=0",
             "train.tensorboard=false", "train.device=cpu", *extra]
-    return build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
+    return build_trainer(build_config(str(write_micro_preset(tmp_path)), sets=sets),
+                         Launch(single_process_context("cpu")))
 
 
 def bn_eval(model: nn.Module) -> None:

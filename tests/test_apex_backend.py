@@ -115,6 +115,7 @@ def test_dataparallel_over_gpus_is_refused_under_o2_and_o3_only():
     backend.check_data_parallel(apex_config("amp.opt_level=O1").amp, 4)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_in_one_line_before_the_run_directory_exists(tmp_path):
     site = write_apex(tmp_path / "site", amp=False)
     runs = tmp_path / "runs"

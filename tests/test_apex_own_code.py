@@ -209,6 +209,7 @@ def test_apex_optimized_syncbn_is_batch_norm_per_channel_in_either_memory_format
     assert torch.allclose(model(x), reference(x), atol=1e-5)
 
 
+@pytest.mark.slow          # builds apex_C: the compiler's processes
 @requires_apex
 def test_apex_ddp_gives_channels_last_gradients_back_as_they_were_all_reduced(
         apex_amp_c, apex_c, gloo_group_of_one):

@@ -89,10 +89,12 @@ def test_a_saved_config_that_no_longer_fits_names_the_file_and_the_way_on(env, c
             ["the config saved in checkpoint", "option model.stacks"], tmp_path)
 
 
-@pytest.mark.parametrize("row", TABLE_ROWS["checkpoints"])
+@pytest.mark.slow
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_checkpoints"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_runs_code_runs_none(table):
     assert not (table["root"] / "code_ran").exists()

@@ -194,7 +194,7 @@ def damaged_pictures(env, tmp_path) -> Path:
     return _damaged_h5(env, tmp_path, change)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])   # workers: processes
 def test_a_damaged_picture_is_one_line_naming_it_with_or_without_dataloader_workers(env, capsys, tmp_path,
                                                                                      workers):
     path = damaged_pictures(env, tmp_path)
@@ -206,11 +206,13 @@ def test_a_damaged_picture_is_one_line_naming_it_with_or_without_dataloader_work
     assert re.fullmatch(said, line), line
 
 
-@pytest.mark.parametrize("row", TABLE_ROWS["data files"])
+@pytest.mark.slow
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_data_files"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 
 
+@pytest.mark.slow
 def test_refused_data_files_leave_no_half_written_dataset(table):
     assert not (table["root"] / "out.h5").exists()
     assert not list(table["root"].glob(".out.h5.*"))

@@ -92,12 +92,14 @@ def test_a_validation_file_without_training_data_is_refused_not_ignored(env, cap
             [f"--val-h5 {synthetic_h5[1]} without --train-h5", "give --train-h5 too"], env["root"])
 
 
-@pytest.mark.parametrize("row", TABLE_ROWS["options"])
+@pytest.mark.slow
+@pytest.mark.parametrize("row", TABLE_ROWS["test_bad_options"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 
 
 # -- one of each class in a real process ------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_case_per_class_in_a_real_process(env, tmp_path):
     root = env["root"]
     (env["images"] / "empty.jpg").write_bytes(b"")
@@ -143,6 +145,7 @@ def test_one_case_per_class_in_a_real_process(env, tmp_path):
     (env["images"] / "empty.jpg").unlink()
 
 
+@pytest.mark.slow
 def test_every_row_is_in_the_docs_table_and_checked_by_a_subject(table):
     section = (REPO / "docs" / "bad-input.md").read_text()
     rows = [row for subject in TABLE_ROWS.values() for row in subject]
@@ -151,6 +154,7 @@ def test_every_row_is_in_the_docs_table_and_checked_by_a_subject(table):
         assert f"| {row} |" in section, row
 
 
+@pytest.mark.slow
 def test_both_ranks_refuse_an_indivisible_batch_and_torchrun_reports_their_exit_code(table):
     logs = table["logs"]
     for rank in (0, 1):

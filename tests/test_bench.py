@@ -29,6 +29,7 @@ def test_synthetic_rows_with_and_without_channels_last(capsys):
         assert row["share_of_bf16_peak"] is None            # no GPU: no peak to compare with
 
 
+@pytest.mark.slow          # a DataLoader worker: a process
 def test_real_loading_from_coco4_with_an_op_profile(capsys, coco4_dir):
     assert train_throughput.main([*TINY, "--configs", "O0 fp32", "--channels-last", "off", "--h5", "coco4",
                                   "--coco-dir", str(coco4_dir), "--repeat", "2", "--workers", "1",

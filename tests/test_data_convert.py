@@ -218,6 +218,7 @@ def test_path_mistakes_are_one_line_errors(coco_copy, tmp_path, capsys, mistake,
     assert expected.format(images=images, ann=ann, tmp=tmp_path) in err
     assert not list(tmp_path.glob(".*.tmp")) and not list(images.glob(".*.tmp"))
 
+@pytest.mark.slow
 def test_cli_error_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pytest
 
 from data.h5format import KeypointH5
 from data.preview import main as preview_main
@@ -100,6 +101,7 @@ def test_preview_refuses_no_samples_and_a_non_picture_name(synthetic_h5, tmp_pat
     assert preview_main(["--h5", h5, "--out", str(out), "--n", "1", "--config", "tiny"]) == 0
     assert cv2.imread(str(out)).shape == (128, 2 * 128, 3)
 
+@pytest.mark.slow
 def test_benchmark_prints_table_and_json_last():
     proc = subprocess.run([sys.executable, "bench/data_pipeline.py", "--samples", "12",
                            "--input-size", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -115,21 +117,24 @@ def test_benchmark_prints_table_and_json_last():
     assert any(line.startswith("targets") for line in lines)
 
 
-def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_loaded_batches():
-    command = [sys.executable, "bench/train_throughput.py", "--preset", "tiny", "--input", "64",
-               "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cpu",
-               "--channels-last", "both", "--configs", "O0 fp32"]
-    for extra, data, workers in ((["--profile", "1"], "synthetic", 0),
-                                 (["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1)):
-        proc = subprocess.run(command + extra, cwd=ROOT, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stderr
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        # coco4 comes with the repository (tests/data/coco4), so the real images are what loads
-        assert (result["data"], result["workers"], result["batch"]) == (data, workers, 4)
-        assert [row["config"] for row in result["rows"]] == ["O0 fp32", "O0 fp32 +cl"]
-        for row in result["rows"]:
-            assert row["images_per_s"] > 0 and row["skipped_steps"] == 0
-            assert 0 <= row["data_wait_share"] < 1
-            if extra[0] == "--profile":   # op time by kind: shares of one whole, convolutions the most
-                shares = row["time_by_op"]
-                assert abs(sum(shares.values()) - 1) < 0.01 and shares["convolution"] > 0.2
+@pytest.mark.parametrize("extra, data, workers", [
+    (["--profile", "1"], "synthetic", 0),
+    pytest.param(["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1,
+                 marks=pytest.mark.slow)])                     # a DataLoader worker: a process
+def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_loaded_batches(
+        extra, data, workers, capsys):
+    from bench import train_throughput
+
+    assert train_throughput.main(["--preset", "tiny", "--input", "64", "--batch", "4", "--steps", "2",
+                                  "--warmup", "1", "--device", "cpu", "--channels-last", "both",
+                                  "--configs", "O0 fp32", *extra]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # coco4 comes with the repository (tests/data/coco4), so the real images are what loads
+    assert (result["data"], result["workers"], result["batch"]) == (data, workers, 4)
+    assert [row["config"] for row in result["rows"]] == ["O0 fp32", "O0 fp32 +cl"]
+    for row in result["rows"]:
+        assert row["images_per_s"] > 0 and row["skipped_steps"] == 0
+        assert 0 <= row["data_wait_share"] < 1
+        if extra[0] == "--profile":   # op time by kind: shares of one whole, convolutions the most
+            shares = row["time_by_op"]
+            assert abs(sum(shares.values()) - 1) < 0.01 and shares["convolution"] > 0.2

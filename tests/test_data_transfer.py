@@ -150,6 +150,7 @@ print("one batch")
 """
 
 
+@pytest.mark.slow
 def test_python_exits_while_persistent_workers_that_ignore_sigterm_are_alive(synthetic_h5):
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(synthetic_h5[0])], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

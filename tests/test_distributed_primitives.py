@@ -285,6 +285,7 @@ def records(tmp_path_factory):
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["env", "slurm", "legacy"])
 def test_two_processes_join_under_each_launch_style(records, mode):
     for rank, rec in enumerate(records):
@@ -294,6 +295,7 @@ def test_two_processes_join_under_each_launch_style(records, mode):
         assert got["launcher"] == ("slurm" if mode == "slurm" else "env")
 
 
+@pytest.mark.slow
 def test_collectives_agree_on_every_rank(records):
     for rec in records:
         assert rec["any_rank1"] is True and rec["any_none"] is False
@@ -303,6 +305,7 @@ def test_collectives_agree_on_every_rank(records):
         assert rec["broadcast"] == {"from": 0}
 
 
+@pytest.mark.slow
 def test_delay_allreduce_is_one_allreduce_per_step_and_ranks_stay_identical(records):
     for rec in records:
         assert rec["delay_calls"] == [1, 1]          # one bucket: one all-reduce after backward
@@ -330,6 +333,7 @@ D.cleanup()
 """
 
 
+@pytest.mark.slow
 def test_real_legacy_launcher_passes_local_rank_and_joins_the_agent_store(tmp_path):
     script = tmp_path / "legacy_probe.py"
     script.write_text(textwrap.dedent(LEGACY_SCRIPT.format(repo=str(REPO))))

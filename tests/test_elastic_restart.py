@@ -7,9 +7,13 @@ import os
 import re
 import signal
 
+import pytest
+
 from runtime.checkpoint import load_checkpoint
 from test_preemption import (finish, read_metrics, start, torchrun, wait_until, worker_log,
                              worker_pids, write_micro_preset)
+
+pytestmark = pytest.mark.slow          # every test here starts processes
 
 EPOCHS, STEPS = 4, 4
 

@@ -13,9 +13,7 @@ import train
 from config.loader import build_config
 from runtime.checkpoint import load_checkpoint
 from inference.val_pictures import HEADER, TILE
-
-QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
-         "--set", "train.tensorboard=false"]
+from test_train import QUICK
 EMA = ["--ema", "0.9", "--set", "train.ema_tau=2", "--ap-every", "1", "--set", "train.ap_max_images=2",
        "--set", "train.val_pictures=2"]
 
@@ -96,6 +94,7 @@ def test_each_ap_validation_writes_a_picture(straight, synthetic_h5):
     assert not list((straight / "val_pictures").glob(".*"))      # no temporary file left
 
 
+@pytest.mark.slow
 def test_two_ranks_hold_the_same_ema_and_rank_0_saves_it(tmp_path, synthetic_h5):
     from multiprocess_runs import data_args, dumps, launch
 

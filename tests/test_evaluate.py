@@ -223,6 +223,7 @@ def _distributed_worker(rank: int, port: int, argv: list[str], out_dir: str) -> 
         json.dump(stats, file)
 
 
+@pytest.mark.slow
 def test_distributed_evaluation_scores_each_image_exactly_once(coco4_h5, tmp_path, capsys):
     # 3 images on 2 processes: uneven shards, where padding would decode an image twice.
     argv = ["--oracle", "--h5", str(coco4_h5), "--max-images", "3", "--device", "cpu", "--no-progress"]

@@ -21,6 +21,7 @@ def load_script(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_the_gpu_script_parses():
     proc = subprocess.run(["bash", "-n", "bench/gpu_smoke.sh"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -202,6 +202,7 @@ print(len(scores))
 """
 
 
+@pytest.mark.slow
 def test_grouping_memory_is_bounded_at_the_largest_max_peaks():
     """Noise maps of a 136-keypoint skeleton give every keypoint max_peaks peaks (1000, the bound;
     18 million candidate pairs over its 144 limbs, 3.3 GB at once before): grouped within 1 GiB."""

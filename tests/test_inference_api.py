@@ -242,6 +242,7 @@ def test_bad_inputs_give_one_error_line(script, argv, message, checkpoint, forei
     assert message.format(**names) in one_error_line(capfd.readouterr().err)
 
 
+@pytest.mark.slow
 def test_unreadable_video_is_one_error_line_on_the_command_line(checkpoint, tmp_path):
     """Run for real: FFmpeg's own complaints about the file must not reach the terminal either."""
     broken = tmp_path / "broken.mp4"
@@ -276,6 +277,7 @@ sys.exit(demo.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 20000), (20000, 1)], ids=["1x20000", "20000x1"])
 def test_a_picture_of_any_shape_runs_in_bounded_memory(shape, checkpoint, tmp_path):
     """A 140-byte strip PNG: shrunk to 2048 on its longer side, it ran by its height at 512 x 1048576

@@ -11,9 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.slow          # every test here starts processes
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 20
@@ -56,7 +59,7 @@ def read_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
 def test_sigkill_at_random_moments_always_leaves_a_loadable_latest_checkpoint(tmp_path):
     save_checkpoint(tmp_path / "last.pth", {"step": 0, "epoch": 0,
                                             "weights": torch.arange(PAYLOAD, dtype=torch.float32)})
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     helper = subprocess.Popen([sys.executable, "-c", HELPER, str(tmp_path)], cwd=REPO, env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     rng = random.Random(7)
@@ -105,7 +108,7 @@ checkpoint.save_checkpoint(os.path.join(run_dir, "last.pth"), {"step": 1})
 
 
 def test_a_save_killed_mid_write_leaves_only_its_own_temp_file_not_the_earlier_ones(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     for _ in range(2):      # two pre-emptions in a row, each killed during its save
         proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)

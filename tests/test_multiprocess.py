@@ -74,6 +74,7 @@ def ddp_legacy(out_dir, synthetic_h5) -> Path:
 
 
 # -- 2 processes vs 1 ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ranks_hold_identical_parameters_after_ddp_steps(ddp_sync, ddp_legacy):
     for run_dir in (ddp_sync[0], ddp_legacy):
         rank0, rank1 = dumps(run_dir)
@@ -84,6 +85,7 @@ def test_ranks_hold_identical_parameters_after_ddp_steps(ddp_sync, ddp_legacy):
     assert ranks_identical(*dumps(ddp_sync[0]))        # --sync-bn: running statistics agree too
 
 
+@pytest.mark.slow
 def test_sync_bn_ddp_trains_like_one_process_on_the_same_total_batch(single, ddp_sync):
     run_dir, stdout = ddp_sync
     assert "2 process(es) on cpu; batch 2 per process, 4 in total" in stdout
@@ -109,6 +111,7 @@ def first_step_loss(single: Path) -> float:
         return FocalL2Loss(cfg.loss, COCO)(model(images), target, mask)[0].mean().item()
 
 
+@pytest.mark.slow
 def test_without_sync_bn_per_rank_batch_statistics_change_the_result(single, ddp_sync, ddp_legacy):
     start, one = initial_weights(), weights(single / "epoch_1.pth")
     synced = relative_difference(one, weights(ddp_sync[0] / "last.pth"), start)
@@ -119,6 +122,7 @@ def test_without_sync_bn_per_rank_batch_statistics_change_the_result(single, ddp
     assert not torch.equal(rank0["state"][key], rank1["state"][key])
 
 
+@pytest.mark.slow
 def test_legacy_launcher_passes_local_rank_and_delay_allreduce_runs(ddp_legacy):
     rank0, rank1 = dumps(ddp_legacy)
     assert "--local-rank=0" in rank0["argv"] and "--local-rank=1" in rank1["argv"]
@@ -149,6 +153,7 @@ def test_ranks_draw_different_augmentations(synthetic_h5):
 
 
 # -- validation, skipping, errors ---------------------------------------------------------------
+@pytest.mark.slow
 def test_ddp_validation_on_uneven_shards_counts_every_sample_once(ddp_sync):
     """13 validation samples (6 + 7 per rank) for the loss and 5 images (3 + 2) for AP: the loss
     is the one process's loss of the saved weights; the epoch's train loss is both ranks' mean."""
@@ -182,6 +187,7 @@ def ddp_skip(out_dir, synthetic_h5) -> Path:
     return out_dir / "ddp_skip"
 
 
+@pytest.mark.slow
 def test_a_skip_decided_by_one_ranks_loss_is_taken_by_both(ddp_skip):
     rank0, rank1 = dumps(ddp_skip)
     threshold = build_config("tiny").optim.skip_loss_above
@@ -204,6 +210,7 @@ def ddp_accumulate(out_dir, synthetic_h5) -> Path:
     return out_dir / "ddp_accumulate"
 
 
+@pytest.mark.slow
 def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
     """The skip vote comes before every backward: a rank that skipped a SyncBN backward alone would
     leave the other waiting in its collective (the run would hang and time out)."""
@@ -216,6 +223,7 @@ def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
     assert ckpt["config"]["train"]["accumulate"] == 2 and ckpt["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_accumulation_under_ddp_static_graph_all_reduces_every_batch(out_dir, synthetic_h5):
     """DDP's static graph mode fails an internal assert under no_sync: the engine all-reduces each
     batch there instead (the same mean gradient)."""
@@ -227,6 +235,7 @@ def test_accumulation_under_ddp_static_graph_all_reduces_every_batch(out_dir, sy
     assert load_checkpoint(out_dir / "ddp_static" / "last.pth")["step"] == 3
 
 
+@pytest.mark.slow
 def test_batch_that_does_not_divide_fails_on_every_rank_in_one_line(tmp_path, synthetic_h5):
     """Two processes started by hand (RANK, WORLD_SIZE, MASTER_*): each prints one line, exits 2."""
     port = str(find_free_port())
@@ -249,6 +258,7 @@ def test_batch_that_does_not_divide_fails_on_every_rank_in_one_line(tmp_path, sy
 
 
 # -- checkpoints across modes -------------------------------------------------------------------
+@pytest.mark.slow
 def test_ddp_zero_checkpoint_resumes_in_train_py(out_dir, single, ddp_sync):
     """The --zero checkpoint is one consolidated file; train.py continues its epoch, step and LR."""
     ddp_ckpt = load_checkpoint(ddp_sync[0] / "last.pth")
@@ -259,6 +269,7 @@ def test_ddp_zero_checkpoint_resumes_in_train_py(out_dir, single, ddp_sync):
     check_continued(out_dir / "resumed", single)
 
 
+@pytest.mark.slow
 def test_train_py_checkpoint_continues_under_ddp_with_2_processes(out_dir, single):
     launch(out_dir, "torch.distributed.run",
            ["--resume", str(copied_into(out_dir / "continued", single / "epoch_1.pth")), "--epochs", "2",

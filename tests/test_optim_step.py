@@ -174,6 +174,7 @@ def two_ranks(tmp_path_factory):
     return on_gloo_ranks(_steps, WORLD, tmp_path_factory.mktemp("bad_loss_on_one_rank"))
 
 
+@pytest.mark.slow
 def test_a_bad_loss_on_one_rank_skips_the_step_on_both(two_ranks):
     threshold = OptimConfig().skip_loss_above
     for rank, record in enumerate(two_ranks):

@@ -55,6 +55,7 @@ def test_overwrite_waits_for_every_other_check_and_removes_only_the_trainers_fil
     shutil.rmtree(work)
 
 
+@pytest.mark.slow
 def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, capsys, monkeypatch):
     from engine.run_dir import pick_and_claim, release_run_dir
     from config.loader import build_config
@@ -82,6 +83,7 @@ def test_a_run_directory_in_use_is_refused_and_fresh_names_never_collide(env, ca
     shutil.rmtree(busy)
 
 
+@pytest.mark.slow
 def test_every_rank_gets_the_run_directory_error_and_nothing_hangs(env, tmp_path):
     """The main process picks and claims the directory; its refusal reaches the other ranks
     (they would otherwise wait for the path until the process group's timeout)."""
@@ -201,11 +203,13 @@ def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, caps
     assert (tmp_path / "disk" / "last.pth").read_bytes() == kept
 
 
-@pytest.mark.parametrize("row", TABLE_ROWS["outputs"])
+@pytest.mark.slow
+@pytest.mark.parametrize("row", TABLE_ROWS["test_output_safety"])
 def test_table_row_gets_one_error_line_naming_what_to_fix(table, row):
     check_row(table, row)
 
 
+@pytest.mark.slow
 def test_table_refusals_leave_the_runs_untouched(table):
     runs, before = table["runs"], table["before"]
     assert (runs / "done" / "last.pth").read_bytes() == before["done"]       # another run's directory

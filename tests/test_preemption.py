@@ -130,6 +130,7 @@ KILLS = 3
 KILL_EPOCHS, KILL_STEPS = 10, 2   # a checkpoint every 2 steps: kills land in steps, saves and plots
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_resume_auto_ends_with_the_weights_of_an_unstopped_run(
         tmp_path, synthetic_h5):
     preset = write_micro_preset(tmp_path)
@@ -196,6 +197,7 @@ def signal_those_past_two_steps(waiting: dict, out_dir: Path) -> dict:
     return waiting
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curve(
         tmp_path, synthetic_h5):
     preset = write_micro_preset(tmp_path)
@@ -255,6 +257,7 @@ def start_torchrun_signal_run(tmp_path, synthetic_h5, name: str, *extra: str, **
     return agent, tmp_path / name, logs
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_with_one_checkpoint(
         tmp_path, synthetic_h5):
     agent, run_dir, logs = start_torchrun_signal_run(tmp_path, synthetic_h5, "ddp")
@@ -279,6 +282,7 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_wi
 
 
 # -- the signal to the process group, as torchrun and SLURM send it, with DataLoader workers ---------
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_of_torchrun_with_two_dataloader_workers_saves_and_says_how_to_resume(
         tmp_path, synthetic_h5):
     agent, run_dir, logs = start_torchrun_signal_run(tmp_path, synthetic_h5, "group", "--workers", "2",
@@ -304,6 +308,7 @@ def _slow_to_start(worker_id: int) -> None:
     ignore_stop_signals(worker_id)
 
 
+@pytest.mark.slow
 def test_dataloader_workers_signalled_while_they_start_live_on_and_serve_every_sample():
     # torchrun and SLURM signal the whole group, possibly as the workers of a loader are forked
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -320,6 +325,7 @@ def test_dataloader_workers_signalled_while_they_start_live_on_and_serve_every_s
     iterator._shutdown_workers()
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_during_validation_stops_within_a_batch_and_resume_validates_again(
         tmp_path, synthetic_h5):
     preset = write_micro_preset(tmp_path)

@@ -105,6 +105,7 @@ def _collectives_after_abort(rank, ctx) -> dict:
     return outcome
 
 
+@pytest.mark.slow
 def test_every_collective_and_decided_on_main_raise_once_the_group_is_aborted(tmp_path):
     _, aborted = on_gloo_ranks(_collectives_after_abort, 2, tmp_path)
     said = ("rank 1: the process group of 2 processes was aborted or destroyed (torch.distributed's "
@@ -140,6 +141,7 @@ def _end_all(processes, pids=()) -> None:
         process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_group_aborted_as_rank_0_saves_writes_nothing_and_ends_both_ranks_with_its_line(
         tmp_path, synthetic_h5):
     args = ["tests/multiprocess_runs.py",
@@ -186,6 +188,7 @@ DEATHS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DEATHS)
 def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_line(
         tmp_path, synthetic_h5, case):

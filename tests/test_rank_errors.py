@@ -19,6 +19,8 @@ from runtime.launch_env import find_free_port
 from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, launch, ranks_identical
 from test_preemption import REPO, message_lines, write_micro_preset
 
+pytestmark = pytest.mark.slow          # every test here starts processes
+
 
 def hand_set_ranks(args_of_rank, timeout: float = 120.0, script: str = "train_distributed.py",
                    **env) -> tuple[list, float]:
@@ -130,7 +132,6 @@ def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank_memory_mapped(tmp_pa
         assert checkpoints and all(mmap for _, mmap in checkpoints), checkpoints
 
 
-@pytest.mark.slow
 def test_rank_0_says_that_it_waits_and_ends_with_the_error_of_a_late_rank_refused_on_its_options(
         tmp_path, synthetic_h5):
     port = str(find_free_port())

@@ -24,6 +24,8 @@ from multiprocess_runs import BAD_DATA_MESSAGE
 from runtime.launch_env import find_free_port
 from test_preemption import REPO, logged_steps, write_micro_preset
 
+pytestmark = pytest.mark.slow          # every test here starts processes
+
 ENDS_WITHIN_S = 30.0
 RUN_LIMIT_S = 400.0          # start-up of three torch processes on a loaded machine included
 DRIVER = str(REPO / "tests" / "multiprocess_runs.py")
@@ -103,7 +105,6 @@ def still_running(pids: set[int]) -> list[int]:
     return sorted(pid for pid in pids if pid in table and table[pid][1] != "Z")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("end, launcher, sync_bn", CASES,
                          ids=[f"{end}-{launcher.rsplit('.', 1)[1]}{'-sync-bn' * sync_bn}"
                               for end, launcher, sync_bn in CASES])

@@ -87,6 +87,7 @@ def two_rank_records(tmp_path_factory):
     return on_gloo_ranks(_record, WORLD, tmp_path_factory.mktemp("syncbn"))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_whole_batch(two_rank_records):
     reference = run_steps(small_net(), slice(None))
     for rank, rec in enumerate(two_rank_records):
@@ -105,6 +106,7 @@ def test_two_processes_match_one_process_with_the_whole_batch(two_rank_records):
         torch.testing.assert_close(rec["eval_out"], reference["eval_out"][shard], **TOL)
 
 
+@pytest.mark.slow
 def test_ddp_step_with_sync_bn_equals_one_process_step(two_rank_records):
     reference = ddp_step(small_net(), slice(None), mean_over=TOTAL_BATCH)
     for rec in two_rank_records:
@@ -112,6 +114,7 @@ def test_ddp_step_with_sync_bn_equals_one_process_step(two_rank_records):
             torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.slow
 def test_the_sync_counter_sees_one_host_sync_per_sync_bn_layer_and_training_forward(two_rank_records):
     """Each SyncBN layer's training forward waits for the ranks' joint count on the host (torch's
     SyncBatchNorm on CUDA too: counted there through its sync debug mode, bench/host_syncs.py);

@@ -17,8 +17,13 @@ from engine.run_trainer import Launch, build_trainer
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from bad_inputs import refused, train_cli
 
+# the tiny preset made smaller (its two stacks kept) on 64 px crops, validated at half the
+# pictures' size: a run of an epoch takes about a second
+SMALL = ["model.depth=2", "model.channels=12", "model.increase=4", "model.head_channels=8",
+         "model.stem_channels=4", "loss.scale_weights=[0.1,0.4,1.6]", "data.input_size=64",
+         "inference.scales=[0.5]"]
 QUICK = ["--set", "data.workers=0", "--set", "train.max_steps_per_epoch=3", "--batch-size", "4",
-         "--set", "train.tensorboard=false"]
+         "--set", "train.tensorboard=false", *(arg for kv in SMALL for arg in ("--set", kv))]
 
 COCO = builtin("coco")
 
@@ -66,8 +71,10 @@ def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthet
 def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype, capsys):
     # pure float16 steps with SGD: AdamW is refused there (see the test below)
     optimizer = ["--optimizer", "sgd"] if (level, dtype) == ("O3", "float16") else []
+    # the small network's float16 gradients overflow at the default first scale (2^16): start lower
+    scale = ["--set", "amp.init_scale=256"] if dtype == "float16" else []
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "amp", "--opt-level", level,
-        "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2", *optimizer)
+        "--val-every", "0", "--amp-dtype", dtype, "--set", "train.max_steps_per_epoch=2", *optimizer, *scale)
     # O3 alone steps half weights: it says, once, how much of its updates the rounding takes
     said = [line for line in capsys.readouterr().out.splitlines() if "weights without float32 masters" in line]
     assert len(said) == (level == "O3") and all(line.startswith(f"{dtype} weights") for line in said)
@@ -77,7 +84,7 @@ def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype, cap
     torch.manual_seed(0)
     from config import build_config
     from models import build_model
-    init = build_model(build_config("tiny").model, COCO).state_dict()
+    init = build_model(build_config("tiny", sets=SMALL).model, COCO).state_dict()
     changed = [k for k in init if init[k].is_floating_point() and not torch.equal(init[k], ckpt["model"][k])]
     assert changed, "no weight moved"
     if dtype == "float16" and level != "O0":
@@ -145,7 +152,7 @@ def test_early_stop_returns_the_epoch_it_stopped_at(tmp_path, synthetic_h5):
     sets = [f"data.train_h5={synthetic_h5[0]}", f"data.val_h5={synthetic_h5[1]}", "data.workers=0",
             f"train.out_dir={tmp_path}", "train.run_name=es1", "train.batch_size=4", "train.max_steps_per_epoch=3",
             "train.epochs=4", "train.early_stop_patience=1", "train.ap_every=0", "train.tensorboard=false"]
-    out = build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")),
+    out = build_trainer(build_config("tiny", sets=[*SMALL, *sets]), Launch(single_process_context("cpu")),
                         hooks=[SameLoss()]).fit()
     assert out["early_stopped"] and out["epoch"] == 2
     assert load_checkpoint(tmp_path / "es1/last.pth")["epoch"] == 2
@@ -159,14 +166,14 @@ def test_abnormal_loss_is_skipped_and_counted_and_a_run_of_skips_only_is_no_succ
             "train.run_name=skip", "train.batch_size=4", "train.max_steps_per_epoch=3", "train.epochs=1",
             "train.val_every=0", "train.tensorboard=false", "optim.skip_loss_above=1e-30",
             "optim.max_bad_steps=100"]
-    trainer = build_trainer(build_config("tiny", sets=sets), Launch(single_process_context("cpu")))
+    trainer = build_trainer(build_config("tiny", sets=[*SMALL, *sets]), Launch(single_process_context("cpu")))
     with pytest.raises(TrainingDiverged, match="all 3 steps of this run were skipped") as stopped:
         trainer.fit()
     assert f"{tmp_path / 'skip/last.pth'} was not written. No checkpoint was written before" in str(stopped.value)
     assert not (tmp_path / "skip/last.pth").exists() and trainer.optim_step.skipped_total == 3
     torch.manual_seed(0)
     from models import build_model
-    init = build_model(build_config("tiny").model, COCO).state_dict()
+    init = build_model(build_config("tiny", sets=SMALL).model, COCO).state_dict()
     state = trainer.model.state_dict()
     assert all(torch.equal(init[k], state[k]) for k in init)   # BN statistics included
 
@@ -369,9 +376,9 @@ def test_weights_that_turned_nan_never_replace_a_checkpoint(tmp_path, synthetic_
             "train.run_name=poisoned", "train.batch_size=2", "train.max_steps_per_epoch=1",
             "train.val_every=0", "train.ap_every=0", "train.tensorboard=false", "train.device=cpu"]
     launch = Launch(single_process_context("cpu"))
-    build_trainer(build_config("tiny", sets=sets + ["train.epochs=1"]), launch).fit()
+    build_trainer(build_config("tiny", sets=[*SMALL, *sets, "train.epochs=1"]), launch).fit()
     before = (tmp_path / "poisoned/last.pth").read_bytes()
-    resumed = build_config("tiny", sets=sets + ["train.epochs=2", "train.resume=auto"])
+    resumed = build_config("tiny", sets=[*SMALL, *sets, "train.epochs=2", "train.resume=auto"])
     with pytest.raises(TrainingDiverged, match="after step 2 the weights hold NaN or infinite") as stopped:
         build_trainer(resumed, launch, hooks=[PoisonAWeight()]).fit()
     assert f"{tmp_path / 'poisoned/last.pth'} still holds the weights it held" in str(stopped.value)
