@@ -182,3 +182,20 @@ def test_a_nan_validation_loss_is_never_the_best_and_never_blocks_a_later_one(sa
         hook.after_epoch(trainer, epoch, 1.0)
     assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 2), ("best.pth", 4)]
     assert hook.best == 1.5 and hook.bad_validations == 0
+
+
+def test_a_steps_note_reaches_the_console_once_through_the_train_log():
+    """O3's first update says how many updates round away (`StepResult.note`): `TrainLog` hands
+    it to the run's console; a step without a note says nothing."""
+    from engine.hooks import TrainLog
+    from engine.trainer import StepResult
+
+    said, steps = [], []
+    logger = SimpleNamespace(log_step=lambda step, loss: steps.append(step), log=lambda *a, **k: None)
+    hook = TrainLog(logger, log_every=100, say=said.append)
+    trainer = SimpleNamespace(step=1, optim_step=SimpleNamespace(skipped_total=0))
+    note = "20% of the first step's updates round away"
+    hook.after_step(trainer, StepResult(1.0, 0.1, False, False, note=note))
+    trainer.step = 2
+    hook.after_step(trainer, StepResult(1.0, 0.1, False, False))
+    assert said == [note] and steps == [1, 2]
