@@ -63,7 +63,7 @@ class RunConsole:
         if path.is_file():
             with contextlib.suppress(OSError, ValueError):
                 changed = changed_versions(json.loads(path.read_text()), now)
-        with writing(path), written_whole(path) as temp:
+        with writing(path), written_whole(path, option="--out-dir") as temp:
             temp.write_text(json.dumps(now, indent=1) + "\n")
         for text in waiting:
             self.record(text)
@@ -199,14 +199,11 @@ class RunLogger:
             for axis in axes:
                 axis.set_xlim(low - pad, high + pad)
         fig.tight_layout()
-        tmp = self.curves_path.with_suffix(".tmp.png")
         try:
-            with writing(self.curves_path):
+            with writing(self.curves_path), written_whole(self.curves_path, option="--out-dir") as tmp:
                 fig.savefig(tmp, dpi=80)
-                tmp.replace(self.curves_path)
         finally:
             plt.close(fig)
-            tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError, UserError, os_reason
-from common.paths import refuse_clashes, same_file
+from common.paths import refuse_clashes, same_file, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
@@ -22,7 +22,9 @@ from engine.resume import CheckpointReader
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
 WRITTEN = ("last.pth", "best.pth", "epoch_*.pth", "metrics.jsonl", "train_steps.jsonl", "config.yaml",
-           "train.log", "environment.json", ".environment.*.tmp.json", "curves.png", "config.yaml.tmp", "curves.tmp.png", ".*.ckpt-tmp",
+           "train.log", "environment.json", "curves.png", ".*.ckpt-tmp",
+           ".environment.*.tmp.json", ".config.*.tmp.yaml", ".curves.*.tmp.png",    # written_whole's twins
+           "config.yaml.tmp", "curves.tmp.png",                                     # earlier versions' twins
            "tensorboard/events.out.tfevents.*", "val_pictures/epoch_*.png", "val_pictures/.epoch_*.tmp.png")
 LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process that runs there
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
@@ -168,13 +170,11 @@ def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:
-    tmp = run_dir / "config.yaml.tmp"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(to_yaml(cfg))
-        tmp.replace(run_dir / "config.yaml")
+        with written_whole(run_dir / "config.yaml", option="--out-dir") as tmp:
+            tmp.write_text(to_yaml(cfg))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {run_dir / 'config.yaml'}: {os_reason(exc)}; "
                           "choose a writable --out-dir with free space") from None
 
