@@ -330,14 +330,17 @@ def run_one(name: str, check: bool) -> int:
     if name in SECTIONS and not check and not CUDA:
         emit(name, status="skipped: no CUDA")
         return 0
+    return 1 if str(timed(name, check).get("status")).startswith("failed: ") else 0
+
+
+def timed(name: str, check: bool) -> dict:
+    """Section `name` run here, as its JSON line: its fields and seconds, or its failure."""
     started = time.perf_counter()
     try:
         fields = (SECTIONS.get(name) or ALONE_SECTIONS[name])(check)
     except (Exception, SystemExit) as exc:      # noqa: BLE001 - the section's failure is its result
-        emit(name, status=f"failed: {type(exc).__name__}: {exc}"[:2000])
-        return 1
-    emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
-    return 0
+        fields = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000]}
+    return emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
 
 
 # -- the sections alone on the GPU --------------------------------------------------------------
@@ -590,12 +593,7 @@ def main(argv=None) -> int:
         if left_s() < 20:
             lines.append(emit(name, status="skipped: the budget"))
             continue
-        started = time.perf_counter()
-        try:
-            fields = ALONE_SECTIONS[name](args.cpu_check)
-        except Exception as exc:      # noqa: BLE001 - the section's failure is its result
-            fields = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
-        lines.append(emit(name, seconds=round(time.perf_counter() - started, 1), **fields))
+        lines.append(timed(name, args.cpu_check))
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
