@@ -183,10 +183,12 @@ class _Person:
 
     __slots__ = ("slots", "total", "parts", "weakest", "longest")
 
-    def __init__(self, num_keypoints: int):
+    def __init__(self, num_keypoints: int, slot: int, peak: int, score: float):
+        """A person of one keypoint: `peak` in `slot`, of peak score `score`."""
         self.slots = [-1] * num_keypoints
-        self.total = 0.0
-        self.parts = 0
+        self.slots[slot] = peak
+        self.total = score
+        self.parts = 1
         self.weakest = float("inf")
         self.longest = 0.0
 
@@ -223,11 +225,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
         for peak_a, peak_b, score, length in found:
             pa, pb = owner.get(peak_a), owner.get(peak_b)
             if pa is None and pb is None:
-                person = _Person(skeleton.num_keypoints)
-                person.slots[slot_a] = peak_a
-                person.total = peak_score[peak_a]
-                person.parts = 1
-                people.append(person)
+                people.append(_Person(skeleton.num_keypoints, slot_a, peak_a, peak_score[peak_a]))
                 owner[peak_a] = len(people) - 1
                 add(len(people) - 1, slot_b, peak_b, score, length)
             elif pb is None or pa is None:
@@ -362,9 +360,7 @@ def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_sco
     def part(n: int) -> _Person:
         if parts[n] is None:                     # a lone peak: a person of one keypoint
             peak = int(lone[n - crowd])
-            parts[n] = _Person(size)
-            parts[n].slots[channel[peak]] = peak
-            parts[n].total, parts[n].parts = float(peak_score[peak]), 1
+            parts[n] = _Person(size, channel[peak], peak, float(peak_score[peak]))
         return parts[n]
     touching = hops <= 1                          # the same keypoint, or one limb apart
     for _, i, j in sorted(found):
