@@ -206,9 +206,7 @@ def apex_sync_bn(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules():
         if name in before and module is not before[name]:
             old = before[name]
-            if old.affine:
-                module.weight, module.bias = old.weight, old.bias
-            module.train(old.training)
+            _move_state(old, module)
             for key, value in vars(old).items():     # marks set on it, e.g. engine.freeze's
                 if key.startswith("_frozen"):
                     setattr(module, key, value)
