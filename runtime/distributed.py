@@ -298,12 +298,11 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 def _leave_error_before_group(launch, err: UserError, timeout_s: float,
                               serve_s: float | None = None) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    wait = timeout_s
     serve_s = timeout_s if serve_s is None else serve_s
-    if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(wait, 30.0)):
+    if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(timeout_s, 30.0)):
         return                            # no rank 0 there: the store's own attempt would log a trace
     try:
-        store = _rendezvous_store(launch, timedelta(seconds=wait if launch.rank == 0 else 5))
+        store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
         store.compare_set(_ERROR_KEY, "", f"rank {launch.rank}: {err}")
         if launch.rank != 0:
             store.add(_ENDED_KEY, 1)
@@ -403,10 +402,7 @@ def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if not _active():
         return
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
+    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def _all_reduce(value, op, divide: bool):

@@ -83,12 +83,7 @@ def _read_slurm(env) -> Launch:
         except (ValueError, IndexError):
             raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={per_node!r}") from None
     nodes = _env_int(env, "SLURM_STEP_NUM_NODES", _env_int(env, "SLURM_NNODES", 0))
-    if env.get("MASTER_ADDR"):
-        launch.master_addr = env["MASTER_ADDR"]
-    elif nodes == 1:
-        launch.master_addr = "127.0.0.1"
-    else:
-        launch.master_addr = _first_slurm_host(env)
+    launch.master_addr = env.get("MASTER_ADDR") or ("127.0.0.1" if nodes == 1 else _first_slurm_host(env))
     if world > 1 and not launch.master_addr:
         raise ConfigError("SLURM job: cannot tell the master host (no SLURM_NODELIST, no scontrol, "
                           "no SLURM_LAUNCH_NODE_IPADDR); export MASTER_ADDR=<host of rank 0>")
