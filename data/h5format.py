@@ -128,12 +128,8 @@ class KeypointH5:
 
     # -- opening --------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        state["_datasets"] = {}
-        state["_meta"] = None      # re-read in the new process (small, and fast to read)
-        return state
+        # the metadata is re-read in the new process (small, and fast to read)
+        return {**self.__dict__, "_handle": None, "_pid": None, "_datasets": {}, "_meta": None}
 
     def _file(self) -> h5py.File:
         if self._handle is None or self._pid != os.getpid():
