@@ -6,6 +6,7 @@ Unknown keys, wrong types and impossible values raise `ConfigError` naming the k
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -64,10 +65,8 @@ def deep_update(dst: dict, src: dict) -> None:
 def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
     """`value` as an int or a float (`kind`); ConfigError naming `key` for anything else."""
     if isinstance(value, str):               # YAML 1.1 reads 1e-6 (no dot) as a string
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value) if kind is float else int(value)
-        except ValueError:
-            pass
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if kind is float:
             return float(value)
@@ -309,10 +308,8 @@ def validate(cfg: Config) -> None:
     check_input_size(cfg.data.input_size, cfg.model.depth)
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":
-        try:
+        with contextlib.suppress(ValueError):
             scale = float(scale)          # kept as given: amp reads it with float()
-        except ValueError:
-            pass
     if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
                                or not MIN_LOSS_SCALE <= scale <= MAX_LOSS_SCALE):
         raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number from 2^-24 to "

@@ -8,6 +8,7 @@ completed with COCO's meaning and counted (`Selection.repairs`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
@@ -74,11 +75,9 @@ def _numbers(value, count: int | None, what: str) -> str | None:
         return f"{what} {_short(value)} is not a list of {size}numbers"
     if all(type(v) in (int, float) for v in value):      # the common case, checked at once
         with np.errstate(over="ignore"):
-            try:
+            with contextlib.suppress(OverflowError):
                 if np.isfinite(np.asarray(value, np.float64)).all():
                     return None
-            except OverflowError:
-                pass
     bad = next((v for v in value if not is_number(v)), None)
     return f"{what} holds {bad!r}, not a finite number"
 
@@ -195,7 +194,7 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
 
 def _area(ann: dict, info: dict) -> float:
     seg = ann.get("segmentation")
-    try:
+    with contextlib.suppress(ValueError, TypeError, IndexError):
         if isinstance(seg, list) and seg:
             rles = mask_utils.frPyObjects([p for p in seg if len(p) >= 6], info["height"], info["width"])
             return float(mask_utils.area(mask_utils.merge(rles)))
@@ -203,8 +202,6 @@ def _area(ann: dict, info: dict) -> float:
             rle = (mask_utils.frPyObjects(seg, info["height"], info["width"])
                    if isinstance(seg["counts"], list) else dict(seg, counts=seg["counts"].encode()))
             return float(mask_utils.area(rle))
-    except (ValueError, TypeError, IndexError):
-        pass
     return float(ann["bbox"][2] * ann["bbox"][3])
 
 

@@ -5,6 +5,7 @@ rank 0 for every rank). One that holds a run is refused unless resumed (`--resum
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -163,10 +164,8 @@ def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
     for path in _overwritten(run_dir):
         path.unlink()
     for folder in ("tensorboard", "val_pictures"):
-        try:
+        with contextlib.suppress(OSError):  # absent, or holds files the trainer did not write
             (run_dir / folder).rmdir()
-        except OSError:
-            pass                            # absent, or holds files the trainer did not write
 
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:

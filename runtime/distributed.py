@@ -6,6 +6,7 @@ why. Under NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING is set to 2 (raise, not SIGABRT
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -145,24 +146,20 @@ def _leave() -> None:
     world -= len(_GONE | (_WATCH.gone if _WATCH is not None else set()))
 
     def leave():
-        try:
+        with contextlib.suppress(RuntimeError, dist.DistError):  # the store is gone: nothing left to tell
             count = store.add(_ENDED_KEY, 1)
             deadline = time.monotonic() + _READ_WAIT_S
             while _SERVES and count < world and time.monotonic() < deadline:
                 time.sleep(0.05)
                 count = store.add(_ENDED_KEY, 0)
-        except (RuntimeError, dist.DistError):     # the store is gone: nothing left to tell
-            pass
     _bounded(leave, _READ_WAIT_S + 2 if _SERVES else 2)
 
 
 def _hold_stop_signals() -> None:
     """Ignore SIGTERM / SIGUSR1 until this rank has said why it ends (torchrun sends SIGTERM)."""
-    try:
+    with contextlib.suppress(ValueError):  # not the main thread
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
-    except ValueError:                  # not the main thread
-        pass
 
 
 def end_with_error(err: UserError) -> None:
@@ -243,10 +240,8 @@ def _group_lost() -> UserError:
         _LOST = _lost()
     if _LOST is None and _STORE is not None:
         store = _STORE
-        try:
+        with contextlib.suppress(RuntimeError, dist.DistError):
             _LOST = UserError(store.get(_ERROR_KEY).decode()) if store.check([_ERROR_KEY]) else None
-        except (RuntimeError, dist.DistError):
-            pass
     if _LOST is None:
         rank, world = _GROUP
         _LOST = UserError(f"rank {rank}: the process group of {world} processes was aborted or "
@@ -301,7 +296,7 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float,
     serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(timeout_s, 30.0)):
         return                            # no rank 0 there: the store's own attempt would log a trace
-    try:
+    with contextlib.suppress(UserError, RuntimeError, dist.DistError):
         store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
         store.compare_set(_ERROR_KEY, "", f"rank {launch.rank}: {err}")
         if launch.rank != 0:
@@ -310,8 +305,6 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float,
         while launch.rank == 0 and store.add(_ENDED_KEY, 0) < launch.world_size - 1 \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-    except (UserError, RuntimeError, dist.DistError):
-        pass
 
 
 def _reachable(host: str, port: int, within_s: float) -> bool:

@@ -4,6 +4,7 @@ RUN/environment.json); `changed_versions` says what differs from an earlier star
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import platform
@@ -56,12 +57,10 @@ def _git(*args: str) -> str | None:
 
 
 def _cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 

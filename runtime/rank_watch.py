@@ -5,6 +5,7 @@ main thread that does not end within `grace_s` is ended by the judge (`os._exit`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -76,10 +77,8 @@ class RankWatch:
             if self.verdict is not None or self._stopped.is_set():
                 return
             self.verdict, self._decided = verdict, time.monotonic()
-        try:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - no group left to abort: the verdict stands
             self.abort()
-        except Exception:           # noqa: BLE001 - no group left to abort: the verdict stands
-            pass
 
     def store_lost(self, what: str) -> UserError:
         """The verdict when the store's host is gone or stopped (`what` the store did)."""
@@ -91,10 +90,8 @@ class RankWatch:
 
     def _pulse(self) -> None:
         store, last, seen = self.store, None, time.monotonic()
-        try:
+        with contextlib.suppress(RuntimeError):
             store.set(who_key(self.rank), who_am_i())
-        except RuntimeError:
-            pass
         while not self._stopped.wait(self.every_s):
             try:
                 store.add(beat_key(self.rank), 1)
@@ -117,11 +114,9 @@ class RankWatch:
                 message = (f"{fate(self.peer, self.who.get(self.peer))}: no sign of life for "
                            f"{now - seen:.0f} s (dist.heartbeat_timeout_s {self.silent_s:g} s); "
                            "the other ranks end")
-                try:                             # the first error left in the store is the job's
+                with contextlib.suppress(RuntimeError):    # the first error left in the store is the job's
                     store.compare_set(ERROR_KEY, "", message)
                     message = store.get(ERROR_KEY).decode()
-                except RuntimeError:
-                    pass
                 self.decide(UserError(message))
                 return
 
