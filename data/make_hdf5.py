@@ -317,17 +317,6 @@ def pictures(selection, images_dir: Path) -> list[Path]:
     return [images_dir / info["file_name"] for info in selection.images]
 
 
-def skipped_lines(summary: dict) -> list:
-    """One line per skipped image or annotation, with its reason (stderr)."""
-    return [f"skipped: {item['reason']}" for item in summary.get("bad", [])
-            if item["kind"] not in {kind for kind, _ in TRAIN_RULES.values()}]
-
-
-def write_skipped(summary: dict, path: Path, overwrite: bool) -> None:
-    """Every skipped image and annotation, with its kind and reason, as a JSON list at `path`."""
-    write_text("--skipped", path, json.dumps(summary.get("bad", []), indent=1) + "\n", overwrite)
-
-
 def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
     """The skeleton as a YAML file to edit and give back with --skeleton."""
     import yaml
@@ -336,10 +325,6 @@ def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
                "and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
                + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),
                overwrite)
-
-
-def list_skeletons() -> str:
-    return "\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names())
 
 
 def build_parser() -> ArgumentParser:
@@ -380,7 +365,7 @@ def build_parser() -> ArgumentParser:
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_skeletons:
-        print(list_skeletons())
+        print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
     missing = [o for o, v in (("--ann", args.ann), ("--images", args.images)) if not v]
     if not args.out and not args.dump_skeleton:
@@ -422,12 +407,15 @@ def _main(argv=None) -> int:
 
 
 def _report_skipped(summary: dict | None, args) -> None:
+    """Each skipped image or annotation with its reason on stderr; all of them in --skipped (JSON)."""
     if not summary:
         return
-    for line in skipped_lines(summary):
-        print(line, file=sys.stderr)
+    for item in summary.get("bad", []):
+        if item["kind"] not in {kind for kind, _ in TRAIN_RULES.values()}:
+            print(f"skipped: {item['reason']}", file=sys.stderr)
     if args.skipped:
-        write_skipped(summary, Path(args.skipped), args.overwrite)
+        write_text("--skipped", args.skipped, json.dumps(summary.get("bad", []), indent=1) + "\n",
+                   args.overwrite)
 
 
 def main(argv=None) -> int:
