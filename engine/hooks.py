@@ -7,6 +7,7 @@ engine/epoch_end.py), so that what it keeps is saved.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import torch
@@ -125,10 +126,8 @@ class Preemption(Hook):
             trainer.stop_signal = signum
         self.previous, self.handler = {}, request_stop
         for sig in STOP_SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread (e.g. under a test runner thread)
                 self.previous[sig] = signal.signal(sig, request_stop)
-            except ValueError:     # not the main thread (e.g. under a test runner thread)
-                pass
 
     def after_step(self, trainer, out):
         if out.stop:

@@ -4,6 +4,7 @@ DataParallel under O2/O3), and which Apex build is installed (`apex_build`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -54,11 +55,9 @@ def apex_build() -> ApexBuild:
     """The installed Apex's location and which of its compiled extensions import."""
     present = []
     for name in APEX_EXTENSIONS:
-        try:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - absent, or built for another torch/CUDA
             importlib.import_module(name)
             present.append(name)
-        except Exception:        # noqa: BLE001 - absent, or built for another torch/CUDA
-            pass
     return ApexBuild(_apex_where(), tuple(present))
 
 
