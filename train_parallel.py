@@ -41,8 +41,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         return build_trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                             training_evaluator(), draw=write_val_pictures,
-                         reader=reader).fit()
+                             training_evaluator(), draw=write_val_pictures, reader=reader).fit()
     ids = _gpu_ids(args.gpus)
     check_data_parallel(cfg.amp, len(ids))
     if cfg.train.batch_size % len(ids):
@@ -55,8 +54,7 @@ def main(argv=None) -> dict:
     ctx = single_process_context(f"cuda:{ids[0]}")
     wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
     return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                         training_evaluator(), draw=write_val_pictures,
-                         reader=reader).fit()
+                         training_evaluator(), draw=write_val_pictures, reader=reader).fit()
 
 
 if __name__ == "__main__":
