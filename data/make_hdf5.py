@@ -207,11 +207,10 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
         if path:
             refuse_existing(option, path, overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
-               "crowd_regions": 0, "people_without_keypoints": 0, "skipped": Counter(), "bad": [],
-               "skeleton": skeleton, "skeleton_origin": origin, "keep_all": keep_all}
-    for item in selection.rejected:
-        summary["skipped"][item["kind"]] += 1
-        summary["bad"].append(item)
+               "crowd_regions": 0, "people_without_keypoints": 0,
+               "skipped": Counter(item["kind"] for item in selection.rejected),
+               "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
+               "keep_all": keep_all}
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
