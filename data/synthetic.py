@@ -6,6 +6,8 @@
 writes DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick
 figures (or animals) per image with occluded and unlabelled keypoints, people cut by the border,
 small people and crowds, so every mask path is exercised. `ensure_synthetic_h5` makes it once.
+Animals are seen from above, head up (turned at most 15 degrees, so the left legs are on the image's
+left), with a body, four two-part legs and a tail.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import numpy as np
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_existing, written_whole
 from data.skeleton import builtin
-from data import synthetic_animals
 
 # COCO keypoint indices (COCO order).
 NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HIP, R_HIP, \
@@ -46,6 +47,12 @@ JOINT_COLOUR = {L_SHO: (20, 20, 200), R_SHO: (20, 20, 200), L_ELB: (200, 40, 40)
                 R_KNE: (20, 90, 160), L_ANK: (90, 60, 20), R_ANK: (90, 60, 20)}
 SYNTHETIC_VERSION = 1     # bump when the drawing changes, so caches are redrawn
 SKIN, EYE, NOSE_COLOUR, EAR_COLOUR = (150, 185, 235), (40, 30, 30), (40, 40, 220), (60, 120, 200)
+ANIMAL = "quadruped"
+BODY, HEAD = (70, 90, 140), (60, 110, 170)
+ANIMAL_LIMB_COLOURS = {"ear": (40, 200, 230), "tail": (200, 60, 200), "front": (60, 200, 60),
+                       "back": (230, 150, 40)}
+ANIMAL_JOINT_COLOURS = {"nose": (20, 20, 220), "neck": (240, 240, 240), "tail_base": (20, 20, 20),
+                        "tail_tip": (120, 0, 120), "knee": (220, 40, 40), "paw": (30, 120, 30)}
 
 
 def _pose(rng: np.random.Generator) -> np.ndarray:
@@ -174,15 +181,22 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
                 other_vis[inside & (other_vis > 0)] = 1
                 other_mask[int(max(y0, 0)):int(y1) + 1, int(max(x0, 0)):int(x1) + 1] = 0
     for kp, vis, mask in people:
-        outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
-        vis[outside] = 0
-        if not mask.any() or not (vis > 0).any():
-            continue
-        keypoints = np.concatenate([np.where(vis[:, None] > 0, kp, 0), vis[:, None]], 1)
-        anns.append({"iscrowd": 0, "keypoints": np.round(keypoints, 2).reshape(-1).tolist(),
-                     "num_keypoints": int((vis > 0).sum()), "area": float(mask.sum()),
-                     "bbox": _box(mask), "segmentation": _polygons(mask)})
+        _annotate(anns, kp, vis, mask)
     return image, anns
+
+
+def _annotate(anns: list, kp: np.ndarray, vis: np.ndarray, mask: np.ndarray) -> None:
+    """Append the annotation of a drawn figure (keypoints outside the image get v = 0), unless
+    nothing of it is seen."""
+    height, width = mask.shape
+    outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
+    vis[outside] = 0
+    if not mask.any() or not (vis > 0).any():
+        return
+    keypoints = np.concatenate([np.where(vis[:, None] > 0, kp, 0), vis[:, None]], 1)
+    anns.append({"iscrowd": 0, "keypoints": np.round(keypoints, 2).reshape(-1).tolist(),
+                 "num_keypoints": int((vis > 0).sum()), "area": float(mask.sum()),
+                 "bbox": _box(mask), "segmentation": _polygons(mask)})
 
 
 def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
@@ -208,7 +222,74 @@ def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
             "area": float(mask.sum()), "bbox": _box(mask), "segmentation": segmentation}
 
 
-SKELETONS = ("coco", synthetic_animals.NAME)
+def _kind(name: str, table: dict):
+    return next(colour for key, colour in table.items() if key in name)
+
+
+def _animal_pose(rng: np.random.Generator) -> dict:
+    """{keypoint name: (x, y)} of an animal 1 unit long, neck above the origin, facing up."""
+    pose = {"neck": np.array([0.0, -0.22]), "tail_base": np.array([rng.uniform(-0.03, 0.03), 0.24])}
+    pose["nose"] = pose["neck"] + (rng.uniform(-0.05, 0.05), -0.2)
+    bend = math.radians(rng.uniform(-50, 50))
+    pose["tail_tip"] = pose["tail_base"] + 0.25 * np.array([math.sin(bend), math.cos(bend)])
+    for side, sign in (("left", -1), ("right", 1)):
+        pose[f"{side}_ear"] = pose["nose"] + (sign * 0.07, 0.07)
+        for end, base, forward in (("front", "neck", -1), ("back", "tail_base", 1)):
+            out, paw = math.radians(rng.uniform(50, 90)), math.radians(rng.uniform(10, 60))
+            knee = pose[base] + 0.15 * np.array([sign * math.sin(out), forward * math.cos(out)])
+            pose[f"{side}_{end}_knee"] = knee
+            pose[f"{side}_{end}_paw"] = knee + 0.12 * np.array([sign * math.sin(paw),
+                                                                 forward * math.cos(paw)])
+    return pose
+
+
+def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
+    """Draw 1-3 animals into `image` (BGR, changed in place); their annotations (without ids)."""
+    skeleton = builtin(ANIMAL)
+    height, width = image.shape[:2]
+    anns = []
+    for _ in range(int(rng.choice([1, 2, 3], p=[0.4, 0.35, 0.25]))):
+        size = rng.uniform(0.4, 0.75) * height
+        angle = math.radians(rng.uniform(-15, 15))
+        rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+        centre = rng.uniform(0.25 * size, (width - 0.25 * size, height - 0.25 * size))
+        pose = {k: rot @ v * size + centre for k, v in _animal_pose(rng).items()}
+        mask = np.zeros((height, width), np.uint8)
+
+        def pt(name):
+            return tuple(int(round(v * 16)) for v in pose[name])
+        thick = max(2, int(round(0.05 * size)))
+        for target, colour in ((image, None), (mask, 1)):
+            cv2.line(target, pt("neck"), pt("tail_base"), colour or BODY, 3 * thick, cv2.LINE_AA, 4)
+            cv2.circle(target, pt("nose"), int(0.06 * size * 16), colour or HEAD, -1, cv2.LINE_AA, 4)
+            for a, b in skeleton.limbs[:skeleton.main_limbs]:
+                names = skeleton.keypoints[a], skeleton.keypoints[b]
+                limb_colour = _kind(names[1], ANIMAL_LIMB_COLOURS) if names[1] != "nose" else HEAD
+                cv2.line(target, pt(names[0]), pt(names[1]), colour or limb_colour, thick,
+                         cv2.LINE_AA, 4)
+        for name in skeleton.keypoints:
+            if "ear" not in name:
+                cv2.circle(image, pt(name), max(2, int(0.025 * size)) * 16,
+                           _kind(name, ANIMAL_JOINT_COLOURS), -1, cv2.LINE_AA, 4)
+        xy = np.array([pose[n] for n in skeleton.dataset_keypoints])
+        _annotate(anns, xy, np.full(len(xy), 2.0), mask)
+    return anns
+
+
+def _category(skeleton_name: str) -> dict:
+    """The COCO category of the drawn figures (1-based skeleton links, as COCO writes them)."""
+    if skeleton_name == "coco":
+        return {"supercategory": "person", "id": 1, "name": "person",
+                "keypoints": list(builtin("coco").dataset_keypoints), "skeleton": COCO_SKELETON}
+    skeleton = builtin(ANIMAL)
+    order = {name: i + 1 for i, name in enumerate(skeleton.dataset_keypoints)}
+    return {"supercategory": "animal", "id": 1, "name": ANIMAL,
+            "keypoints": list(skeleton.dataset_keypoints),
+            "skeleton": [[order[skeleton.keypoints[a]], order[skeleton.keypoints[b]]]
+                         for a, b in skeleton.limbs]}
+
+
+SKELETONS = ("coco", ANIMAL)
 
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
@@ -224,7 +305,7 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
             image, anns = draw_image(rng, size)
         else:
             image = _background(rng, size, size)
-            anns = synthetic_animals.draw_animal_image(rng, image)
+            anns = _draw_animals(rng, image)
         image_id = split_index * 1_000_000 + n + 1
         name = f"{image_id:012d}.jpg"
         cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
@@ -233,14 +314,11 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
             ann.update(id=split_index * 10_000_000 + len(annotations) + 1, image_id=image_id,
                        category_id=1)
             annotations.append(ann)
-    category = ({"supercategory": "person", "id": 1, "name": "person",
-                 "keypoints": list(builtin("coco").dataset_keypoints), "skeleton": COCO_SKELETON}
-                if skeleton == "coco" else synthetic_animals.category())
     path = out_dir / f"{split}.json"
     with written_whole(path, overwrite) as temp:
         temp.write_text(json.dumps({"info": {"description": "synthetic stick figures (data.synthetic)"},
                                 "images": images, "annotations": annotations,
-                                    "categories": [category]}))
+                                    "categories": [_category(skeleton)]}))
     return path
 
 
