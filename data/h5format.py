@@ -55,32 +55,18 @@ def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
 _CODE_PLANES = np.array([0, 0xFF, 0xFF00, 0xFFFF], "<u4")
 
 
-def _expand_runs(runs: np.ndarray, per_code: np.ndarray, height: int, width: int) -> np.ndarray:
-    """`per_code[code]` repeated over each run of `encode_masks` bytes: HxW of its dtype."""
-    n = runs.size // 3
-    if runs.size % 3 or (n and runs[2 * n:].max() > 3):
-        raise DataError(f"{runs.size} bytes of mask runs do not form (length, value) pairs")
-    values = np.repeat(per_code[runs[2 * n:]], runs[:2 * n].view("<u2"))
-    if values.size != height * width:
-        raise DataError(f"mask runs cover {values.size} pixels, expected {height}x{width}")
-    return values.reshape(height, width)
-
-
-def decode_masks(runs: np.ndarray, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ignore, person) uint8 HxW 0/1 masks from `encode_masks` bytes."""
-    if runs.size == 0:
-        zeros = np.zeros((height, width), np.uint8)
-        return zeros, zeros.copy()
-    codes = _expand_runs(runs, np.arange(4, dtype=np.uint8), height, width)
-    return codes & 1, codes >> 1
-
-
 def decode_mask_planes(runs: np.ndarray, height: int, width: int) -> np.ndarray | None:
     """The masks of `encode_masks` bytes as one uint8 HxWx4 image (255: ignored, person, then 0s)
     for `data.augment.warp_masks`; None when both are empty."""
     if runs.size == 0:
         return None
-    return _expand_runs(runs, _CODE_PLANES, height, width).view(np.uint8).reshape(height, width, 4)
+    n = runs.size // 3
+    if runs.size % 3 or (n and runs[2 * n:].max() > 3):
+        raise DataError(f"{runs.size} bytes of mask runs do not form (length, value) pairs")
+    values = np.repeat(_CODE_PLANES[runs[2 * n:]], runs[:2 * n].view("<u2"))
+    if values.size != height * width:
+        raise DataError(f"mask runs cover {values.size} pixels, expected {height}x{width}")
+    return values.view(np.uint8).reshape(height, width, 4)
 
 
 def open_checked(path: Path) -> h5py.File:
@@ -274,9 +260,10 @@ class KeypointH5:
 
     def masks(self, img: int) -> tuple[np.ndarray, np.ndarray]:
         """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
-        height, width = self.image_size(img)
-        with self._damaged(img, "masks"):
-            return decode_masks(self._dataset("images/masks")[img], height, width)
+        planes = self.mask_planes(img)
+        if planes is None:
+            return tuple(np.zeros(self.image_size(img), np.uint8) for _ in range(2))
+        return planes[:, :, 0] & 1, planes[:, :, 1] & 1
 
     def mask_planes(self, img: int) -> np.ndarray | None:
         """`decode_mask_planes` of image `img`: HxWx4 uint8 (ignore, person as 0/255), or None."""
@@ -286,17 +273,15 @@ class KeypointH5:
 
     def people(self, img: int) -> np.ndarray:
         """float32 [P,K,3]: (x, y, v) per skeleton keypoint of the image's people with keypoints."""
-        start, count = self._load_meta()["people"][img]
-        if count == 0:
-            return np.zeros((0, self.skeleton.num_keypoints, 3), np.float32)
-        return self._load_meta()["keypoints"][start:start + count].copy()
+        return self._people_rows(img, "keypoints")
 
     def person_boxes(self, img: int) -> np.ndarray:
         """float32 [P,4] COCO boxes (x, y, w, h) of the people of `people(img)`."""
+        return self._people_rows(img, "boxes")
+
+    def _people_rows(self, img: int, table: str) -> np.ndarray:
         start, count = self._load_meta()["people"][img]
-        if count == 0:
-            return np.zeros((0, 4), np.float32)
-        return self._load_meta()["boxes"][start:start + count].copy()
+        return self._load_meta()[table][start:start + count].copy()
 
     def annotations(self, img: int) -> list[dict]:
         """The image's COCO annotations (every person, crowds too), without segmentation."""
