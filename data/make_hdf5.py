@@ -1,11 +1,5 @@
 """Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file.
 
-    python -m data.make_hdf5 --ann person_keypoints_train2017.json --images train2017 \
-        --out coco_train.h5 [--split train|val] [--keep-all] [--skip-bad [--skipped FILE.json]]
-        [--skeleton NAME|FILE.yaml] [--categories NAME_OR_ID,...] [--links-from 0|1]
-        [--dump-skeleton FILE.yaml]
-    python -m data.make_hdf5 --list-skeletons
-
 Images are stored encoded, masks as run-length codes (`data.h5format`); the train split keeps the
 pictures with a main person; people without a labelled keypoint are masked out like crowds.
 """
@@ -116,21 +110,15 @@ def _where_from(info: dict, images_dir: Path) -> str:
 # -- annotations -> people, masks, samples ---------------------------------------------------------
 def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
+    seg = ann.get("segmentation")
+    polys = [p for p in seg if len(p) >= 6] if isinstance(seg, list) else []
     with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _region_mask(ann, height, width)
-
-
-def _region_mask(ann: dict, height: int, width: int) -> np.ndarray:
-    seg = ann.get("segmentation")
-    if isinstance(seg, list) and seg:
-        polys = [p for p in seg if len(p) >= 6]
         if polys:
-            rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
+            return mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(polys, height, width)))
+        if isinstance(seg, dict) and "counts" in seg:
+            rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list) else seg
             return mask_utils.decode(rle)
-    elif isinstance(seg, dict) and "counts" in seg:
-        rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list) else seg
-        return mask_utils.decode(rle)
     out = np.zeros((height, width), np.uint8)
     x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
     out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
