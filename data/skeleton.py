@@ -269,17 +269,25 @@ def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
     return flip
 
 
-def _check_reachable(names: list, limbs: list, source: str) -> None:
-    links: dict = {k: [] for k in range(len(names))}
+def limb_walk(count: int, limbs, start: int = 0) -> list:
+    """(from, to) of each limb a breadth-first walk over `count` keypoints takes from `start`."""
+    ends: dict = {k: [] for k in range(count)}
     for a, b in limbs:
-        links[a].append(b)
-        links[b].append(a)
-    seen, todo = {0}, deque([0])
+        ends[a].append(b)
+        ends[b].append(a)
+    walked, reached, todo = [], {start}, deque([start])
     while todo:
-        for other in links[todo.popleft()]:
-            if other not in seen:
-                seen.add(other)
+        here = todo.popleft()
+        for other in ends[here]:
+            if other not in reached:
+                reached.add(other)
                 todo.append(other)
+                walked.append((here, other))
+    return walked
+
+
+def _check_reachable(names: list, limbs: list, source: str) -> None:
+    seen = {0} | {b for _, b in limb_walk(len(names), limbs)}
     lost = [names[k] for k in range(len(names)) if k not in seen]
     if lost:
         _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "

@@ -5,12 +5,12 @@ minimum spanning tree over the keypoints' mean distances; every decision is a li
 from __future__ import annotations
 
 import re
-from collections import Counter, deque
+from collections import Counter
 
 import numpy as np
 
-from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, name_flips,
-                             unpaired_sided)
+from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, limb_walk, name_flips,
+                           unpaired_sided)
 
 MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
 SHOWN = 12                 # names or links listed in one report line
@@ -194,15 +194,7 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
     links, mirrors, joins = _complete(pairs, flip, points)
     degree = np.bincount(np.array(links, int).reshape(-1), minlength=len(names))
     start = int(np.argmax(degree))
-    main, reached, todo = [], {start}, deque([start])
-    while todo:
-        here = todo.popleft()
-        for a, b in links:
-            other = b if a == here else a if b == here else None
-            if other is not None and other not in reached:
-                reached.add(other)
-                todo.append(other)
-                main.append((here, other))
+    main = limb_walk(len(names), links, start)
     redundant = [p for p in links if p not in main and p[::-1] not in main]
     spec = {"name": category.get("name") or "custom", "keypoints": list(names),
             "channels": [names[start]] + [n for k, n in enumerate(names) if k != start],
