@@ -17,6 +17,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import numpy as np
 from pycocotools import mask as mask_utils
 
+from common.errors import DataError
+
 MAX_ID = 2 ** 63 - 1          # ids are stored as int64
 MAX_SIDE = 65535              # the largest JPEG side
 KEYPOINT_MARGIN = 0.5         # labelled keypoints may lie this fraction of the image size outside it
@@ -215,23 +217,22 @@ class Selection:
         self.repairs: Counter = Counter()    # what `complete_fields` did, and how often
 
 
-def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann_path: Path,
-                 error, keypoints: int = 17) -> Selection:
+def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: bool, ann_path: Path,
+                 keypoints: int) -> Selection:
     """Check every image and person annotation of `data` in `category_ids`: a problem raises
-    `error(message)`, or with `skip_bad` drops its whole image (listed in `rejected`). Kept
+    `DataError`, or with `skip_bad` drops its whole image (listed in `rejected`). Kept
     annotations get the first category's id and `complete_fields`."""
     out = Selection()
-    category_ids = list(category_ids) if isinstance(category_ids, (list, tuple, set)) else [category_ids]
     wanted = set(category_ids)
 
     def reject(kind: str, message: str, image_id=None) -> None:
         if not skip_bad:
-            raise error(f"{ann_path}: {message}")
+            raise DataError(f"{ann_path}: {message}")
         out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
     for key in ("images", "annotations"):
         if not isinstance(data[key], list):
-            raise error(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
+            raise DataError(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
     good, bad_ids, by_file = {}, set(), {}
     for info in data["images"]:
         problem = image_problem(info, images_dir)
@@ -266,8 +267,7 @@ def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann
                 reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}",
                        image_id)
             continue
-        problem = (annotation_problem(ann, good[image_id], keypoints) if isinstance(ann, dict)
-                   else f"an entry of annotations is a {type(ann).__name__}, not an object")
+        problem = annotation_problem(ann, good.get(image_id), keypoints)
         if problem is None and ann["id"] in ann_ids:
             problem = f"annotation id {ann['id']} appears twice in annotations"
         if problem is not None:
@@ -284,7 +284,7 @@ def select_valid(data: dict, category_ids, images_dir: Path, skip_bad: bool, ann
     if data["annotations"] and not persons:
         found = sorted({str(a.get("category_id")) for a in data["annotations"] if isinstance(a, dict)})
         named = ", ".join(str(i) for i in category_ids)
-        raise error(f"{ann_path}: no annotation has the person category's id {named} "
+        raise DataError(f"{ann_path}: no annotation has the person category's id {named} "
                     f"(annotations have category ids {', '.join(found[:10])})")
     out.images = [info for info in data["images"]
                   if isinstance(info, dict) and is_int(info.get("id")) and good.get(info["id"]) is info]

@@ -213,8 +213,7 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
                     f"({', '.join(str(c.get('name')) for c in chosen[:SHOWN_CATEGORIES])}"
                     f"{', ...' if len(chosen) > SHOWN_CATEGORIES else ''}), as category "
                     f"{category.get('name')!r}")
-    selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path,
-                             DataError, count)
+    selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path, count)
     said.extend(_strip_prefix(selection.images, images_dir))
     points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
               for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
