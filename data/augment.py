@@ -1,10 +1,5 @@
-"""Augmentation of SPEC: one affine per sample (scale, rotation, shift, flip) and a colour tint.
-
-The affine maps image pixels to input pixels: the main person's box centre to the input centre,
-its height to `person_height` x input size, then the random scale, rotation, shift and mirror. It
-moves the image, the masks (straight to the stride-4 grid) and the joints; a mirror also swaps the
-skeleton's `flip` pairs.
-"""
+"""Augmentation of SPEC: one affine per sample (scale, rotation, shift, flip) and a colour tint; the
+affine (`affine_matrix`) moves the image, the masks (straight to the output grid) and the joints."""
 from __future__ import annotations
 
 import math

@@ -1,11 +1,7 @@
-"""Field-by-field checks of a COCO person-keypoint JSON, before anything is converted.
-
-Each check returns the problem as text naming the image or annotation id (None when sound), so that
-`data.make_hdf5` stops at the first or, with `--skip-bad`, skips and lists it. Nothing is trusted:
-types, finiteness, sizes, ids and file names are checked (a NaN keypoint, a box of no size, a file
-outside `--images` would be trained on silently). What published datasets leave out harmlessly is
-completed with COCO's meaning and counted (`Selection.repairs`).
-"""
+"""Field-by-field checks of a COCO keypoint JSON before anything is converted: each check returns the
+problem naming the image or annotation (None when sound). Nothing is trusted: a NaN keypoint, a box
+of no size or a file outside `--images` would be trained on silently. What published datasets leave
+out harmlessly is completed with COCO's meaning and counted (`Selection.repairs`)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,5 @@
-"""Reading a COCO keypoint JSON as published datasets ship it: which categories to convert, their
-keypoint names, the skeleton (given, built-in or inferred), and the images and annotations that pass
-`data.coco_checks`. Every decision is one line of the report `load_coco` returns; bad input is a
-`DataError` naming the file.
-"""
+"""Reading a COCO keypoint JSON as published datasets ship it: the categories, keypoint names and
+skeleton to convert, and what passes `data.coco_checks`; each decision is a line of the report."""
 from __future__ import annotations
 
 import json

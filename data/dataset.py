@@ -1,11 +1,5 @@
-"""The training/validation dataset: one sample per main person of a keypoint HDF5 file.
-
-`KeypointDataset(h5_path, settings, train, rank)[key]` returns float32 input [3, S, S], target
-[C, S/4, S/4] and mask [1, S/4, S/4] (1 = supervise); `compact_item(key)` is the uint8 sample
-workers send, `sample_arrays(key)` the same as numpy arrays. A key is an index or an (epoch, index)
-pair; training samples get `data.augment`'s random affine and tint seeded by (seed, epoch, rank,
-index), validation ones the main person centred at `augment.person_height`.
-"""
+"""The training/validation dataset: one sample per main person of a keypoint HDF5 file, augmented
+with a draw seeded by (seed, epoch, rank, index) in training, centred in validation."""
 from __future__ import annotations
 
 import ctypes

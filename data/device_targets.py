@@ -1,9 +1,5 @@
-"""The maps of `data.targets.render_targets`, drawn in torch on whatever device holds the people.
-
-`TargetPainter(skeleton, cfg, stride)(people, person_mask)`: padded people [B, P, K, 3] and uint8
-person masks [B, 1, h, w] -> float32 targets [B, C, h, w] by `data.targets`' rules, as whole-grid
-maps one person slot at a time (no host sync), equal to float32 rounding.
-"""
+"""The maps of `data.targets.render_targets`, drawn in torch on whatever device holds the people:
+whole-grid maps one person slot at a time (no host sync), equal to float32 rounding."""
 from __future__ import annotations
 
 import math

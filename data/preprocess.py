@@ -1,10 +1,5 @@
-"""Pictures to network input: the one convention that training and inference share.
-
-A BGR uint8 picture becomes an RGB float32 tensor [3, H, W] by `normalise` (value / 255, no offset:
-`_FULL_SCALE` is the one place the scale is set), through `bgr_to_input` on any device. Whatever
-lies outside the picture (the training warp's border, inference's padding to the sizes the network
-takes, `padded_size`) is `GREY` before normalisation, in training and at inference alike.
-"""
+"""Pictures to network input, the one convention training and inference share: BGR uint8 becomes
+RGB value / 255 (`normalise`); whatever lies outside the picture (warp border, padding) is `GREY`."""
 from __future__ import annotations
 
 import numpy as np

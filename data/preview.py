@@ -1,10 +1,7 @@
 """Draw augmented training samples with their targets, so a user can see what the network learns.
 
-    python -m data.preview --h5 FILE.h5 --out preview.png [--n 8] [--config tiny] [--val]
-
-Two panels per sample, as `data.dataset.KeypointDataset` serves it: the input with the keypoint
-maps' max and the joints on the main limbs; the input with the limb maps' max, the ignore mask
-(red) and the person-mask outline.
+Two panels per sample: the input with the keypoint maps' max and the joints on the main limbs; the
+input with the limb maps' max, the ignore mask (red) and the person-mask outline.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The skeleton of a dataset: its keypoints, the limbs the network learns, flips, OKS sigmas, channels.
-
-Stored in the HDF5 file and every checkpoint as a mapping (fields: docs/data.md); output channels
-are limbs, keypoints (`channels` order), the person mask, the max over the keypoint maps. Built-ins
-live in data/skeletons/NAME.yaml (`coco`: 18 keypoints, 50 channels, for files without one). Every
-problem with a skeleton is a one-line `ConfigError` naming its source.
-"""
+"""The skeleton of a dataset: its keypoints, the limbs the network learns, flips, OKS sigmas, channels
+(limbs, keypoints, person mask, keypoint max). Stored in the HDF5 file and every checkpoint (fields:
+docs/data.md); built-ins in data/skeletons/NAME.yaml; every problem is a `ConfigError` naming its source."""
 from __future__ import annotations
 
 import re

@@ -1,13 +1,8 @@
 """A keypoint dataset the project draws itself, for users with nothing downloaded (and for tests).
 
-    python -m data.synthetic --out DIR [--train-images N] [--val-images N] [--size PX] [--seed S]
-        [--skeleton coco|quadruped]
-
-writes DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick
-figures (or animals) per image with occluded and unlabelled keypoints, people cut by the border,
-small people and crowds, so every mask path is exercised. `ensure_synthetic_h5` makes it once.
-Animals are seen from above, head up (turned at most 15 degrees, so the left legs are on the image's
-left), with a body, four two-part legs and a tail.
+DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick figures (or
+animals seen from above) per picture with occluded and unlabelled keypoints, people cut by the
+border, small people and crowds, so every mask path is exercised; `ensure_synthetic_h5` makes it once.
 """
 from __future__ import annotations
 

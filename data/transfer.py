@@ -1,9 +1,5 @@
-"""What a training sample carries from the loader's workers to the device, and how it unpacks there.
-
-A compact sample (about 0.82 MB at 512 input, 6.6 MB as float32) is the augmented BGR image uint8
-[S, S, 3], the people float32 [P, K, 3] (`pack_people`) and the warped ignore and person masks
-uint8 [2, S/4, S/4]; `expand` turns it, on any device, into input, targets and mask.
-"""
+"""What a training sample carries from the loader's workers to the device (uint8 image and masks,
+packed people: 0.82 MB at 512 input, 6.6 MB as float32), and how `expand` unpacks it there."""
 from __future__ import annotations
 
 import numpy as np
