@@ -142,7 +142,8 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     values = 3 * keypoints
     given = ann.get("keypoints")
     if isinstance(given, list) and len(given) != values:
-        return (f"keypoints has {len(given)} values ({_triples(len(given))}) but the category lists "
+        triples = f"{len(given) // 3} keypoints" if len(given) % 3 == 0 else "not a multiple of 3"
+        return (f"keypoints has {len(given)} values ({triples}) but the category lists "
                 f"{keypoints} keypoints ({values} values)")
     problem = _numbers(given, values, "keypoints")
     if problem:
@@ -161,10 +162,6 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         k = int(np.argmax(outside))
         return f"keypoint {k} at ({x[k]:g}, {y[k]:g}) lies far outside the {width}x{height} image"
     return None
-
-
-def _triples(count: int) -> str:
-    return f"{count // 3} keypoints" if count % 3 == 0 else "not a multiple of 3"
 
 
 def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> None:
