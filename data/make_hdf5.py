@@ -304,14 +304,15 @@ def pictures(selection, images_dir: Path) -> list[Path]:
     return [images_dir / info["file_name"] for info in selection.images]
 
 
-def dump_skeleton(skeleton: Skeleton, path: Path, overwrite: bool) -> None:
-    """The skeleton as a YAML file to edit and give back with --skeleton."""
+def dump_skeleton(skeleton: Skeleton, path: str, overwrite: bool, said: str) -> None:
+    """The skeleton as a YAML file to edit and give back with --skeleton; `said` ends the line saying so."""
     import yaml
 
-    write_text("--dump-skeleton", path, "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, sigmas) "
-               "and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
+    write_text("--dump-skeleton", Path(path), "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, "
+               "sigmas) and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
                + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),
                overwrite)
+    print(f"wrote {path}{said}")
 
 
 def build_parser() -> ArgumentParser:
@@ -374,8 +375,7 @@ def _main(argv=None) -> int:
         refuse_clashes({"--images": pictures(selection, Path(args.images))}, side_outputs)
         refuse_existing("--dump-skeleton", args.dump_skeleton, args.overwrite)
         print(origin)
-        dump_skeleton(skeleton, Path(args.dump_skeleton), args.overwrite)
-        print(f"wrote {args.dump_skeleton} (nothing converted: no --out)")
+        dump_skeleton(skeleton, args.dump_skeleton, args.overwrite, " (nothing converted: no --out)")
         return 0
     try:
         summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
@@ -388,8 +388,8 @@ def _main(argv=None) -> int:
     _report_skipped(summary, args)
     print(format_summary(summary))
     if args.dump_skeleton:
-        dump_skeleton(summary["skeleton"], Path(args.dump_skeleton), args.overwrite)
-        print(f"wrote {args.dump_skeleton}: the skeleton, to edit and pass back with --skeleton")
+        dump_skeleton(summary["skeleton"], args.dump_skeleton, args.overwrite,
+                      ": the skeleton, to edit and pass back with --skeleton")
     return 0
 
 
