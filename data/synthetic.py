@@ -84,26 +84,24 @@ def _draw_figure(canvas: np.ndarray, mask: np.ndarray, kp: np.ndarray, height: f
     """Draw a figure into `canvas` (BGR) and its silhouette into `mask` (uint8 0/1)."""
     def pt(i):
         return tuple(int(round(v * 16)) for v in kp[i])       # 4 bits of sub-pixel precision
+
+    def paint(shape, at, size, colour, thickness=-1):       # the picture smooth, the silhouette 1s
+        shape(canvas, at, size, colour, thickness, cv2.LINE_AA, shift=4)
+        shape(mask, at, size, 1, thickness, cv2.LINE_8, shift=4)
     thick = max(2, int(round(0.06 * height)))
     joint = max(2, int(round(0.035 * height)) * 16)
     for (a, b), colour in DRAWN_LIMBS:
-        cv2.line(canvas, pt(a), pt(b), colour, thick, cv2.LINE_AA, shift=4)
-        cv2.line(mask, pt(a), pt(b), 1, thick, cv2.LINE_8, shift=4)
+        paint(cv2.line, pt(a), pt(b), colour, thick)
     for k, colour in JOINT_COLOUR.items():
-        cv2.circle(canvas, pt(k), joint, colour, -1, cv2.LINE_AA, shift=4)
-        cv2.circle(mask, pt(k), joint, 1, -1, cv2.LINE_8, shift=4)
-    head_centre = tuple(int(round(v * 16)) for v in (kp[NOSE] + (0, -0.02 * height)))
-    head = int(round(0.075 * height * 16))
-    cv2.circle(canvas, head_centre, head, SKIN, -1, cv2.LINE_AA, shift=4)
-    cv2.circle(mask, head_centre, head, 1, -1, cv2.LINE_8, shift=4)
+        paint(cv2.circle, pt(k), joint, colour)
+    paint(cv2.circle, tuple(int(round(v * 16)) for v in (kp[NOSE] + (0, -0.02 * height))),
+          int(round(0.075 * height * 16)), SKIN)
     dot = max(1, int(round(0.018 * height)) * 16)
     for k in (R_EYE, L_EYE):
         cv2.circle(canvas, pt(k), dot, EYE, -1, cv2.LINE_AA, shift=4)
     cv2.circle(canvas, pt(NOSE), dot, NOSE_COLOUR, -1, cv2.LINE_AA, shift=4)
-    if draw_ears:
-        for k in (R_EAR, L_EAR):
-            cv2.circle(canvas, pt(k), int(dot * 1.6), EAR_COLOUR, -1, cv2.LINE_AA, shift=4)
-            cv2.circle(mask, pt(k), int(dot * 1.6), 1, -1, cv2.LINE_8, shift=4)
+    for k in (R_EAR, L_EAR) if draw_ears else ():
+        paint(cv2.circle, pt(k), int(dot * 1.6), EAR_COLOUR)
 
 
 def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
