@@ -9,9 +9,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from common.errors import DataError
-from data.skeleton import Skeleton
+from data.skeleton import Skeleton, limb_changes
 from data.skeleton_infer import fit_to_labels, infer_skeleton, keypoint_names, matching_builtin, plain_name
-from data.skeleton_words import limb_changes
 from data.coco_checks import Selection, select_valid
 
 SHOWN_CATEGORIES = 6

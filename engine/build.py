@@ -13,8 +13,7 @@ from torch import nn
 from common.errors import ConfigError, DataError, os_reason
 from config.schema import AmpConfig, Config, DataConfig, LossConfig, ModelConfig, OptimConfig
 from data.h5format import KeypointH5, check_split
-from data.skeleton import Skeleton
-from data.skeleton_words import skeleton_words
+from data.skeleton import Skeleton, skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.parallel import convert_sync_bn

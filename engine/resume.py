@@ -13,8 +13,7 @@ from pathlib import Path
 from common.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from config.schema import Config, OptimConfig, TrainConfig
-from data.skeleton import Skeleton, from_checkpoint
-from data.skeleton_words import skeleton_words
+from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
 from runtime import checkpoint as ckpt
 from engine.precision.loss_scale import grad_scaler_fields

@@ -137,7 +137,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
 def check_same_skeleton(model_skeleton, h5) -> None:
     """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
     if model_skeleton != h5.skeleton:
-        from data.skeleton_words import skeleton_words
+        from data.skeleton import skeleton_words
 
         raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, model_skeleton)} "
                         f"but the model was trained on {skeleton_words(model_skeleton, h5.skeleton)}")
