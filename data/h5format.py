@@ -82,24 +82,25 @@ def open_checked(path: Path) -> h5py.File:
     except OSError as exc:
         raise DataError(f"{path}: truncated or damaged HDF5 file ({str(exc).splitlines()[0]}); "
                         "convert it again with python -m data.make_hdf5") from None
-    marker = handle.attrs.get("format")
-    if isinstance(marker, bytes):
-        marker = marker.decode()
-    if marker != FORMAT_MARKER:
-        handle.close()
-        raise DataError(f"{path}: an HDF5 file but not a keypoint dataset of this project "
-                        "(convert COCO files with python -m data.make_hdf5)")
-    version = handle.attrs.get("version", 0)
-    if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
-        handle.close()
-        raise DataError(f"{path}: damaged keypoint dataset (format version {version!r} is not a number); "
-                        "convert it again with python -m data.make_hdf5")
-    if version != FORMAT_VERSION:
-        handle.close()
+    version, problem = handle.attrs.get("version", 0), None
+    if _text(handle.attrs.get("format")) != FORMAT_MARKER:
+        problem = DataError(f"{path}: an HDF5 file but not a keypoint dataset of this project "
+                            "(convert COCO files with python -m data.make_hdf5)")
+    elif not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+        problem = _damaged_file(path, f"keypoint dataset (format version {version!r} is not a number)")
+    elif version != FORMAT_VERSION:
         age = "an older" if version < FORMAT_VERSION else "a newer"
-        raise DataError(f"{path}: written in {age} format version ({version}; this code reads "
-                        f"version {FORMAT_VERSION}): convert it again with python -m data.make_hdf5")
+        problem = DataError(f"{path}: written in {age} format version ({version}; this code reads "
+                            f"version {FORMAT_VERSION}): convert it again with python -m data.make_hdf5")
+    if problem:
+        handle.close()
+        raise problem
     return handle
+
+
+def _damaged_file(path, what: str) -> DataError:
+    """The error for a keypoint file whose `what` is damaged (it must be converted again)."""
+    return DataError(f"{path}: damaged {what}; convert it again with python -m data.make_hdf5")
 
 
 class KeypointH5:
@@ -133,8 +134,7 @@ class KeypointH5:
             try:
                 found = self._datasets[name] = handle[name]
             except KeyError:
-                raise DataError(f"{self.path}: damaged keypoint dataset (no {name!r}); convert "
-                                "it again with python -m data.make_hdf5") from None
+                raise _damaged_file(self.path, f"keypoint dataset (no {name!r})") from None
         return found
 
     def _load_meta(self) -> dict:
@@ -153,13 +153,11 @@ class KeypointH5:
                     "skeleton": self._read_skeleton(f),
                 }
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
-                raise DataError(f"{self.path}: damaged keypoint dataset ({exc}); convert it again "
-                                "with python -m data.make_hdf5") from None
+                raise _damaged_file(self.path, f"keypoint dataset ({exc})") from None
             problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
             if problem:
                 self._meta = None
-                raise DataError(f"{self.path}: damaged keypoint dataset ({problem}); convert it again "
-                                "with python -m data.make_hdf5")
+                raise _damaged_file(self.path, f"keypoint dataset ({problem})")
         return self._meta
 
     def _read_skeleton(self, f: h5py.File) -> Skeleton:
@@ -169,8 +167,7 @@ class KeypointH5:
         try:
             return Skeleton.from_spec(json.loads(_text(text)), f"{self.path} (its stored skeleton)")
         except (ValueError, ConfigError) as exc:
-            raise DataError(f"{self.path}: damaged stored skeleton ({exc}); convert it again "
-                            "with python -m data.make_hdf5") from None
+            raise _damaged_file(self.path, f"stored skeleton ({exc})") from None
 
     def open(self) -> "KeypointH5":
         """Open and check the file now (raises `DataError`); returns self."""
@@ -255,8 +252,7 @@ class KeypointH5:
         try:
             yield
         except (DataError, ValueError, UnicodeDecodeError) as exc:
-            raise DataError(f"{self.path}: image {img}: damaged {what} ({exc}); convert it again "
-                            "with python -m data.make_hdf5") from None
+            raise _damaged_file(f"{self.path}: image {img}", f"{what} ({exc})") from None
 
     def masks(self, img: int) -> tuple[np.ndarray, np.ndarray]:
         """(ignore, person) uint8 HxW masks: ignore 1 = do not supervise; person 1 = any person."""
