@@ -8,15 +8,16 @@ import contextlib
 import math
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 from pycocotools import mask as mask_utils
 
 from common.errors import DataError
+from data.h5format import MAX_SIDE
 
 MAX_ID = 2 ** 63 - 1          # ids are stored as int64
-MAX_SIDE = 65535              # the largest JPEG side
 KEYPOINT_MARGIN = 0.5         # labelled keypoints may lie this fraction of the image size outside it
 
 
@@ -200,14 +201,13 @@ def _area(ann: dict, info: dict) -> float:
     return float(ann["bbox"][2] * ann["bbox"][3])
 
 
+@dataclass
 class Selection:
     """The images and person annotations of a COCO JSON that pass every check, and what did not."""
-
-    def __init__(self):
-        self.images: list[dict] = []
-        self.by_image: dict[int, list[dict]] = {}
-        self.rejected: list[dict] = []       # {"kind": "bad image"|..., "image_id", "reason"}
-        self.repairs: Counter = Counter()    # what `complete_fields` did, and how often
+    images: list = field(default_factory=list)
+    by_image: dict = field(default_factory=dict)          # image id -> its annotations
+    rejected: list = field(default_factory=list)          # {"kind": "bad image"|..., "image_id", "reason"}
+    repairs: Counter = field(default_factory=Counter)     # what `complete_fields` did, and how often
 
 
 def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: bool, ann_path: Path,

@@ -302,7 +302,7 @@ class KeypointH5:
 
 
 PER_IMAGE = ("images/encoded", "images/file_name", "images/annotations", "images/masks")
-MAX_SIDE = 65535
+MAX_SIDE = 65535              # the largest JPEG side
 
 
 def _meta_problem(meta: dict, per_image: dict) -> str | None:
