@@ -38,7 +38,8 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import bench_config, build_quietly, synthetic_batches, sync  # noqa: E402
+from bench.train_throughput import (bench_config, build_quietly, count_host_syncs,  # noqa: E402
+                                    optimizer_step_counters, synthetic_batches, sync)
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 
@@ -216,7 +217,6 @@ def section_nccl_abort(check: bool) -> dict:
 def section_sync_debug(check: bool) -> dict:
     """Device waits per step beside the project's host-read counter, without and with --sync-bn."""
     from bench.group_of_one import force_sync_function, join_group_of_one
-    from bench.host_syncs import count_host_syncs, optimizer_step_counters
     from engine.cli import single_process_context
     from engine.parallel import wrap_ddp
     from engine.run_trainer import Launch, build_loop

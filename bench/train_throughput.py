@@ -21,6 +21,9 @@ import re
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,7 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_data import make_bench_h5            # noqa: E402
-from bench.host_syncs import count_host_syncs, optimizer_step_counters  # noqa: E402
 from config import build_config                        # noqa: E402
 from data.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
@@ -62,6 +64,81 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> f
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+SYNC_WARNING = "called a synchronizing CUDA operation"     # torch's text in sync debug mode "warn"
+
+
+@dataclass
+class HostSyncs:
+    """Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, ...) by kind; on CUDA also
+    torch's own synchronising operations (`cuda_sync`, from its sync debug mode)."""
+    by_kind: Counter = field(default_factory=Counter)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_kind.values())
+
+
+def optimizer_step_counters(optimizer) -> list:
+    """The optimiser's per-parameter step counters that live on the CPU (host tensors in a GPU run)."""
+    states = getattr(optimizer, "state", {}).values()
+    return [s["step"] for s in states if torch.is_tensor(s.get("step")) and s["step"].device.type == "cpu"]
+
+
+@contextlib.contextmanager
+def count_host_syncs(host_tensors=(), device=None):
+    """HostSyncs of the block: the host's waits for the device, reads of `host_tensors` aside."""
+    syncs = HostSyncs()
+    ignored = {id(t) for t in host_tensors}
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    inside = [0]     # a read made by another read (float() through item()) is not counted again
+
+    def counting(name, read):
+        def wrapper(self, *args, **kwargs):
+            if not inside[0] and id(self) not in ignored and not (on_gpu and self.device.type == "cpu"):
+                syncs.by_kind[name] += 1
+            inside[0] += 1
+            try:
+                return read(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return wrapper
+
+    for name, read in originals.items():
+        setattr(torch.Tensor, name, counting(name, read))
+    try:
+        cuda = on_gpu and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        with _cuda_syncs(syncs, inside) if cuda else contextlib.nullcontext():
+            yield syncs
+    finally:
+        for name, read in originals.items():
+            setattr(torch.Tensor, name, read)
+
+
+@contextlib.contextmanager
+def _cuda_syncs(syncs: HostSyncs, inside: list):
+    """Each warning of torch's sync debug mode outside a read, counted as `cuda_sync` (not shown)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        show = warnings.showwarning
+
+        def counted(message, *args, **kwargs):
+            if SYNC_WARNING not in str(message):
+                return show(message, *args, **kwargs)
+            if not inside[0]:
+                syncs.by_kind["cuda_sync"] += 1
+
+        warnings.showwarning = counted
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
 
 
 def synthetic_batches(batch: int, cfg, device):
