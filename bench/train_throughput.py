@@ -296,12 +296,9 @@ def main(argv=None) -> int:
     args.from_loader = bool(args.h5)
     if args.workers is None:
         args.workers = len(os.sched_getaffinity(0)) if args.from_loader else 0
-    if device.type == "cpu":   # CPU: no fp16 tensor cores, no TF32; bf16 autocast is the mixed mode
-        configs = [c for c in CONFIGS if c[0] in ("O0 fp32", "O1 bf16")]
-    else:
-        configs = CONFIGS
-    if args.configs:
-        configs = [c for c in CONFIGS if c[0] in args.configs]
+    # CPU: no fp16 tensor cores, no TF32; bf16 autocast is the mixed mode
+    names = args.configs or (["O0 fp32", "O1 bf16"] if device.type == "cpu" else [c[0] for c in CONFIGS])
+    configs = [c for c in CONFIGS if c[0] in names]
     both = {"off": [False], "on": [True], "both": [False, True]}
     if args.amp_backend == "apex" and len(configs) * len(both[args.channels_last]) * len(both[args.compile]) != 1:
         p.error("--amp-backend apex: name one configuration (--configs, --channels-last on|off, "
