@@ -26,7 +26,7 @@ from config.loader import build_config  # noqa: E402
 from config.views import SampleSettings  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
 from data.transfer import batch_bytes, expand, trim_people  # noqa: E402
-from bench.bench_data import make_bench_h5  # noqa: E402
+from bench.train_throughput import make_bench_h5  # noqa: E402
 
 
 DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    # stages of a sample
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
                         help="passes over the samples; the table shows the fastest (and the median)")
     parser.add_argument("--batch", type=int, default=16, help="samples per batch of the device drawing")
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
-    parser.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
+    parser.add_argument("--coco-dir",
+                        help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(1)
     torch.set_num_threads(1)

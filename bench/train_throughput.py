@@ -1,7 +1,8 @@
 """Training throughput of the engine's own step per precision setting (O0 with TF32 off and on, O1
 fp16 and bf16, O2; channels_last; optionally torch.compile), built as train.py builds it, on
 synthetic batches or (--h5) the engine's DataLoader; per row images/s, memory, first step, data
-wait, share of bf16 peak, host syncs; one JSON line last.
+wait, share of bf16 peak, host syncs; one JSON line last. Also the benchmarks' training file
+(`make_bench_h5`) and host-sync counter (`count_host_syncs`).
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
@@ -28,16 +29,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from bench.bench_data import make_bench_h5            # noqa: E402
 from config import build_config                        # noqa: E402
+from data.make_hdf5 import convert                     # noqa: E402
 from data.skeleton import builtin                    # noqa: E402
 from engine.cli import single_process_context          # noqa: E402
 from engine.run_trainer import Launch, build_loop      # noqa: E402
 from models import build_model                         # noqa: E402
 from models.summary import count_macs                  # noqa: E402
 
+COCO4 = ROOT / "tests" / "data" / "coco4"
 CONFIGS = [  # name, opt level, dtype, tf32
     ("O0 fp32", "O0", "auto", False),
     ("O0 tf32", "O0", "auto", True),
@@ -45,6 +48,41 @@ CONFIGS = [  # name, opt level, dtype, tf32
     ("O1 bf16", "O1", "bfloat16", True),
     ("O2 fp16", "O2", "float16", True),
 ]
+
+
+def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
+    """A COCO annotation file with each image listed `repeat` times, each a linked picture file."""
+    coco = json.loads(Path(ann_path).read_text())
+    images_dir.mkdir(parents=True, exist_ok=True)
+    images, annotations = [], []
+    for copy in range(repeat):
+        offset = copy * 10 ** 9
+        for image in coco["images"]:
+            name = f"copy{copy}_{image['file_name']}"
+            (images_dir / name).symlink_to((Path(ann_path).parent / image["file_name"]).resolve())
+            images.append({**image, "id": image["id"] + offset, "file_name": name})
+        annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
+                        for ann in coco["annotations"]]
+    out_path.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
+    return out_path
+
+
+def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
+    """(HDF5 path, a name for what it holds) of a benchmark's training file under `work`: coco4
+    (`coco_dir`, `$SIMPLEPOSE_COCO4`, else tests/data/coco4), each image listed `repeat` times so that
+    a loader has whole batches and epochs; without coco4, 640x640 synthetic images (faster to decode:
+    the rate is then an upper bound)."""
+    out = work / "bench.h5"
+    coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
+                  if found and (Path(found) / "test_coco.json").is_file()), None)
+    if coco4 is not None:
+        ann = repeat_annotations(coco4 / "test_coco.json", repeat, work / "bench.json", work / "bench_images")
+        convert(ann, work / "bench_images", out, split="train", progress=False)
+        return out, f"coco4 x{repeat}"
+    from data.synthetic import write_split
+    ann = write_split(work, "train", 8 * repeat, 640, seed=0)
+    convert(ann, work / "train", out, split="train", progress=False)
+    return out, f"synthetic 640 px x{8 * repeat}"
 
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -287,7 +325,7 @@ def main(argv=None) -> int:
     p.add_argument("--h5", help="feed the step from the engine's DataLoader over this HDF5 file; "
                                 "'coco4': the coco4 images, each listed --repeat times")
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
-    p.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
+    p.add_argument("--coco-dir", help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: CPU cores)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many more steps: op time by kind (convolution, BN, ...)")
