@@ -230,17 +230,16 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
         trainer.run_step([next(data)])
         sync(device)
         first_step = time.perf_counter() - tick       # under --compile: mostly the compilation
-        for i in range(1, args.warmup):
+        for _ in range(1, args.warmup):
             trainer.run_step([next(data)])
-        # then on while the fp16 loss scale still falls (only whole steps are timed)
-        i = args.warmup
-        while trainer.run_step([next(data)]).skipped and i < args.warmup + 50:
-            i += 1
+        for _ in range(51):     # then on while the fp16 loss scale still falls (only whole steps are timed)
+            if not trainer.run_step([next(data)]).skipped:
+                break
         sync(device)
         start = time.perf_counter()
         # the steps' reads of tensor values on the host (the optimiser's CPU step counters aside)
         with count_host_syncs(optimizer_step_counters(parts.optimizer), device) as syncs:
-            for i in range(i + 1, i + 1 + args.steps):
+            for _ in range(args.steps):
                 tick = time.perf_counter()
                 batch = next(data)
                 waited += time.perf_counter() - tick
