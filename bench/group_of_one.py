@@ -27,9 +27,6 @@ from runtime.launch_env import find_free_port                # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 
-SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
-
-
 def force_sync_function(model: nn.Module) -> int:
     """Route every nn.SyncBatchNorm's training forward through its distributed function; how many."""
     from torch.nn.modules._functions import SyncBatchNorm as SyncFunction
@@ -73,7 +70,7 @@ def main(argv=None) -> dict:
     try:
         trainer = build_trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
                                             mode="ddp"), training_evaluator())
-        sync_bn = sum(isinstance(m, SYNC_BN) or "SyncBatchNorm" in type(m).__name__
+        sync_bn = sum(isinstance(m, CrossProcessBatchNorm) or "SyncBatchNorm" in type(m).__name__
                       for m in trainer.model.modules())
         if args.force_sync_function:
             print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "
