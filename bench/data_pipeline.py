@@ -41,18 +41,18 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
     for _ in range(repeats):
         one_pass: dict = {}
         for n in range(samples):
-            dataset.augmented((n // count, n % count), one_pass)
+            dataset.augmented(divmod(n, count), one_pass)
         for name, seconds in one_pass.items():
             stages[name] = min(seconds, stages.get(name, seconds))
     drawn: dict = {}
     for n in range(samples):
-        dataset.sample_arrays((n // count, n % count), drawn)
+        dataset.sample_arrays(divmod(n, count), drawn)
     stages["targets"] = drawn["targets"]
     passes = []
     for _ in range(repeats):
         start, wall = time.process_time(), time.perf_counter()
         for n in range(samples):
-            dataset.compact_item((n // count, n % count))
+            dataset.compact_item(divmod(n, count))
         passes.append((time.process_time() - start, time.perf_counter() - wall))
     stages["total"], stages["total_wall"] = min(passes)
     stages["total_median"] = statistics.median(cpu for cpu, _ in passes)
@@ -70,7 +70,7 @@ def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -
     for _ in range(repeats):
         start = time.process_time()
         for first in range(0, samples, batch):
-            items = [dataset.compact_item((n // count, n % count))
+            items = [dataset.compact_item(divmod(n, count))
                      for n in range(first, min(first + batch, samples))]
             image, people, masks = (torch.stack(t) for t in zip(*items))
             expand(image, trim_people(people), masks, painter)
