@@ -26,7 +26,7 @@ from config.loader import build_config  # noqa: E402
 from config.views import SampleSettings  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
 from data.transfer import batch_bytes, expand, trim_people  # noqa: E402
-from bench.bench_data import make_bench_h5  # noqa: E402
+from bench.train_throughput import make_bench_h5  # noqa: E402
 
 
 DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    # stages of a sample
@@ -41,18 +41,18 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
     for _ in range(repeats):
         one_pass: dict = {}
         for n in range(samples):
-            dataset.augmented((n // count, n % count), one_pass)
+            dataset.augmented(divmod(n, count), one_pass)
         for name, seconds in one_pass.items():
             stages[name] = min(seconds, stages.get(name, seconds))
     drawn: dict = {}
     for n in range(samples):
-        dataset.sample_arrays((n // count, n % count), drawn)
+        dataset.sample_arrays(divmod(n, count), drawn)
     stages["targets"] = drawn["targets"]
     passes = []
     for _ in range(repeats):
         start, wall = time.process_time(), time.perf_counter()
         for n in range(samples):
-            dataset.compact_item((n // count, n % count))
+            dataset.compact_item(divmod(n, count))
         passes.append((time.process_time() - start, time.perf_counter() - wall))
     stages["total"], stages["total_wall"] = min(passes)
     stages["total_median"] = statistics.median(cpu for cpu, _ in passes)
@@ -70,7 +70,7 @@ def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -
     for _ in range(repeats):
         start = time.process_time()
         for first in range(0, samples, batch):
-            items = [dataset.compact_item((n // count, n % count))
+            items = [dataset.compact_item(divmod(n, count))
                      for n in range(first, min(first + batch, samples))]
             image, people, masks = (torch.stack(t) for t in zip(*items))
             expand(image, trim_people(people), masks, painter)
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
                         help="passes over the samples; the table shows the fastest (and the median)")
     parser.add_argument("--batch", type=int, default=16, help="samples per batch of the device drawing")
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
-    parser.add_argument("--coco-dir", help="where coco4 is (default: see bench/bench_data.py)")
+    parser.add_argument("--coco-dir",
+                        help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(1)
     torch.set_num_threads(1)

@@ -33,13 +33,13 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import warnings  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import bench_config, build_quietly, synthetic_batches, sync  # noqa: E402
+from bench.train_throughput import (bench_config, build_quietly, count_host_syncs,  # noqa: E402
+                                    optimizer_step_counters, synthetic_batches, sync)
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 
@@ -173,28 +173,18 @@ def section_apex_sync_bn(check: bool) -> dict:
                                            "--run-name", "g1", *quick_args(out, check)], check)
 
 
-def join_group_of_one(device: torch.device) -> str:
-    """This process as the one rank of a process group (NCCL on a GPU, gloo on a CPU); its backend."""
-    import torch.distributed as td
-    from runtime.launch_env import find_free_port
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store = td.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
-    td.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=20),
-                          device_id=device if backend == "nccl" else None)
-    return backend
-
-
 def section_nccl_abort(check: bool) -> dict:
     """What a group of one does after `_abort_process_group()` (a watchdog ends a hung call)."""
     import torch.distributed as td
     from torch import nn
     from torch.distributed.distributed_c10d import _abort_process_group
     from torch.nn.parallel import DistributedDataParallel
+    from bench.group_of_one import join_group_of_one
     from runtime import distributed as dist
 
     seen = {"handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
     device = torch.device("cuda", 0) if CUDA and not check else torch.device("cpu")
-    seen["backend"] = join_group_of_one(device)
+    seen["backend"] = join_group_of_one(device, 20)
     model = DistributedDataParallel(nn.Linear(8, 8).to(device), device_ids=[0] if device.type == "cuda" else None)
     x = torch.randn(4, 8, device=device)
     model(x).sum().backward()
@@ -226,14 +216,13 @@ def section_nccl_abort(check: bool) -> dict:
 
 def section_sync_debug(check: bool) -> dict:
     """Device waits per step beside the project's host-read counter, without and with --sync-bn."""
-    from bench.group_of_one import force_sync_function
-    from bench.host_syncs import count_host_syncs, optimizer_step_counters
+    from bench.group_of_one import force_sync_function, join_group_of_one
     from engine.cli import single_process_context
     from engine.parallel import wrap_ddp
     from engine.run_trainer import Launch, build_loop
 
     ctx = single_process_context(device_of(check).type)
-    ctx.backend, ctx.distributed = join_group_of_one(ctx.device), True
+    ctx.backend, ctx.distributed = join_group_of_one(ctx.device, 20), True
     rows = {}
     for sync_bn in (False, True):
         cfg = bench_config("tiny" if check else "imhn512", 64 if check else 256, 4, ctx.device.type,

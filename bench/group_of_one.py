@@ -14,6 +14,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as torch_dist
 from torch import nn
 
@@ -25,9 +26,6 @@ from engine.cli import build_parser, config_from_args, run_main, single_process_
 from runtime.launch_env import find_free_port                # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
-
-SYNC_BN = (CrossProcessBatchNorm, nn.SyncBatchNorm)
-
 
 def force_sync_function(model: nn.Module) -> int:
     """Route every nn.SyncBatchNorm's training forward through its distributed function; how many."""
@@ -51,6 +49,16 @@ def force_sync_function(model: nn.Module) -> int:
     return len(layers)
 
 
+def join_group_of_one(device: torch.device, timeout_s: float) -> str:
+    """This process as the one rank of a process group (NCCL on a GPU, gloo on a CPU); its backend."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    torch_dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                  timeout=timedelta(seconds=timeout_s),
+                                  device_id=device if backend == "nccl" else None)
+    return backend
+
+
 def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--force-sync-function", action="store_true",
@@ -58,16 +66,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     ctx = single_process_context(cfg.train.device)
-    ctx.backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
-    torch_dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1,
-                                  timeout=timedelta(seconds=cfg.dist.timeout_s),
-                                  device_id=ctx.device if ctx.backend == "nccl" else None)
-    ctx.distributed = True
+    ctx.backend, ctx.distributed = join_group_of_one(ctx.device, cfg.dist.timeout_s), True
     try:
         trainer = build_trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
                                             mode="ddp"), training_evaluator())
-        sync_bn = sum(isinstance(m, SYNC_BN) or "SyncBatchNorm" in type(m).__name__
+        sync_bn = sum(isinstance(m, CrossProcessBatchNorm) or "SyncBatchNorm" in type(m).__name__
                       for m in trainer.model.modules())
         if args.force_sync_function:
             print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "

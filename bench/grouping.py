@@ -152,16 +152,18 @@ def main(argv=None) -> int:
     report, noise, stages = {}, {}, {}
     print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
+
+    def truth_maps(count):
+        return lambda: render_targets(compose(poses, count, height, width, rng), height, width, 1,
+                                      targets, COCO)
     for count in args.people:
-        row = time_grouping(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
-                                                   1, targets, COCO), args.reps, cfg, clock)
+        row = time_grouping(truth_maps(count), args.reps, cfg, clock)
         report[str(count)] = row
         print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     if args.stages:
         print(f"{'people':>7} {'total':>7} {'peaks':>7} {'limbs':>7} {'rest':>7} {'read once':>10}")
         for count in args.people:
-            row = time_stages(lambda: render_targets(compose(poses, count, height, width, rng), height, width,
-                                                     1, targets, COCO), args.reps, cfg, clock)
+            row = time_stages(truth_maps(count), args.reps, cfg, clock)
             stages[str(count)] = row
             print(f"{count:>7} {row['total']:>7.2f} {row['peaks']:>7.2f} {row['limbs']:>7.2f} "
                   f"{row['rest']:>7.2f} {row['read_once']:>10.2f}")
@@ -187,38 +189,25 @@ def main(argv=None) -> int:
     return 0
 
 
-def _without(argv: list, option: str, takes_value: bool) -> list:
-    out, skip = [], False
-    for n, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = takes_value
-        else:
-            out.append(arg)
-    return out
-
-
 def alternate(args, argv: list) -> int:
     """Rounds of (DIR's grouping, this one's) in fresh processes; medians per row and the ratio."""
-    base = _without(_without(argv, "--against", True), "--rounds", True)
+    options = ("--against", "--rounds")      # each with its value, left out of the children's argv
+    base = [arg for n, arg in enumerate(argv)
+            if arg not in options and (n == 0 or argv[n - 1] not in options)]
     runs: dict = {"against": [], "this": []}
     for round_ in range(args.rounds):
         for side, extra in (("against", ["--code", args.against]), ("this", [])):
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *base, *extra],
                                  check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
-            runs[side].append(result)
-            rows = {k: v["median_ms"] for k, v in result["per_people"].items()}
-            rows.update({k: v["median_ms"] for k, v in result.get("noise", {}).items()})
+            rows = {k: v["median_ms"] for k, v in [*result["per_people"].items(),
+                                                    *result.get("noise", {}).items()]}
+            runs[side].append(rows)
             print(f"round {round_ + 1} {side:>7}: " + "  ".join(f"{k} {v:.2f}" for k, v in rows.items()),
                   flush=True)
     summary = {}
-    for row in [*runs["this"][0]["per_people"], *runs["this"][0].get("noise", {})]:
-        def medians(side):
-            return [r["per_people"][row]["median_ms"] if row in r["per_people"] else r["noise"][row]["median_ms"]
-                    for r in runs[side]]
-        theirs, ours = float(np.median(medians("against"))), float(np.median(medians("this")))
+    for row in runs["this"][0]:
+        theirs, ours = (float(np.median([rows[row] for rows in runs[side]])) for side in ("against", "this"))
         summary[row] = {"against_ms": round(theirs, 2), "this_ms": round(ours, 2), "ratio": round(ours / theirs, 3)}
     print(f"{'row':>8} {'against ms':>11} {'this ms':>8} {'ratio':>6}")
     for row, v in summary.items():

@@ -22,6 +22,7 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.train_throughput import sync  # noqa: E402
 from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
@@ -55,17 +56,19 @@ def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, roun
     return {"threads": threads, **{f"{mode}_pictures_per_s": rate for mode, rate in best.items()}}
 
 
-def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The coco4 pictures (BGR) and the ground-truth maps [50, H, W] of their labelled people."""
+def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The coco4 pictures (BGR), the ground-truth maps [50, H, W] of their labelled people, and the
+    pictures' JPEG bytes."""
     data = json.loads((COCO4 / "test_coco.json").read_text())
-    pictures, truths = [], []
+    pictures, truths, encoded = [], [], []
     for info in data["images"]:
-        pictures.append(cv2.imread(str(COCO4 / info["file_name"])))
+        encoded.append(np.fromfile(str(COCO4 / info["file_name"]), np.uint8))
+        pictures.append(cv2.imdecode(encoded[-1], cv2.IMREAD_COLOR))
         people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
         truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets,
                                      COCO))
-    return pictures, truths
+    return pictures, truths, encoded
 
 
 def build_estimator(args) -> PoseEstimator:
@@ -79,17 +82,12 @@ def build_estimator(args) -> PoseEstimator:
                          PredictSettings.of(cfg))
 
 
-def synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
     """Seconds of the network alone, of grouping alone (one thread) and of both in the stream."""
     estimator.settings.inference.batch_size = batch_size
     inference_cfg = estimator.settings.inference
     list(estimator.maps_stream(pictures))      # warm-up: the first pass of each input shape is slow
-    synchronise(estimator.device)
+    sync(estimator.device)
     start = time.perf_counter()
     maps = list(estimator.maps_stream(pictures))
     network_s = time.perf_counter() - start
@@ -127,12 +125,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     estimator = build_estimator(args)
-    pictures, truths = coco4_pictures_and_truth(estimator.settings.targets)
+    pictures, truths, encoded = coco4_pictures_and_truth(estimator.settings.targets)
     pictures, truths = pictures * args.repeat, truths * args.repeat
     truths = None if args.weights else truths
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
-    encoded = [np.fromfile(str(COCO4 / name), np.uint8) for name in sorted(
-        info["file_name"] for info in json.loads((COCO4 / "test_coco.json").read_text())["images"])]
     estimator.settings.inference.batch_size = args.batch_sizes[-1]
     evaluation = [evaluation_rates(estimator, encoded * args.repeat, t, max(1, args.rounds))
                   for t in args.threads]
