@@ -14,9 +14,9 @@ keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import cv2
@@ -82,15 +82,8 @@ def annotated(picture: np.ndarray, prediction, heatmaps: bool, skeleton) -> np.n
 
 def with_predictions(estimator, pictures):
     """(picture, its `Prediction` with maps) of each picture, in order, from the estimator's stream."""
-    in_flight = deque()
-
-    def remember():
-        for picture in pictures:
-            in_flight.append(picture)
-            yield picture
-
-    for prediction in estimator.stream(remember(), maps=True):
-        yield in_flight.popleft(), prediction
+    shown, read = itertools.tee(pictures)
+    return zip(shown, estimator.stream(read, maps=True))
 
 
 def read_pictures(pairs):
