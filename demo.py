@@ -22,10 +22,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from common.errors import ArgumentParser, DataError, run_cli
+from common.errors import ArgumentParser, DataError
 from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path
-from inference.command_line import CONFIG_CARRIED, weights_options
+from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -183,11 +183,8 @@ def run(args) -> list[Path]:
     return [target] if target is not None else []
 
 
-def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
-                   kept="the pictures already written are kept; a video being written is removed, and "
-                   "an existing --out is as it was")
+main = command_main(build_parser, run, "the pictures already written are kept; a video being written is "
+                    "removed, and an existing --out is as it was")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError
 from common.paths import refuse_clashes, refuse_existing
 from data.skeleton import METRIC_KEYS
-from inference.command_line import CONFIG_CARRIED, weights_options
+from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
 
 def build_parser() -> ArgumentParser:
@@ -229,10 +229,7 @@ def run(args) -> dict:
         cleanup()
 
 
-def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
-                   kept="no results were written (an existing --out is as it was)")
+main = command_main(build_parser, run, "no results were written (an existing --out is as it was)")
 
 
 if __name__ == "__main__":
