@@ -12,6 +12,7 @@ stats. Under torchrun every image is decoded by exactly one process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -171,11 +172,8 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
 def _file_skeleton(h5_path: str):
     from data.h5format import KeypointH5
 
-    h5 = KeypointH5(h5_path)
-    try:
+    with contextlib.closing(KeypointH5(h5_path)) as h5:
         return h5.skeleton
-    finally:
-        h5.close()
 
 
 def run(args) -> dict:
