@@ -6,6 +6,7 @@ dropped. Memory is bounded by the *_CELLS / PAIR_BUDGET constants below.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -250,30 +251,25 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
     return [p for p in people if p is not None]
 
 
-_HOPS: dict = {}
-
-
-def limb_hops(skeleton: Skeleton) -> np.ndarray:
-    """[K, K] int: the fewest limbs joining two keypoints of `skeleton` (breadth-first)."""
-    key = (skeleton.num_keypoints, skeleton.limbs)
-    if key not in _HOPS:
-        k = skeleton.num_keypoints
-        adjacent = np.zeros((k, k), bool)
-        ends = np.array(skeleton.limbs)
-        adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
-        hops = np.where(adjacent, 1, k + 1)
-        np.fill_diagonal(hops, 0)
-        reached = adjacent | np.eye(k, dtype=bool)
-        step = reached.copy()
-        for distance in range(2, k):
-            step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
-            new = step & ~reached
-            if not new.any():
-                break
-            hops[new] = distance
-            reached |= new
-        _HOPS[key] = hops
-    return _HOPS[key]
+@functools.lru_cache(maxsize=None)
+def limb_hops(num_keypoints: int, limbs: tuple) -> np.ndarray:
+    """[K, K] int: the fewest of `limbs` joining two of `num_keypoints` keypoints (breadth-first)."""
+    k = num_keypoints
+    adjacent = np.zeros((k, k), bool)
+    ends = np.array(limbs)
+    adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
+    hops = np.where(adjacent, 1, k + 1)
+    np.fill_diagonal(hops, 0)
+    reached = adjacent | np.eye(k, dtype=bool)
+    step = reached.copy()
+    for distance in range(2, k):
+        step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
+        new = step & ~reached
+        if not new.any():
+            break
+        hops[new] = distance
+        reached |= new
+    return hops
 
 
 def _nearest(rows: np.ndarray, relative: np.ndarray, count: int) -> np.ndarray:
@@ -386,7 +382,8 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
                                    skeleton.limbs)
     people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
-    people = _bridge(people, channel, xy, peak_score, limb_hops(skeleton), cfg.bridge_ratio)
+    hops = limb_hops(skeleton.num_keypoints, skeleton.limbs)
+    people = _bridge(people, channel, xy, peak_score, hops, cfg.bridge_ratio)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)
