@@ -31,12 +31,8 @@ def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"--video {path}: no such file")
-    capture = cv2.VideoCapture(str(path))
-    ok, first = capture.read() if capture.isOpened() else (False, None)
-    if not ok:
-        capture.release()
-        raise DataError(f"--video {path}: not a video OpenCV can read (damaged or unknown format)")
-    return capture, first
+    return _first_frame(cv2.VideoCapture(str(path)),
+                        f"--video {path}: not a video OpenCV can read (damaged or unknown format)")
 
 
 def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
@@ -46,11 +42,15 @@ def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
     if sys.platform.startswith("linux") and not display:
         raise DataError(f"--camera {index}: no display here to show the live window on (DISPLAY is not "
                         "set); record a video and run --video FILE instead")
-    capture = cv2.VideoCapture(index)
+    return _first_frame(cv2.VideoCapture(index), f"--camera {index}: no camera there, or it cannot be opened")
+
+
+def _first_frame(capture: cv2.VideoCapture, problem: str) -> tuple[cv2.VideoCapture, np.ndarray]:
+    """(capture, its first frame); DataError `problem`, the capture released, when it gives none."""
     ok, first = capture.read() if capture.isOpened() else (False, None)
     if not ok:
         capture.release()
-        raise DataError(f"--camera {index}: no camera there, or it cannot be opened")
+        raise DataError(problem)
     return capture, first
 
 
