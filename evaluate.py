@@ -91,8 +91,7 @@ def _check_writable(path: Path, overwrite: bool) -> None:
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
+        open(path, "a").close()
     except OSError as exc:
         raise DataError(f"--out {path}: cannot write the results there "
                         f"({exc.strerror or exc})") from None

@@ -154,9 +154,6 @@ def run(args) -> Path:
     model, cfg = estimator.network.model, estimator.config
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    try:
         with written_whole(out, args.overwrite) as temp:
             write_onnx(model, cfg, temp, args.opset)
             errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
