@@ -5,6 +5,7 @@ written to a temporary file beside its target and renamed onto it once read back
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -94,42 +95,30 @@ def count_frames(path) -> int:
     return count
 
 
-class VideoOut:
-    """Context manager writing BGR frames to `path` at `fps` atomically, read back before renaming."""
+@contextlib.contextmanager
+def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
+    """A function writing BGR frames to the video `path` at `fps`; the video takes its name only
+    when it is read back whole."""
+    path = check_video_out(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--out {path}: cannot write there ({exc.strerror or exc})") from None
+    with written_whole(path, overwrite) as temp:
+        writer = cv2.VideoWriter(str(temp), cv2.VideoWriter_fourcc(*FOURCC[path.suffix.lower()]), fps, size)
+        if not writer.isOpened():
+            raise DataError(f"--out {path}: OpenCV cannot write a video there (folder not writable?)")
+        written = 0
 
-    def __init__(self, path, fps: float, size: tuple[int, int], overwrite: bool = False):
-        self.path = check_video_out(path)
-        self.whole = written_whole(self.path, overwrite)
-        self.fps, self.size = fps, size
-        self.writer, self.temp, self.frames = None, None, 0
-        self.closed = False          # a live window can be closed; a file is written to the end
-
-    def __enter__(self) -> "VideoOut":
+        def write(frame: np.ndarray) -> None:
+            nonlocal written
+            writer.write(frame)
+            written += 1
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"--out {self.path}: cannot write there ({exc.strerror or exc})") from None
-        fourcc = cv2.VideoWriter_fourcc(*FOURCC[self.path.suffix.lower()])
-        self.temp = self.whole.__enter__()
-        self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
-        if not self.writer.isOpened():
-            problem = DataError(f"--out {self.path}: OpenCV cannot write a video there "
-                                "(folder not writable?)")
-            self.whole.__exit__(DataError, problem, None)
-            raise problem
-        return self
-
-    def write(self, frame: np.ndarray) -> None:
-        self.writer.write(frame)
-        self.frames += 1
-
-    def __exit__(self, kind, value, traceback) -> None:
-        self.writer.release()
-        if kind is None:
-            found = count_frames(self.temp)
-            if found != self.frames:
-                problem = DataError(f"--out {self.path}: the video written holds {found} of its "
-                                    f"{self.frames} frames when read back (full disk?); nothing was written")
-                self.whole.__exit__(DataError, problem, None)
-                raise problem
-        self.whole.__exit__(kind, value, traceback)     # the video takes its name only when whole
+            yield write
+        finally:
+            writer.release()
+        found = count_frames(temp)
+        if found != written:
+            raise DataError(f"--out {path}: the video written holds {found} of its {written} frames "
+                            "when read back (full disk?); nothing was written")
