@@ -139,7 +139,7 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
 
 def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, recall: bool) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
-    from inference.pck_eval import distance_stats
+    from inference.coco_eval import distance_stats
 
     merged = {}
     for part in gathered:
