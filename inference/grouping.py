@@ -27,9 +27,11 @@ BRIDGE_LONE = 2     # nearest lone peaks per keypoint type each partial person m
 BRIDGE_CELLS = 1 << 20  # (person, part) or keypoint-pair cells the joining compares at once
 
 
-def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, t: np.ndarray) -> np.ndarray:
-    """[N, len(t)] values of limb `limb[n]`'s map at (x_a, y_a) + t * (dx, dy), nearest pixel."""
+def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, count: int, picked=slice(None)) -> np.ndarray:
+    """[N, S] values of limb `limb[n]`'s map at (x_a, y_a) + t * (dx, dy), nearest pixel, for the
+    `picked` of `count` steps t evenly from 0 to 1."""
     _, height, width = limb_maps.shape
+    t = np.linspace(0.0, 1.0, count, dtype=np.float32)[picked]
     columns, rows = t * (x_b - x_a)[:, None], t * (y_b - y_a)[:, None]      # [N, S] sample points
     columns += x_a[:, None]
     rows += y_a[:, None]
@@ -50,7 +52,7 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     height = limb_maps.shape[1]
     dx, dy = x_b - x_a, y_b - y_a
     length = np.sqrt(dx * dx + dy * dy)
-    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples))
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, cfg.limb_samples)
     score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1.0) - 1.0, 0.0)
     above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
     support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
@@ -63,10 +65,6 @@ def _sample_chunks(count: int, samples: int) -> list:
     return [slice(lo, lo + step) for lo in range(0, count, step)]
 
 
-def _sample_steps(count: int) -> np.ndarray:
-    return np.linspace(0.0, 1.0, count, dtype=np.float32)
-
-
 def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig) -> np.ndarray:
     """False for segments that surely fail the support rule, judged on a few inner samples."""
     needed = math.ceil(cfg.limb_min_ratio * cfg.limb_samples)     # samples above, at least
@@ -76,7 +74,7 @@ def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig)
                              .astype(np.intp))]
     if len(probes) <= allowed:
         return np.ones(len(limb), bool)
-    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples)[probes])
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, cfg.limb_samples, probes)
     return (samples <= cfg.limb_threshold).sum(-1) <= allowed
 
 
