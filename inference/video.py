@@ -6,7 +6,6 @@ written to a temporary file beside its target and renamed onto it once read back
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -57,16 +56,13 @@ def _first_frame(capture: cv2.VideoCapture, problem: str) -> tuple[cv2.VideoCapt
 
 def frames(capture: cv2.VideoCapture, first: np.ndarray) -> Iterator[np.ndarray]:
     """Every frame of the capture, `first` (already read) included; the capture is released after."""
-    def rest():
-        try:
-            while True:
-                ok, frame = capture.read()
-                if not ok:
-                    return
-                yield frame
-        finally:
-            capture.release()
-    return itertools.chain([first], rest())
+    try:
+        ok, frame = True, first
+        while ok:
+            yield frame
+            ok, frame = capture.read()
+    finally:
+        capture.release()
 
 
 def frame_rate(capture: cv2.VideoCapture) -> float:
