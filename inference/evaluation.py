@@ -22,7 +22,7 @@ from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
-from inference.estimator import PoseEstimator, grouped_in_pixels
+from inference.estimator import PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import TorchNetwork
@@ -92,7 +92,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 maps, factor = oracle_maps(h5, img, settings.targets)
                 factors.append(factor)
                 yield maps
-        people = grouped_in_pixels(drawn(), factors, settings.inference, skeleton)
+        people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
