@@ -14,18 +14,19 @@ keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import cv2
 import numpy as np
 
-from common.errors import ArgumentParser, DataError, run_cli
+from common.errors import ArgumentParser, DataError
 from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path
-from inference.command_line import CONFIG_CARRIED, weights_options
+from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -82,15 +83,8 @@ def annotated(picture: np.ndarray, prediction, heatmaps: bool, skeleton) -> np.n
 
 def with_predictions(estimator, pictures):
     """(picture, its `Prediction` with maps) of each picture, in order, from the estimator's stream."""
-    in_flight = deque()
-
-    def remember():
-        for picture in pictures:
-            in_flight.append(picture)
-            yield picture
-
-    for prediction in estimator.stream(remember(), maps=True):
-        yield in_flight.popleft(), prediction
+    shown, read = itertools.tee(pictures)
+    return zip(shown, estimator.stream(read, maps=True))
 
 
 def read_pictures(pairs):
@@ -121,42 +115,38 @@ def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmap
     """Annotate every frame of `opened` into the video `target` (None: a live window); prints frames/s."""
     from tqdm import tqdm
 
-    from inference.video import VideoOut, frames
+    from inference.video import frames, video_out
 
     first = opened[1]
     size = (first.shape[1] * (2 if heatmaps else 1), first.shape[0])
     start, count = time.perf_counter(), 0
-    with (VideoOut(target, fps, size, overwrite) if target is not None else LiveWindow()) as out, \
+    with (video_out(target, fps, size, overwrite) if target is not None else live_window()) as show, \
             tqdm(total=frames_total or None, desc="video", unit="frame", dynamic_ncols=True,
                  disable=target is None) as bar:
         for picture, prediction in with_predictions(estimator, frames(*opened)):
-            out.write(annotated(picture, prediction, heatmaps, estimator.skeleton))
+            closed = show(annotated(picture, prediction, heatmaps, estimator.skeleton))   # q or Esc
             count += 1
             bar.update()
-            if out.closed:
+            if closed:
                 break
     seconds = time.perf_counter() - start
     where = f"; written to {target}" if target is not None else ""
     print(f"{count} frames in {seconds:.1f} s: {count / max(seconds, 1e-9):.2f} frames/s{where}", flush=True)
 
 
-class LiveWindow:
-    """The camera's window: shows each frame; q or Esc closes it."""
-
-    closed = False
-
-    def __enter__(self):
-        return self
-
-    def write(self, frame: np.ndarray) -> None:
+@contextlib.contextmanager
+def live_window():
+    """The camera's window: a function showing a frame that says whether q or Esc closed the window."""
+    def show(frame: np.ndarray) -> bool:
         try:
             cv2.imshow("demo.py (q or Esc ends)", frame)
         except cv2.error:
             raise DataError("--camera: this OpenCV has no window support (opencv-python-headless); "
                             "install opencv-python to show the live window") from None
-        self.closed = (cv2.waitKey(1) & 0xFF) in (ord("q"), 27)
-
-    def __exit__(self, *exc) -> None:
+        return (cv2.waitKey(1) & 0xFF) in (ord("q"), 27)
+    try:
+        yield show
+    finally:
         cv2.destroyAllWindows()
 
 
@@ -190,11 +180,8 @@ def run(args) -> list[Path]:
     return [target] if target is not None else []
 
 
-def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
-                   kept="the pictures already written are kept; a video being written is removed, and "
-                   "an existing --out is as it was")
+main = command_main(build_parser, run, "the pictures already written are kept; a video being written is "
+                    "removed, and an existing --out is as it was")
 
 
 if __name__ == "__main__":

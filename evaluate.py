@@ -12,6 +12,7 @@ stats. Under torchrun every image is decoded by exactly one process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -20,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError
 from common.paths import refuse_clashes, refuse_existing
 from data.skeleton import METRIC_KEYS
-from inference.command_line import CONFIG_CARRIED, weights_options
+from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
 
 def build_parser() -> ArgumentParser:
@@ -90,8 +91,7 @@ def _check_writable(path: Path, overwrite: bool) -> None:
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
+        open(path, "a").close()
     except OSError as exc:
         raise DataError(f"--out {path}: cannot write the results there "
                         f"({exc.strerror or exc})") from None
@@ -171,11 +171,8 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
 def _file_skeleton(h5_path: str):
     from data.h5format import KeypointH5
 
-    h5 = KeypointH5(h5_path)
-    try:
+    with contextlib.closing(KeypointH5(h5_path)) as h5:
         return h5.skeleton
-    finally:
-        h5.close()
 
 
 def run(args) -> dict:
@@ -229,10 +226,7 @@ def run(args) -> dict:
         cleanup()
 
 
-def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
-                   kept="no results were written (an existing --out is as it was)")
+main = command_main(build_parser, run, "no results were written (an existing --out is as it was)")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import cv2
 import numpy as np
 import torch
 
-from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason
 from common.paths import refuse_clashes, refuse_existing, written_whole
-from inference.command_line import weights_options
+from inference.command_line import command_main, weights_options
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
@@ -154,9 +154,6 @@ def run(args) -> Path:
     model, cfg = estimator.network.model, estimator.config
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    try:
         with written_whole(out, args.overwrite) as temp:
             write_onnx(model, cfg, temp, args.opset)
             errors = compare_maps(model, cfg, temp, pictures, args.tolerance, out)
@@ -169,11 +166,8 @@ def run(args) -> Path:
     return out
 
 
-def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
-    return run_cli(lambda args: run(build_parser().parse_args(args)), argv,
-                   kept="the ONNX file was not written (its partial copy is removed); an existing --out "
-                   "is as it was")
+main = command_main(build_parser, run, "the ONNX file was not written (its partial copy is removed); an "
+                    "existing --out is as it was")
 
 
 if __name__ == "__main__":

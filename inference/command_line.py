@@ -1,10 +1,11 @@
 """The options evaluate.py, demo.py and export.py share, declared once as an argparse parent parser
 (`ArgumentParser(parents=[weights_options(...)])`): the network to load (--weights), the config a
 bare state dict is read with (--preset, --set), --overwrite of the output, and for the scripts that
-decode pictures the flags of inference.scales, inference.flip and train.device (config/schema.py)."""
+decode pictures the flags of inference.scales, inference.flip and train.device (config/schema.py);
+and the scripts' `main`."""
 from __future__ import annotations
 
-from common.errors import ArgumentParser
+from common.errors import ArgumentParser, run_cli
 from config.schema import add_flags
 
 CONFIG_CARRIED = "a checkpoint of this trainer carries its own config"
@@ -22,3 +23,9 @@ def weights_options(weights_help: str, *, required: bool = True, preset_help: st
     add_flags(p, ("inference.scales", "inference.flip", "train.device") if decoding else (), set_example)
     p.set_defaults(device="auto")
     return p
+
+
+def command_main(build_parser, run, kept: str):
+    """A script's `main(argv=None)`: `run` of the parsed options; a user error prints one line and
+    returns its exit code, a stop says what was `kept`."""
+    return lambda argv=None: run_cli(lambda args: run(build_parser().parse_args(args)), argv, kept=kept)

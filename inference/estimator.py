@@ -72,14 +72,19 @@ def decode_threads(cfg: InferenceConfig) -> int:
     return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
 
 
-def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a thread pool."""
+def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton,
+                    factors: deque | None = None) -> Iterator[tuple]:
+    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a thread pool;
+    with `factors` (one a maps), keypoints in the picture's own pixels."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
     def oldest() -> tuple:
         maps_done, people = pending.popleft()
-        return (maps_done, *people.result())
+        keypoints, scores = people.result()
+        if factors is not None:
+            keypoints = coordinates_back(keypoints, factors.popleft())
+        return maps_done, keypoints, scores
 
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
         for maps in maps_stream:
@@ -88,13 +93,6 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
                 yield oldest()
         while pending:
             yield oldest()
-
-
-def grouped_in_pixels(maps_stream: Iterable[np.ndarray], factors: deque, cfg: InferenceConfig,
-                      skeleton) -> Iterator[tuple]:
-    """`grouped_in_pool` with keypoints in the picture's own pixels (by `factors`)."""
-    for maps, keypoints, scores in grouped_in_pool(maps_stream, cfg, skeleton):
-        yield maps, coordinates_back(keypoints, factors.popleft()), scores
 
 
 class PoseEstimator:
@@ -172,8 +170,8 @@ class PoseEstimator:
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
         """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order."""
         factors: deque = deque()
-        yield from grouped_in_pixels(self.maps_stream(pictures, factors), factors, self.settings.inference,
-                                     self.skeleton)
+        yield from grouped_in_pool(self.maps_stream(pictures, factors), self.settings.inference,
+                                   self.skeleton, factors)
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
-import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -22,8 +21,8 @@ from config.schema import TargetConfig
 from config.views import PredictSettings
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
-from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, keypoint_recall
-from inference.estimator import PoseEstimator, decode_threads, grouped_in_pixels
+from inference.coco_eval import coco_keypoint_stats, keypoint_recall
+from inference.estimator import PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import TorchNetwork
@@ -32,16 +31,14 @@ from inference.predict import TorchNetwork
 @contextlib.contextmanager
 def eval_mode(model):
     """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
-    module = model if isinstance(model, torch.nn.Module) else None     # an ONNX network has no mode
-    was_training = module.training if module is not None else False
-    if module is not None:
-        module.eval()
+    module = model if isinstance(model, torch.nn.Module) else torch.nn.Module()  # ONNX: no mode
+    was_training = module.training
+    module.eval()
     try:
         with torch.no_grad():
             yield model
     finally:
-        if module is not None:
-            module.train(was_training)
+        module.train(was_training)
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
@@ -62,40 +59,15 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
 def read_ahead(items: Iterable, count: int) -> Iterator:
     """The items of `items`, in order, made by a background thread up to `count` ahead (its
     exception raised in its place); the thread is joined when the consumer stops."""
-    finished, quit = object(), threading.Event()
-    slots: queue.Queue = queue.Queue(maxsize=max(1, count))
-
-    def offer(entry) -> bool:
-        while not quit.is_set():
-            try:
-                slots.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not offer((item, None)):
-                    return
-            offer((finished, None))
-        except BaseException as exc:        # handed to the consumer, raised there
-            offer((finished, exc))
-
-    worker = threading.Thread(target=produce, name="read_ahead", daemon=True)
-    worker.start()
+    items, finished = iter(items), object()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
     try:
-        while True:
-            item, error = slots.get()
-            if item is finished:
-                if error is not None:
-                    raise error
-                return
+        pending = deque(pool.submit(next, items, finished) for _ in range(max(1, count)))
+        while (item := pending.popleft().result()) is not finished:
+            pending.append(pool.submit(next, items, finished))
             yield item
     finally:
-        quit.set()
-        worker.join()
+        pool.shutdown(cancel_futures=True)
 
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
@@ -111,7 +83,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
             yield img
     chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
                   dynamic_ncols=True)
-    skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `check_same_skeleton`
+    skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `evaluate_h5` checks
     if oracle:
         factors: deque = deque()
 
@@ -120,7 +92,7 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 maps, factor = oracle_maps(h5, img, settings.targets)
                 factors.append(factor)
                 yield maps
-        people = grouped_in_pixels(drawn(), factors, settings.inference, skeleton)
+        people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
         network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
@@ -132,15 +104,6 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
         for result, person in zip(found[image_id], skeleton.to_dataset_order(keypoints)):
             result["keypoint_scores"] = [round(float(v), 4) for v in person[:, 2]]
     return found
-
-
-def check_same_skeleton(model_skeleton, h5) -> None:
-    """`DataError` unless a model of `model_skeleton` can be scored on the file `h5`."""
-    if model_skeleton != h5.skeleton:
-        from data.skeleton import skeleton_words
-
-        raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, model_skeleton)} "
-                        f"but the model was trained on {skeleton_words(model_skeleton, h5.skeleton)}")
 
 
 def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
@@ -156,28 +119,27 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
         raise ValueError("evaluate_h5 needs a model unless oracle=True")
     if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
-    h5 = KeypointH5(h5_path)
-    if skeleton is not None:
-        check_same_skeleton(skeleton, h5)
-    scoring = scoring or (skeleton or h5.skeleton).scoring
-    total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
-    rank, world = get_rank(), get_world_size()
-    with eval_mode(model):
-        found = decode_images(model, h5, range(rank, total, world), settings, device, oracle,
-                              progress and rank == 0, stop)
-    if stop is not None and any_rank(stop()):
-        h5.close()
-        return None
-    gathered = all_gather_object(found)
-    try:
+    with contextlib.closing(KeypointH5(h5_path)) as h5:
+        if skeleton is not None and skeleton != h5.skeleton:
+            from data.skeleton import skeleton_words
+
+            raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, skeleton)} "
+                            f"but the model was trained on {skeleton_words(skeleton, h5.skeleton)}")
+        scoring = scoring or (skeleton or h5.skeleton).scoring
+        total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
+        rank, world = get_rank(), get_world_size()
+        with eval_mode(model):
+            found = decode_images(model, h5, range(rank, total, world), settings, device, oracle,
+                                  progress and rank == 0, stop)
+        if stop is not None and any_rank(stop()):
+            return None
+        gathered = all_gather_object(found)
         return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite, scoring, recall))
-    finally:
-        h5.close()
 
 
 def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, recall: bool) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
-    from inference.pck_eval import distance_stats
+    from inference.coco_eval import distance_stats
 
     merged = {}
     for part in gathered:
@@ -221,10 +183,6 @@ def _write_results(path, overwrite: bool, results: list, merged: dict, gt: dict,
             temp.write_text(text)
     except OSError as exc:
         raise DataError(f"{path}: cannot write the results there ({exc.strerror or exc})") from None
-
-
-__all__ = ["STAT_NAMES", "check_same_skeleton", "decode_images", "decode_threads", "eval_mode",
-           "evaluate_h5", "oracle_maps", "read_ahead"]
 
 
 def training_evaluator():

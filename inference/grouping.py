@@ -6,6 +6,7 @@ dropped. Memory is bounded by the *_CELLS / PAIR_BUDGET constants below.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,9 +27,11 @@ BRIDGE_LONE = 2     # nearest lone peaks per keypoint type each partial person m
 BRIDGE_CELLS = 1 << 20  # (person, part) or keypoint-pair cells the joining compares at once
 
 
-def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, t: np.ndarray) -> np.ndarray:
-    """[N, len(t)] values of limb `limb[n]`'s map at (x_a, y_a) + t * (dx, dy), nearest pixel."""
+def _samples(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, count: int, picked=slice(None)) -> np.ndarray:
+    """[N, S] values of limb `limb[n]`'s map at (x_a, y_a) + t * (dx, dy), nearest pixel, for the
+    `picked` of `count` steps t evenly from 0 to 1."""
     _, height, width = limb_maps.shape
+    t = np.linspace(0.0, 1.0, count, dtype=np.float32)[picked]
     columns, rows = t * (x_b - x_a)[:, None], t * (y_b - y_a)[:, None]      # [N, S] sample points
     columns += x_a[:, None]
     rows += y_a[:, None]
@@ -49,7 +52,7 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     height = limb_maps.shape[1]
     dx, dy = x_b - x_a, y_b - y_a
     length = np.sqrt(dx * dx + dy * dy)
-    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples))
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, cfg.limb_samples)
     score = samples.mean(-1) + np.minimum(0.5 * height / np.maximum(length, 1.0) - 1.0, 0.0)
     above = (samples > cfg.limb_threshold).astype(np.float32)            # counted by a matrix product
     support = above @ np.ones(cfg.limb_samples, np.float32) >= cfg.limb_min_ratio * cfg.limb_samples
@@ -62,10 +65,6 @@ def _sample_chunks(count: int, samples: int) -> list:
     return [slice(lo, lo + step) for lo in range(0, count, step)]
 
 
-def _sample_steps(count: int) -> np.ndarray:
-    return np.linspace(0.0, 1.0, count, dtype=np.float32)
-
-
 def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig) -> np.ndarray:
     """False for segments that surely fail the support rule, judged on a few inner samples."""
     needed = math.ceil(cfg.limb_min_ratio * cfg.limb_samples)     # samples above, at least
@@ -75,7 +74,7 @@ def _may_be_supported(limb_maps, limb, x_a, y_a, x_b, y_b, cfg: InferenceConfig)
                              .astype(np.intp))]
     if len(probes) <= allowed:
         return np.ones(len(limb), bool)
-    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, _sample_steps(cfg.limb_samples)[probes])
+    samples = _samples(limb_maps, limb, x_a, y_a, x_b, y_b, cfg.limb_samples, probes)
     return (samples <= cfg.limb_threshold).sum(-1) <= allowed
 
 
@@ -250,30 +249,25 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
     return [p for p in people if p is not None]
 
 
-_HOPS: dict = {}
-
-
-def limb_hops(skeleton: Skeleton) -> np.ndarray:
-    """[K, K] int: the fewest limbs joining two keypoints of `skeleton` (breadth-first)."""
-    key = (skeleton.num_keypoints, skeleton.limbs)
-    if key not in _HOPS:
-        k = skeleton.num_keypoints
-        adjacent = np.zeros((k, k), bool)
-        ends = np.array(skeleton.limbs)
-        adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
-        hops = np.where(adjacent, 1, k + 1)
-        np.fill_diagonal(hops, 0)
-        reached = adjacent | np.eye(k, dtype=bool)
-        step = reached.copy()
-        for distance in range(2, k):
-            step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
-            new = step & ~reached
-            if not new.any():
-                break
-            hops[new] = distance
-            reached |= new
-        _HOPS[key] = hops
-    return _HOPS[key]
+@functools.lru_cache(maxsize=None)
+def limb_hops(num_keypoints: int, limbs: tuple) -> np.ndarray:
+    """[K, K] int: the fewest of `limbs` joining two of `num_keypoints` keypoints (breadth-first)."""
+    k = num_keypoints
+    adjacent = np.zeros((k, k), bool)
+    ends = np.array(limbs)
+    adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
+    hops = np.where(adjacent, 1, k + 1)
+    np.fill_diagonal(hops, 0)
+    reached = adjacent | np.eye(k, dtype=bool)
+    step = reached.copy()
+    for distance in range(2, k):
+        step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
+        new = step & ~reached
+        if not new.any():
+            break
+        hops[new] = distance
+        reached |= new
+    return hops
 
 
 def _nearest(rows: np.ndarray, relative: np.ndarray, count: int) -> np.ndarray:
@@ -386,7 +380,8 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
                                    skeleton.limbs)
     people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
-    people = _bridge(people, channel, xy, peak_score, limb_hops(skeleton), cfg.bridge_ratio)
+    hops = limb_hops(skeleton.num_keypoints, skeleton.limbs)
+    people = _bridge(people, channel, xy, peak_score, hops, cfg.bridge_ratio)
     people = [p for p in people
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)

@@ -158,13 +158,10 @@ def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step=Non
     rows = i[:, None, None] + offsets[None, :, None]
     cols = j[:, None, None] + offsets[None, None, :]
     inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)
-    # The outer ring takes part only on the side a plateau extends to.
-    use_col = ((np.abs(offsets) <= radius)[None, :]
-               | ((offsets == radius + 1)[None, :] & (half_step[:, :1] > 0))
-               | ((offsets == -radius - 1)[None, :] & (half_step[:, :1] < 0)))
-    use_row = ((np.abs(offsets) <= radius)[None, :]
-               | ((offsets == radius + 1)[None, :] & (half_step[:, 1:] > 0))
-               | ((offsets == -radius - 1)[None, :] & (half_step[:, 1:] < 0)))
+    # The outer ring takes part only on the side a plateau extends to: [N, offsets] per axis (x, y).
+    use_col, use_row = ((np.abs(offsets) <= radius) | ((offsets == radius + 1) & (step > 0))
+                        | ((offsets == -radius - 1) & (step < 0))
+                        for step in (half_step[:, :1], half_step[:, 1:]))
     inside &= use_row[:, :, None] & use_col[:, None, :]
     weights = heatmaps[channel[:, None, None], np.clip(rows, 0, height - 1), np.clip(cols, 0, width - 1)]
     weights = np.where(inside, np.maximum(weights, 0.0), 0.0)

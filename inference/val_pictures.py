@@ -4,6 +4,7 @@ model finds with the AP's own inference on the right.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import cv2
@@ -55,24 +56,17 @@ def found_people(model, pictures: list[np.ndarray], settings: PredictSettings, d
             for found in people]
 
 
-def val_pictures_path(run_dir, epoch: int) -> Path:
-    return Path(run_dir) / FOLDER / f"epoch_{epoch}.png"
-
-
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
                        run_dir, device, count: int = 4) -> Path:
     """Write RUN/val_pictures/epoch_`epoch`.png of the first `count` images; returns its path."""
     from data.h5format import KeypointH5
 
-    h5 = KeypointH5(val_h5)
-    try:
+    with contextlib.closing(KeypointH5(val_h5)) as h5:
         chosen = range(min(count, h5.num_images))
         pictures = [h5.decode_image(img) for img in chosen]
         truths = [h5.people(img) for img in chosen]
-    finally:
-        h5.close()
     found = found_people(model, pictures, settings, device)
     title = (f"epoch {epoch}: left ground truth ({sum(map(len, truths))} people), "
              f"right found ({sum(map(len, found))})")
     grid = pictures_grid(pictures, truths, found, skeleton, title)
-    return write_image(val_pictures_path(run_dir, epoch), grid, option="validation picture")
+    return write_image(Path(run_dir) / FOLDER / f"epoch_{epoch}.png", grid, option="validation picture")

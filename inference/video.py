@@ -5,7 +5,7 @@ written to a temporary file beside its target and renamed onto it once read back
 """
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -31,12 +31,8 @@ def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"--video {path}: no such file")
-    capture = cv2.VideoCapture(str(path))
-    ok, first = capture.read() if capture.isOpened() else (False, None)
-    if not ok:
-        capture.release()
-        raise DataError(f"--video {path}: not a video OpenCV can read (damaged or unknown format)")
-    return capture, first
+    return _first_frame(cv2.VideoCapture(str(path)),
+                        f"--video {path}: not a video OpenCV can read (damaged or unknown format)")
 
 
 def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
@@ -46,26 +42,27 @@ def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
     if sys.platform.startswith("linux") and not display:
         raise DataError(f"--camera {index}: no display here to show the live window on (DISPLAY is not "
                         "set); record a video and run --video FILE instead")
-    capture = cv2.VideoCapture(index)
+    return _first_frame(cv2.VideoCapture(index), f"--camera {index}: no camera there, or it cannot be opened")
+
+
+def _first_frame(capture: cv2.VideoCapture, problem: str) -> tuple[cv2.VideoCapture, np.ndarray]:
+    """(capture, its first frame); DataError `problem`, the capture released, when it gives none."""
     ok, first = capture.read() if capture.isOpened() else (False, None)
     if not ok:
         capture.release()
-        raise DataError(f"--camera {index}: no camera there, or it cannot be opened")
+        raise DataError(problem)
     return capture, first
 
 
 def frames(capture: cv2.VideoCapture, first: np.ndarray) -> Iterator[np.ndarray]:
     """Every frame of the capture, `first` (already read) included; the capture is released after."""
-    def rest():
-        try:
-            while True:
-                ok, frame = capture.read()
-                if not ok:
-                    return
-                yield frame
-        finally:
-            capture.release()
-    return itertools.chain([first], rest())
+    try:
+        ok, frame = True, first
+        while ok:
+            yield frame
+            ok, frame = capture.read()
+    finally:
+        capture.release()
 
 
 def frame_rate(capture: cv2.VideoCapture) -> float:
@@ -94,42 +91,30 @@ def count_frames(path) -> int:
     return count
 
 
-class VideoOut:
-    """Context manager writing BGR frames to `path` at `fps` atomically, read back before renaming."""
+@contextlib.contextmanager
+def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
+    """A function writing BGR frames to the video `path` at `fps`; the video takes its name only
+    when it is read back whole."""
+    path = check_video_out(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--out {path}: cannot write there ({exc.strerror or exc})") from None
+    with written_whole(path, overwrite) as temp:
+        writer = cv2.VideoWriter(str(temp), cv2.VideoWriter_fourcc(*FOURCC[path.suffix.lower()]), fps, size)
+        if not writer.isOpened():
+            raise DataError(f"--out {path}: OpenCV cannot write a video there (folder not writable?)")
+        written = 0
 
-    def __init__(self, path, fps: float, size: tuple[int, int], overwrite: bool = False):
-        self.path = check_video_out(path)
-        self.whole = written_whole(self.path, overwrite)
-        self.fps, self.size = fps, size
-        self.writer, self.temp, self.frames = None, None, 0
-        self.closed = False          # a live window can be closed; a file is written to the end
-
-    def __enter__(self) -> "VideoOut":
+        def write(frame: np.ndarray) -> None:
+            nonlocal written
+            writer.write(frame)
+            written += 1
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"--out {self.path}: cannot write there ({exc.strerror or exc})") from None
-        fourcc = cv2.VideoWriter_fourcc(*FOURCC[self.path.suffix.lower()])
-        self.temp = self.whole.__enter__()
-        self.writer = cv2.VideoWriter(str(self.temp), fourcc, self.fps, self.size)
-        if not self.writer.isOpened():
-            problem = DataError(f"--out {self.path}: OpenCV cannot write a video there "
-                                "(folder not writable?)")
-            self.whole.__exit__(DataError, problem, None)
-            raise problem
-        return self
-
-    def write(self, frame: np.ndarray) -> None:
-        self.writer.write(frame)
-        self.frames += 1
-
-    def __exit__(self, kind, value, traceback) -> None:
-        self.writer.release()
-        if kind is None:
-            found = count_frames(self.temp)
-            if found != self.frames:
-                problem = DataError(f"--out {self.path}: the video written holds {found} of its "
-                                    f"{self.frames} frames when read back (full disk?); nothing was written")
-                self.whole.__exit__(DataError, problem, None)
-                raise problem
-        self.whole.__exit__(kind, value, traceback)     # the video takes its name only when whole
+            yield write
+        finally:
+            writer.release()
+        found = count_frames(temp)
+        if found != written:
+            raise DataError(f"--out {path}: the video written holds {found} of its {written} frames "
+                            "when read back (full disk?); nothing was written")

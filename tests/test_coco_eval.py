@@ -8,8 +8,7 @@ import json
 import pytest
 
 from data.skeleton import Scoring, Skeleton
-from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, format_recall, format_stats
-from inference.pck_eval import distance_stats
+from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, distance_stats, format_recall, format_stats
 
 
 @pytest.fixture(scope="module")
