@@ -83,12 +83,6 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
                           "or pass --overwrite to replace it (nothing was written)")
 
 
-def temporary_twin(path) -> Path:
-    """The hidden file beside `path` (same extension, this process's id) an output is written to."""
-    path = Path(path)
-    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-
-
 def _synced_size(temp: Path, option: str, path) -> int:
     """The size of `temp` once on disk (fsync); ConfigError naming `path` if it cannot be synced."""
     try:
@@ -123,12 +117,13 @@ def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
 
 
 @contextlib.contextmanager
-def written_whole(path, overwrite: bool = True, option: str = "--out"):
-    """Write an output atomically: yields the temporary twin of `path`, which, when the block ends
-    well, is synced and takes `path`'s name (over a file only with `overwrite`, else ConfigError
-    naming `option`); on any failure it is removed and `path` left as it was."""
+def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None):
+    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this
+    process's id), which, when the block ends well, is synced and takes `path`'s name (over a file
+    only with `overwrite`, else ConfigError naming `option`); on any failure it is removed and
+    `path` left as it was."""
     path = Path(path)
-    temp = temporary_twin(path)
+    temp = Path(temp) if temp else path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield temp
         if temp.is_file():

@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import re
-import tempfile
 import zipfile
 from collections import OrderedDict
 from dataclasses import asdict
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError, chained_os_reason
+from common.paths import written_whole
 from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
@@ -64,43 +64,22 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _umask_file_mode() -> int:
-    """The mode a plain open() would give a new file: 0666 less this process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-_DEFAULT_FILE_MODE = _umask_file_mode()
-
-
 def save_checkpoint(path, state: dict) -> None:
     """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be."""
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
-    tmp, replaced = None, False
+    replaced = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
-        os.fchmod(fd, _DEFAULT_FILE_MODE)     # mkstemp's 0600 would hide checkpoints from the group
-        with os.fdopen(fd, "wb") as file:
+        temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+        with written_whole(path, temp=temp) as temp, open(temp, "wb") as file:
             torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-        tmp, replaced = None, True
+        replaced = True
         _fsync_dir(path.parent)
-    except BaseException as exc:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if isinstance(exc, Exception):
-            kept = "; the previous file there, if any, is intact" if not replaced else ""
-            raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
-        raise
+    except Exception as exc:
+        kept = "; the previous file there, if any, is intact" if not replaced else ""
+        raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
 
 
 def remove_stale_temps(directory) -> int:
