@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 PREFIX = "posenet."
-WRAPPER = "module."                # DataParallel / DDP, when the file was saved from one
+WRAPPER = re.compile(r"^(module\.)+")   # DataParallel / DDP, when the file was saved from one
 FIRST_CONV = "stem.conv.0.weight"
 SECTIONS = ("pre.", "hourglass.", "features.", "outs.", "merge_features.", "merge_preds.")
 COUNTER = "num_batches_tracked"
@@ -72,18 +72,12 @@ def name_map(model: nn.Module, depth: int) -> dict[str, str]:
     return {k: ours[k] for k in reference_order(list(ours))}
 
 
-def _unwrap_key(key: str) -> str:
-    while key.startswith(WRAPPER):
-        key = key[len(WRAPPER):]
-    return key
-
-
 def reference_weights(obj) -> dict[str, torch.Tensor] | None:
     """The reference state dict (without `module.` / `posenet.`) of an authors' file, else None."""
     weights = obj.get("weights") if isinstance(obj, dict) else None
     if not isinstance(weights, dict) or not weights:
         return None
-    keys = [_unwrap_key(k) if isinstance(k, str) else "" for k in weights]
+    keys = [WRAPPER.sub("", k) if isinstance(k, str) else "" for k in weights]
     if not all(k.startswith(PREFIX) for k in keys):
         return None
     return {k[len(PREFIX):]: v for k, v in zip(keys, weights.values()) if isinstance(v, torch.Tensor)}

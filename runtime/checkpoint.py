@@ -27,7 +27,7 @@ from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
 WEIGHTS_KEYS = ("model", "state_dict", "weights")   # where weights may sit inside a file
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")         # DataParallel / DDP and torch.compile
+WRAPPERS = re.compile(r"^(module\.|_orig_mod\.)+")   # prefixes of DataParallel / DDP and torch.compile
 _PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 TEMP_SUFFIX = ".ckpt-tmp"                            # temporary files of saves in progress
 _LISTED = 10                                         # names shown in an error before "and N more"
@@ -208,16 +208,6 @@ def model_state_dict(model: nn.Module) -> dict:
     return unwrap_model(model).state_dict()
 
 
-def _strip_wrappers(key: str) -> str:
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, stripped = key[len(prefix):], True
-    return key
-
-
 def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
@@ -269,7 +259,7 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     else:
         weights = _find_weights(obj, source)
     expected = target.state_dict()
-    candidates = (weights, {_strip_wrappers(k): v for k, v in weights.items()},
+    candidates = (weights, {WRAPPERS.sub("", k): v for k, v in weights.items()},
                   {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
     weights = max(candidates, key=lambda named: sum(k in expected for k in named))
     missing = [k for k in expected if k not in weights]
