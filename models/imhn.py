@@ -1,17 +1,11 @@
 """IMHN: the stacked improved hourglass network of Simple Pose (SPEC "Network"), built from config.
 
 Layout (names are stable: users freeze and load weights by them):
-- `stem`: 7x7/2 conv, residual, maxpool, residual, six dilated 3x3 convs concatenated -> stride 4.
-- `stacks.{i}.hourglass`: D levels, level k at stride 4*2^k with `channels + k*increase` channels:
-  `skip` residual; `down` residual after a 2x2 maxpool; `up_reduce` residual on the level below's
-  output, nearest 2x upsampling and `up_conv` (3x3); output skip + up. `bottom` at the deepest
-  scale. Returns D+1 feature maps, stride 4 first.
-- `stacks.{i}.heads.{s}`: two 3x3 convs, squeeze-excitation, a 1x1 conv (with bias) to the
-  skeleton's output channels.
-- `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
-  back by 1x1 conv + BN each; merge_0 is added to this stack's input to make the next one's, every
-  merge_s to the next hourglass's output at scale s, before its head: the reference network's
-  function (`tests/test_reference_golden.py`).
+`stem` (to stride 4), then per stack `stacks.{i}.hourglass` (level k at stride 4*2^k with
+`channels + k*increase` channels, D+1 feature maps, stride 4 first), `stacks.{i}.heads.{s}` and
+`stacks.{i}.merge.{s}` (all stacks but the last; merge_0 is added to this stack's input to make
+the next one's, every merge_s to the next hourglass's output at scale s, before its head: the
+reference network's function, `tests/test_reference_golden.py`).
 
 Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of lists over scales
 (stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Conv and linear weights
@@ -108,19 +102,11 @@ def scale_widths(cfg: ModelConfig) -> list[int]:
 
 
 def check_model_config(cfg: ModelConfig) -> None:
-    if cfg.stacks <= 0 or cfg.depth <= 0:
-        raise ConfigError("options model.stacks and model.depth must be positive")
-    if cfg.stem_channels <= 0 or cfg.channels <= 2 * cfg.stem_channels:
+    """The one rule the schema's bounds (checked when a config is built) cannot say."""
+    if cfg.channels <= 2 * cfg.stem_channels:
         raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
                           f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
                           "2 x stem_channels")
-    if cfg.increase < 0 or cfg.channels < 2 or cfg.head_channels <= 0:
-        raise ConfigError("options model.channels, model.increase, model.head_channels: must be "
-                          "positive (increase may be 0)")
-    if cfg.se and cfg.se_reduction <= 0:
-        raise ConfigError(f"option model.se_reduction: {cfg.se_reduction} must be positive")
-    if cfg.init_std <= 0:
-        raise ConfigError(f"option model.init_std: {cfg.init_std} must be positive")
 
 
 class IMHN(nn.Module):
