@@ -138,19 +138,15 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-def _checkpoint_order(path: Path, state: dict):
-    step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-    return (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-            path.name == "last.pth", path.stat().st_mtime)
-
-
 def find_latest_checkpoint(run_dir) -> Path | None:
     """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
     best, best_order = None, None
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
             state = load_checkpoint(path, mmap=True)
-            order = _checkpoint_order(path, state)
+            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
+            order = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                     path.name == "last.pth", path.stat().st_mtime)
         except (CheckpointError, OSError) as exc:
             reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
             raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
@@ -255,7 +251,7 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     target = unwrap_model(model)
     reference = reference_weights(obj)
     if reference is not None:       # the authors' layout: renamed by structure, first conv to RGB
-        weights = to_ours(reference, target, _depth(target))
+        weights = to_ours(reference, target, len(target.stacks[0].hourglass.levels))
     else:
         weights = _find_weights(obj, source)
     expected = target.state_dict()
@@ -317,10 +313,6 @@ def non_finite(weights: dict) -> list[str]:
 
 
 REFERENCE_NOTE = "the authors' layout (posenet.*), converted in memory: names mapped, first conv BGR -> RGB"
-
-
-def _depth(model: nn.Module) -> int:
-    return len(model.stacks[0].hourglass.levels) if hasattr(model, "stacks") else 0
 
 
 def settings_difference(there: dict, here: dict) -> dict:
