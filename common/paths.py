@@ -15,11 +15,8 @@ from common.errors import ConfigError, os_reason
 
 def same_file(a, b) -> bool:
     """Whether two paths name the same file (resolved, or by inode); a symlink loop names none."""
-    a, b = Path(a), Path(b)
     try:
-        if a.exists() and b.exists():
-            return os.path.samefile(a, b)
-        return a.resolve() == b.resolve()
+        return _identity(Path(a)) == _identity(Path(b))
     except (OSError, RuntimeError):        # RuntimeError: pathlib's answer to a loop of links
         return False
 

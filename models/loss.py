@@ -92,11 +92,8 @@ class FocalL2Loss(nn.Module):
         groups = {name: zeros for name in self.groups}
         scales = [zeros] * len(self.scale_weights)
         stacks = []
-        per_scale_targets = []
-        for predictions in outputs[:1]:
-            for prediction in predictions:
-                size = tuple(prediction.shape[-2:])
-                per_scale_targets.append((resize_target(target, size), resize_mask(mask, size)))
+        sizes = [tuple(prediction.shape[-2:]) for prediction in outputs[0]]
+        per_scale_targets = [(resize_target(target, size), resize_mask(mask, size)) for size in sizes]
         for predictions in outputs:
             stack_loss = zeros
             for j, prediction in enumerate(predictions):
