@@ -96,26 +96,16 @@ class Stack(nn.Module):
             Merge(out_channels, cfg.head_channels, w) for w in widths)
 
 
-def scale_widths(cfg: ModelConfig) -> list[int]:
-    """Channels of each scale, stride 4 first: channels + k * increase."""
-    return [cfg.channels + k * cfg.increase for k in range(cfg.depth + 1)]
-
-
-def check_model_config(cfg: ModelConfig) -> None:
-    """The one rule the schema's bounds (checked when a config is built) cannot say."""
-    if cfg.channels <= 2 * cfg.stem_channels:
-        raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
-                          f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
-                          "2 x stem_channels")
-
-
 class IMHN(nn.Module):
     """The improved hourglass network; see the module docstring for layout and outputs."""
 
     def __init__(self, cfg: ModelConfig, out_channels: int):
         super().__init__()
-        check_model_config(cfg)
-        widths = scale_widths(cfg)
+        if cfg.channels <= 2 * cfg.stem_channels:    # the one rule the schema's bounds cannot say
+            raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
+                              f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
+                              "2 x stem_channels")
+        widths = [cfg.channels + k * cfg.increase for k in range(cfg.depth + 1)]    # stride 4 first
         self.config = cfg                  # the settings it was built with (error messages name them)
         self.out_channels = out_channels
         self.stem = Stem(cfg.stem_channels, cfg.channels)

@@ -27,23 +27,6 @@ from config.schema import LossConfig
 from data.skeleton import Skeleton
 
 
-def channel_groups(skeleton: Skeleton) -> dict:
-    """The channels of each part of the loss, in the layout of `skeleton`."""
-    return {
-        "limbs": skeleton.limb_channels,
-        "keypoints": skeleton.keypoint_channels,
-        "person_mask": slice(skeleton.person_mask_channel, skeleton.person_mask_channel + 1),
-        "keypoint_max": slice(skeleton.keypoint_max_channel, skeleton.keypoint_max_channel + 1),
-    }
-
-
-def channel_weights(cfg: LossConfig, skeleton: Skeleton) -> torch.Tensor:
-    weights = torch.ones(skeleton.num_channels)
-    weights[skeleton.keypoint_channels] = cfg.keypoint_weight
-    weights[skeleton.person_mask_channel] = cfg.mask_weight
-    return weights
-
-
 def resize_target(target: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Area average of `target` down to `size` (identity at the same size)."""
     return target if tuple(target.shape[-2:]) == tuple(size) else F.adaptive_avg_pool2d(target, size)
@@ -61,13 +44,21 @@ class FocalL2Loss(nn.Module):
 
     def __init__(self, cfg: LossConfig, skeleton: Skeleton):
         super().__init__()
-        self.groups = channel_groups(skeleton)
+        self.groups = {               # the channels of each part of the loss, in `skeleton`'s layout
+            "limbs": skeleton.limb_channels,
+            "keypoints": skeleton.keypoint_channels,
+            "person_mask": slice(skeleton.person_mask_channel, skeleton.person_mask_channel + 1),
+            "keypoint_max": slice(skeleton.keypoint_max_channel, skeleton.keypoint_max_channel + 1),
+        }
         self.gamma = float(cfg.gamma)
         self.threshold = float(cfg.focal_threshold)
         self.detach_focal = bool(cfg.focal_detach)
         scale_weights = torch.tensor([float(w) for w in cfg.scale_weights], dtype=torch.float32)
         self.register_buffer("scale_weights", scale_weights / scale_weights.sum(), persistent=False)
-        self.register_buffer("channel_weights", channel_weights(cfg, skeleton), persistent=False)
+        weights = torch.ones(skeleton.num_channels)
+        weights[skeleton.keypoint_channels] = cfg.keypoint_weight
+        weights[skeleton.person_mask_channel] = cfg.mask_weight
+        self.register_buffer("channel_weights", weights, persistent=False)
 
     def element_loss(self, prediction: torch.Tensor, target: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ never leaves a half-written file under the final name. Every problem a user can 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -82,16 +83,11 @@ def save_checkpoint(path, state: dict) -> None:
         raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
 
 
-def remove_stale_temps(directory) -> int:
-    """Delete the temporary files of killed saves in `directory`; returns how many."""
-    removed = 0
+def remove_stale_temps(directory) -> None:
+    """Delete the temporary files of killed saves in `directory`."""
     for stale in Path(directory).glob(f".*{TEMP_SUFFIX}"):
-        try:
+        with contextlib.suppress(OSError):
             stale.unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -40,11 +40,6 @@ def post_error(store, message: str) -> str:
     return message
 
 
-def who_am_i() -> str:
-    """"HOST PID" of this process, as a rank publishes it for `fate`."""
-    return f"{socket.gethostname()} {os.getpid()}"
-
-
 def fate(rank: int, who: str | None) -> str:
     """"rank R ..." and what became of its process `who` ("HOST PID"), as far as /proc here tells."""
     host, _, pid = (who or "").partition(" ")
@@ -105,7 +100,7 @@ class RankWatch:
     def _pulse(self) -> None:
         store, last, seen = self.store, None, time.monotonic()
         with contextlib.suppress(RuntimeError):
-            store.set(who_key(self.rank), who_am_i())
+            store.set(who_key(self.rank), f"{socket.gethostname()} {os.getpid()}")    # for `fate`
         while not self._stopped.wait(self.every_s):
             try:
                 store.add(beat_key(self.rank), 1)
