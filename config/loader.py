@@ -158,10 +158,7 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
 
 def from_dict(data: dict) -> Config:
     """A `Config` from `to_dict` output (as saved in checkpoints)."""
-    cfg = Config()
-    _apply(cfg, data)
-    validate(cfg)
-    return cfg
+    return build_config(overrides=data)
 
 
 def to_dict(cfg: Config) -> dict:

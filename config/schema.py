@@ -346,9 +346,7 @@ def declared(key: str) -> dict:
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
-    if fld is None:
-        return {"bounds": None, "choices": None, "flag": None}
-    return {k: fld.metadata.get(k) for k in ("bounds", "choices", "flag")}
+    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag")}
 
 
 def flags() -> Iterator[tuple[str, Flag]]:

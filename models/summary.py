@@ -1,10 +1,5 @@
 """Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
-
-MACs per image are counted with forward hooks on convolutions and linear layers, on the `meta`
-device (no memory, well under a second).
-
-    python -m models.summary --preset imhn --input 512
-"""
+MACs are counted with forward hooks on conv and linear layers, on the `meta` device."""
 from __future__ import annotations
 
 import json

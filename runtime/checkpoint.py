@@ -1,10 +1,5 @@
-"""Checkpoints of a run: atomic saving, safe loading, weights-only loading, RNG states, resume lookup.
-
-A checkpoint is a dict of plain values and tensors (engine/train_state.py says which) plus
-`format_version`, read with `torch.load(weights_only=True)` (no file runs code when loaded); saving
-never leaves a half-written file under the final name. Every problem a user can fix is a one-line
-`CheckpointError`.
-"""
+"""Checkpoints of a run (plain values and tensors, engine/train_state.py says which): atomic saving,
+weights-only loading (no file runs code), weights of other layouts, RNG states, resume lookup."""
 from __future__ import annotations
 
 import contextlib
