@@ -83,12 +83,9 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
 def _synced_size(temp: Path, option: str, path) -> int:
     """The size of `temp` once on disk (fsync); ConfigError naming `path` if it cannot be synced."""
     try:
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        with open(temp, "rb") as file:
+            os.fsync(file.fileno())
+            return os.fstat(file.fileno()).st_size
     except OSError as exc:
         raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
                           "nothing was written") from None

@@ -231,14 +231,6 @@ def check_input_size(size: Any, depth: int = 4, option: str = "option data.input
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))
 
 
-def _check_run_name(name: str) -> None:
-    """The run directory is OUT_DIR/NAME: NAME must be one plain path component."""
-    if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name:
-        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
-                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
-                          "--out-dir")
-
-
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
@@ -271,8 +263,11 @@ def _check_start(train) -> None:
 def validate(cfg: Config) -> None:
     """Raise `ConfigError` for settings that cannot work, naming the option."""
     check_section(cfg)
-    if cfg.train.run_name:
-        _check_run_name(cfg.train.run_name)
+    name = cfg.train.run_name                # the run directory is OUT_DIR/NAME: one plain component
+    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
+        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
+                          "--out-dir")
     check_device(cfg.train.device, "option train.device")
     _check_start(cfg.train)
     if not all(isinstance(p, str) and p for p in cfg.train.freeze):

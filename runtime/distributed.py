@@ -71,7 +71,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     try:
         ctx = _set_context(launch, resolve_device(device, launch), dist_cfg, distributed=True)
     except UserError as err:
-        _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s)
+        _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s, dist_cfg.rendezvous_timeout_s)
         raise
     rendezvous = timedelta(seconds=dist_cfg.rendezvous_timeout_s)
     store = _rendezvous_store(launch, rendezvous)
@@ -281,10 +281,8 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
         _leave_error_before_group(launch, err, DistConfig().rendezvous_timeout_s, _READ_WAIT_S)
 
 
-def _leave_error_before_group(launch, err: UserError, timeout_s: float,
-                              serve_s: float | None = None) -> None:
+def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s: float) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(timeout_s, 30.0)):
         return                            # no rank 0 there: the store's own attempt would log a trace
     with contextlib.suppress(UserError, RuntimeError, dist.DistError):
