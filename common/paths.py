@@ -80,17 +80,6 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
                           "or pass --overwrite to replace it (nothing was written)")
 
 
-def _synced_size(temp: Path, option: str, path) -> int:
-    """The size of `temp` once on disk (fsync); ConfigError naming `path` if it cannot be synced."""
-    try:
-        with open(temp, "rb") as file:
-            os.fsync(file.fileno())
-            return os.fstat(file.fileno()).st_size
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
-                          "nothing was written") from None
-
-
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
     """Give `temp` the name `path` only if no file has it (a hard link, else a checked rename)."""
     try:
@@ -121,7 +110,14 @@ def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None
     try:
         yield temp
         if temp.is_file():
-            if _synced_size(temp, option, path) == 0:
+            try:
+                with open(temp, "rb") as file:          # on disk before it takes the name
+                    os.fsync(file.fileno())
+                    size = os.fstat(file.fileno()).st_size
+            except OSError as exc:
+                raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
+                                  "nothing was written") from None
+            if size == 0:
                 raise ConfigError(f"{option} {path}: the file written is empty (full disk?); nothing "
                                   "was written")
             if overwrite:

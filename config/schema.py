@@ -45,10 +45,8 @@ class Flag:
 def option(default: Any = MISSING, *, factory=None, bounds: Bounds | None = None,
            choices: tuple | None = None, flag: Flag | None = None):
     """A field with what it accepts (`bounds`, `choices`) and its command-line `flag`."""
-    metadata = {"bounds": bounds, "choices": choices, "flag": flag}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return field(default=default, default_factory=factory or MISSING,
+                 metadata={"bounds": bounds, "choices": choices, "flag": flag})
 
 
 def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
