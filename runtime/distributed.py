@@ -253,15 +253,13 @@ def check_group() -> None:
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     """torchrun's agent store (per restart attempt), else rank 0's on MASTER_ADDR:MASTER_PORT."""
     where = f"{launch.master_addr}:{launch.master_port}"
+    agent = launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"simplepose/attempt_{attempt}" if agent else "simplepose"
     try:
-        if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            agent_store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                        is_master=False, timeout=timeout)
-            return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
-        return dist.PrefixStore("simplepose", dist.TCPStore(
+        return dist.PrefixStore(prefix, dist.TCPStore(    # a client of the agent's store counts itself in
             launch.master_addr, launch.master_port, launch.world_size,
-            is_master=serve and launch.rank == 0, timeout=timeout, wait_for_workers=False))
+            is_master=serve and launch.rank == 0 and not agent, timeout=timeout, wait_for_workers=agent))
     except dist.DistNetworkError as err:
         if "in use" in str(err):
             raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
