@@ -75,11 +75,9 @@ class FocalL2Loss(nn.Module):
         if len(outputs[0]) != len(self.scale_weights):
             raise ValueError(f"{len(outputs[0])} output scales but {len(self.scale_weights)} "
                              "loss.scale_weights")
-        target = target.float()
-        mask = mask.float()
+        target, mask = target.float(), mask.float()
         num_stacks = len(outputs)
-        batch = target.shape[0]
-        zeros = target.new_zeros(batch)
+        zeros = target.new_zeros(target.shape[0])
         groups = {name: zeros for name in self.groups}
         scales = [zeros] * len(self.scale_weights)
         stacks = []
@@ -98,8 +96,6 @@ class FocalL2Loss(nn.Module):
                 scales[j] = scales[j] + scale_loss / num_stacks
                 stack_loss = stack_loss + scale_loss
             stacks.append(stack_loss)
-        per_sample = torch.stack(stacks).mean(0)
-        parts = dict(groups)
-        parts.update({f"stack{i}": s for i, s in enumerate(stacks)})
-        parts.update({f"scale{j}": s for j, s in enumerate(scales)})
-        return per_sample, {name: value.detach() for name, value in parts.items()}
+        parts = {**groups, **{f"stack{i}": s for i, s in enumerate(stacks)},
+                 **{f"scale{j}": s for j, s in enumerate(scales)}}
+        return torch.stack(stacks).mean(0), {name: value.detach() for name, value in parts.items()}
