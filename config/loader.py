@@ -27,20 +27,14 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _preset_path(name: str) -> Path:
-    if name.endswith((".yaml", ".yml")) or os.sep in name:
-        path = Path(name)
-    else:
-        path = PRESET_DIR / f"{name}.yaml"
+def _read_preset(name: str, seen: tuple = ()) -> dict:
+    """The sections of preset `name` (or YAML path), its `base` chain merged under them."""
+    is_path = name.endswith((".yaml", ".yml")) or os.sep in name
+    path = Path(name) if is_path else PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(
             f"unknown preset or config file {name!r}: choose one of {', '.join(available_presets())} "
             f"or give a path to a YAML file")
-    return path
-
-
-def _read_preset(name: str, seen: tuple = ()) -> dict:
-    path = _preset_path(name)
     if str(path) in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
     data = read_yaml(path) or {}
@@ -86,8 +80,9 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     if kind not in _EXPECTED:                # None: a union field, checked by its choices
         return value
     if value is None:
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...").strip()
         raise ConfigError(f"option {key}: expected {_EXPECTED[kind]}, got null (an empty value in YAML); "
-                          f"give a value, or leave the option out to keep {_yaml_value(default)}")
+                          f"give a value, or leave the option out to keep {shown}")
     if kind in (int, float):
         return _number(key, value, kind)
     if kind is list:
@@ -103,11 +98,6 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     elif kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"option {key}: expected {_EXPECTED[kind]}, got {value!r}")
-
-
-def _yaml_value(value: Any) -> str:
-    """`value` as YAML writes it on one line (a default shown in a message)."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
 def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
