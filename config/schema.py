@@ -1,9 +1,6 @@
-"""Typed configuration of a run: one dataclass per concern, gathered in `Config`.
-
-Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
-Each field is declared once, with what it accepts (`option(..., bounds=, choices=)`, checked by
-`config.loader.check_value`) and, for the common ones, its command-line `flag`.
-"""
+"""Typed configuration of a run: one dataclass per concern, gathered in `Config`; each field declared
+once with what it accepts (`option(bounds=, choices=)`) and maybe its command-line `flag`. Defaults
+are the method's reference values (../shared/SPEC.md) unless a comment says otherwise."""
 from __future__ import annotations
 
 import argparse
@@ -149,8 +146,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = option("sgd", choices=("sgd", "adamw"),
-        flag=flag("--optimizer", OPTIMISATION))
+    name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
     # N: LR = lr x total batch / N (batch_size x accumulate, any mode);

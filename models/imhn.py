@@ -8,8 +8,7 @@ the next one's, every merge_s to the next hourglass's output at scale s, before 
 reference network's function, `tests/test_reference_golden.py`).
 
 Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of lists over scales
-(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Conv and linear weights
-N(0, init_std), biases 0, BatchNorm 1 and 0, so initial outputs are near 0.
+(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride], near 0 at initialisation.
 """
 from __future__ import annotations
 
