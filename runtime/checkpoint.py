@@ -205,12 +205,8 @@ def _find_weights(obj, source: str) -> dict:
     for _ in range(3):                    # e.g. {"state_dict": {"model": {...}}}
         if _is_state_dict(obj):
             return obj
-        if not isinstance(obj, dict):
-            break
-        inner = next((obj[k] for k in WEIGHTS_KEYS if isinstance(obj.get(k), dict)), None)
-        if inner is None:
-            break
-        obj = inner
+        inner = [obj[k] for k in WEIGHTS_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
+        obj = inner[0] if inner else None
     raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
                           f"under a key {', '.join(WEIGHTS_KEYS)}")
 

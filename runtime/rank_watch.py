@@ -106,9 +106,8 @@ class RankWatch:
                 store.add(beat_key(self.rank), 1)
                 error = read_key(store, ERROR_KEY)
                 count = store.add(beat_key(self.peer), 0)
-                for rank in {0, self.peer} - self.who.keys():
-                    if store.check([who_key(rank)]):
-                        self.who[rank] = store.get(who_key(rank)).decode()
+                found = {rank: read_key(store, who_key(rank)) for rank in {0, self.peer} - self.who.keys()}
+                self.who.update((rank, who) for rank, who in found.items() if who is not None)
             except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
                 return
