@@ -5,6 +5,9 @@ traceback. `ArgumentParser`'s mistakes are one such line too.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+import threading
 
 
 class UserError(Exception):
@@ -50,14 +53,9 @@ class Terminated(KeyboardInterrupt):
 _STOP_SIGNALS_SEEN: list[int] = []    # the stop signals a command run by `run_cli` received
 
 
-def _terminate(signum, frame):
+def _stop(signum, frame):
     _STOP_SIGNALS_SEEN.append(signum)
-    raise Terminated()
-
-
-def _interrupt(signum, frame):
-    _STOP_SIGNALS_SEEN.append(signum)
-    raise KeyboardInterrupt()
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 TRAINING_KEPT = "the last completed checkpoint is kept"
@@ -77,12 +75,9 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     """Call `main(argv)` and return the exit code: 0, or a `UserError`'s after `print_error`.
     Ctrl-C (130) and, with `kept`, SIGTERM (143) end with one line saying what was kept; once
     stopped, whatever ends the command counts as that stop."""
-    import signal
-    import threading
-
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
-    previous = ((signal.signal(signal.SIGTERM, _terminate), signal.signal(signal.SIGINT, _interrupt))
-                if handles_term else None)
+    stops = (signal.SIGTERM, signal.SIGINT) if handles_term else ()
+    previous = {sig: signal.signal(sig, _stop) for sig in stops}
     _STOP_SIGNALS_SEEN.clear()
     try:
         main(argv)
@@ -95,28 +90,25 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     except KeyboardInterrupt as exc:
         return _stopped(isinstance(exc, Terminated), kept)
     finally:
-        if handles_term:
-            signal.signal(signal.SIGTERM, previous[0])
-            signal.signal(signal.SIGINT, previous[1])
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
-def print_error(exc: UserError) -> int:
-    """`exc`'s one line on stderr (`error: ...`) through `tqdm.write`; its exit code."""
-    import sys
-
+def _say(line: str) -> None:
+    """`line` on stderr through `tqdm.write`, so that a progress bar does not cut it."""
     from tqdm import tqdm
-    prefix = "" if getattr(exc, "plain_message", False) else "error: "
-    tqdm.write(f"{prefix}{exc}", file=sys.stderr)
+    tqdm.write(line, file=sys.stderr)
     sys.stderr.flush()
+
+
+def print_error(exc: UserError) -> int:
+    """`exc`'s one line on stderr (`error: ...`); its exit code."""
+    _say(f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}")
     return exc.exit_code
 
 
 def _stopped(by_sigterm: bool, kept: str) -> int:
     """The one line of a command stopped by SIGTERM or Ctrl-C, and its exit code."""
-    import sys
-
-    from tqdm import tqdm
-    tqdm.write(f"{'stopped by SIGTERM' if by_sigterm else 'interrupted (Ctrl-C)'}; {kept}", file=sys.stderr)
-    sys.stderr.flush()
+    _say(f"{'stopped by SIGTERM' if by_sigterm else 'interrupted (Ctrl-C)'}; {kept}")
     return 143 if by_sigterm else 130

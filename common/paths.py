@@ -15,11 +15,8 @@ from common.errors import ConfigError, os_reason
 
 def same_file(a, b) -> bool:
     """Whether two paths name the same file (resolved, or by inode); a symlink loop names none."""
-    a, b = Path(a), Path(b)
     try:
-        if a.exists() and b.exists():
-            return os.path.samefile(a, b)
-        return a.resolve() == b.resolve()
+        return _identity(Path(a)) == _identity(Path(b))
     except (OSError, RuntimeError):        # RuntimeError: pathlib's answer to a loop of links
         return False
 
@@ -83,26 +80,6 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
                           "or pass --overwrite to replace it (nothing was written)")
 
 
-def temporary_twin(path) -> Path:
-    """The hidden file beside `path` (same extension, this process's id) an output is written to."""
-    path = Path(path)
-    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-
-
-def _synced_size(temp: Path, option: str, path) -> int:
-    """The size of `temp` once on disk (fsync); ConfigError naming `path` if it cannot be synced."""
-    try:
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
-                          "nothing was written") from None
-
-
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
     """Give `temp` the name `path` only if no file has it (a hard link, else a checked rename)."""
     try:
@@ -123,16 +100,24 @@ def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
 
 
 @contextlib.contextmanager
-def written_whole(path, overwrite: bool = True, option: str = "--out"):
-    """Write an output atomically: yields the temporary twin of `path`, which, when the block ends
-    well, is synced and takes `path`'s name (over a file only with `overwrite`, else ConfigError
-    naming `option`); on any failure it is removed and `path` left as it was."""
+def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None):
+    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this
+    process's id), which, when the block ends well, is synced and takes `path`'s name (over a file
+    only with `overwrite`, else ConfigError naming `option`); on any failure it is removed and
+    `path` left as it was."""
     path = Path(path)
-    temp = temporary_twin(path)
+    temp = Path(temp) if temp else path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield temp
         if temp.is_file():
-            if _synced_size(temp, option, path) == 0:
+            try:
+                with open(temp, "rb") as file:          # on disk before it takes the name
+                    os.fsync(file.fileno())
+                    size = os.fstat(file.fileno()).st_size
+            except OSError as exc:
+                raise ConfigError(f"{option} {path}: cannot write the file there ({os_reason(exc)}); "
+                                  "nothing was written") from None
+            if size == 0:
                 raise ConfigError(f"{option} {path}: the file written is empty (full disk?); nothing "
                                   "was written")
             if overwrite:

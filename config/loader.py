@@ -27,20 +27,14 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _preset_path(name: str) -> Path:
-    if name.endswith((".yaml", ".yml")) or os.sep in name:
-        path = Path(name)
-    else:
-        path = PRESET_DIR / f"{name}.yaml"
+def _read_preset(name: str, seen: tuple = ()) -> dict:
+    """The sections of preset `name` (or YAML path), its `base` chain merged under them."""
+    is_path = name.endswith((".yaml", ".yml")) or os.sep in name
+    path = Path(name) if is_path else PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(
             f"unknown preset or config file {name!r}: choose one of {', '.join(available_presets())} "
             f"or give a path to a YAML file")
-    return path
-
-
-def _read_preset(name: str, seen: tuple = ()) -> dict:
-    path = _preset_path(name)
     if str(path) in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
     data = read_yaml(path) or {}
@@ -74,46 +68,36 @@ def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
             return value
         if math.isfinite(value) and value.is_integer():
             return int(value)
-    expected = "a number" if kind is float else "an integer"
-    raise ConfigError(f"option {key}: {what}expected {expected}, got {value!r}")
+    raise ConfigError(f"option {key}: {what}expected {_EXPECTED[kind]}, got {value!r}")
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check `value` against the type of the field's default (ints accepted for floats)."""
-    if default is None:
+    kind = type(default)
+    if kind not in _EXPECTED:                # None: a union field, checked by its choices
         return value
     if value is None:
-        expected = ("true or false" if isinstance(default, bool) else "a list" if isinstance(default, list)
-                    else "a string" if isinstance(default, str) else "an integer" if isinstance(default, int)
-                    else "a number")
-        raise ConfigError(f"option {key}: expected {expected}, got null (an empty value in YAML); give "
-                          f"a value, or leave the option out to keep {_yaml_value(default)}")
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"option {key}: expected true or false, got {value!r}")
-    if isinstance(default, (int, float)):
-        return _number(key, value, type(default))
-    if isinstance(default, str):
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"option {key}: expected a string, got {value!r}")
-    if isinstance(default, list):
+        shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...").strip()
+        raise ConfigError(f"option {key}: expected {_EXPECTED[kind]}, got null (an empty value in YAML); "
+                          f"give a value, or leave the option out to keep {shown}")
+    if kind in (int, float):
+        return _number(key, value, kind)
+    if kind is list:
         if isinstance(value, str):
-            value = [v for v in value.replace(",", " ").split()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"option {key}: expected a list, got {value!r}")
-        bounds = declared(key)["bounds"]
-        kind = bounds.items if bounds is not None else None
-        if kind is None:
-            return list(value)
-        return [_number(key, v, kind, f"item {i}: ") for i, v in enumerate(value)]
-    return value
-
-
-def _yaml_value(value: Any) -> str:
-    """`value` as YAML writes it on one line (a default shown in a message)."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+            value = value.replace(",", " ").split()
+        if isinstance(value, (list, tuple)):
+            bounds = declared(key)["bounds"]
+            if bounds is None or bounds.items is None:
+                return list(value)
+            return [_number(key, v, bounds.items, f"item {i}: ") for i, v in enumerate(value)]
+    elif kind is bool and isinstance(value, bool):
+        return value
+    elif kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"option {key}: expected {_EXPECTED[kind]}, got {value!r}")
 
 
 def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
@@ -133,26 +117,11 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
             setattr(cfg, key, value if several else _coerce(full, value, current))
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`'a.b=VALUE'` -> (`'a.b'`, parsed VALUE)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.epochs=10")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
 def nested(key: str, value: Any) -> dict:
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
+    """`'a.b'`, VALUE -> {'a': {'b': VALUE}}."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def build_config(preset: str | None = None, overrides: dict | None = None,
@@ -164,19 +133,22 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
         cfg.preset = preset
     if overrides:
         _apply(cfg, overrides)
-    for text in sets or []:
-        key, value = parse_override(text)
-        _apply(cfg, nested(key, value))
+    for text in sets or []:                  # KEY=VALUE, VALUE read as YAML
+        if "=" not in text:
+            raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.epochs=10")
+        key, raw = text.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _apply(cfg, nested(key.strip(), value))
     validate(cfg)
     return cfg
 
 
 def from_dict(data: dict) -> Config:
     """A `Config` from `to_dict` output (as saved in checkpoints)."""
-    cfg = Config()
-    _apply(cfg, data)
-    validate(cfg)
-    return cfg
+    return build_config(overrides=data)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -223,18 +195,14 @@ def _shown(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e16 else f"{bound:g}"
 
 
-def _check_fields(section: Any, prefix: str = "") -> None:
+def check_section(section: Any, prefix: str = "") -> None:
+    """`check_value` for every field of a section (`prefix`: e.g. "inference") or a whole `Config`."""
     for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
+        value, key = getattr(section, f.name), f"{prefix}.{f.name}".lstrip(".")
         if dataclasses.is_dataclass(value):
-            _check_fields(value, f"{prefix}{f.name}.")
+            check_section(value, key)
         else:
-            check_value(prefix + f.name, value)
-
-
-def check_section(section: Any, prefix: str) -> None:
-    """`check_value` for every field of one section (`prefix`: e.g. "inference")."""
-    _check_fields(section, prefix.rstrip(".") + ".")
+            check_value(key, value)
 
 
 def input_multiple(depth: int = 4) -> int:
@@ -251,14 +219,6 @@ def check_input_size(size: Any, depth: int = 4, option: str = "option data.input
     if size % multiple:
         raise ConfigError(f"{option}: {size} is not a positive multiple of {multiple}"
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))
-
-
-def _check_run_name(name: str) -> None:
-    """The run directory is OUT_DIR/NAME: NAME must be one plain path component."""
-    if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name:
-        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
-                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
-                          "--out-dir")
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
@@ -292,9 +252,12 @@ def _check_start(train) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise `ConfigError` for settings that cannot work, naming the option."""
-    _check_fields(cfg)
-    if cfg.train.run_name:
-        _check_run_name(cfg.train.run_name)
+    check_section(cfg)
+    name = cfg.train.run_name                # the run directory is OUT_DIR/NAME: one plain component
+    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
+        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
+                          "--out-dir")
     check_device(cfg.train.device, "option train.device")
     _check_start(cfg.train)
     if not all(isinstance(p, str) and p for p in cfg.train.freeze):

@@ -1,9 +1,6 @@
-"""Typed configuration of a run: one dataclass per concern, gathered in `Config`.
-
-Defaults are the method's reference values (../shared/SPEC.md) unless a comment says otherwise.
-Each field is declared once, with what it accepts (`option(..., bounds=, choices=)`, checked by
-`config.loader.check_value`) and, for the common ones, its command-line `flag`.
-"""
+"""Typed configuration of a run: one dataclass per concern, gathered in `Config`; each field declared
+once with what it accepts (`option(bounds=, choices=)`) and maybe its command-line `flag`. Defaults
+are the method's reference values (../shared/SPEC.md) unless a comment says otherwise."""
 from __future__ import annotations
 
 import argparse
@@ -45,10 +42,8 @@ class Flag:
 def option(default: Any = MISSING, *, factory=None, bounds: Bounds | None = None,
            choices: tuple | None = None, flag: Flag | None = None):
     """A field with what it accepts (`bounds`, `choices`) and its command-line `flag`."""
-    metadata = {"bounds": bounds, "choices": choices, "flag": flag}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return field(default=default, default_factory=factory or MISSING,
+                 metadata={"bounds": bounds, "choices": choices, "flag": flag})
 
 
 def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
@@ -151,8 +146,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = option("sgd", choices=("sgd", "adamw"),
-        flag=flag("--optimizer", OPTIMISATION))
+    name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
     # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
@@ -346,9 +340,7 @@ def declared(key: str) -> dict:
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
-    if fld is None:
-        return {"bounds": None, "choices": None, "flag": None}
-    return {k: fld.metadata.get(k) for k in ("bounds", "choices", "flag")}
+    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag")}
 
 
 def flags() -> Iterator[tuple[str, Flag]]:

@@ -1,9 +1,5 @@
-"""What a layer below the engine needs of a run's `Config`, where that spans sections.
-
-The data and inference layers never receive the whole `Config`: a function takes the section it
-needs (`InferenceConfig`, ...) or one of the small frozen views here, built by its `of`, so what it
-reads is in its signature. A view built in code is checked as a config is (`config.loader`).
-"""
+"""Small frozen views of a run's `Config` (built by `of`, checked as a config is) for the data and
+inference layers, which never receive the whole `Config`: what a function reads is in its signature."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

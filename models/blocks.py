@@ -4,15 +4,14 @@ names say where a weight lives (`stem.context.convs.2.0.weight`).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 LEAKY_SLOPE = 0.01
 STEM_DILATIONS = (3, 3, 4, 4, 5, 5)   # SPEC: six dilated 3x3 convs at the end of the stem
-
-
-def leaky_relu() -> nn.LeakyReLU:
-    return nn.LeakyReLU(LEAKY_SLOPE, inplace=True)
+leaky_relu = partial(nn.LeakyReLU, LEAKY_SLOPE, inplace=True)
 
 
 class ConvBN(nn.Sequential):

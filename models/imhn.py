@@ -1,21 +1,14 @@
 """IMHN: the stacked improved hourglass network of Simple Pose (SPEC "Network"), built from config.
 
 Layout (names are stable: users freeze and load weights by them):
-- `stem`: 7x7/2 conv, residual, maxpool, residual, six dilated 3x3 convs concatenated -> stride 4.
-- `stacks.{i}.hourglass`: D levels, level k at stride 4*2^k with `channels + k*increase` channels:
-  `skip` residual; `down` residual after a 2x2 maxpool; `up_reduce` residual on the level below's
-  output, nearest 2x upsampling and `up_conv` (3x3); output skip + up. `bottom` at the deepest
-  scale. Returns D+1 feature maps, stride 4 first.
-- `stacks.{i}.heads.{s}`: two 3x3 convs, squeeze-excitation, a 1x1 conv (with bias) to the
-  skeleton's output channels.
-- `stacks.{i}.merge.{s}` (all stacks but the last): the prediction and the head features mapped
-  back by 1x1 conv + BN each; merge_0 is added to this stack's input to make the next one's, every
-  merge_s to the next hourglass's output at scale s, before its head: the reference network's
-  function (`tests/test_reference_golden.py`).
+`stem` (to stride 4), then per stack `stacks.{i}.hourglass` (level k at stride 4*2^k with
+`channels + k*increase` channels, D+1 feature maps, stride 4 first), `stacks.{i}.heads.{s}` and
+`stacks.{i}.merge.{s}` (all stacks but the last; merge_0 is added to this stack's input to make
+the next one's, every merge_s to the next hourglass's output at scale s, before its head: the
+reference network's function, `tests/test_reference_golden.py`).
 
 Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of lists over scales
-(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride]. Conv and linear weights
-N(0, init_std), biases 0, BatchNorm 1 and 0, so initial outputs are near 0.
+(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride], near 0 at initialisation.
 """
 from __future__ import annotations
 
@@ -102,34 +95,16 @@ class Stack(nn.Module):
             Merge(out_channels, cfg.head_channels, w) for w in widths)
 
 
-def scale_widths(cfg: ModelConfig) -> list[int]:
-    """Channels of each scale, stride 4 first: channels + k * increase."""
-    return [cfg.channels + k * cfg.increase for k in range(cfg.depth + 1)]
-
-
-def check_model_config(cfg: ModelConfig) -> None:
-    if cfg.stacks <= 0 or cfg.depth <= 0:
-        raise ConfigError("options model.stacks and model.depth must be positive")
-    if cfg.stem_channels <= 0 or cfg.channels <= 2 * cfg.stem_channels:
-        raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
-                          f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
-                          "2 x stem_channels")
-    if cfg.increase < 0 or cfg.channels < 2 or cfg.head_channels <= 0:
-        raise ConfigError("options model.channels, model.increase, model.head_channels: must be "
-                          "positive (increase may be 0)")
-    if cfg.se and cfg.se_reduction <= 0:
-        raise ConfigError(f"option model.se_reduction: {cfg.se_reduction} must be positive")
-    if cfg.init_std <= 0:
-        raise ConfigError(f"option model.init_std: {cfg.init_std} must be positive")
-
-
 class IMHN(nn.Module):
     """The improved hourglass network; see the module docstring for layout and outputs."""
 
     def __init__(self, cfg: ModelConfig, out_channels: int):
         super().__init__()
-        check_model_config(cfg)
-        widths = scale_widths(cfg)
+        if cfg.channels <= 2 * cfg.stem_channels:    # the one rule the schema's bounds cannot say
+            raise ConfigError(f"option model.channels: {cfg.channels} must exceed 2 x model.stem_channels "
+                              f"({2 * cfg.stem_channels}): the stem concatenates its dilated convs to "
+                              "2 x stem_channels")
+        widths = [cfg.channels + k * cfg.increase for k in range(cfg.depth + 1)]    # stride 4 first
         self.config = cfg                  # the settings it was built with (error messages name them)
         self.out_channels = out_channels
         self.stem = Stem(cfg.stem_channels, cfg.channels)

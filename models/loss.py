@@ -27,23 +27,6 @@ from config.schema import LossConfig
 from data.skeleton import Skeleton
 
 
-def channel_groups(skeleton: Skeleton) -> dict:
-    """The channels of each part of the loss, in the layout of `skeleton`."""
-    return {
-        "limbs": skeleton.limb_channels,
-        "keypoints": skeleton.keypoint_channels,
-        "person_mask": slice(skeleton.person_mask_channel, skeleton.person_mask_channel + 1),
-        "keypoint_max": slice(skeleton.keypoint_max_channel, skeleton.keypoint_max_channel + 1),
-    }
-
-
-def channel_weights(cfg: LossConfig, skeleton: Skeleton) -> torch.Tensor:
-    weights = torch.ones(skeleton.num_channels)
-    weights[skeleton.keypoint_channels] = cfg.keypoint_weight
-    weights[skeleton.person_mask_channel] = cfg.mask_weight
-    return weights
-
-
 def resize_target(target: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Area average of `target` down to `size` (identity at the same size)."""
     return target if tuple(target.shape[-2:]) == tuple(size) else F.adaptive_avg_pool2d(target, size)
@@ -61,13 +44,21 @@ class FocalL2Loss(nn.Module):
 
     def __init__(self, cfg: LossConfig, skeleton: Skeleton):
         super().__init__()
-        self.groups = channel_groups(skeleton)
+        self.groups = {               # the channels of each part of the loss, in `skeleton`'s layout
+            "limbs": skeleton.limb_channels,
+            "keypoints": skeleton.keypoint_channels,
+            "person_mask": slice(skeleton.person_mask_channel, skeleton.person_mask_channel + 1),
+            "keypoint_max": slice(skeleton.keypoint_max_channel, skeleton.keypoint_max_channel + 1),
+        }
         self.gamma = float(cfg.gamma)
         self.threshold = float(cfg.focal_threshold)
         self.detach_focal = bool(cfg.focal_detach)
         scale_weights = torch.tensor([float(w) for w in cfg.scale_weights], dtype=torch.float32)
         self.register_buffer("scale_weights", scale_weights / scale_weights.sum(), persistent=False)
-        self.register_buffer("channel_weights", channel_weights(cfg, skeleton), persistent=False)
+        weights = torch.ones(skeleton.num_channels)
+        weights[skeleton.keypoint_channels] = cfg.keypoint_weight
+        weights[skeleton.person_mask_channel] = cfg.mask_weight
+        self.register_buffer("channel_weights", weights, persistent=False)
 
     def element_loss(self, prediction: torch.Tensor, target: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -84,19 +75,14 @@ class FocalL2Loss(nn.Module):
         if len(outputs[0]) != len(self.scale_weights):
             raise ValueError(f"{len(outputs[0])} output scales but {len(self.scale_weights)} "
                              "loss.scale_weights")
-        target = target.float()
-        mask = mask.float()
+        target, mask = target.float(), mask.float()
         num_stacks = len(outputs)
-        batch = target.shape[0]
-        zeros = target.new_zeros(batch)
+        zeros = target.new_zeros(target.shape[0])
         groups = {name: zeros for name in self.groups}
         scales = [zeros] * len(self.scale_weights)
         stacks = []
-        per_scale_targets = []
-        for predictions in outputs[:1]:
-            for prediction in predictions:
-                size = tuple(prediction.shape[-2:])
-                per_scale_targets.append((resize_target(target, size), resize_mask(mask, size)))
+        sizes = [tuple(prediction.shape[-2:]) for prediction in outputs[0]]
+        per_scale_targets = [(resize_target(target, size), resize_mask(mask, size)) for size in sizes]
         for predictions in outputs:
             stack_loss = zeros
             for j, prediction in enumerate(predictions):
@@ -110,8 +96,6 @@ class FocalL2Loss(nn.Module):
                 scales[j] = scales[j] + scale_loss / num_stacks
                 stack_loss = stack_loss + scale_loss
             stacks.append(stack_loss)
-        per_sample = torch.stack(stacks).mean(0)
-        parts = dict(groups)
-        parts.update({f"stack{i}": s for i, s in enumerate(stacks)})
-        parts.update({f"scale{j}": s for j, s in enumerate(scales)})
-        return per_sample, {name: value.detach() for name, value in parts.items()}
+        parts = {**groups, **{f"stack{i}": s for i, s in enumerate(stacks)},
+                 **{f"scale{j}": s for j, s in enumerate(scales)}}
+        return torch.stack(stacks).mean(0), {name: value.detach() for name, value in parts.items()}

@@ -2,7 +2,7 @@
 
 Their file holds `weights` (under `posenet.`, maybe `module.`), `optimizer_weight` (SGD state by
 parameter index), `train_loss`, `epoch` (0-based, finished), maybe an Apex `amp` state. Names map
-by structure (`reference_name`, `reference_order`); only the first conv changes (BGR input).
+by structure (`reference_name`, `name_map`); only the first conv changes (BGR input).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 PREFIX = "posenet."
-WRAPPER = "module."                # DataParallel / DDP, when the file was saved from one
+WRAPPER = re.compile(r"^(module\.)+")   # DataParallel / DDP, when the file was saved from one
 FIRST_CONV = "stem.conv.0.weight"
 SECTIONS = ("pre.", "hourglass.", "features.", "outs.", "merge_features.", "merge_preds.")
 COUNTER = "num_batches_tracked"
@@ -61,21 +61,12 @@ def reference_name(name: str, depth: int) -> str:
     raise KeyError(f"no reference counterpart for {name}")
 
 
-def reference_order(names: list[str]) -> list[str]:
-    """Reference keys in the order the reference registers them (a stable sort by section)."""
-    return sorted(names, key=lambda k: next(i for i, s in enumerate(SECTIONS) if k.startswith(s)))
-
-
 def name_map(model: nn.Module, depth: int) -> dict[str, str]:
-    """{reference key: our key} for every entry of `model`'s state dict, in the reference's order."""
+    """{reference key: our key} for every entry of `model`'s state dict, in the order the reference
+    registers them (a stable sort by section)."""
     ours = {reference_name(k, depth): k for k in model.state_dict()}
-    return {k: ours[k] for k in reference_order(list(ours))}
-
-
-def _unwrap_key(key: str) -> str:
-    while key.startswith(WRAPPER):
-        key = key[len(WRAPPER):]
-    return key
+    section = {k: next(i for i, s in enumerate(SECTIONS) if k.startswith(s)) for k in ours}
+    return {k: ours[k] for k in sorted(ours, key=section.get)}
 
 
 def reference_weights(obj) -> dict[str, torch.Tensor] | None:
@@ -83,7 +74,7 @@ def reference_weights(obj) -> dict[str, torch.Tensor] | None:
     weights = obj.get("weights") if isinstance(obj, dict) else None
     if not isinstance(weights, dict) or not weights:
         return None
-    keys = [_unwrap_key(k) if isinstance(k, str) else "" for k in weights]
+    keys = [WRAPPER.sub("", k) if isinstance(k, str) else "" for k in weights]
     if not all(k.startswith(PREFIX) for k in keys):
         return None
     return {k[len(PREFIX):]: v for k, v in zip(keys, weights.values()) if isinstance(v, torch.Tensor)}

@@ -1,10 +1,5 @@
 """Parameter and MAC counts of a model, measured from the model itself, and a CLI that prints them.
-
-MACs per image are counted with forward hooks on convolutions and linear layers, on the `meta`
-device (no memory, well under a second).
-
-    python -m models.summary --preset imhn --input 512
-"""
+MACs are counted with forward hooks on conv and linear layers, on the `meta` device."""
 from __future__ import annotations
 
 import json
@@ -19,21 +14,8 @@ from common.errors import ArgumentParser, run_cli
 from config.schema import add_flags
 from data.skeleton import load_skeleton
 
-COUNTED = (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)
-
-
-def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
-def _module_macs(module: nn.Module, inputs: tuple, output: torch.Tensor) -> int:
-    if isinstance(module, nn.Linear):
-        return output.numel() * module.in_features
-    if isinstance(module, nn.ConvTranspose2d):   # every input element meets the whole kernel
-        kernel = module.kernel_size[0] * module.kernel_size[1]
-        return inputs[0].numel() * (module.out_channels // module.groups) * kernel
-    kernel = module.kernel_size[0] * module.kernel_size[1]
-    return output.numel() * (module.in_channels // module.groups) * kernel
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int, dict[str, int]]:
@@ -42,9 +24,10 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
     per_module: dict[str, int] = defaultdict(int)
     handles = []
     for name, module in model.named_modules():
-        if isinstance(module, COUNTED):
+        if isinstance(module, (nn.Conv2d, nn.Linear)):      # a MAC per output element and weight it meets
             def hook(mod, inputs, output, name=name):
-                per_module[name] += _module_macs(mod, inputs, output)
+                per_module[name] += output.numel() * (mod.weight[0].numel() if mod.weight.dim() > 2
+                                                      else mod.in_features)
             handles.append(module.register_forward_hook(hook))
     meta_state = {name: torch.empty_like(t, device="meta")
                   for name, t in list(model.named_parameters()) + list(model.named_buffers())}
@@ -62,7 +45,7 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
 
 def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
     """Sum `counts` by name prefix of `depth` non-numeric parts (`stem.res1`, `stacks.0.heads`)."""
-    grouped: dict[str, int] = {}
+    grouped: dict[str, int] = defaultdict(int)
     for name, value in counts.items():
         prefix, named = [], 0
         for part in name.split("."):
@@ -70,20 +53,8 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
                 break
             prefix.append(part)
             named += not part.isdigit()
-        key = ".".join(prefix)
-        grouped[key] = grouped.get(key, 0) + value
+        grouped[".".join(prefix)] += value
     return grouped
-
-
-def summarize(model: nn.Module, input_size: int, depth: int = 2) -> dict:
-    total_macs, macs = count_macs(model, input_size)
-    params = {name: p.numel() for name, p in model.named_parameters()}
-    return {
-        "parameters": count_parameters(model),
-        "macs": total_macs,
-        "params_by_module": group_counts(params, depth),
-        "macs_by_module": group_counts(macs, depth),
-    }
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -106,16 +77,17 @@ def _main(argv: list[str] | None = None) -> int:
     check_input_size(size, cfg.model.depth, "--input")
     with torch.device("meta"):
         model = build_model(cfg.model, load_skeleton(args.skeleton))
-    info = summarize(model, size, args.depth)
+    total_macs, macs = count_macs(model, size)
+    macs = group_counts(macs, args.depth)
+    params = group_counts({name: p.numel() for name, p in model.named_parameters()}, args.depth)
+    total_params = count_parameters(model)
     print(f"{'module':<28} {'params (M)':>12} {'GMAC':>10}")
-    names = list(dict.fromkeys(list(info["params_by_module"]) + list(info["macs_by_module"])))
-    for name in names:
-        print(f"{name:<28} {info['params_by_module'].get(name, 0) / 1e6:12.3f} "
-              f"{info['macs_by_module'].get(name, 0) / 1e9:10.3f}")
-    print(f"{'total':<28} {info['parameters'] / 1e6:12.3f} {info['macs'] / 1e9:10.3f}")
-    print(json.dumps({"preset": args.preset, "input": size, "parameters": info["parameters"],
-                      "params_m": round(info["parameters"] / 1e6, 3),
-                      "macs": info["macs"], "gmacs": round(info["macs"] / 1e9, 3)}))
+    for name in dict.fromkeys(list(params) + list(macs)):
+        print(f"{name:<28} {params.get(name, 0) / 1e6:12.3f} {macs.get(name, 0) / 1e9:10.3f}")
+    print(f"{'total':<28} {total_params / 1e6:12.3f} {total_macs / 1e9:10.3f}")
+    print(json.dumps({"preset": args.preset, "input": size, "parameters": total_params,
+                      "params_m": round(total_params / 1e6, 3),
+                      "macs": total_macs, "gmacs": round(total_macs / 1e9, 3)}))
     return 0
 
 

@@ -1,18 +1,13 @@
-"""Checkpoints of a run: atomic saving, safe loading, weights-only loading, RNG states, resume lookup.
-
-A checkpoint is a dict of plain values and tensors (engine/train_state.py says which) plus
-`format_version`, read with `torch.load(weights_only=True)` (no file runs code when loaded); saving
-never leaves a half-written file under the final name. Every problem a user can fix is a one-line
-`CheckpointError`.
-"""
+"""Checkpoints of a run (plain values and tensors, engine/train_state.py says which): atomic saving,
+weights-only loading (no file runs code), weights of other layouts, RNG states, resume lookup."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
 import random
 import re
-import tempfile
 import zipfile
 from collections import OrderedDict
 from dataclasses import asdict
@@ -23,11 +18,12 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError, chained_os_reason
+from common.paths import written_whole
 from models.reference import model_settings, reference_weights, to_ours
 
 FORMAT_VERSION = 1
 WEIGHTS_KEYS = ("model", "state_dict", "weights")   # where weights may sit inside a file
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")         # DataParallel / DDP and torch.compile
+WRAPPERS = re.compile(r"^(module\.|_orig_mod\.)+")   # prefixes of DataParallel / DDP and torch.compile
 _PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 TEMP_SUFFIX = ".ckpt-tmp"                            # temporary files of saves in progress
 _LISTED = 10                                         # names shown in an error before "and N more"
@@ -64,55 +60,29 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _umask_file_mode() -> int:
-    """The mode a plain open() would give a new file: 0666 less this process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-_DEFAULT_FILE_MODE = _umask_file_mode()
-
-
 def save_checkpoint(path, state: dict) -> None:
     """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be."""
     path = Path(path)
     state = _plain(dict(state, format_version=FORMAT_VERSION), "state")
-    tmp, replaced = None, False
+    replaced = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
-        os.fchmod(fd, _DEFAULT_FILE_MODE)     # mkstemp's 0600 would hide checkpoints from the group
-        with os.fdopen(fd, "wb") as file:
+        temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+        with written_whole(path, temp=temp) as temp, open(temp, "wb") as file:
             torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-        tmp, replaced = None, True
+        replaced = True
         _fsync_dir(path.parent)
-    except BaseException as exc:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if isinstance(exc, Exception):
-            kept = "; the previous file there, if any, is intact" if not replaced else ""
-            raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
-        raise
+    except Exception as exc:
+        kept = "; the previous file there, if any, is intact" if not replaced else ""
+        raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
 
 
-def remove_stale_temps(directory) -> int:
-    """Delete the temporary files of killed saves in `directory`; returns how many."""
-    removed = 0
+def remove_stale_temps(directory) -> None:
+    """Delete the temporary files of killed saves in `directory`."""
     for stale in Path(directory).glob(f".*{TEMP_SUFFIX}"):
-        try:
+        with contextlib.suppress(OSError):
             stale.unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -159,19 +129,15 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-def _checkpoint_order(path: Path, state: dict):
-    step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-    return (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-            path.name == "last.pth", path.stat().st_mtime)
-
-
 def find_latest_checkpoint(run_dir) -> Path | None:
     """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
     best, best_order = None, None
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
             state = load_checkpoint(path, mmap=True)
-            order = _checkpoint_order(path, state)
+            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
+            order = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                     path.name == "last.pth", path.stat().st_mtime)
         except (CheckpointError, OSError) as exc:
             reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
             raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
@@ -229,16 +195,6 @@ def model_state_dict(model: nn.Module) -> dict:
     return unwrap_model(model).state_dict()
 
 
-def _strip_wrappers(key: str) -> str:
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, stripped = key[len(prefix):], True
-    return key
-
-
 def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
@@ -249,12 +205,8 @@ def _find_weights(obj, source: str) -> dict:
     for _ in range(3):                    # e.g. {"state_dict": {"model": {...}}}
         if _is_state_dict(obj):
             return obj
-        if not isinstance(obj, dict):
-            break
-        inner = next((obj[k] for k in WEIGHTS_KEYS if isinstance(obj.get(k), dict)), None)
-        if inner is None:
-            break
-        obj = inner
+        inner = [obj[k] for k in WEIGHTS_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
+        obj = inner[0] if inner else None
     raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
                           f"under a key {', '.join(WEIGHTS_KEYS)}")
 
@@ -286,11 +238,11 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     target = unwrap_model(model)
     reference = reference_weights(obj)
     if reference is not None:       # the authors' layout: renamed by structure, first conv to RGB
-        weights = to_ours(reference, target, _depth(target))
+        weights = to_ours(reference, target, len(target.stacks[0].hourglass.levels))
     else:
         weights = _find_weights(obj, source)
     expected = target.state_dict()
-    candidates = (weights, {_strip_wrappers(k): v for k, v in weights.items()},
+    candidates = (weights, {WRAPPERS.sub("", k): v for k, v in weights.items()},
                   {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
     weights = max(candidates, key=lambda named: sum(k in expected for k in named))
     missing = [k for k in expected if k not in weights]
@@ -348,10 +300,6 @@ def non_finite(weights: dict) -> list[str]:
 
 
 REFERENCE_NOTE = "the authors' layout (posenet.*), converted in memory: names mapped, first conv BGR -> RGB"
-
-
-def _depth(model: nn.Module) -> int:
-    return len(model.stacks[0].hourglass.levels) if hasattr(model, "stacks") else 0
 
 
 def settings_difference(there: dict, here: dict) -> dict:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
-from runtime.rank_watch import ERROR_KEY, RankWatch, beat_key, fate, who_key
+from runtime.rank_watch import ERROR_KEY, RankWatch, beat_key, fate, post_error, read_key, who_key
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -71,7 +71,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     try:
         ctx = _set_context(launch, resolve_device(device, launch), dist_cfg, distributed=True)
     except UserError as err:
-        _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s)
+        _leave_error_before_group(launch, err, dist_cfg.rendezvous_timeout_s, dist_cfg.rendezvous_timeout_s)
         raise
     rendezvous = timedelta(seconds=dist_cfg.rendezvous_timeout_s)
     store = _rendezvous_store(launch, rendezvous)
@@ -103,7 +103,7 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
     return _CONTEXT
 
 
-_ERROR_KEY, _JOINED_KEY, _ENDED_KEY = ERROR_KEY, "joined", "ended"
+_JOINED_KEY, _ENDED_KEY = "joined", "ended"
 _NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 _STORE = None                       # the group's rendezvous store
 _WATCH: RankWatch | None = None
@@ -169,17 +169,8 @@ def end_with_error(err: UserError) -> None:
     _hold_stop_signals()
     store, group = _STORE, _GROUP
     if store is not None and group is not None and lost is None:
-        _bounded(lambda: _post(store, f"rank {group[0]}: {err}"), 5)
+        _bounded(lambda: post_error(store, f"rank {group[0]}: {err}"), 5)
     cleanup()
-
-
-def _post(store, message: str) -> str:
-    """Leave `message` in the store as the job's error unless one is there; the one there."""
-    try:
-        store.compare_set(_ERROR_KEY, "", message)
-        return store.get(_ERROR_KEY).decode()
-    except (RuntimeError, dist.DistError):
-        return message
 
 
 def error_of_another_rank() -> UserError | None:
@@ -208,7 +199,7 @@ def _another_rank_failed() -> UserError | None:
     try:
         beats = {r: store.add(beat_key(r), 0) for r in range(world) if r != rank}
         deadline = time.monotonic() + _EVIDENCE_S
-        while not store.check([_ERROR_KEY]):
+        while not store.check([ERROR_KEY]):
             if _lost() is not None:
                 return _lost()
             if not beats:
@@ -216,12 +207,12 @@ def _another_rank_failed() -> UserError | None:
             if time.monotonic() > deadline:
                 silent = min(beats)
                 _GONE.add(silent)
-                who = store.get(who_key(silent)).decode() if store.check([who_key(silent)]) else None
-                return UserError(_post(store, f"{fate(silent, who)}: no sign of life for "
-                                       f"{_EVIDENCE_S:g} s after its connection closed; the other ranks end"))
+                return UserError(post_error(store, f"{fate(silent, read_key(store, who_key(silent)))}: no "
+                                            f"sign of life for {_EVIDENCE_S:g} s after its connection "
+                                            "closed; the other ranks end"))
             time.sleep(0.2)
             beats = {r: count for r, count in beats.items() if store.add(beat_key(r), 0) == count}
-        return UserError(store.get(_ERROR_KEY).decode())
+        return UserError(store.get(ERROR_KEY).decode())
     except (RuntimeError, dist.DistError):     # the store went with its host
         watch = _WATCH
         return _lost() or (watch.store_lost("is gone") if watch is not None else None)
@@ -241,7 +232,7 @@ def _group_lost() -> UserError:
     if _LOST is None and _STORE is not None:
         store = _STORE
         with contextlib.suppress(RuntimeError, dist.DistError):
-            _LOST = UserError(store.get(_ERROR_KEY).decode()) if store.check([_ERROR_KEY]) else None
+            _LOST = UserError(store.get(ERROR_KEY).decode()) if store.check([ERROR_KEY]) else None
     if _LOST is None:
         rank, world = _GROUP
         _LOST = UserError(f"rank {rank}: the process group of {world} processes was aborted or "
@@ -250,7 +241,7 @@ def _group_lost() -> UserError:
                           "before any further step or save")
         if _STORE is not None:          # for the others
             store, message = _STORE, str(_LOST)
-            _bounded(lambda: _post(store, message), 5)
+            _bounded(lambda: post_error(store, message), 5)
     return _LOST
 
 
@@ -262,15 +253,13 @@ def check_group() -> None:
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     """torchrun's agent store (per restart attempt), else rank 0's on MASTER_ADDR:MASTER_PORT."""
     where = f"{launch.master_addr}:{launch.master_port}"
+    agent = launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"simplepose/attempt_{attempt}" if agent else "simplepose"
     try:
-        if launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            agent_store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                        is_master=False, timeout=timeout)
-            return dist.PrefixStore(f"simplepose/attempt_{attempt}", agent_store)
-        return dist.PrefixStore("simplepose", dist.TCPStore(
+        return dist.PrefixStore(prefix, dist.TCPStore(    # a client of the agent's store counts itself in
             launch.master_addr, launch.master_port, launch.world_size,
-            is_master=serve and launch.rank == 0, timeout=timeout, wait_for_workers=False))
+            is_master=serve and launch.rank == 0 and not agent, timeout=timeout, wait_for_workers=agent))
     except dist.DistNetworkError as err:
         if "in use" in str(err):
             raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
@@ -290,15 +279,13 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
         _leave_error_before_group(launch, err, DistConfig().rendezvous_timeout_s, _READ_WAIT_S)
 
 
-def _leave_error_before_group(launch, err: UserError, timeout_s: float,
-                              serve_s: float | None = None) -> None:
+def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s: float) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    serve_s = timeout_s if serve_s is None else serve_s
     if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(timeout_s, 30.0)):
         return                            # no rank 0 there: the store's own attempt would log a trace
     with contextlib.suppress(UserError, RuntimeError, dist.DistError):
         store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
-        store.compare_set(_ERROR_KEY, "", f"rank {launch.rank}: {err}")
+        store.compare_set(ERROR_KEY, "", f"rank {launch.rank}: {err}")
         if launch.rank != 0:
             store.add(_ENDED_KEY, 1)
         deadline = time.monotonic() + serve_s
@@ -333,10 +320,10 @@ def _meet(store, launch, timeout_s: float) -> None:
                   f"{timeout_s - _SAY_WAITING_S:g} s more (dist.rendezvous_timeout_s {timeout_s:g} s)",
                   flush=True)
             said = True
-        if store.check([_ERROR_KEY]):
-            message = store.get(_ERROR_KEY).decode()
+        error = read_key(store, ERROR_KEY)
+        if error is not None:
             store.add(_ENDED_KEY, 1)
-            raise ConfigError(message)
+            raise ConfigError(error)
         joined = store.add(_JOINED_KEY, 0)
         if joined >= launch.world_size:
             return
@@ -351,7 +338,7 @@ def cleanup() -> None:
     """Leave the process group (if any) and the store (`_leave`); safe to call twice."""
     global _CONTEXT, _GROUP, _LOST
     _stop_watch()
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         gc.collect()     # wrappers of a finished run (DDP's reducer) let go of the group first
         dist.destroy_process_group()
     _leave()

@@ -20,6 +20,12 @@ LIBRARIES = {"numpy": "numpy", "opencv": "cv2", "h5py": "h5py", "pycocotools": "
 APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn", "fused_layer_norm_cuda")
 
 
+def _installed_version(distribution: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(distribution)
+    return None
+
+
 def _version(module: str) -> str | None:
     """The version of an installed module (its __version__, else its distribution's), or None."""
     try:
@@ -27,12 +33,7 @@ def _version(module: str) -> str | None:
     except Exception:          # not installed, or broken: the file says so with None
         return None
     version = getattr(loaded, "__version__", None)
-    if version is None:
-        try:
-            version = importlib.metadata.version(module)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    return str(version)
+    return _installed_version(module) if version is None else str(version)
 
 
 def _apex() -> dict | None:
@@ -40,11 +41,7 @@ def _apex() -> dict | None:
     spec = importlib.util.find_spec("apex")
     if spec is None:
         return None
-    try:
-        version = importlib.metadata.version("apex")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    return {"path": str(Path(spec.origin or "").parent), "version": version,
+    return {"path": str(Path(spec.origin or "").parent), "version": _installed_version("apex"),
             "extensions": [name for name in APEX_EXTENSIONS if importlib.util.find_spec(name)]}
 
 

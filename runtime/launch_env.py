@@ -136,9 +136,7 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     check_device(spec or "auto", "--device")
     if device_kind(spec) == "cpu":
         return torch.device("cpu")
-    spec = device_spelling(spec or "auto")
-    if spec == "auto":
-        spec = "cuda"
+    spec = device_spelling(spec or "auto").replace("auto", "cuda")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
         raise ConfigError(f"--device {spec}: no CUDA GPU is visible here; use --device cpu")
@@ -147,7 +145,8 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     if spec == "cuda":
         if launch.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
             return torch.device("cuda", 0)   # srun binds each task to its own GPUs
-        if launch.launcher in ("slurm", "env") and visible == 1 and needed > 1 and _bound_to_one_gpu():
+        bound = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
+        if launch.launcher in ("slurm", "env") and visible == 1 and needed > 1 and len(bound) == 1:
             return torch.device("cuda", 0)   # srun --gpu-bind / mpirun wrappers: one GPU per process
         if needed > visible:
             raise ConfigError(f"{needed} processes on this node but only {visible} CUDA GPU(s) are "
@@ -168,12 +167,6 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
         raise ConfigError(f"{needed} processes on this node but --device {spec} lists {len(ids)} GPU(s); "
                           f"list one per process or start fewer (--nproc_per_node)")
     return torch.device("cuda", ids[launch.local_rank])
-
-
-def _bound_to_one_gpu() -> bool:
-    """CUDA_VISIBLE_DEVICES names one GPU as a per-process binding (not under torchrun)."""
-    names = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
-    return len(names) == 1
 
 
 def check_port_free(port: int) -> None:

@@ -26,9 +26,18 @@ def who_key(rank: int) -> str:
     return f"who/{rank}"
 
 
-def who_am_i() -> str:
-    """"HOST PID" of this process, as a rank publishes it for `fate`."""
-    return f"{socket.gethostname()} {os.getpid()}"
+def read_key(store, key: str) -> str | None:
+    """What the store holds under `key`, or None."""
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def post_error(store, message: str) -> str:
+    """Leave `message` in the store as the job's error unless one is there (the first wins); the one
+    there, or `message` when the store cannot be reached."""
+    with contextlib.suppress(RuntimeError):        # torch's DistError: the store is gone
+        store.compare_set(ERROR_KEY, "", message)
+        return store.get(ERROR_KEY).decode()
+    return message
 
 
 def fate(rank: int, who: str | None) -> str:
@@ -91,15 +100,14 @@ class RankWatch:
     def _pulse(self) -> None:
         store, last, seen = self.store, None, time.monotonic()
         with contextlib.suppress(RuntimeError):
-            store.set(who_key(self.rank), who_am_i())
+            store.set(who_key(self.rank), f"{socket.gethostname()} {os.getpid()}")    # for `fate`
         while not self._stopped.wait(self.every_s):
             try:
                 store.add(beat_key(self.rank), 1)
-                error = store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
+                error = read_key(store, ERROR_KEY)
                 count = store.add(beat_key(self.peer), 0)
-                for rank in {0, self.peer} - self.who.keys():
-                    if store.check([who_key(rank)]):
-                        self.who[rank] = store.get(who_key(rank)).decode()
+                found = {rank: read_key(store, who_key(rank)) for rank in {0, self.peer} - self.who.keys()}
+                self.who.update((rank, who) for rank, who in found.items() if who is not None)
             except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
                 return
@@ -114,10 +122,7 @@ class RankWatch:
                 message = (f"{fate(self.peer, self.who.get(self.peer))}: no sign of life for "
                            f"{now - seen:.0f} s (dist.heartbeat_timeout_s {self.silent_s:g} s); "
                            "the other ranks end")
-                with contextlib.suppress(RuntimeError):    # the first error left in the store is the job's
-                    store.compare_set(ERROR_KEY, "", message)
-                    message = store.get(ERROR_KEY).decode()
-                self.decide(UserError(message))
+                self.decide(UserError(post_error(store, message)))
                 return
 
     def _judge(self) -> None:
