@@ -11,7 +11,6 @@ still has it (25.04 and older; `apex_checks` runs first). Apex is never a depend
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import torch
@@ -24,7 +23,9 @@ from engine.precision.loss_scale import apex_amp_state
 
 
 class ApexPrecision(PrecisionBackend):
-    """The precision backend on Apex's amp (float16 only; CUDA only)."""
+    """The precision backend on Apex's amp (float16 only; CUDA only). The base class's
+    `prepare_model`, `cast_input` and `autocast_context` are all it needs: amp.initialize casts the
+    model (given in float32), its patched forward the input, and O1's patched torch functions."""
 
     name = "apex"
 
@@ -71,14 +72,6 @@ class ApexPrecision(PrecisionBackend):
         return f"{text}; {self.build.describe(gradients)}"
 
     # -- model and optimiser ------------------------------------------------------------------
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """channels_last only: amp.initialize casts the model (it must receive it in float32)."""
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if self.master_weights:
-            self._keep_frozen_float32(model)
-        return model
-
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before `attach`: the trainable parameters; after: `amp.master_params`."""
         if not self._attached:
@@ -107,13 +100,6 @@ class ApexPrecision(PrecisionBackend):
                         master.copy_(exact[id(half)])
         self._optimizer, self._attached = optimizer, True
         return model, optimizer
-
-    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
-        """Apex's patched forward casts the input (O2/O3); only the memory format is set here."""
-        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
-
-    def autocast_context(self):
-        return contextlib.nullcontext()        # O1's casts are Apex's patched torch functions
 
     # -- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

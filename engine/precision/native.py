@@ -6,8 +6,6 @@ float16 needs a `GradScaler` (dynamic from `init_scale`, or static); bfloat16's 
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -60,14 +58,12 @@ class NativePrecision(PrecisionBackend):
     # -- model and optimiser ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Cast the (already loaded and frozen) model for O2/O3; make O2's master weights."""
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = super().prepare_model(model)
         if not self.cast_model:
             return model
         if self.master_weights:
             self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
                            for p in model.parameters() if p.requires_grad]
-            self._keep_frozen_float32(model)
         for module in model.modules():
             if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
                 continue
@@ -85,13 +81,12 @@ class NativePrecision(PrecisionBackend):
         return trainable
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
+        images = super().cast_input(images)
         return images.to(self.dtype) if self.cast_model else images
 
     def autocast_context(self):
         if not self.autocast:
-            return contextlib.nullcontext()
+            return super().autocast_context()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     # -- the step -------------------------------------------------------------------------------
