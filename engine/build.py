@@ -24,7 +24,7 @@ from engine.model_with_loss import ModelWithLoss
 from engine.optim import build_optimizer, peak_lr
 from engine.optim_step import OptimStep
 from engine.loaders import train_loader
-from engine.resume import load_start
+from engine.train_state import load_start
 
 
 @dataclass

@@ -143,7 +143,7 @@ def _resolve_config(args: argparse.Namespace, reader=None):
         if value is not None:
             deep_update(overrides, nested(key, value))
     if args.resume and not args.config:
-        from engine.resume import CheckpointReader
+        from engine.train_state import CheckpointReader
         path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
         if saved:
             return _config_from_checkpoint(path, saved, overrides, args.set)

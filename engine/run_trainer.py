@@ -27,9 +27,8 @@ from engine.hooks import default_hooks
 from engine.loaders import close_loaders
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
-from engine.resume import CheckpointReader, resume_state
+from engine.train_state import CheckpointReader, Checkpoints, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
-from engine.train_state import Checkpoints
 from engine.trainer import Hook, Trainer, TrainParts
 
 __all__ = ["Launch", "RunTrainer", "build_trainer", "build_loop"]
