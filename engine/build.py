@@ -126,12 +126,11 @@ class TrainerBuilder:
 
 def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: AmpConfig):
     """(net, eval_net): model and loss as one module, wrapped by the launch mode."""
-    compile_model = amp.compile
-    model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision,
+    model_with_loss = ModelWithLoss(torch.compile(model) if amp.compile else model, loss, precision,
                                     cuda_graphs=use_cuda_graphs(amp, launch))
     net = launch.wrap(model_with_loss)
     # validation runs eagerly: under --compile each of its shapes would compile for minutes
-    eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
+    eval_model = ModelWithLoss(model, loss, precision) if amp.compile else model_with_loss
     return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
 
 
@@ -166,14 +165,10 @@ def _resolve_data(data: DataConfig) -> tuple[str, str]:
     if data.val_h5:
         raise ConfigError(f"--val-h5 {data.val_h5} without --train-h5: the run would train and validate "
                           "on the project's synthetic dataset and ignore it; give --train-h5 too")
-    paths = _synthetic(data.synthetic_dir)
-    return str(paths[0]), str(paths[1])
-
-
-def _synthetic(folder: str):
     from data.synthetic import ensure_synthetic_h5
     try:
-        return ensure_synthetic_h5(folder)
+        paths = ensure_synthetic_h5(data.synthetic_dir)
     except OSError as exc:
-        raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
-                          f"({os_reason(exc)}); choose a writable folder") from None
+        raise ConfigError(f"option data.synthetic_dir {data.synthetic_dir}: cannot make the synthetic "
+                          f"dataset there ({os_reason(exc)}); choose a writable folder") from None
+    return str(paths[0]), str(paths[1])

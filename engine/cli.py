@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
-from config.loader import deep_update, build_config, nested
+from config.loader import deep_update, build_config, nested, to_dict
 from config.schema import REFERENCE_PRESET, add_flags, flags
 from config.yaml_file import read_yaml
 
@@ -84,7 +84,6 @@ def _is_saved_run_config(config: str | None) -> bool:
 
 def _weights_network(path: str) -> tuple[dict | None, tuple]:
     """(model settings, presets that may build it) of the network in a --weights file, if known."""
-    from common.errors import CheckpointError
     from runtime.checkpoint import load_checkpoint, reference_file_settings
     try:
         saved = load_checkpoint(path, mmap=True).get("config")
@@ -97,7 +96,6 @@ def _weights_network(path: str) -> tuple[dict | None, tuple]:
 
 def _check_weights_network(cfg) -> None:
     """Weights of another network: say which model settings differ, not hundreds of tensors."""
-    from config.loader import to_dict
     from runtime.checkpoint import listed_difference, settings_difference
 
     for option, path, partial in (("--weights", cfg.train.weights, cfg.train.allow_partial),
@@ -121,7 +119,6 @@ def _check_weights_network(cfg) -> None:
 
 
 def _preset_model(preset: str) -> dict | None:
-    from config.loader import to_dict
     try:
         return to_dict(build_config(preset))["model"]
     except ConfigError:

@@ -75,10 +75,6 @@ class WeightsEMA(Hook):
         self.say(f"checkpoint {path} has no EMA of the weights (its run had no --ema): the "
                     "average starts from its weights now, its decay warming up again")
 
-    def evaluating(self, trainer=None):
-        """Validation, AP and saving best.pth see the averaged weights (`applied`)."""
-        return self.applied()
-
     def before_save(self, trainer, name: str, state: dict) -> None:
         """A checkpoint saved while the average is in the model keeps the training weights."""
         if self._kept is None or not isinstance(state.get("model"), dict):
@@ -88,8 +84,9 @@ class WeightsEMA(Hook):
                 state["model"][key] = kept.float() if kept.is_floating_point() else kept.clone()
 
     @contextlib.contextmanager
-    def applied(self):
-        """The averaged weights in the model inside the block, the training weights put back after."""
+    def applied(self, trainer=None):
+        """The averaged weights in the model inside the block, the training weights put back after:
+        what validation, AP and saving best.pth see (the hook's `evaluating`)."""
         with torch.no_grad():
             self._kept = [t.clone() for t in self._targets.values()]
             torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
@@ -99,6 +96,8 @@ class WeightsEMA(Hook):
             with torch.no_grad():
                 torch._foreach_copy_(list(self._targets.values()), self._kept)
             self._kept = None
+
+    evaluating = applied
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -56,20 +56,6 @@ class GlobalBatchSampler(Sampler):
             yield [(self.epoch, index) for index in order[first:first + self.per_rank]]
 
 
-class ShardSampler(Sampler):
-    """Indices [rank * n / world, (rank + 1) * n / world): every sample exactly once over all ranks."""
-
-    def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1):
-        self.begin = dataset_len * rank // world_size
-        self.end = dataset_len * (rank + 1) // world_size
-
-    def __len__(self) -> int:
-        return self.end - self.begin
-
-    def __iter__(self):
-        return iter(range(self.begin, self.end))
-
-
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
@@ -91,11 +77,6 @@ def _stop_workers(iterator, workers) -> None:
             worker.join(timeout=5)
 
 
-def _stop_workers_at_exit(iterator_ref, workers) -> None:
-    """Shut down the workers of a loader iterator still alive when Python exits."""
-    _stop_workers(iterator_ref(), workers)
-
-
 class PersistentWorkersLoader(DataLoader):
     """A DataLoader whose workers start safe from stop signals, end with `close()` (call it: the
     garbage collector cannot stop them cleanly) or when Python exits, and whose user errors read
@@ -110,7 +91,9 @@ class PersistentWorkersLoader(DataLoader):
             iterator = super()._get_iterator()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        atexit.register(_stop_workers_at_exit, weakref.ref(iterator), list(iterator._workers))
+        # at exit, the workers of an iterator still alive
+        atexit.register(lambda ref, workers: _stop_workers(ref(), workers), weakref.ref(iterator),
+                        list(iterator._workers))
         return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:
@@ -172,9 +155,10 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     """This rank's shard of a validation `KeypointDataset`, in compact batches; built once per run."""
     from data.dataset import CompactSamples
-    per_process = max(1, batch_size // ctx.world_size)
-    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,
-                                   sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
+    per_process, n = max(1, batch_size // ctx.world_size), len(dataset)
+    # every sample exactly once over all ranks
+    shard = range(n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size)
+    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process, sampler=shard,
                                    **_worker_options(data, ctx))
 
 

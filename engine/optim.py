@@ -38,11 +38,6 @@ def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
     return base * factor
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: str = "cpu",
                     native: bool = True):
     """SGD or AdamW over `params` (ZeRO-sharded when `zero`; fused as `optim.fused` says)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,15 +20,8 @@ from torch import nn
 
 from config.schema import OptimConfig
 from runtime import distributed as dist
-from engine.optim import clip_grads, grad_norm, rounding_note, set_lr
-
-
-@dataclass
-class StepOutcome:
-    loss: float          # the mean of the batches' losses (a skipped step's too)
-    skipped: bool        # no update: a bad loss on some rank, or non-finite gradients
-    stop: bool           # some rank was asked to stop (signal) during the step
-    note: str = ""       # a line for the run's console: O3's first update (`engine.optim.rounding_note`)
+from engine.optim import clip_grads, grad_norm, rounding_note
+from engine.trainer import StepResult
 
 
 class OptimStep:
@@ -45,16 +37,19 @@ class OptimStep:
         self.backoff_skips = 0    # this process's skips that were a dynamic loss scale's overflows
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
-               stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
+               stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
         """One step over `batches`: each batch's forward (`loss_of(*batch)`) and backward, then
-        unscale, norm, the one read, clipping, step or skip (BatchNorm statistics put back)."""
+        unscale, norm, the one read, clipping, step or skip (BatchNorm statistics put back); the
+        result's loss is the mean of the batches' (a skipped step's too), its `note` O3's first
+        update (`engine.optim.rounding_note`)."""
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
         loss_sum = bad = None
@@ -83,7 +78,7 @@ class OptimStep:
         self.skipped_total += skipped
         self.backoff_skips += skipped and not bad_loss and self.precision.dynamic
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        return StepOutcome(loss_sum / len(batches), skipped, stop, note)
+        return StepResult(loss_sum / len(batches), self.lr, skipped, stop, note=note)
 
     def _sync_unless(self, last: bool):
         """DDP's `no_sync` but on the step's last batch (not with static_graph, which fails under it)."""

@@ -103,7 +103,8 @@ class TrainParts:
 
 @dataclass
 class StepResult:
-    """One optimiser step, as `run_step` returns it and hooks' `after_step` receive it."""
+    """One optimiser step, as `OptimStep.update` and `run_step` return it and hooks' `after_step`
+    receive it."""
     loss: float                 # the mean of the step's batches' losses
     lr: float
     skipped: bool               # no update: a bad loss on some rank, or non-finite gradients
@@ -114,17 +115,6 @@ class StepResult:
     samples_per_s: float = 0.0
     last_of_epoch: bool = False
     note: str = ""              # a line for the run's console (OptimStep's: O3's first update)
-
-
-class Throughput:
-    """Samples per second since the epoch's first step."""
-
-    def __init__(self, samples_per_step: int):
-        self.samples_per_step, self.tick, self.steps = samples_per_step, time.perf_counter(), 0
-
-    def step(self) -> float:
-        self.steps += 1
-        return self.samples_per_step * self.steps / (time.perf_counter() - self.tick)
 
 
 class Trainer:
@@ -154,7 +144,8 @@ class Trainer:
                 parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
             return per_sample.mean()
         out = self.optim_step.update(inputs, loss_of, lambda: self.stop_signal is not None)
-        return StepResult(out.loss, self.optim_step.lr, out.skipped, out.stop, parts, note=out.note)
+        out.parts = parts
+        return out
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:
@@ -164,7 +155,7 @@ class Trainer:
         self.steps_this_epoch = max(0, self.parts.batches_per_epoch - start) // accumulate
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
-        rate = Throughput(self.parts.samples_per_step)
+        tick = time.perf_counter()          # samples per second since the epoch's first step
         batches = self.parts.batches(epoch, start)
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
@@ -174,7 +165,8 @@ class Trainer:
             if not out.skipped:
                 loss_sum += out.loss
                 count += 1
-            out.epoch, out.first, out.samples_per_s = epoch, first, rate.step()
+            out.epoch, out.first = epoch, first
+            out.samples_per_s = self.parts.samples_per_step * (n + 1) / (time.perf_counter() - tick)
             out.last_of_epoch = n == self.steps_this_epoch - 1
             self._call("after_step", out)
         # mean over ranks too (every rank has the same count: skips are decided together)
