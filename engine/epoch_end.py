@@ -1,12 +1,6 @@
-"""The end of an epoch, decided in one hook, `EpochEnd`, in this order: last.pth (marked
-`validation_pending` when a validation follows); the validation when due (`train.val_every`,
-`train.ap_every`), handed to every hook's `after_validation`; the verdict on `metric` (the best
-value and the validations without improvement); the epoch's record; last.pth again; best.pth when
-improved; epoch_N.pth every `train.save_every` epochs; the end after
-`train.early_stop_patience` validations without improvement.
-
-`validate(run, trainer, epoch, loss_due, ap_due)` is a run's validation: the loss, then the
-metrics of the entry script's evaluator, and the validation pictures.
+"""The end of an epoch, decided in one hook (`EpochEnd.finish`, in order): checkpoints, the
+validation when due, the verdict on the metric, best.pth and early stopping; and `validate`, a
+run's validation (the loss, the entry script's metrics, the validation pictures).
 """
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from config.schema import TrainConfig
 from config.views import PredictSettings
 from data.skeleton import LOWER_IS_BETTER
 from runtime import distributed as dist
-from engine.device_feed import to_model_input
-from engine.loaders import val_loader
+from engine.loaders import to_model_input, val_loader
 from engine.precision import cudnn_autotuning_off
 from engine.train_state import bad_value
 from engine.trainer import Hook

@@ -21,10 +21,9 @@ from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
 from engine import epoch_end
 from engine.build import Parts, TrainerBuilder
-from engine.device_feed import training_feed
+from engine.loaders import close_loaders, training_feed
 from engine.freeze import trainable_parameters
 from engine.hooks import default_hooks
-from engine.loaders import close_loaders
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
 from engine.train_state import CheckpointReader, Checkpoints, resume_state

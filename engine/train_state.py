@@ -1,13 +1,6 @@
-"""A run's checkpoints, read and written in one place. `CheckpointReader` (made by the entry
-script) finds the checkpoint of `--resume auto` and reads it once; `load_start` loads the weights a
-run starts from (resume, the authors' run, --weights); `check_resumable` refuses a file without
-what a resume reads. `TrainState` is the run's position; `Checkpoints` writes RUN/NAME (the parts'
-states, the position, the run's fixed entries and each hook's `state_dict()`), never one that is
-no good to resume, and `restore`s them.
-
-`resume_state` continues the authors' training run: their SGD state by parameter index (mapped
-by name through `models.reference`), the loss scale and the next epoch; the LR follows from
-(epoch, batch); `python -m engine.convert_reference` writes it as a checkpoint.
+"""A run's checkpoints in one place: what a run starts from (`load_start`: resume, the authors'
+run through `resume_state`, --weights), what it writes (`Checkpoints.save`: the parts' states, the
+position `TrainState`, each hook's `state_dict()`) and restores.
 """
 from __future__ import annotations
 

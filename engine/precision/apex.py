@@ -1,13 +1,6 @@
 """The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, for users whose Apex
-still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency.
-
-- `attach` runs `amp.initialize`; a dynamic scale starts at `amp.init_scale`, as the native one.
-- `backward` scales every batch with `delay_unscale=True`; `unscale_` closes the step with one
-  `amp.scale_loss` exit (unscale, overflow check, scale update). An overflow Apex found shows as
-  non-finite gradients, so the engine's skip vote agrees with Apex.
-- Checkpoints read the model's own tensors (`live_state_dict`), weights in float32 (O2: the
-  masters; frozen weights: their values from before Apex cast them), `amp.state_dict()` as the
-  `scaler` entry, loadable by either backend (`engine.precision.loss_scale`).
+still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency. An overflow
+Apex found shows as non-finite gradients, so the engine's skip vote agrees with Apex.
 """
 from __future__ import annotations
 
