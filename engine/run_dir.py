@@ -41,16 +41,6 @@ def newest_run_dir(out_dir: Path) -> Path | None:
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
-def _make_out_dir(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs"
-                          ) from None
-    except OSError as exc:
-        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
-
-
 def _claim(run_dir: Path, exclusive: bool) -> bool:
     """Create `run_dir` (only if absent when `exclusive`) and lock it for this process (lockf of
     RUN/.run.lock, not inherited by forks); returns whether it was created."""
@@ -83,10 +73,8 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
     return created
 
 
-def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None:
+def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
     """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
-    if run_dir is None:
-        return
     fd = _claimed.pop(str(Path(run_dir).resolve()), None)
     if fd is not None:
         os.close(fd)
@@ -115,7 +103,13 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
             run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
         raise ConfigError(_nothing_to_resume(out_dir, run_dir))
-    _make_out_dir(out_dir if run_dir is None else run_dir.parent)
+    parent = out_dir if run_dir is None else run_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"--out-dir {parent}: a file, not a folder; choose a folder for the runs") from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {parent}: cannot create it ({exc.strerror})") from None
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
         for attempt in range(1, 1000):

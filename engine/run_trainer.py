@@ -19,11 +19,10 @@ from config.loader import to_dict
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
-from engine import epoch_end
+from engine import hooks as engine_hooks
 from engine.build import Parts, TrainerBuilder
 from engine.loaders import close_loaders, training_feed
 from engine.freeze import trainable_parameters
-from engine.hooks import default_hooks
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
 from engine.train_state import CheckpointReader, Checkpoints, resume_state
@@ -122,11 +121,12 @@ class RunTrainer:
                  "world_size": self.ctx.world_size}
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
                                        self.ctx.is_main, self.say)
-        validate = partial(epoch_end.validate, self) if self.data.val_set is not None else None
+        validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
         metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
-        engine_hooks = default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate, metric)
+        defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate,
+                                              metric)
         self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),
-                               engine_hooks + [RunEnd(self)] + list(hooks), self.failure)
+                               defaults + [RunEnd(self)] + list(hooks), self.failure)
         self._start(parts)
 
     def _start(self, parts: Parts) -> None:

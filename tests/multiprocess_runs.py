@@ -175,7 +175,7 @@ def _slow_validation_samples(seconds: float) -> None:
 
 
 def _flat_validation_loss() -> None:
-    from engine import epoch_end
+    from engine import hooks as epoch_end
     validate = epoch_end.validate
 
     def flat_validate(*args, **kwargs):

@@ -59,7 +59,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
     from config.loader import build_config
     from data.dataset import KeypointDataset
     from config.views import SampleSettings
-    from engine.epoch_end import validate
+    from engine.hooks import validate
     from runtime.distributed import DistContext
 
     precision, model, _ = apex_attached(conv_bn_net(), "O1")

@@ -16,7 +16,7 @@ from config import build_config
 from config.schema import AmpConfig, OptimConfig
 from runtime.checkpoint import load_checkpoint
 from engine.ema import WeightsEMA
-from engine.epoch_end import EpochEnd
+from engine.hooks import EpochEnd
 from engine.hooks import Hook, default_hooks
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
