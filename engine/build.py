@@ -51,7 +51,7 @@ class Parts:
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
     eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
-    start: tuple                # (resume state, the authors' checkpoint, its path, fresh tensors): resume.load_start
+    start: tuple                # (resume state, the authors' run, its path, fresh tensors): load_start's
     frozen: dict | None         # counts of freeze()
 
 

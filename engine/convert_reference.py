@@ -51,10 +51,8 @@ def run(args) -> dict:
     reference = ckpt.read_reference(str(source))
     model = build_model(cfg.model, coco)
     ckpt.load_weights(model, reference)
-    names = [name for name, _ in model.named_parameters()]
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    state = resume_state(reference, str(source), model, optimizer, names, cfg.optim, cfg.model.depth,
-                         strict=False)
+    state = resume_state(reference, str(source), model, optimizer, cfg.optim, cfg.model.depth, strict=False)
     state.update(model=model.state_dict(), config=to_dict(cfg), skeleton=coco.to_spec())
     ckpt.save_checkpoint(str(out), state)
     print(f"{source}: the authors' layout converted (names mapped, first conv BGR -> RGB; "

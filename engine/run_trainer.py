@@ -123,8 +123,8 @@ class RunTrainer:
                                        self.ctx.is_main, self.say)
         validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
         metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
-        defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate,
-                                              metric)
+        defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx,
+                                              validate, metric)
         self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),
                                defaults + [RunEnd(self)] + list(hooks), self.failure)
         self._start(parts)
@@ -134,9 +134,7 @@ class RunTrainer:
         cfg, ctx = self.cfg, self.ctx
         state, reference, path, _ = parts.start
         if reference is not None:
-            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-            state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
-                                 cfg.model.depth)
+            state = resume_state(reference, str(path), self.model, self.optimizer, cfg.optim, cfg.model.depth)
         if state is not None:
             self.checkpoints.restore(self.trainer, state, path, self.say)
         if ctx.is_main:     # the run directory is written only once everything above has worked

@@ -47,38 +47,35 @@ class CheckpointReader:
     """Reads a checkpoint, and finds a run's latest, once while the files stay the same."""
 
     def __init__(self):
-        self._state: tuple[tuple, dict] | None = None        # (the file's identity, its state)
-        self._latest: tuple[tuple, str | None] | None = None  # (the checkpoints' identities, latest's name)
+        self._read: dict[str, tuple] = {}     # "latest", "state": (the files' identities, what was read)
+
+    def _once(self, kind: str, where: Path, files, read):
+        """read(), again only once `files` (at `where`) changed; an OSError: read, which says what is
+        wrong."""
+        try:
+            key = (str(where.resolve()), tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                                                      for p in files for st in [p.stat()])))
+        except OSError:
+            return read()
+        if kind not in self._read or self._read[kind][0] != key:
+            self._read[kind] = (key, read())
+        return self._read[kind][1]
 
     def latest(self, run_dir) -> Path | None:
         """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
         run_dir = Path(run_dir)
-        try:
-            files = tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
-                                 for p in run_dir.glob("*.pth") for st in [p.stat()]))
-        except OSError:
-            return ckpt.find_latest_checkpoint(run_dir)       # says what is wrong
-        key = (str(run_dir.resolve()), files)
-        if self._latest is None or self._latest[0] != key:
-            found = ckpt.find_latest_checkpoint(run_dir)
-            self._latest = (key, found.name if found else None)
-        return run_dir / self._latest[1] if self._latest[1] else None
+        found = self._once("latest", run_dir, run_dir.glob("*.pth"),
+                           lambda: getattr(ckpt.find_latest_checkpoint(run_dir), "name", None))
+        return run_dir / found if found else None
 
     def state(self, path) -> dict:
         """The checkpoint at `path`, memory-mapped."""
         path = Path(path)
-        try:
-            stat = path.stat()
-            key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            return ckpt.load_checkpoint(path, mmap=True)      # says what is wrong with it
-        if self._state is None or self._state[0] != key:
-            self._state = (key, ckpt.load_checkpoint(path, mmap=True))
-        return self._state[1]
+        return self._once("state", path, [path], lambda: ckpt.load_checkpoint(path, mmap=True))
 
     def forget(self) -> None:
         """Give back what was read (the next look reads the files again)."""
-        self._state = self._latest = None
+        self._read = {}
 
 
 def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
@@ -122,18 +119,13 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
                                    source=str(train.weights))
         say(f"loaded weights from {train.weights}: {load_summary(report)}"
             + (f"; {ema_note}" if ema_note else ""))
-        return None, None, None, fresh_tensors(report)
+        return None, None, None, list(report.get("missing") or []) + _reshaped(report)
     return None, None, None, ()
 
 
 def _reshaped(report: dict) -> list[str]:
     """The tensors of a `load_weights` report whose shape differs in the file."""
     return [name.split(" (")[0] for name in report.get("mismatched") or []]
-
-
-def fresh_tensors(report: dict) -> list[str]:
-    """The tensors a `load_weights` report left at their initial values."""
-    return list(report.get("missing") or []) + _reshaped(report)
 
 
 def load_summary(report: dict) -> str:
@@ -157,11 +149,12 @@ def _param_groups(optimizer) -> list[dict]:
     return groups
 
 
-def resume_state(reference: dict, source: str, model, optimizer, names: list[str], optim: OptimConfig,
-                 depth: int, strict: bool = True) -> dict:
+def resume_state(reference: dict, source: str, model, optimizer, optim: OptimConfig, depth: int,
+                 strict: bool = True) -> dict:
     """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`
-    over `model`'s parameters `names`. An optimiser other than SGD with momentum is refused when
+    over `model`'s trainable parameters. An optimiser other than SGD with momentum is refused when
     `strict`, else starts without momentum."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
     sgd = optim.name == "sgd" and bool(optim.momentum)
     if strict and not sgd:
         raise ConfigError(f"{source}: the authors trained with SGD and momentum; continuing their run "
