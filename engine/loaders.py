@@ -32,18 +32,12 @@ class GlobalBatchSampler(Sampler):
                  seed: int = 0, shuffle: bool = True):
         if batch_size % world_size:
             raise ValueError(f"batch {batch_size} does not divide over {world_size} processes")
-        self.dataset_len = dataset_len
-        self.batch_size = batch_size
-        self.per_rank = batch_size // world_size
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.start_batch = 0
+        self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
+        self.rank, self.seed, self.shuffle = rank, seed, shuffle
+        self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch = epoch
-        self.start_batch = start_batch
+        self.epoch, self.start_batch = epoch, start_batch
 
     @property
     def batches_per_epoch(self) -> int:
@@ -217,9 +211,7 @@ class DeviceFeed:
     """Iterable of the model inputs of `batches` on `device` (see the module docstring)."""
 
     def __init__(self, batches: Iterable, device: torch.device, painter):
-        self.batches = batches
-        self.device = torch.device(device)
-        self.painter = painter
+        self.batches, self.device, self.painter = batches, torch.device(device), painter
 
     def __iter__(self) -> Iterator:
         if self.device.type != "cuda":

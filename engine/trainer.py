@@ -125,6 +125,7 @@ class Trainer:
         self.parts, self.net, self.optim_step = parts, parts.net, parts.optim_step
         self.model = parts.model if parts.model is not None else parts.net
         self.epochs, self.accumulate = parts.epochs, parts.accumulate
+        self.batches_per_epoch = parts.batches_per_epoch
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
         self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
@@ -172,10 +173,6 @@ class Trainer:
         # mean over ranks too (every rank has the same count: skips are decided together)
         totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64)]))
         return None if totals[1] == 0 else (totals[0] / totals[1]).item()
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.parts.batches_per_epoch
 
     def _call(self, event: str, *args) -> None:
         for hook in self.hooks:

@@ -32,16 +32,13 @@ class NativePrecision(PrecisionBackend):
         super().__init__(cfg, device)
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
-        self.scaler = self._build_scaler(cfg)
-        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
-
-    def _build_scaler(self, cfg: AmpConfig):
-        use_scaler = self.level != "O0" and self.dtype == torch.float16
-        init = self.static_scale or cfg.init_scale
         scaler_type = (_HalfParamsGradScaler if self.cast_model and not self.master_weights
                        else torch.amp.GradScaler)
-        return scaler_type(self.device_type, enabled=use_scaler, init_scale=init,
-                           growth_interval=2 ** 30 if self.static_scale else 2000)
+        use_scaler = self.level != "O0" and self.dtype == torch.float16
+        self.scaler = scaler_type(self.device_type, enabled=use_scaler,
+                                  init_scale=self.static_scale or cfg.init_scale,
+                                  growth_interval=2 ** 30 if self.static_scale else 2000)
+        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
 
     def describe(self) -> str:
         text = f"opt level {self.level}"
