@@ -21,8 +21,7 @@ from engine.parallel import convert_sync_bn
 from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.model_with_loss import ModelWithLoss
-from engine.optim import build_optimizer, peak_lr
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
 from engine.train_state import load_start
 

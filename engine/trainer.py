@@ -26,7 +26,7 @@ class LoopState(Protocol):
     """What a hook may read of the loop; it may set `stop_signal` and `finish_requested`."""
     model: nn.Module                 # the network whose weights train (unwrapped)
     net: nn.Module                   # what trains: the network and its loss, wrapped
-    optim_step: Any                  # engine.optim_step.OptimStep
+    optim_step: Any                  # engine.optim.OptimStep
     hooks: list
     epoch: int                       # the epoch a run starts or resumes at
     step: int                        # optimiser steps done
@@ -86,7 +86,7 @@ class TrainParts:
     """What the loop runs: `net(images, target, mask)` -> (per-sample loss [B], loss parts), and
     `batches(epoch, start)` -> model inputs from batch `start` of `epoch` on."""
     net: nn.Module
-    optim_step: object                 # engine.optim_step.OptimStep, or one with its `update`
+    optim_step: object                 # engine.optim.OptimStep, or one with its `update`
     batches: Callable[[int, int], Iterator]
     batches_per_epoch: int             # a whole number of steps of `accumulate` batches
     epochs: int = 1

@@ -26,7 +26,7 @@ from apex_cpu_standins import (apex_amp_c, apex_c, apex_c_built, apex_cpu,  # no
 from gloo_ranks import gloo_group_of_one  # noqa: F401 - a fixture
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.ema import WeightsEMA
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine import parallel
 from engine.precision.apex import ApexPrecision
 

@@ -14,7 +14,7 @@ from common.errors import ConfigError
 from config.schema import AmpConfig, OptimConfig
 from engine.build import use_cuda_graphs
 from engine.model_with_loss import GraphedNetwork, ModelWithLoss
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine.precision import NativePrecision
 from engine.trainer import Trainer, TrainParts
 from models import FocalL2Loss

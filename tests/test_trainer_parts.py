@@ -21,7 +21,7 @@ from engine.hooks import Hook, default_hooks
 from engine.logger import RunLogger
 from engine.model_with_loss import ModelWithLoss
 from engine.optim import lr_at
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine.precision import NativePrecision as Precision
 from engine.train_state import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts

@@ -1,7 +1,7 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares.
 
 The engine calls it in the order of the sections below: before training, every batch, every step
-(`engine.optim_step.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
+(`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
 """
 from __future__ import annotations
 
