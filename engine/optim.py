@@ -110,11 +110,6 @@ def rounding_note(params, lr: float, cfg: OptimConfig) -> str:
             + "; --opt-level O2 keeps float32 master weights")
 
 
-def clip_grads(params, max_norm: float, norm: torch.Tensor) -> None:
-    """Scale the gradients down to `max_norm` when their `norm` (finite, from `grad_norm`) exceeds it."""
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-
-
 class OptimStep:
     def __init__(self, precision, optimizer, params: list, model: nn.Module, cfg: OptimConfig,
                  net: nn.Module | None = None, static_graph: bool = False,
@@ -158,7 +153,7 @@ class OptimStep:
         loss_sum, bad_loss, not_finite, stop = self._read_step(norm, loss_sum, bad, stop_requested())
         skipped, note = bad_loss or not_finite, ""
         if not skipped and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
-            clip_grads(self.params, self.cfg.clip_grad_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad_norm, norm)
         if not skipped and self.rounding_lr is not None:
             note, self.rounding_lr = rounding_note(self.params, self.rounding_lr, self.cfg), None
         self.precision.step(self.optimizer, not skipped, bad_loss=bad_loss)

@@ -185,11 +185,6 @@ class TrainState:
     skipped_steps: int = 0             # steps skipped for a bad loss or gradients, all told
     validation_pending: bool = False   # saved before the epoch's validation, which a resume runs again
 
-    @classmethod
-    def of_checkpoint(cls, state: dict) -> "TrainState":
-        return cls(state["epoch"], state["iteration"], state["step"], state.get("skipped_steps", 0),
-                   bool(state.get("validation_pending", False)))
-
 
 def _keys(hook) -> tuple:
     key = hook.checkpoint_key
@@ -304,7 +299,8 @@ class Checkpoints:
                                   "weights with --weights instead of --resume") from None
         if note:
             say(note)
-        position = TrainState.of_checkpoint(state)
+        position = TrainState(state["epoch"], state["iteration"], state["step"],
+                              state.get("skipped_steps", 0), bool(state.get("validation_pending", False)))
         trainer.optim_step.skipped_total = position.skipped_steps
         trainer.epoch, trainer.start_batch, trainer.resumed = position.epoch, position.iteration, position
         # a run started elsewhere (step None): the steps of the epochs it finished
