@@ -2,11 +2,9 @@
 loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
 stop signals sent to the process group.
 
-Their batches go onto the device as the network's input: `to_model_input` moves a batch (compact,
-`data.transfer`, or already float32) to the device and expands it there (targets drawn by the
-dataset's `TargetPainter`); it is idempotent. `DeviceFeed` iterates loader batches so; on CUDA it
-queues batch n + 1's copy and expansion on one side stream per device before handing over batch
-n, and the compute stream waits on batch n's event only. Off CUDA no stream call is ever made.
+Batches go onto the device by `to_model_input` (idempotent; targets drawn there by the dataset's
+`TargetPainter`); on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
+over batch n, and the compute stream waits on batch n's event only.
 """
 from __future__ import annotations
 

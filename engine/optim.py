@@ -1,10 +1,6 @@
 """The optimiser: its construction, the learning rate as a pure function of (epoch, iteration), and
 one step over one or more batches in one call (`OptimStep.update`, cf. mmengine's OptimWrapper).
 
-`lr_at` is the schedule: linear warm-up over `warmup_epochs`, then step decay; a resumed run, or
-one with another number of processes, follows the same curve. With `reference_batch` N the peak is
-`lr x total batch / N`. `updates_rounded_away` measures what O3's half weights lose per step.
-
 `OptimStep` owns accumulation (DDP's `no_sync` but on the last batch), the skip vote, the float32
 gradient norm, clipping and skipped steps (BatchNorm buffers restored); the precision backend only
 does what it is told. One host sync per step: a bad loss (not finite, or above
@@ -36,7 +32,8 @@ def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 
 
 def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
           world_size: int = 1, total_batch: int | None = None) -> float:
-    """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`."""
+    """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`: linear warm-up,
+    then step decay; a resumed run, or one with another number of processes, follows the same curve."""
     base = peak_lr(cfg, total_batch, world_size)
     if cfg.milestones:
         drops = sum(1 for m in cfg.milestones if epoch >= int(m))

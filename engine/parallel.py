@@ -1,10 +1,6 @@
-"""SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
-one definition each for the native backend (torch) and for the apex backend (`apex.parallel`,
-mended as each function below says), picked by `amp.backend`.
-
-On CPU groups (gloo), where `nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same
-statistics and gradients (the convention of `nn.SyncBatchNorm`); its state-dict keys are those of
-`nn.BatchNorm2d`.
+"""SyncBN (`--sync-bn`) and the DDP wrapper, one definition each for the native backend (torch) and
+the apex backend (`apex.parallel`, mended), picked by `amp.backend`. On CPU groups (gloo), where
+`nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same statistics and gradients.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run
-(engine/run_dir.py), builds its parts (`engine.build.TrainerBuilder`) and returns a `RunTrainer`:
-the `Trainer` with the engine's hooks and the caller's, and the run around it (checkpoints,
-logger, console, validation). Every launch mode calls it; it only decides how `ModelWithLoss` is
-wrapped (nothing, DataParallel, DDP) and in what `DistContext` it runs.
+"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run, builds
+its parts and returns a `RunTrainer`: the `Trainer` with the engine's hooks and the caller's, and
+the run around it. Every launch mode calls it; the `Launch` says how the network is wrapped.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A run's mixed precision, in one package: the interface every backend implements
-(`interface.PrecisionBackend`), the native (torch.amp) and Apex backends side by side (`native`,
-`apex` with `apex_checks`), the loss scaler's state in either layout (`loss_scale`); here, the
-backends by name (`amp.backend`) and the process-wide CUDA switches. SyncBN and DDP are
-engine.parallel's.
+"""A run's mixed precision: the backend interface (`interface`), the native (torch.amp) and Apex
+backends (`native`, `apex`, `apex_checks`), the loss scaler's state (`loss_scale`); here, the
+backends by name (`amp.backend`) and the process-wide CUDA switches.
 """
 from __future__ import annotations
 
