@@ -103,7 +103,7 @@ class TrainerBuilder:
             say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names start "
                 f"fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
-        if cfg.dist.sync_bn and ctx.distributed:
+        if cfg.dist.sync_bn:
             model = convert_sync_bn(model, ctx, cfg.amp)
         model = model.to(ctx.device)
         precision = self.build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
@@ -116,21 +116,17 @@ class TrainerBuilder:
         model, optimizer = precision.attach(model, optimizer)
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
-        net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp)
+        # model and loss as one module, wrapped by the launch mode
+        model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
+                                        cuda_graphs=use_cuda_graphs(cfg.amp, launch))
+        net = launch.wrap(model_with_loss)
+        # validation runs eagerly: under --compile each of its shapes would compile for minutes
+        eval_net = ModelWithLoss(model, loss, precision) if cfg.amp.compile else model_with_loss
+        eval_net = launch.wrap(eval_net) if launch.wrapped_eval else eval_net
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
                                static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
                                    cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
-
-
-def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: AmpConfig):
-    """(net, eval_net): model and loss as one module, wrapped by the launch mode."""
-    model_with_loss = ModelWithLoss(torch.compile(model) if amp.compile else model, loss, precision,
-                                    cuda_graphs=use_cuda_graphs(amp, launch))
-    net = launch.wrap(model_with_loss)
-    # validation runs eagerly: under --compile each of its shapes would compile for minutes
-    eval_model = ModelWithLoss(model, loss, precision) if amp.compile else model_with_loss
-    return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
 
 
 def use_cuda_graphs(amp: AmpConfig, launch) -> bool:

@@ -124,13 +124,6 @@ class _AsRaisedInWorker:
             raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
-def close_loaders(*loaders) -> None:
-    """End the worker processes of the run's loaders."""
-    for loader in loaders:
-        if isinstance(loader, PersistentWorkersLoader):
-            loader.close()
-
-
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
                  ) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` (compact batches) and its sampler."""

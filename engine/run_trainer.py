@@ -19,7 +19,7 @@ from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
 from engine import hooks as engine_hooks
 from engine.build import Parts, TrainerBuilder
-from engine.loaders import close_loaders, training_feed
+from engine.loaders import PersistentWorkersLoader, training_feed
 from engine.freeze import trainable_parameters
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
@@ -96,7 +96,9 @@ class RunEnd(Hook):
                         else ""))
 
     def on_stop(self, trainer):
-        close_loaders(self.run.data.loader, self.run.data.val_loader)   # before the group is left
+        for loader in (self.run.data.loader, self.run.data.val_loader):   # before the group is left
+            if isinstance(loader, PersistentWorkersLoader):
+                loader.close()
         if self.run.ctx.is_main:
             release_run_dir(self.run.run_dir)
 
