@@ -1,9 +1,15 @@
 """Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
 (`build_data`, `build_model`, ...), which `build` calls in the order the engine needs (the same
 seeds at the same points); a subclass replaces any part (`build_trainer(..., builder=MyBuilder())`).
+
+What trains is `ModelWithLoss`, the network and its loss as one module: what every launch mode
+wraps, so that DataParallel computes the loss on every replica, with the precision policy in one
+place (inputs cast for O2/O3, autocast for O1, the loss in float32). With `cuda_graphs` the
+training forward and backward are replayed as CUDA graphs (`GraphedNetwork`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +26,6 @@ from runtime import distributed as dist
 from engine.parallel import convert_sync_bn
 from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
-from engine.model_with_loss import ModelWithLoss
 from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
 from engine.train_state import load_start
@@ -167,3 +172,61 @@ def _resolve_data(data: DataConfig) -> tuple[str, str]:
         raise ConfigError(f"option data.synthetic_dir {data.synthetic_dir}: cannot make the synthetic "
                           f"dataset there ({os_reason(exc)}); choose a writable folder") from None
     return str(paths[0]), str(paths[1])
+
+
+class ModelWithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss: nn.Module, precision, cuda_graphs: bool = False):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+        self.precision = precision
+        self.graphed = GraphedNetwork(model, precision) if cuda_graphs else None   # not a submodule
+
+    def forward(self, images: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):
+        """-> (per-sample loss [B], dict of per-sample loss parts), all float32."""
+        images = self.precision.cast_input(images)
+        with self.precision.autocast_context():
+            if self.graphed is not None and self.training:
+                outputs = self.graphed(images)
+            else:
+                outputs = self.model(images)
+        return self.loss(outputs, target, mask)
+
+
+class GraphedNetwork:
+    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
+    one capture for that input's shape, layout and type, replayed by later calls with it (others
+    run eagerly). The capture's BatchNorm updates are put back."""
+
+    def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
+                 make_graphed=None):
+        self.model, self.precision, self.warm_calls = model, precision, warm_calls
+        self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
+        self.calls, self.key, self.replay = 0, None, None
+
+    def __call__(self, images: torch.Tensor):
+        key = (tuple(images.shape), images.stride(), images.dtype, images.device)
+        if self.replay is None:
+            self.calls += 1
+            if self.calls <= self.warm_calls:
+                return self.model(images)
+            self.key, self.replay = key, self._capture(images)
+        return self.replay(images) if key == self.key else self.model(images)
+
+    def _capture(self, images: torch.Tensor):
+        saved = [b.detach().clone() for b in self.model.buffers()]
+        # the capture refuses autocast's weight cache: O1 captures with it off (same casts)
+        autocast = (torch.autocast(images.device.type, dtype=self.precision.dtype, cache_enabled=False)
+                    if torch.is_autocast_enabled(images.device.type) else contextlib.nullcontext())
+        with autocast:
+            self.make_graphed(self.model, (images,))
+        replay = self.model.forward          # the graphed forward, set on the module by the capture
+        del self.model.forward               # every other call runs the module's own forward
+        with torch.no_grad():
+            for buffer, value in zip(self.model.buffers(), saved):
+                buffer.copy_(value)
+        # torch warns once that the capture's side stream made the weights' accumulation nodes
+        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+        if quiet is not None:
+            quiet(False)
+        return replay

@@ -108,7 +108,7 @@ def _patch_trainer_and_run() -> None:
     from engine.run_trainer import RunTrainer
     from runtime.checkpoint import unwrap_model
     from engine.cli import run_main
-    from engine.model_with_loss import ModelWithLoss
+    from engine.build import ModelWithLoss
 
     rank = int(os.environ.get("RANK", "0"))
     blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")

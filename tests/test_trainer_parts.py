@@ -19,7 +19,7 @@ from engine.ema import WeightsEMA
 from engine.hooks import EpochEnd
 from engine.hooks import Hook, default_hooks
 from engine.logger import RunLogger
-from engine.model_with_loss import ModelWithLoss
+from engine.build import ModelWithLoss
 from engine.optim import lr_at
 from engine.optim import OptimStep
 from engine.precision import NativePrecision as Precision
