@@ -3,9 +3,8 @@ and kept in `best.pth` when it is on.
 
 After every step not skipped, each floating-point parameter becomes `ema = d * ema + (1 - d) * w`
 with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`), as YOLO and RTMO warm it up;
-buffers are copied. The average is float32 at any opt level (`PrecisionBackend.weight_sources`)
-and the same on every rank without communication. Its state goes into every checkpoint under
-"ema"; `--weights`, evaluate.py and demo.py take those weights (`preferred_weights`).
+buffers are copied. The average is float32 at any opt level and the same on every rank without
+communication; `--weights`, evaluate.py and demo.py take it from a checkpoint's "ema".
 """
 from __future__ import annotations
 
@@ -46,9 +45,6 @@ class WeightsEMA(Hook):
         self._copied = ([self.averaged[k] for k in copied], [sources[k] for k in copied])
         self._kept: list[torch.Tensor] | None = None      # the training weights during validation
         return self
-
-    def describe(self) -> str:
-        return f"EMA of the weights, decay {self.decay:g} warmed up over tau {self.tau:g} steps"
 
     def current_decay(self) -> float:
         """The decay the last update used (0 before the first)."""

@@ -30,9 +30,6 @@ from engine.precision import cudnn_autotuning_off
 from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
 from engine.trainer import Hook
 
-TENSORBOARD_TAG = "val_pictures"
-
-
 def weights_evaluated(trainer):
     """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
     stack = contextlib.ExitStack()
@@ -165,7 +162,7 @@ def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
             if run.draw is not None and pictures and ctx.is_main and run.skeleton.scoring.key in results:
                 path = run.draw(run.model, run.data.val_h5, run.skeleton, settings, epoch + 1, run.run_dir,
                                 ctx.device, pictures)
-                run.logger.log_image(TENSORBOARD_TAG, path, trainer.step)
+                run.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
     return results
 
 
@@ -296,6 +293,6 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
              EpochEnd(train, checkpoints, logger, say, validate, metric)]
     if train.ema:
         ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)
-        say(ema.describe())
+        say(f"EMA of the weights, decay {ema.decay:g} warmed up over tau {ema.tau:g} steps")
         hooks.append(ema)
     return hooks
