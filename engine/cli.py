@@ -5,6 +5,7 @@ With `--resume` and no `--config`, the run's saved config is the base.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -109,20 +110,13 @@ def _check_weights_network(cfg) -> None:
         fix = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
                        for k, (v, _) in differ.items())
         for preset in filter(None, presets):
-            preset_model = _preset_model(preset)
-            if preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items()):
-                fix = f"--config {preset}"
-                break
+            with contextlib.suppress(ConfigError):       # a preset that does not build: not the fix
+                if all(to_dict(build_config(preset))["model"].get(k) == v for k, v in saved.items()):
+                    fix = f"--config {preset}"
+                    break
         partial = ", or --allow-partial to load only the tensors that fit" if option == "--weights" else ""
         raise ConfigError(f"{option} {path} holds another network ({listed_difference(differ)}): "
                           f"add {fix} to build it{partial}")
-
-
-def _preset_model(preset: str) -> dict | None:
-    try:
-        return to_dict(build_config(preset))["model"]
-    except ConfigError:
-        return None
 
 
 def config_from_args(args: argparse.Namespace, reader=None):

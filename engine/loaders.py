@@ -9,6 +9,7 @@ over batch n, and the compute stream waits on batch n's event only.
 from __future__ import annotations
 
 import atexit
+import itertools
 import signal
 import weakref
 from typing import Callable, Iterable, Iterator
@@ -186,16 +187,9 @@ def _trimmed(batch):
 
 def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
     """finish(start(item)) for each item in order, item n + 1 started before item n is finished."""
-    source = iter(items)
-    try:
-        pending = start(next(source))
-    except StopIteration:
-        return
-    for item in source:
-        following = start(item)
+    # pairwise draws (lazily starts) the following item before it hands over the pending one
+    for pending, _ in itertools.pairwise(itertools.chain(map(start, items), [None])):
         yield finish(pending)
-        pending = following
-    yield finish(pending)
 
 
 class DeviceFeed:
