@@ -1,11 +1,8 @@
 """The engine's own hooks, each given its settings when it is made, and `default_hooks`, those of a
-run. The base `Hook` and what a hook may read (`LoopState`) are in engine/trainer.py.
-
-In a run, a user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30)
-and logging (40) hooks and before the pre-emption save (80) and the end of the epoch (90), so that
-what it keeps is saved. The end of an epoch is decided in one hook (`EpochEnd.finish`, in order):
-checkpoints, the validation when due, the verdict on the metric, best.pth and early stopping;
-`validate` is a run's validation (the loss, the entry script's metrics, the validation pictures).
+run. A user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30) and
+logging (40) hooks and before the pre-emption save (80) and `EpochEnd` (90), so that what it keeps
+is saved. `EpochEnd.finish` decides an epoch's end, in order: checkpoints, the validation when due
+(`validate`: the loss, the entry script's metrics, pictures), the verdict, best.pth, early stopping.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a run writes besides checkpoints: metrics.jsonl ("train" records every `log_every` steps, a
 "val" record per validation), train_steps.jsonl (every step's loss), TensorBoard events,
 curves.png, and (`RunConsole`) train.log with environment.json. Only the main process logs.
-
 A resumed run appends a `{"kind": "resume", "step": S}` record: `read()`, hence curves.png, leaves
 out the records above it with a later step (nothing is deleted), and TensorBoard purges them.
 """

@@ -131,8 +131,7 @@ class OptimStep:
                stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
         """One step over `batches`: each batch's forward (`loss_of(*batch)`) and backward, then
         unscale, norm, the one read, clipping, step or skip (BatchNorm statistics put back); the
-        result's loss is the mean of the batches' (a skipped step's too), its `note` O3's first
-        update (`engine.optim.rounding_note`)."""
+        loss is the batches' mean (a skipped step's too), the `note` O3's first (`rounding_note`)."""
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
         loss_sum = bad = None

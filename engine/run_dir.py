@@ -114,11 +114,9 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
         for attempt in range(1, 1000):
             run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
-            try:
+            with contextlib.suppress(FileExistsError):     # taken: try the next name
                 created = _claim(run_dir, exclusive=True)
                 break
-            except FileExistsError:
-                continue
     else:
         created = _claim(run_dir, exclusive=False)
     if holds_run(run_dir) and not train.resume and not train.overwrite:

@@ -130,8 +130,8 @@ class RunTrainer:
         self._start(parts)
 
     def _start(self, parts: Parts) -> None:
-        """A resumed run's state, then the run directory written."""
-        cfg, ctx = self.cfg, self.ctx
+        """A resumed run's state, then the run directory written and the run described."""
+        cfg, ctx, data, frozen = self.cfg, self.ctx, self.data, parts.frozen
         state, reference, path, _ = parts.start
         if reference is not None:
             state = resume_state(reference, str(path), self.model, self.optimizer, cfg.optim, cfg.model.depth)
@@ -143,10 +143,6 @@ class RunTrainer:
             remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
             self.say.open(self.run_dir, ctx.device, ctx.world_size)
         self.logger.open(resumed_step=self.trainer.step if state is not None else None)
-        self._describe(parts.frozen)
-
-    def _describe(self, frozen: dict | None) -> None:
-        cfg, data = self.cfg, self.data
         batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
         n_train = sum(p.numel() for p in trainable_parameters(self.model))
         self.say(f"mode {self.launch.mode}, {self.ctx.world_size} process(es) on {self.ctx.device}; "

@@ -50,8 +50,7 @@ class CheckpointReader:
         self._read: dict[str, tuple] = {}     # "latest", "state": (the files' identities, what was read)
 
     def _once(self, kind: str, where: Path, files, read):
-        """read(), again only once `files` (at `where`) changed; an OSError: read, which says what is
-        wrong."""
+        """read(), again only once `files` (at `where`) changed (an OSError: read, to say what)."""
         try:
             key = (str(where.resolve()), tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
                                                       for p in files for st in [p.stat()])))

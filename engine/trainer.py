@@ -103,8 +103,7 @@ class TrainParts:
 
 @dataclass
 class StepResult:
-    """One optimiser step, as `OptimStep.update` and `run_step` return it and hooks' `after_step`
-    receive it."""
+    """One optimiser step, as `OptimStep.update` and `run_step` return it to hooks' `after_step`."""
     loss: float                 # the mean of the step's batches' losses
     lr: float
     skipped: bool               # no update: a bad loss on some rank, or non-finite gradients
