@@ -64,7 +64,10 @@ class TrainerBuilder:
 
     def build_data(self, cfg: Config, ctx) -> Data:
         from data.dataset import KeypointDataset
-        train_h5, val_h5 = resolve_data(cfg.data, ctx)
+        # the user's files, or the synthetic dataset made once; decided on rank 0
+        train_h5, val_h5 = dist.decided_on_main(lambda: _resolve_data(cfg.data))
+        if not cfg.data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
+            train_h5, val_h5 = _resolve_data(cfg.data)
         # augmentation drawn per (seed, epoch, sample), not per rank: N processes train as one
         samples = SampleSettings.of(cfg)
         train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
@@ -145,14 +148,6 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
                           f"with the native backend and no --compile, and here {', '.join(unsupported)}; "
                           "leave it at auto")
     return amp.cuda_graphs is not False and not unsupported
-
-
-def resolve_data(data: DataConfig, ctx) -> tuple[str, str]:
-    """(train_h5, val_h5): the user's files, or the synthetic dataset made once; decided on rank 0."""
-    paths = dist.decided_on_main(lambda: _resolve_data(data))
-    if not data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
-        paths = _resolve_data(data)
-    return paths
 
 
 def _resolve_data(data: DataConfig) -> tuple[str, str]:

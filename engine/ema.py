@@ -16,6 +16,7 @@ from torch import nn
 
 from common.errors import CheckpointError
 from engine.precision import PrecisionBackend, live_state_dict
+from engine.train_state import bad_value
 from engine.trainer import Hook
 
 CHECKPOINT_KEY = "ema"
@@ -103,10 +104,9 @@ class WeightsEMA(Hook):
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
         """Continue the average saved in `state`; CheckpointError when it does not fit."""
-        saved = state.get("model") if isinstance(state, dict) else None
-        updates = state.get("updates") if isinstance(state, dict) else None
-        if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
-                or updates < 0:
+        state = state if isinstance(state, dict) else {}
+        saved, updates = state.get("model"), state.get("updates")
+        if not isinstance(saved, dict) or bad_value(updates, int):
             raise CheckpointError("its EMA state is damaged (expected "
                                   "'updates' and 'model'); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
