@@ -201,10 +201,26 @@ class DeviceFeed:
     def __iter__(self) -> Iterator:
         if self.device.type != "cuda":
             return (to_model_input(batch, self.device, self.painter) for batch in self.batches)
+        return one_ahead(self.batches, self._start_copy, self._take)
+
+    def _start_copy(self, batch):
+        """Queue batch's copy and expansion on the side stream, then an event: (the tensors, event)."""
         stream = side_stream(self.device)
-        return one_ahead(self.batches,
-                         lambda batch: _start_copy(batch, self.device, self.painter, stream),
-                         lambda started: _take(*started, self.device))
+        pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
+        with torch.cuda.stream(stream):
+            moved = _moved_and_expanded(pinned, self.device, self.painter, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return moved, ready
+
+    def _take(self, started):
+        """Make the compute stream wait for this batch's event, and record it on the tensors."""
+        moved, ready = started
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        for tensor in moved:
+            tensor.record_stream(current)
+        return moved
 
 
 _SIDE_STREAMS: dict = {}
@@ -216,25 +232,6 @@ def side_stream(device: torch.device):
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
-
-
-def _start_copy(batch, device: torch.device, painter, stream):
-    """Queue batch's copy and expansion on `stream`, then an event; returns (the tensors, event)."""
-    pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
-    with torch.cuda.stream(stream):
-        moved = _moved_and_expanded(pinned, device, painter, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return moved, ready
-
-
-def _take(moved, ready, device: torch.device):
-    """Make the compute stream wait for this batch's event, and record it on the tensors."""
-    current = torch.cuda.current_stream(device)
-    current.wait_event(ready)
-    for tensor in moved:
-        tensor.record_stream(current)
-    return moved
 
 
 def training_feed(data, device) -> Callable[[int, int], Iterator]:

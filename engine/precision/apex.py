@@ -124,9 +124,6 @@ class ApexPrecision(PrecisionBackend):
             self.amp.load_state_dict(self._state_before)
         self._apex_skips = False
 
-    def zero_grad(self, optimizer) -> None:
-        optimizer.zero_grad()                  # Apex's under O2: model and master gradients
-
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Apex's amp state; empty at O0 (no scaling), as the native backend saves it."""

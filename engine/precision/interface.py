@@ -120,9 +120,9 @@ class PrecisionBackend(abc.ABC):
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
         """Step (or skip) and update the loss scale, except after a bad loss."""
 
-    @abc.abstractmethod
     def zero_grad(self, optimizer) -> None:
-        """Every gradient the step used, freed."""
+        """Every gradient the step used, freed (Apex's optimiser under O2: model and master ones)."""
+        optimizer.zero_grad()
 
     # -- checkpoints and the EMA -----------------------------------------------------------------
     def weight_sources(self, model: nn.Module) -> dict:
