@@ -200,18 +200,13 @@ def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) ->
     if train.resume == "auto":
         path = reader.latest(run_dir)
         return str(path) if path else None
-    if not Path(train.resume).is_file():
+    path = Path(train.resume)
+    if not path.is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
-    refuse_another_run(Path(train.resume), run_dir)
-    return train.resume
-
-
-def refuse_another_run(path: Path, run_dir: Path) -> None:
-    """ConfigError when resuming `path` would write over another run's checkpoints in `run_dir`."""
-    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
-        return
+    # a file of another name: resuming it would write over another run's checkpoints in `run_dir`
     theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
-    if theirs:
+    if theirs and not (path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name)):
         raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
                           "resuming there would write over; nothing was touched: copy the checkpoint "
                           f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
+    return train.resume
