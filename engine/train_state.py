@@ -128,10 +128,8 @@ def _reshaped(report: dict) -> list[str]:
 
 
 def load_summary(report: dict) -> str:
-    loaded = report.get("loaded", "?")
-    missing = report.get("missing") or []
-    fresh = _reshaped(report)
-    return (f"{loaded} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+    missing, fresh = report.get("missing") or [], _reshaped(report)
+    return (f"{report.get('loaded', '?')} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
                if fresh else ""))
