@@ -172,9 +172,7 @@ def _resolve_data(data: DataConfig) -> tuple[str, str]:
 class ModelWithLoss(nn.Module):
     def __init__(self, model: nn.Module, loss: nn.Module, precision, cuda_graphs: bool = False):
         super().__init__()
-        self.model = model
-        self.loss = loss
-        self.precision = precision
+        self.model, self.loss, self.precision = model, loss, precision
         self.graphed = GraphedNetwork(model, precision) if cuda_graphs else None   # not a submodule
 
     def forward(self, images: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):

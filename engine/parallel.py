@@ -97,9 +97,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
         if bias is not None:
             y = y + _channel_view(bias.float(), x.dim())
         ctx.save_for_backward(x, weight, mean32, invstd)
-        ctx.total = total
-        ctx.group = group
-        ctx.has_bias = bias is not None
+        ctx.total, ctx.group, ctx.has_bias = total, group, bias is not None
         return y.to(x.dtype)
 
     @staticmethod

@@ -128,10 +128,9 @@ class Trainer:
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
         self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
-        self.resumed = None
+        self.resumed, self.steps_this_epoch = None, 0
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
         self.finish_requested = False     # set by a hook (early stopping): no further epoch
-        self.steps_this_epoch = 0
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, inputs: list) -> StepResult:
