@@ -1,9 +1,15 @@
 """Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
 (`build_data`, `build_model`, ...), which `build` calls in the order the engine needs (the same
 seeds at the same points); a subclass replaces any part (`build_trainer(..., builder=MyBuilder())`).
+
+What trains is `ModelWithLoss`, the network and its loss as one module: what every launch mode
+wraps, so that DataParallel computes the loss on every replica, with the precision policy in one
+place (inputs cast for O2/O3, autocast for O1, the loss in float32). With `cuda_graphs` the
+training forward and backward are replayed as CUDA graphs (`GraphedNetwork`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +25,9 @@ from runtime import distributed as dist
 from engine.parallel import convert_sync_bn
 from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
-from engine.model_with_loss import ModelWithLoss
-from engine.optim import build_optimizer, peak_lr
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
-from engine.resume import load_start
+from engine.train_state import load_start
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Parts:
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
     eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
-    start: tuple                # (resume state, the authors' checkpoint, its path, fresh tensors): resume.load_start
+    start: tuple                # (resume state, the authors' run, its path, fresh tensors): load_start's
     frozen: dict | None         # counts of freeze()
 
 
@@ -59,7 +63,10 @@ class TrainerBuilder:
 
     def build_data(self, cfg: Config, ctx) -> Data:
         from data.dataset import KeypointDataset
-        train_h5, val_h5 = resolve_data(cfg.data, ctx)
+        # the user's files, or the synthetic dataset made once; decided on rank 0
+        train_h5, val_h5 = dist.decided_on_main(lambda: _resolve_data(cfg.data))
+        if not cfg.data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
+            train_h5, val_h5 = _resolve_data(cfg.data)
         # augmentation drawn per (seed, epoch, sample), not per rank: N processes train as one
         samples = SampleSettings.of(cfg)
         train_set = KeypointDataset(train_h5, samples, train=True, rank=0)
@@ -103,7 +110,7 @@ class TrainerBuilder:
             say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names start "
                 f"fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
-        if cfg.dist.sync_bn and ctx.distributed:
+        if cfg.dist.sync_bn:
             model = convert_sync_bn(model, ctx, cfg.amp)
         model = model.to(ctx.device)
         precision = self.build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
@@ -116,22 +123,17 @@ class TrainerBuilder:
         model, optimizer = precision.attach(model, optimizer)
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
-        net, eval_net = build_wrapping(model, loss, precision, launch, cfg.amp)
+        # model and loss as one module, wrapped by the launch mode
+        model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
+                                        cuda_graphs=use_cuda_graphs(cfg.amp, launch))
+        net = launch.wrap(model_with_loss)
+        # validation runs eagerly: under --compile each of its shapes would compile for minutes
+        eval_net = ModelWithLoss(model, loss, precision) if cfg.amp.compile else model_with_loss
+        eval_net = launch.wrap(eval_net) if launch.wrapped_eval else eval_net
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
                                static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
                                    cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
-
-
-def build_wrapping(model: nn.Module, loss: nn.Module, precision, launch, amp: AmpConfig):
-    """(net, eval_net): model and loss as one module, wrapped by the launch mode."""
-    compile_model = amp.compile
-    model_with_loss = ModelWithLoss(torch.compile(model) if compile_model else model, loss, precision,
-                                    cuda_graphs=use_cuda_graphs(amp, launch))
-    net = launch.wrap(model_with_loss)
-    # validation runs eagerly: under --compile each of its shapes would compile for minutes
-    eval_model = ModelWithLoss(model, loss, precision) if compile_model else model_with_loss
-    return net, launch.wrap(eval_model) if launch.wrapped_eval else eval_model
 
 
 def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
@@ -147,14 +149,6 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
     return amp.cuda_graphs is not False and not unsupported
 
 
-def resolve_data(data: DataConfig, ctx) -> tuple[str, str]:
-    """(train_h5, val_h5): the user's files, or the synthetic dataset made once; decided on rank 0."""
-    paths = dist.decided_on_main(lambda: _resolve_data(data))
-    if not data.train_h5 and not ctx.is_main:    # made, or found, on nodes without a shared cache
-        paths = _resolve_data(data)
-    return paths
-
-
 def _resolve_data(data: DataConfig) -> tuple[str, str]:
     if data.train_h5:
         for option, path in (("--train-h5", data.train_h5), ("--val-h5", data.val_h5)):
@@ -165,14 +159,66 @@ def _resolve_data(data: DataConfig) -> tuple[str, str]:
     if data.val_h5:
         raise ConfigError(f"--val-h5 {data.val_h5} without --train-h5: the run would train and validate "
                           "on the project's synthetic dataset and ignore it; give --train-h5 too")
-    paths = _synthetic(data.synthetic_dir)
+    from data.synthetic import ensure_synthetic_h5
+    try:
+        paths = ensure_synthetic_h5(data.synthetic_dir)
+    except OSError as exc:
+        raise ConfigError(f"option data.synthetic_dir {data.synthetic_dir}: cannot make the synthetic "
+                          f"dataset there ({os_reason(exc)}); choose a writable folder") from None
     return str(paths[0]), str(paths[1])
 
 
-def _synthetic(folder: str):
-    from data.synthetic import ensure_synthetic_h5
-    try:
-        return ensure_synthetic_h5(folder)
-    except OSError as exc:
-        raise ConfigError(f"option data.synthetic_dir {folder}: cannot make the synthetic dataset there "
-                          f"({os_reason(exc)}); choose a writable folder") from None
+class ModelWithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss: nn.Module, precision, cuda_graphs: bool = False):
+        super().__init__()
+        self.model, self.loss, self.precision = model, loss, precision
+        self.graphed = GraphedNetwork(model, precision) if cuda_graphs else None   # not a submodule
+
+    def forward(self, images: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):
+        """-> (per-sample loss [B], dict of per-sample loss parts), all float32."""
+        images = self.precision.cast_input(images)
+        with self.precision.autocast_context():
+            if self.graphed is not None and self.training:
+                outputs = self.graphed(images)
+            else:
+                outputs = self.model(images)
+        return self.loss(outputs, target, mask)
+
+
+class GraphedNetwork:
+    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
+    one capture for that input's shape, layout and type, replayed by later calls with it (others
+    run eagerly). The capture's BatchNorm updates are put back."""
+
+    def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
+                 make_graphed=None):
+        self.model, self.precision, self.warm_calls = model, precision, warm_calls
+        self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
+        self.calls, self.key, self.replay = 0, None, None
+
+    def __call__(self, images: torch.Tensor):
+        key = (tuple(images.shape), images.stride(), images.dtype, images.device)
+        if self.replay is None:
+            self.calls += 1
+            if self.calls <= self.warm_calls:
+                return self.model(images)
+            self.key, self.replay = key, self._capture(images)
+        return self.replay(images) if key == self.key else self.model(images)
+
+    def _capture(self, images: torch.Tensor):
+        saved = [b.detach().clone() for b in self.model.buffers()]
+        # the capture refuses autocast's weight cache: O1 captures with it off (same casts)
+        autocast = (torch.autocast(images.device.type, dtype=self.precision.dtype, cache_enabled=False)
+                    if torch.is_autocast_enabled(images.device.type) else contextlib.nullcontext())
+        with autocast:
+            self.make_graphed(self.model, (images,))
+        replay = self.model.forward          # the graphed forward, set on the module by the capture
+        del self.model.forward               # every other call runs the module's own forward
+        with torch.no_grad():
+            for buffer, value in zip(self.model.buffers(), saved):
+                buffer.copy_(value)
+        # torch warns once that the capture's side stream made the weights' accumulation nodes
+        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+        if quiet is not None:
+            quiet(False)
+        return replay

@@ -5,12 +5,13 @@ With `--resume` and no `--config`, the run's saved config is the base.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
-from config.loader import deep_update, build_config, nested
+from config.loader import deep_update, build_config, nested, to_dict
 from config.schema import REFERENCE_PRESET, add_flags, flags
 from config.yaml_file import read_yaml
 
@@ -84,7 +85,6 @@ def _is_saved_run_config(config: str | None) -> bool:
 
 def _weights_network(path: str) -> tuple[dict | None, tuple]:
     """(model settings, presets that may build it) of the network in a --weights file, if known."""
-    from common.errors import CheckpointError
     from runtime.checkpoint import load_checkpoint, reference_file_settings
     try:
         saved = load_checkpoint(path, mmap=True).get("config")
@@ -97,7 +97,6 @@ def _weights_network(path: str) -> tuple[dict | None, tuple]:
 
 def _check_weights_network(cfg) -> None:
     """Weights of another network: say which model settings differ, not hundreds of tensors."""
-    from config.loader import to_dict
     from runtime.checkpoint import listed_difference, settings_difference
 
     for option, path, partial in (("--weights", cfg.train.weights, cfg.train.allow_partial),
@@ -111,21 +110,13 @@ def _check_weights_network(cfg) -> None:
         fix = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}"
                        for k, (v, _) in differ.items())
         for preset in filter(None, presets):
-            preset_model = _preset_model(preset)
-            if preset_model is not None and all(preset_model.get(k) == v for k, v in saved.items()):
-                fix = f"--config {preset}"
-                break
+            with contextlib.suppress(ConfigError):       # a preset that does not build: not the fix
+                if all(to_dict(build_config(preset))["model"].get(k) == v for k, v in saved.items()):
+                    fix = f"--config {preset}"
+                    break
         partial = ", or --allow-partial to load only the tensors that fit" if option == "--weights" else ""
         raise ConfigError(f"{option} {path} holds another network ({listed_difference(differ)}): "
                           f"add {fix} to build it{partial}")
-
-
-def _preset_model(preset: str) -> dict | None:
-    from config.loader import to_dict
-    try:
-        return to_dict(build_config(preset))["model"]
-    except ConfigError:
-        return None
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
@@ -143,7 +134,7 @@ def _resolve_config(args: argparse.Namespace, reader=None):
         if value is not None:
             deep_update(overrides, nested(key, value))
     if args.resume and not args.config:
-        from engine.resume import CheckpointReader
+        from engine.train_state import CheckpointReader
         path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
         if saved:
             return _config_from_checkpoint(path, saved, overrides, args.set)

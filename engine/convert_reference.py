@@ -34,17 +34,27 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args) -> dict:
-    from config.loader import build_config
-    from runtime.checkpoint import reference_file_settings
-    from engine.resume import convert
+    from config.loader import build_config, to_dict
+    from data.skeleton import builtin
+    from models import build_model
+    from runtime import checkpoint as ckpt
+    from engine.optim import build_optimizer
+    from engine.train_state import resume_state
 
     source, out = Path(args.source), Path(args.out)
     refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})
     refuse_existing("OUT.pth", out, args.overwrite)
-    # the network the file holds; a file of another layout is refused by `convert`, naming it
-    settings = reference_file_settings(source)
+    # the network the file holds; a file of another layout is refused by `read_reference`, naming it
+    settings = ckpt.reference_file_settings(source)
     cfg = build_config(args.config, overrides={"model": settings} if settings else None, sets=args.set)
-    state = convert(str(source), str(out), cfg)
+    coco = builtin("coco")          # the authors trained on COCO persons
+    reference = ckpt.read_reference(str(source))
+    model = build_model(cfg.model, coco)
+    ckpt.load_weights(model, reference)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    state = resume_state(reference, str(source), model, optimizer, cfg.optim, cfg.model.depth, strict=False)
+    state.update(model=model.state_dict(), config=to_dict(cfg), skeleton=coco.to_spec())
+    ckpt.save_checkpoint(str(out), state)
     print(f"{source}: the authors' layout converted (names mapped, first conv BGR -> RGB; "
           f"{state['origin']}); wrote {out}: config {args.config}, continues at epoch {state['epoch'] + 1}")
     return state

@@ -3,9 +3,8 @@ and kept in `best.pth` when it is on.
 
 After every step not skipped, each floating-point parameter becomes `ema = d * ema + (1 - d) * w`
 with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`), as YOLO and RTMO warm it up;
-buffers are copied. The average is float32 at any opt level (`PrecisionBackend.weight_sources`)
-and the same on every rank without communication. Its state goes into every checkpoint under
-"ema"; `--weights`, evaluate.py and demo.py take those weights (`preferred_weights`).
+buffers are copied. The average is float32 at any opt level and the same on every rank without
+communication; `--weights`, evaluate.py and demo.py take it from a checkpoint's "ema".
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from common.errors import CheckpointError
 from engine.precision import PrecisionBackend, live_state_dict
+from engine.train_state import bad_value
 from engine.trainer import Hook
 
 CHECKPOINT_KEY = "ema"
@@ -47,9 +47,6 @@ class WeightsEMA(Hook):
         self._kept: list[torch.Tensor] | None = None      # the training weights during validation
         return self
 
-    def describe(self) -> str:
-        return f"EMA of the weights, decay {self.decay:g} warmed up over tau {self.tau:g} steps"
-
     def current_decay(self) -> float:
         """The decay the last update used (0 before the first)."""
         return self.decay * (1.0 - math.exp(-self.updates / self.tau))
@@ -75,10 +72,6 @@ class WeightsEMA(Hook):
         self.say(f"checkpoint {path} has no EMA of the weights (its run had no --ema): the "
                     "average starts from its weights now, its decay warming up again")
 
-    def evaluating(self, trainer=None):
-        """Validation, AP and saving best.pth see the averaged weights (`applied`)."""
-        return self.applied()
-
     def before_save(self, trainer, name: str, state: dict) -> None:
         """A checkpoint saved while the average is in the model keeps the training weights."""
         if self._kept is None or not isinstance(state.get("model"), dict):
@@ -88,8 +81,9 @@ class WeightsEMA(Hook):
                 state["model"][key] = kept.float() if kept.is_floating_point() else kept.clone()
 
     @contextlib.contextmanager
-    def applied(self):
-        """The averaged weights in the model inside the block, the training weights put back after."""
+    def applied(self, trainer=None):
+        """The averaged weights in the model inside the block, the training weights put back after:
+        what validation, AP and saving best.pth see (the hook's `evaluating`)."""
         with torch.no_grad():
             self._kept = [t.clone() for t in self._targets.values()]
             torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])
@@ -100,6 +94,8 @@ class WeightsEMA(Hook):
                 torch._foreach_copy_(list(self._targets.values()), self._kept)
             self._kept = None
 
+    evaluating = applied
+
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"decay": self.decay, "tau": self.tau, "updates": self.updates,
@@ -108,10 +104,9 @@ class WeightsEMA(Hook):
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
         """Continue the average saved in `state`; CheckpointError when it does not fit."""
-        saved = state.get("model") if isinstance(state, dict) else None
-        updates = state.get("updates") if isinstance(state, dict) else None
-        if not isinstance(saved, dict) or not isinstance(updates, int) or isinstance(updates, bool) \
-                or updates < 0:
+        state = state if isinstance(state, dict) else {}
+        saved, updates = state.get("model"), state.get("updates")
+        if not isinstance(saved, dict) or bad_value(updates, int):
             raise CheckpointError("its EMA state is damaged (expected "
                                   "'updates' and 'model'); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(

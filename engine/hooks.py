@@ -1,29 +1,166 @@
 """The engine's own hooks, each given its settings when it is made, and `default_hooks`, those of a
-run. The base `Hook` and what a hook may read (`LoopState`) are in engine/trainer.py.
-
-In a run, a user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30)
-and logging (40) hooks and before the pre-emption save (80) and the end of the epoch (90:
-engine/epoch_end.py), so that what it keeps is saved.
+run. A user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30) and
+logging (40) hooks and before the pre-emption save (80) and `EpochEnd` (90), so that what it keeps
+is saved. `EpochEnd.finish` decides an epoch's end, in order: checkpoints, the validation when due
+(`validate`: the loss, the entry script's metrics, pictures), the verdict, best.pth, early stopping.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 
 import torch
 from tqdm import tqdm
 
-from common.errors import TrainingDiverged
-from config.schema import Config, OptimConfig
+from common.errors import CheckpointError, TrainingDiverged
+from config.schema import Config, OptimConfig, TrainConfig
+from config.views import PredictSettings
+from data.skeleton import LOWER_IS_BETTER
 from runtime import distributed as dist
 from runtime.distributed import DistContext
 from engine.ema import WeightsEMA
-from engine.epoch_end import EpochEnd
 from engine.freeze import set_frozen_bn_eval
-from engine.loaders import STOP_SIGNALS
+from engine.loaders import STOP_SIGNALS, to_model_input, val_loader
 from engine.optim import lr_at
-from engine.train_state import DIVERGENCE_ADVICE, Checkpoints
+from engine.precision import cudnn_autotuning_off
+from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
 from engine.trainer import Hook
+
+def weights_evaluated(trainer):
+    """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
+    stack = contextlib.ExitStack()
+    for hook in trainer.hooks:
+        stack.enter_context(hook.evaluating(trainer))
+    return stack
+
+
+class EpochEnd(Hook):
+    """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation)."""
+    checkpoint_key = ("best_metric", "bad_validations")
+    priority = 90
+
+    def __init__(self, train: TrainConfig, checkpoints, logger, say=print, validate=None,
+                 metric: str = "loss"):
+        self.every = (train.val_every, train.ap_every) if validate is not None else (0, 0)
+        self.save_every, self.patience = train.save_every, train.early_stop_patience
+        self.checkpoints, self.logger, self.say, self.validate = checkpoints, logger, say, validate
+        self.metric, self.best, self.bad_validations = metric, None, 0
+        self.stopped, self.results = False, {}
+
+    def due(self, trainer, epoch: int) -> tuple[bool, bool]:
+        """(validation loss, metrics) due after `epoch` (0-based)."""
+        val_every, ap_every = self.every
+        return (bool(val_every) and (epoch + 1) % val_every == 0,
+                bool(ap_every) and ((epoch + 1) % ap_every == 0 or epoch + 1 == trainer.epochs))
+
+    def before_train(self, trainer):
+        if trainer.resumed is not None and trainer.resumed.validation_pending and trainer.epoch > 0:
+            self.finish(trainer, trainer.epoch - 1, None)
+
+    def after_epoch(self, trainer, epoch, train_loss):
+        pending = any(self.due(trainer, epoch))
+        self.checkpoints.save(trainer, "last.pth", epoch + 1, 0, validation_pending=pending)
+        self.finish(trainer, epoch, train_loss)
+
+    def finish(self, trainer, epoch: int, train_loss: float | None) -> None:
+        """The epoch's end from its validation on."""
+        due, results, improved = self.due(trainer, epoch), {}, None
+        if any(due):
+            with weights_evaluated(trainer):
+                results = self.validate(trainer, epoch, *due)
+                for hook in trainer.hooks:
+                    hook.after_validation(trainer, epoch, results)
+            improved = self.judge(results)
+        trained = {} if train_loss is None else {"train_loss": train_loss}
+        self.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
+        if any(due):            # last.pth again, now with the hooks' states after validation
+            self.checkpoints.save(trainer, "last.pth", epoch + 1, 0)
+        self.logger.plot_curves()
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
+        self.say(f"epoch {epoch + 1}/{trainer.epochs}: "
+                 + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
+                 + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+        self.results = results
+        if improved:
+            with weights_evaluated(trainer):
+                self.checkpoints.save(trainer, "best.pth", epoch + 1, 0)
+        if self.save_every and (epoch + 1) % self.save_every == 0:
+            self.checkpoints.save(trainer, f"epoch_{epoch + 1}.pth", epoch + 1, 0)
+        if self.patience and self.bad_validations >= self.patience:
+            self.say(f"early stop after epoch {epoch + 1}: no improvement in {self.bad_validations} "
+                     "validations")
+            self.stopped = trainer.finish_requested = True
+
+    def judge(self, results: dict) -> bool | None:
+        """Whether `results` improve on the best (None: `metric` not measured); a value that is not
+        finite never improves, nor blocks as the best."""
+        if self.metric not in results:
+            return None
+        value, best = results[self.metric], self.best
+        improved = math.isfinite(value) and (best is None or not math.isfinite(best) or (
+            value < best if self.metric in LOWER_IS_BETTER else value > best))
+        if improved:
+            self.best = value
+        self.bad_validations = 0 if improved else self.bad_validations + 1
+        return improved
+
+    def state_dict(self):
+        return {"best_metric": self.best, "bad_validations": self.bad_validations}
+
+    def load_state_dict(self, state):
+        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int)):
+            if key in state and bad_value(state[key], kind):
+                raise CheckpointError(f"its {key} is damaged ({type(state[key]).__name__} "
+                                      f"{str(state[key])[:40]!r}); start from its weights with "
+                                      "--weights instead of --resume")
+        self.best = state.get("best_metric", self.best)
+        self.bad_validations = state.get("bad_validations", self.bad_validations)
+
+    def outcome(self) -> dict:
+        return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
+
+
+@torch.no_grad()
+def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
+    """The validation loss, the skeleton's metrics and the validation pictures of `run`."""
+    results = {}
+    ctx, cfg, val_set = run.ctx, run.cfg, run.data.val_set
+    where = f"while validating epoch {epoch + 1} (resuming validates it again)"
+    if loss_due:
+        run.eval_net.eval()
+        # summed in Python floats: Apex's O1 patches torch's float64 sums
+        loss_sum, count = 0.0, 0
+        if run.data.val_loader is None:       # made once: its workers serve every validation
+            run.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
+        loader = run.data.val_loader
+        # a stop vote per batch while every rank still has one (shards differ by one at most)
+        voted_batches = -(-(len(val_set) // ctx.world_size) // loader.batch_size)
+        for n, batch in enumerate(loader):
+            images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
+                                                  non_blocking=False)
+            per_sample, _ = run.eval_net(images, target, mask)
+            loss_sum += math.fsum(per_sample.detach().float().cpu().tolist())
+            count += per_sample.numel()
+            if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):
+                raise run.checkpoints.interrupted(trainer, where)
+        total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
+        loss_sum, count = total.tolist()
+        results["loss"] = loss_sum / max(count, 1.0)
+    if ap_due and run.evaluator is not None:
+        settings, pictures = PredictSettings.of(cfg), cfg.train.val_pictures
+        with cudnn_autotuning_off():    # pictures of several sizes: none worth timing algorithms for
+            stats = run.evaluator(run.model, run.data.val_h5, settings, ctx.device,
+                                  max_images=cfg.train.ap_max_images, progress=ctx.is_main,
+                                  stop=lambda: trainer.stop_signal is not None, skeleton=run.skeleton)
+            if stats is None:
+                raise run.checkpoints.interrupted(trainer, where)
+            results.update({k: v for k, v in stats.items() if k != "num_images" and isinstance(v, float)})
+            if run.draw is not None and pictures and ctx.is_main and run.skeleton.scoring.key in results:
+                path = run.draw(run.model, run.data.val_h5, run.skeleton, settings, epoch + 1, run.run_dir,
+                                ctx.device, pictures)
+                run.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
+    return results
 
 
 def memory_gb(device: torch.device) -> float:
@@ -153,6 +290,6 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
              EpochEnd(train, checkpoints, logger, say, validate, metric)]
     if train.ema:
         ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)
-        say(ema.describe())
+        say(f"EMA of the weights, decay {ema.decay:g} warmed up over tau {ema.tau:g} steps")
         hooks.append(ema)
     return hooks

@@ -1,19 +1,25 @@
-"""The run's DataLoaders and their samplers, the same global batch whatever the number of processes.
-
-Loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
+"""The run's DataLoaders and their samplers, the same global batch whatever the number of processes;
+loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
 stop signals sent to the process group.
+
+Batches go onto the device by `to_model_input` (idempotent; targets drawn there by the dataset's
+`TargetPainter`); on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
+over batch n, and the compute stream waits on batch n's event only.
 """
 from __future__ import annotations
 
 import atexit
+import itertools
 import signal
 import weakref
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from common.errors import ConfigError, UserError
 from config.schema import DataConfig, TrainConfig
+from data.transfer import expand, is_compact, trim_people
 
 
 class GlobalBatchSampler(Sampler):
@@ -25,18 +31,12 @@ class GlobalBatchSampler(Sampler):
                  seed: int = 0, shuffle: bool = True):
         if batch_size % world_size:
             raise ValueError(f"batch {batch_size} does not divide over {world_size} processes")
-        self.dataset_len = dataset_len
-        self.batch_size = batch_size
-        self.per_rank = batch_size // world_size
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.start_batch = 0
+        self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
+        self.rank, self.seed, self.shuffle = rank, seed, shuffle
+        self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch = epoch
-        self.start_batch = start_batch
+        self.epoch, self.start_batch = epoch, start_batch
 
     @property
     def batches_per_epoch(self) -> int:
@@ -54,20 +54,6 @@ class GlobalBatchSampler(Sampler):
         for b in range(self.start_batch, self.batches_per_epoch):
             first = b * self.batch_size + self.rank * self.per_rank
             yield [(self.epoch, index) for index in order[first:first + self.per_rank]]
-
-
-class ShardSampler(Sampler):
-    """Indices [rank * n / world, (rank + 1) * n / world): every sample exactly once over all ranks."""
-
-    def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1):
-        self.begin = dataset_len * rank // world_size
-        self.end = dataset_len * (rank + 1) // world_size
-
-    def __len__(self) -> int:
-        return self.end - self.begin
-
-    def __iter__(self):
-        return iter(range(self.begin, self.end))
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -91,11 +77,6 @@ def _stop_workers(iterator, workers) -> None:
             worker.join(timeout=5)
 
 
-def _stop_workers_at_exit(iterator_ref, workers) -> None:
-    """Shut down the workers of a loader iterator still alive when Python exits."""
-    _stop_workers(iterator_ref(), workers)
-
-
 class PersistentWorkersLoader(DataLoader):
     """A DataLoader whose workers start safe from stop signals, end with `close()` (call it: the
     garbage collector cannot stop them cleanly) or when Python exits, and whose user errors read
@@ -110,7 +91,9 @@ class PersistentWorkersLoader(DataLoader):
             iterator = super()._get_iterator()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        atexit.register(_stop_workers_at_exit, weakref.ref(iterator), list(iterator._workers))
+        # at exit, the workers of an iterator still alive
+        atexit.register(lambda ref, workers: _stop_workers(ref(), workers), weakref.ref(iterator),
+                        list(iterator._workers))
         return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:
@@ -142,13 +125,6 @@ class _AsRaisedInWorker:
             raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
-def close_loaders(*loaders) -> None:
-    """End the worker processes of the run's loaders."""
-    for loader in loaders:
-        if isinstance(loader, PersistentWorkersLoader):
-            loader.close()
-
-
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
                  ) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` (compact batches) and its sampler."""
@@ -172,9 +148,10 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     """This rank's shard of a validation `KeypointDataset`, in compact batches; built once per run."""
     from data.dataset import CompactSamples
-    per_process = max(1, batch_size // ctx.world_size)
-    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process,
-                                   sampler=ShardSampler(len(dataset), ctx.rank, ctx.world_size),
+    per_process, n = max(1, batch_size // ctx.world_size), len(dataset)
+    # every sample exactly once over all ranks
+    shard = range(n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size)
+    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process, sampler=shard,
                                    **_worker_options(data, ctx))
 
 
@@ -187,3 +164,82 @@ def _worker_options(data: DataConfig, ctx) -> dict:
     return {"num_workers": data.workers, "persistent_workers": data.workers > 0,
             "worker_init_fn": ignore_stop_signals,
             "pin_memory": data.pin_memory and ctx.device.type == "cuda"}
+
+
+def to_model_input(batch, device: torch.device, painter, non_blocking: bool = True):
+    """(input, target, mask) of `batch` on `device`, float32, whatever form the batch has."""
+    return _moved_and_expanded(_trimmed(batch), device, painter, non_blocking)
+
+
+def _moved_and_expanded(batch, device: torch.device, painter, non_blocking: bool):
+    """`to_model_input` of a batch whose unused person slots are already cut."""
+    moved = tuple(t.to(device, non_blocking=non_blocking) for t in batch)
+    return expand(*moved, painter) if is_compact(moved) else moved
+
+
+def _trimmed(batch):
+    """A compact batch without its unused person slots (`data.transfer.trim_people`); others as they are."""
+    if not is_compact(batch):
+        return batch
+    image, people, masks = batch
+    return image, trim_people(people).contiguous(), masks
+
+
+def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
+    """finish(start(item)) for each item in order, item n + 1 started before item n is finished."""
+    # pairwise draws (lazily starts) the following item before it hands over the pending one
+    for pending, _ in itertools.pairwise(itertools.chain(map(start, items), [None])):
+        yield finish(pending)
+
+
+class DeviceFeed:
+    """Iterable of the model inputs of `batches` on `device` (see the module docstring)."""
+
+    def __init__(self, batches: Iterable, device: torch.device, painter):
+        self.batches, self.device, self.painter = batches, torch.device(device), painter
+
+    def __iter__(self) -> Iterator:
+        if self.device.type != "cuda":
+            return (to_model_input(batch, self.device, self.painter) for batch in self.batches)
+        return one_ahead(self.batches, self._start_copy, self._take)
+
+    def _start_copy(self, batch):
+        """Queue batch's copy and expansion on the side stream, then an event: (the tensors, event)."""
+        stream = side_stream(self.device)
+        pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
+        with torch.cuda.stream(stream):
+            moved = _moved_and_expanded(pinned, self.device, self.painter, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return moved, ready
+
+    def _take(self, started):
+        """Make the compute stream wait for this batch's event, and record it on the tensors."""
+        moved, ready = started
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        for tensor in moved:
+            tensor.record_stream(current)
+        return moved
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device):
+    """The side stream of `device` that every feed of this process queues its copies on."""
+    device = torch.device(device)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def training_feed(data, device) -> Callable[[int, int], Iterator]:
+    """`batches(epoch, start)` of `data`'s training loader, through a `DeviceFeed`."""
+    painter = data.train_set.painter_for(device)
+
+    def batches(epoch: int, start: int) -> Iterator:
+        data.train_set.set_epoch(epoch)
+        data.sampler.set_epoch(epoch, start)
+        return iter(DeviceFeed(data.loader, device, painter))
+    return batches

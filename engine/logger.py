@@ -1,7 +1,6 @@
 """What a run writes besides checkpoints: metrics.jsonl ("train" records every `log_every` steps, a
 "val" record per validation), train_steps.jsonl (every step's loss), TensorBoard events,
 curves.png, and (`RunConsole`) train.log with environment.json. Only the main process logs.
-
 A resumed run appends a `{"kind": "resume", "step": S}` record: `read()`, hence curves.png, leaves
 out the records above it with a later step (nothing is deleted), and TensorBoard purges them.
 """
@@ -105,9 +104,8 @@ class RunLogger:
         return self
 
     def _append(self, path: Path, record: dict) -> None:
-        with writing(path):
-            with open(path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        with writing(path), open(path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def log_step(self, step: int, loss: float) -> None:
         """The training loss of one step (this process's), for curves.png."""
@@ -174,9 +172,7 @@ class RunLogger:
         if with_loss:
             axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
                          label="val loss")
-        axes[0].set_yscale("log")
-        axes[0].set_xlabel("step")
-        axes[0].set_ylabel("loss")
+        axes[0].set(yscale="log", xlabel="step", ylabel="loss")
         handles, labels = axes[0].get_legend_handles_labels()
         key = next((k for k in SHARES if any(k in r for r in val)), None)   # AP, else PCK, else AUC
         with_ap = [r for r in val if key in r]
@@ -184,14 +180,12 @@ class RunLogger:
             ap_axis = axes[0].twinx()
             ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-",
                                     color="g", label=f"val {key} (last {with_ap[-1][key]:.3f})")
-            ap_axis.set_ylabel(key)
-            ap_axis.set_ylim(0, 1)
+            ap_axis.set(ylabel=key, ylim=(0, 1))
             handles, labels = handles + [ap_line], labels + [ap_line.get_label()]
         if handles:
             axes[0].legend(handles, labels, loc="upper right", fontsize="small")
         axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], marker="." if len(train) < 60 else None)
-        axes[1].set_xlabel("step")
-        axes[1].set_ylabel("learning rate")
+        axes[1].set(xlabel="step", ylabel="learning rate")
         every = [r["step"] for r in steps + val + train]
         if every:                     # a margin either side: points at the ends stay inside
             low, high = min(every), max(every)

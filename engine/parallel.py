@@ -1,10 +1,6 @@
-"""SyncBN (`--sync-bn`) and the DDP wrapper of train_distributed.py, beside the precision backend:
-one definition each for the native backend (torch) and for the apex backend (`apex.parallel`,
-mended as each function below says), picked by `amp.backend`.
-
-On CPU groups (gloo), where `nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same
-statistics and gradients (the convention of `nn.SyncBatchNorm`); its state-dict keys are those of
-`nn.BatchNorm2d`.
+"""SyncBN (`--sync-bn`) and the DDP wrapper, one definition each for the native backend (torch) and
+the apex backend (`apex.parallel`, mended), picked by `amp.backend`. On CPU groups (gloo), where
+`nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same statistics and gradients.
 """
 from __future__ import annotations
 
@@ -26,7 +22,11 @@ def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
     """`--sync-bn`: `model`'s batch norms made cross-process; unchanged when not distributed."""
     if not ctx.distributed:
         return model
-    return apex_sync_bn(model) if amp.backend == "apex" else torch_sync_bn(model, ctx)
+    if amp.backend == "apex":
+        return apex_sync_bn(model)
+    if ctx.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return _to_cross_process(model)
 
 
 def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
@@ -38,7 +38,7 @@ def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.
     return torch_ddp(model, ctx, dist_cfg)
 
 
-# -- native: torch's DDP, nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU ----------------------
+# -- native: torch's DDP; for SyncBN, CrossProcessBatchNorm on CPU ----------------------------------
 def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
     """torch's DDP; `delay_allreduce` puts every gradient in one bucket (Apex's option)."""
     if dist_cfg.delay_allreduce:
@@ -55,13 +55,6 @@ def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
                output_device=ctx.device.index if on_cuda else None, bucket_cap_mb=bucket_mb,
                find_unused_parameters=dist_cfg.find_unused_parameters,
                static_graph=dist_cfg.static_graph, **{buffers_kw: dist_cfg.broadcast_buffers})
-
-
-def torch_sync_bn(model: nn.Module, ctx) -> nn.Module:
-    """nn.SyncBatchNorm on CUDA, CrossProcessBatchNorm on CPU."""
-    if ctx.device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return _replace_batchnorms(model, _to_cross_process)
 
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -104,9 +97,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
         if bias is not None:
             y = y + _channel_view(bias.float(), x.dim())
         ctx.save_for_backward(x, weight, mean32, invstd)
-        ctx.total = total
-        ctx.group = group
-        ctx.has_bias = bias is not None
+        ctx.total, ctx.group, ctx.has_bias = total, group, bias is not None
         return y.to(x.dtype)
 
     @staticmethod
@@ -147,14 +138,12 @@ class CrossProcessBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D input")
 
-    def _group_size(self) -> int:
-        if self.process_group is None:     # the default group: raises once it is lost or aborted
-            return group.get_world_size()
-        return dist.get_world_size(self.process_group)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         normalise_with_batch = self.training or self.running_mean is None
-        if not normalise_with_batch or self._group_size() == 1:
+        # the default group's size raises once the group is lost or aborted
+        process_group = self.process_group
+        size = group.get_world_size() if process_group is None else dist.get_world_size(process_group)
+        if not normalise_with_batch or size == 1:
             return super().forward(input)
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -169,14 +158,6 @@ class CrossProcessBatchNorm(_BatchNorm):
             factor, self.eps, self.process_group)
 
 
-def _replace_batchnorms(module: nn.Module, convert) -> nn.Module:
-    """Rebuild `module` with `convert(m)` applied to every module (convert returns m if unchanged)."""
-    result = convert(module)
-    for name, child in module.named_children():
-        result.add_module(name, _replace_batchnorms(child, convert))
-    return result
-
-
 def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
     """Give `dst` the very parameters and buffers of `src` (optimizers keep their references)."""
     if src.affine:
@@ -188,11 +169,15 @@ def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
 
 
 def _to_cross_process(module: nn.Module) -> nn.Module:
-    if not isinstance(module, _BatchNorm) or isinstance(module, (nn.SyncBatchNorm, CrossProcessBatchNorm)):
-        return module
-    bn = CrossProcessBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                               module.track_running_stats, device="meta")
-    return _move_state(module, bn)
+    """`module` rebuilt with each batch norm in it a CrossProcessBatchNorm holding its tensors."""
+    result = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CrossProcessBatchNorm)):
+        result = _move_state(module, CrossProcessBatchNorm(module.num_features, module.eps, module.momentum,
+                                                           module.affine, module.track_running_stats,
+                                                           device="meta"))
+    for name, child in module.named_children():
+        result.add_module(name, _to_cross_process(child))
+    return result
 
 
 # -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------

@@ -18,7 +18,7 @@ from common.paths import refuse_clashes, same_file, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
-from engine.resume import CheckpointReader
+from engine.train_state import CheckpointReader
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes
@@ -39,16 +39,6 @@ def newest_run_dir(out_dir: Path) -> Path | None:
     """The most recently written run directory under `out_dir` (for `--resume auto` without a name)."""
     runs = [p for p in out_dir.glob("*") if holds_run(p) and not p.name.startswith("_")]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
-
-
-def _make_out_dir(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"--out-dir {out_dir}: a file, not a folder; choose a folder for the runs"
-                          ) from None
-    except OSError as exc:
-        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
 
 
 def _claim(run_dir: Path, exclusive: bool) -> bool:
@@ -83,10 +73,8 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
     return created
 
 
-def release_run_dir(run_dir: Path | None, remove_if_empty: bool = False) -> None:
+def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
     """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
-    if run_dir is None:
-        return
     fd = _claimed.pop(str(Path(run_dir).resolve()), None)
     if fd is not None:
         os.close(fd)
@@ -115,16 +103,20 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
             run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
         raise ConfigError(_nothing_to_resume(out_dir, run_dir))
-    _make_out_dir(out_dir if run_dir is None else run_dir.parent)
+    parent = out_dir if run_dir is None else run_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"--out-dir {parent}: a file, not a folder; choose a folder for the runs") from None
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {parent}: cannot create it ({exc.strerror})") from None
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
         for attempt in range(1, 1000):
             run_dir = out_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
-            try:
+            with contextlib.suppress(FileExistsError):     # taken: try the next name
                 created = _claim(run_dir, exclusive=True)
                 break
-            except FileExistsError:
-                continue
     else:
         created = _claim(run_dir, exclusive=False)
     if holds_run(run_dir) and not train.resume and not train.overwrite:
@@ -208,18 +200,13 @@ def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) ->
     if train.resume == "auto":
         path = reader.latest(run_dir)
         return str(path) if path else None
-    if not Path(train.resume).is_file():
+    path = Path(train.resume)
+    if not path.is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
-    refuse_another_run(Path(train.resume), run_dir)
-    return train.resume
-
-
-def refuse_another_run(path: Path, run_dir: Path) -> None:
-    """ConfigError when resuming `path` would write over another run's checkpoints in `run_dir`."""
-    if path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name):
-        return
+    # a file of another name: resuming it would write over another run's checkpoints in `run_dir`
     theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
-    if theirs:
+    if theirs and not (path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name)):
         raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
                           "resuming there would write over; nothing was touched: copy the checkpoint "
                           f"into a folder of its own (e.g. NEW/last.pth) and resume it there")
+    return train.resume

@@ -1,8 +1,6 @@
-"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run
-(engine/run_dir.py), builds its parts (`engine.build.TrainerBuilder`) and returns a `RunTrainer`:
-the `Trainer` with the engine's hooks and the caller's, and the run around it (checkpoints,
-logger, console, validation). Every launch mode calls it; it only decides how `ModelWithLoss` is
-wrapped (nothing, DataParallel, DDP) and in what `DistContext` it runs.
+"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run, builds
+its parts and returns a `RunTrainer`: the `Trainer` with the engine's hooks and the caller's, and
+the run around it. Every launch mode calls it; the `Launch` says how the network is wrapped.
 """
 from __future__ import annotations
 
@@ -19,17 +17,14 @@ from config.loader import to_dict
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
-from engine import epoch_end
+from engine import hooks as engine_hooks
 from engine.build import Parts, TrainerBuilder
-from engine.device_feed import training_feed
+from engine.loaders import PersistentWorkersLoader, training_feed
 from engine.freeze import trainable_parameters
-from engine.hooks import default_hooks
-from engine.loaders import close_loaders
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
-from engine.resume import CheckpointReader, resume_state
+from engine.train_state import CheckpointReader, Checkpoints, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
-from engine.train_state import Checkpoints
 from engine.trainer import Hook, Trainer, TrainParts
 
 __all__ = ["Launch", "RunTrainer", "build_trainer", "build_loop"]
@@ -101,7 +96,9 @@ class RunEnd(Hook):
                         else ""))
 
     def on_stop(self, trainer):
-        close_loaders(self.run.data.loader, self.run.data.val_loader)   # before the group is left
+        for loader in (self.run.data.loader, self.run.data.val_loader):   # before the group is left
+            if isinstance(loader, PersistentWorkersLoader):
+                loader.close()
         if self.run.ctx.is_main:
             release_run_dir(self.run.run_dir)
 
@@ -124,21 +121,20 @@ class RunTrainer:
                  "world_size": self.ctx.world_size}
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
                                        self.ctx.is_main, self.say)
-        validate = partial(epoch_end.validate, self) if self.data.val_set is not None else None
+        validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
         metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
-        engine_hooks = default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx, validate, metric)
+        defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx,
+                                              validate, metric)
         self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),
-                               engine_hooks + [RunEnd(self)] + list(hooks), self.failure)
+                               defaults + [RunEnd(self)] + list(hooks), self.failure)
         self._start(parts)
 
     def _start(self, parts: Parts) -> None:
-        """A resumed run's state, then the run directory written."""
-        cfg, ctx = self.cfg, self.ctx
+        """A resumed run's state, then the run directory written and the run described."""
+        cfg, ctx, data, frozen = self.cfg, self.ctx, self.data, parts.frozen
         state, reference, path, _ = parts.start
         if reference is not None:
-            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-            state = resume_state(reference, str(path), self.model, self.optimizer, names, cfg.optim,
-                                 cfg.model.depth)
+            state = resume_state(reference, str(path), self.model, self.optimizer, cfg.optim, cfg.model.depth)
         if state is not None:
             self.checkpoints.restore(self.trainer, state, path, self.say)
         if ctx.is_main:     # the run directory is written only once everything above has worked
@@ -147,10 +143,6 @@ class RunTrainer:
             remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
             self.say.open(self.run_dir, ctx.device, ctx.world_size)
         self.logger.open(resumed_step=self.trainer.step if state is not None else None)
-        self._describe(parts.frozen)
-
-    def _describe(self, frozen: dict | None) -> None:
-        cfg, data = self.cfg, self.data
         batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
         n_train = sum(p.numel() for p in trainable_parameters(self.model))
         self.say(f"mode {self.launch.mode}, {self.ctx.world_size} process(es) on {self.ctx.device}; "

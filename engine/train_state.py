@@ -1,7 +1,6 @@
-"""A run's checkpoints, written and read back in one place: `TrainState` is the run's position;
-`Checkpoints` writes RUN/NAME (the parts' states, the position, the run's fixed entries and each
-hook's `state_dict()`), never one that is no good to resume, and `restore`s them.
-`check_resumable` refuses a file without what a resume reads.
+"""A run's checkpoints in one place: what a run starts from (`load_start`: resume, the authors'
+run through `resume_state`, --weights), what it writes (`Checkpoints.save`: the parts' states, the
+position `TrainState`, each hook's `state_dict()`) and restores.
 """
 from __future__ import annotations
 
@@ -9,7 +8,10 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.errors import CheckpointError, TrainingDiverged
+from common.errors import CheckpointError, ConfigError, TrainingDiverged
+from config.schema import OptimConfig, TrainConfig
+from data.skeleton import Skeleton, from_checkpoint, skeleton_words
+from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
 from engine.trainer import Interrupted
 from runtime import checkpoint as ckpt
@@ -40,6 +42,137 @@ def check_resumable(state: dict, path) -> None:
                                   "instead of --resume")
 
 
+class CheckpointReader:
+    """Reads a checkpoint, and finds a run's latest, once while the files stay the same."""
+
+    def __init__(self):
+        self._read: dict[str, tuple] = {}     # "latest", "state": (the files' identities, what was read)
+
+    def _once(self, kind: str, where: Path, files, read):
+        """read(), again only once `files` (at `where`) changed (an OSError: read, to say what)."""
+        try:
+            key = (str(where.resolve()), tuple(sorted((p.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                                                      for p in files for st in [p.stat()])))
+        except OSError:
+            return read()
+        if kind not in self._read or self._read[kind][0] != key:
+            self._read[kind] = (key, read())
+        return self._read[kind][1]
+
+    def latest(self, run_dir) -> Path | None:
+        """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
+        run_dir = Path(run_dir)
+        found = self._once("latest", run_dir, run_dir.glob("*.pth"),
+                           lambda: getattr(ckpt.find_latest_checkpoint(run_dir), "name", None))
+        return run_dir / found if found else None
+
+    def state(self, path) -> dict:
+        """The checkpoint at `path`, memory-mapped."""
+        path = Path(path)
+        return self._once("state", path, [path], lambda: ckpt.load_checkpoint(path, mmap=True))
+
+    def forget(self) -> None:
+        """Give back what was read (the next look reads the files again)."""
+        self._read = {}
+
+
+def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
+    """CheckpointError when a checkpoint's skeleton is not the data's (see the messages)."""
+    if theirs == ours:
+        return
+    fix = ("continue it on data of its skeleton, or start a new run from it with --weights "
+           "and --allow-partial" if how == "resume" else
+           "pass --allow-partial to load everything but the output heads and merges whose "
+           "shapes differ (they start fresh)")
+    raise CheckpointError(f"{path} was trained on skeleton {skeleton_words(theirs, ours)} but the data "
+                          f"has {skeleton_words(ours, theirs)}: {fix}")
+
+
+def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
+    """Load the weights the run starts from into `model`; returns (resume state, the authors'
+    checkpoint whose run continues, its path, the tensors --allow-partial left fresh). Without a
+    `plan`: --weights only."""
+    if plan is not None and plan.resume_path is not None:
+        for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
+            if path:
+                say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
+        state = plan.reader.state(plan.resume_path)
+        check_resumable(state, plan.resume_path)
+        check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
+        ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
+        return state, None, plan.resume_path, ()
+    if train.resume == "auto" and plan is not None:
+        say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
+    if train.resume_reference:
+        path = Path(train.resume_reference)
+        reference = ckpt.read_reference(path)
+        say(f"loaded weights from {path}: {load_summary(ckpt.load_weights(model, reference))}")
+        return None, reference, path, ()
+    if train.weights:
+        weights = ckpt.read_file(train.weights)
+        if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
+            check_skeleton(from_checkpoint(weights), skeleton, train.weights, "weights")
+        weights, ema_note = ckpt.preferred_weights(weights)
+        report = ckpt.load_weights(model, weights, allow_partial=train.allow_partial,
+                                   source=str(train.weights))
+        say(f"loaded weights from {train.weights}: {load_summary(report)}"
+            + (f"; {ema_note}" if ema_note else ""))
+        return None, None, None, list(report.get("missing") or []) + _reshaped(report)
+    return None, None, None, ()
+
+
+def _reshaped(report: dict) -> list[str]:
+    """The tensors of a `load_weights` report whose shape differs in the file."""
+    return [name.split(" (")[0] for name in report.get("mismatched") or []]
+
+
+def load_summary(report: dict) -> str:
+    missing, fresh = report.get("missing") or [], _reshaped(report)
+    return (f"{report.get('loaded', '?')} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+            + (f"; {report['converted']}" if report.get("converted") else "")
+            + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
+               if fresh else ""))
+
+
+def _param_groups(optimizer) -> list[dict]:
+    """`optimizer.state_dict()["param_groups"]` without asking the optimiser for its state."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + count))})
+        start += count
+    return groups
+
+
+def resume_state(reference: dict, source: str, model, optimizer, optim: OptimConfig, depth: int,
+                 strict: bool = True) -> dict:
+    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`
+    over `model`'s trainable parameters. An optimiser other than SGD with momentum is refused when
+    `strict`, else starts without momentum."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    sgd = optim.name == "sgd" and bool(optim.momentum)
+    if strict and not sgd:
+        raise ConfigError(f"{source}: the authors trained with SGD and momentum; continuing their run "
+                          f"needs optim.name=sgd with momentum (this config: {optim.name})")
+    saved = reference.get("optimizer_weight") if sgd else None
+    momentum = {}
+    if saved is not None:
+        try:
+            momentum = momentum_by_name(saved, model, depth)
+        except ValueError as exc:
+            raise CheckpointError(f"{source}: its optimiser state does not fit the model ({exc})") from None
+    epoch, scaler = reference.get("epoch"), grad_scaler_fields(reference.get("amp"))
+    state = {i: {"momentum_buffer": momentum[n].clone()} for i, n in enumerate(names) if n in momentum}
+    origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
+              else f"the authors' run: no momentum, optim.name is {optim.name}")
+    origin += f", loss scale {scaler['scale']:g}" if scaler else ""
+    return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
+            "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
+            "origin": origin}
+
+
+
 @dataclass
 class TrainState:
     epoch: int                         # the epoch the run is in (0-based)
@@ -47,11 +180,6 @@ class TrainState:
     step: int | None                   # optimiser steps done (None: the authors' run, whose count is unknown)
     skipped_steps: int = 0             # steps skipped for a bad loss or gradients, all told
     validation_pending: bool = False   # saved before the epoch's validation, which a resume runs again
-
-    @classmethod
-    def of_checkpoint(cls, state: dict) -> "TrainState":
-        return cls(state["epoch"], state["iteration"], state["step"], state.get("skipped_steps", 0),
-                   bool(state.get("validation_pending", False)))
 
 
 def _keys(hook) -> tuple:
@@ -167,7 +295,8 @@ class Checkpoints:
                                   "weights with --weights instead of --resume") from None
         if note:
             say(note)
-        position = TrainState.of_checkpoint(state)
+        position = TrainState(state["epoch"], state["iteration"], state["step"],
+                              state.get("skipped_steps", 0), bool(state.get("validation_pending", False)))
         trainer.optim_step.skipped_total = position.skipped_steps
         trainer.epoch, trainer.start_batch, trainer.resumed = position.epoch, position.iteration, position
         # a run started elsewhere (step None): the steps of the epochs it finished

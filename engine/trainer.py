@@ -26,7 +26,7 @@ class LoopState(Protocol):
     """What a hook may read of the loop; it may set `stop_signal` and `finish_requested`."""
     model: nn.Module                 # the network whose weights train (unwrapped)
     net: nn.Module                   # what trains: the network and its loss, wrapped
-    optim_step: Any                  # engine.optim_step.OptimStep
+    optim_step: Any                  # engine.optim.OptimStep
     hooks: list
     epoch: int                       # the epoch a run starts or resumes at
     step: int                        # optimiser steps done
@@ -86,7 +86,7 @@ class TrainParts:
     """What the loop runs: `net(images, target, mask)` -> (per-sample loss [B], loss parts), and
     `batches(epoch, start)` -> model inputs from batch `start` of `epoch` on."""
     net: nn.Module
-    optim_step: object                 # engine.optim_step.OptimStep, or one with its `update`
+    optim_step: object                 # engine.optim.OptimStep, or one with its `update`
     batches: Callable[[int, int], Iterator]
     batches_per_epoch: int             # a whole number of steps of `accumulate` batches
     epochs: int = 1
@@ -103,7 +103,7 @@ class TrainParts:
 
 @dataclass
 class StepResult:
-    """One optimiser step, as `run_step` returns it and hooks' `after_step` receive it."""
+    """One optimiser step, as `OptimStep.update` and `run_step` return it to hooks' `after_step`."""
     loss: float                 # the mean of the step's batches' losses
     lr: float
     skipped: bool               # no update: a bad loss on some rank, or non-finite gradients
@@ -116,17 +116,6 @@ class StepResult:
     note: str = ""              # a line for the run's console (OptimStep's: O3's first update)
 
 
-class Throughput:
-    """Samples per second since the epoch's first step."""
-
-    def __init__(self, samples_per_step: int):
-        self.samples_per_step, self.tick, self.steps = samples_per_step, time.perf_counter(), 0
-
-    def step(self) -> float:
-        self.steps += 1
-        return self.samples_per_step * self.steps / (time.perf_counter() - self.tick)
-
-
 class Trainer:
     """`failure(exc)`: the error to raise instead of `exc`, or None."""
 
@@ -135,13 +124,13 @@ class Trainer:
         self.parts, self.net, self.optim_step = parts, parts.net, parts.optim_step
         self.model = parts.model if parts.model is not None else parts.net
         self.epochs, self.accumulate = parts.epochs, parts.accumulate
+        self.batches_per_epoch = parts.batches_per_epoch
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
         self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
-        self.resumed = None
+        self.resumed, self.steps_this_epoch = None, 0
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
         self.finish_requested = False     # set by a hook (early stopping): no further epoch
-        self.steps_this_epoch = 0
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, inputs: list) -> StepResult:
@@ -154,7 +143,8 @@ class Trainer:
                 parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
             return per_sample.mean()
         out = self.optim_step.update(inputs, loss_of, lambda: self.stop_signal is not None)
-        return StepResult(out.loss, self.optim_step.lr, out.skipped, out.stop, parts, note=out.note)
+        out.parts = parts
+        return out
 
     # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:
@@ -164,7 +154,7 @@ class Trainer:
         self.steps_this_epoch = max(0, self.parts.batches_per_epoch - start) // accumulate
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
-        rate = Throughput(self.parts.samples_per_step)
+        tick = time.perf_counter()          # samples per second since the epoch's first step
         batches = self.parts.batches(epoch, start)
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
@@ -174,16 +164,13 @@ class Trainer:
             if not out.skipped:
                 loss_sum += out.loss
                 count += 1
-            out.epoch, out.first, out.samples_per_s = epoch, first, rate.step()
+            out.epoch, out.first = epoch, first
+            out.samples_per_s = self.parts.samples_per_step * (n + 1) / (time.perf_counter() - tick)
             out.last_of_epoch = n == self.steps_this_epoch - 1
             self._call("after_step", out)
         # mean over ranks too (every rank has the same count: skips are decided together)
         totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64)]))
         return None if totals[1] == 0 else (totals[0] / totals[1]).item()
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.parts.batches_per_epoch
 
     def _call(self, event: str, *args) -> None:
         for hook in self.hooks:

@@ -108,7 +108,7 @@ def _patch_trainer_and_run() -> None:
     from engine.run_trainer import RunTrainer
     from runtime.checkpoint import unwrap_model
     from engine.cli import run_main
-    from engine.model_with_loss import ModelWithLoss
+    from engine.build import ModelWithLoss
 
     rank = int(os.environ.get("RANK", "0"))
     blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")
@@ -175,7 +175,7 @@ def _slow_validation_samples(seconds: float) -> None:
 
 
 def _flat_validation_loss() -> None:
-    from engine import epoch_end
+    from engine import hooks as epoch_end
     validate = epoch_end.validate
 
     def flat_validate(*args, **kwargs):

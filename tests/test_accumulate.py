@@ -19,7 +19,7 @@ from config import build_config
 from common.errors import ConfigError
 from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
-from engine.device_feed import to_model_input
+from engine.loaders import to_model_input
 from engine.run_trainer import Launch, RunTrainer, build_trainer
 from engine.trainer import Interrupted, Trainer
 from test_preemption import write_micro_preset

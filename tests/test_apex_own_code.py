@@ -26,7 +26,7 @@ from apex_cpu_standins import (apex_amp_c, apex_c, apex_c_built, apex_cpu,  # no
 from gloo_ranks import gloo_group_of_one  # noqa: F401 - a fixture
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.ema import WeightsEMA
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine import parallel
 from engine.precision.apex import ApexPrecision
 
@@ -59,7 +59,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
     from config.loader import build_config
     from data.dataset import KeypointDataset
     from config.views import SampleSettings
-    from engine.epoch_end import validate
+    from engine.hooks import validate
     from runtime.distributed import DistContext
 
     precision, model, _ = apex_attached(conv_bn_net(), "O1")

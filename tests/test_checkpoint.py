@@ -244,7 +244,7 @@ def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeyp
     written in between is seen, and another reader reads for itself (no module-level cache)."""
     from config.loader import build_config, to_dict
     from engine.cli import build_parser, config_from_args
-    from engine.resume import CheckpointReader
+    from engine.train_state import CheckpointReader
     from engine.run_dir import plan_run, release_run_dir
 
     run_dir = tmp_path / "r"

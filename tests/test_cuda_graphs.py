@@ -1,5 +1,5 @@
 """`amp.cuda_graphs`: the network's training forward and backward replayed as CUDA graphs
-(engine/model_with_loss.py). On a CPU the capture is stood in by `graphed_stand_in`, which keeps
+(engine/build.py). On a CPU the capture is stood in by `graphed_stand_in`, which keeps
 `torch.cuda.make_graphed_callables`' contract for a module: warm-up passes and a capture pass that
 really run the network (so BatchNorm statistics move), then a `forward` set on the module that
 replays only the captured input's shape, layout and type, and falls back to the module's own
@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_leaves
 from common.errors import ConfigError
 from config.schema import AmpConfig, OptimConfig
 from engine.build import use_cuda_graphs
-from engine.model_with_loss import GraphedNetwork, ModelWithLoss
-from engine.optim_step import OptimStep
+from engine.build import GraphedNetwork, ModelWithLoss
+from engine.optim import OptimStep
 from engine.precision import NativePrecision
 from engine.trainer import Trainer, TrainParts
 from models import FocalL2Loss

@@ -12,7 +12,7 @@ from config.schema import TargetConfig
 from data.skeleton import builtin
 from data.device_targets import TargetPainter
 from data.transfer import expand
-from engine.device_feed import DeviceFeed, one_ahead, to_model_input
+from engine.loaders import DeviceFeed, one_ahead, to_model_input
 
 PAINTER = TargetPainter(builtin("coco"), TargetConfig(), 4)
 
@@ -123,7 +123,7 @@ class RecordingCuda:
         return tuple(batch)
 
     def install(self, monkeypatch) -> None:
-        import engine.device_feed as feed
+        import engine.loaders as feed
         monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
         monkeypatch.setattr(torch.cuda, "Event", self.Event)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)

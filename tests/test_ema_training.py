@@ -37,9 +37,9 @@ def validation_loss(weights: dict, saved_config: dict, val_h5) -> float:
     from config.views import SampleSettings
     from data.dataset import KeypointDataset
     from engine.precision import NativePrecision as Precision
-    from engine.device_feed import to_model_input
+    from engine.loaders import to_model_input
     from runtime.distributed import DistContext
-    from engine.model_with_loss import ModelWithLoss
+    from engine.build import ModelWithLoss
     from engine.loaders import val_loader
     from models import FocalL2Loss, build_model
 

@@ -16,7 +16,7 @@ from common.errors import CheckpointError
 from runtime.checkpoint import load_checkpoint
 from runtime.distributed import DistContext
 from engine.cli import single_process_context
-from engine.epoch_end import EpochEnd
+from engine.hooks import EpochEnd
 from engine.hooks import Hook, LRSchedule, default_hooks
 from engine.optim import lr_at
 from engine.run_trainer import Launch, build_trainer

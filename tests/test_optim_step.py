@@ -15,7 +15,7 @@ from bench.train_throughput import count_host_syncs
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.optim import updates_rounded_away
 from engine.precision import NativePrecision as Precision
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine.parallel import convert_sync_bn, wrap_ddp
 from gloo_ranks import on_gloo_ranks
 

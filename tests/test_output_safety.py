@@ -174,7 +174,7 @@ def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path, monkeypa
 
 def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, capsys, tmp_path, monkeypatch):
     import errno
-    from engine.model_with_loss import ModelWithLoss
+    from engine.build import ModelWithLoss
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

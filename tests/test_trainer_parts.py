@@ -16,12 +16,12 @@ from config import build_config
 from config.schema import AmpConfig, OptimConfig
 from runtime.checkpoint import load_checkpoint
 from engine.ema import WeightsEMA
-from engine.epoch_end import EpochEnd
+from engine.hooks import EpochEnd
 from engine.hooks import Hook, default_hooks
 from engine.logger import RunLogger
-from engine.model_with_loss import ModelWithLoss
+from engine.build import ModelWithLoss
 from engine.optim import lr_at
-from engine.optim_step import OptimStep
+from engine.optim import OptimStep
 from engine.precision import NativePrecision as Precision
 from engine.train_state import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts

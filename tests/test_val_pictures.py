@@ -14,7 +14,7 @@ from data.skeleton import builtin
 from config.views import PredictSettings
 from data.h5format import KeypointH5
 from engine.logger import RunLogger
-from engine.epoch_end import validate
+from engine.hooks import validate
 from inference.val_pictures import HEADER, TILE, fitted, write_val_pictures
 
 COCO = builtin("coco")

@@ -1,8 +1,6 @@
-"""A run's mixed precision, in one package: the interface every backend implements
-(`interface.PrecisionBackend`), the native (torch.amp) and Apex backends side by side (`native`,
-`apex` with `apex_checks`), the loss scaler's state in either layout (`loss_scale`); here, the
-backends by name (`amp.backend`) and the process-wide CUDA switches. SyncBN and DDP are
-engine.parallel's.
+"""A run's mixed precision: the backend interface (`interface`), the native (torch.amp) and Apex
+backends (`native`, `apex`, `apex_checks`), the loss scaler's state (`loss_scale`); here, the
+backends by name (`amp.backend`) and the process-wide CUDA switches.
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from engine.precision.interface import PrecisionBackend, live_state_dict
 from engine.precision.native import NativePrecision
 
 __all__ = ["BACKENDS", "NativePrecision", "PrecisionBackend", "build_precision", "check_backend",
-           "check_data_parallel", "cudnn_autotuning_off", "live_state_dict", "set_cuda_backends"]
+           "check_data_parallel", "cudnn_autotuning_off", "live_state_dict"]
 
 BACKENDS: dict[str, type[PrecisionBackend]] = {cls.name: cls for cls in (NativePrecision, ApexPrecision)}
 
@@ -28,16 +26,12 @@ def check_backend(cfg: Config) -> None:
 
 
 def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool = False) -> PrecisionBackend:
-    """The run's precision backend, with the process-wide CUDA switches set."""
-    set_cuda_backends(cfg, cudnn_benchmark)
-    return BACKENDS[cfg.backend].create(cfg, device)
-
-
-def set_cuda_backends(cfg: AmpConfig, cudnn_benchmark: bool) -> None:
-    """TF32 for float32 convolutions and matmuls, and cuDNN autotuning; no effect on CPU."""
+    """The run's precision backend, with the process-wide CUDA switches set (TF32 for float32
+    convolutions and matmuls, cuDNN autotuning; no effect on CPU)."""
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cudnn.benchmark = cudnn_benchmark
+    return BACKENDS[cfg.backend].create(cfg, device)
 
 
 @contextlib.contextmanager

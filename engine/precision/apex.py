@@ -1,17 +1,9 @@
 """The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, for users whose Apex
-still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency.
-
-- `attach` runs `amp.initialize`; a dynamic scale starts at `amp.init_scale`, as the native one.
-- `backward` scales every batch with `delay_unscale=True`; `unscale_` closes the step with one
-  `amp.scale_loss` exit (unscale, overflow check, scale update). An overflow Apex found shows as
-  non-finite gradients, so the engine's skip vote agrees with Apex.
-- Checkpoints read the model's own tensors (`live_state_dict`), weights in float32 (O2: the
-  masters; frozen weights: their values from before Apex cast them), `amp.state_dict()` as the
-  `scaler` entry, loadable by either backend (`engine.precision.loss_scale`).
+still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency. An overflow
+Apex found shows as non-finite gradients, so the engine's skip vote agrees with Apex.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import torch
@@ -24,7 +16,9 @@ from engine.precision.loss_scale import apex_amp_state
 
 
 class ApexPrecision(PrecisionBackend):
-    """The precision backend on Apex's amp (float16 only; CUDA only)."""
+    """The precision backend on Apex's amp (float16 only; CUDA only). The base class's
+    `prepare_model`, `cast_input` and `autocast_context` are all it needs: amp.initialize casts the
+    model (given in float32), its patched forward the input, and O1's patched torch functions."""
 
     name = "apex"
 
@@ -34,8 +28,7 @@ class ApexPrecision(PrecisionBackend):
         self.build = apex_checks.apex_build()
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
-        self._optimizer = None
-        self._attached = False
+        self._optimizer, self._attached = None, False
         self._apex_skips = False        # Apex found an overflow and patched this step into a skip
         self._state_before = {}         # Apex's amp state before this step's unscale
         self._zero = torch.zeros((), device=device)
@@ -71,14 +64,6 @@ class ApexPrecision(PrecisionBackend):
         return f"{text}; {self.build.describe(gradients)}"
 
     # -- model and optimiser ------------------------------------------------------------------
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """channels_last only: amp.initialize casts the model (it must receive it in float32)."""
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if self.master_weights:
-            self._keep_frozen_float32(model)
-        return model
-
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before `attach`: the trainable parameters; after: `amp.master_params`."""
         if not self._attached:
@@ -107,13 +92,6 @@ class ApexPrecision(PrecisionBackend):
                         master.copy_(exact[id(half)])
         self._optimizer, self._attached = optimizer, True
         return model, optimizer
-
-    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
-        """Apex's patched forward casts the input (O2/O3); only the memory format is set here."""
-        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
-
-    def autocast_context(self):
-        return contextlib.nullcontext()        # O1's casts are Apex's patched torch functions
 
     # -- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -144,9 +122,6 @@ class ApexPrecision(PrecisionBackend):
         if bad_loss and self.dynamic and self._state_before:
             self.amp.load_state_dict(self._state_before)
         self._apex_skips = False
-
-    def zero_grad(self, optimizer) -> None:
-        optimizer.zero_grad()                  # Apex's under O2: model and master gradients
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

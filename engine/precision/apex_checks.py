@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import pkgutil
 from dataclasses import dataclass
 
 import torch
@@ -63,30 +64,8 @@ def apex_build() -> ApexBuild:
 
 def check_backend(cfg: Config) -> None:
     """ConfigError (one line) where `--amp-backend apex` cannot run `cfg`."""
-    _check_combinations(cfg)
-    check_installed(cfg.train.device)
-
-
-def check_installed(device: str) -> None:
-    """ConfigError unless an Apex with amp imports, can patch this PyTorch, and CUDA is there."""
-    _check_apex_installed()
-    _check_torch()
-    _check_cuda(device)
-
-
-def check_data_parallel(amp: AmpConfig, gpus: int) -> None:
-    """train_parallel.py over `gpus` GPUs: refused under Apex's O2/O3 (see the module's doc)."""
-    if amp.backend == "apex" and gpus > 1 and amp.opt_level in ("O2", "O3"):
-        raise ConfigError(f"--amp-backend apex with --opt-level {amp.opt_level} under DataParallel "
-                          f"over {gpus} GPUs: amp.initialize patches the model's forward, and every "
-                          "replica would run that patch, i.e. the original module on the first GPU; "
-                          "use one process per GPU (torchrun train_distributed.py), as the reference did")
-
-
-def _check_combinations(cfg: Config) -> None:
     amp = cfg.amp
-    half = amp.opt_level != "O0"
-    if half and amp.dtype == "bfloat16":
+    if amp.opt_level != "O0" and amp.dtype == "bfloat16":
         raise ConfigError("--amp-backend apex with --amp-dtype bfloat16: Apex's amp casts to float16 "
                           "only; use --amp-dtype float16 (or auto), or --amp-backend native for bfloat16")
     if amp.compile:
@@ -98,6 +77,27 @@ def _check_combinations(cfg: Config) -> None:
                           "optimiser's state_dict() to cast it, which ZeroRedundancyOptimizer refuses before "
                           "consolidate_state_dict (and O2's float32 master copies would replace parameters "
                           "its sharded inner optimiser steps); drop --zero, use O1, or --amp-backend native")
+    check_installed(cfg.train.device)
+
+
+def check_installed(device: str) -> None:
+    """ConfigError unless an Apex with amp imports, can patch this PyTorch, and CUDA is there."""
+    _check_apex_installed()
+    missing = missing_torch_apis()
+    if missing:
+        raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
+                          f"{torch.__version__}: it needs {', '.join(missing)}, which this PyTorch lacks; "
+                          "use --amp-backend native")
+    _check_cuda(device)
+
+
+def check_data_parallel(amp: AmpConfig, gpus: int) -> None:
+    """train_parallel.py over `gpus` GPUs: refused under Apex's O2/O3 (see the module's doc)."""
+    if amp.backend == "apex" and gpus > 1 and amp.opt_level in ("O2", "O3"):
+        raise ConfigError(f"--amp-backend apex with --opt-level {amp.opt_level} under DataParallel "
+                          f"over {gpus} GPUs: amp.initialize patches the model's forward, and every "
+                          "replica would run that patch, i.e. the original module on the first GPU; "
+                          "use one process per GPU (torchrun train_distributed.py), as the reference did")
 
 
 def _apex_where() -> str:
@@ -135,32 +135,13 @@ def missing_torch_apis() -> list[str]:
     missing = []
     for owner, attr in APEX_TORCH_NEEDS:
         try:
-            obj = _resolve(owner)
+            obj = pkgutil.resolve_name(owner)
         except (ImportError, AttributeError):
             missing.append(owner)
             continue
         if not hasattr(obj, attr):
             missing.append(f"{owner}.{attr}")
     return missing
-
-
-def _resolve(dotted: str):
-    parts = dotted.split(".")
-    obj = importlib.import_module(parts[0])
-    for i, part in enumerate(parts[1:], start=1):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            obj = importlib.import_module(".".join(parts[:i + 1]))
-    return obj
-
-
-def _check_torch() -> None:
-    missing = missing_torch_apis()
-    if missing:
-        raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
-                          f"{torch.__version__}: it needs {', '.join(missing)}, which this PyTorch lacks; "
-                          "use --amp-backend native")
 
 
 def _check_cuda(device: str) -> None:

@@ -1,11 +1,12 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares.
 
 The engine calls it in the order of the sections below: before training, every batch, every step
-(`engine.optim_step.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
+(`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
 """
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import torch
 from torch import nn
@@ -44,15 +45,12 @@ class PrecisionBackend(abc.ABC):
         keep = cfg.keep_batchnorm_fp32
         self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
         self.master_weights = self.level == "O2"
-        self.channels_last = channels_last_for(cfg, device)
+        # "auto": on for CUDA (measured faster there), off elsewhere
+        auto = cfg.channels_last == "auto"
+        self.channels_last = device.type == "cuda" if auto else bool(cfg.channels_last)
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model param, its O2 master)
-
-    def _keep_frozen_float32(self, model: nn.Module) -> None:
-        """Keep frozen weights' float32 values for the checkpoint (a half copy loses up to 1e-4)."""
-        self._frozen_float32 = {id(p): p.detach().clone().float()
-                                for p in model.parameters() if not p.requires_grad}
 
     # -- before anything is built ------------------------------------------------------------------
     @classmethod
@@ -82,9 +80,15 @@ class PrecisionBackend(abc.ABC):
     def describe(self) -> str:
         """One line for the run's start."""
 
-    @abc.abstractmethod
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """The (loaded, frozen) model as it trains in this precision."""
+        """The (loaded, frozen) model as it trains in this precision: here its memory format, and
+        under master weights frozen weights' float32 values kept (a half copy loses up to 1e-4)."""
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.master_weights:
+            self._frozen_float32 = {id(p): p.detach().clone().float()
+                                    for p in model.parameters() if not p.requires_grad}
+        return model
 
     @abc.abstractmethod
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -95,13 +99,13 @@ class PrecisionBackend(abc.ABC):
         return model, optimizer
 
     # -- every batch ---------------------------------------------------------------------------------
-    @abc.abstractmethod
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
         """The images as the prepared model takes them."""
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
-    @abc.abstractmethod
     def autocast_context(self):
         """The context of the forward pass."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
@@ -116,15 +120,20 @@ class PrecisionBackend(abc.ABC):
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
         """Step (or skip) and update the loss scale, except after a bad loss."""
 
-    @abc.abstractmethod
     def zero_grad(self, optimizer) -> None:
-        """Every gradient the step used, freed."""
+        """Every gradient the step used, freed (Apex's optimiser under O2: model and master ones)."""
+        optimizer.zero_grad()
 
     # -- checkpoints and the EMA -----------------------------------------------------------------
     def weight_sources(self, model: nn.Module) -> dict:
         """The model's state dict as live tensors, float32 where the backend keeps them (O2's
         masters, frozen weights), nothing copied; the EMA reads these after every step."""
-        return sources_with_masters(model, {id(p): m for p, m in self._pairs} | self._frozen_float32)
+        by_id = {id(p): name for name, p in model.named_parameters()}
+        state = live_state_dict(model)
+        for pid, tensor in ({id(p): m for p, m in self._pairs} | self._frozen_float32).items():
+            if pid in by_id:
+                state[by_id[pid]] = tensor.detach()
+        return state
 
     def float32_state_dict(self, model: nn.Module) -> dict:
         """The model's weights in float32, loadable in any mode and either backend."""
@@ -139,17 +148,3 @@ class PrecisionBackend(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """A saved loss scaler state of either backend (`engine.precision.loss_scale`)."""
 
-
-def channels_last_for(cfg: AmpConfig, device: torch.device) -> bool:
-    """`amp.channels_last` resolved: "auto" is on for CUDA (measured faster there), off elsewhere."""
-    return (device.type == "cuda") if cfg.channels_last == "auto" else bool(cfg.channels_last)
-
-
-def sources_with_masters(model: nn.Module, float32_by_param: dict) -> dict:
-    """`live_state_dict(model)` with the parameters whose id is in `float32_by_param` replaced."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    state = live_state_dict(model)
-    for pid, tensor in float32_by_param.items():
-        if pid in by_id:
-            state[by_id[pid]] = tensor.detach()
-    return state

@@ -6,8 +6,6 @@ float16 needs a `GradScaler` (dynamic from `init_scale`, or static); bfloat16's 
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -34,16 +32,13 @@ class NativePrecision(PrecisionBackend):
         super().__init__(cfg, device)
         self.autocast = self.level == "O1"
         self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
-        self.scaler = self._build_scaler(cfg)
-        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
-
-    def _build_scaler(self, cfg: AmpConfig):
-        use_scaler = self.level != "O0" and self.dtype == torch.float16
-        init = self.static_scale or cfg.init_scale
         scaler_type = (_HalfParamsGradScaler if self.cast_model and not self.master_weights
                        else torch.amp.GradScaler)
-        return scaler_type(self.device_type, enabled=use_scaler, init_scale=init,
-                           growth_interval=2 ** 30 if self.static_scale else 2000)
+        use_scaler = self.level != "O0" and self.dtype == torch.float16
+        self.scaler = scaler_type(self.device_type, enabled=use_scaler,
+                                  init_scale=self.static_scale or cfg.init_scale,
+                                  growth_interval=2 ** 30 if self.static_scale else 2000)
+        self.dynamic = self.scaler.is_enabled() and self.static_scale is None
 
     def describe(self) -> str:
         text = f"opt level {self.level}"
@@ -60,14 +55,12 @@ class NativePrecision(PrecisionBackend):
     # -- model and optimiser ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Cast the (already loaded and frozen) model for O2/O3; make O2's master weights."""
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = super().prepare_model(model)
         if not self.cast_model:
             return model
         if self.master_weights:
             self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
                            for p in model.parameters() if p.requires_grad]
-            self._keep_frozen_float32(model)
         for module in model.modules():
             if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
                 continue
@@ -85,13 +78,12 @@ class NativePrecision(PrecisionBackend):
         return trainable
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
+        images = super().cast_input(images)
         return images.to(self.dtype) if self.cast_model else images
 
     def autocast_context(self):
         if not self.autocast:
-            return contextlib.nullcontext()
+            return super().autocast_context()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     # -- the step -------------------------------------------------------------------------------
