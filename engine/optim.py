@@ -68,6 +68,20 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
     return cls(params, **kwargs)
 
 
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, then each fused or capturable group's `step` counters on
+    their parameter's device in float32, as those kernels need: ZeroRedundancyOptimizer's loading
+    puts 0-d state on the CPU, and CUDA's fused AdamW then refuses the step."""
+    optimizer.load_state_dict(state)
+    inner = getattr(optimizer, "optim", optimizer)          # ZeRO's local optimiser
+    for group in inner.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if torch.is_tensor(step):
+                    inner.state[param]["step"] = step.to(param.device, torch.float32)
+
+
 def grad_norm(params) -> torch.Tensor:
     """L2 norm of the gradients of `params`, in float32 (a float16 norm overflows at 65504)."""
     grads = [p.grad for p in params if p.grad is not None]

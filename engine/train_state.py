@@ -14,6 +14,7 @@ from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
 from engine.trainer import Interrupted
+from engine.optim import load_optimizer_state
 from runtime import checkpoint as ckpt
 from runtime import distributed as dist
 
@@ -273,7 +274,7 @@ class Checkpoints:
         """Optimiser, scaler, RNG and hooks' states from `state`, and `trainer`'s position."""
         scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
             self.precision.load_state_dict(scaler or {})
             if self.main and state.get("rng"):
                 ckpt.restore_rng_state(state["rng"])
