@@ -23,6 +23,7 @@ _IMPORT_TORCH_S = time.perf_counter() - _START
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import importlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -47,9 +48,6 @@ _IMPORT_ALL_S = time.perf_counter() - _START
 CUDA = torch.cuda.is_available()
 SYNTHETIC = ROOT / "checkpoints" / "_synthetic"
 BUDGET_S = float(os.environ.get("SMOKE_BUDGET_S", 530))
-PARALLEL = ["levels", "entries", "group_of_one", "feed", "apex_O1", "apex_O2", "apex_O3", "apex_sync_bn",
-            "nccl_abort_3", "nccl_abort_2", "sync_debug"]
-ALONE = ["first_step", "graph_numerics", "throughput", "evaluation"]
 
 
 def emit(section: str, **fields) -> dict:
@@ -96,29 +94,40 @@ def run_entry(main, argv: list[str], check: bool):
     raise RuntimeError("the entry script ended without parsing its arguments")
 
 
-def trained(main, argv: list[str], check: bool) -> dict:
-    result = run_entry(main, argv, check)
+def tiny_runs(script: str, check: bool, first: list[str], resumed: list[str] | None = None) -> list:
+    """`script`'s results: a tiny run with options `first`, then (given `resumed`) the same run
+    resumed to epoch 3 with those options, in one temporary folder."""
+    main = importlib.import_module(script).main
+    with tempfile.TemporaryDirectory() as out:
+        runs = [run_entry(main, [*first, *quick_args(out, check)], check)]
+        if resumed is not None:
+            runs.append(run_entry(main, [*resumed, "--resume", "auto", "--epochs", "3", "--out-dir", out,
+                                         "--device", device_of(check).type], check))
+    return runs
+
+
+def trained(result: dict) -> dict:
     return {"status": "ok", "step": result.get("step"), "loss": result.get("loss")}
+
+
+def run_section(script: str, first: list[str], resumed: list[str] | None = None):
+    """The section of `tiny_runs`: the last run's step and loss."""
+    return lambda check: trained(tiny_runs(script, check, first, resumed)[-1])
 
 
 # -- the side-by-side sections -------------------------------------------------------------------
 def section_levels(check: bool) -> dict:
-    import train
     rows = {}
-    with tempfile.TemporaryDirectory() as out:
-        for name, opts in [("O1 fp16", ["--opt-level", "O1", "--amp-dtype", "float16"]),
-                           ("O1 bf16", ["--opt-level", "O1", "--amp-dtype", "bfloat16"]),
-                           ("O2", ["--opt-level", "O2"]), ("O3", ["--opt-level", "O3", "--optimizer", "sgd"])]:
-            run = name.replace(" ", "")
-            try:
-                first = run_entry(train.main, [*opts, "--ema", "0.99", "--run-name", run, *quick_args(out, check)],
-                                  check)
-                resumed = run_entry(train.main, ["--resume", "auto", "--run-name", run, "--epochs", "3",
-                                                 "--out-dir", out, "--device", device_of(check).type], check)
-                rows[name] = {"ok": True, **{k: first.get(k) for k in ("step", "loss")},
-                              "resumed_to_step": resumed.get("step"), "resumed_loss": resumed.get("loss")}
-            except (Exception, SystemExit) as exc:      # noqa: BLE001 - one row's failure, reported
-                rows[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    for name, opts in [("O1 fp16", ["--opt-level", "O1", "--amp-dtype", "float16"]),
+                       ("O1 bf16", ["--opt-level", "O1", "--amp-dtype", "bfloat16"]),
+                       ("O2", ["--opt-level", "O2"]), ("O3", ["--opt-level", "O3", "--optimizer", "sgd"])]:
+        run = ["--run-name", name.replace(" ", "")]
+        try:
+            first, resumed = tiny_runs("train", check, [*opts, "--ema", "0.99", *run], run)
+            rows[name] = {"ok": True, **{k: first.get(k) for k in ("step", "loss")},
+                          "resumed_to_step": resumed.get("step"), "resumed_loss": resumed.get("loss")}
+        except (Exception, SystemExit) as exc:      # noqa: BLE001 - one row's failure, reported
+            rows[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return {"status": "ok" if all(r["ok"] for r in rows.values()) else "failed", "levels": rows}
 
 
@@ -126,26 +135,17 @@ def section_entries(check: bool) -> dict:
     import evaluate
     import train_parallel
     with tempfile.TemporaryDirectory() as out:
-        result = trained(train_parallel.main, ["--opt-level", "O1", "--run-name", "dp", *quick_args(out, check)],
-                         check)
+        result = run_entry(train_parallel.main, ["--opt-level", "O1", "--run-name", "dp",
+                                                 *quick_args(out, check)], check)
         scored = run_entry(evaluate.main, ["--weights", f"{out}/dp/last.pth", "--h5", str(SYNTHETIC / "val.h5"),
                                            "--max-images", "8", "--device", device_of(check).type,
                                            "--no-progress"], check)
-    return {**result, "evaluated": scored, "status": "ok" if scored in (0, {"parsed": True}) else "failed"}
-
-
-def section_group_of_one(check: bool) -> dict:
-    from bench import group_of_one
-    opts = ["--opt-level", "O1", "--sync-bn", "--force-sync-function", "--run-name", "g1"]
-    with tempfile.TemporaryDirectory() as out:
-        trained(group_of_one.main, [*opts, "--zero", "--accumulate", "2", *quick_args(out, check)], check)
-        return trained(group_of_one.main, [*opts, "--delay-allreduce", "--resume", "auto", "--epochs", "3",
-                                           "--out-dir", out, "--device", device_of(check).type], check)
+    return {**trained(result), "evaluated": scored,
+            "status": "ok" if scored in (0, {"parsed": True}) else "failed"}
 
 
 def section_feed(check: bool) -> dict:
     """The device feed (2 workers, --accumulate 2) under the CUDA sanitizer (left in workers)."""
-    import train
     if os.environ.get("TORCH_CUDA_SANITIZER"):
         from torch.cuda import _sanitizer
 
@@ -153,24 +153,9 @@ def section_feed(check: bool) -> dict:
             _sanitizer.cuda_sanitizer.dispatch.__exit__(None, None, None)
             _sanitizer.cuda_sanitizer.enabled = False
         os.register_at_fork(after_in_child=sanitizer_off)
-    with tempfile.TemporaryDirectory() as out:
-        result = trained(train.main, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
-                                      "--cuda-graphs", "false", "--run-name", "feed", *quick_args(out, check)], check)
-    return {**result, "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER")}
-
-
-def section_apex(level: str, check: bool) -> dict:
-    import train
-    opts = ["--amp-backend", "apex", "--opt-level", level] + (["--optimizer", "sgd"] if level == "O3" else [])
-    with tempfile.TemporaryDirectory() as out:
-        return trained(train.main, [*opts, "--run-name", "apex", *quick_args(out, check)], check)
-
-
-def section_apex_sync_bn(check: bool) -> dict:
-    from bench import group_of_one
-    with tempfile.TemporaryDirectory() as out:
-        return trained(group_of_one.main, ["--amp-backend", "apex", "--opt-level", "O1", "--sync-bn",
-                                           "--run-name", "g1", *quick_args(out, check)], check)
+    result = tiny_runs("train", check, ["--opt-level", "O1", "--workers", "2", "--accumulate", "2",
+                                        "--cuda-graphs", "false", "--run-name", "feed"])[0]
+    return {**trained(result), "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER")}
 
 
 def section_nccl_abort(check: bool) -> dict:
@@ -258,14 +243,20 @@ def section_sync_debug(check: bool) -> dict:
     return {"status": "ok", **rows}
 
 
-SECTIONS = {"levels": section_levels, "entries": section_entries, "group_of_one": section_group_of_one,
-            "feed": section_feed, "apex_O1": lambda c: section_apex("O1", c),
-            "apex_O2": lambda c: section_apex("O2", c), "apex_O3": lambda c: section_apex("O3", c),
-            "apex_sync_bn": section_apex_sync_bn, "nccl_abort_3": section_nccl_abort,
-            "nccl_abort_2": section_nccl_abort, "sync_debug": section_sync_debug}
+G1 = ["--opt-level", "O1", "--sync-bn", "--force-sync-function", "--run-name", "g1"]
+APEX = ["--amp-backend", "apex", "--run-name", "apex", "--opt-level"]
+PARALLEL = {"levels": section_levels, "entries": section_entries,
+            "group_of_one": run_section("bench.group_of_one", [*G1, "--zero", "--accumulate", "2"],
+                                        [*G1, "--delay-allreduce"]),
+            "feed": section_feed, "apex_O1": run_section("train", [*APEX, "O1"]),
+            "apex_O2": run_section("train", [*APEX, "O2"]),
+            "apex_O3": run_section("train", [*APEX, "O3", "--optimizer", "sgd"]),
+            "apex_sync_bn": run_section("bench.group_of_one", ["--amp-backend", "apex", "--opt-level", "O1",
+                                                               "--sync-bn", "--run-name", "g1"]),
+            "nccl_abort_3": section_nccl_abort, "nccl_abort_2": section_nccl_abort,
+            "sync_debug": section_sync_debug}
 SECTION_ENV = {"feed": {"TORCH_CUDA_SANITIZER": "1"}, "nccl_abort_3": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
                "nccl_abort_2": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}}
-NEEDS_APEX = ("apex_O1", "apex_O2", "apex_O3", "apex_sync_bn")
 
 
 def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> list[dict]:
@@ -313,10 +304,10 @@ def apex_imports() -> bool:
 
 def run_one(name: str, check: bool) -> int:
     """`--section NAME`: that section here, its JSON line last."""
-    if name in NEEDS_APEX and not check and not apex_imports():
+    if name.startswith("apex") and not check and not apex_imports():
         emit(name, status="skipped: Apex does not import")
         return 0
-    if name in SECTIONS and not check and not CUDA:
+    if name in PARALLEL and not check and not CUDA:
         emit(name, status="skipped: no CUDA")
         return 0
     return 1 if str(timed(name, check).get("status")).startswith("failed: ") else 0
@@ -326,7 +317,7 @@ def timed(name: str, check: bool) -> dict:
     """Section `name` run here, as its JSON line: its fields and seconds, or its failure."""
     started = time.perf_counter()
     try:
-        fields = (SECTIONS.get(name) or ALONE_SECTIONS[name])(check)
+        fields = {**PARALLEL, **ALONE}[name](check)
     except (Exception, SystemExit) as exc:      # noqa: BLE001 - the section's failure is its result
         fields = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000]}
     return emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
@@ -538,7 +529,7 @@ def section_evaluation(check: bool) -> dict:
             "pictures_per_s": [round(r, 2) for r in rates]}
 
 
-ALONE_SECTIONS = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,
+ALONE = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,
                   "throughput": section_throughput, "evaluation": section_evaluation}
 
 
@@ -559,12 +550,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-check", action="store_true",
                         help="run every section's code on the CPU at toy sizes (command lines parsed only)")
-    parser.add_argument("--section", choices=[*SECTIONS, *ALONE_SECTIONS])
+    parser.add_argument("--section", choices=[*PARALLEL, *ALONE])
     parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
-    if only and only - set(SECTIONS) - set(ALONE_SECTIONS):
-        parser.error(f"--only: no section {sorted(only - set(SECTIONS) - set(ALONE_SECTIONS))}")
+    if only and only - {*PARALLEL, *ALONE}:
+        parser.error(f"--only: no section {sorted(only - {*PARALLEL, *ALONE})}")
     if args.section:
         return run_one(args.section, args.cpu_check)
     if not CUDA and not args.cpu_check:
