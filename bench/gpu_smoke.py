@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import (bench_config, build_quietly, count_host_syncs,  # noqa: E402
+from bench.train_throughput import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
                                     optimizer_step_counters, synthetic_batches, sync)
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
@@ -378,9 +378,7 @@ def section_first_step(check: bool) -> dict:
         times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
         rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
         del trainer, parts, update, forward, backward
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return {"status": "ok", "import_torch_s": round(_IMPORT_TORCH_S, 2), "import_all_s": round(_IMPORT_ALL_S, 2),
             "cuda_init_s": round(cuda_init, 2), "cuda_libraries_s": round(libraries, 2), **rows}
 
@@ -448,8 +446,7 @@ def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
             except torch.OutOfMemoryError as exc:
                 errors[name] = f"OutOfMemoryError in round {r + 1}: {exc}"[:300]
                 del built[name], trainer, data
-                gc.collect()
-                torch.cuda.empty_cache()
+                free_memory(dev)
         if r + 1 < rounds and left_s() < 1.2 * (time.perf_counter() - round_start) + 15:
             errors["rounds"] = f"stopped after {r + 1} round(s): the budget"
             break
@@ -464,9 +461,7 @@ def time_group(group, batch, rounds, steps, check, rows, errors) -> None:
         if default:
             rows[name][f"x_{default}"] = round(statistics.median(d / m for d, m in zip(times[default], ms)), 3)
     built.clear()
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
+    free_memory(device_of(check))
 
 
 def section_graph_numerics(check: bool) -> dict:
@@ -574,9 +569,7 @@ def main(argv=None) -> int:
             lines.append(emit(name, status="skipped: the budget"))
             continue
         lines.append(timed(name, args.cpu_check))
-        gc.collect()
-        if CUDA:
-            torch.cuda.empty_cache()
+        free_memory(device_of(args.cpu_check))
     print(f"\n{'section':<16} {'seconds':>8}  status")
     for line in lines:
         print(f"{line['section']:<16} {line.get('seconds') or '-':>8}  {str(line.get('status'))[:100]}")

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import gc
 import io
+import itertools
 import json
 import os
 import re
@@ -102,6 +103,13 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> f
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Unreferenced tensors collected, and on CUDA the allocator's cached blocks given back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
@@ -253,9 +261,7 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
         del data, trainer, parts
         if compile_model:
             torch._dynamo.reset()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     return {"config": label, "images_per_s": args.batch / seconds, "step_ms": seconds * 1e3,
             "first_step_s": first_step,
@@ -356,15 +362,13 @@ def main(argv=None) -> int:
               "data: " + (source + f" through the DataLoader, {args.workers} workers" if args.from_loader
                           else "synthetic batches on the device")
               + (f"; bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""), flush=True)
-        for name, level, dtype, tf32 in configs:
-            for cl in both[args.channels_last]:
-                for comp in both[args.compile]:
-                    row = run_config(args, str(h5), name, level, dtype, tf32, cl, comp)
-                    if "error" not in row:
-                        row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
-                        row["share_of_bf16_peak"] = row["tflops"] / peak if peak else None
-                    rows.append(row)
-                    print_row(row, peak)
+        for config, cl, comp in itertools.product(configs, both[args.channels_last], both[args.compile]):
+            row = run_config(args, str(h5), *config, cl, comp)
+            if "error" not in row:
+                row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
+                row["share_of_bf16_peak"] = row["tflops"] / peak if peak else None
+            rows.append(row)
+            print_row(row, peak)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "amp_backend": args.amp_backend,
                       "preset": args.preset,
