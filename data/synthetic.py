@@ -119,9 +119,7 @@ def _polygons(mask: np.ndarray) -> list:
 
 
 def _box(mask: np.ndarray) -> list:
-    ys, xs = np.nonzero(mask)
-    return [float(xs.min()), float(ys.min()), float(xs.max() - xs.min() + 1),
-            float(ys.max() - ys.min() + 1)]
+    return [float(v) for v in cv2.boundingRect(mask)]
 
 
 def _uncompressed_rle(mask: np.ndarray) -> dict:
@@ -243,10 +241,9 @@ def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
     anns = []
     for _ in range(int(rng.choice([1, 2, 3], p=[0.4, 0.35, 0.25]))):
         size = rng.uniform(0.4, 0.75) * height
-        angle = math.radians(rng.uniform(-15, 15))
-        rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+        angle = rng.uniform(-15, 15)
         centre = rng.uniform(0.25 * size, (width - 0.25 * size, height - 0.25 * size))
-        pose = {k: rot @ v * size + centre for k, v in _animal_pose(rng).items()}
+        pose = {k: _place(v, size, angle, centre) for k, v in _animal_pose(rng).items()}
         mask = np.zeros((height, width), np.uint8)
 
         def pt(name):
@@ -363,19 +360,6 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
     return paths
 
 
-def refuse_existing_dataset(out_dir: Path, overwrite: bool) -> None:
-    """ConfigError when `out_dir` holds a dataset's files (without `overwrite`) or is a file."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
-    for split in ("train", "val"):
-        refuse_existing("--out", out_dir / f"{split}.json", overwrite)
-        folder = out_dir / split
-        if not overwrite and folder.is_dir() and any(folder.iterdir()):
-            raise ConfigError(f"--out {out_dir}: its folder {split}/ already holds files; remove them, "
-                              "choose another --out or pass --overwrite to replace the dataset "
-                              "(nothing was written)")
-
-
 def _main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")
@@ -390,7 +374,16 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.size < 64 or args.train_images < 1 or args.val_images < 1:
         raise ConfigError("--size must be >= 64 and the image counts >= 1")
-    refuse_existing_dataset(Path(args.out), args.overwrite)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
+    for split in ("train", "val"):           # nothing of an existing dataset is replaced unasked
+        refuse_existing("--out", out_dir / f"{split}.json", args.overwrite)
+        folder = out_dir / split
+        if not args.overwrite and folder.is_dir() and any(folder.iterdir()):
+            raise ConfigError(f"--out {out_dir}: its folder {split}/ already holds files; remove them, "
+                              "choose another --out or pass --overwrite to replace the dataset "
+                              "(nothing was written)")
     paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed,
                           args.skeleton, args.overwrite)
     print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "
