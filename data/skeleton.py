@@ -257,11 +257,9 @@ def _fail(source: str, problem: str):
 def _names(value, what: str, source: str) -> list:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
         _fail(source, f"{what} must be a list of keypoint names")
-    seen = set()
-    for name in value:
-        if name in seen:
-            _fail(source, f"keypoint {name!r} is listed twice in {what}")
-        seen.add(name)
+    twice = next((name for k, name in enumerate(value) if name in value[:k]), None)
+    if twice is not None:
+        _fail(source, f"keypoint {twice!r} is listed twice in {what}")
     return list(value)
 
 
@@ -314,14 +312,6 @@ def limb_walk(count: int, limbs, start: int = 0) -> list:
     return walked
 
 
-def _check_reachable(names: list, limbs: list, source: str) -> None:
-    seen = {0} | {b for _, b in limb_walk(len(names), limbs)}
-    lost = [names[k] for k in range(len(names)) if k not in seen]
-    if lost:
-        _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
-              f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
-
-
 def _build(spec, source: str) -> Skeleton:
     if not isinstance(spec, dict):
         _fail(source, "a skeleton must be a mapping with keypoints and limbs")
@@ -361,7 +351,11 @@ def _build(spec, source: str) -> Skeleton:
         if (a, b) in seen or (b, a) in seen:
             _fail(source, f"limb {[names[a], names[b]]} is listed twice")
         seen.add((a, b))
-    _check_reachable(names, limbs, source)
+    reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
+    lost = [name for k, name in enumerate(names) if k not in reached]
+    if lost:
+        _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
+              f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
     flip = _flip_of(spec, names, index, source)
     for a, b in limbs:
         if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
