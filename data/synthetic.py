@@ -234,10 +234,11 @@ def _animal_pose(rng: np.random.Generator) -> dict:
     return pose
 
 
-def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
-    """Draw 1-3 animals into `image` (BGR, changed in place); their annotations (without ids)."""
+def draw_animals(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
+    """One image of 1-3 animals seen from above and their annotations (without ids)."""
     skeleton = builtin(ANIMAL)
-    height, width = image.shape[:2]
+    image = _background(rng, size, size)
+    height = width = size
     anns = []
     for _ in range(int(rng.choice([1, 2, 3], p=[0.4, 0.35, 0.25]))):
         size = rng.uniform(0.4, 0.75) * height
@@ -263,7 +264,7 @@ def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
                            _kind(name, ANIMAL_JOINT_COLOURS), -1, cv2.LINE_AA, 4)
         xy = np.array([pose[n] for n in skeleton.dataset_keypoints])
         _annotate(anns, xy, np.full(len(xy), 2.0), mask)
-    return anns
+    return image, anns
 
 
 def _category(skeleton_name: str) -> dict:
@@ -279,7 +280,7 @@ def _category(skeleton_name: str) -> dict:
                          for a, b in skeleton.limbs]}
 
 
-SKELETONS = ("coco", ANIMAL)
+DRAWINGS = {"coco": draw_image, ANIMAL: draw_animals}      # --skeleton: what is drawn
 
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
@@ -291,11 +292,7 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
     folder.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []
     for n in range(count):
-        if skeleton == "coco":
-            image, anns = draw_image(rng, size)
-        else:
-            image = _background(rng, size, size)
-            anns = _draw_animals(rng, image)
+        image, anns = DRAWINGS[skeleton](rng, size)
         image_id = split_index * 1_000_000 + n + 1
         name = f"{image_id:012d}.jpg"
         cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
@@ -367,7 +364,7 @@ def _main(argv=None) -> int:
     parser.add_argument("--val-images", type=int, default=50)
     parser.add_argument("--size", type=int, default=192, help="image side in pixels")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skeleton", default="coco", choices=SKELETONS,
+    parser.add_argument("--skeleton", default="coco", choices=DRAWINGS,
                         help="what to draw: people (coco, default) or four-legged animals (quadruped)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a dataset already in --out (its JSONs and pictures)")
