@@ -16,7 +16,7 @@ from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduce
 from data.h5format import KeypointH5
 from data.device_targets import TargetPainter
 from data.targets import HostTargetPainter, render_targets
-from data.transfer import compact_sample, expand, pack_people, supervised
+from data.transfer import expand, pack_people, supervised
 
 __all__ = ["CompactSamples", "KeypointDataset"]
 _REDUCTIONS = (8, 4, 2)
@@ -137,8 +137,9 @@ class KeypointDataset(Dataset):
     def compact_item(self, key, timings: dict | None = None):
         """(uint8 image [S,S,3], people [slots,K,3], uint8 masks [2,h,w]): what a worker sends."""
         sample = self.augmented(key, timings)
-        return compact_sample(sample["image"], pack_people(sample["people"], self.person_slots),
-                              sample["ignore"], sample["person_mask"])
+        people = pack_people(sample["people"], self.person_slots)
+        return (torch.from_numpy(sample["image"]), torch.from_numpy(people),
+                torch.from_numpy(np.stack([sample["ignore"], sample["person_mask"]])))
 
     def __getitem__(self, key):
         return expand(*self.compact_item(key), self.host_painter)
