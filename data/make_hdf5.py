@@ -75,11 +75,10 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    buf = np.frombuffer(data, np.uint8)
     size = header_size(data)       # the stored pixels' size: EXIF orientation is ignored everywhere
     try:
-        probe = cv2.imdecode(buf, (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR)
-                             | cv2.IMREAD_IGNORE_ORIENTATION)
+        probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
+                             | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
     except cv2.error:
         probe = None
     if probe is None or probe.size == 0:
@@ -285,11 +284,9 @@ def format_summary(summary: dict) -> str:
     if summary["split"] == "train":
         lines.append(f"train split: {summary['images']} of "
                      f"{summary['images'] + summary['skipped'].get(kind, 0)} pictures kept, {rule}")
-    for reason, count in sorted(summary["skipped"].items()):
-        if reason == kind:
-            continue
-        lines.append(f"skipped {count} images: {reason}" if reason != "bad annotation" else
-                     f"skipped {count} annotations of unknown images")
+    lines += [f"skipped {count} images: {reason}" if reason != "bad annotation" else
+              f"skipped {count} annotations of unknown images"
+              for reason, count in sorted(summary["skipped"].items()) if reason != kind]
     return "\n".join(lines)
 
 
@@ -349,9 +346,8 @@ def _main(argv=None) -> int:
     if args.list_skeletons:
         print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
-    missing = [o for o, v in (("--ann", args.ann), ("--images", args.images)) if not v]
-    if not args.out and not args.dump_skeleton:
-        missing.append("--out")
+    given = {"--ann": args.ann, "--images": args.images, "--out": args.out or args.dump_skeleton}
+    missing = [option for option, value in given.items() if not value]
     if missing:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
                           "(see python -m data.make_hdf5 --help)")
