@@ -63,20 +63,14 @@ def image_problem(info, images_dir: Path) -> str | None:
     return None
 
 
-def same_file_key(name: str) -> str:
-    """The spelling-independent form of a file_name (`a/./b.jpg` and `a/b.jpg` are one picture)."""
-    return os.path.normpath(name.replace("\\", "/"))
-
-
 def _numbers(value, count: int | None, what: str) -> str | None:
     if not isinstance(value, list) or (count is not None and len(value) != count):
         size = f"{count} " if count is not None else ""
         return f"{what} {_short(value)} is not a list of {size}numbers"
     if all(type(v) in (int, float) for v in value):      # the common case, checked at once
-        with np.errstate(over="ignore"):
-            with contextlib.suppress(OverflowError):
-                if np.isfinite(np.asarray(value, np.float64)).all():
-                    return None
+        with np.errstate(over="ignore"), contextlib.suppress(OverflowError):
+            if np.isfinite(np.asarray(value, np.float64)).all():
+                return None
     bad = next((v for v in value if not is_number(v)), None)
     return f"{what} holds {bad!r}, not a finite number"
 
@@ -233,7 +227,8 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             problem = (f"image id {info['id']} appears twice in images ({good[info['id']]['file_name']!r} "
                        f"and {info['file_name']!r}; it would be trained twice)")
         if problem is None:
-            first = by_file.setdefault(same_file_key(info["file_name"]), info["id"])
+            spelled = os.path.normpath(info["file_name"].replace("\\", "/"))    # a/./b.jpg is a/b.jpg
+            first = by_file.setdefault(spelled, info["id"])
             if first != info["id"]:
                 problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
                            "(one picture listed twice: its people would be split between them)")

@@ -10,7 +10,8 @@ import numpy as np
 
 from common.errors import DataError
 from data.skeleton import Skeleton, limb_changes
-from data.skeleton_infer import fit_to_labels, infer_skeleton, keypoint_names, matching_builtin, plain_name
+from data.skeleton_infer import (fit_to_labels, infer_skeleton, keypoint_names, listed, matching_builtin,
+                                 plain_name)
 from data.coco_checks import Selection, select_valid
 
 SHOWN_CATEGORIES = 6
@@ -67,8 +68,7 @@ def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path)
     spelled = [k for k in differ if k not in renamed]
     lines = ["keypoints renamed by --skeleton, taken by position: ", f"{len(spelled)} keypoint names "
              "spelled otherwise in the JSON, matched: "]
-    return [line + ", ".join(f"{names[k]!r} is {given[k]!r}" for k in ks[:3])
-            + (f", ... ({len(ks)} in all)" if len(ks) > 3 else "")
+    return [line + listed((f"{names[k]!r} is {given[k]!r}" for k in ks), 3)
             for line, ks in zip(lines, (renamed, spelled)) if ks]
 
 

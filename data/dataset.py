@@ -16,7 +16,7 @@ from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduce
 from data.h5format import KeypointH5
 from data.device_targets import TargetPainter
 from data.targets import HostTargetPainter, render_targets
-from data.transfer import compact_sample, expand, pack_people, supervised
+from data.transfer import expand, pack_people, supervised
 
 __all__ = ["CompactSamples", "KeypointDataset"]
 _REDUCTIONS = (8, 4, 2)
@@ -34,18 +34,12 @@ def keep_freed_memory() -> None:
     mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED_BYTES)
 
 
-class _StageClock:
-    """Adds the CPU time since the previous lap to `timings[stage]` (nothing without a dict)."""
-
-    def __init__(self, timings: dict | None):
-        self.timings = timings
-        self.last = time.process_time() if timings is not None else 0.0
-
-    def lap(self, stage: str) -> None:
-        if self.timings is not None:
-            now = time.process_time()
-            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.last
-            self.last = now
+def _lap(timings: dict | None, stage: str, since: float) -> float:
+    """Add the CPU time since `since` to `timings[stage]` (nothing without a dict); the time now."""
+    now = time.process_time()
+    if timings is not None:
+        timings[stage] = timings.get(stage, 0.0) + now - since
+    return now
 
 
 class KeypointDataset(Dataset):
@@ -101,12 +95,12 @@ class KeypointDataset(Dataset):
         person_mask (0-255), params, matrix (image px -> input px). `timings` accumulates CPU
         seconds per stage."""
         sample = self.augmented(key, timings)
-        clock = _StageClock(timings)
+        clock = time.process_time()
         sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()
         sample["target"] = render_targets(sample["people"], self.out_size, self.out_size, self.stride,
                                           self.settings.targets, self.skeleton,
                                           mask_fraction(sample["person_mask"]))
-        clock.lap("targets")
+        _lap(timings, "targets", clock)
         return sample
 
     def augmented(self, key, timings: dict | None = None) -> dict:
@@ -114,7 +108,7 @@ class KeypointDataset(Dataset):
         if self._process != os.getpid():
             keep_freed_memory()
             self._process = os.getpid()
-        clock = _StageClock(timings)
+        clock = time.process_time()
         _, index = self.split_key(key)
         img, person = self.h5.sample_ref(index)
         params = self.draw(key)
@@ -123,28 +117,29 @@ class KeypointDataset(Dataset):
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
                                self.settings.augment.person_height, params)
         reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
-        clock.lap("read: people and draw")
+        clock = _lap(timings, "read: people and draw", clock)
         image = self.h5.decode_image(img, reduce)
-        clock.lap("read: picture (HDF5, JPEG decode)")
+        clock = _lap(timings, "read: picture (HDF5, JPEG decode)", clock)
         mask_planes = self.h5.mask_planes(img)
-        clock.lap("read: masks")
+        clock = _lap(timings, "read: masks", clock)
         image = warp_image(image, from_reduced(matrix, reduce), self.size)
-        clock.lap("augment: picture warp")
+        clock = _lap(timings, "augment: picture warp", clock)
         if params.color:
             image = tint(image, params)
-        clock.lap("augment: colour tint")
+        clock = _lap(timings, "augment: colour tint", clock)
         grid = to_grid(matrix, self.stride)
         ignore, person_mask = warp_masks(mask_planes, grid, self.out_size)
         people = transform_people(people, matrix, self.skeleton.flip if params.flip else None)
-        clock.lap("augment: masks and joints")
+        _lap(timings, "augment: masks and joints", clock)
         return {"image": image, "people": people, "ignore": ignore, "person_mask": person_mask,
                 "params": params, "matrix": matrix, "image_index": img, "person_index": person}
 
     def compact_item(self, key, timings: dict | None = None):
         """(uint8 image [S,S,3], people [slots,K,3], uint8 masks [2,h,w]): what a worker sends."""
         sample = self.augmented(key, timings)
-        return compact_sample(sample["image"], pack_people(sample["people"], self.person_slots),
-                              sample["ignore"], sample["person_mask"])
+        people = pack_people(sample["people"], self.person_slots)
+        return (torch.from_numpy(sample["image"]), torch.from_numpy(people),
+                torch.from_numpy(np.stack([sample["ignore"], sample["person_mask"]])))
 
     def __getitem__(self, key):
         return expand(*self.compact_item(key), self.host_painter)

@@ -216,10 +216,9 @@ class KeypointH5:
 
     # -- per image ------------------------------------------------------------------------------
     def image_info(self, img: int) -> dict:
-        meta = self._load_meta()
-        height, width = (int(v) for v in meta["sizes"][img])
+        height, width = self.image_size(img)
         name = _text(self._dataset("images/file_name")[img])
-        return {"id": int(meta["ids"][img]), "file_name": name, "width": width, "height": height}
+        return {"id": int(self._load_meta()["ids"][img]), "file_name": name, "width": width, "height": height}
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
@@ -286,19 +285,10 @@ class KeypointH5:
 
     def coco_ground_truth(self) -> dict:
         """A COCO-format dataset dict of this file, for pycocotools' `COCO` / `COCOeval`."""
-        meta = self._load_meta()
-        f = self._file()
-        names = f["images/file_name"][:]
-        texts = f["images/annotations"][:]
-        images, annotations = [], []
-        for img in range(self.num_images):
-            height, width = (int(v) for v in meta["sizes"][img])
-            images.append({"id": int(meta["ids"][img]), "file_name": _text(names[img]),
-                           "width": width, "height": height})
-            with self._damaged(img, "annotations"):
-                annotations.extend(json.loads(_text(texts[img])))
-        return {"images": images, "annotations": annotations,
-                "categories": meta["categories"]}
+        images = range(self.num_images)
+        return {"images": [self.image_info(img) for img in images],
+                "annotations": [ann for img in images for ann in self.annotations(img)],
+                "categories": self._load_meta()["categories"]}
 
 
 PER_IMAGE = ("images/encoded", "images/file_name", "images/annotations", "images/masks")

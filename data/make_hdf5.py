@@ -75,11 +75,10 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    buf = np.frombuffer(data, np.uint8)
     size = header_size(data)       # the stored pixels' size: EXIF orientation is ignored everywhere
     try:
-        probe = cv2.imdecode(buf, (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR)
-                             | cv2.IMREAD_IGNORE_ORIENTATION)
+        probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
+                             | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
     except cv2.error:
         probe = None
     if probe is None or probe.size == 0:
@@ -150,13 +149,12 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
     for ann in anns:
         crowd = bool(ann.get("iscrowd", 0))
         labelled = 0 if crowd else int((np.asarray(ann["keypoints"][2::3]) > 0).sum())
+        region = region_mask(ann, height, width)
+        person |= region
         if labelled:
             keyed.append(dict(ann, num_keypoints=labelled))
-            person |= region_mask(ann, height, width)
             continue
-        region = region_mask(ann, height, width)
         ignore |= region
-        person |= region
         crowds += crowd
         no_keypoints += not crowd
     return {
@@ -202,8 +200,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
-            _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
-                   skip_bad, progress, summary)
+            _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
@@ -216,9 +213,8 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     return summary
 
 
-def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split, skip_bad, progress,
-           summary):
-    n = len(images)
+def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary):
+    n, split, skeleton = len(images), summary["split"], summary["skeleton"]
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
@@ -227,8 +223,7 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
     names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
     texts = f.create_dataset("images/annotations", (n,), vstr, maxshape=(None,))
     masks = f.create_dataset("images/masks", (n,), vbytes, maxshape=(None,))
-    ids, sizes, people_index, samples, keypoints, boxes = [], [], [], [], [], []
-    people_total = 0
+    ids, sizes, counts, samples, keypoints, boxes = [], [], [], [], [], []
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
         try:
             data = read_image(images_dir, info, ann_path)
@@ -253,12 +248,10 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
         masks[row] = encode_masks(record["ignore"], record["person"])
         ids.append(info["id"])
         sizes.append((info["height"], info["width"]))
-        count = len(record["keypoints"])
-        people_index.append((people_total, count))
+        counts.append(len(record["keypoints"]))
         samples.extend((row, p) for p in record["main"])
         keypoints.append(record["keypoints"])
         boxes.append(record["boxes"])
-        people_total += count
         summary["crowd_regions"] += record["crowds"]
         summary["people_without_keypoints"] += record["no_keypoints"]
     kept = len(ids)
@@ -270,12 +263,12 @@ def _write(f, category, images, by_image, skeleton, ann_path, images_dir, split,
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)
     f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
-    f["images/people"] = np.array(people_index, np.int64).reshape(-1, 2)
+    f["images/people"] = np.stack([np.cumsum([0] + counts[:-1]), counts], 1).astype(np.int64)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
     f["people/keypoints"] = (np.concatenate(keypoints) if keypoints
                              else np.zeros((0, skeleton.num_keypoints, 3), np.float32))
     f["people/box"] = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
-    summary.update(images=kept, samples=len(samples), people=people_total)
+    summary.update(images=kept, samples=len(samples), people=sum(counts))
 
 
 def format_summary(summary: dict) -> str:
@@ -291,11 +284,9 @@ def format_summary(summary: dict) -> str:
     if summary["split"] == "train":
         lines.append(f"train split: {summary['images']} of "
                      f"{summary['images'] + summary['skipped'].get(kind, 0)} pictures kept, {rule}")
-    for reason, count in sorted(summary["skipped"].items()):
-        if reason == kind:
-            continue
-        lines.append(f"skipped {count} images: {reason}" if reason != "bad annotation" else
-                     f"skipped {count} annotations of unknown images")
+    lines += [f"skipped {count} images: {reason}" if reason != "bad annotation" else
+              f"skipped {count} annotations of unknown images"
+              for reason, count in sorted(summary["skipped"].items()) if reason != kind]
     return "\n".join(lines)
 
 
@@ -355,9 +346,8 @@ def _main(argv=None) -> int:
     if args.list_skeletons:
         print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
-    missing = [o for o, v in (("--ann", args.ann), ("--images", args.images)) if not v]
-    if not args.out and not args.dump_skeleton:
-        missing.append("--out")
+    given = {"--ann": args.ann, "--images": args.images, "--out": args.out or args.dump_skeleton}
+    missing = [option for option, value in given.items() if not value]
     if missing:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
                           "(see python -m data.make_hdf5 --help)")

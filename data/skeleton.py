@@ -206,7 +206,63 @@ class Skeleton:
     @classmethod
     def from_spec(cls, spec, source: str) -> "Skeleton":
         """A checked skeleton from its mapping; `ConfigError` naming `source` when it is wrong."""
-        return _build(spec, source)
+        if not isinstance(spec, dict):
+            _fail(source, "a skeleton must be a mapping with keypoints and limbs")
+        unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
+                               "redundant", "flip", "metric", "pck_threshold", "pck_normalize"}
+        if unknown:
+            _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
+        dataset = _names(spec.get("keypoints") or [], "keypoints", source)
+        if not dataset:
+            _fail(source, "the skeleton has no keypoints")
+        derived_spec = spec.get("derived") or {}
+        if not isinstance(derived_spec, dict):
+            _fail(source, "derived must map a new keypoint to the [keypoint, keypoint] it is the middle of")
+        extra = [n for n in derived_spec if n not in dataset]
+        if len(extra) != len(derived_spec):
+            _fail(source, f"derived keypoint {next(n for n in derived_spec if n in dataset)!r} is "
+                  "already a keypoint of the annotations")
+        names = _names(spec.get("channels") or dataset + extra, "channels", source)
+        if sorted(names) != sorted(dataset + extra):
+            _fail(source, "channels must list every keypoint and derived keypoint once "
+                  f"({', '.join(map(repr, dataset + extra))})")
+        index = {name: k for k, name in enumerate(names)}
+        for n in extra:
+            parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []
+            outside = next((p for p in parts if p in index and p not in dataset), None)
+            if outside is not None:
+                _fail(source, f"derived {n}: {list(parts)} uses {outside!r}, which is not a keypoint of the "
+                      "annotations (a derived keypoint is the middle of two annotated ones)")
+        derived = tuple((index[n], *_pairs([derived_spec[n]], f"derived {n}", index, source)[0])
+                        for n in extra)
+        main = _pairs(spec.get("limbs"), "limbs", index, source)
+        limbs = main + _pairs(spec.get("redundant"), "redundant", index, source)
+        if not main:
+            _fail(source, "the skeleton has no limbs (give limbs: [[keypoint, keypoint], ...])")
+        seen: set = set()
+        for a, b in limbs:
+            if (a, b) in seen or (b, a) in seen:
+                _fail(source, f"limb {[names[a], names[b]]} is listed twice")
+            seen.add((a, b))
+        reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
+        lost = [name for k, name in enumerate(names) if k not in reached]
+        if lost:
+            _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
+                  f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
+        flip = _flip_of(spec, names, index, source)
+        for a, b in limbs:
+            if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
+                _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
+                      f"{[names[flip[a]], names[flip[b]]]} (add it, or fix the flip pairs)")
+        sigmas = spec.get("sigmas", DEFAULT_SIGMA)
+        sigmas = [sigmas] * len(dataset) if isinstance(sigmas, (int, float)) else sigmas
+        if (not isinstance(sigmas, (list, tuple)) or len(sigmas) != len(dataset)
+                or not all(isinstance(s, (int, float)) and s > 0 for s in sigmas)):
+            _fail(source, f"sigmas must be one positive number or {len(dataset)} of them (one per keypoint)")
+        return cls(name=str(spec.get("name") or "custom"), keypoints=tuple(names), limbs=tuple(limbs),
+                   main_limbs=len(main), flip=tuple(flip), dataset_keypoints=tuple(dataset),
+                   sigmas=tuple(float(s) for s in sigmas), derived=derived,
+                   scoring=parse_scoring(spec, dataset, source))
 
 
 def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
@@ -257,11 +313,9 @@ def _fail(source: str, problem: str):
 def _names(value, what: str, source: str) -> list:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
         _fail(source, f"{what} must be a list of keypoint names")
-    seen = set()
-    for name in value:
-        if name in seen:
-            _fail(source, f"keypoint {name!r} is listed twice in {what}")
-        seen.add(name)
+    twice = next((name for k, name in enumerate(value) if name in value[:k]), None)
+    if twice is not None:
+        _fail(source, f"keypoint {twice!r} is listed twice in {what}")
     return list(value)
 
 
@@ -312,70 +366,6 @@ def limb_walk(count: int, limbs, start: int = 0) -> list:
                 todo.append(other)
                 walked.append((here, other))
     return walked
-
-
-def _check_reachable(names: list, limbs: list, source: str) -> None:
-    seen = {0} | {b for _, b in limb_walk(len(names), limbs)}
-    lost = [names[k] for k in range(len(names)) if k not in seen]
-    if lost:
-        _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
-              f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
-
-
-def _build(spec, source: str) -> Skeleton:
-    if not isinstance(spec, dict):
-        _fail(source, "a skeleton must be a mapping with keypoints and limbs")
-    unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
-                           "redundant", "flip", "metric", "pck_threshold", "pck_normalize"}
-    if unknown:
-        _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
-    dataset = _names(spec.get("keypoints") or [], "keypoints", source)
-    if not dataset:
-        _fail(source, "the skeleton has no keypoints")
-    derived_spec = spec.get("derived") or {}
-    if not isinstance(derived_spec, dict):
-        _fail(source, "derived must map a new keypoint to the [keypoint, keypoint] it is the middle of")
-    extra = [n for n in derived_spec if n not in dataset]
-    if len(extra) != len(derived_spec):
-        _fail(source, f"derived keypoint {next(n for n in derived_spec if n in dataset)!r} is "
-              "already a keypoint of the annotations")
-    names = _names(spec.get("channels") or dataset + extra, "channels", source)
-    if sorted(names) != sorted(dataset + extra):
-        _fail(source, "channels must list every keypoint and derived keypoint once "
-              f"({', '.join(map(repr, dataset + extra))})")
-    index = {name: k for k, name in enumerate(names)}
-    for n in extra:
-        parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []
-        outside = next((p for p in parts if p in index and p not in dataset), None)
-        if outside is not None:
-            _fail(source, f"derived {n}: {list(parts)} uses {outside!r}, which is not a keypoint of the "
-                  "annotations (a derived keypoint is the middle of two annotated ones)")
-    derived = tuple((index[n], *_pairs([derived_spec[n]], f"derived {n}", index, source)[0])
-                    for n in extra)
-    main = _pairs(spec.get("limbs"), "limbs", index, source)
-    limbs = main + _pairs(spec.get("redundant"), "redundant", index, source)
-    if not main:
-        _fail(source, "the skeleton has no limbs (give limbs: [[keypoint, keypoint], ...])")
-    seen: set = set()
-    for a, b in limbs:
-        if (a, b) in seen or (b, a) in seen:
-            _fail(source, f"limb {[names[a], names[b]]} is listed twice")
-        seen.add((a, b))
-    _check_reachable(names, limbs, source)
-    flip = _flip_of(spec, names, index, source)
-    for a, b in limbs:
-        if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
-            _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
-                  f"{[names[flip[a]], names[flip[b]]]} (add it, or fix the flip pairs)")
-    sigmas = spec.get("sigmas", DEFAULT_SIGMA)
-    sigmas = [sigmas] * len(dataset) if isinstance(sigmas, (int, float)) else sigmas
-    if (not isinstance(sigmas, (list, tuple)) or len(sigmas) != len(dataset)
-            or not all(isinstance(s, (int, float)) and s > 0 for s in sigmas)):
-        _fail(source, f"sigmas must be one positive number or {len(dataset)} of them (one per keypoint)")
-    return Skeleton(name=str(spec.get("name") or "custom"), keypoints=tuple(names),
-                    limbs=tuple(limbs), main_limbs=len(main), flip=tuple(flip),
-                    dataset_keypoints=tuple(dataset), sigmas=tuple(float(s) for s in sigmas),
-                    derived=derived, scoring=parse_scoring(spec, dataset, source))
 
 
 # -- where skeletons come from ---------------------------------------------------------------------

@@ -38,10 +38,10 @@ def matching_builtin(names, count: int | None = None) -> Skeleton | None:
     return None
 
 
-def _listed(items) -> str:
+def listed(items, shown: int = SHOWN) -> str:
     items = list(items)
-    more = f", ... ({len(items)} in all)" if len(items) > SHOWN else ""
-    return ", ".join(str(i) for i in items[:SHOWN]) + more
+    more = f", ... ({len(items)} in all)" if len(items) > shown else ""
+    return ", ".join(str(i) for i in items[:shown]) + more
 
 
 def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list, list]:
@@ -150,18 +150,6 @@ def _joins(links: list, flip: list, distance: np.ndarray, among) -> list:
     return added
 
 
-def _complete(pairs: list, flip: list, points: np.ndarray) -> tuple[list, list, list]:
-    """(all links, mirrors added, links added): the file's links completed (`_joins`)."""
-    count = len(flip)
-    links = list(pairs)
-    mirrors = [m for m in dict.fromkeys((flip[a], flip[b]) for a, b in pairs)
-               if m[0] != m[1] and m not in links and m[::-1] not in links]
-    links += mirrors
-    distance = _mean_distances(points) if len(points) else np.full((count, count), np.inf)
-    joins = _joins(links, flip, distance, range(count))
-    return links + joins, mirrors, joins
-
-
 def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[Skeleton, list]:
     """(skeleton, report lines): `skeleton` with links (and mirrors) added, nearest first, where
     the keypoints `points` label reach each other only through keypoints never labelled."""
@@ -182,7 +170,7 @@ def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[
             if skeleton.name in builtin_names() and skeleton == builtin(skeleton.name) else "")
     return Skeleton.from_spec(spec, source), [
         f"{skeleton.name}'s links join the keypoints this file labels only through keypoints it never "
-        f"labels ({_listed(never)}): added {_listed(f'{names[a]}-{names[b]}' for a, b in added)} "
+        f"labels ({listed(never)}): added {listed(f'{names[a]}-{names[b]}' for a, b in added)} "
         f"(nearest in the data){keep}", SAME_SKELETON]
 
 
@@ -191,7 +179,10 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
     """(skeleton, report lines) for a category whose keypoints `names` no built-in has."""
     pairs, report = _links(category, len(names), source, links_from)
     flip = name_flips(names)
-    links, mirrors, joins = _complete(pairs, flip, points)
+    mirrors = [m for m in dict.fromkeys((flip[a], flip[b]) for a, b in pairs)
+               if m[0] != m[1] and m not in pairs and m[::-1] not in pairs]
+    joins = _joins(pairs + mirrors, flip, _mean_distances(points), range(len(names)))   # inf: no people
+    links = pairs + mirrors + joins
     degree = np.bincount(np.array(links, int).reshape(-1), minlength=len(names))
     start = int(np.argmax(degree))
     main = limb_walk(len(names), links, start)
@@ -206,17 +197,17 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
     given = f"{len(pairs)} links from the JSON" if pairs else "no links in the JSON"
     report.insert(0, f"{skeleton.describe()} inferred from the JSON ({given}; main limbs: a tree "
                   f"from {names[start]})")
-    show = lambda found: _listed(f"{names[a]}-{names[b]}" for a, b in found)   # noqa: E731
+    show = lambda found: listed(f"{names[a]}-{names[b]}" for a, b in found)   # noqa: E731
     if mirrors:
         report.append(f"links added as mirrors of the JSON's: {show(mirrors)}")
     if joins:
         report.append(f"links added to reach every keypoint (nearest in the data): {show(joins)}")
         report.append(SAME_SKELETON)
     pairs_found = [f"{names[k]}/{names[f]}" for k, f in enumerate(flip) if k < f]
-    report.append(f"flip pairs: {_listed(pairs_found) if pairs_found else 'none found in the names'}")
+    report.append(f"flip pairs: {listed(pairs_found) if pairs_found else 'none found in the names'}")
     alone = unpaired_sided(names)
     if alone:
-        report.append(f"warning: keypoints that name a side have no partner: {_listed(alone)} "
+        report.append(f"warning: keypoints that name a side have no partner: {listed(alone)} "
                       "(flip augmentation leaves them in place; give flip pairs with --skeleton)")
     report.append(f"OKS sigma {DEFAULT_SIGMA} for every keypoint (none published for these "
                   "keypoints); --dump-skeleton FILE.yaml writes this skeleton to edit")

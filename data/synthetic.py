@@ -119,9 +119,7 @@ def _polygons(mask: np.ndarray) -> list:
 
 
 def _box(mask: np.ndarray) -> list:
-    ys, xs = np.nonzero(mask)
-    return [float(xs.min()), float(ys.min()), float(xs.max() - xs.min() + 1),
-            float(ys.max() - ys.min() + 1)]
+    return [float(v) for v in cv2.boundingRect(mask)]
 
 
 def _uncompressed_rle(mask: np.ndarray) -> dict:
@@ -236,17 +234,17 @@ def _animal_pose(rng: np.random.Generator) -> dict:
     return pose
 
 
-def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
-    """Draw 1-3 animals into `image` (BGR, changed in place); their annotations (without ids)."""
+def draw_animals(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
+    """One image of 1-3 animals seen from above and their annotations (without ids)."""
     skeleton = builtin(ANIMAL)
-    height, width = image.shape[:2]
+    image = _background(rng, size, size)
+    height = width = size
     anns = []
     for _ in range(int(rng.choice([1, 2, 3], p=[0.4, 0.35, 0.25]))):
         size = rng.uniform(0.4, 0.75) * height
-        angle = math.radians(rng.uniform(-15, 15))
-        rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+        angle = rng.uniform(-15, 15)
         centre = rng.uniform(0.25 * size, (width - 0.25 * size, height - 0.25 * size))
-        pose = {k: rot @ v * size + centre for k, v in _animal_pose(rng).items()}
+        pose = {k: _place(v, size, angle, centre) for k, v in _animal_pose(rng).items()}
         mask = np.zeros((height, width), np.uint8)
 
         def pt(name):
@@ -266,7 +264,7 @@ def _draw_animals(rng: np.random.Generator, image: np.ndarray) -> list:
                            _kind(name, ANIMAL_JOINT_COLOURS), -1, cv2.LINE_AA, 4)
         xy = np.array([pose[n] for n in skeleton.dataset_keypoints])
         _annotate(anns, xy, np.full(len(xy), 2.0), mask)
-    return anns
+    return image, anns
 
 
 def _category(skeleton_name: str) -> dict:
@@ -282,7 +280,7 @@ def _category(skeleton_name: str) -> dict:
                          for a, b in skeleton.limbs]}
 
 
-SKELETONS = ("coco", ANIMAL)
+DRAWINGS = {"coco": draw_image, ANIMAL: draw_animals}      # --skeleton: what is drawn
 
 
 def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
@@ -294,11 +292,7 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
     folder.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []
     for n in range(count):
-        if skeleton == "coco":
-            image, anns = draw_image(rng, size)
-        else:
-            image = _background(rng, size, size)
-            anns = _draw_animals(rng, image)
+        image, anns = DRAWINGS[skeleton](rng, size)
         image_id = split_index * 1_000_000 + n + 1
         name = f"{image_id:012d}.jpg"
         cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
@@ -363,19 +357,6 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
     return paths
 
 
-def refuse_existing_dataset(out_dir: Path, overwrite: bool) -> None:
-    """ConfigError when `out_dir` holds a dataset's files (without `overwrite`) or is a file."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
-    for split in ("train", "val"):
-        refuse_existing("--out", out_dir / f"{split}.json", overwrite)
-        folder = out_dir / split
-        if not overwrite and folder.is_dir() and any(folder.iterdir()):
-            raise ConfigError(f"--out {out_dir}: its folder {split}/ already holds files; remove them, "
-                              "choose another --out or pass --overwrite to replace the dataset "
-                              "(nothing was written)")
-
-
 def _main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")
@@ -383,14 +364,23 @@ def _main(argv=None) -> int:
     parser.add_argument("--val-images", type=int, default=50)
     parser.add_argument("--size", type=int, default=192, help="image side in pixels")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skeleton", default="coco", choices=SKELETONS,
+    parser.add_argument("--skeleton", default="coco", choices=DRAWINGS,
                         help="what to draw: people (coco, default) or four-legged animals (quadruped)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a dataset already in --out (its JSONs and pictures)")
     args = parser.parse_args(argv)
     if args.size < 64 or args.train_images < 1 or args.val_images < 1:
         raise ConfigError("--size must be >= 64 and the image counts >= 1")
-    refuse_existing_dataset(Path(args.out), args.overwrite)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: a file, not a folder; choose a folder for the dataset")
+    for split in ("train", "val"):           # nothing of an existing dataset is replaced unasked
+        refuse_existing("--out", out_dir / f"{split}.json", args.overwrite)
+        folder = out_dir / split
+        if not args.overwrite and folder.is_dir() and any(folder.iterdir()):
+            raise ConfigError(f"--out {out_dir}: its folder {split}/ already holds files; remove them, "
+                              "choose another --out or pass --overwrite to replace the dataset "
+                              "(nothing was written)")
     paths = write_dataset(args.out, args.train_images, args.val_images, args.size, args.seed,
                           args.skeleton, args.overwrite)
     print(f"wrote {paths['train']} ({args.train_images} images) and {paths['val']} "

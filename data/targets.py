@@ -53,8 +53,10 @@ def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: fl
     np.maximum.at(maps.reshape(-1), cell[inside], stamps[inside])
 
 
-def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height: int, width: int):
-    """Per labelled (person, limb): limb index, endpoints and the clipped cell window of its box."""
+def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
+                margin: float) -> None:
+    """Mean of one perpendicular-distance Gaussian per labelled limb into maps [L,H,W]."""
+    height, width = maps.shape[1:]
     ends_a, ends_b = people[:, [a for a, _ in limbs]], people[:, [b for _, b in limbs]]
     person, limb = np.nonzero((ends_a[:, :, 2] > 0) & (ends_b[:, :, 2] > 0))
     a = ends_a[person, limb, :2].astype(np.float64)
@@ -63,15 +65,8 @@ def _limb_windows(people: np.ndarray, limbs, stride: int, margin: float, height:
                          stride, width)
     i0, i1 = _cell_range(np.minimum(a[:, 1], b[:, 1]) - margin, np.maximum(a[:, 1], b[:, 1]) + margin,
                          stride, height)
-    keep = (j1 > j0) & (i1 > i0)
-    return limb[keep], a[keep], b[keep], i0[keep], i1[keep], j0[keep], j1[keep]
-
-
-def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma: float,
-                margin: float) -> None:
-    """Mean of one perpendicular-distance Gaussian per labelled limb into maps [L,H,W]."""
-    height, width = maps.shape[1:]
-    limb, a, b, i0, i1, j0, j1 = _limb_windows(people, limbs, stride, margin, height, width)
+    keep = (j1 > j0) & (i1 > i0)                          # each limb's window: its box widened by margin
+    limb, a, b, i0, i1, j0, j1 = (v[keep] for v in (limb, a, b, i0, i1, j0, j1))
     if limb.size == 0:
         return
     delta = b - a

@@ -22,13 +22,6 @@ def pack_people(people: np.ndarray, slots: int) -> np.ndarray:
     return packed
 
 
-def compact_sample(image_bgr: np.ndarray, people: np.ndarray, ignore: np.ndarray,
-                   person_mask: np.ndarray):
-    """(uint8 BGR image [S,S,3], packed people [P,K,3], uint8 masks [2,h,w]) tensors of a sample."""
-    return (torch.from_numpy(image_bgr), torch.from_numpy(people),
-            torch.from_numpy(np.stack([ignore, person_mask])))
-
-
 def is_compact(batch) -> bool:
     """Whether `batch` (a sample or a collated batch) still holds the compact uint8 image."""
     return batch[0].dtype == torch.uint8
