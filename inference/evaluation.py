@@ -25,7 +25,7 @@ from inference.coco_eval import coco_keypoint_stats, keypoint_recall
 from inference.estimator import PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
-from inference.predict import TorchNetwork
+from inference.predict import as_network
 
 
 @contextlib.contextmanager
@@ -94,9 +94,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 yield maps
         people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
-        network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
-        people = PoseEstimator(network, settings).grouped(pictures)    # large pictures: their pixels
+        people = PoseEstimator(as_network(model, device), settings).grouped(pictures)  # large: their pixels
     found = {}
     for _, keypoints, scores in people:
         image_id = h5.image_info(taken.popleft())["id"]

@@ -64,8 +64,9 @@ def pictures_per_forward(size: tuple[int, int], settings: PredictSettings) -> in
     return max(1, settings.inference.batch_size * settings.input_size ** 2 // (size[0] * size[1]))
 
 
-def _as_network(model):
-    return TorchNetwork(model) if isinstance(model, torch.nn.Module) else model
+def as_network(model, device=None):
+    """A model of this project as a `TorchNetwork` (`device`: where it is); a network as it is."""
+    return TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
 
 
 @torch.no_grad()
@@ -74,7 +75,7 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictS
     """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
     and flip; `model`: a model of this project (in eval mode) or a network of this module."""
     inference = settings.inference
-    network = _as_network(model)
+    network = as_network(model)
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     multiple = getattr(network, "size_multiple", input_multiple())
     totals: list = [None] * len(pictures_bgr)
@@ -105,5 +106,4 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictS
 
 def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:
     """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
-    network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
-    return predict_maps_batch(network, [picture_bgr], settings)[0]
+    return predict_maps_batch(as_network(model, device), [picture_bgr], settings)[0]
