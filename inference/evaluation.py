@@ -19,6 +19,7 @@ from common.errors import DataError
 from common.paths import written_whole
 from config.schema import TargetConfig
 from config.views import PredictSettings
+from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
@@ -26,19 +27,6 @@ from inference.estimator import PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import as_network
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
-    module = model if isinstance(model, torch.nn.Module) else torch.nn.Module()  # ONNX: no mode
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield model
-    finally:
-        module.train(was_training)
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:

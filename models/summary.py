@@ -13,6 +13,7 @@ from torch.func import functional_call
 from common.errors import ArgumentParser, run_cli
 from config.schema import add_flags
 from data.skeleton import load_skeleton
+from models.imhn import eval_mode
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
@@ -31,13 +32,10 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
             handles.append(module.register_forward_hook(hook))
     meta_state = {name: torch.empty_like(t, device="meta")
                   for name, t in list(model.named_parameters()) + list(model.named_buffers())}
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model):
             functional_call(model, meta_state, (torch.zeros(1, 3, height, width, device="meta"),))
     finally:
-        model.train(was_training)
         for handle in handles:
             handle.remove()
     return sum(per_module.values()), dict(per_module)
