@@ -131,21 +131,19 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
 
 def find_latest_checkpoint(run_dir) -> Path | None:
     """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
-    best, best_order = None, None
+    order = {}
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
             state = load_checkpoint(path, mmap=True)
             step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-            order = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-                     path.name == "last.pth", path.stat().st_mtime)
+            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                           path.name == "last.pth", path.stat().st_mtime)
         except (CheckpointError, OSError) as exc:
             reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
             raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
                                   f"of {run_dir}, or resume from another checkpoint with --resume PATH"
                                   ) from None
-        if best_order is None or order > best_order:
-            best, best_order = path, order
-    return best
+    return max(order, key=order.get, default=None)
 
 
 # ------------------------------------------------------------------------------------ RNG states
