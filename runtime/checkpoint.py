@@ -240,9 +240,8 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     else:
         weights = _find_weights(obj, source)
     expected = target.state_dict()
-    candidates = (weights, {WRAPPERS.sub("", k): v for k, v in weights.items()},
-                  {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
-    weights = max(candidates, key=lambda named: sum(k in expected for k in named))
+    stripped = {WRAPPERS.sub("", k): v for k, v in weights.items()}   # `target` is unwrapped: never added
+    weights = max((weights, stripped), key=lambda named: sum(k in expected for k in named))
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     mismatched = [f"{k} (file {list(v.shape)}, model {list(expected[k].shape)})"
