@@ -5,6 +5,7 @@ every world-th image; rank 0 scores the gathered results and broadcasts the stat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -61,15 +62,8 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
     """{image id: COCO results} of the image indices given; `stop()` True: the images so far."""
-    taken: deque = deque()
-
-    def until_stopped():
-        for img in indices:
-            if stop is not None and stop():
-                return
-            taken.append(img)
-            yield img
-    chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
+    until_stopped = itertools.takewhile(lambda _: stop is None or not stop(), indices)
+    chosen = tqdm(until_stopped, total=len(indices), desc="evaluate", unit="img", disable=not progress,
                   dynamic_ncols=True)
     skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `evaluate_h5` checks
     if oracle:
@@ -85,8 +79,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
         people = PoseEstimator(as_network(model, device), settings).grouped(pictures)  # large: their pixels
     found = {}
-    for _, keypoints, scores in people:
-        image_id = h5.image_info(taken.popleft())["id"]
+    for img, (_, keypoints, scores) in zip(indices, people):     # in the order of `indices`
+        image_id = h5.image_info(img)["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
         for result, person in zip(found[image_id], skeleton.to_dataset_order(keypoints)):
             result["keypoint_scores"] = [round(float(v), 4) for v in person[:, 2]]
