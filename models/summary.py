@@ -13,7 +13,8 @@ from torch.func import functional_call
 from common.errors import ArgumentParser, run_cli
 from config.schema import add_flags
 from data.skeleton import load_skeleton
-from models.imhn import eval_mode
+from models.imhn import build_model, eval_mode
+
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
@@ -57,7 +58,6 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
 
 def _main(argv: list[str] | None = None) -> int:
     from config.loader import build_config, check_input_size
-    from models.imhn import build_model
 
     parser = ArgumentParser(prog="python -m models.summary",
                                      description=__doc__.splitlines()[0])
