@@ -1,8 +1,5 @@
-"""Videos for demo.py: reading a file or a camera frame by frame, writing an annotated video.
-
-Opening errors are `DataError`s naming the option (FFmpeg's own log lines silenced). The video is
-written to a temporary file beside its target and renamed onto it once read back complete.
-"""
+"""Videos for demo.py: a file or a camera read frame by frame (`DataError`s name the option; FFmpeg's
+own log lines silenced), an annotated video written beside its target, renamed onto it once whole."""
 from __future__ import annotations
 
 import contextlib
