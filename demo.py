@@ -110,18 +110,18 @@ def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Pat
     return written
 
 
-def draw_video(estimator, opened, frames_total: int, fps: float, target, heatmaps: bool,
-               overwrite: bool = False) -> None:
+def draw_video(estimator, opened, target, heatmaps: bool, overwrite: bool) -> None:
     """Annotate every frame of `opened` into the video `target` (None: a live window); prints frames/s."""
     from tqdm import tqdm
 
-    from inference.video import frames, video_out
+    from inference.video import frame_rate, frames, video_out
 
-    first = opened[1]
-    size = (first.shape[1] * (2 if heatmaps else 1), first.shape[0])
+    capture, first = opened
+    total = max(int(capture.get(cv2.CAP_PROP_FRAME_COUNT)), 0) if target is not None else 0
+    size, fps = (first.shape[1] * (2 if heatmaps else 1), first.shape[0]), frame_rate(capture)
     start, count = time.perf_counter(), 0
     with (video_out(target, fps, size, overwrite) if target is not None else live_window()) as show, \
-            tqdm(total=frames_total or None, desc="video", unit="frame", dynamic_ncols=True,
+            tqdm(total=total or None, desc="video", unit="frame", dynamic_ncols=True,
                  disable=target is None) as bar:
         for picture, prediction in with_predictions(estimator, frames(*opened)):
             closed = show(annotated(picture, prediction, heatmaps, estimator.skeleton))   # q or Esc
@@ -152,7 +152,7 @@ def live_window():
 
 def run(args) -> list[Path]:
     from inference.estimator import PoseEstimator
-    from inference.video import check_video_out, frame_rate, open_camera, open_video
+    from inference.video import check_video_out, open_camera, open_video
 
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
@@ -174,9 +174,7 @@ def run(args) -> list[Path]:
         return draw_pictures(estimator, pairs, args.heatmaps, args.overwrite)
     if target is None:      # live: show each frame as soon as it is done
         estimator.settings.inference.batch_size = estimator.settings.inference.decode_threads = 1
-    total = int(opened[0].get(cv2.CAP_PROP_FRAME_COUNT)) if target is not None else 0
-    draw_video(estimator, opened, max(total, 0), frame_rate(opened[0]), target, args.heatmaps,
-               args.overwrite)
+    draw_video(estimator, opened, target, args.heatmaps, args.overwrite)
     return [target] if target is not None else []
 
 

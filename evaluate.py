@@ -168,16 +168,10 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
                                         for name, (n, r) in recall.items()})
 
 
-def _file_skeleton(h5_path: str):
-    from data.h5format import KeypointH5
-
-    with contextlib.closing(KeypointH5(h5_path)) as h5:
-        return h5.skeleton
-
-
 def run(args) -> dict:
     from config.loader import build_config
     from config.views import PredictSettings
+    from data.h5format import KeypointH5
     from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
     from inference.evaluation import evaluate_h5
     from inference.estimator import PoseEstimator
@@ -202,7 +196,8 @@ def run(args) -> dict:
                                                            args.scales, args.flip))
         skeleton = model.skeleton if model is not None else None
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
-        file_skeleton = _file_skeleton(h5_path)
+        with contextlib.closing(KeypointH5(h5_path)) as h5:
+            file_skeleton = h5.skeleton
         scoring = _scoring(args, file_skeleton)
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,

@@ -76,9 +76,7 @@ _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check `value` against the type of the field's default (ints accepted for floats)."""
-    kind = type(default)
-    if kind not in _EXPECTED:                # None: a union field, checked by its choices
-        return value
+    kind = type(default)                     # not a union field: `_apply` leaves those to their choices
     if value is None:
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...").strip()
         raise ConfigError(f"option {key}: expected {_EXPECTED[kind]}, got null (an empty value in YAML); "

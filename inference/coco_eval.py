@@ -1,18 +1,9 @@
 """Scores of a list of results against the labelled people: COCO keypoint AP by pycocotools
-(iouType='keypoints'), quietly, and PCK, AUC and EPE as mmpose's PCKAccuracy, AUC and EPE define them.
-
-OKS uses the skeleton's sigmas; no results give AP 0; annotations are renumbered 1, 2, ... in the
-copy scored (pycocotools reads id 0 as "no match"). `matched_people` pairs labelled and found
-people; `keypoint_recall` counts each keypoint's points found at the right place. The distances,
-bottom-up, score each labelled person against the found person paired with it; a point that person
-lacks is a miss.
-
-- PCK: per keypoint, the share of its labelled points closer than `threshold` x the person's
-  normaliser (the box's longer side, or the distance of two labelled keypoints; a person without
-  one is counted in `PCK_unnormalised`), then the mean over the keypoints labelled at all.
-- AUC: the mean PCK at AUC_STEPS thresholds from 0 to AUC_PIXELS pixels (mmpose: 30, 20).
-- EPE: the mean distance in pixels over the points found; `EPE_found` is their share.
-A stat nothing defines is -1, as pycocotools reports such stats.
+(iouType='keypoints'), quietly, with the skeleton's sigmas, and PCK, AUC and EPE as mmpose's
+PCKAccuracy, AUC and EPE define them (docs/evaluation.md). No results give AP 0; annotations are
+renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as "no match"). `matched_people`
+pairs labelled and found people, whose distances (a point the found person lacks: a miss) PCK, AUC
+and EPE score; a stat nothing defines is -1, as pycocotools reports such stats.
 """
 from __future__ import annotations
 
@@ -21,8 +12,7 @@ import io
 
 import numpy as np
 
-STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")
-"""The first six entries of COCOeval.stats for keypoints, in order."""
+STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")    # COCOeval.stats[:6] for keypoints
 
 
 def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None) -> dict:

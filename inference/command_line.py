@@ -1,8 +1,5 @@
-"""The options evaluate.py, demo.py and export.py share, declared once as an argparse parent parser
-(`ArgumentParser(parents=[weights_options(...)])`): the network to load (--weights), the config a
-bare state dict is read with (--preset, --set), --overwrite of the output, and for the scripts that
-decode pictures the flags of inference.scales, inference.flip and train.device (config/schema.py);
-and the scripts' `main`."""
+"""The options evaluate.py, demo.py and export.py share (an argparse parent parser: --weights, --preset,
+--set, --overwrite, and --scales, --flip, --device for those that decode pictures) and their `main`."""
 from __future__ import annotations
 
 from common.errors import ArgumentParser, run_cli

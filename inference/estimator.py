@@ -27,7 +27,7 @@ from config.views import PredictSettings
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
-from inference.predict import TorchNetwork, predict_maps_batch
+from inference.predict import as_network, predict_maps_batch
 
 COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
 
@@ -99,11 +99,10 @@ class PoseEstimator:
     """A network (a model of this project, or an `OnnxNetwork`) with the settings it runs at."""
 
     def __init__(self, network, settings: PredictSettings):
-        self.network = TorchNetwork(network) if isinstance(network, torch.nn.Module) else network
+        self.network = as_network(network)
         self.settings = settings
         self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
-        self.config: Config | None = None           # the whole config of the file it came from
-                                                    # (None when built from a network and settings)
+        self.config: Config | None = None           # the whole config of the file it came from, if any
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
 
     @classmethod

@@ -5,6 +5,7 @@ every world-th image; rank 0 scores the gathered results and broadcasts the stat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,26 +20,14 @@ from common.errors import DataError
 from common.paths import written_whole
 from config.schema import TargetConfig
 from config.views import PredictSettings
+from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
 from inference.estimator import PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
-from inference.predict import TorchNetwork
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
-    module = model if isinstance(model, torch.nn.Module) else torch.nn.Module()  # ONNX: no mode
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield model
-    finally:
-        module.train(was_training)
+from inference.predict import as_network
 
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
@@ -73,15 +62,8 @@ def read_ahead(items: Iterable, count: int) -> Iterator:
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
     """{image id: COCO results} of the image indices given; `stop()` True: the images so far."""
-    taken: deque = deque()
-
-    def until_stopped():
-        for img in indices:
-            if stop is not None and stop():
-                return
-            taken.append(img)
-            yield img
-    chosen = tqdm(until_stopped(), total=len(indices), desc="evaluate", unit="img", disable=not progress,
+    until_stopped = itertools.takewhile(lambda _: stop is None or not stop(), indices)
+    chosen = tqdm(until_stopped, total=len(indices), desc="evaluate", unit="img", disable=not progress,
                   dynamic_ncols=True)
     skeleton, category_id = h5.skeleton, h5.category_id       # the model's: `evaluate_h5` checks
     if oracle:
@@ -94,12 +76,11 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 yield maps
         people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
-        network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
         pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
-        people = PoseEstimator(network, settings).grouped(pictures)    # large pictures: their pixels
+        people = PoseEstimator(as_network(model, device), settings).grouped(pictures)  # large: their pixels
     found = {}
-    for _, keypoints, scores in people:
-        image_id = h5.image_info(taken.popleft())["id"]
+    for img, (_, keypoints, scores) in zip(indices, people):     # in the order of `indices`
+        image_id = h5.image_info(img)["id"]
         found[image_id] = to_coco_results(image_id, keypoints, scores, skeleton, category_id)
         for result, person in zip(found[image_id], skeleton.to_dataset_order(keypoints)):
             result["keypoint_scores"] = [round(float(v), 4) for v in person[:, 2]]
@@ -115,8 +96,6 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
     .jsonl). `stop()` True on any rank: every rank returns None."""
     from data.h5format import KeypointH5
 
-    if model is None and not oracle:
-        raise ValueError("evaluate_h5 needs a model unless oracle=True")
     if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     with contextlib.closing(KeypointH5(h5_path)) as h5:
@@ -187,6 +166,4 @@ def _write_results(path, overwrite: bool, results: list, merged: dict, gt: dict,
 
 def training_evaluator():
     """The AP part of a training run: `evaluate_h5`, looked up when called (tests replace it)."""
-    def evaluate(model, h5_path, settings: PredictSettings, device, **options):
-        return evaluate_h5(model, h5_path, settings, device, **options)
-    return evaluate
+    return lambda *args, **options: evaluate_h5(*args, **options)

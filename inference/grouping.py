@@ -132,8 +132,9 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     first = 0
     while first < len(limbs):                   # limbs [first, last) together: one matching
         last = first + max(1, int(np.searchsorted(np.cumsum(pairs[first:]), PAIR_BUDGET, "right")))
-        found = [_accepted(limb_maps, ends, bounds, count_b, first, last, lo, x, y, peak_score, cfg)
-                 for lo in range(0, int(pairs[first:last].sum()), PAIR_BUDGET)]
+        some = pairs[first:last]
+        found = [_accepted(limb_maps, ends, bounds, count_b, some, first, lo, x, y, peak_score, cfg)
+                 for lo in range(0, int(some.sum()), PAIR_BUDGET)]
         if found:
             limb, local_a, local_b, score, length, rank = (np.concatenate(f) for f in zip(*found))
             shape = (last - first, count_a[first:last].max(), count_b[first:last].max())
@@ -146,15 +147,14 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     return connections
 
 
-def _accepted(limb_maps, ends, bounds, count_b, first: int, last: int, lo: int, x, y, peak_score,
+def _accepted(limb_maps, ends, bounds, count_b, pairs, first: int, lo: int, x, y, peak_score,
               cfg: InferenceConfig) -> tuple:
     """(limb, local_a, local_b, score, length, rank) of the accepted pairs among candidates
-    lo:lo + PAIR_BUDGET of limbs first:last, listed by limb then (a, b) row-major."""
-    pairs = (bounds[ends[first:last, 0] + 1] - bounds[ends[first:last, 0]]) * count_b[first:last]
+    lo:lo + PAIR_BUDGET of the limbs from `first` (`pairs` each), listed by limb then (a, b) row-major."""
     starts = np.cumsum(pairs) - pairs
     index = np.arange(lo, min(lo + PAIR_BUDGET, int(pairs.sum())))
     limb = np.searchsorted(starts, index, "right") - 1
-    local_a, local_b = np.divmod(index - starts[limb], count_b[first:last][limb])
+    local_a, local_b = np.divmod(index - starts[limb], count_b[first:][limb])
     limb += first
     peak_a, peak_b = bounds[ends[limb, 0]] + local_a, bounds[ends[limb, 1]] + local_b
     if len(limb) > PROBE_FROM:               # most pairs join two people: a few samples reject them
@@ -190,10 +190,6 @@ class _Person:
         self.parts = 1
         self.weakest = float("inf")
         self.longest = 0.0
-
-    def shares_keypoint(self, other: "_Person") -> bool:
-        """Whether both hold a keypoint of the same type."""
-        return any(x >= 0 and y >= 0 for x, y in zip(self.slots, other.slots))
 
     def absorb(self, other: "_Person", score: float) -> None:
         """Take `other`'s keypoints (no slot in common), joined by a link of `score`."""
@@ -234,7 +230,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                     add(pid, slot, peak, score, length)
             elif pa != pb:
                 first, second = people[pa], people[pb]
-                clash = first.shares_keypoint(second)
+                clash = any(x >= 0 and y >= 0 for x, y in zip(first.slots, second.slots))
                 weakest = min(first.weakest, second.weakest)
                 longest = max(first.longest, second.longest)
                 if clash or score < cfg.merge_ratio * weakest or length > cfg.max_limb_ratio * longest:
@@ -251,22 +247,13 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
 
 @functools.lru_cache(maxsize=None)
 def limb_hops(num_keypoints: int, limbs: tuple) -> np.ndarray:
-    """[K, K] int: the fewest of `limbs` joining two of `num_keypoints` keypoints (breadth-first)."""
-    k = num_keypoints
-    adjacent = np.zeros((k, k), bool)
-    ends = np.array(limbs)
-    adjacent[ends[:, 0], ends[:, 1]] = adjacent[ends[:, 1], ends[:, 0]] = True
-    hops = np.where(adjacent, 1, k + 1)
+    """[K, K] int: the fewest of `limbs` joining two of `num_keypoints` keypoints (K + 1: none)."""
+    k, ends = num_keypoints, np.array(limbs)
+    hops = np.full((k, k), k + 1)
+    hops[ends[:, 0], ends[:, 1]] = hops[ends[:, 1], ends[:, 0]] = 1
     np.fill_diagonal(hops, 0)
-    reached = adjacent | np.eye(k, dtype=bool)
-    step = reached.copy()
-    for distance in range(2, k):
-        step = (step.astype(np.uint8) @ adjacent.astype(np.uint8)) > 0
-        new = step & ~reached
-        if not new.any():
-            break
-        hops[new] = distance
-        reached |= new
+    for via in range(k):                          # Floyd-Warshall
+        np.minimum(hops, hops[:, via, None] + hops[via], out=hops)
     return hops
 
 

@@ -41,14 +41,6 @@ def inference_config(saved: dict | None, preset: str | None, sets: list[str],
     return build_config(preset or DEFAULT_PRESET, overrides={"model": model} if model else None, sets=extra)
 
 
-def _flags_wrong(preset, sets, scales, flip) -> bool:
-    try:
-        inference_config(None, preset, sets, scales, flip)
-    except ConfigError:
-        return True
-    return False
-
-
 def load_model(weights: str, preset: str | None, sets: list[str], device, scales=None,
                flip: bool | None = None, say=None):
     """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
@@ -66,8 +58,12 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     try:
         cfg = inference_config(saved, preset, sets, scales, flip, settings)
     except ConfigError as exc:
-        if saved is None or _flags_wrong(preset, sets, scales, flip):
+        if saved is None:
             raise
+        try:                                  # the flags' own mistake: that error
+            inference_config(None, preset, sets, scales, flip)
+        except ConfigError:
+            raise exc from None
         raise ConfigError(f"the config saved in checkpoint {weights} does not fit this version: {exc}. "
                           "Fix it with --set KEY=VALUE, or export the bare weights and pass --preset"
                           ) from None

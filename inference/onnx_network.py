@@ -1,10 +1,6 @@
-"""An ONNX file written by export.py, run by onnxruntime as a network of `inference.predict`.
-
-The file maps the normalised input [B, 3, H, W] (sides multiples of `size_multiple`) to the last
-stack's stride-4 maps; its metadata holds the checkpoint's config and skeleton (`CONFIG_KEY`,
-`SKELETON_KEY`; none: COCO), so `PoseEstimator.from_onnx` runs it with the same settings.
-onnxruntime is optional (requirements-export.txt).
-"""
+"""An ONNX file written by export.py (normalised pictures in, the last stack's stride-4 maps out; the
+checkpoint's config and skeleton, else COCO, in its metadata), run by onnxruntime (optional:
+requirements-export.txt) as a network of `inference.predict`."""
 from __future__ import annotations
 
 import json

@@ -145,14 +145,12 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
     return channel, xy, value.astype(np.float32)
 
 
-def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step=None) -> np.ndarray:
+def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step: np.ndarray) -> np.ndarray:
     """Weighted centroid (x, y) of each peak's (2r+1)^2 window (outside the map: 0), widened by
     `half_step` [N, 2] to stay centred on a plateau."""
     xy = np.stack([j, i], axis=1).astype(np.float32)
     if radius <= 0 or len(channel) == 0:
-        return xy + (half_step if half_step is not None else 0.0)
-    if half_step is None:
-        half_step = np.zeros_like(xy)
+        return xy + half_step
     _, height, width = heatmaps.shape
     offsets = np.arange(-radius - 1, radius + 2)
     rows = i[:, None, None] + offsets[None, :, None]

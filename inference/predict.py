@@ -59,22 +59,17 @@ def resize_for_scale(picture_bgr: np.ndarray, scale: float, input_size: int) -> 
                       else cv2.INTER_LINEAR)
 
 
-def pictures_per_forward(size: tuple[int, int], settings: PredictSettings) -> int:
-    """`inference.batch_size` pictures of input_size x input_size, fewer of a larger padded size."""
-    return max(1, settings.inference.batch_size * settings.input_size ** 2 // (size[0] * size[1]))
-
-
-def _as_network(model):
-    return TorchNetwork(model) if isinstance(model, torch.nn.Module) else model
+def as_network(model, device=None):
+    """A model of this project as a `TorchNetwork` (`device`: where it is); a network as it is."""
+    return TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
 
 
 @torch.no_grad()
-def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictSettings
+def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: PredictSettings
                        ) -> list[np.ndarray]:
     """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
-    and flip; `model`: a model of this project (in eval mode) or a network of this module."""
+    and flip; `network`: see the module docstring (`as_network` makes one of a model)."""
     inference = settings.inference
-    network = _as_network(model)
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     multiple = getattr(network, "size_multiple", input_multiple())
     totals: list = [None] * len(pictures_bgr)
@@ -84,7 +79,8 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictS
         for k, picture in enumerate(resized):
             by_size.setdefault(padded_size(*picture.shape[:2], multiple), []).append(k)
         for size, members in by_size.items():
-            step = pictures_per_forward(size, settings)
+            # batch_size pictures of input_size x input_size a pass, fewer of a larger padded size
+            step = max(1, inference.batch_size * settings.input_size ** 2 // (size[0] * size[1]))
             for lo in range(0, len(members), step):
                 chunk = members[lo: lo + step]
                 batch = pictures_to_batch([resized[k] for k in chunk], size, network.device)
@@ -105,5 +101,4 @@ def predict_maps_batch(model, pictures_bgr: list[np.ndarray], settings: PredictS
 
 def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:
     """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
-    network = TorchNetwork(model, device) if isinstance(model, torch.nn.Module) else model
-    return predict_maps_batch(network, [picture_bgr], settings)[0]
+    return predict_maps_batch(as_network(model, device), [picture_bgr], settings)[0]

@@ -50,10 +50,8 @@ def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: l
 def found_people(model, pictures: list[np.ndarray], settings: PredictSettings, device) -> list[np.ndarray]:
     """The keypoints [P, K, 3] of the people `model` finds in each picture at `settings`."""
     with eval_mode(model):
-        people = PoseEstimator(TorchNetwork(model, device), settings)(pictures)
-    k = model.skeleton.num_keypoints
-    return [np.stack([p.keypoints for p in found]) if found else np.zeros((0, k, 3), np.float32)
-            for found in people]
+        estimator = PoseEstimator(TorchNetwork(model, device), settings)
+        return [keypoints for _, keypoints, _ in estimator.grouped(pictures)]
 
 
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,

@@ -1,8 +1,5 @@
-"""Videos for demo.py: reading a file or a camera frame by frame, writing an annotated video.
-
-Opening errors are `DataError`s naming the option (FFmpeg's own log lines silenced). The video is
-written to a temporary file beside its target and renamed onto it once read back complete.
-"""
+"""Videos for demo.py: a file or a camera read frame by frame (`DataError`s name the option; FFmpeg's
+own log lines silenced), an annotated video written beside its target, renamed onto it once whole."""
 from __future__ import annotations
 
 import contextlib
@@ -19,15 +16,11 @@ from common.paths import written_whole
 
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}     # containers and codecs every OpenCV build writes
 DEFAULT_FPS = 25.0                              # when the file does not say
-
-
-def _quiet_ffmpeg() -> None:
-    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")    # read when OpenCV first uses FFmpeg
+os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")    # read when OpenCV first uses FFmpeg
 
 
 def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
     """(capture, its first frame) of a video file OpenCV reads; DataError naming --video otherwise."""
-    _quiet_ffmpeg()
     path = Path(path)
     if not path.is_file():
         raise DataError(f"--video {path}: no such file")
@@ -37,7 +30,6 @@ def open_video(path) -> tuple[cv2.VideoCapture, np.ndarray]:
 
 def open_camera(index: int) -> tuple[cv2.VideoCapture, np.ndarray]:
     """(capture, first frame) of camera `index`, after checking that a live window can be shown."""
-    _quiet_ffmpeg()
     display = os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
     if sys.platform.startswith("linux") and not display:
         raise DataError(f"--camera {index}: no display here to show the live window on (DISPLAY is not "

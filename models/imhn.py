@@ -12,6 +12,8 @@ Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of li
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,19 @@ from common.errors import ConfigError
 from config.schema import ModelConfig
 from data.skeleton import Skeleton
 from models.blocks import Bottleneck, ConvBN, SqueezeExcitation, Stem
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
+    module = model if isinstance(model, torch.nn.Module) else torch.nn.Module()  # ONNX: no mode
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        module.train(was_training)
 
 
 class HourglassLevel(nn.Module):

@@ -13,6 +13,8 @@ from torch.func import functional_call
 from common.errors import ArgumentParser, run_cli
 from config.schema import add_flags
 from data.skeleton import load_skeleton
+from models.imhn import build_model, eval_mode
+
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
@@ -31,13 +33,10 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
             handles.append(module.register_forward_hook(hook))
     meta_state = {name: torch.empty_like(t, device="meta")
                   for name, t in list(model.named_parameters()) + list(model.named_buffers())}
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model):
             functional_call(model, meta_state, (torch.zeros(1, 3, height, width, device="meta"),))
     finally:
-        model.train(was_training)
         for handle in handles:
             handle.remove()
     return sum(per_module.values()), dict(per_module)
@@ -59,7 +58,6 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
 
 def _main(argv: list[str] | None = None) -> int:
     from config.loader import build_config, check_input_size
-    from models.imhn import build_model
 
     parser = ArgumentParser(prog="python -m models.summary",
                                      description=__doc__.splitlines()[0])

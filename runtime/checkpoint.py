@@ -131,21 +131,19 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
 
 def find_latest_checkpoint(run_dir) -> Path | None:
     """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
-    best, best_order = None, None
+    order = {}
     for path in sorted(Path(run_dir).glob("*.pth")):
         try:
             state = load_checkpoint(path, mmap=True)
             step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-            order = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-                     path.name == "last.pth", path.stat().st_mtime)
+            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                           path.name == "last.pth", path.stat().st_mtime)
         except (CheckpointError, OSError) as exc:
             reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
             raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
                                   f"of {run_dir}, or resume from another checkpoint with --resume PATH"
                                   ) from None
-        if best_order is None or order > best_order:
-            best, best_order = path, order
-    return best
+    return max(order, key=order.get, default=None)
 
 
 # ------------------------------------------------------------------------------------ RNG states
@@ -242,9 +240,8 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     else:
         weights = _find_weights(obj, source)
     expected = target.state_dict()
-    candidates = (weights, {WRAPPERS.sub("", k): v for k, v in weights.items()},
-                  {"module." + k: v for k, v in weights.items()})   # wrapper prefix as is, removed, added
-    weights = max(candidates, key=lambda named: sum(k in expected for k in named))
+    stripped = {WRAPPERS.sub("", k): v for k, v in weights.items()}   # `target` is unwrapped: never added
+    weights = max((weights, stripped), key=lambda named: sum(k in expected for k in named))
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     mismatched = [f"{k} (file {list(v.shape)}, model {list(expected[k].shape)})"
