@@ -29,8 +29,6 @@ class GlobalBatchSampler(Sampler):
 
     def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True):
-        if batch_size % world_size:
-            raise ValueError(f"batch {batch_size} does not divide over {world_size} processes")
         self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
         self.rank, self.seed, self.shuffle = rank, seed, shuffle
         self.epoch, self.start_batch = 0, 0
