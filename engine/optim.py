@@ -35,12 +35,8 @@ def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
     """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`: linear warm-up,
     then step decay; a resumed run, or one with another number of processes, follows the same curve."""
     base = peak_lr(cfg, total_batch, world_size)
-    if cfg.milestones:
-        drops = sum(1 for m in cfg.milestones if epoch >= int(m))
-    elif cfg.decay_every > 0:
-        drops = epoch // cfg.decay_every
-    else:
-        drops = 0
+    drops = (sum(1 for m in cfg.milestones if epoch >= int(m)) if cfg.milestones
+             else epoch // cfg.decay_every if cfg.decay_every > 0 else 0)
     factor = cfg.decay_factor ** drops
     warmup_steps = cfg.warmup_epochs * iters_per_epoch
     step = epoch * iters_per_epoch + iteration
