@@ -1,11 +1,7 @@
-"""Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
-(`build_data`, `build_model`, ...), which `build` calls in the order the engine needs (the same
-seeds at the same points); a subclass replaces any part (`build_trainer(..., builder=MyBuilder())`).
-
-What trains is `ModelWithLoss`, the network and its loss as one module: what every launch mode
-wraps, so that DataParallel computes the loss on every replica, with the precision policy in one
-place (inputs cast for O2/O3, autocast for O1, the loss in float32). With `cuda_graphs` the
-training forward and backward are replayed as CUDA graphs (`GraphedNetwork`).
+"""Building a run's parts, apart from running them: `TrainerBuilder`, one method per part, which
+`build` calls in the engine's order (the same seeds at the same points); a subclass replaces any.
+What trains is `ModelWithLoss`, the network and its loss as one module that every launch mode wraps
+(DataParallel computes the loss on every replica), the precision policy in one place.
 """
 from __future__ import annotations
 

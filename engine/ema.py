@@ -1,10 +1,9 @@
 """An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
-and kept in `best.pth` when it is on.
-
-After every step not skipped, each floating-point parameter becomes `ema = d * ema + (1 - d) * w`
-with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`), as YOLO and RTMO warm it up;
-buffers are copied. The average is float32 at any opt level and the same on every rank without
-communication; `--weights`, evaluate.py and demo.py take it from a checkpoint's "ema".
+and kept in `best.pth` when it is on. After every step not skipped, each floating-point parameter
+becomes `ema = d * ema + (1 - d) * w` with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`),
+as YOLO and RTMO warm it up; buffers are copied. The average is float32 at any opt level and the
+same on every rank without communication; `--weights`, evaluate.py and demo.py take it from a
+checkpoint's "ema".
 """
 from __future__ import annotations
 

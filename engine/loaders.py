@@ -1,9 +1,6 @@
-"""The run's DataLoaders and their samplers, the same global batch whatever the number of processes;
-loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
-stop signals sent to the process group.
-
-Batches go onto the device by `to_model_input` (idempotent; targets drawn there by the dataset's
-`TargetPainter`); on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
+"""The run's DataLoaders (workers kept from epoch to epoch, safe from the group's stop signals) and
+samplers (the same global batch whatever the number of processes). Batches go onto the device by
+`to_model_input`; on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
 over batch n, and the compute stream waits on batch n's event only.
 """
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The optimiser: its construction, the learning rate as a pure function of (epoch, iteration), and
-one step over one or more batches in one call (`OptimStep.update`, cf. mmengine's OptimWrapper).
-
-`OptimStep` owns accumulation (DDP's `no_sync` but on the last batch), the skip vote, the float32
-gradient norm, clipping and skipped steps (BatchNorm buffers restored); the precision backend only
-does what it is told. One host sync per step: a bad loss (not finite, or above
-`optim.skip_loss_above`) poisons its backward with NaN instead of being read, every rank runs every
-backward, and one small tensor of flags, all-reduced, makes every rank decide alike. A step
-poisoned by its loss leaves the loss scale as it was.
+"""The optimiser, the LR as a pure function of (epoch, iteration), and `OptimStep.update`: one step
+over one or more batches in one call, the precision backend doing only what it is told. One host
+sync per step: a bad loss (not finite, or above `optim.skip_loss_above`) poisons its backward with
+NaN instead of being read, every rank runs every backward, and one small all-reduced tensor of
+flags makes every rank decide alike; a step poisoned by its loss leaves the loss scale as it was.
 """
 from __future__ import annotations
 
