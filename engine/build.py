@@ -119,7 +119,6 @@ class TrainerBuilder:
         model, optimizer = precision.attach(model, optimizer)
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
-        # model and loss as one module, wrapped by the launch mode
         model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
                                         cuda_graphs=use_cuda_graphs(cfg.amp, launch))
         net = launch.wrap(model_with_loss)

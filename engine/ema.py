@@ -62,7 +62,6 @@ class WeightsEMA(Hook):
         if self._copied[0]:               # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(*self._copied)
 
-    # -- the hook ---------------------------------------------------------------------------------
     def after_step(self, trainer, out) -> None:
         if not out.skipped:          # a skipped step changed no weight: the average stays too
             self.update()
@@ -95,7 +94,6 @@ class WeightsEMA(Hook):
 
     evaluating = applied
 
-    # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"decay": self.decay, "tau": self.tau, "updates": self.updates,
                 "model": {k: v.clone() for k, v in self.averaged.items()}}

@@ -131,7 +131,6 @@ class Trainer:
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
         self.finish_requested = False     # set by a hook (early stopping): no further epoch
 
-    # -- one step -------------------------------------------------------------------------------
     def run_step(self, inputs: list) -> StepResult:
         """One optimisation step over `inputs` (several: accumulation), each on the device."""
         parts = {}
@@ -145,7 +144,6 @@ class Trainer:
         out.parts = parts
         return out
 
-    # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:
         """The epoch's steps, hooks around each; the mean loss of its counted steps over all ranks."""
         self.net.train()
@@ -175,7 +173,6 @@ class Trainer:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)
 
-    # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
         """The epochs from `self.epoch` on; {"epoch", "step", and each hook's `outcome()`}."""
         try:
