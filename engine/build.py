@@ -172,11 +172,9 @@ class ModelWithLoss(nn.Module):
     def forward(self, images: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):
         """-> (per-sample loss [B], dict of per-sample loss parts), all float32."""
         images = self.precision.cast_input(images)
+        network = self.graphed if self.graphed is not None and self.training else self.model
         with self.precision.autocast_context():
-            if self.graphed is not None and self.training:
-                outputs = self.graphed(images)
-            else:
-                outputs = self.model(images)
+            outputs = network(images)
         return self.loss(outputs, target, mask)
 
 
