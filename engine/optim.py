@@ -46,14 +46,9 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
     """SGD or AdamW over `params` (ZeRO-sharded when `zero`; fused as `optim.fused` says)."""
     params = list(params)
     fused = device_type == "cuda" and (cfg.fused is True or (cfg.fused == "auto" and native))
-    if cfg.name == "sgd":
-        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum,
-                                           weight_decay=cfg.weight_decay)
-    else:
-        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=tuple(cfg.betas),
-                                             weight_decay=cfg.weight_decay)
-    if fused:
-        kwargs["fused"] = True
+    cls, kwargs = ((torch.optim.SGD, {"momentum": cfg.momentum}) if cfg.name == "sgd"
+                   else (torch.optim.AdamW, {"betas": tuple(cfg.betas)}))
+    kwargs.update(lr=cfg.lr, weight_decay=cfg.weight_decay, **({"fused": True} if fused else {}))
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
