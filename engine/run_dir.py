@@ -167,9 +167,8 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
-    """Decided on the main process, the same on every rank. A run directory that holds a run is
-    refused unless resumed or overwritten, and so is one where the run would write over (or, with
-    --overwrite, remove) a file it reads."""
+    """Decided on the main process, the same on every rank; a run directory that holds a run is refused
+    unless resumed or overwritten, as is one where the run would write over (or remove) a file it reads."""
     reader, train = reader or CheckpointReader(), cfg.train
 
     def decide():
