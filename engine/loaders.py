@@ -85,23 +85,35 @@ class PersistentWorkersLoader(DataLoader):
         # at exit, the workers of an iterator still alive
         atexit.register(lambda ref, workers: _stop_workers(ref(), workers), weakref.ref(iterator),
                         list(iterator._workers))
-        return iterator
-
-    def __iter__(self):
-        """The batches; a worker's `UserError` re-raised with its own line, not torch's."""
-        try:
-            yield from super().__iter__()
-        except UserError as exc:
-            text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
-            if not text.startswith("Caught ") or origin not in text:
-                raise
-            raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
+        return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:
         """End the worker processes now; iterating again starts new ones."""
         iterator, self._iterator = getattr(self, "_iterator", None), None
         if iterator is not None and self.num_workers > 0:
             _stop_workers(iterator, iterator._workers)
+
+
+class _AsRaisedInWorker:
+    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __getattr__(self, name):
+        return getattr(self.iterator, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.iterator)
+        except UserError as exc:
+            text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
+            if not text.startswith("Caught ") or origin not in text:
+                raise
+            raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
