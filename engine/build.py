@@ -1,11 +1,7 @@
-"""Building a run's parts, separate from running them: `TrainerBuilder` has one method per part
-(`build_data`, `build_model`, ...), which `build` calls in the order the engine needs (the same
-seeds at the same points); a subclass replaces any part (`build_trainer(..., builder=MyBuilder())`).
-
-What trains is `ModelWithLoss`, the network and its loss as one module: what every launch mode
-wraps, so that DataParallel computes the loss on every replica, with the precision policy in one
-place (inputs cast for O2/O3, autocast for O1, the loss in float32). With `cuda_graphs` the
-training forward and backward are replayed as CUDA graphs (`GraphedNetwork`).
+"""Building a run's parts, apart from running them: `TrainerBuilder`, one method per part, which
+`build` calls in the engine's order (the same seeds at the same points); a subclass replaces any.
+What trains is `ModelWithLoss`, the network and its loss as one module that every launch mode wraps
+(DataParallel computes the loss on every replica), the precision policy in one place.
 """
 from __future__ import annotations
 
@@ -123,7 +119,6 @@ class TrainerBuilder:
         model, optimizer = precision.attach(model, optimizer)
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
-        # model and loss as one module, wrapped by the launch mode
         model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
                                         cuda_graphs=use_cuda_graphs(cfg.amp, launch))
         net = launch.wrap(model_with_loss)
@@ -177,11 +172,9 @@ class ModelWithLoss(nn.Module):
     def forward(self, images: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):
         """-> (per-sample loss [B], dict of per-sample loss parts), all float32."""
         images = self.precision.cast_input(images)
+        network = self.graphed if self.graphed is not None and self.training else self.model
         with self.precision.autocast_context():
-            if self.graphed is not None and self.training:
-                outputs = self.graphed(images)
-            else:
-                outputs = self.model(images)
+            outputs = network(images)
         return self.loss(outputs, target, mask)
 
 

@@ -27,11 +27,6 @@ def build_parser(description: str) -> ArgumentParser:
     return p
 
 
-def _dest(flag: str) -> str:
-    """argparse's attribute name of `flag` ("--batch-size" -> "batch_size")."""
-    return flag.lstrip("-").replace("-", "_")
-
-
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
                   reader) -> tuple[Path | None, dict | None]:
     """(checkpoint, its stored config) that --resume will load, if found; read with `reader`."""
@@ -130,7 +125,7 @@ def config_from_args(args: argparse.Namespace, reader=None):
 def _resolve_config(args: argparse.Namespace, reader=None):
     overrides: dict = {}
     for key, flag in flags():
-        value = getattr(args, _dest(flag.name), None)
+        value = getattr(args, flag.name.lstrip("-").replace("-", "_"), None)    # argparse's dest
         if value is not None:
             deep_update(overrides, nested(key, value))
     if args.resume and not args.config:

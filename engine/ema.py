@@ -1,10 +1,9 @@
 """An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
-and kept in `best.pth` when it is on.
-
-After every step not skipped, each floating-point parameter becomes `ema = d * ema + (1 - d) * w`
-with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`), as YOLO and RTMO warm it up;
-buffers are copied. The average is float32 at any opt level and the same on every rank without
-communication; `--weights`, evaluate.py and demo.py take it from a checkpoint's "ema".
+and kept in `best.pth` when it is on. After every step not skipped, each floating-point parameter
+becomes `ema = d * ema + (1 - d) * w` with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`),
+as YOLO and RTMO warm it up; buffers are copied. The average is float32 at any opt level and the
+same on every rank without communication; `--weights`, evaluate.py and demo.py take it from a
+checkpoint's "ema".
 """
 from __future__ import annotations
 
@@ -63,7 +62,6 @@ class WeightsEMA(Hook):
         if self._copied[0]:               # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(*self._copied)
 
-    # -- the hook ---------------------------------------------------------------------------------
     def after_step(self, trainer, out) -> None:
         if not out.skipped:          # a skipped step changed no weight: the average stays too
             self.update()
@@ -96,7 +94,6 @@ class WeightsEMA(Hook):
 
     evaluating = applied
 
-    # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"decay": self.decay, "tau": self.tau, "updates": self.updates,
                 "model": {k: v.clone() for k, v in self.averaged.items()}}

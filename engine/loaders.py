@@ -1,9 +1,6 @@
-"""The run's DataLoaders and their samplers, the same global batch whatever the number of processes;
-loaders keep their worker processes from epoch to epoch (`PersistentWorkersLoader`), safe from the
-stop signals sent to the process group.
-
-Batches go onto the device by `to_model_input` (idempotent; targets drawn there by the dataset's
-`TargetPainter`); on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
+"""The run's DataLoaders (workers kept from epoch to epoch, safe from the group's stop signals) and
+samplers (the same global batch whatever the number of processes). Batches go onto the device by
+`to_model_input`; on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
 over batch n, and the compute stream waits on batch n's event only.
 """
 from __future__ import annotations
@@ -27,12 +24,9 @@ class GlobalBatchSampler(Sampler):
     gets the r-th slice of each, as (epoch, index) pairs (workers then know the epoch). The samples
     do not depend on the number of processes, and a resume (`start_batch`) takes the next batch."""
 
-    def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
-        if batch_size % world_size:
-            raise ValueError(f"batch {batch_size} does not divide over {world_size} processes")
+    def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
         self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
-        self.rank, self.seed, self.shuffle = rank, seed, shuffle
+        self.rank, self.seed = rank, seed
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -46,11 +40,8 @@ class GlobalBatchSampler(Sampler):
         return max(0, self.batches_per_epoch - self.start_batch)
 
     def __iter__(self):
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=gen).tolist()
-        else:
-            order = list(range(self.dataset_len))
+        gen = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+        order = torch.randperm(self.dataset_len, generator=gen).tolist()
         for b in range(self.start_batch, self.batches_per_epoch):
             first = b * self.batch_size + self.rank * self.per_rank
             yield [(self.epoch, index) for index in order[first:first + self.per_rank]]

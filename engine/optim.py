@@ -1,12 +1,8 @@
-"""The optimiser: its construction, the learning rate as a pure function of (epoch, iteration), and
-one step over one or more batches in one call (`OptimStep.update`, cf. mmengine's OptimWrapper).
-
-`OptimStep` owns accumulation (DDP's `no_sync` but on the last batch), the skip vote, the float32
-gradient norm, clipping and skipped steps (BatchNorm buffers restored); the precision backend only
-does what it is told. One host sync per step: a bad loss (not finite, or above
-`optim.skip_loss_above`) poisons its backward with NaN instead of being read, every rank runs every
-backward, and one small tensor of flags, all-reduced, makes every rank decide alike. A step
-poisoned by its loss leaves the loss scale as it was.
+"""The optimiser, the LR as a pure function of (epoch, iteration), and `OptimStep.update`: one step
+over one or more batches in one call, the precision backend doing only what it is told. One host
+sync per step: a bad loss (not finite, or above `optim.skip_loss_above`) poisons its backward with
+NaN instead of being read, every rank runs every backward, and one small all-reduced tensor of
+flags makes every rank decide alike; a step poisoned by its loss leaves the loss scale as it was.
 """
 from __future__ import annotations
 
@@ -35,12 +31,8 @@ def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
     """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`: linear warm-up,
     then step decay; a resumed run, or one with another number of processes, follows the same curve."""
     base = peak_lr(cfg, total_batch, world_size)
-    if cfg.milestones:
-        drops = sum(1 for m in cfg.milestones if epoch >= int(m))
-    elif cfg.decay_every > 0:
-        drops = epoch // cfg.decay_every
-    else:
-        drops = 0
+    drops = (sum(1 for m in cfg.milestones if epoch >= int(m)) if cfg.milestones
+             else epoch // cfg.decay_every if cfg.decay_every > 0 else 0)
     factor = cfg.decay_factor ** drops
     warmup_steps = cfg.warmup_epochs * iters_per_epoch
     step = epoch * iters_per_epoch + iteration
@@ -54,14 +46,9 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
     """SGD or AdamW over `params` (ZeRO-sharded when `zero`; fused as `optim.fused` says)."""
     params = list(params)
     fused = device_type == "cuda" and (cfg.fused is True or (cfg.fused == "auto" and native))
-    if cfg.name == "sgd":
-        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum,
-                                           weight_decay=cfg.weight_decay)
-    else:
-        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=tuple(cfg.betas),
-                                             weight_decay=cfg.weight_decay)
-    if fused:
-        kwargs["fused"] = True
+    cls, kwargs = ((torch.optim.SGD, {"momentum": cfg.momentum}) if cfg.name == "sgd"
+                   else (torch.optim.AdamW, {"betas": tuple(cfg.betas)}))
+    kwargs.update(lr=cfg.lr, weight_decay=cfg.weight_decay, **({"fused": True} if fused else {}))
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)

@@ -5,6 +5,7 @@ the apex backend (`apex.parallel`, mended), picked by `amp.backend`. On CPU grou
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import math
@@ -200,44 +201,40 @@ def apex_sync_bn(model: nn.Module) -> nn.Module:
     return model
 
 
-_MENDED: dict[type, type] = {}
-
-
+@functools.cache
 def _mended_class(apex_class: type) -> type:
     """Apex's SyncBatchNorm class (optimized or fallback), mended."""
-    if apex_class not in _MENDED:
-        if apex_class.__module__.endswith("optimized_sync_batchnorm"):    # the CUDA extension's
-            class Mended(apex_class):
-                """Apex's optimized SyncBatchNorm given a channels_last training batch as its
-                [N, H, W, C] view (what its `channel_last` flag means), the output permuted back."""
+    if apex_class.__module__.endswith("optimized_sync_batchnorm"):    # the CUDA extension's
+        class Mended(apex_class):
+            """Apex's optimized SyncBatchNorm given a channels_last training batch as its
+            [N, H, W, C] view (what its `channel_last` flag means), the output permuted back."""
 
-                def forward(self, input):
-                    batch_stats = self.training or not self.track_running_stats
-                    self.channel_last = (batch_stats and input.dim() == 4 and not input.is_contiguous()
-                                         and input.is_contiguous(memory_format=torch.channels_last))
-                    if not self.channel_last:
-                        return super().forward(input)
-                    return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-            name = "NHWCViewSyncBatchNorm"
-        else:
-            class Mended(apex_class):
-                """Apex's Python SyncBatchNorm, output in the input's dtype, running statistics
-                kept in their own tensors (it assigns new ones)."""
+            def forward(self, input):
+                batch_stats = self.training or not self.track_running_stats
+                self.channel_last = (batch_stats and input.dim() == 4 and not input.is_contiguous()
+                                     and input.is_contiguous(memory_format=torch.channels_last))
+                if not self.channel_last:
+                    return super().forward(input)
+                return super().forward(input.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        name = "NHWCViewSyncBatchNorm"
+    else:
+        class Mended(apex_class):
+            """Apex's Python SyncBatchNorm, output in the input's dtype, running statistics
+            kept in their own tensors (it assigns new ones)."""
 
-                def forward(self, input):
-                    kept = (self.running_mean, self.running_var)
-                    out = super().forward(input)
-                    with torch.no_grad():
-                        for name, tensor in zip(("running_mean", "running_var"), kept):
-                            now = getattr(self, name)
-                            if tensor is not None and now is not tensor:
-                                tensor.copy_(now)
-                                setattr(self, name, tensor)
-                    return out if out.dtype == input.dtype else out.to(input.dtype)
-            name = "MendedFallbackSyncBatchNorm"
-        Mended.__name__ = Mended.__qualname__ = name
-        _MENDED[apex_class] = Mended
-    return _MENDED[apex_class]
+            def forward(self, input):
+                kept = (self.running_mean, self.running_var)
+                out = super().forward(input)
+                with torch.no_grad():
+                    for name, tensor in zip(("running_mean", "running_var"), kept):
+                        now = getattr(self, name)
+                        if tensor is not None and now is not tensor:
+                            tensor.copy_(now)
+                            setattr(self, name, tensor)
+                return out if out.dtype == input.dtype else out.to(input.dtype)
+        name = "MendedFallbackSyncBatchNorm"
+    Mended.__name__ = Mended.__qualname__ = name
+    return Mended
 
 
 def _memory_order_only(kernel):

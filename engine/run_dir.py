@@ -84,8 +84,7 @@ def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
 
 
 def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
-    """The run directory, claimed on the main process: one that holds a run is refused unless
-    resumed or overwritten, and so is one where the run would write over a file it reads."""
+    """The run directory, claimed on the main process (`plan_run` refuses it when taken)."""
     train = cfg.train
     out_dir = Path(train.out_dir)
     run_dir, created = None, False
@@ -119,18 +118,6 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
                 break
     else:
         created = _claim(run_dir, exclusive=False)
-    if holds_run(run_dir) and not train.resume and not train.overwrite:
-        release_run_dir(run_dir)
-        raise ConfigError(
-            f"{run_dir} already holds a run: pass --resume auto to continue it, "
-            f"--overwrite to replace it, or choose another --run-name")
-    try:      # the files it writes (or, with --overwrite, removes) there: none may be an input
-        refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
-                        "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5, "--config": cfg.preset},
-                       {"--run-name/--out-dir": _overwritten(run_dir)})
-    except ConfigError:
-        release_run_dir(run_dir, remove_if_empty=created)
-        raise
     return run_dir, created
 
 
@@ -180,12 +167,19 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
-    """Decided on the main process, the same on every rank."""
-    reader = reader or CheckpointReader()
+    """Decided on the main process, the same on every rank; a run directory that holds a run is refused
+    unless resumed or overwritten, as is one where the run would write over (or remove) a file it reads."""
+    reader, train = reader or CheckpointReader(), cfg.train
 
     def decide():
         run_dir, created = pick_and_claim(cfg)
         try:
+            if holds_run(run_dir) and not train.resume and not train.overwrite:
+                raise ConfigError(f"{run_dir} already holds a run: pass --resume auto to continue it, "
+                                  "--overwrite to replace it, or choose another --run-name")
+            refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
+                            "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5,
+                            "--config": cfg.preset}, {"--run-name/--out-dir": _overwritten(run_dir)})
             return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)

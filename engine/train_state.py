@@ -282,13 +282,12 @@ class Checkpoints:
                 found = {key: state[key] for key in _keys(hook) if key in state}
                 if _keys(hook) and not found:
                     hook.state_missing(trainer, path)
-                    continue
-                try:
-                    if found:
+                elif found:
+                    try:
                         hook.load_state_dict(found if isinstance(hook.checkpoint_key, tuple)
                                              else found[hook.checkpoint_key])
-                except CheckpointError as exc:          # what does not fit, in the hook's words
-                    raise CheckpointError(f"checkpoint {path}: {exc}") from None
+                    except CheckpointError as exc:          # what does not fit, in the hook's words
+                        raise CheckpointError(f"checkpoint {path}: {exc}") from None
         except _STATE_ERRORS as exc:
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             raise CheckpointError(f"checkpoint {path}: its optimiser, scaler or RNG state does not fit "

@@ -1,10 +1,9 @@
 """The training loop and nothing else: `Trainer(parts, hooks)` runs epochs of optimiser steps over
-the batches its parts give, with hooks around every step and epoch. It knows no configuration and
-no run directory (engine/run_trainer.py composes a run around it).
-
-Hook methods run in this order: `before_train`, per epoch `before_epoch`, per step `before_step`
-and `after_step`, then `after_validation` and `after_epoch`; `after_train`; `on_stop` last,
-whatever happened. Hooks run by `priority`, lower first, and read the loop through `LoopState`.
+the batches its parts give, with hooks around every step and epoch. It knows no configuration and no
+run directory (engine/run_trainer.py composes a run around it). Hook methods run in this order:
+`before_train`, per epoch `before_epoch`, per step `before_step` and `after_step`, then
+`after_validation` and `after_epoch`; `after_train`; `on_stop` last, whatever happened. Hooks run by
+`priority`, lower first, and read the loop through `LoopState`.
 """
 from __future__ import annotations
 
@@ -132,7 +131,6 @@ class Trainer:
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
         self.finish_requested = False     # set by a hook (early stopping): no further epoch
 
-    # -- one step -------------------------------------------------------------------------------
     def run_step(self, inputs: list) -> StepResult:
         """One optimisation step over `inputs` (several: accumulation), each on the device."""
         parts = {}
@@ -146,7 +144,6 @@ class Trainer:
         out.parts = parts
         return out
 
-    # -- epochs ---------------------------------------------------------------------------------
     def train_one_epoch(self, epoch: int) -> float | None:
         """The epoch's steps, hooks around each; the mean loss of its counted steps over all ranks."""
         self.net.train()
@@ -176,7 +173,6 @@ class Trainer:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)
 
-    # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
         """The epochs from `self.epoch` on; {"epoch", "step", and each hook's `outcome()`}."""
         try:

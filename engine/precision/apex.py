@@ -63,7 +63,6 @@ class ApexPrecision(PrecisionBackend):
         gradients = len(list(self.amp.master_params(self._optimizer))) if self._attached else None
         return f"{text}; {self.build.describe(gradients)}"
 
-    # -- model and optimiser ------------------------------------------------------------------
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before `attach`: the trainable parameters; after: `amp.master_params`."""
         if not self._attached:
@@ -93,7 +92,6 @@ class ApexPrecision(PrecisionBackend):
         self._optimizer, self._attached = optimizer, True
         return model, optimizer
 
-    # -- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         with self.amp.scale_loss(loss, self._optimizer, delay_unscale=True) as scaled:
             scaled.backward()
@@ -123,7 +121,6 @@ class ApexPrecision(PrecisionBackend):
             self.amp.load_state_dict(self._state_before)
         self._apex_skips = False
 
-    # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Apex's amp state; empty at O0 (no scaling), as the native backend saves it."""
         return {} if self.level == "O0" else dict(self.amp.state_dict())

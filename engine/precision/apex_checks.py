@@ -35,10 +35,6 @@ class ApexBuild:
     where: str                  # "Apex 25.04 at PATH" or "the Apex at PATH"
     extensions: tuple           # the compiled extensions that import
 
-    @property
-    def python_only(self) -> bool:
-        return not self.extensions
-
     def describe(self, gradient_tensors: int | None = None) -> str:
         """One line: the build, and what a Python-only one costs."""
         if len(self.extensions) == len(APEX_EXTENSIONS):
@@ -46,7 +42,7 @@ class ApexBuild:
         missing = [name for name in APEX_EXTENSIONS if name not in self.extensions]
         syncs = (f"{gradient_tensors} host syncs per step here" if gradient_tensors
                  else "one host sync per gradient tensor per step")
-        kind = "Python-only" if self.python_only else "partial"
+        kind = "Python-only" if not self.extensions else "partial"
         return (f"{self.where}, {kind} build (no {', '.join(missing)}): its loss scaler reads every "
                 f"gradient on the host ({syncs}), SyncBN and DDP run Python fallbacks; figures of "
                 "this build are not those of Apex built with --cpp_ext --cuda_ext")

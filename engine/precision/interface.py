@@ -1,7 +1,5 @@
-"""What a precision backend must do (`PrecisionBackend`), and what every backend shares.
-
-The engine calls it in the order of the sections below: before training, every batch, every step
-(`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`), checkpoints and the EMA.
+"""What a precision backend must do (`PrecisionBackend`), and what every backend shares, in the
+order the engine calls it (`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The loss scaler's saved state in either layout, and the mapping between the two.
-
-The `scaler` entry holds torch's `GradScaler.state_dict()` (native backend) or Apex's
-`amp.state_dict()` (apex backend; the authors' checkpoints keep it under `amp`). Both are the same
-dynamic scheme, so two numbers carry over: the scale and the finite steps since the last change.
-A saved state that would skip every step (a scale not finite or below 2^-24, bad factors or
-counts) is refused naming the file and field; a scale above 2^24 continues from 2^24, with a line.
+"""The loss scaler's saved state in either layout, and the mapping between the two: the `scaler`
+entry holds torch's `GradScaler.state_dict()` (native backend) or Apex's `amp.state_dict()` (apex
+backend; the authors' checkpoints keep it under `amp`). Both are the same dynamic scheme, so two
+numbers carry over: the scale and the finite steps since the last change. A saved state that would
+skip every step (a scale not finite or below 2^-24, bad factors or counts) is refused naming the
+file and field; a scale above 2^24 continues from 2^24, with a line.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp.
-
-O0 float32; O1 autocast and a loss scaler; O2 the model in half precision but BatchNorm
-(`keep_batchnorm_fp32`), float32 master weights and a loss scaler; O3 all half, no masters. Only
-float16 needs a `GradScaler` (dynamic from `init_scale`, or static); bfloat16's is disabled.
+"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp. O0 float32;
+O1 autocast and a loss scaler; O2 the model in half precision but BatchNorm (`keep_batchnorm_fp32`),
+float32 master weights and a loss scaler; O3 all half, no masters. Only float16 needs a `GradScaler`
+(dynamic from `init_scale`, or static); bfloat16's is disabled.
 """
 from __future__ import annotations
 
@@ -52,7 +51,6 @@ class NativePrecision(PrecisionBackend):
                      else ", dynamic loss scale" if self.scaler.is_enabled() else ", no loss scaling")
         return text + (", channels_last" if self.channels_last else "")
 
-    # -- model and optimiser ------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Cast the (already loaded and frozen) model for O2/O3; make O2's master weights."""
         model = super().prepare_model(model)
@@ -86,7 +84,6 @@ class NativePrecision(PrecisionBackend):
             return super().autocast_context()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    # -- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
@@ -137,7 +134,6 @@ class NativePrecision(PrecisionBackend):
         for param, _ in self._pairs:
             param.grad = None
 
-    # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return self.scaler.state_dict()
 
