@@ -73,16 +73,6 @@ def _check_args(args) -> None:
         raise ConfigError(f"option --pck-threshold: {args.pck_threshold} must be > 0")
 
 
-def _results_path(args, data_path: str) -> Path:
-    if args.out:
-        return Path(args.out)
-    stem = Path(data_path).stem
-    if args.oracle:
-        return Path(f"oracle_{stem}_keypoints.json")
-    weights = Path(args.weights)
-    return weights.with_name(f"{weights.stem}_{stem}_keypoints.json")
-
-
 def _check_writable(path: Path, overwrite: bool) -> None:
     """Fail before the evaluation when the results JSON cannot be written there."""
     if path.is_dir():
@@ -126,17 +116,6 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
 RECALL_LINES = 24     # keypoints listed on stderr (the lowest recall); the JSON line has them all
 
 
-def _scoring(args, skeleton):
-    """The skeleton's scoring with --metric, --pck-threshold and --pck-normalize over it."""
-    from data.skeleton import parse_scoring
-
-    given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
-             "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
-                               else args.pck_normalize.split(","))}
-    return parse_scoring({k: v for k, v in given.items() if v is not None}, skeleton.dataset_keypoints,
-                         "option --pck-normalize", base=skeleton.scoring)   # the one left to check
-
-
 def _print_stats(stats: dict, scoring, skeleton) -> dict:
     """The metrics' table (and recall) on stderr; the stats for the JSON line."""
     from inference.coco_eval import format_recall
@@ -172,6 +151,7 @@ def run(args) -> dict:
     from config.loader import build_config
     from config.views import PredictSettings
     from data.h5format import KeypointH5
+    from data.skeleton import parse_scoring
     from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
     from inference.evaluation import evaluate_h5
     from inference.estimator import PoseEstimator
@@ -181,9 +161,11 @@ def run(args) -> dict:
     ctx = init_distributed(build_config(None).dist, args.device)
     temp_dir = None
     try:
-        out = _results_path(args, args.ann or args.h5)
-        refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann, "--images": args.images,
-                        "--preset": args.preset}, {"--out": out})
+        stem, weights = Path(args.ann or args.h5).stem, Path(args.weights or "")
+        out = Path(args.out or (f"oracle_{stem}_keypoints.json" if args.oracle
+                                else weights.with_name(f"{weights.stem}_{stem}_keypoints.json")))
+        refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann,
+                        "--images": args.images, "--preset": args.preset}, {"--out": out})
         decided_on_main(lambda: _check_writable(out, args.overwrite))
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
@@ -198,7 +180,12 @@ def run(args) -> dict:
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
         with contextlib.closing(KeypointH5(h5_path)) as h5:
             file_skeleton = h5.skeleton
-        scoring = _scoring(args, file_skeleton)
+        given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
+                 "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
+                                   else args.pck_normalize.split(","))}
+        scoring = parse_scoring({k: v for k, v in given.items() if v is not None},
+                                file_skeleton.dataset_keypoints, "option --pck-normalize",
+                                base=file_skeleton.scoring)     # the one --pck-normalize left to check
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,

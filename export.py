@@ -59,18 +59,6 @@ def max_opset() -> int:
     return int(getattr(_constants, "ONNX_MAX_OPSET", 20))
 
 
-def check_options(args) -> None:
-    """ConfigError naming the option, before anything is loaded or written."""
-    if args.format not in FORMATS:
-        raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
-                          f"{', '.join(FORMATS)}")
-    if not MIN_OPSET <= args.opset <= max_opset():
-        raise ConfigError(f"--opset {args.opset}: this export needs an opset from {MIN_OPSET} to "
-                          f"{max_opset()} (torch {torch.__version__} writes up to {max_opset()})")
-    if not 0 <= args.tolerance < float("inf"):
-        raise ConfigError(f"--tolerance {args.tolerance}: must be a finite number >= 0")
-
-
 class LastStackMaps(torch.nn.Module):
     """The model with one output: the last stack's stride-4 maps."""
 
@@ -80,15 +68,6 @@ class LastStackMaps(torch.nn.Module):
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         return self.model(batch)[-1][0]
-
-
-def check_pictures(folder) -> list[Path]:
-    folder = Path(folder)
-    pictures = sorted(p for p in folder.glob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png")) \
-        if folder.is_dir() else []
-    if not pictures:
-        raise DataError(f"--check-images {folder}: no .jpg or .png pictures there to check the export on")
-    return pictures
 
 
 def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
@@ -144,9 +123,19 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float,
 def run(args) -> Path:
     from inference.estimator import PoseEstimator
 
-    check_options(args)
-    out = Path(args.out)
-    pictures = check_pictures(args.check_images)
+    if args.format not in FORMATS:
+        raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
+                          f"{', '.join(FORMATS)}")
+    if not MIN_OPSET <= args.opset <= max_opset():
+        raise ConfigError(f"--opset {args.opset}: this export needs an opset from {MIN_OPSET} to "
+                          f"{max_opset()} (torch {torch.__version__} writes up to {max_opset()})")
+    if not 0 <= args.tolerance < float("inf"):
+        raise ConfigError(f"--tolerance {args.tolerance}: must be a finite number >= 0")
+    out, folder = Path(args.out), Path(args.check_images)
+    pictures = sorted(p for p in folder.glob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png")) \
+        if folder.is_dir() else []
+    if not pictures:
+        raise DataError(f"--check-images {folder}: no .jpg or .png pictures there to check the export on")
     refuse_clashes({"--weights": args.weights, "--check-images": pictures, "--preset": args.preset},
                    {"--out": out})
     refuse_existing("--out", out, args.overwrite)

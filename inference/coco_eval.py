@@ -98,7 +98,9 @@ def matched_people(gt_dict: dict, results: list[dict], sigmas, image_ids=None):
 def oks_terms(points: np.ndarray, guess: np.ndarray, sigmas: np.ndarray, ann: dict) -> np.ndarray:
     """Per keypoint, COCO's OKS term exp(-d^2 / (2 s^2 k^2)) of `guess` against `points` of `ann`."""
     d2 = ((guess[:, :2] - points[:, :2]) ** 2).sum(1)
-    return np.exp(-d2 / (2 * (2 * sigmas) ** 2 * (_scale(ann) + np.spacing(1))))
+    area, box = ann.get("area"), ann.get("bbox") or [0, 0, 1, 1]
+    scale = float(area) if isinstance(area, (int, float)) and area > 0 else float(max(box[2] * box[3], 1.0))
+    return np.exp(-d2 / (2 * (2 * sigmas) ** 2 * (scale + np.spacing(1))))
 
 
 def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) -> list[tuple]:
@@ -111,14 +113,6 @@ def keypoint_recall(gt_dict: dict, results: list[dict], sigmas, image_ids=None) 
         if guess is not None:
             recalled += on & (oks_terms(points, guess, sigmas, ann) >= RIGHT_PLACE)
     return [(int(n), int(r)) for n, r in zip(labelled, recalled)]
-
-
-def _scale(ann: dict) -> float:
-    area = ann.get("area")
-    if isinstance(area, (int, float)) and area > 0:
-        return float(area)
-    box = ann.get("bbox") or [0, 0, 1, 1]
-    return float(max(box[2] * box[3], 1.0))
 
 
 def format_recall(names, recall: list[tuple]) -> list[str]:

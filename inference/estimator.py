@@ -50,17 +50,6 @@ class Prediction:
     maps: np.ndarray | None = None
 
 
-def to_people(keypoints: np.ndarray, scores: np.ndarray) -> list[Person]:
-    """`group_people`'s arrays ([P, K, 3], [P]) as `Person` records."""
-    people = []
-    for person, score in zip(keypoints, scores):
-        found = person[person[:, 2] > 0, :2]
-        low, high = found.min(0), found.max(0)
-        people.append(Person(person, float(score), (float(low[0]), float(low[1]),
-                                                   float(high[0]), float(high[1]))))
-    return people
-
-
 def decode_threads(cfg: InferenceConfig) -> int:
     """Grouping threads: the config's number, or this process's share of the machine's cores."""
     from runtime.distributed import current_context
@@ -98,18 +87,12 @@ def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, ske
 class PoseEstimator:
     """A network (a model of this project, or an `OnnxNetwork`) with the settings it runs at."""
 
-    def __init__(self, network, settings: PredictSettings):
+    def __init__(self, network, settings: PredictSettings, config: Config | None = None):
         self.network = as_network(network)
         self.settings = settings
         self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
-        self.config: Config | None = None           # the whole config of the file it came from, if any
+        self.config = config                        # the whole config of the file it came from, if any
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
-
-    @classmethod
-    def _loaded(cls, network, config: Config) -> "PoseEstimator":
-        estimator = cls(network, PredictSettings.of(config))
-        estimator.config = config
-        return estimator
 
     @classmethod
     def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
@@ -119,7 +102,7 @@ class PoseEstimator:
             raise CheckpointError(f"{path} is an ONNX file, not a checkpoint: load it with "
                                   "PoseEstimator.from_onnx (demo.py takes it as --weights too)")
         model, config = load_model(str(path), preset, list(sets), pick_device(device), scales, flip)
-        return cls._loaded(model, config)
+        return cls(model, PredictSettings.of(config), config)
 
     @classmethod
     def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
@@ -127,7 +110,8 @@ class PoseEstimator:
         from inference.onnx_network import OnnxNetwork
 
         network = OnnxNetwork(path)
-        return cls._loaded(network, network.config(list(sets), scales, flip))
+        config = network.config(list(sets), scales, flip)
+        return cls(network, PredictSettings.of(config), config)
 
     @classmethod
     def from_file(cls, path, device="auto", **options) -> "PoseEstimator":
@@ -175,7 +159,12 @@ class PoseEstimator:
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
         for picture_maps, keypoints, scores in self.grouped(pictures):
-            people = to_people(keypoints, scores)
+            people = []
+            for person, score in zip(keypoints, scores):
+                found = person[person[:, 2] > 0, :2]
+                low, high = found.min(0), found.max(0)
+                people.append(Person(person, float(score), (float(low[0]), float(low[1]),
+                                                           float(high[0]), float(high[1]))))
             yield Prediction(people, picture_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):

@@ -47,13 +47,6 @@ def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: l
     return np.vstack([header, *rows])
 
 
-def found_people(model, pictures: list[np.ndarray], settings: PredictSettings, device) -> list[np.ndarray]:
-    """The keypoints [P, K, 3] of the people `model` finds in each picture at `settings`."""
-    with eval_mode(model):
-        estimator = PoseEstimator(TorchNetwork(model, device), settings)
-        return [keypoints for _, keypoints, _ in estimator.grouped(pictures)]
-
-
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
                        run_dir, device, count: int = 4) -> Path:
     """Write RUN/val_pictures/epoch_`epoch`.png of the first `count` images; returns its path."""
@@ -63,7 +56,9 @@ def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSetti
         chosen = range(min(count, h5.num_images))
         pictures = [h5.decode_image(img) for img in chosen]
         truths = [h5.people(img) for img in chosen]
-    found = found_people(model, pictures, settings, device)
+    with eval_mode(model):         # the people the model finds, with the AP's own inference
+        estimator = PoseEstimator(TorchNetwork(model, device), settings)
+        found = [keypoints for _, keypoints, _ in estimator.grouped(pictures)]
     title = (f"epoch {epoch}: left ground truth ({sum(map(len, truths))} people), "
              f"right found ({sum(map(len, found))})")
     grid = pictures_grid(pictures, truths, found, skeleton, title)

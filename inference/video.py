@@ -71,18 +71,6 @@ def check_video_out(path) -> Path:
     return path
 
 
-def count_frames(path) -> int:
-    """How many frames OpenCV reads back from the video file at `path` (0 when it cannot open it)."""
-    capture = cv2.VideoCapture(str(path))
-    count = 0
-    try:
-        while capture.isOpened() and capture.grab():
-            count += 1
-    finally:
-        capture.release()
-    return count
-
-
 @contextlib.contextmanager
 def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
     """A function writing BGR frames to the video `path` at `fps`; the video takes its name only
@@ -106,7 +94,10 @@ def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
             yield write
         finally:
             writer.release()
-        found = count_frames(temp)
+        capture, found = cv2.VideoCapture(str(temp)), 0        # the frames OpenCV reads back
+        while capture.isOpened() and capture.grab():
+            found += 1
+        capture.release()
         if found != written:
             raise DataError(f"--out {path}: the video written holds {found} of its {written} frames "
                             "when read back (full disk?); nothing was written")
