@@ -24,7 +24,7 @@ import torch.distributed as dist
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
-from runtime.rank_watch import ERROR_KEY, RankWatch, beat_key, fate, post_error, read_key, who_key
+from runtime.rank_watch import BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, fate, post_error, read_key
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -197,7 +197,7 @@ def _another_rank_failed() -> UserError | None:
     if store is None:
         return None
     try:
-        beats = {r: store.add(beat_key(r), 0) for r in range(world) if r != rank}
+        beats = {r: store.add(BEAT_KEY.format(r), 0) for r in range(world) if r != rank}
         deadline = time.monotonic() + _EVIDENCE_S
         while not store.check([ERROR_KEY]):
             if _lost() is not None:
@@ -207,11 +207,12 @@ def _another_rank_failed() -> UserError | None:
             if time.monotonic() > deadline:
                 silent = min(beats)
                 _GONE.add(silent)
-                return UserError(post_error(store, f"{fate(silent, read_key(store, who_key(silent)))}: no "
-                                            f"sign of life for {_EVIDENCE_S:g} s after its connection "
-                                            "closed; the other ranks end"))
+                who = read_key(store, WHO_KEY.format(silent))
+                return UserError(post_error(store, f"{fate(silent, who)}: no sign of life for "
+                                            f"{_EVIDENCE_S:g} s after its connection closed; the other "
+                                            "ranks end"))
             time.sleep(0.2)
-            beats = {r: count for r, count in beats.items() if store.add(beat_key(r), 0) == count}
+            beats = {r: count for r, count in beats.items() if store.add(BEAT_KEY.format(r), 0) == count}
         return UserError(store.get(ERROR_KEY).decode())
     except (RuntimeError, dist.DistError):     # the store went with its host
         watch = _WATCH
