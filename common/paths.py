@@ -82,18 +82,17 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
 
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
     """Give `temp` the name `path` only if no file has it (a hard link, else a checked rename)."""
+    taken = (f"{option} {path} was created by another command while this one wrote it; that file is "
+             f"kept as it is: choose another {option}")
     try:
         os.link(temp, path)
     except FileExistsError:
-        raise ConfigError(f"{option} {path} was created by another command while this one wrote it; "
-                          f"that file is kept as it is: choose another {option}, or pass --overwrite "
-                          "to replace it") from None
+        raise ConfigError(f"{taken}, or pass --overwrite to replace it") from None
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
         if path.exists():
-            raise ConfigError(f"{option} {path} was created by another command while this one wrote "
-                              f"it; that file is kept as it is: choose another {option}") from None
+            raise ConfigError(taken) from None
         os.replace(temp, path)
         return
     temp.unlink()
