@@ -228,8 +228,7 @@ def _lost() -> UserError | None:
 def _group_lost() -> UserError:
     """Why the joined group is gone: the watch's verdict, a rank's error, or aborted unsaid."""
     global _LOST
-    if _LOST is None:
-        _LOST = _lost()
+    _LOST = _lost()
     if _LOST is None and _STORE is not None:
         store = _STORE
         with contextlib.suppress(RuntimeError, dist.DistError):
