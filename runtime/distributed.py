@@ -1,9 +1,6 @@
-"""The process group: rank and device, collectives, per-rank seeding; ranks fail together.
-
-Ranks meet in a store before the group exists; a rank that fails leaves its error there, and a
-`RankWatch` catches one that dies or freezes. Once the group is lost, every collective here raises
-why. Under NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING is set to 2 (raise, not SIGABRT) unless set.
-"""
+"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (ranks meet
+in a store, where a failing rank leaves its error; a `RankWatch` catches one that dies or freezes);
+once the group is lost, every collective here raises why."""
 from __future__ import annotations
 
 import contextlib
@@ -82,7 +79,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     _STORE, _GROUP, _LOST = store, (launch.rank, launch.world_size), None
     _SERVES = launch.rank == 0 and not launch.agent_store
     if ctx.backend == "nccl" and not any(os.environ.get(name) for name in _NCCL_ERROR_HANDLING):
-        os.environ[_NCCL_ERROR_HANDLING[0]] = "2"      # see the module docstring
+        os.environ[_NCCL_ERROR_HANDLING[0]] = "2"      # a lost rank raises, not SIGABRT
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)

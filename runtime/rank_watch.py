@@ -1,8 +1,5 @@
-"""The watch every rank keeps on the others: a rank that dies or freezes ends the job in bounded
-time, with one `error:` line naming it. `RankWatch`'s pulse thread beats in the store and reads the
-next rank's beat and any error left; its judge notices a dead store. A verdict aborts the group; a
-main thread that does not end within `grace_s` is ended by the judge (`os._exit`).
-"""
+"""The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
+a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it."""
 from __future__ import annotations
 
 import contextlib
