@@ -1,7 +1,5 @@
-"""Errors a user can fix: each says what is wrong and where (file, option, item). Entry scripts print
-a `UserError` on one line and exit with its code (`run_cli`); anything else is a bug and keeps its
-traceback. `ArgumentParser`'s mistakes are one such line too.
-"""
+"""Errors a user can fix, each saying what is wrong and where: entry scripts print a `UserError` (or an
+`ArgumentParser` mistake) on one line and exit with its code (`run_cli`); a bug keeps its traceback."""
 from __future__ import annotations
 
 import argparse

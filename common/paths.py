@@ -21,13 +21,11 @@ def same_file(a, b) -> bool:
         return False
 
 
-def _listed_paths(value) -> list[Path]:
-    """A path, several, or none (None, "") as a list."""
-    if not value:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        return [Path(value)]
-    return [Path(item) for item in value if item]
+def _each_path(paths: dict):
+    """(option, path) for each path of {option: a path, several, or none (None, "")}."""
+    for option, value in paths.items():
+        listed = [value] if isinstance(value, (str, os.PathLike)) else value or []
+        yield from ((option, Path(item)) for item in listed if item)
 
 
 def _identity(path: Path):
@@ -45,7 +43,7 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
     an output is refused when it is a symlink loop, another output, a file read, or in or of a
     folder read. Every command calls this before it writes."""
     written: dict = {}                   # identity -> (option, path, resolved path)
-    for option, out in ((o, p) for o, value in writes.items() for p in _listed_paths(value)):
+    for option, out in _each_path(writes):
         try:
             resolved, identity = out.resolve(), _identity(out)
         except (OSError, RuntimeError):
@@ -54,7 +52,7 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
         if other[:2] != (option, out):
             raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
                               "would replace the other; give each its own path")
-    for source_option, source in ((o, p) for o, value in reads.items() for p in _listed_paths(value)):
+    for source_option, source in _each_path(reads):
         try:
             identity, folder = _identity(source), source.resolve() if source.is_dir() else None
         except (OSError, RuntimeError):
@@ -82,18 +80,17 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
 
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
     """Give `temp` the name `path` only if no file has it (a hard link, else a checked rename)."""
+    taken = (f"{option} {path} was created by another command while this one wrote it; that file is "
+             f"kept as it is: choose another {option}")
     try:
         os.link(temp, path)
     except FileExistsError:
-        raise ConfigError(f"{option} {path} was created by another command while this one wrote it; "
-                          f"that file is kept as it is: choose another {option}, or pass --overwrite "
-                          "to replace it") from None
+        raise ConfigError(f"{taken}, or pass --overwrite to replace it") from None
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
         if path.exists():
-            raise ConfigError(f"{option} {path} was created by another command while this one wrote "
-                              f"it; that file is kept as it is: choose another {option}") from None
+            raise ConfigError(taken) from None
         os.replace(temp, path)
         return
     temp.unlink()

@@ -144,11 +144,6 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
     return cfg
 
 
-def from_dict(data: dict) -> Config:
-    """A `Config` from `to_dict` output (as saved in checkpoints)."""
-    return build_config(overrides=data)
-
-
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

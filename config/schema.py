@@ -149,8 +149,7 @@ class OptimConfig:
     name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
-    # N: LR = lr x total batch / N (batch_size x accumulate, any mode);
-    # 0: lr at any total batch
+    # N: LR = lr x total batch / N (batch_size x accumulate, any mode); 0: lr at any total batch
     reference_batch: int = option(0, bounds=Bounds(0, 2 ** 32))
     scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs between modes; prefer
                                            # reference_batch)
@@ -169,8 +168,7 @@ class OptimConfig:
     clip_grad_norm: float = option(0.0, bounds=NON_NEGATIVE,
         flag=flag("--clip-grad", OPTIMISATION, type=float, metavar="MAX_NORM"))
     skip_loss_above: float = option(2e5, bounds=POSITIVE)  # a step whose loss exceeds this is skipped
-    # consecutive skipped steps before the run stops
-    max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))
+    max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))   # consecutive skipped steps before the run stops
     # torch.optim's fused kernels; auto: on for CUDA with the native backend
     fused: str | bool = option("auto", choices=("auto", True, False))
 

@@ -1,9 +1,6 @@
-"""The process group: rank and device, collectives, per-rank seeding; ranks fail together.
-
-Ranks meet in a store before the group exists; a rank that fails leaves its error there, and a
-`RankWatch` catches one that dies or freezes. Once the group is lost, every collective here raises
-why. Under NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING is set to 2 (raise, not SIGABRT) unless set.
-"""
+"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (ranks meet
+in a store, where a failing rank leaves its error; a `RankWatch` catches one that dies or freezes);
+once the group is lost, every collective here raises why."""
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +21,7 @@ import torch.distributed as dist
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
-from runtime.rank_watch import ERROR_KEY, RankWatch, beat_key, fate, post_error, read_key, who_key
+from runtime.rank_watch import BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, fate, post_error, read_key
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -82,7 +79,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     _STORE, _GROUP, _LOST = store, (launch.rank, launch.world_size), None
     _SERVES = launch.rank == 0 and not launch.agent_store
     if ctx.backend == "nccl" and not any(os.environ.get(name) for name in _NCCL_ERROR_HANDLING):
-        os.environ[_NCCL_ERROR_HANDLING[0]] = "2"      # see the module docstring
+        os.environ[_NCCL_ERROR_HANDLING[0]] = "2"      # a lost rank raises, not SIGABRT
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)
@@ -197,7 +194,7 @@ def _another_rank_failed() -> UserError | None:
     if store is None:
         return None
     try:
-        beats = {r: store.add(beat_key(r), 0) for r in range(world) if r != rank}
+        beats = {r: store.add(BEAT_KEY.format(r), 0) for r in range(world) if r != rank}
         deadline = time.monotonic() + _EVIDENCE_S
         while not store.check([ERROR_KEY]):
             if _lost() is not None:
@@ -207,11 +204,12 @@ def _another_rank_failed() -> UserError | None:
             if time.monotonic() > deadline:
                 silent = min(beats)
                 _GONE.add(silent)
-                return UserError(post_error(store, f"{fate(silent, read_key(store, who_key(silent)))}: no "
-                                            f"sign of life for {_EVIDENCE_S:g} s after its connection "
-                                            "closed; the other ranks end"))
+                who = read_key(store, WHO_KEY.format(silent))
+                return UserError(post_error(store, f"{fate(silent, who)}: no sign of life for "
+                                            f"{_EVIDENCE_S:g} s after its connection closed; the other "
+                                            "ranks end"))
             time.sleep(0.2)
-            beats = {r: count for r, count in beats.items() if store.add(beat_key(r), 0) == count}
+            beats = {r: count for r, count in beats.items() if store.add(BEAT_KEY.format(r), 0) == count}
         return UserError(store.get(ERROR_KEY).decode())
     except (RuntimeError, dist.DistError):     # the store went with its host
         watch = _WATCH
@@ -227,8 +225,7 @@ def _lost() -> UserError | None:
 def _group_lost() -> UserError:
     """Why the joined group is gone: the watch's verdict, a rank's error, or aborted unsaid."""
     global _LOST
-    if _LOST is None:
-        _LOST = _lost()
+    _LOST = _lost()
     if _LOST is None and _STORE is not None:
         store = _STORE
         with contextlib.suppress(RuntimeError, dist.DistError):

@@ -1,7 +1,5 @@
-"""What a run's numbers depend on besides its config: Python and library versions, the Apex build,
-the git commit and a clean-tree flag, the command line, the devices (`describe_environment`, for
-RUN/environment.json); `changed_versions` says what differs from an earlier start of the run.
-"""
+"""What a run's numbers depend on besides its config (versions, Apex build, git commit, command line,
+devices) for RUN/environment.json; `changed_versions` says what differs from an earlier start."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,5 @@
-"""The watch every rank keeps on the others: a rank that dies or freezes ends the job in bounded
-time, with one `error:` line naming it. `RankWatch`'s pulse thread beats in the store and reads the
-next rank's beat and any error left; its judge notices a dead store. A verdict aborts the group; a
-main thread that does not end within `grace_s` is ended by the judge (`os._exit`).
-"""
+"""The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
+a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it."""
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +13,7 @@ from pathlib import Path
 from common.errors import UserError, print_error
 
 ERROR_KEY = "error"
-
-
-def beat_key(rank: int) -> str:
-    return f"beat/{rank}"
-
-
-def who_key(rank: int) -> str:
-    return f"who/{rank}"
+BEAT_KEY, WHO_KEY = "beat/{}", "who/{}"       # a rank's heartbeat count, its "HOST PID" (.format(rank))
 
 
 def read_key(store, key: str) -> str | None:
@@ -100,13 +90,14 @@ class RankWatch:
     def _pulse(self) -> None:
         store, last, seen = self.store, None, time.monotonic()
         with contextlib.suppress(RuntimeError):
-            store.set(who_key(self.rank), f"{socket.gethostname()} {os.getpid()}")    # for `fate`
+            store.set(WHO_KEY.format(self.rank), f"{socket.gethostname()} {os.getpid()}")    # for `fate`
         while not self._stopped.wait(self.every_s):
             try:
-                store.add(beat_key(self.rank), 1)
+                store.add(BEAT_KEY.format(self.rank), 1)
                 error = read_key(store, ERROR_KEY)
-                count = store.add(beat_key(self.peer), 0)
-                found = {rank: read_key(store, who_key(rank)) for rank in {0, self.peer} - self.who.keys()}
+                count = store.add(BEAT_KEY.format(self.peer), 0)
+                found = {rank: read_key(store, WHO_KEY.format(rank))
+                         for rank in {0, self.peer} - self.who.keys()}
                 self.who.update((rank, who) for rank, who in found.items() if who is not None)
             except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
