@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -165,7 +166,10 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
         ann["iscrowd"] = 0
         repairs["no iscrowd: 0 (not a crowd)"] += 1
     if "area" not in ann:
-        ann["area"] = _area(ann, info)
+        area = None
+        with contextlib.suppress(ValueError, TypeError, IndexError):
+            area = read_segment(mask_utils.area, ann.get("segmentation"), info["height"], info["width"])
+        ann["area"] = float(ann["bbox"][2] * ann["bbox"][3] if area is None else area)
         repairs["no area: the segment's area (else the box's)"] += 1
     if not ann.get("segmentation"):
         repairs["no segmentation: the box is the person's region"] += 1
@@ -182,17 +186,17 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
     ann["num_keypoints"] = labelled
 
 
-def _area(ann: dict, info: dict) -> float:
-    seg = ann.get("segmentation")
-    with contextlib.suppress(ValueError, TypeError, IndexError):
-        if isinstance(seg, list) and seg:
-            rles = mask_utils.frPyObjects([p for p in seg if len(p) >= 6], info["height"], info["width"])
-            return float(mask_utils.area(mask_utils.merge(rles)))
-        if isinstance(seg, dict):
-            rle = (mask_utils.frPyObjects(seg, info["height"], info["width"])
-                   if isinstance(seg["counts"], list) else dict(seg, counts=seg["counts"].encode()))
-            return float(mask_utils.area(rle))
-    return float(ann["bbox"][2] * ann["bbox"][3])
+def read_segment(read, seg, height: int, width: int):
+    """`read` (pycocotools' `decode` or `area`) of a checked segmentation's RLE; None without one."""
+    polys = [p for p in seg if len(p) >= 6] if isinstance(seg, list) else []
+    with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if polys:
+            return read(mask_utils.merge(mask_utils.frPyObjects(polys, height, width)))
+        if isinstance(seg, dict) and "counts" in seg:
+            return read(mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list)
+                        else dict(seg, counts=seg["counts"].encode()))
+    return None
 
 
 @dataclass

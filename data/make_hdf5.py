@@ -9,7 +9,6 @@ import json
 import re
 import struct
 import sys
-import warnings
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
@@ -22,6 +21,7 @@ from tqdm import tqdm
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
+from data.coco_checks import read_segment
 from data.coco_intake import load_coco
 from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
 
@@ -109,15 +109,9 @@ def _where_from(info: dict, images_dir: Path) -> str:
 # -- annotations -> people, masks, samples ---------------------------------------------------------
 def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
-    seg = ann.get("segmentation")
-    polys = [p for p in seg if len(p) >= 6] if isinstance(seg, list) else []
-    with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
-        warnings.simplefilter("ignore", DeprecationWarning)
-        if polys:
-            return mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(polys, height, width)))
-        if isinstance(seg, dict) and "counts" in seg:
-            rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list) else seg
-            return mask_utils.decode(rle)
+    mask = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
+    if mask is not None:
+        return mask
     out = np.zeros((height, width), np.uint8)
     x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
     out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
