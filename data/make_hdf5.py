@@ -152,8 +152,8 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
         crowds += crowd
         no_keypoints += not crowd
     return {
-        "keypoints": np.stack([skeleton.from_annotation(a["keypoints"]) for a in keyed]) if keyed
-        else np.zeros((0, skeleton.num_keypoints, 3), np.float32),
+        "keypoints": np.array([skeleton.from_annotation(a["keypoints"]) for a in keyed],
+                              np.float32).reshape(-1, skeleton.num_keypoints, 3),
         "boxes": np.array([a["bbox"] for a in keyed], np.float32).reshape(-1, 4),
         "main": main_people(keyed, keep_all), "ignore": ignore, "person": person,
         "crowds": crowds, "no_keypoints": no_keypoints,
@@ -259,9 +259,8 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
     f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
     f["images/people"] = np.stack([np.cumsum([0] + counts[:-1]), counts], 1).astype(np.int64)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
-    f["people/keypoints"] = (np.concatenate(keypoints) if keypoints
-                             else np.zeros((0, skeleton.num_keypoints, 3), np.float32))
-    f["people/box"] = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
+    f["people/keypoints"] = np.concatenate(keypoints)      # kept > 0: one array per image
+    f["people/box"] = np.concatenate(boxes)
     summary.update(images=kept, samples=len(samples), people=sum(counts))
 
 
