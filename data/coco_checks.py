@@ -278,7 +278,6 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         named = ", ".join(str(i) for i in category_ids)
         raise DataError(f"{ann_path}: no annotation has the person category's id {named} "
                     f"(annotations have category ids {', '.join(found[:10])})")
-    out.images = [info for info in data["images"]
-                  if isinstance(info, dict) and is_int(info.get("id")) and good.get(info["id"]) is info]
+    out.images = list(good.values())      # the JSON's order: each was added as the loop met it
     out.by_image = {i: by_image[i] for i in good}
     return out

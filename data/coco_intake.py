@@ -51,7 +51,6 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
     return chosen
 
 
-
 def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path) -> list:
     """Lines for the JSON's keypoint names that `skeleton` names otherwise; or `DataError`."""
     given, common = skeleton.dataset_keypoints, min(len(names), len(skeleton.dataset_keypoints))
