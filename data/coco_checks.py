@@ -221,9 +221,6 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             raise DataError(f"{ann_path}: {message}")
         out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
-    for key in ("images", "annotations"):
-        if not isinstance(data[key], list):
-            raise DataError(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
     good, bad_ids, by_file = {}, set(), {}
     for info in data["images"]:
         problem = image_problem(info, images_dir)

@@ -175,8 +175,9 @@ def _read_json(ann_path: Path) -> dict:
         raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
     if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
         raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
-    if not isinstance(data["categories"], list):
-        raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
+    for key in ("categories", "images", "annotations"):
+        if not isinstance(data[key], list):
+            raise DataError(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
     return data
 
 
@@ -190,8 +191,7 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
     chosen = _keypoint_categories(data, ann_path, categories, said)
     category = dict(chosen[0])
     ids = {c.get("id") for c in chosen}
-    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids] \
-        if isinstance(data["annotations"], list) else []
+    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids]
     if skeleton is not None and not category.get("keypoints"):
         names = list(skeleton.dataset_keypoints)
     else:
