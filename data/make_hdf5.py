@@ -23,7 +23,7 @@ from common.paths import refuse_clashes, refuse_existing, write_text, written_wh
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_checks import read_segment
 from data.coco_intake import load_coco
-from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
+from data.h5format import FORMAT_MARKER, FORMAT_VERSION, PER_IMAGE, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
 MAIN_MIN_AREA = 32 * 32
@@ -121,8 +121,7 @@ def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
 def main_people(anns: list[dict], keep_all: bool = False) -> list[int]:
     """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule; `keep_all`:
     without its keypoint count and area, so that every picture with a labelled person has one."""
-    centres: list[np.ndarray] = []
-    out = []
+    centres, out = [], []
     for i, ann in enumerate(anns):
         x, y, w, h = ann["bbox"]
         if not keep_all and (ann["num_keypoints"] < MAIN_MIN_KEYPOINTS or ann["area"] < MAIN_MIN_AREA):
@@ -213,10 +212,9 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
-    encoded = f.create_dataset("images/encoded", (n,), vbytes, maxshape=(None,))
-    names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
-    texts = f.create_dataset("images/annotations", (n,), vstr, maxshape=(None,))
-    masks = f.create_dataset("images/masks", (n,), vbytes, maxshape=(None,))
+    per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
+                 for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
+    encoded, names, texts, masks = per_image
     ids, sizes, counts, samples, keypoints, boxes = [], [], [], [], [], []
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
         try:
@@ -253,7 +251,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
-    for ds in (encoded, names, texts, masks):
+    for ds in per_image:
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)
     f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
