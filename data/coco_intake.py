@@ -84,9 +84,8 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
     known = matching_builtin(names)
     if known is not None:
-        chosen = known
-        report = [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}",
-                  *_name_lines(names, known, category, ann_path)]
+        chosen, report = known, [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
+                                 f"{known.name}", *_name_lines(names, known, category, ann_path)]
     else:
         chosen, report = infer_skeleton(category, names, points, str(ann_path), links_from)
     fitted, said = fit_to_labels(chosen, points, str(ann_path))      # links the data can use

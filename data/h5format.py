@@ -46,8 +46,7 @@ def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
     pieces = -(-lengths // 65535)                       # runs split into <= 65535 pixels
     values = np.repeat(flat[starts], pieces)
     split = np.full(pieces.sum(), 65535, np.int64)
-    ends = np.cumsum(pieces) - 1
-    split[ends] = lengths - (pieces - 1) * 65535
+    split[np.cumsum(pieces) - 1] = lengths - (pieces - 1) * 65535      # each run's last piece
     return np.concatenate([split.astype("<u2").view(np.uint8), values])
 
 
