@@ -146,17 +146,15 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
-    margin_x, margin_y = KEYPOINT_MARGIN * width, KEYPOINT_MARGIN * height
-    bad_v = (points[:, 2] != 0) & (points[:, 2] != 1) & (points[:, 2] != 2)
-    x, y = points[:, 0], points[:, 1]
-    outside = (points[:, 2] > 0) & ((x < -margin_x) | (x > width + margin_x)
-                                    | (y < -margin_y) | (y > height + margin_y))
+    xy, v, margin = points[:, :2], points[:, 2], KEYPOINT_MARGIN * np.array([width, height])
+    bad_v = ~np.isin(v, (0, 1, 2))
+    outside = (v > 0) & ((xy < -margin) | (xy > [width, height] + margin)).any(1)
     if bad_v.any():
         k = int(np.argmax(bad_v))
         return f"keypoint {k} has visibility {ann['keypoints'][3 * k + 2]!r}, not 0, 1 or 2"
     if outside.any():
         k = int(np.argmax(outside))
-        return f"keypoint {k} at ({x[k]:g}, {y[k]:g}) lies far outside the {width}x{height} image"
+        return f"keypoint {k} at ({xy[k, 0]:g}, {xy[k, 1]:g}) lies far outside the {width}x{height} image"
     return None
 
 
