@@ -109,8 +109,7 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
     """Read each annotation's keypoints from the fields that hold `skeleton`'s count (None: the
     most), into `keypoints`; (how many, a line on a choice), or `DataError`."""
     wanted = skeleton and len(skeleton.dataset_keypoints)
-    sample = next((a for a in own if isinstance(a, dict) and not a.get("iscrowd")
-                   and isinstance(a.get("keypoints"), list)), None)
+    sample = next((a for a in own if not a.get("iscrowd") and isinstance(a.get("keypoints"), list)), None)
     layouts = _layouts(sample) if sample else {("keypoints",): wanted or len(names)}
     fields = (max(layouts, key=layouts.get) if wanted is None
               else next((f for f, n in layouts.items() if n == wanted), None))
@@ -120,14 +119,14 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
                         f"the annotations holds as many ({held})")
     fractional = 0
     for ann in own if fields != ("keypoints",) else []:
-        if isinstance(ann, dict) and all(isinstance(ann.get(f), list) for f in fields):
+        if all(isinstance(ann.get(f), list) for f in fields):
             values = [v for f in fields for v in ann[f]]
             for i in range(2, len(values), 3):       # COCO-WholeBody: a v > 0 that is not 1 or 2
                 if isinstance(values[i], float) and values[i] > 0 and values[i] not in (1, 2):
                     values[i], fractional = 1, fractional + 1
             ann["keypoints"] = values
             ann["num_keypoints"] = sum(1 for v in values[2::3] if isinstance(v, (int, float)) and v > 0)
-        elif isinstance(ann, dict) and ann.get("iscrowd"):      # a crowd region without them: none
+        elif ann.get("iscrowd"):      # a crowd region without them: none
             ann.pop("keypoints", None)
     count = layouts[fields] if wanted else max(layouts[fields], len(names))
     others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
