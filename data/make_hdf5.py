@@ -42,8 +42,7 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) read from a JPEG or PNG header, or None for other formats."""
     if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        width, height = struct.unpack(">II", data[16:24])
-        return height, width
+        return struct.unpack(">II", data[16:24])[::-1]      # stored as width, height
     if data[:2] != b"\xff\xd8":
         return None
     pos = 2
@@ -56,8 +55,7 @@ def header_size(data: bytes) -> tuple[int, int] | None:
             continue
         length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            height, width = struct.unpack(">HH", data[pos + 5:pos + 9])
-            return height, width
+            return struct.unpack(">HH", data[pos + 5:pos + 9])
         pos += 2 + length
     return None
 
