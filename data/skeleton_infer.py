@@ -114,10 +114,8 @@ def _mean_distances(points: np.ndarray) -> np.ndarray:
             continue
         xy = person[on, :2]
         size = max(float(np.ptp(xy, axis=0).max()), 1.0)
-        where = np.flatnonzero(on)
-        d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) / size
-        total[np.ix_(where, where)] += d
-        seen[np.ix_(where, where)] += 1
+        total[np.ix_(on, on)] += np.linalg.norm(xy[:, None] - xy[None], axis=-1) / size
+        seen[np.ix_(on, on)] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(seen > 0, total / np.maximum(seen, 1), np.inf)
 
