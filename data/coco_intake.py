@@ -208,9 +208,8 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
                     f"{category.get('name')!r}")
     selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path, count)
     said.extend(_strip_prefix(selection.images, images_dir))
-    points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
-              for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
-    points = np.stack(points) if points else np.zeros((0, count, 3), np.float32)
+    points = np.array([a["keypoints"] for anns in selection.by_image.values() for a in anns
+                       if a["num_keypoints"] > 0], np.float32).reshape(-1, count, 3)
     skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton, links_from)
     category["keypoints"] = list(skeleton.dataset_keypoints)
     said.extend(f"{reason} ({times} annotations)" for reason, times in sorted(selection.repairs.items()))
