@@ -177,9 +177,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                                       links_from)
     refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
                    {"--out": out_path, **(side_outputs or {})})
-    images, by_image = selection.images, selection.by_image
-    if max_images > 0:
-        images = images[:max_images]
+    images = selection.images[:max_images] if max_images > 0 else selection.images
     for option, path in {"--out": out_path, **(side_outputs or {})}.items():
         if path:
             refuse_existing(option, path, overwrite)
@@ -191,7 +189,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
-            _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary)
+            _write(f, category, images, selection.by_image, ann_path, images_dir, skip_bad, progress, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
