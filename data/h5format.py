@@ -208,9 +208,8 @@ class KeypointH5:
     # -- per image ------------------------------------------------------------------------------
     def image_info(self, img: int) -> dict:
         height, width = self.image_size(img)
-        name = _text(self._dataset("images/file_name")[img])
-        return {"id": int(self._load_meta()["images/id"][img]), "file_name": name, "width": width,
-                "height": height}
+        return {"id": int(self._load_meta()["images/id"][img]),
+                "file_name": _text(self._dataset("images/file_name")[img]), "width": width, "height": height}
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""

@@ -16,8 +16,6 @@ MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the f
 SHOWN = 12                 # names or links listed in one report line
 SAME_SKELETON = ("these links depend on this file's people: give the other split this same skeleton "
                  "(--dump-skeleton FILE.yaml here, --skeleton FILE.yaml there)")
-
-
 _WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
 
 
