@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -145,17 +146,15 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
-    margin_x, margin_y = KEYPOINT_MARGIN * width, KEYPOINT_MARGIN * height
-    bad_v = (points[:, 2] != 0) & (points[:, 2] != 1) & (points[:, 2] != 2)
-    x, y = points[:, 0], points[:, 1]
-    outside = (points[:, 2] > 0) & ((x < -margin_x) | (x > width + margin_x)
-                                    | (y < -margin_y) | (y > height + margin_y))
+    xy, v, margin = points[:, :2], points[:, 2], KEYPOINT_MARGIN * np.array([width, height])
+    bad_v = ~np.isin(v, (0, 1, 2))
+    outside = (v > 0) & ((xy < -margin) | (xy > [width, height] + margin)).any(1)
     if bad_v.any():
         k = int(np.argmax(bad_v))
         return f"keypoint {k} has visibility {ann['keypoints'][3 * k + 2]!r}, not 0, 1 or 2"
     if outside.any():
         k = int(np.argmax(outside))
-        return f"keypoint {k} at ({x[k]:g}, {y[k]:g}) lies far outside the {width}x{height} image"
+        return f"keypoint {k} at ({xy[k, 0]:g}, {xy[k, 1]:g}) lies far outside the {width}x{height} image"
     return None
 
 
@@ -165,7 +164,10 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
         ann["iscrowd"] = 0
         repairs["no iscrowd: 0 (not a crowd)"] += 1
     if "area" not in ann:
-        ann["area"] = _area(ann, info)
+        area = None
+        with contextlib.suppress(ValueError, TypeError, IndexError):
+            area = read_segment(mask_utils.area, ann.get("segmentation"), info["height"], info["width"])
+        ann["area"] = float(ann["bbox"][2] * ann["bbox"][3] if area is None else area)
         repairs["no area: the segment's area (else the box's)"] += 1
     if not ann.get("segmentation"):
         repairs["no segmentation: the box is the person's region"] += 1
@@ -182,17 +184,17 @@ def complete_fields(ann: dict, info: dict, keypoints: int, repairs: Counter) -> 
     ann["num_keypoints"] = labelled
 
 
-def _area(ann: dict, info: dict) -> float:
-    seg = ann.get("segmentation")
-    with contextlib.suppress(ValueError, TypeError, IndexError):
-        if isinstance(seg, list) and seg:
-            rles = mask_utils.frPyObjects([p for p in seg if len(p) >= 6], info["height"], info["width"])
-            return float(mask_utils.area(mask_utils.merge(rles)))
-        if isinstance(seg, dict):
-            rle = (mask_utils.frPyObjects(seg, info["height"], info["width"])
-                   if isinstance(seg["counts"], list) else dict(seg, counts=seg["counts"].encode()))
-            return float(mask_utils.area(rle))
-    return float(ann["bbox"][2] * ann["bbox"][3])
+def read_segment(read, seg, height: int, width: int):
+    """`read` (pycocotools' `decode` or `area`) of a checked segmentation's RLE; None without one."""
+    polys = [p for p in seg if len(p) >= 6] if isinstance(seg, list) else []
+    with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if polys:
+            return read(mask_utils.merge(mask_utils.frPyObjects(polys, height, width)))
+        if isinstance(seg, dict) and "counts" in seg:
+            return read(mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list)
+                        else dict(seg, counts=seg["counts"].encode()))
+    return None
 
 
 @dataclass
@@ -217,9 +219,6 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             raise DataError(f"{ann_path}: {message}")
         out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
-    for key in ("images", "annotations"):
-        if not isinstance(data[key], list):
-            raise DataError(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
     good, bad_ids, by_file = {}, set(), {}
     for info in data["images"]:
         problem = image_problem(info, images_dir)
@@ -274,7 +273,6 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         named = ", ".join(str(i) for i in category_ids)
         raise DataError(f"{ann_path}: no annotation has the person category's id {named} "
                     f"(annotations have category ids {', '.join(found[:10])})")
-    out.images = [info for info in data["images"]
-                  if isinstance(info, dict) and is_int(info.get("id")) and good.get(info["id"]) is info]
+    out.images = list(good.values())      # the JSON's order: each was added as the loop met it
     out.by_image = {i: by_image[i] for i in good}
     return out

@@ -51,7 +51,6 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
     return chosen
 
 
-
 def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path) -> list:
     """Lines for the JSON's keypoint names that `skeleton` names otherwise; or `DataError`."""
     given, common = skeleton.dataset_keypoints, min(len(names), len(skeleton.dataset_keypoints))
@@ -85,9 +84,8 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
     known = matching_builtin(names)
     if known is not None:
-        chosen = known
-        report = [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton {known.name}",
-                  *_name_lines(names, known, category, ann_path)]
+        chosen, report = known, [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
+                                 f"{known.name}", *_name_lines(names, known, category, ann_path)]
     else:
         chosen, report = infer_skeleton(category, names, points, str(ann_path), links_from)
     fitted, said = fit_to_labels(chosen, points, str(ann_path))      # links the data can use
@@ -111,8 +109,7 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
     """Read each annotation's keypoints from the fields that hold `skeleton`'s count (None: the
     most), into `keypoints`; (how many, a line on a choice), or `DataError`."""
     wanted = skeleton and len(skeleton.dataset_keypoints)
-    sample = next((a for a in own if isinstance(a, dict) and not a.get("iscrowd")
-                   and isinstance(a.get("keypoints"), list)), None)
+    sample = next((a for a in own if not a.get("iscrowd") and isinstance(a.get("keypoints"), list)), None)
     layouts = _layouts(sample) if sample else {("keypoints",): wanted or len(names)}
     fields = (max(layouts, key=layouts.get) if wanted is None
               else next((f for f, n in layouts.items() if n == wanted), None))
@@ -122,14 +119,14 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
                         f"the annotations holds as many ({held})")
     fractional = 0
     for ann in own if fields != ("keypoints",) else []:
-        if isinstance(ann, dict) and all(isinstance(ann.get(f), list) for f in fields):
+        if all(isinstance(ann.get(f), list) for f in fields):
             values = [v for f in fields for v in ann[f]]
             for i in range(2, len(values), 3):       # COCO-WholeBody: a v > 0 that is not 1 or 2
                 if isinstance(values[i], float) and values[i] > 0 and values[i] not in (1, 2):
                     values[i], fractional = 1, fractional + 1
             ann["keypoints"] = values
             ann["num_keypoints"] = sum(1 for v in values[2::3] if isinstance(v, (int, float)) and v > 0)
-        elif isinstance(ann, dict) and ann.get("iscrowd"):      # a crowd region without them: none
+        elif ann.get("iscrowd"):      # a crowd region without them: none
             ann.pop("keypoints", None)
     count = layouts[fields] if wanted else max(layouts[fields], len(names))
     others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
@@ -176,8 +173,9 @@ def _read_json(ann_path: Path) -> dict:
         raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
     if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):
         raise DataError(f"{ann_path}: not a COCO annotation file (needs images, annotations, categories)")
-    if not isinstance(data["categories"], list):
-        raise DataError(f"{ann_path}: 'categories' is a {type(data['categories']).__name__}, not a list")
+    for key in ("categories", "images", "annotations"):
+        if not isinstance(data[key], list):
+            raise DataError(f"{ann_path}: '{key}' is a {type(data[key]).__name__}, not a list")
     return data
 
 
@@ -191,8 +189,7 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
     chosen = _keypoint_categories(data, ann_path, categories, said)
     category = dict(chosen[0])
     ids = {c.get("id") for c in chosen}
-    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids] \
-        if isinstance(data["annotations"], list) else []
+    own = [a for a in data["annotations"] if isinstance(a, dict) and a.get("category_id") in ids]
     if skeleton is not None and not category.get("keypoints"):
         names = list(skeleton.dataset_keypoints)
     else:
@@ -211,9 +208,8 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
                     f"{category.get('name')!r}")
     selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path, count)
     said.extend(_strip_prefix(selection.images, images_dir))
-    points = [np.asarray(a["keypoints"], np.float32).reshape(-1, 3)
-              for anns in selection.by_image.values() for a in anns if a["num_keypoints"] > 0]
-    points = np.stack(points) if points else np.zeros((0, count, 3), np.float32)
+    points = np.array([a["keypoints"] for anns in selection.by_image.values() for a in anns
+                       if a["num_keypoints"] > 0], np.float32).reshape(-1, count, 3)
     skeleton, origin = choose_skeleton(category, names, points, ann_path, skeleton, links_from)
     category["keypoints"] = list(skeleton.dataset_keypoints)
     said.extend(f"{reason} ({times} annotations)" for reason, times in sorted(selection.repairs.items()))

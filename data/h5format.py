@@ -46,8 +46,7 @@ def encode_masks(ignore: np.ndarray, person: np.ndarray) -> np.ndarray:
     pieces = -(-lengths // 65535)                       # runs split into <= 65535 pixels
     values = np.repeat(flat[starts], pieces)
     split = np.full(pieces.sum(), 65535, np.int64)
-    ends = np.cumsum(pieces) - 1
-    split[ends] = lengths - (pieces - 1) * 65535
+    split[np.cumsum(pieces) - 1] = lengths - (pieces - 1) * 65535      # each run's last piece
     return np.concatenate([split.astype("<u2").view(np.uint8), values])
 
 
@@ -141,17 +140,9 @@ class KeypointH5:
         if self._meta is None:
             f = self._file()
             try:
-                self._meta = {
-                    "split": _text(f.attrs["split"]),
-                    "categories": json.loads(_text(f.attrs["categories"])),
-                    "ids": f["images/id"][:],
-                    "sizes": f["images/size"][:],
-                    "people": f["images/people"][:],
-                    "samples": f["samples"][:],
-                    "keypoints": f["people/keypoints"][:],
-                    "boxes": f["people/box"][:],
-                    "skeleton": self._read_skeleton(f),
-                }
+                self._meta = {"split": _text(f.attrs["split"]),
+                              "categories": json.loads(_text(f.attrs["categories"])),
+                              **{name: f[name][:] for name in TABLES}, "skeleton": self._read_skeleton(f)}
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise _damaged_file(self.path, f"keypoint dataset ({exc})") from None
             problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
@@ -197,7 +188,7 @@ class KeypointH5:
 
     @property
     def num_images(self) -> int:
-        return len(self._load_meta()["ids"])
+        return len(self._load_meta()["images/id"])
 
     @property
     def num_samples(self) -> int:
@@ -206,7 +197,7 @@ class KeypointH5:
     @property
     def max_people(self) -> int:
         """The most people with keypoints in one image of the file."""
-        counts = self._load_meta()["people"][:, 1]
+        counts = self._load_meta()["images/people"][:, 1]
         return int(counts.max()) if len(counts) else 0
 
     def sample_ref(self, i: int) -> tuple[int, int]:
@@ -217,12 +208,12 @@ class KeypointH5:
     # -- per image ------------------------------------------------------------------------------
     def image_info(self, img: int) -> dict:
         height, width = self.image_size(img)
-        name = _text(self._dataset("images/file_name")[img])
-        return {"id": int(self._load_meta()["ids"][img]), "file_name": name, "width": width, "height": height}
+        return {"id": int(self._load_meta()["images/id"][img]),
+                "file_name": _text(self._dataset("images/file_name")[img]), "width": width, "height": height}
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
-        height, width = self._load_meta()["sizes"][img]
+        height, width = self._load_meta()["images/size"][img]
         return int(height), int(width)
 
     def encoded_image(self, img: int) -> np.ndarray:
@@ -268,14 +259,14 @@ class KeypointH5:
 
     def people(self, img: int) -> np.ndarray:
         """float32 [P,K,3]: (x, y, v) per skeleton keypoint of the image's people with keypoints."""
-        return self._people_rows(img, "keypoints")
+        return self._people_rows(img, "people/keypoints")
 
     def person_boxes(self, img: int) -> np.ndarray:
         """float32 [P,4] COCO boxes (x, y, w, h) of the people of `people(img)`."""
-        return self._people_rows(img, "boxes")
+        return self._people_rows(img, "people/box")
 
     def _people_rows(self, img: int, table: str) -> np.ndarray:
-        start, count = self._load_meta()["people"][img]
+        start, count = self._load_meta()["images/people"][img]
         return self._load_meta()[table][start:start + count].copy()
 
     def annotations(self, img: int) -> list[dict]:
@@ -292,42 +283,38 @@ class KeypointH5:
 
 
 PER_IMAGE = ("images/encoded", "images/file_name", "images/annotations", "images/masks")
+TABLES = ("images/id", "images/size", "images/people", "samples", "people/keypoints", "people/box")
 MAX_SIDE = 65535              # the largest JPEG side
 
 
 def _meta_problem(meta: dict, per_image: dict) -> str | None:
     """What makes the stored tables inconsistent (shapes, sizes, indices), or None."""
-    n, ids, sizes, people, samples = (len(meta["ids"]), meta["ids"], meta["sizes"], meta["people"],
-                                      meta["samples"])
-    p = len(meta["keypoints"])
+    ids, sizes, people, samples, keypoints, boxes = (meta[name] for name in TABLES)
+    n, p = len(ids), len(keypoints)
     if n == 0:
         return "it holds no images (an empty conversion scores AP 0)"
     if meta["split"] not in SPLITS:
         return f"split {meta['split']!r} is not train or val"
     if not isinstance(meta["categories"], list):
         return "categories is not a JSON list"
-    shapes = {"images/id": (ids.shape, (n,)), "images/size": (sizes.shape, (n, 2)),
-              "images/people": (people.shape, (n, 2)), "samples": (samples.shape, (len(samples), 2)),
-              "people/keypoints": (meta["keypoints"].shape, (p, meta["skeleton"].num_keypoints, 3)),
-              "people/box": (meta["boxes"].shape, (p, 4))}
-    for name, (shape, expected) in shapes.items():
-        if tuple(shape) != expected:
-            return f"{name} has shape {tuple(shape)}, expected {expected}"
+    shapes = (n,), (n, 2), (n, 2), (len(samples), 2), (p, meta["skeleton"].num_keypoints, 3), (p, 4)
+    for name, expected in zip(TABLES, shapes):
+        if meta[name].shape != expected:
+            return f"{name} has shape {meta[name].shape}, expected {expected}"
     for name, length in per_image.items():
         if length != n:
             return f"{name} has {length} entries for {n} images"
-    for name, array in (("images/id", ids), ("images/size", sizes), ("images/people", people),
-                        ("samples", samples)):
-        if not np.issubdtype(array.dtype, np.integer):
-            return f"{name} holds {array.dtype}, not integers"
-    if n and (sizes.min() < 1 or sizes.max() > MAX_SIDE):
+    for name in TABLES[:4]:
+        if not np.issubdtype(meta[name].dtype, np.integer):
+            return f"{name} holds {meta[name].dtype}, not integers"
+    if sizes.min() < 1 or sizes.max() > MAX_SIDE:
         return f"an image size is outside 1..{MAX_SIDE} pixels"
-    if n and (people.min() < 0 or (people[:, 0] + people[:, 1]).max() > p):
+    if people.min() < 0 or (people[:, 0] + people[:, 1]).max() > p:
         return f"images/people points outside the {p} stored people"
     if len(samples) and (samples.min() < 0 or samples[:, 0].max() >= n
                          or (samples[:, 1] >= people[samples[:, 0], 1]).any()):
         return "samples refer to images or people that are not stored"
-    if not (np.isfinite(meta["keypoints"]).all() and np.isfinite(meta["boxes"]).all()):
+    if not (np.isfinite(keypoints).all() and np.isfinite(boxes).all()):
         return "people/keypoints or people/box hold non-finite values"
     return None
 

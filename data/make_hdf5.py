@@ -9,7 +9,6 @@ import json
 import re
 import struct
 import sys
-import warnings
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
@@ -22,8 +21,9 @@ from tqdm import tqdm
 from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
+from data.coco_checks import read_segment
 from data.coco_intake import load_coco
-from data.h5format import FORMAT_MARKER, FORMAT_VERSION, SPLITS, encode_masks
+from data.h5format import FORMAT_MARKER, FORMAT_VERSION, PER_IMAGE, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
 MAIN_MIN_AREA = 32 * 32
@@ -42,8 +42,7 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) read from a JPEG or PNG header, or None for other formats."""
     if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        width, height = struct.unpack(">II", data[16:24])
-        return height, width
+        return struct.unpack(">II", data[16:24])[::-1]      # stored as width, height
     if data[:2] != b"\xff\xd8":
         return None
     pos = 2
@@ -56,8 +55,7 @@ def header_size(data: bytes) -> tuple[int, int] | None:
             continue
         length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            height, width = struct.unpack(">HH", data[pos + 5:pos + 9])
-            return height, width
+            return struct.unpack(">HH", data[pos + 5:pos + 9])
         pos += 2 + length
     return None
 
@@ -109,15 +107,9 @@ def _where_from(info: dict, images_dir: Path) -> str:
 # -- annotations -> people, masks, samples ---------------------------------------------------------
 def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
     """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
-    seg = ann.get("segmentation")
-    polys = [p for p in seg if len(p) >= 6] if isinstance(seg, list) else []
-    with warnings.catch_warnings():      # pycocotools' numpy-2 copy= deprecation, harmless
-        warnings.simplefilter("ignore", DeprecationWarning)
-        if polys:
-            return mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(polys, height, width)))
-        if isinstance(seg, dict) and "counts" in seg:
-            rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg["counts"], list) else seg
-            return mask_utils.decode(rle)
+    mask = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
+    if mask is not None:
+        return mask
     out = np.zeros((height, width), np.uint8)
     x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
     out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
@@ -127,8 +119,7 @@ def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
 def main_people(anns: list[dict], keep_all: bool = False) -> list[int]:
     """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule; `keep_all`:
     without its keypoint count and area, so that every picture with a labelled person has one."""
-    centres: list[np.ndarray] = []
-    out = []
+    centres, out = [], []
     for i, ann in enumerate(anns):
         x, y, w, h = ann["bbox"]
         if not keep_all and (ann["num_keypoints"] < MAIN_MIN_KEYPOINTS or ann["area"] < MAIN_MIN_AREA):
@@ -158,8 +149,8 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
         crowds += crowd
         no_keypoints += not crowd
     return {
-        "keypoints": np.stack([skeleton.from_annotation(a["keypoints"]) for a in keyed]) if keyed
-        else np.zeros((0, skeleton.num_keypoints, 3), np.float32),
+        "keypoints": np.array([skeleton.from_annotation(a["keypoints"]) for a in keyed],
+                              np.float32).reshape(-1, skeleton.num_keypoints, 3),
         "boxes": np.array([a["bbox"] for a in keyed], np.float32).reshape(-1, 4),
         "main": main_people(keyed, keep_all), "ignore": ignore, "person": person,
         "crowds": crowds, "no_keypoints": no_keypoints,
@@ -186,9 +177,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                                       links_from)
     refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
                    {"--out": out_path, **(side_outputs or {})})
-    images, by_image = selection.images, selection.by_image
-    if max_images > 0:
-        images = images[:max_images]
+    images = selection.images[:max_images] if max_images > 0 else selection.images
     for option, path in {"--out": out_path, **(side_outputs or {})}.items():
         if path:
             refuse_existing(option, path, overwrite)
@@ -200,7 +189,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
-            _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary)
+            _write(f, category, images, selection.by_image, ann_path, images_dir, skip_bad, progress, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
@@ -219,10 +208,9 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
-    encoded = f.create_dataset("images/encoded", (n,), vbytes, maxshape=(None,))
-    names = f.create_dataset("images/file_name", (n,), vstr, maxshape=(None,))
-    texts = f.create_dataset("images/annotations", (n,), vstr, maxshape=(None,))
-    masks = f.create_dataset("images/masks", (n,), vbytes, maxshape=(None,))
+    per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
+                 for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
+    encoded, names, texts, masks = per_image
     ids, sizes, counts, samples, keypoints, boxes = [], [], [], [], [], []
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
         try:
@@ -259,15 +247,14 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
-    for ds in (encoded, names, texts, masks):
+    for ds in per_image:
         ds.resize((kept,))
     f["images/id"] = np.array(ids, np.int64)
     f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
     f["images/people"] = np.stack([np.cumsum([0] + counts[:-1]), counts], 1).astype(np.int64)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
-    f["people/keypoints"] = (np.concatenate(keypoints) if keypoints
-                             else np.zeros((0, skeleton.num_keypoints, 3), np.float32))
-    f["people/box"] = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
+    f["people/keypoints"] = np.concatenate(keypoints)      # kept > 0: one array per image
+    f["people/box"] = np.concatenate(boxes)
     summary.update(images=kept, samples=len(samples), people=sum(counts))
 
 

@@ -16,8 +16,6 @@ MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the f
 SHOWN = 12                 # names or links listed in one report line
 SAME_SKELETON = ("these links depend on this file's people: give the other split this same skeleton "
                  "(--dump-skeleton FILE.yaml here, --skeleton FILE.yaml there)")
-
-
 _WORDS = {"l": "left", "r": "right", "f": "front", "b": "back"}
 
 
@@ -114,10 +112,8 @@ def _mean_distances(points: np.ndarray) -> np.ndarray:
             continue
         xy = person[on, :2]
         size = max(float(np.ptp(xy, axis=0).max()), 1.0)
-        where = np.flatnonzero(on)
-        d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) / size
-        total[np.ix_(where, where)] += d
-        seen[np.ix_(where, where)] += 1
+        total[np.ix_(on, on)] += np.linalg.norm(xy[:, None] - xy[None], axis=-1) / size
+        seen[np.ix_(on, on)] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(seen > 0, total / np.maximum(seen, 1), np.inf)
 
