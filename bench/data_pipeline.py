@@ -172,8 +172,7 @@ def main(argv=None) -> int:
                       "device_targets_cpu_ms_per_batch": round(drawing * 1e3, 1),
                       "host_targets_cpu_ms_per_batch": round(host_drawing * 1e3, 1), "batch": args.batch,
                       "float32_bytes_per_sample": stages["float32_bytes"],
-                      "h5_bytes_per_image": round(stored),
-                      "raw_bytes_per_image": round(raw),
+                      "h5_bytes_per_image": round(stored), "raw_bytes_per_image": round(raw),
                       "raw_with_masks_bytes_per_image": round(raw + raw_masks),
                       "size_ratio": round(ratio, 4)}))
     return 0

@@ -184,8 +184,7 @@ def main(argv=None) -> int:
                       "clock": "cpu" if args.cpu_time else "wall", "code": args.code or ".",
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
-                      **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {}),
-                      **({"stages_ms": stages} if stages else {})}))
+                      **{k: v for k, v in (("noise", noise), ("pool", pool), ("stages_ms", stages)) if v}}))
     return 0
 
 

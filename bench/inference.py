@@ -158,9 +158,8 @@ def main(argv=None) -> int:
                   f"{row['read_ahead_pictures_per_s']:.2f} | "
                   f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
-                      "evaluation": evaluation,
-                      "pictures": len(pictures), "scales": settings.inference.scales,
-                      "flip": settings.inference.flip,
+                      "evaluation": evaluation, "pictures": len(pictures),
+                      "scales": settings.inference.scales, "flip": settings.inference.flip,
                       "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)
     return 0
 
