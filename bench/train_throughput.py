@@ -88,8 +88,7 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     """Measured bf16 matmul throughput of this device (TFLOP/s)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
     sync(device)
@@ -346,12 +345,11 @@ def main(argv=None) -> int:
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
         if args.h5 and args.h5 != "coco4":
             h5, source = args.h5, args.h5
         else:       # synthetic batches still need a training file for the trainer to open
             repeat = args.repeat if args.h5 else max(1, -(-args.batch // 4))
-            h5, source = make_bench_h5(work, repeat, args.coco_dir)
+            h5, source = make_bench_h5(Path(tmp), repeat, args.coco_dir)
         print(f"{args.preset} at {args.input}, batch {args.batch}, {args.steps} steps after {args.warmup}; "
               "data: " + (source + f" through the DataLoader, {args.workers} workers" if args.h5
                           else "synthetic batches on the device")
@@ -367,8 +365,7 @@ def main(argv=None) -> int:
     print(json.dumps({"device": name, "torch": torch.__version__, "amp_backend": args.amp_backend,
                       "preset": args.preset, "input": args.input, "batch": args.batch, "steps": args.steps,
                       "gmac_per_image": macs / 1e9, "bf16_matmul_tflops": peak,
-                      "data": source if args.h5 else "synthetic",
-                      "workers": args.workers, "rows": rows}))
+                      "data": source if args.h5 else "synthetic", "workers": args.workers, "rows": rows}))
     return 0
 
 
