@@ -167,9 +167,8 @@ def main(argv=None) -> int:
             stages[str(count)] = row
             print(f"{count:>7} {row['total']:>7.2f} {row['peaks']:>7.2f} {row['limbs']:>7.2f} "
                   f"{row['rest']:>7.2f} {row['read_once']:>10.2f}")
-    for kind in ("blurred", "pure") if args.noise else ():
+    for kind, target in TARGET_MS_NOISE.items() if args.noise else ():
         row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
-        target = TARGET_MS_NOISE[kind]
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     pool = {}
