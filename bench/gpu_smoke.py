@@ -280,15 +280,15 @@ def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> l
             rc = proc.wait()
         log.close()
         text = (logs / f"{name}.log").read_text(errors="replace").splitlines()
+        seconds = round(time.perf_counter() - started, 1)
         found = [ln for ln in text if ln.startswith('{"section"')]
         if found:
-            line = {**json.loads(found[-1]), "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
-            lines.append(emit(**line))
+            lines.append(emit(**{**json.loads(found[-1]), "rc": rc, "seconds": seconds}))
         else:
             error = next((ln for ln in text if ln.startswith("error:") or "Error" in ln or "CSAN" in ln),
                          text[-1] if text else "no output")
-            lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc,
-                              seconds=round(time.perf_counter() - started, 1), last_lines=text[-6:]))
+            lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc, seconds=seconds,
+                              last_lines=text[-6:]))
     return lines
 
 
