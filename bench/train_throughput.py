@@ -197,11 +197,6 @@ def synthetic_batches(batch: int, cfg, device):
         yield images, target, mask
 
 
-def loader_batches(loop):
-    """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch iterates it."""
-    return itertools.chain.from_iterable(loop.parts.batches(epoch, 0) for epoch in itertools.count())
-
-
 def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets: str):
     """The config of a benchmark's trainer: no TensorBoard, no DataLoader workers unless `sets` say."""
     return build_config(preset, sets=[f"data.input_size={size}", f"data.train_h5={h5}", "data.workers=0",
@@ -225,7 +220,9 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
                        f"data.workers={args.workers}")
     trainer, parts, device = build_quietly(cfg)
     trainer.net.train()
-    data = loader_batches(trainer) if args.h5 else synthetic_batches(args.batch, cfg, device)
+    # with --h5: the engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
+    data = (itertools.chain.from_iterable(trainer.parts.batches(epoch, 0) for epoch in itertools.count())
+            if args.h5 else synthetic_batches(args.batch, cfg, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     skipped, waited = 0, 0.0
