@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     height, width = args.size
     cfg, targets = InferenceConfig(), TargetConfig()
     clock = time.process_time if args.cpu_time else time.perf_counter
-    report, noise, stages = {}, {}, {}
+    report, noise, stages, pool = {}, {}, {}, {}
     print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
 
@@ -171,7 +171,6 @@ def main(argv=None) -> int:
         row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
-    pool = {}
     if args.pool:
         maps = [noise_maps("blurred", height, width, rng) for _ in range(args.reps)]
         pool = {"threads": args.pool, "ms_per_image": pool_ms_per_image(maps, args.pool, cfg),
