@@ -66,8 +66,7 @@ def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray
         pictures.append(cv2.imdecode(encoded[-1], cv2.IMREAD_COLOR))
         people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets,
-                                     COCO))
+        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets, COCO))
     return pictures, truths, encoded
 
 
@@ -154,8 +153,7 @@ def main(argv=None) -> int:
         print("| --- | --- | --- | --- |")
         for row in evaluation:
             print(f"| {row['threads']} torch + {row['threads']} grouping | "
-                  f"{row['serial_pictures_per_s']:.2f} | "
-                  f"{row['read_ahead_pictures_per_s']:.2f} | "
+                  f"{row['serial_pictures_per_s']:.2f} | {row['read_ahead_pictures_per_s']:.2f} | "
                   f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
                       "evaluation": evaluation, "pictures": len(pictures),
