@@ -572,8 +572,7 @@ def main(argv=None) -> int:
     for line in lines:
         print(f"{line['section']:<16} {line.get('seconds') or '-':>8}  {str(line.get('status'))[:100]}")
     (logs / "sections.jsonl").write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
-    bad = [ln["section"] for ln in lines if not str(ln.get("status", "")).startswith(("ok", "skipped"))]
-    return 1 if bad else 0
+    return 0 if all(str(ln.get("status", "")).startswith(("ok", "skipped")) for ln in lines) else 1
 
 
 if __name__ == "__main__":
