@@ -117,8 +117,7 @@ def main(argv=None) -> int:
         batches = drawing_batches(dataset, args.samples, args.batch)
         drawing = drawing_time(dataset.painter, batches)
         host_drawing = drawing_time(dataset.host_painter, batches)
-        h5 = dataset.h5
-        pixels = [h5.image_size(i) for i in range(h5.num_images)]
+        pixels = [dataset.h5.image_size(i) for i in range(dataset.h5.num_images)]
         raw = sum(h * w * 3 for h, w in pixels) / len(pixels)
         raw_masks = sum(h * w * 2 for h, w in pixels) / len(pixels)
         stored = h5_path.stat().st_size / len(pixels)
@@ -172,8 +171,7 @@ def main(argv=None) -> int:
                       "device_targets_cpu_ms_per_batch": round(drawing * 1e3, 1),
                       "host_targets_cpu_ms_per_batch": round(host_drawing * 1e3, 1), "batch": args.batch,
                       "float32_bytes_per_sample": stages["float32_bytes"],
-                      "h5_bytes_per_image": round(stored),
-                      "raw_bytes_per_image": round(raw),
+                      "h5_bytes_per_image": round(stored), "raw_bytes_per_image": round(raw),
                       "raw_with_masks_bytes_per_image": round(raw + raw_masks),
                       "size_ratio": round(ratio, 4)}))
     return 0

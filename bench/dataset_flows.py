@@ -147,12 +147,11 @@ def main(argv=None) -> int:
         p.error(f"argument --steps: {args.steps} is not a number of steps (1 or more)")
     if args.keep and Path(args.keep).exists():
         p.error(f"argument --keep: {args.keep} exists; give a new folder")
-    names = args.only or builtin_names()
     with tempfile.TemporaryDirectory() as temp:
         base = Path(args.keep or temp)
         base.mkdir(parents=True, exist_ok=True)
         rows = []
-        for name in names:
+        for name in args.only or builtin_names():
             (base / name).mkdir()
             rows.append(flow(name, base / name, args.steps, args.device))
             print(f"{name}: {rows[-1].get('failed', 'done')} ({rows[-1]['seconds']} s)", file=sys.stderr)

@@ -280,26 +280,23 @@ def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> l
             rc = proc.wait()
         log.close()
         text = (logs / f"{name}.log").read_text(errors="replace").splitlines()
+        seconds = round(time.perf_counter() - started, 1)
         found = [ln for ln in text if ln.startswith('{"section"')]
         if found:
-            line = json.loads(found[-1])
-            line["rc"], line["seconds"] = rc, round(time.perf_counter() - started, 1)
-            print(json.dumps(line), flush=True)
-            lines.append(line)
+            lines.append(emit(**{**json.loads(found[-1]), "rc": rc, "seconds": seconds}))
         else:
             error = next((ln for ln in text if ln.startswith("error:") or "Error" in ln or "CSAN" in ln),
                          text[-1] if text else "no output")
-            lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc,
-                              seconds=round(time.perf_counter() - started, 1), last_lines=text[-6:]))
+            lines.append(emit(name, status=f"failed: {error}"[:300], rc=rc, seconds=seconds,
+                              last_lines=text[-6:]))
     return lines
 
 
 def apex_imports() -> bool:
-    try:
-        import apex  # noqa: F401
+    with contextlib.suppress(ImportError):
+        importlib.import_module("apex")
         return True
-    except ImportError:
-        return False
+    return False
 
 
 def run_one(name: str, check: bool) -> int:
@@ -317,7 +314,7 @@ def timed(name: str, check: bool) -> dict:
     """Section `name` run here, as its JSON line: its fields and seconds, or its failure."""
     started = time.perf_counter()
     try:
-        fields = {**PARALLEL, **ALONE}[name](check)
+        fields = SECTIONS[name](check)
     except (Exception, SystemExit) as exc:      # noqa: BLE001 - the section's failure is its result
         fields = {"status": f"failed: {type(exc).__name__}: {exc}"[:2000]}
     return emit(name, seconds=round(time.perf_counter() - started, 1), **fields)
@@ -525,7 +522,8 @@ def section_evaluation(check: bool) -> dict:
 
 
 ALONE = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,
-                  "throughput": section_throughput, "evaluation": section_evaluation}
+         "throughput": section_throughput, "evaluation": section_evaluation}
+SECTIONS = {**PARALLEL, **ALONE}
 
 
 def environment(check: bool) -> dict:
@@ -545,12 +543,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-check", action="store_true",
                         help="run every section's code on the CPU at toy sizes (command lines parsed only)")
-    parser.add_argument("--section", choices=[*PARALLEL, *ALONE])
+    parser.add_argument("--section", choices=[*SECTIONS])
     parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
-    if only and only - {*PARALLEL, *ALONE}:
-        parser.error(f"--only: no section {sorted(only - {*PARALLEL, *ALONE})}")
+    if only and (unknown := sorted(only - SECTIONS.keys())):
+        parser.error(f"--only: no section {unknown}")
     if args.section:
         return run_one(args.section, args.cpu_check)
     if not CUDA and not args.cpu_check:
@@ -574,8 +572,7 @@ def main(argv=None) -> int:
     for line in lines:
         print(f"{line['section']:<16} {line.get('seconds') or '-':>8}  {str(line.get('status'))[:100]}")
     (logs / "sections.jsonl").write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
-    bad = [ln["section"] for ln in lines if not str(ln.get("status", "")).startswith(("ok", "skipped"))]
-    return 1 if bad else 0
+    return 0 if all(str(ln.get("status", "")).startswith(("ok", "skipped")) for ln in lines) else 1
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from runtime.launch_env import find_free_port                # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 
+
 def force_sync_function(model: nn.Module) -> int:
     """Route every nn.SyncBatchNorm's training forward through its distributed function; how many."""
     from torch.nn.modules._functions import SyncBatchNorm as SyncFunction
@@ -39,8 +40,7 @@ def force_sync_function(model: nn.Module) -> int:
                 return plain(input)
             if layer.num_batches_tracked is not None:
                 layer.num_batches_tracked.add_(1)
-            momentum = layer.momentum if layer.momentum is not None else \
-                1.0 / float(layer.num_batches_tracked)
+            momentum = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
             group = layer.process_group or torch_dist.group.WORLD
             return SyncFunction.apply(input, layer.weight, layer.bias, layer.running_mean,
                                       layer.running_var, layer.eps, momentum, group,

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     height, width = args.size
     cfg, targets = InferenceConfig(), TargetConfig()
     clock = time.process_time if args.cpu_time else time.perf_counter
-    report, noise, stages = {}, {}, {}
+    report, noise, stages, pool = {}, {}, {}, {}
     print(f"grouping on {height}x{width} maps, one thread, {args.reps} images each")
     print(f"{'people':>7} {'median ms':>10} {'p90 ms':>8} {'found':>7}")
 
@@ -167,12 +167,10 @@ def main(argv=None) -> int:
             stages[str(count)] = row
             print(f"{count:>7} {row['total']:>7.2f} {row['peaks']:>7.2f} {row['limbs']:>7.2f} "
                   f"{row['rest']:>7.2f} {row['read_once']:>10.2f}")
-    for kind in ("blurred", "pure") if args.noise else ():
+    for kind, target in TARGET_MS_NOISE.items() if args.noise else ():
         row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
-        target = TARGET_MS_NOISE[kind]
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
-    pool = {}
     if args.pool:
         maps = [noise_maps("blurred", height, width, rng) for _ in range(args.reps)]
         pool = {"threads": args.pool, "ms_per_image": pool_ms_per_image(maps, args.pool, cfg),
@@ -184,8 +182,7 @@ def main(argv=None) -> int:
                       "clock": "cpu" if args.cpu_time else "wall", "code": args.code or ".",
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
-                      **({"noise": noise} if noise else {}), **({"pool": pool} if pool else {}),
-                      **({"stages_ms": stages} if stages else {})}))
+                      **{k: v for k, v in (("noise", noise), ("pool", pool), ("stages_ms", stages)) if v}}))
     return 0
 
 

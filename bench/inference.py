@@ -31,6 +31,7 @@ from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  
 from inference.evaluation import read_ahead  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 from inference.loading import inference_config, pick_device  # noqa: E402
+from models import build_model  # noqa: E402
 
 COCO = builtin("coco")      # coco4's people; a model without --weights is built for them
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
@@ -66,20 +67,8 @@ def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray
         pictures.append(cv2.imdecode(encoded[-1], cv2.IMREAD_COLOR))
         people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets,
-                                     COCO))
+        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets, COCO))
     return pictures, truths, encoded
-
-
-def build_estimator(args) -> PoseEstimator:
-    if args.weights:
-        return PoseEstimator.from_checkpoint(args.weights, args.device, sets=args.set, scales=args.scales,
-                                             flip=args.flip)
-    from models import build_model
-
-    cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
-    return PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
-                         PredictSettings.of(cfg))
 
 
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
@@ -124,7 +113,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the evaluation stream")
     args = p.parse_args(argv)
 
-    estimator = build_estimator(args)
+    if args.weights:
+        estimator = PoseEstimator.from_checkpoint(args.weights, args.device, sets=args.set,
+                                                  scales=args.scales, flip=args.flip)
+    else:
+        cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
+        estimator = PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
+                                  PredictSettings.of(cfg))
     pictures, truths, encoded = coco4_pictures_and_truth(estimator.settings.targets)
     pictures, truths = pictures * args.repeat, truths * args.repeat
     truths = None if args.weights else truths
@@ -154,13 +149,11 @@ def main(argv=None) -> int:
         print("| --- | --- | --- | --- |")
         for row in evaluation:
             print(f"| {row['threads']} torch + {row['threads']} grouping | "
-                  f"{row['serial_pictures_per_s']:.2f} | "
-                  f"{row['read_ahead_pictures_per_s']:.2f} | "
+                  f"{row['serial_pictures_per_s']:.2f} | {row['read_ahead_pictures_per_s']:.2f} | "
                   f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
-                      "evaluation": evaluation,
-                      "pictures": len(pictures), "scales": settings.inference.scales,
-                      "flip": settings.inference.flip,
+                      "evaluation": evaluation, "pictures": len(pictures),
+                      "scales": settings.inference.scales, "flip": settings.inference.flip,
                       "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)
     return 0
 

@@ -88,8 +88,7 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     """Measured bf16 matmul throughput of this device (TFLOP/s)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
     sync(device)
@@ -198,14 +197,6 @@ def synthetic_batches(batch: int, cfg, device):
         yield images, target, mask
 
 
-def loader_batches(loop):
-    """The engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch iterates it."""
-    epoch = 0
-    while True:
-        yield from loop.parts.batches(epoch, 0)
-        epoch += 1
-
-
 def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets: str):
     """The config of a benchmark's trainer: no TensorBoard, no DataLoader workers unless `sets` say."""
     return build_config(preset, sets=[f"data.input_size={size}", f"data.train_h5={h5}", "data.workers=0",
@@ -229,7 +220,9 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
                        f"data.workers={args.workers}")
     trainer, parts, device = build_quietly(cfg)
     trainer.net.train()
-    data = loader_batches(trainer) if args.from_loader else synthetic_batches(args.batch, cfg, device)
+    # with --h5: the engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
+    data = (itertools.chain.from_iterable(trainer.parts.batches(epoch, 0) for epoch in itertools.count())
+            if args.h5 else synthetic_batches(args.batch, cfg, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     skipped, waited = 0, 0.0
@@ -317,10 +310,8 @@ def print_row(row: dict, peak: float | None) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="imhn512")
-    p.add_argument("--input", type=int, default=512)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    for flag, default in (("--input", 512), ("--batch", 16), ("--steps", 20), ("--warmup", 5)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="both")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
@@ -336,9 +327,8 @@ def main(argv=None) -> int:
                    help="after timing, profile this many more steps: op time by kind (convolution, BN, ...)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    args.from_loader = bool(args.h5)
     if args.workers is None:
-        args.workers = len(os.sched_getaffinity(0)) if args.from_loader else 0
+        args.workers = len(os.sched_getaffinity(0)) if args.h5 else 0
     # CPU: no fp16 tensor cores, no TF32; bf16 autocast is the mixed mode
     names = args.configs or (["O0 fp32", "O1 bf16"] if device.type == "cpu" else [c[0] for c in CONFIGS])
     configs = [c for c in CONFIGS if c[0] in names]
@@ -352,14 +342,13 @@ def main(argv=None) -> int:
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
         if args.h5 and args.h5 != "coco4":
             h5, source = args.h5, args.h5
         else:       # synthetic batches still need a training file for the trainer to open
             repeat = args.repeat if args.h5 else max(1, -(-args.batch // 4))
-            h5, source = make_bench_h5(work, repeat, args.coco_dir)
+            h5, source = make_bench_h5(Path(tmp), repeat, args.coco_dir)
         print(f"{args.preset} at {args.input}, batch {args.batch}, {args.steps} steps after {args.warmup}; "
-              "data: " + (source + f" through the DataLoader, {args.workers} workers" if args.from_loader
+              "data: " + (source + f" through the DataLoader, {args.workers} workers" if args.h5
                           else "synthetic batches on the device")
               + (f"; bf16 matmul peak {peak:.0f} TFLOP/s" if peak else ""), flush=True)
         for config, cl, comp in itertools.product(configs, both[args.channels_last], both[args.compile]):
@@ -371,11 +360,9 @@ def main(argv=None) -> int:
             print_row(row, peak)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "amp_backend": args.amp_backend,
-                      "preset": args.preset,
-                      "input": args.input, "batch": args.batch, "steps": args.steps,
+                      "preset": args.preset, "input": args.input, "batch": args.batch, "steps": args.steps,
                       "gmac_per_image": macs / 1e9, "bf16_matmul_tflops": peak,
-                      "data": source if args.from_loader else "synthetic",
-                      "workers": args.workers, "rows": rows}))
+                      "data": source if args.h5 else "synthetic", "workers": args.workers, "rows": rows}))
     return 0
 
 
