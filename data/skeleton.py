@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -373,18 +373,14 @@ def builtin_names() -> list:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
 
 
-_BUILTINS: dict = {}
-
-
+@cache
 def builtin(name: str) -> Skeleton:
-    """The built-in skeleton `name` (data/skeletons/NAME.yaml)."""
-    if name not in _BUILTINS:
-        path = BUILTIN_DIR / f"{name}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"unknown skeleton {name!r}: choose one of "
-                              f"{', '.join(builtin_names())} or give a path to a YAML file")
-        _BUILTINS[name] = Skeleton.from_spec(read_yaml(path, str(path)), str(path))
-    return _BUILTINS[name]
+    """The built-in skeleton `name` (data/skeletons/NAME.yaml), read once."""
+    path = BUILTIN_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown skeleton {name!r}: choose one of "
+                          f"{', '.join(builtin_names())} or give a path to a YAML file")
+    return Skeleton.from_spec(read_yaml(path, str(path)), str(path))
 
 
 def load_skeleton(name_or_path: str, option: str = "--skeleton") -> Skeleton:
