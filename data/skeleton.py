@@ -79,6 +79,11 @@ class Scoring:
         """The name of the stat training keeps best.pth by ("AP", "PCK", ...)."""
         return METRIC_KEYS[self.metrics[0]]
 
+    def written(self) -> dict:
+        """Its fields as a skeleton file writes them."""
+        normalize = self.pck_normalize if isinstance(self.pck_normalize, str) else list(self.pck_normalize)
+        return {"metric": list(self.metrics), "pck_threshold": self.pck_threshold, "pck_normalize": normalize}
+
 
 def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring()) -> Scoring:
     """`base` with the scoring fields `spec` gives, checked; a `ConfigError` naming `source`."""
@@ -192,6 +197,7 @@ class Skeleton:
     def to_spec(self) -> dict:
         names = self.keypoints
         pairs = sorted({tuple(sorted((k, f))) for k, f in enumerate(self.flip) if f != k})
+        default = Scoring().written()      # scoring fields only where not the default: COCO's as before
         return {
             "name": self.name, "keypoints": list(self.dataset_keypoints),
             "sigmas": [float(s) for s in self.sigmas],
@@ -200,7 +206,7 @@ class Skeleton:
             "limbs": [[names[a], names[b]] for a, b in self.limbs[:self.main_limbs]],
             "redundant": [[names[a], names[b]] for a, b in self.limbs[self.main_limbs:]],
             "flip": [[names[a], names[b]] for a, b in pairs],
-            **_scoring_spec(self.scoring),
+            **{k: v for k, v in self.scoring.written().items() if v != default[k]},
         }
 
     @classmethod
@@ -295,15 +301,6 @@ def limb_changes(skeleton: Skeleton, other: Skeleton) -> str:
         return {"-".join(sorted((of.keypoints[a], of.keypoints[b]))) for a, b in of.limbs}
     own, lacks = sorted(limbs(skeleton) - limbs(other)), sorted(limbs(other) - limbs(skeleton))
     return f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}" if lacks else ""
-
-
-def _scoring_spec(scoring: Scoring) -> dict:
-    """The scoring fields that differ from the default (a COCO skeleton's mapping is as before)."""
-    def written(s: Scoring) -> dict:
-        normalize = s.pck_normalize if isinstance(s.pck_normalize, str) else list(s.pck_normalize)
-        return {"metric": list(s.metrics), "pck_threshold": s.pck_threshold, "pck_normalize": normalize}
-    values, default = written(scoring), written(Scoring())
-    return {k: v for k, v in values.items() if v != default[k]}
 
 
 def _fail(source: str, problem: str):
