@@ -139,8 +139,7 @@ class IMHN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[list[torch.Tensor]]:
         x = self.stem(x)
-        outputs = []
-        merges = None
+        outputs, merges = [], None
         for stack in self.stacks:
             if merges is not None:
                 x = x + merges[0]
