@@ -88,9 +88,8 @@ class KeypointDataset(Dataset):
 
     # -- samples --------------------------------------------------------------------------------
     def sample_arrays(self, key, timings: dict | None = None) -> dict:
-        """numpy view of sample `key`: image, people, target, mask (1 = supervise), ignore and
-        person_mask (0-255), params, matrix (image px -> input px). `timings` accumulates CPU
-        seconds per stage."""
+        """numpy view of sample `key`: image, people, target, mask (1 = supervise), ignore and person_mask
+        (0-255), params, matrix (image px -> input px); `timings` accumulates CPU seconds per stage."""
         sample = self.augmented(key, timings)
         clock = time.process_time()
         sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()

@@ -175,8 +175,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
 
 
 def _annotate(anns: list, kp: np.ndarray, vis: np.ndarray, mask: np.ndarray) -> None:
-    """Append the annotation of a drawn figure (keypoints outside the image get v = 0), unless
-    nothing of it is seen."""
+    """Append a drawn figure's annotation (keypoints outside the image: v = 0) unless none of it is seen."""
     height, width = mask.shape
     outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
     vis[outside] = 0
