@@ -78,22 +78,18 @@ class KeypointDataset(Dataset):
         index = int(index)
         return int(epoch), index + len(self) if index < 0 else index
 
-    def rng(self, key) -> np.random.Generator:
-        """The generator of sample `key` (an index in this epoch, or an (epoch, index) pair)."""
-        epoch, index = self.split_key(key)
-        return np.random.default_rng([int(self.settings.seed), epoch, self.rank, index])
-
     def draw(self, key) -> AugmentParams:
-        """The augmentation of sample `key` (the identity in validation mode)."""
+        """The augmentation of sample `key` (the identity in validation mode), drawn by its own generator."""
         if not (self.train and self.settings.augment.enabled):
             return AugmentParams()
-        return draw_params(self.rng(key), self.settings.augment, self.size)
+        epoch, index = self.split_key(key)
+        rng = np.random.default_rng([int(self.settings.seed), epoch, self.rank, index])
+        return draw_params(rng, self.settings.augment, self.size)
 
     # -- samples --------------------------------------------------------------------------------
     def sample_arrays(self, key, timings: dict | None = None) -> dict:
-        """numpy view of sample `key`: image, people, target, mask (1 = supervise), ignore and
-        person_mask (0-255), params, matrix (image px -> input px). `timings` accumulates CPU
-        seconds per stage."""
+        """numpy view of sample `key`: image, people, target, mask (1 = supervise), ignore and person_mask
+        (0-255), params, matrix (image px -> input px); `timings` accumulates CPU seconds per stage."""
         sample = self.augmented(key, timings)
         clock = time.process_time()
         sample["mask"] = supervised(torch.from_numpy(sample["ignore"])).numpy()

@@ -7,22 +7,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from config.schema import TargetConfig
-from data.skeleton import Skeleton
-from data.targets import GAUSSIAN_CUTOFF
+from data.targets import GAUSSIAN_CUTOFF, MIN_VALUE, HostTargetPainter
 
-_MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
 _MASK_SCALE = 1 / 255
 
 
-class TargetPainter:
-    """Draws the targets of a skeleton from padded people batches (see the module docstring)."""
-
-    def __init__(self, skeleton: Skeleton, cfg: TargetConfig, stride: int):
-        self.skeleton = skeleton
-        self.cfg = cfg
-        self.stride = int(stride)
-        self.limb_ends = (list(a for a, _ in skeleton.limbs), list(b for _, b in skeleton.limbs))
+class TargetPainter(HostTargetPainter):
+    """`HostTargetPainter`'s maps (same settings) drawn in torch as the module docstring says."""
 
     def __call__(self, people: torch.Tensor, person_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, C, h, w] targets of people [B, P, K, 3] and uint8 person_mask [B, 1, h, w]."""
@@ -57,11 +48,11 @@ class TargetPainter:
         gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
         gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
         maps = gy[:, :, :, None] * gx[:, :, None, :]
-        return maps.masked_fill_(maps < _MIN_VALUE, 0.0)
+        return maps.masked_fill_(maps < MIN_VALUE, 0.0)
 
     def _limb_maps(self, person, cells_x, cells_y):
         """([B, L, h, w] limb Gaussians of one person slot, bool [B, L, h, w] where one is drawn)."""
-        a, b = person[:, self.limb_ends[0]], person[:, self.limb_ends[1]]     # [B, L, 3]
+        a, b = (person[:, list(ends)] for ends in zip(*self.skeleton.limbs))   # [B, L, 3]
         labelled = (a[..., 2] > 0) & (b[..., 2] > 0)
         delta = (b[..., :2] - a[..., :2]).to(torch.float64)
         length = torch.hypot(delta[..., 0], delta[..., 1])

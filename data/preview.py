@@ -17,7 +17,7 @@ from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.picture_files import write_image
 
-SAMPLES_PER_ROW = 4
+PER_ROW = 4                 # samples side by side in the grid
 
 
 def _heat(image: np.ndarray, heat: np.ndarray, weight: float = 0.6) -> np.ndarray:
@@ -50,22 +50,6 @@ def sample_panels(sample: dict, skeleton) -> np.ndarray:
     return np.hstack([left, right])
 
 
-def render_preview(dataset: KeypointDataset, n: int, seed: int = 0) -> np.ndarray:
-    """A grid of `n` samples (chosen with `seed`), SAMPLES_PER_ROW per row."""
-    rng = np.random.default_rng(seed)
-    indices = rng.choice(len(dataset), size=min(n, len(dataset)), replace=False)
-    panels = []
-    for index in indices:
-        panel = sample_panels(dataset.sample_arrays(int(index)), dataset.skeleton)
-        cv2.putText(panel, f"#{index}", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1)
-        panels.append(panel)
-    blank = np.zeros_like(panels[0])
-    while len(panels) % SAMPLES_PER_ROW and len(panels) > SAMPLES_PER_ROW:
-        panels.append(blank)
-    rows = [np.hstack(panels[i:i + SAMPLES_PER_ROW]) for i in range(0, len(panels), SAMPLES_PER_ROW)]
-    return np.vstack(rows)
-
-
 def _main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m data.preview", description=__doc__.split("\n")[0])
     parser.add_argument("--h5", required=True, help="keypoint HDF5 file (data.make_hdf5)")
@@ -85,7 +69,15 @@ def _main(argv=None) -> int:
     dataset = KeypointDataset(args.h5, SampleSettings.of(cfg), train=not args.val)
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")
-    grid = render_preview(dataset, args.n, args.seed)
+    chosen = np.random.default_rng(args.seed).choice(len(dataset), min(args.n, len(dataset)), replace=False)
+    panels = []
+    for index in chosen:
+        panel = sample_panels(dataset.sample_arrays(int(index)), dataset.skeleton)
+        cv2.putText(panel, f"#{index}", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1)
+        panels.append(panel)
+    while len(panels) % PER_ROW and len(panels) > PER_ROW:      # the last row padded with blanks
+        panels.append(np.zeros_like(panels[0]))
+    grid = np.vstack([np.hstack(panels[i:i + PER_ROW]) for i in range(0, len(panels), PER_ROW)])
     write_image(args.out, grid, overwrite=args.overwrite)
     print(f"wrote {args.out} ({min(args.n, len(dataset))} samples, {grid.shape[1]}x{grid.shape[0]} px)")
     return 0

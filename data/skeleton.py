@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +78,11 @@ class Scoring:
     def key(self) -> str:
         """The name of the stat training keeps best.pth by ("AP", "PCK", ...)."""
         return METRIC_KEYS[self.metrics[0]]
+
+    def written(self) -> dict:
+        """Its fields as a skeleton file writes them."""
+        normalize = self.pck_normalize if isinstance(self.pck_normalize, str) else list(self.pck_normalize)
+        return {"metric": list(self.metrics), "pck_threshold": self.pck_threshold, "pck_normalize": normalize}
 
 
 def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring()) -> Scoring:
@@ -192,6 +197,7 @@ class Skeleton:
     def to_spec(self) -> dict:
         names = self.keypoints
         pairs = sorted({tuple(sorted((k, f))) for k, f in enumerate(self.flip) if f != k})
+        default = Scoring().written()      # scoring fields only where not the default: COCO's as before
         return {
             "name": self.name, "keypoints": list(self.dataset_keypoints),
             "sigmas": [float(s) for s in self.sigmas],
@@ -200,7 +206,7 @@ class Skeleton:
             "limbs": [[names[a], names[b]] for a, b in self.limbs[:self.main_limbs]],
             "redundant": [[names[a], names[b]] for a, b in self.limbs[self.main_limbs:]],
             "flip": [[names[a], names[b]] for a, b in pairs],
-            **_scoring_spec(self.scoring),
+            **{k: v for k, v in self.scoring.written().items() if v != default[k]},
         }
 
     @classmethod
@@ -297,15 +303,6 @@ def limb_changes(skeleton: Skeleton, other: Skeleton) -> str:
     return f"with limb {', '.join(own)}" if own else f"without limb {', '.join(lacks)}" if lacks else ""
 
 
-def _scoring_spec(scoring: Scoring) -> dict:
-    """The scoring fields that differ from the default (a COCO skeleton's mapping is as before)."""
-    def written(s: Scoring) -> dict:
-        normalize = s.pck_normalize if isinstance(s.pck_normalize, str) else list(s.pck_normalize)
-        return {"metric": list(s.metrics), "pck_threshold": s.pck_threshold, "pck_normalize": normalize}
-    values, default = written(scoring), written(Scoring())
-    return {k: v for k, v in values.items() if v != default[k]}
-
-
 def _fail(source: str, problem: str):
     raise ConfigError(f"{source}: {problem}")
 
@@ -373,18 +370,14 @@ def builtin_names() -> list:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
 
 
-_BUILTINS: dict = {}
-
-
+@cache
 def builtin(name: str) -> Skeleton:
-    """The built-in skeleton `name` (data/skeletons/NAME.yaml)."""
-    if name not in _BUILTINS:
-        path = BUILTIN_DIR / f"{name}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"unknown skeleton {name!r}: choose one of "
-                              f"{', '.join(builtin_names())} or give a path to a YAML file")
-        _BUILTINS[name] = Skeleton.from_spec(read_yaml(path, str(path)), str(path))
-    return _BUILTINS[name]
+    """The built-in skeleton `name` (data/skeletons/NAME.yaml), read once."""
+    path = BUILTIN_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown skeleton {name!r}: choose one of "
+                          f"{', '.join(builtin_names())} or give a path to a YAML file")
+    return Skeleton.from_spec(read_yaml(path, str(path)), str(path))
 
 
 def load_skeleton(name_or_path: str, option: str = "--skeleton") -> Skeleton:

@@ -97,9 +97,8 @@ def _draw_figure(canvas: np.ndarray, mask: np.ndarray, kp: np.ndarray, height: f
     paint(cv2.circle, tuple(int(round(v * 16)) for v in (kp[NOSE] + (0, -0.02 * height))),
           int(round(0.075 * height * 16)), SKIN)
     dot = max(1, int(round(0.018 * height)) * 16)
-    for k in (R_EYE, L_EYE):
-        cv2.circle(canvas, pt(k), dot, EYE, -1, cv2.LINE_AA, shift=4)
-    cv2.circle(canvas, pt(NOSE), dot, NOSE_COLOUR, -1, cv2.LINE_AA, shift=4)
+    for k, colour in ((R_EYE, EYE), (L_EYE, EYE), (NOSE, NOSE_COLOUR)):
+        cv2.circle(canvas, pt(k), dot, colour, -1, cv2.LINE_AA, shift=4)
     for k in (R_EAR, L_EAR) if draw_ears else ():
         paint(cv2.circle, pt(k), int(dot * 1.6), EAR_COLOUR)
 
@@ -126,8 +125,7 @@ def _uncompressed_rle(mask: np.ndarray) -> dict:
     """COCO's uncompressed RLE (column-major run lengths, starting with a run of zeros)."""
     flat = mask.T.reshape(-1)
     changes = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    bounds = np.concatenate([[0], changes, [flat.size]])
-    counts = np.diff(bounds).tolist()
+    counts = np.diff(np.concatenate([[0], changes, [flat.size]])).tolist()
     if flat[0]:
         counts = [0] + counts
     return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
@@ -177,8 +175,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
 
 
 def _annotate(anns: list, kp: np.ndarray, vis: np.ndarray, mask: np.ndarray) -> None:
-    """Append the annotation of a drawn figure (keypoints outside the image get v = 0), unless
-    nothing of it is seen."""
+    """Append a drawn figure's annotation (keypoints outside the image: v = 0) unless none of it is seen."""
     height, width = mask.shape
     outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
     vis[outside] = 0
@@ -202,9 +199,8 @@ def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
         kp = _place(_pose(rng), h, rng.uniform(-10, 10), origin)
         _draw_figure(image, mask, kp, h, True)
     if crowd:
-        box = _box(mask)
+        x, y, w, h = cv2.boundingRect(mask)
         region = np.zeros_like(mask)
-        x, y, w, h = (int(v) for v in box)
         region[y:y + h, x:x + w] = 1
         segmentation, mask = _uncompressed_rle(region), region
     else:

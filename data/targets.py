@@ -18,7 +18,7 @@ from data.skeleton import Skeleton
 from data.augment import mask_fraction
 
 GAUSSIAN_CUTOFF = 4.6052          # exp(-4.6052) = 0.01: values below are set to 0
-_MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
+MIN_VALUE = math.exp(-GAUSSIAN_CUTOFF)
 _ERODE_KERNEL = np.ones((3, 3), np.uint8)
 _CHUNK_CELLS = 1 << 19            # limb cells computed at once (a few MB per temporary array)
 
@@ -45,7 +45,7 @@ def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: fl
     gx = np.exp(-0.5 / sigma ** 2 * (((j_start[:, None] + steps) + 0.5) * stride - 0.5 - x[:, None]) ** 2)
     gy = np.exp(-0.5 / sigma ** 2 * (((i_start[:, None] + steps) + 0.5) * stride - 0.5 - y[:, None]) ** 2)
     stamps = (gy[:, :, None] * gx[:, None, :]).astype(np.float32)
-    stamps[stamps < _MIN_VALUE] = 0
+    stamps[stamps < MIN_VALUE] = 0
     rows, cols = i_start[:, None] + steps, j_start[:, None] + steps          # [n, span] cells
     inside = (((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :]
               & (stamps > 0))

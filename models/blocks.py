@@ -20,11 +20,8 @@ class ConvBN(nn.Sequential):
     def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, dilation: int = 1,
                  activation: bool = True):
         padding = dilation * (kernel - 1) // 2
-        layers = [nn.Conv2d(cin, cout, kernel, stride, padding, dilation=dilation, bias=False),
-                  nn.BatchNorm2d(cout)]
-        if activation:
-            layers.append(leaky_relu())
-        super().__init__(*layers)
+        super().__init__(nn.Conv2d(cin, cout, kernel, stride, padding, dilation=dilation, bias=False),
+                         nn.BatchNorm2d(cout), *([leaky_relu()] if activation else []))
 
 
 class Bottleneck(nn.Module):

@@ -59,11 +59,10 @@ class Hourglass(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         skips = []
-        h = x
         for level in self.levels:
-            skips.append(level.skip(h))
-            h = level.down(F.max_pool2d(h, 2))
-        h = self.bottom(h)
+            skips.append(level.skip(x))
+            x = level.down(F.max_pool2d(x, 2))
+        h = self.bottom(x)
         features = [h]
         for k in reversed(range(len(self.levels))):
             level = self.levels[k]
@@ -140,8 +139,7 @@ class IMHN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[list[torch.Tensor]]:
         x = self.stem(x)
-        outputs = []
-        merges = None
+        outputs, merges = [], None
         for stack in self.stacks:
             if merges is not None:
                 x = x + merges[0]

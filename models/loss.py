@@ -27,16 +27,13 @@ from config.schema import LossConfig
 from data.skeleton import Skeleton
 
 
-def resize_target(target: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Area average of `target` down to `size` (identity at the same size)."""
-    return target if tuple(target.shape[-2:]) == tuple(size) else F.adaptive_avg_pool2d(target, size)
-
-
-def resize_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Bilinear resize of `mask` to `size`; values below 0.5 become 0."""
+def resized(target: torch.Tensor, mask: torch.Tensor, size: tuple[int, int]) -> tuple:
+    """`target` area-averaged and `mask` resized bilinearly (values < 0.5 set to 0) to `size`."""
+    if tuple(target.shape[-2:]) != tuple(size):
+        target = F.adaptive_avg_pool2d(target, size)
     if tuple(mask.shape[-2:]) != tuple(size):
         mask = F.interpolate(mask, size=size, mode="bilinear", align_corners=False)
-    return mask * (mask >= 0.5)
+    return target, mask * (mask >= 0.5)
 
 
 class FocalL2Loss(nn.Module):
@@ -81,8 +78,7 @@ class FocalL2Loss(nn.Module):
         groups = {name: zeros for name in self.groups}
         scales = [zeros] * len(self.scale_weights)
         stacks = []
-        sizes = [tuple(prediction.shape[-2:]) for prediction in outputs[0]]
-        per_scale_targets = [(resize_target(target, size), resize_mask(mask, size)) for size in sizes]
+        per_scale_targets = [resized(target, mask, tuple(prediction.shape[-2:])) for prediction in outputs[0]]
         for predictions in outputs:
             stack_loss = zeros
             for j, prediction in enumerate(predictions):

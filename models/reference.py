@@ -123,11 +123,8 @@ def to_ours(weights: dict[str, torch.Tensor], model: nn.Module, depth: int) -> d
 
 def to_reference(state: dict[str, torch.Tensor], model: nn.Module, depth: int) -> dict:
     """Our state dict in the authors' layout: the inverse of `to_ours`."""
-    out = {}
-    for ref_key, key in name_map(model, depth).items():
-        value = state[key]
-        out[PREFIX + ref_key] = value.flip(1) if key == FIRST_CONV else value
-    return out
+    return {PREFIX + ref_key: state[key].flip(1) if key == FIRST_CONV else state[key]
+            for ref_key, key in name_map(model, depth).items()}
 
 
 def parameter_keys(model: nn.Module, depth: int) -> list[str]:

@@ -59,8 +59,7 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
 def _main(argv: list[str] | None = None) -> int:
     from config.loader import build_config, check_input_size
 
-    parser = ArgumentParser(prog="python -m models.summary",
-                                     description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m models.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--config", default="imhn",
                         help="config preset name or YAML path (default imhn, the paper's network)")
     parser.add_argument("--input", type=int, default=0, help="input size in pixels (default: the preset's)")
