@@ -235,8 +235,10 @@ class InferenceConfig:
     scales: list[float] = option(
         factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
         flag=flag("--scales", INFERENCE, type=float, nargs="+",
-                  help="image heights to run, in units of input_size (1: input_size px; default: the config's)"))
-    flip: bool = option(False, flag=flag("--flip", INFERENCE, action=argparse.BooleanOptionalAction, default=None,
+                  help="image heights to run, in units of input_size (1: input_size px; default: the "
+                       "config's)"))
+    flip: bool = option(False, flag=flag("--flip", INFERENCE, action=argparse.BooleanOptionalAction,
+                                         default=None,
                                          help="also run the mirror image (default: the config's)"))
     # compared with the network's maps, which hold any value (2: no peak; -1: every sample)
     peak_threshold: float = 0.1

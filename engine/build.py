@@ -103,8 +103,8 @@ class TrainerBuilder:
         start = load_start(model, plan, cfg.train, data.skeleton, say)
         frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
         if frozen and frozen["fresh"]:
-            say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names start "
-                f"fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
+            say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names "
+                f"start fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
         if cfg.dist.sync_bn:
             model = convert_sync_bn(model, ctx, cfg.amp)

@@ -27,6 +27,7 @@ from engine.precision import cudnn_autotuning_off
 from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
 from engine.trainer import Hook
 
+
 def weights_evaluated(trainer):
     """The hooks' `evaluating()` contexts, entered in order (e.g. EMA weights swapped in)."""
     stack = contextlib.ExitStack()

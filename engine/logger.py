@@ -184,7 +184,8 @@ class RunLogger:
             handles, labels = handles + [ap_line], labels + [ap_line.get_label()]
         if handles:
             axes[0].legend(handles, labels, loc="upper right", fontsize="small")
-        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], marker="." if len(train) < 60 else None)
+        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train],
+                     marker="." if len(train) < 60 else None)
         axes[1].set(xlabel="step", ylabel="learning rate")
         every = [r["step"] for r in steps + val + train]
         if every:                     # a margin either side: points at the ends stay inside

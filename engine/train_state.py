@@ -129,7 +129,8 @@ def _reshaped(report: dict) -> list[str]:
 
 def load_summary(report: dict) -> str:
     missing, fresh = report.get("missing") or [], _reshaped(report)
-    return (f"{report.get('loaded', '?')} tensors" + (f", {len(missing)} missing (--allow-partial)" if missing else "")
+    return (f"{report.get('loaded', '?')} tensors"
+            + (f", {len(missing)} missing (--allow-partial)" if missing else "")
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
                if fresh else ""))
@@ -171,7 +172,6 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
     return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
             "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
             "origin": origin}
-
 
 
 @dataclass
@@ -233,8 +233,8 @@ class Checkpoints:
         if ran and skipped == ran and trainer.optim_step.backoff_skips == ran:
             if not self.said_backoff:
                 scale = grad_scaler_fields(self.precision.state_dict()).get("scale")
-                self.say(f"all {ran} steps of this run overflowed the dynamic loss scale, which backed off to "
-                         f"{scale:g}: no weight changed yet; {name} keeps the lowered scale, so a resume "
+                self.say(f"all {ran} steps of this run overflowed the dynamic loss scale, which backed off "
+                         f"to {scale:g}: no weight changed yet; {name} keeps the lowered scale, so a resume "
                          "trains from there")
                 self.said_backoff = True
         elif ran and skipped == ran:

@@ -54,7 +54,8 @@ _GRAD_SCALER_FIELDS = {
     "growth_interval": ("a whole number >= 1", lambda v: _count(v) and v >= 1),
     "_growth_tracker": ("a whole number >= 0", _count),
 }
-_APEX_FIELDS = {"loss_scale": _GRAD_SCALER_FIELDS["scale"], "unskipped": _GRAD_SCALER_FIELDS["_growth_tracker"]}
+_APEX_FIELDS = {"loss_scale": _GRAD_SCALER_FIELDS["scale"],
+                "unskipped": _GRAD_SCALER_FIELDS["_growth_tracker"]}
 
 
 def scaler_problem(state) -> str | None:
