@@ -191,7 +191,8 @@ def _shown(bound: float) -> str:
 def check_section(section: Any, prefix: str = "") -> None:
     """`check_value` for every field of a section (`prefix`: e.g. "inference") or a whole `Config`."""
     for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), f"{prefix}.{f.name}".lstrip(".")
+        value = getattr(section, f.name)
+        key = f"{prefix}.{f.name}".lstrip(".")
         if dataclasses.is_dataclass(value):
             check_section(value, key)
         else:

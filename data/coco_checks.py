@@ -146,7 +146,8 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
-    xy, v, margin = points[:, :2], points[:, 2], KEYPOINT_MARGIN * np.array([width, height])
+    xy, v = points[:, :2], points[:, 2]
+    margin = KEYPOINT_MARGIN * np.array([width, height])
     bad_v = ~np.isin(v, (0, 1, 2))
     outside = (v > 0) & ((xy < -margin) | (xy > [width, height] + margin)).any(1)
     if bad_v.any():

@@ -81,7 +81,8 @@ def open_checked(path: Path) -> h5py.File:
     except OSError as exc:
         raise DataError(f"{path}: truncated or damaged HDF5 file ({str(exc).splitlines()[0]}); "
                         "convert it again with python -m data.make_hdf5") from None
-    version, problem = handle.attrs.get("version", 0), None
+    version = handle.attrs.get("version", 0)
+    problem = None
     if _text(handle.attrs.get("format")) != FORMAT_MARKER:
         problem = DataError(f"{path}: an HDF5 file but not a keypoint dataset of this project "
                             "(convert COCO files with python -m data.make_hdf5)")

@@ -203,7 +203,8 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
 
 
 def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary):
-    n, split, skeleton = len(images), summary["split"], summary["skeleton"]
+    n = len(images)
+    split, skeleton = summary["split"], summary["skeleton"]
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
