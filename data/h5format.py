@@ -207,10 +207,12 @@ class KeypointH5:
         return int(img), int(person)
 
     # -- per image ------------------------------------------------------------------------------
-    def image_info(self, img: int) -> dict:
+    def image_info(self, img: int, file_name=None) -> dict:
+        """Image `img`'s COCO record (`file_name`: its stored name, when already read)."""
         height, width = self.image_size(img)
-        return {"id": int(self._load_meta()["images/id"][img]),
-                "file_name": _text(self._dataset("images/file_name")[img]), "width": width, "height": height}
+        name = self._dataset("images/file_name")[img] if file_name is None else file_name
+        return {"id": int(self._load_meta()["images/id"][img]), "file_name": _text(name),
+                "width": width, "height": height}
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
@@ -270,16 +272,19 @@ class KeypointH5:
         start, count = self._load_meta()["images/people"][img]
         return self._load_meta()[table][start:start + count].copy()
 
-    def annotations(self, img: int) -> list[dict]:
-        """The image's COCO annotations (every person, crowds too), without segmentation."""
+    def annotations(self, img: int, text=None) -> list[dict]:
+        """The image's COCO annotations (every person, crowds too), without segmentation (`text`:
+        their stored JSON, when already read)."""
         with self._damaged(img, "annotations"):
-            return json.loads(_text(self._dataset("images/annotations")[img]))
+            return json.loads(_text(self._dataset("images/annotations")[img] if text is None else text))
 
     def coco_ground_truth(self) -> dict:
         """A COCO-format dataset dict of this file, for pycocotools' `COCO` / `COCOeval`."""
+        names = self._dataset("images/file_name")[:]       # each column read once, not per image
+        texts = self._dataset("images/annotations")[:]
         images = range(self.num_images)
-        return {"images": [self.image_info(img) for img in images],
-                "annotations": [ann for img in images for ann in self.annotations(img)],
+        return {"images": [self.image_info(img, names[img]) for img in images],
+                "annotations": [ann for img in images for ann in self.annotations(img, texts[img])],
                 "categories": self._load_meta()["categories"]}
 
 
