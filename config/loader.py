@@ -160,7 +160,8 @@ def check_value(key: str, value: Any) -> None:
         shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
                  for c in choices]
         listed = f"{', '.join(shown[:-1])} or {shown[-1]}" if len(shown) > 1 else shown[0]
-        raise ConfigError(f"option {key}: {value!r} is not {listed}")
+        why = f" ({declaration['why']})" if declaration["why"] else ""
+        raise ConfigError(f"option {key}: {value!r} is not {listed}{why}")
     items = value if isinstance(value, list) else [value]
     if isinstance(value, list) and bounds is not None:
         if len(value) < bounds.min_items or (bounds.max_items is not None and len(value) > bounds.max_items):

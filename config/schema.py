@@ -40,10 +40,11 @@ class Flag:
 
 
 def option(default: Any = MISSING, *, factory=None, bounds: Bounds | None = None,
-           choices: tuple | None = None, flag: Flag | None = None):
-    """A field with what it accepts (`bounds`, `choices`) and its command-line `flag`."""
+           choices: tuple | None = None, flag: Flag | None = None, why: str | None = None):
+    """A field with what it accepts (`bounds`, `choices`, and `why`, said when a value is refused)
+    and its command-line `flag`."""
     return field(default=default, default_factory=factory or MISSING,
-                 metadata={"bounds": bounds, "choices": choices, "flag": flag})
+                 metadata={"bounds": bounds, "choices": choices, "flag": flag, "why": why})
 
 
 def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
@@ -86,7 +87,7 @@ class DataConfig:
     synthetic_dir: str = "checkpoints/_synthetic"   # cache of the synthetic dataset
     input_size: int = option(512, bounds=Bounds(64, 4096),
         flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
-    stride: int = option(4, choices=(4,))             # output stride of the targets: the network's
+    stride: int = option(4, choices=(4,), why="the network's output stride is 4")   # of the targets
     workers: int = option(2, bounds=Bounds(0, 256),
         flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
     pin_memory: bool = True
@@ -336,11 +337,11 @@ class Config:
 
 
 def declared(key: str) -> dict:
-    """{"bounds", "choices", "flag"} of option `key` ("train.seed"), each None if not declared."""
+    """{"bounds", "choices", "flag", "why"} of option `key` ("train.seed"), each None if not declared."""
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
-    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag")}
+    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag", "why")}
 
 
 def flags() -> Iterator[tuple[str, Flag]]:

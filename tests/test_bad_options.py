@@ -48,7 +48,7 @@ from test_preemption import REPO, worker_log
     (["--set", "model.stacks=16", "--set", "model.channels=2048"],
      ["option model.max_params_m", "million parameters", "--set model.max_params_m=N"]),
     (["--set", "data.input_size=500"], ["option data.input_size", "500 is not a positive multiple of 64"]),
-    (["--set", "data.stride=8"], ["option data.stride", "8 is not 4"]),
+    (["--set", "data.stride=8"], ["option data.stride", "8 is not 4", "the network's output stride is 4"]),
     (["--run-name", "..", "--overwrite"], ["option train.run_name", "'..' is not a plain folder name"]),
     (["--run-name", ".", "--overwrite"], ["option train.run_name", "'.' is not a plain folder name"]),
     (["--run-name", "../runs", "--overwrite"], ["option train.run_name", "not a plain folder name"]),
