@@ -96,6 +96,8 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
     .jsonl). `stop()` True on any rank: every rank returns None."""
     from data.h5format import KeypointH5
 
+    if model is None and not oracle:
+        raise ValueError("evaluate_h5 needs a model unless oracle=True")
     if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     with contextlib.closing(KeypointH5(h5_path)) as h5:

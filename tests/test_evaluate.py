@@ -322,3 +322,10 @@ def test_pictures_are_read_ahead_in_order_while_the_consumer_works_and_errors_re
     assert [next(endless) for _ in range(3)] == [0, 0, 0]
     endless.close()                      # the consumer stops early: the thread ends
     assert threading.active_count() == before
+
+
+def test_evaluate_h5_without_a_model_or_oracle_is_refused_before_reading_the_file(tmp_path):
+    from inference.evaluation import evaluate_h5
+
+    with pytest.raises(ValueError, match="evaluate_h5 needs a model unless oracle=True"):
+        evaluate_h5(None, tmp_path / "absent.h5", None, "cpu")
