@@ -281,6 +281,12 @@ class Preemption(Hook):
         self.previous, self.handler = {}, None
 
 
+def best_metric(train: TrainConfig, skeleton) -> str:
+    """What best.pth and early stopping follow: the skeleton's first metric when it is measured
+    (`train.ap_every`), else the validation loss."""
+    return skeleton.scoring.key if train.ap_every else "loss"
+
+
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
                   validate=None, metric: str = "loss") -> list[Hook]:
     """The engine's hooks for a run of `cfg`; `validate` and `metric`: see `EpochEnd`."""

@@ -122,7 +122,7 @@ class RunTrainer:
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
                                        self.ctx.is_main, self.say)
         validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
-        metric = self.skeleton.scoring.key if cfg.train.ap_every else "loss"
+        metric = engine_hooks.best_metric(cfg.train, self.skeleton)
         defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx,
                                               validate, metric)
         self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),

@@ -16,8 +16,7 @@ from common.errors import CheckpointError
 from runtime.checkpoint import load_checkpoint
 from runtime.distributed import DistContext
 from engine.cli import single_process_context
-from engine.hooks import EpochEnd
-from engine.hooks import Hook, LRSchedule, default_hooks
+from engine.hooks import EpochEnd, Hook, LRSchedule, best_metric, default_hooks
 from engine.optim import lr_at
 from engine.run_trainer import Launch, build_trainer
 
@@ -160,8 +159,10 @@ def test_best_pth_follows_the_skeletons_first_metric(name, values, best_value):
 
     from data.skeleton import Scoring, builtin
 
-    hook = epoch_end([], metric=builtin(name).scoring.key)[0]
     key = "PCK" if name == "fly" else "AP"
+    measured, unmeasured = (build_config("tiny", sets=[f"train.ap_every={n}"]).train for n in (1, 0))
+    assert best_metric(measured, builtin(name)) == key and best_metric(unmeasured, builtin(name)) == "loss"
+    hook = epoch_end([], metric=best_metric(measured, builtin(name)))[0]
     for value in values:
         hook.judge({key: value, "loss": 1.0})
     assert hook.best == best_value
