@@ -28,6 +28,20 @@ def _gpu_ids(spec: str) -> list[int]:
     return ids
 
 
+def _gpu_launch(cfg, ids: list[int]) -> Launch:
+    """DataParallel over the GPUs `ids` (none when one), after the checks it needs."""
+    check_data_parallel(cfg.amp, len(ids))
+    if cfg.train.batch_size % len(ids):
+        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
+                          f"{len(ids)} GPUs")
+    if cfg.amp.compile and len(ids) > 1:
+        raise ConfigError("option amp.compile: a compiled model's replicas under DataParallel still "
+                          "run the module on the first GPU; for compiled multi-GPU training use "
+                          "torchrun train_distributed.py")
+    wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
+    return Launch(single_process_context(f"cuda:{ids[0]}"), wrap=wrap, mode="dataparallel", wrapped_eval=True)
+
+
 def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
@@ -40,21 +54,10 @@ def main(argv=None) -> dict:
                           "process per GPU: torchrun --nproc_per_node N train_distributed.py --sync-bn")
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
-        return build_trainer(cfg, Launch(single_process_context("cpu"), mode="dataparallel"),
-                             training_evaluator(), draw=write_val_pictures, reader=reader).fit()
-    ids = _gpu_ids(args.gpus)
-    check_data_parallel(cfg.amp, len(ids))
-    if cfg.train.batch_size % len(ids):
-        raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
-                          f"{len(ids)} GPUs")
-    if cfg.amp.compile and len(ids) > 1:
-        raise ConfigError("option amp.compile: a compiled model's replicas under DataParallel still "
-                          "run the module on the first GPU; for compiled multi-GPU training use "
-                          "torchrun train_distributed.py")
-    ctx = single_process_context(f"cuda:{ids[0]}")
-    wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
-    return build_trainer(cfg, Launch(ctx, wrap=wrap, mode="dataparallel", wrapped_eval=True),
-                         training_evaluator(), draw=write_val_pictures, reader=reader).fit()
+        launch = Launch(single_process_context("cpu"), mode="dataparallel")
+    else:
+        launch = _gpu_launch(cfg, _gpu_ids(args.gpus))
+    return build_trainer(cfg, launch, training_evaluator(), draw=write_val_pictures, reader=reader).fit()
 
 
 if __name__ == "__main__":
