@@ -147,8 +147,8 @@ class Trainer:
     def train_one_epoch(self, epoch: int) -> float | None:
         """The epoch's steps, hooks around each; the mean loss of its counted steps over all ranks."""
         self.net.train()
-        start, self.start_batch, accumulate = self.start_batch, 0, self.parts.accumulate
-        self.steps_this_epoch = max(0, self.parts.batches_per_epoch - start) // accumulate
+        start, self.start_batch, accumulate = self.start_batch, 0, self.accumulate
+        self.steps_this_epoch = max(0, self.batches_per_epoch - start) // accumulate
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
         tick = time.perf_counter()          # samples per second since the epoch's first step
@@ -178,7 +178,7 @@ class Trainer:
         try:
             self._call("before_train")
             epochs_done = self.epoch
-            for epoch in range(self.epoch, self.parts.epochs):
+            for epoch in range(self.epoch, self.epochs):
                 if self.finish_requested:
                     break
                 train_loss = self.train_one_epoch(epoch)
