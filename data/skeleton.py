@@ -280,8 +280,8 @@ def skeleton_words(skeleton: Skeleton, other: Skeleton) -> str:
     if skeleton.keypoints != other.keypoints:
         k = next(k for k, (a, b) in enumerate(zip(skeleton.keypoints, other.keypoints)) if a != b)
         return f"{words}, keypoint {k} {names[k]!r}"
-    if limb_changes(skeleton, other):
-        return f"{words}, {limb_changes(skeleton, other)}"
+    if changes := limb_changes(skeleton, other):
+        return f"{words}, {changes}"
     if skeleton.limbs != other.limbs or skeleton.main_limbs != other.main_limbs:
         return f"{words}, {skeleton.main_limbs} main limbs in another order"
     if skeleton.flip != other.flip:

@@ -28,8 +28,7 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
     for name, module in model.named_modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):      # a MAC per output element and weight it meets
             def hook(mod, inputs, output, name=name):
-                per_module[name] += output.numel() * (mod.weight[0].numel() if mod.weight.dim() > 2
-                                                      else mod.in_features)
+                per_module[name] += output.numel() * mod.weight[0].numel()    # Linear's: in_features
             handles.append(module.register_forward_hook(hook))
     meta_state = {name: torch.empty_like(t, device="meta")
                   for name, t in list(model.named_parameters()) + list(model.named_buffers())}
