@@ -12,8 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from common.errors import ConfigError
 from config.schema import AmpConfig, OptimConfig
-from engine.build import use_cuda_graphs
-from engine.build import GraphedNetwork, ModelWithLoss
+from engine.build import GraphedNetwork, ModelWithLoss, use_cuda_graphs
 from engine.optim import OptimStep
 from engine.precision import NativePrecision
 from engine.trainer import Trainer, TrainParts

@@ -16,12 +16,10 @@ from config import build_config
 from config.schema import AmpConfig, OptimConfig
 from runtime.checkpoint import load_checkpoint
 from engine.ema import WeightsEMA
-from engine.hooks import EpochEnd
-from engine.hooks import Hook, default_hooks
+from engine.hooks import EpochEnd, Hook, default_hooks
 from engine.logger import RunLogger
 from engine.build import ModelWithLoss
-from engine.optim import lr_at
-from engine.optim import OptimStep
+from engine.optim import OptimStep, lr_at
 from engine.precision import NativePrecision as Precision
 from engine.train_state import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts
