@@ -174,8 +174,10 @@ def test_a_group_aborted_as_rank_0_saves_writes_nothing_and_ends_both_ranks_with
 STOPPED = (r"rank 1 \(pid \d+\) is stopped \(SIGSTOP\): no sign of life for \d+ s "
            r"\(dist.heartbeat_timeout_s 20 s\)")
 KILLED = r"rank {} \(pid \d+\) was killed \(SIGKILL, or out of memory\): "
-WORKER = (r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. \(a loader process of this rank: "
-          r"out of memory\? try fewer --workers or a smaller --batch-size\)")
+# torch words one worker's death two ways, by which of its checks sees it first: its SIGCHLD handler
+# ("is killed by signal: Killed.") or its queue's timeout ("exited unexpectedly"); the line is ours
+WORKER = (r"DataLoader worker \((?:pid \d+\) is killed by signal: Killed\.|pid\(s\) \d+\) exited unexpectedly) "
+          r"\(a loader process of this rank: out of memory\? try fewer --workers or a smaller --batch-size\)")
 # case: (launcher, the rank signalled, the signal, sent to one of its DataLoader workers, the others' line)
 DEATHS = {
     "rank 1 stopped, hand-set": ("hand", 1, signal.SIGSTOP, False, STOPPED + "; the other ranks end"),
