@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import matplotlib.font_manager  # noqa: F401  (builds the font cache, with `fc-list`, before any test)
 import pytest
 import torch
 
