@@ -148,6 +148,24 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def differences(old: dict, new: dict, prefix: str = "") -> dict:
+    """{dotted key: (old value, new value)} of the fields that differ between two `to_dict`s."""
+    found = {}
+    for key, value in new.items():
+        was = old.get(key) if isinstance(old, dict) else None
+        if isinstance(value, dict):
+            found.update(differences(was if isinstance(was, dict) else {}, value, f"{prefix}{key}."))
+        elif was != value:
+            found[f"{prefix}{key}"] = (was, value)
+    return found
+
+
+def setting(key: str) -> str:
+    """How a user names option `key`: its flag and key ("--freeze (train.freeze)"), else the key."""
+    flg = declared(key)["flag"]
+    return f"{flg.name} ({key})" if flg else key
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 

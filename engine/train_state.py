@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError, TrainingDiverged
+from config.loader import differences, setting
 from config.schema import OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
@@ -22,7 +23,8 @@ DIVERGENCE_ADVICE = "lower optim.lr, enable --clip-grad, or use O0"
 _STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
 # what a checkpoint must hold to be resumed (and may hold), besides the hooks' entries, with types
 RESUME_FIELDS = {"model": dict, "optimizer": dict, "epoch": int, "iteration": int, "step": int}
-RESUME_OPTIONAL = {"scaler": (dict, type(None)), "skipped_steps": int, "rng": (dict, type(None))}
+RESUME_OPTIONAL = {"scaler": (dict, type(None)), "skipped_steps": int, "rng": (dict, type(None)),
+                   "fresh_tensors": list}
 
 
 def bad_value(value, kind) -> bool:
@@ -101,7 +103,7 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
         check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
-        return state, None, plan.resume_path, ()
+        return state, None, plan.resume_path, list(state.get("fresh_tensors", ()))
     if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
     if train.resume_reference:
@@ -270,11 +272,31 @@ class Checkpoints:
         return Interrupted(f"stopped by {name} {where}; saved {self.run_dir / 'last.pth'}. Resume with "
                            f"the same command and --resume auto --run-name {self.run_dir.name}")
 
+    def optimizer_settings(self, state: dict) -> str:
+        """The settings that decide what the optimiser trains, where they differ from `state`'s run."""
+        ours = self.fields.get("config") or {}
+        theirs = state.get("config") if isinstance(state.get("config"), dict) else {}
+        differ = {key: pair for key, pair in differences(theirs, ours).items()
+                  if key in ("train.freeze", "train.allow_partial", "optim.name", "dist.zero")}
+        if differ:
+            return "; ".join(f"{setting(key)} was {old!r} in that run and is {new!r} now"
+                             for key, (old, new) in differ.items()) + ": resume with that run's value"
+        freeze = " ".join(ours.get("train", {}).get("freeze") or [])
+        return (f"--freeze {freeze} (train.freeze) freezes other tensors than in that run, whose checkpoint "
+                "does not record which tensors --allow-partial left fresh (saved by an older version); "
+                "start from its weights with --weights" if freeze else
+                "start from its weights with --weights instead of --resume")
+
     def restore(self, trainer, state: dict, path: Path, say=print) -> TrainState:
         """Optimiser, scaler, RNG and hooks' states from `state`, and `trainer`'s position."""
         scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
         try:
-            load_optimizer_state(self.optimizer, state["optimizer"])
+            try:
+                load_optimizer_state(self.optimizer, state["optimizer"])
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path}: its optimiser state does not fit this run's "
+                                      f"trainable parameters ({str(exc).splitlines()[0]}): "
+                                      f"{self.optimizer_settings(state)}") from None
             self.precision.load_state_dict(scaler or {})
             if self.main and state.get("rng"):
                 ckpt.restore_rng_state(state["rng"])
