@@ -27,7 +27,7 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _read_preset(name: str, seen: tuple = ()) -> dict:
+def read_preset(name: str, seen: tuple = ()) -> dict:
     """The sections of preset `name` (or YAML path), its `base` chain merged under them."""
     is_path = name.endswith((".yaml", ".yml")) or os.sep in name
     path = Path(name) if is_path else PRESET_DIR / f"{name}.yaml"
@@ -42,7 +42,7 @@ def _read_preset(name: str, seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: must hold a mapping of config sections")
     base = data.pop("base", None)
     if base:
-        merged = _read_preset(base, seen + (str(path),))
+        merged = read_preset(base, seen + (str(path),))
         deep_update(merged, data)
         data = merged
     return data
@@ -127,7 +127,7 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
     """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`."""
     cfg = Config()
     if preset:
-        _apply(cfg, _read_preset(preset))
+        _apply(cfg, read_preset(preset))
         cfg.preset = preset
     if overrides:
         _apply(cfg, overrides)
