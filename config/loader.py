@@ -279,8 +279,11 @@ def validate(cfg: Config) -> None:
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
                           f"({cfg.augment.scale_max}): the minimum is above the maximum")
-    if cfg.optim.milestones != sorted(set(cfg.optim.milestones)):
-        raise ConfigError(f"option optim.milestones: {cfg.optim.milestones} must be increasing epochs")
+    milestones = cfg.optim.milestones
+    if milestones != sorted(set(milestones)) or any(m > 1 and not float(m).is_integer() for m in milestones):
+        raise ConfigError(f"option optim.milestones: {milestones} must be increasing epochs, or shares "
+                          "of train.epochs below 1")
+    cfg.optim.milestones = [int(m) if m >= 1 else m for m in milestones]
     check_input_size(cfg.data.input_size, cfg.model.depth)
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":

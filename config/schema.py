@@ -169,7 +169,8 @@ class OptimConfig:
     warmup_start: float = option(0.0, bounds=FRACTION)     # LR multiplier at step 0 of warm-up
     # epochs; used when milestones is empty (0: no decay)
     decay_every: int = option(15, bounds=Bounds(0, 1e6))
-    milestones: list[int] = option(factory=list, bounds=Bounds(1, 1e6, items=int))
+    # epochs, or shares of train.epochs (below 1: 0.7 is epoch 7 of 10)
+    milestones: list[float] = option(factory=list, bounds=Bounds(0, 1e6, low_open=True, items=float))
     decay_factor: float = option(0.2, bounds=Bounds(0, 1, low_open=True))
     # 0: off; applied after unscaling
     clip_grad_norm: float = option(0.0, resume=CHANGES, bounds=NON_NEGATIVE,

@@ -216,7 +216,8 @@ class LRSchedule(Hook):
 
     def before_step(self, trainer, epoch, first):
         trainer.optim_step.set_lr(lr_at(self.optim, epoch, first + trainer.accumulate - 1,
-                                        trainer.batches_per_epoch, self.world_size, self.total_batch))
+                                        trainer.batches_per_epoch, self.world_size, self.total_batch,
+                                        trainer.epochs))
 
 
 class FrozenBatchNorm(Hook):
@@ -330,6 +331,10 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validate, metric)]
+    outside = [m for m in cfg.optim.milestones if m >= train.epochs]     # shares are inside
+    if outside:
+        say(f"optim.milestones {cfg.optim.milestones}: epochs {outside} are not inside --epochs "
+            f"{train.epochs}, so the LR never decays there (shares below 1 follow the run's length)")
     if train.ema:
         ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)
         say(f"EMA of the weights, decay {ema.decay:g} warmed up over tau {ema.tau:g} steps")

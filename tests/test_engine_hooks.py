@@ -94,7 +94,7 @@ def lr_of_mode(world_size: int, batch_size: int, accumulate: int, reference_batc
     cfg = build_config("tiny", sets=[f"train.batch_size={batch_size}", f"train.accumulate={accumulate}",
                                      f"optim.reference_batch={reference_batch}", "optim.warmup_epochs=0"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    trainer = SimpleNamespace(accumulate=accumulate, batches_per_epoch=10 * accumulate,
+    trainer = SimpleNamespace(accumulate=accumulate, batches_per_epoch=10 * accumulate, epochs=10,
                               optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0]
                                                          .update(lr=lr)))
     hooks = default_hooks(cfg, checkpoints=None, logger=None, ctx=DistContext(world_size=world_size))
@@ -112,8 +112,8 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     assert [lr_of_mode(*run, reference_batch=0) for run in runs] == pytest.approx([lr] * len(runs))
     assert build_config("tiny").optim.reference_batch == 0
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
-    quadruple = lr_at(optim, 50, 0, 10, total_batch=16)
-    assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
+    quadruple = lr_at(optim, 50, 0, 10, total_batch=16, epochs=60)
+    assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4, epochs=60))
 
 
 def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0, ap_every: int = 1):
