@@ -8,6 +8,8 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from common.errors import CheckpointError, ConfigError, TrainingDiverged
 from config.loader import differences, setting
 from config.schema import OptimConfig, TrainConfig
@@ -176,6 +178,15 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
             "origin": origin}
 
 
+def _batchnorm_batch(config, world_size) -> int | None:
+    """The samples each BatchNorm layer normalises in a run of `config` on `world_size` processes."""
+    try:
+        batch = config["train"]["batch_size"]
+        return batch if config["dist"]["sync_bn"] or world_size == 1 else batch // world_size
+    except (KeyError, TypeError):
+        return None
+
+
 @dataclass
 class TrainState:
     epoch: int                         # the epoch the run is in (0-based)
@@ -329,4 +340,12 @@ class Checkpoints:
                                          f"{state.get('world_size', '?')} process(es)")
         say(f"resumed from {path}: epoch {position.epoch + 1}, batch {position.iteration}"
             + (f", step {position.step}" if position.step is not None else "") + f" ({origin})")
+        theirs, ours = (_batchnorm_batch(run.get("config"), run.get("world_size"))
+                        for run in (state, self.fields))
+        if theirs and ours and theirs != ours and any(
+                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+            say(f"BatchNorm now normalises batches of {ours} samples, not {theirs} as in the run resumed "
+                f"({state['world_size']} process(es) then, {self.fields['world_size']} now, --sync-bn "
+                f"{'on' if self.fields['config']['dist']['sync_bn'] else 'off'}): the weights will differ "
+                "from that run's straight through; --sync-bn normalises the whole batch on any count")
         return position
