@@ -279,8 +279,8 @@ def test_a_resume_on_another_process_count_without_sync_bn_says_how_batchnorm_ch
                 "--epochs", "2", "--out-dir", str(out_dir)])
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BatchNorm")]
     assert said == ["BatchNorm now normalises batches of 4 samples, not 2 as in the run resumed (2 "
-                    "process(es) then, 1 now, --sync-bn off): the weights will differ from that run's straight "
-                    "through; --sync-bn normalises the whole batch on any count"]
+                    "process(es) then, 1 now, --sync-bn off): the weights will differ from that run's "
+                    "straight through; --sync-bn normalises the whole batch on any count"]
     train.main(["--resume", str(copied_into(out_dir / "sync_on_1", ddp_sync[0] / "last.pth")),
                 "--epochs", "2", "--out-dir", str(out_dir), *NO_VALIDATION])
     assert "BatchNorm now" not in capsys.readouterr().out
