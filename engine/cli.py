@@ -79,7 +79,8 @@ def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list
 def _resume_changes(base, cfg, path: Path, given: str, held: dict) -> list[str]:
     """A line per setting `cfg` changes from the run's (`base`) that a resume may change, or that the
     saved config `held` lacks (an older version's); ConfigError naming those it keeps
-    (config/schema.py's `option(resume=)`)."""
+    (config/schema.py's `option(resume=)`). Milestones that are shares move with --epochs: said."""
+    from engine.optim import milestone_epochs
     differ = differences(to_dict(base), to_dict(cfg))
     differ.pop("preset", None)
     held = _leaf_keys(held)                 # the keys the saved config holds
@@ -92,7 +93,10 @@ def _resume_changes(base, cfg, path: Path, given: str, held: dict) -> list[str]:
         raise ConfigError(f"{given} changes {listed}{more} of the run in {path.parent}, which a resume keeps "
                           "(the run would change silently): leave out what differs or give the run's value; "
                           f"to train with the new settings, start a new run with --weights {path}")
-    return [f"{setting(key)} changes from {old!r} to {new!r}" if key in held else
+    moved = [milestone_epochs(c.optim, c.train.epochs) for c in (base, cfg)]
+    also = {"train.epochs": f": LR milestones {cfg.optim.milestones} move from epochs {moved[0]} to "
+                            f"{moved[1]}" if moved[0] != moved[1] else ""}
+    return [f"{setting(key)} changes from {old!r} to {new!r}{also.get(key, '')}" if key in held else
             f"{setting(key)} is {new!r} (the run's saved config, of an older version, has no value)"
             for key, (old, new) in differ.items() if declared(key)["resume"] == CHANGES or key not in held]
 

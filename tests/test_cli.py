@@ -55,8 +55,10 @@ def test_a_resume_that_gives_settings_again_keeps_the_run_changes_what_may_chang
                     "--train-h5", "x.h5", "--lr", "0.1")
     assert (cfg.train.batch_size, cfg.train.max_steps_per_epoch, cfg.train.freeze, cfg.data.train_h5,
             cfg.train.epochs, cfg.optim.lr, cfg.preset) == (4, 3, ["stem"], "x.h5", 6, 0.1, "tiny")
-    assert capsys.readouterr().out.splitlines() == ["--lr (optim.lr) changes from 0.002 to 0.1",
-                                                    "--epochs (train.epochs) changes from 2 to 6"]
+    assert capsys.readouterr().out.splitlines() == [
+        "--lr (optim.lr) changes from 0.002 to 0.1",
+        "--epochs (train.epochs) changes from 2 to 6: LR milestones [0.7, 0.9] move from epochs [1, 2] to "
+        "[4, 5]"]
     config_of(*resume, "--sync-bn")       # what the engine carries across a resume: said
     assert capsys.readouterr().out.splitlines() == ["--sync-bn (dist.sync_bn) changes from False to True"]
     for given, named in ((["--seed", 3], "--seed (train.seed) from 0 to 3"),
