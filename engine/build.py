@@ -5,7 +5,7 @@ What trains is `ModelWithLoss`, the network and its loss as one module that ever
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -98,7 +98,10 @@ class TrainerBuilder:
     def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
         """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
         ctx = launch.ctx
-        data = self.build_data(cfg, ctx)
+        graphs = use_cuda_graphs(cfg.amp, launch)
+        # no DataLoader pin thread under graphs (a capture forbids other threads' pinned allocations):
+        # DeviceFeed pins in this thread, between steps
+        data = self.build_data(replace(cfg, data=replace(cfg.data, pin_memory=False)) if graphs else cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
         start = load_start(model, plan, cfg.train, data.skeleton, say)
         frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
@@ -120,7 +123,7 @@ class TrainerBuilder:
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
         model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
-                                        cuda_graphs=use_cuda_graphs(cfg.amp, launch))
+                                        cuda_graphs=graphs)
         net = launch.wrap(model_with_loss)
         # validation runs eagerly: under --compile each of its shapes would compile for minutes
         eval_net = ModelWithLoss(model, loss, precision) if cfg.amp.compile else model_with_loss

@@ -135,3 +135,49 @@ def test_cuda_graphs_are_used_where_they_can_be_and_refused_in_one_line_where_as
                                           r"mode is dataparallel; leave it at auto$"):
         use_cuda_graphs(AmpConfig(cuda_graphs=True), Launch("cuda", "dataparallel"))
 
+
+@pytest.mark.slow
+def test_no_capture_meets_pinned_memory_allocated_by_the_dataloaders_thread(tiny_cfg, synthetic_h5, monkeypatch):
+    from dataclasses import replace
+    from torch.utils.data._utils import pin_memory as pinning
+    # a CUDA machine as the DataLoader sees it, its pinning stood in: who pins, and during a capture?
+    for name, value in (("is_available", lambda: True), ("current_device_index", lambda: 0),
+                        ("current_accelerator", lambda *args: torch.device("cuda")),
+                        ("set_device_index", lambda index: None)):
+        monkeypatch.setattr(torch.accelerator, name, value)
+    monkeypatch.setattr(pinning, "pin_memory", lambda data, device=None: PINNED_BY.append(
+        (threading.current_thread(), CAPTURING.is_set())) or data)
+    PINNED_BY.clear()
+
+    class Built(Exception):
+        pass
+
+    class Builder(TrainerBuilder):          # the run's data as the builder makes it, then no further
+        def build_data(self, cfg, ctx):
+            raise Built(super().build_data(cfg, ctx))
+
+    class Launch:
+        ctx, mode = DistContext(device=torch.device("cuda")), "single"
+
+    cfg = replace(tiny_cfg, data=replace(tiny_cfg.data, train_h5=str(synthetic_h5[0]), val_h5="", workers=2,
+                                         input_size=64), train=replace(tiny_cfg.train, batch_size=2))
+    with pytest.raises(Built) as built:
+        Builder().build(cfg, Launch())
+    data = built.value.args[0]
+    from models import build_model
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.skeleton)
+    precision = NativePrecision(AmpConfig(), torch.device("cpu"))
+    step = OptimStep(precision, torch.optim.SGD(model.parameters(), lr=0.01), list(model.parameters()), model,
+                     OptimConfig())
+    net = ModelWithLoss(model, FocalL2Loss(cfg.loss, data.skeleton), precision)
+    captures = []
+    net.graphed = GraphedNetwork(model, precision, make_graphed=graphed_stand_in(captures, capture_s=3.0))
+    painter = data.train_set.painter_for(torch.device("cpu"))
+    feed = lambda epoch, start: (to_model_input(b, torch.device("cpu"), painter) for b in data.loader)  # noqa: E731
+    try:
+        Trainer(TrainParts(net, step, feed, batches_per_epoch=6)).train_one_epoch(0)
+    finally:
+        data.loader.close()
+    assert captures and captures[0]["replays"] == 3
+    assert [thread.name for thread, capturing in PINNED_BY if capturing] == []
