@@ -1,5 +1,6 @@
 """The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
-a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it."""
+a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it. Neither
+counts the time it was itself stopped (a whole job paused and continued) against another rank."""
 from __future__ import annotations
 
 import contextlib
@@ -102,7 +103,10 @@ class RankWatch:
             except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
                 return
-            now = self._answered = time.monotonic()
+            now = time.monotonic()
+            if now - self._answered > 3 * self.every_s:    # it did not look meanwhile (this process
+                seen = now                                 # stopped, or the store): no evidence
+            self._answered = now
             if error is not None:
                 self.decide(UserError(error))
                 return
@@ -117,12 +121,13 @@ class RankWatch:
                 return
 
     def _judge(self) -> None:
-        tick = time.monotonic()
+        tick = resumed = time.monotonic()
         while not self._stopped.wait(self.every_s):
             now = time.monotonic()
-            ran = now - tick < 3 * self.every_s    # this process itself was not stopped meanwhile
+            if now - tick > 3 * self.every_s:      # this process itself was stopped meanwhile
+                resumed = now
             tick = now
-            if self.verdict is None and ran and now - self._answered > self.silent_s:
+            if self.verdict is None and now - max(self._answered, resumed) > self.silent_s:
                 self.decide(self.store_lost(f"has not answered for {now - self._answered:.0f} s"))
             if self.verdict is not None and now - self._decided > self.grace_s:
                 self._end()

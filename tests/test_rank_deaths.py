@@ -82,6 +82,50 @@ def test_what_became_of_a_process_on_this_machine():
     assert fate(2, "elsewhere 12") == "rank 2 was killed, stopped or froze (SIGKILL, out of memory, SIGSTOP?)"
 
 
+PAUSED_RANK = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from runtime.rank_watch import RankWatch
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
+RankWatch(store, rank, 2, "rank 0", f"127.0.0.1:{port}", abort=lambda: None, leave=lambda: None,
+          silent_s=2.0, every_s=0.2, grace_s=0.2)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_job_paused_as_a_whole_and_continued_ranks_seconds_apart_runs_on():
+    """SLURM's `scontrol suspend` / `resume`, a paused container: every rank stopped longer than the
+    heartbeat timeout, then continued one after the other, either first; no rank accuses another."""
+    port = find_free_port()
+    store = torch_dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60),
+                                wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, "-c", PAUSED_RANK, str(rank), str(port)], cwd=REPO,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + STARTS_WITHIN_S
+        while not store.check(["beat/0", "beat/1"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for first in (0, 1):
+            for rank in ranks:
+                os.kill(rank.pid, signal.SIGSTOP)
+            time.sleep(3.0)                          # longer than the heartbeat timeout (2 s)
+            for rank in (first, 1 - first):
+                os.kill(ranks[rank].pid, signal.SIGCONT)
+                time.sleep(1.0)
+            time.sleep(2.5)                          # a wrong verdict would be out by now
+        running = [rank.poll() is None for rank in ranks]
+        error = store.get("error").decode() if store.check(["error"]) else None
+    finally:
+        for rank in ranks:
+            rank.kill()
+    said = [rank.communicate()[0][-2000:] for rank in ranks]
+    assert running == [True, True] and error is None, (error, said)
+
 # -- an aborted group: two gloo ranks ---------------------------------------------------------------
 def _collectives_after_abort(rank, ctx) -> dict:
     D.barrier()
