@@ -7,8 +7,8 @@ with one `error:` line naming the rank and what happened, and never trains on al
   and no checkpoint is written.
 - Two real `train_distributed.py` ranks with two DataLoader workers each, started by hand (RANK /
   WORLD_SIZE / MASTER_* as SLURM sets them) or by torchrun, one of them stopped (SIGSTOP to its
-  process group), killed (SIGKILL, as the out-of-memory killer does), or one of its workers killed:
-  the other ends within 60 s with its line.
+  process group), killed (SIGKILL, as the out-of-memory killer does), or one of its workers killed
+  or stopped: the other ends within 60 s with its line.
 """
 from __future__ import annotations
 
@@ -231,6 +231,9 @@ DEATHS = {
     "rank 1 killed, torchrun": ("torchrun", 1, signal.SIGKILL, False,
                                 KILLED.format(1) + r"no sign of life for \d+ s.*; the other ranks end"),
     "a worker of rank 1 killed, torchrun": ("torchrun", 1, signal.SIGKILL, True, "rank 1: " + WORKER),
+    "a worker of rank 0 stopped, torchrun": ("torchrun", 0, signal.SIGSTOP, True, (
+        r"rank 0's DataLoader worker \d \(pid \d+\) is stopped \(SIGSTOP\): stopped for \d+ s "
+        r"\(dist.heartbeat_timeout_s 5 s\); the other ranks end"), "--set", "dist.heartbeat_timeout_s=5"),
 }
 
 
@@ -238,8 +241,8 @@ DEATHS = {
 @pytest.mark.parametrize("case", DEATHS)
 def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_line(
         tmp_path, synthetic_h5, case):
-    launcher, victim, sig, in_worker, line = DEATHS[case]
-    args = _train_args(tmp_path, synthetic_h5, "--epochs", "1000")
+    launcher, victim, sig, in_worker, line, *extra = DEATHS[case]
+    args = _train_args(tmp_path, synthetic_h5, "--epochs", "1000", *extra)
     logs, survivor, pids = tmp_path / "logs", 1 - victim, {}
     if launcher == "hand":
         port = str(find_free_port())
@@ -277,6 +280,7 @@ def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_lin
     if in_worker:
         own = worker_log(logs, 0, victim, "stderr")
         assert "Traceback" not in own, own[-3000:]
-        assert re.fullmatch("error: " + WORKER, message_lines(own)[-1]), own[-3000:]
+        own_line = WORKER if sig == signal.SIGKILL else line
+        assert re.fullmatch("error: " + own_line, message_lines(own)[-1]), own[-3000:]
     assert not left, f"processes of rank {survivor} left behind: {left}"
     print(f"{case}: rank {survivor} ended {took:.1f} s after the signal")
