@@ -5,8 +5,7 @@ What trains is `ModelWithLoss`, the network and its loss as one module that ever
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from data.skeleton import Skeleton, skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
 from engine.parallel import convert_sync_bn
+from engine.cuda_graphs import GraphedNetwork, use_cuda_graphs
 from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.optim import OptimStep, build_optimizer, peak_lr
@@ -98,7 +98,10 @@ class TrainerBuilder:
     def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
         """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
         ctx = launch.ctx
-        data = self.build_data(cfg, ctx)
+        graphs = use_cuda_graphs(cfg.amp, launch)
+        # no DataLoader pin thread under graphs (a capture forbids other threads' pinned allocations):
+        # DeviceFeed pins in this thread, between steps
+        data = self.build_data(replace(cfg, data=replace(cfg.data, pin_memory=False)) if graphs else cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
         start = load_start(model, plan, cfg.train, data.skeleton, say)
         frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
@@ -120,7 +123,7 @@ class TrainerBuilder:
         params = precision.optimizer_params(trainable)
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
         model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
-                                        cuda_graphs=use_cuda_graphs(cfg.amp, launch))
+                                        cuda_graphs=graphs)
         net = launch.wrap(model_with_loss)
         # validation runs eagerly: under --compile each of its shapes would compile for minutes
         eval_net = ModelWithLoss(model, loss, precision) if cfg.amp.compile else model_with_loss
@@ -129,19 +132,6 @@ class TrainerBuilder:
                                static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
                                    cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
         return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
-
-
-def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
-    """`amp.cuda_graphs` for this run: auto where they can be used, True refuses where not."""
-    unsupported = [why for why, bad in (
-        ("the device is not CUDA", launch.ctx.device.type != "cuda"),
-        (f"the launch mode is {launch.mode}", launch.mode != "single"),
-        ("--amp-backend apex", amp.backend != "native"), ("--compile", amp.compile)) if bad]
-    if amp.cuda_graphs is True and unsupported:
-        raise ConfigError(f"option amp.cuda_graphs (--cuda-graphs): CUDA graphs need one CUDA process "
-                          f"with the native backend and no --compile, and here {', '.join(unsupported)}; "
-                          "leave it at auto")
-    return amp.cuda_graphs is not False and not unsupported
 
 
 def _resolve_data(data: DataConfig) -> tuple[str, str]:
@@ -176,42 +166,3 @@ class ModelWithLoss(nn.Module):
         with self.precision.autocast_context():
             outputs = network(images)
         return self.loss(outputs, target, mask)
-
-
-class GraphedNetwork:
-    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
-    one capture for that input's shape, layout and type, replayed by later calls with it (others
-    run eagerly). The capture's BatchNorm updates are put back."""
-
-    def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
-                 make_graphed=None):
-        self.model, self.precision, self.warm_calls = model, precision, warm_calls
-        self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
-        self.calls, self.key, self.replay = 0, None, None
-
-    def __call__(self, images: torch.Tensor):
-        key = (tuple(images.shape), images.stride(), images.dtype, images.device)
-        if self.replay is None:
-            self.calls += 1
-            if self.calls <= self.warm_calls:
-                return self.model(images)
-            self.key, self.replay = key, self._capture(images)
-        return self.replay(images) if key == self.key else self.model(images)
-
-    def _capture(self, images: torch.Tensor):
-        saved = [b.detach().clone() for b in self.model.buffers()]
-        # the capture refuses autocast's weight cache: O1 captures with it off (same casts)
-        autocast = (torch.autocast(images.device.type, dtype=self.precision.dtype, cache_enabled=False)
-                    if torch.is_autocast_enabled(images.device.type) else contextlib.nullcontext())
-        with autocast:
-            self.make_graphed(self.model, (images,))
-        replay = self.model.forward          # the graphed forward, set on the module by the capture
-        del self.model.forward               # every other call runs the module's own forward
-        with torch.no_grad():
-            for buffer, value in zip(self.model.buffers(), saved):
-                buffer.copy_(value)
-        # torch warns once that the capture's side stream made the weights' accumulation nodes
-        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-        if quiet is not None:
-            quiet(False)
-        return replay

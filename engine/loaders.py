@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Sampler
 from common.errors import ConfigError, UserError
 from config.schema import DataConfig, TrainConfig
 from data.transfer import expand, is_compact, trim_people
+from runtime import distributed as dist
 
 
 class GlobalBatchSampler(Sampler):
@@ -85,6 +86,7 @@ class PersistentWorkersLoader(DataLoader):
         # at exit, the workers of an iterator still alive
         atexit.register(lambda ref, workers: _stop_workers(ref(), workers), weakref.ref(iterator),
                         list(iterator._workers))
+        dist.watch_workers(iterator._workers)          # one stopped would hang every rank
         return _AsRaisedInWorker(iterator)
 
     def close(self) -> None:

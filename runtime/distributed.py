@@ -121,6 +121,12 @@ def _stop_watch() -> None:
         _GONE.update(watch.gone)
 
 
+def watch_workers(processes, what: str = "DataLoader worker") -> None:
+    """This rank's watch ends the job when one of `processes` stays stopped (WHAT N, pid P)."""
+    if _WATCH is not None:
+        _WATCH.workers.update((process.pid, f"{what} {n}") for n, process in enumerate(processes))
+
+
 def _abort() -> None:
     """Abort the process group, if any: pending and later collectives fail at once."""
     if dist.is_initialized():

@@ -1,9 +1,12 @@
 """The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
-a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it."""
+a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it. Neither
+counts the time it was itself stopped (a whole job paused and continued) against another rank. A
+rank's own DataLoader workers, stopped as long, end the job too (the rank would wait on them)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +33,14 @@ def post_error(store, message: str) -> str:
     return message
 
 
+def proc_state(pid) -> str:
+    """The state letter of process `pid` here (/proc/PID/stat: R, S, T stopped, Z...), X if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
 def fate(rank: int, who: str | None) -> str:
     """"rank R ..." and what became of its process `who` ("HOST PID"), as far as /proc here tells."""
     host, _, pid = (who or "").partition(" ")
@@ -37,10 +48,7 @@ def fate(rank: int, who: str | None) -> str:
         return f"rank {rank} was killed, stopped or froze (SIGKILL, out of memory, SIGSTOP?)"
     deadline = time.monotonic() + 1.0
     while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "X"
+        state = proc_state(pid)
         if state in ("X", "Z"):
             return f"rank {rank} (pid {pid}) was killed (SIGKILL, or out of memory)"
         if state in ("T", "t"):
@@ -63,6 +71,7 @@ class RankWatch:
         self.verdict: UserError | None = None
         self.gone: set[int] = set()              # the watched rank, once found silent
         self.who: dict[int, str] = {}            # "HOST PID" of the watched rank and of rank 0
+        self.workers: dict[int, str] = {}        # pid -> name of this rank's own processes, watched too
         self._decided = self._answered = time.monotonic()
         self._stopped, self._lock, self._ending = threading.Event(), threading.Lock(), threading.Lock()
         self._threads = [threading.Thread(target=target, name=f"rank-watch-{target.__name__[1:]}",
@@ -88,7 +97,7 @@ class RankWatch:
                          f"stopped or froze: the store {what}; the other ranks end")
 
     def _pulse(self) -> None:
-        store, last, seen = self.store, None, time.monotonic()
+        store, last, seen, stopped = self.store, None, time.monotonic(), {}
         with contextlib.suppress(RuntimeError):
             store.set(WHO_KEY.format(self.rank), f"{socket.gethostname()} {os.getpid()}")    # for `fate`
         while not self._stopped.wait(self.every_s):
@@ -102,10 +111,21 @@ class RankWatch:
             except RuntimeError:          # torch's DistError: the store closed
                 self.decide(self.store_lost("is gone"))
                 return
-            now = self._answered = time.monotonic()
+            now = time.monotonic()
+            if now - self._answered > 3 * self.every_s:    # it did not look meanwhile (this process
+                seen, stopped = now, {}                    # stopped, or the store): no evidence
+            self._answered = now
             if error is not None:
                 self.decide(UserError(error))
                 return
+            for pid, name in list(self.workers.items()):   # stopped, its rank would wait on it forever
+                since = stopped.setdefault(pid, now) if proc_state(pid) in ("T", "t") else stopped.pop(pid, 0)
+                if since and now - since > self.silent_s:
+                    self.decide(UserError(post_error(store, (
+                        f"rank {self.rank}'s {name} (pid {pid}) is stopped (SIGSTOP): stopped for "
+                        f"{now - since:.0f} s (dist.heartbeat_timeout_s {self.silent_s:g} s); "
+                        "the other ranks end"))))
+                    return
             if count != last:
                 last, seen = count, now
             elif now - seen > self.silent_s:
@@ -117,12 +137,13 @@ class RankWatch:
                 return
 
     def _judge(self) -> None:
-        tick = time.monotonic()
+        tick = resumed = time.monotonic()
         while not self._stopped.wait(self.every_s):
             now = time.monotonic()
-            ran = now - tick < 3 * self.every_s    # this process itself was not stopped meanwhile
+            if now - tick > 3 * self.every_s:      # this process itself was stopped meanwhile
+                resumed = now
             tick = now
-            if self.verdict is None and ran and now - self._answered > self.silent_s:
+            if self.verdict is None and now - max(self._answered, resumed) > self.silent_s:
                 self.decide(self.store_lost(f"has not answered for {now - self._answered:.0f} s"))
             if self.verdict is not None and now - self._decided > self.grace_s:
                 self._end()
@@ -135,6 +156,9 @@ class RankWatch:
             print_error(self.verdict)
             sys.stdout.flush()
             self.leave()
+            for pid in self.workers:                     # a stopped one would outlive the rank
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             os._exit(self.verdict.exit_code)
 
     def stop(self) -> None:

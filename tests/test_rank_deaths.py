@@ -7,8 +7,8 @@ with one `error:` line naming the rank and what happened, and never trains on al
   and no checkpoint is written.
 - Two real `train_distributed.py` ranks with two DataLoader workers each, started by hand (RANK /
   WORLD_SIZE / MASTER_* as SLURM sets them) or by torchrun, one of them stopped (SIGSTOP to its
-  process group), killed (SIGKILL, as the out-of-memory killer does), or one of its workers killed:
-  the other ends within 60 s with its line.
+  process group), killed (SIGKILL, as the out-of-memory killer does), or one of its workers killed
+  or stopped: the other ends within 60 s with its line.
 """
 from __future__ import annotations
 
@@ -81,6 +81,50 @@ def test_what_became_of_a_process_on_this_machine():
         "rank 1 (pid 999999999) was killed (SIGKILL, or out of memory)"
     assert fate(2, "elsewhere 12") == "rank 2 was killed, stopped or froze (SIGKILL, out of memory, SIGSTOP?)"
 
+
+PAUSED_RANK = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from runtime.rank_watch import RankWatch
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
+RankWatch(store, rank, 2, "rank 0", f"127.0.0.1:{port}", abort=lambda: None, leave=lambda: None,
+          silent_s=2.0, every_s=0.2, grace_s=0.2)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_job_paused_as_a_whole_and_continued_ranks_seconds_apart_runs_on():
+    """SLURM's `scontrol suspend` / `resume`, a paused container: every rank stopped longer than the
+    heartbeat timeout, then continued one after the other, either first; no rank accuses another."""
+    port = find_free_port()
+    store = torch_dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60),
+                                wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, "-c", PAUSED_RANK, str(rank), str(port)], cwd=REPO,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + STARTS_WITHIN_S
+        while not store.check(["beat/0", "beat/1"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for first in (0, 1):
+            for rank in ranks:
+                os.kill(rank.pid, signal.SIGSTOP)
+            time.sleep(3.0)                          # longer than the heartbeat timeout (2 s)
+            for rank in (first, 1 - first):
+                os.kill(ranks[rank].pid, signal.SIGCONT)
+                time.sleep(1.0)
+            time.sleep(2.5)                          # a wrong verdict would be out by now
+        running = [rank.poll() is None for rank in ranks]
+        error = store.get("error").decode() if store.check(["error"]) else None
+    finally:
+        for rank in ranks:
+            rank.kill()
+    said = [rank.communicate()[0][-2000:] for rank in ranks]
+    assert running == [True, True] and error is None, (error, said)
 
 # -- an aborted group: two gloo ranks ---------------------------------------------------------------
 def _collectives_after_abort(rank, ctx) -> dict:
@@ -187,6 +231,9 @@ DEATHS = {
     "rank 1 killed, torchrun": ("torchrun", 1, signal.SIGKILL, False,
                                 KILLED.format(1) + r"no sign of life for \d+ s.*; the other ranks end"),
     "a worker of rank 1 killed, torchrun": ("torchrun", 1, signal.SIGKILL, True, "rank 1: " + WORKER),
+    "a worker of rank 0 stopped, torchrun": ("torchrun", 0, signal.SIGSTOP, True, (
+        r"rank 0's DataLoader worker \d \(pid \d+\) is stopped \(SIGSTOP\): stopped for \d+ s "
+        r"\(dist.heartbeat_timeout_s 5 s\); the other ranks end"), "--set", "dist.heartbeat_timeout_s=5"),
 }
 
 
@@ -194,8 +241,8 @@ DEATHS = {
 @pytest.mark.parametrize("case", DEATHS)
 def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_line(
         tmp_path, synthetic_h5, case):
-    launcher, victim, sig, in_worker, line = DEATHS[case]
-    args = _train_args(tmp_path, synthetic_h5, "--epochs", "1000")
+    launcher, victim, sig, in_worker, line, *extra = DEATHS[case]
+    args = _train_args(tmp_path, synthetic_h5, "--epochs", "1000", *extra)
     logs, survivor, pids = tmp_path / "logs", 1 - victim, {}
     if launcher == "hand":
         port = str(find_free_port())
@@ -233,6 +280,7 @@ def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_lin
     if in_worker:
         own = worker_log(logs, 0, victim, "stderr")
         assert "Traceback" not in own, own[-3000:]
-        assert re.fullmatch("error: " + WORKER, message_lines(own)[-1]), own[-3000:]
+        own_line = WORKER if sig == signal.SIGKILL else line
+        assert re.fullmatch("error: " + own_line, message_lines(own)[-1]), own[-3000:]
     assert not left, f"processes of rank {survivor} left behind: {left}"
     print(f"{case}: rank {survivor} ended {took:.1f} s after the signal")
