@@ -124,14 +124,11 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
         print(f"  OKS uses the stand-in sigma {skeleton.sigmas[0]:g} for every keypoint of skeleton "
               f"{skeleton.name}: nobody published its sigmas, so its AP compares with no paper's",
               file=sys.stderr)
-    if "pck" in scoring.metrics:
-        normalize = ("the box's longer side" if scoring.pck_normalize == "bbox"
-                     else "the {}-{} distance".format(*scoring.pck_normalize))
-        print(f"  PCK: within {scoring.pck_threshold:g} x {normalize}", file=sys.stderr)
+    print(f"  {scoring.describe()}", file=sys.stderr)
     for name, value in stats.items():
         if name not in ("num_images", "keypoint_recall"):
-            print(f"  {name:<5} " + (f"{value:.4f}" if isinstance(value, float) else f"{value}"),
-                  file=sys.stderr)
+            print(f"  {name:<9} " + ("n/a" if value is None else f"{value:.4f}" if isinstance(value, float)
+                                     else f"{value}"), file=sys.stderr)
     recall = stats.get("keypoint_recall")
     if recall is None:
         return stats

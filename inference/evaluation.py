@@ -135,7 +135,7 @@ def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, rec
     stats, distances = {}, None          # in the order of `scoring.metrics`: the first leads
     for metric in scoring.metrics:
         if metric == "oks":
-            stats.update(coco_keypoint_stats(gt, results, image_ids=list(merged), sigmas=skeleton.sigmas))
+            stats.update(coco_keypoint_stats(gt, results, list(merged), skeleton.sigmas, scoring))
         else:                            # PCK with PCK_unnormalised, EPE with EPE_found, AUC
             distances = distances or distance_stats(gt, results, skeleton, scoring, image_ids=list(merged))
             stats.update({k: v for k, v in distances.items() if k.split("_")[0].lower() == metric})
