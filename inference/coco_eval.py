@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import math
 from collections import Counter
 
 import numpy as np
@@ -76,14 +78,15 @@ def _scored(ann: dict, scoring: Scoring) -> dict:
 
 
 def _category(result: dict, in_image: Counter | None, categories: list, scoring: Scoring) -> int:
-    """A result's category: per category, its own when it names one of the file's, else the one
-    most people of its picture have; otherwise the one category everything is scored as."""
+    """A result's category: per category, its picture's (that of most of its people), or its own
+    where the picture holds people of several and it names one of them; otherwise the one category
+    everything is scored as."""
     if not scoring.per_category:
         return 1
     own = result.get("category_id")
-    if own in categories:
-        return int(own)
-    return in_image.most_common(1)[0][0] if in_image else categories[0]
+    if in_image and (len(in_image) == 1 or own not in in_image):
+        return in_image.most_common(1)[0][0]
+    return own if own in categories else categories[0]
 
 
 def _defined(value) -> float | None:
@@ -240,3 +243,72 @@ def _normaliser(ann: dict, points: np.ndarray, normalize, names: list) -> float:
     if points[a, 2] > 0 and points[b, 2] > 0:
         return float(np.hypot(*(points[a, :2] - points[b, :2])))
     return 0.0
+
+
+def read_results(path, image_ids, names) -> dict:
+    """{image id: COCO keypoint results} of a results file: a COCO keypoint results JSON (a list of
+    {image_id, keypoints, score}), or JSON lines as evaluate.py --out x.jsonl writes them; each
+    record checked against the split's `image_ids` and keypoint `names` (a `DataError` naming the
+    file and the first bad record)."""
+    from pathlib import Path
+
+    from common.errors import DataError
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"--results {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    lines = path.suffix == ".jsonl"
+    try:
+        records = ([json.loads(line) for line in text.splitlines() if line.strip()] if lines
+                   else json.loads(text))
+    except ValueError as exc:
+        raise DataError(f"--results {path}: not {'JSON lines' if lines else 'JSON'} ({exc})") from None
+    if not isinstance(records, list):
+        raise DataError(f"--results {path}: a COCO keypoint results file is a JSON list of results")
+    found: dict = {}
+    for n, record in enumerate(records, 1):
+        where = f"--results {path}: {'line' if lines else 'result'} {n}"
+        try:
+            image_id, people = _record(record, lines, names, image_ids)
+        except ValueError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        found.setdefault(image_id, []).extend(people)
+    return found
+
+
+def _record(record, lines: bool, names, image_ids) -> tuple:
+    """(image id, its COCO results) of one record; a ValueError says what is wrong."""
+    image_id = record.get("image_id") if isinstance(record, dict) else None
+    if isinstance(image_id, bool) or not isinstance(image_id, int):
+        raise ValueError("is not an object with an integer image_id")
+    if image_id not in image_ids:
+        raise ValueError(f"image_id {image_id} is not an image of the split")
+    people = record.get("people") if lines else [record]
+    if not isinstance(people, list):
+        raise ValueError(f"image_id {image_id}: people is not a list")
+    out = []
+    for person in people:
+        if not isinstance(person, dict) or not _finite(person.get("score")):
+            raise ValueError(f"image_id {image_id}: a person without a finite score")
+        points = person.get("keypoints")
+        if lines:
+            if not isinstance(points, dict) or not all(isinstance(p, list) and len(p) in (2, 3)
+                                                       for p in points.values()):
+                raise ValueError(f"image_id {image_id}: keypoints is not {{name: [x, y, score], ...}}")
+            unknown = sorted(set(points) - set(names))
+            if unknown:
+                raise ValueError(f"image_id {image_id}: keypoint {unknown[0]!r} is not one of the split's")
+            points = [v for name in names for v in ((*points[name][:2], 1) if name in points else (0, 0, 0))]
+        if not isinstance(points, list) or len(points) != 3 * len(names) or not all(map(_finite, points)):
+            count = len(points) if isinstance(points, (list, dict)) else "no"
+            raise ValueError(f"image_id {image_id}: keypoints has {count} values, not {3 * len(names)} "
+                             f"finite numbers (x, y, v of the split's {len(names)} keypoints)")
+        out.append({"image_id": image_id, "category_id": record.get("category_id"),
+                    "keypoints": [float(v) for v in points], "score": float(person["score"])})
+    return image_id, out
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
