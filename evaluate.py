@@ -62,7 +62,7 @@ def _check_args(args) -> None:
         raise ConfigError("give the data as --h5 FILE, or as --ann JSON with --images DIR")
     if args.ann and not args.images:
         raise ConfigError("option --ann needs --images, the folder of the annotated images")
-    given = [name for name, value in (("--weights", args.weights), ("--oracle", args.oracle),
+    given = [name for name, value in (("--oracle", args.oracle), ("--weights", args.weights),
                                       ("--results", args.results)) if value]
     if not given:
         raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps, "

@@ -103,13 +103,15 @@ def _crowd_subsets(image_ids: list, crowd: dict) -> list:
 
 
 def _subset_ap(evaluator, image_ids: list) -> float | None:
-    """The evaluator's AP over `image_ids` alone (the mean of its precisions, as CrowdPose's)."""
+    """The evaluator's AP over `image_ids` alone: the mean of its precisions at every threshold and
+    recall, as CrowdPose's (over the categories with people there: CrowdPose has one)."""
     if not image_ids:
         return None
     evaluator.params.imgIds = image_ids
     evaluator.evaluate()
     evaluator.accumulate()
-    return _defined(float(np.mean(evaluator.eval["precision"][:, :, :, 0, -1])))
+    precision = evaluator.eval["precision"][:, :, :, 0, -1]
+    return float(np.mean(precision[precision > -1])) if (precision > -1).any() else None
 
 
 def _box_area(ann: dict, otherwise):
