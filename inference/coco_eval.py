@@ -70,8 +70,9 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
 
 def _scored(ann: dict, scoring: Scoring) -> dict:
     """The annotation as `scoring` scores it: its area (oks_area box) and category."""
-    if scoring.oks_area == "box":
-        ann["area"] = BOX_AREA * _box_area(ann, ann.get("area", 0.0))
+    box = _box_area(ann, None)
+    if scoring.oks_area == "box" and box is not None:
+        ann["area"] = BOX_AREA * box
     ann["category_id"] = int(ann.get("source_category_id", ann.get("category_id", 1))
                              if scoring.per_category else 1)
     return ann
@@ -260,7 +261,8 @@ def read_results(path, image_ids, names) -> dict:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"--results {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+        why = getattr(exc, "strerror", None) or exc
+        raise DataError(f"--results {path}: cannot read it ({why})") from None
     lines = path.suffix == ".jsonl"
     try:
         records = ([json.loads(line) for line in text.splitlines() if line.strip()] if lines

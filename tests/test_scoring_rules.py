@@ -165,7 +165,8 @@ def one_person(shift: float, area: float = 5000.0, image_id: int = 1, category: 
     if crowd is not None:
         image["crowdIndex"] = crowd
     ann = {"id": image_id, "image_id": image_id, "category_id": category, "iscrowd": 0,
-           "bbox": [90, 40, 100, 200], "area": area, "keypoints": points.ravel().tolist(), "num_keypoints": 12}
+           "bbox": [90, 40, 100, 200], "area": area, "keypoints": points.ravel().tolist(),
+           "num_keypoints": 12}
     return image, ann, {"image_id": image_id, "category_id": category, "score": 0.9,
                         "keypoints": guess.ravel().tolist()}
 
@@ -250,7 +251,8 @@ def test_nothing_to_score_is_none():
 def test_a_skeleton_file_states_the_area_rule_and_categories(field, value, message):
     spec = dict(builtin("coco").to_spec(), name="mine", oks_area="box", per_category=True, oks_stats="crowd")
     mine = Skeleton.from_spec(spec, "mine.yaml")
-    assert (mine.scoring.oks_area, mine.scoring.per_category, mine.scoring.oks_stats) == ("box", True, "crowd")
+    scoring = mine.scoring
+    assert (scoring.oks_area, scoring.per_category, scoring.oks_stats) == ("box", True, "crowd")
     again = Skeleton.from_spec(mine.to_spec(), "again")
     assert again.scoring == mine.scoring and "oks_area" not in builtin("coco").to_spec()
     assert mine.scoring.describe() == ("scored with: OKS AP (0.53 x box w x h, per category, averaged, "
