@@ -3,6 +3,7 @@
     python evaluate.py --weights checkpoints/RUN/best.pth --h5 coco_val.h5 [--scales 0.5 1 1.5 2 3] [--flip]
     python evaluate.py --weights best.pth --ann person_keypoints_val2017.json --images val2017/
     python evaluate.py --oracle --h5 coco_val.h5      # ground-truth maps through the decoder
+    python evaluate.py --results other_tool_keypoints.json --h5 coco_val.h5   # predictions made elsewhere
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
 Prints the metrics the file's skeleton names (--metric chooses: oks AP, pck, auc, epe; with
@@ -40,6 +41,8 @@ def build_parser() -> ArgumentParser:
     src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
     src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
     src.add_argument("--images", help="image folder of --ann")
+    p.add_argument("--results", help="score this results file instead of running a network: a COCO "
+                   "keypoint results JSON, or the .jsonl that --out writes")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
     p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
                    "weights, or ./oracle_DATA_keypoints.json); a name ending .jsonl: one JSON line per "
@@ -59,11 +62,17 @@ def _check_args(args) -> None:
         raise ConfigError("give the data as --h5 FILE, or as --ann JSON with --images DIR")
     if args.ann and not args.images:
         raise ConfigError("option --ann needs --images, the folder of the annotated images")
-    if not args.oracle and not args.weights:
-        raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps)")
-    if args.oracle and args.weights:
-        raise ConfigError("options --oracle and --weights: give one (the oracle scores the ground-truth "
-                          "maps; no network runs)")
+    given = [name for name, value in (("--oracle", args.oracle), ("--weights", args.weights),
+                                      ("--results", args.results)) if value]
+    if not given:
+        raise ConfigError("option --weights is required (or --oracle to score the ground-truth maps, "
+                          "or --results FILE to score predictions made elsewhere)")
+    if len(given) > 1:
+        raise ConfigError(f"options {' and '.join(given)}: give one (the oracle scores the ground-truth "
+                          "maps, --results a results file; no network runs)")
+    if args.results and (args.out or args.scales or args.flip is not None):
+        raise ConfigError("options --out, --scales and --flip do not apply to --results: the file's "
+                          "results are scored as they are and nothing is written")
     if args.oracle and (args.scales or args.flip is not None):
         raise ConfigError("options --scales and --flip do not apply to --oracle: it decodes the "
                           "ground-truth maps drawn once at each image's own size (stride 1)")
@@ -124,14 +133,11 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
         print(f"  OKS uses the stand-in sigma {skeleton.sigmas[0]:g} for every keypoint of skeleton "
               f"{skeleton.name}: nobody published its sigmas, so its AP compares with no paper's",
               file=sys.stderr)
-    if "pck" in scoring.metrics:
-        normalize = ("the box's longer side" if scoring.pck_normalize == "bbox"
-                     else "the {}-{} distance".format(*scoring.pck_normalize))
-        print(f"  PCK: within {scoring.pck_threshold:g} x {normalize}", file=sys.stderr)
+    print(f"  {scoring.describe()}", file=sys.stderr)
     for name, value in stats.items():
         if name not in ("num_images", "keypoint_recall"):
-            print(f"  {name:<5} " + (f"{value:.4f}" if isinstance(value, float) else f"{value}"),
-                  file=sys.stderr)
+            print(f"  {name:<9} " + ("n/a" if value is None else f"{value:.4f}" if isinstance(value, float)
+                                     else f"{value}"), file=sys.stderr)
     recall = stats.get("keypoint_recall")
     if recall is None:
         return stats
@@ -147,59 +153,71 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
                                         for name, (n, r) in recall.items()})
 
 
+def _scoring(args, h5_path: str):
+    """(the file's skeleton, its scoring with the options' changes: the one --pck-normalize left to check)."""
+    from data.h5format import KeypointH5
+    from data.skeleton import parse_scoring
+
+    with contextlib.closing(KeypointH5(h5_path)) as h5:
+        file_skeleton = h5.skeleton
+    given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
+             "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
+                               else args.pck_normalize.split(","))}
+    return file_skeleton, parse_scoring({k: v for k, v in given.items() if v is not None},
+                                        file_skeleton.dataset_keypoints, "option --pck-normalize",
+                                        base=file_skeleton.scoring)
+
+
 def run(args) -> dict:
     from config.loader import build_config
     from config.views import PredictSettings
-    from data.h5format import KeypointH5
-    from data.skeleton import parse_scoring
     from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
-    from inference.evaluation import evaluate_h5
+    from inference.evaluation import evaluate_h5, score_results
     from inference.estimator import PoseEstimator
     from inference.loading import inference_config
 
     _check_args(args)
     ctx = init_distributed(build_config(None).dist, args.device)
-    temp_dir = None
+    temp_dir, out, model = None, None, None
     try:
         stem, weights = Path(args.ann or args.h5).stem, Path(args.weights or "")
-        out = Path(args.out or (f"oracle_{stem}_keypoints.json" if args.oracle
-                                else weights.with_name(f"{weights.stem}_{stem}_keypoints.json")))
-        refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann,
-                        "--images": args.images, "--preset": args.preset}, {"--out": out})
-        decided_on_main(lambda: _check_writable(out, args.overwrite))
+        if not args.results:
+            out = Path(args.out or (f"oracle_{stem}_keypoints.json" if args.oracle
+                                    else weights.with_name(f"{weights.stem}_{stem}_keypoints.json")))
+            refuse_clashes({"--weights": args.weights, "--h5": args.h5, "--ann": args.ann,
+                            "--images": args.images, "--preset": args.preset}, {"--out": out})
+            decided_on_main(lambda: _check_writable(out, args.overwrite))
         if args.weights:
             estimator = PoseEstimator.from_file(args.weights, ctx.device, preset=args.preset, sets=args.set,
                                                 scales=args.scales, flip=args.flip)
             network, settings = estimator.network, estimator.settings
             model = getattr(network, "model", network)     # evaluate_h5 sets a model's eval mode
-        else:
-            model = None
+        elif args.oracle:
             settings = PredictSettings.of(inference_config(None, args.preset or "", args.set,
                                                            args.scales, args.flip))
         skeleton = model.skeleton if model is not None else None
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
-        with contextlib.closing(KeypointH5(h5_path)) as h5:
-            file_skeleton = h5.skeleton
-        given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
-                 "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
-                                   else args.pck_normalize.split(","))}
-        scoring = parse_scoring({k: v for k, v in given.items() if v is not None},
-                                file_skeleton.dataset_keypoints, "option --pck-normalize",
-                                base=file_skeleton.scoring)     # the one --pck-normalize left to check
+        file_skeleton, scoring = _scoring(args, h5_path)
         start = time.perf_counter()
-        stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
-                            progress=not args.no_progress, oracle=args.oracle, results_path=out,
-                            skeleton=skeleton, overwrite=args.overwrite, scoring=scoring,
-                            recall=args.oracle)
+        if args.results:
+            stats = decided_on_main(lambda: score_results(args.results, h5_path, args.max_images, scoring))
+        else:
+            stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
+                                progress=not args.no_progress, oracle=args.oracle, results_path=out,
+                                skeleton=skeleton, overwrite=args.overwrite, scoring=scoring,
+                                recall=args.oracle)
         seconds = time.perf_counter() - start
         if ctx.is_main:
-            how = ("ground-truth maps at each image's size (oracle)" if args.oracle else
+            how = ("the results as given" if args.results else
+                   "ground-truth maps at each image's size (oracle)" if args.oracle else
                    f"scales {settings.inference.scales}, flip {settings.inference.flip}")
-            print(f"{'oracle' if args.oracle else args.weights} on {args.ann or h5_path}: "
+            print(f"{args.results or ('oracle' if args.oracle else args.weights)} on {args.ann or h5_path}: "
                   f"{stats['num_images']} images, {how}, {seconds:.1f} s", file=sys.stderr)
             shown = _print_stats(stats, scoring, file_skeleton)
-            print(f"results written to {out}", file=sys.stderr)
-            print(json.dumps(dict(shown, seconds=round(seconds, 2), results=str(out))), flush=True)
+            if out is not None:
+                print(f"results written to {out}", file=sys.stderr)
+            print(json.dumps(dict(shown, seconds=round(seconds, 2), results=str(out or args.results))),
+                  flush=True)
         barrier()
         return stats
     finally:

@@ -117,8 +117,8 @@ def flow(name: str, folder: Path, steps: int, device: str) -> dict:
 
 
 def metrics(values) -> str:
-    """`AP 0.512`, `PCK 1.000 AUC 0.950 EPE 0.000`; a value below 0 (none found: EPE -1) is n/a."""
-    return " ".join(f"{k} {v:.3f}" if v >= 0 else f"{k} n/a" for k, v in (values or {}).items())
+    """`AP 0.512`, `PCK 1.000 AUC 0.950 EPE 0.000`; nothing to score (None: no point found) is n/a."""
+    return " ".join(f"{k} n/a" if v is None else f"{k} {v:.3f}" for k, v in (values or {}).items())
 
 
 def table(rows: list) -> str:

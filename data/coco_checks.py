@@ -57,6 +57,9 @@ def image_problem(info, images_dir: Path) -> str | None:
         value = info.get(side)
         if not is_int(value) or not 0 < value <= MAX_SIDE:
             return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
+    crowd = info.get("crowdIndex", 0.0)
+    if isinstance(crowd, bool) or not isinstance(crowd, (int, float)) or not math.isfinite(crowd):
+        return f"{where}: crowdIndex {crowd!r} is not a number"
     try:                                 # links the user made inside --images are followed
         (images_dir / name).resolve()
     except (RuntimeError, OSError):      # a loop of links: pathlib raises RuntimeError on 3.11
@@ -266,6 +269,8 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             reject("image with a bad annotation", problem, image_id)
             continue
         ann_ids.add(ann["id"])
+        if ann["category_id"] != category_ids[0]:     # scored as one, or per category (AP-10K)
+            ann["source_category_id"] = ann["category_id"]
         ann["category_id"] = category_ids[0]
         complete_fields(ann, good[image_id], keypoints, out.repairs)
         by_image[image_id].append(ann)

@@ -143,7 +143,8 @@ class KeypointH5:
             try:
                 self._meta = {"split": _text(f.attrs["split"]),
                               "categories": json.loads(_text(f.attrs["categories"])),
-                              **{name: f[name][:] for name in TABLES}, "skeleton": self._read_skeleton(f)}
+                              **{name: f[name][:] for name in TABLES}, "skeleton": self._read_skeleton(f),
+                              CROWD_INDEX: f[CROWD_INDEX][:] if CROWD_INDEX in f else None}
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise _damaged_file(self.path, f"keypoint dataset ({exc})") from None
             problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
@@ -211,8 +212,10 @@ class KeypointH5:
         """Image `img`'s COCO record (`file_name`: its stored name, when already read)."""
         height, width = self.image_size(img)
         name = self._dataset("images/file_name")[img] if file_name is None else file_name
+        crowd = self._load_meta()[CROWD_INDEX]
         return {"id": int(self._load_meta()["images/id"][img]), "file_name": _text(name),
-                "width": width, "height": height}
+                "width": width, "height": height,
+                **({} if crowd is None or np.isnan(crowd[img]) else {"crowdIndex": float(crowd[img])})}
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
@@ -291,6 +294,7 @@ class KeypointH5:
 PER_IMAGE = ("images/encoded", "images/file_name", "images/annotations", "images/masks")
 TABLES = ("images/id", "images/size", "images/people", "samples", "people/keypoints", "people/box")
 MAX_SIDE = 65535              # the largest JPEG side
+CROWD_INDEX = "images/crowd_index"      # optional: CrowdPose's crowdIndex per picture (NaN: none)
 
 
 def _meta_problem(meta: dict, per_image: dict) -> str | None:
@@ -307,7 +311,8 @@ def _meta_problem(meta: dict, per_image: dict) -> str | None:
     for name, expected in zip(TABLES, shapes):
         if meta[name].shape != expected:
             return f"{name} has shape {meta[name].shape}, expected {expected}"
-    for name, length in per_image.items():
+    for name, length in dict(per_image, **{CROWD_INDEX: len(meta[CROWD_INDEX])}
+                             if meta[CROWD_INDEX] is not None else {}).items():
         if length != n:
             return f"{name} has {length} entries for {n} images"
     for name in TABLES[:4]:

@@ -23,7 +23,7 @@ from common.paths import refuse_clashes, refuse_existing, write_text, written_wh
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_checks import read_segment
 from data.coco_intake import load_coco
-from data.h5format import FORMAT_MARKER, FORMAT_VERSION, PER_IMAGE, SPLITS, encode_masks
+from data.h5format import CROWD_INDEX, FORMAT_MARKER, FORMAT_VERSION, PER_IMAGE, SPLITS, encode_masks
 
 MAIN_MIN_KEYPOINTS = 5
 MAIN_MIN_AREA = 32 * 32
@@ -35,7 +35,7 @@ TRAIN_RULES = {   # --keep-all: (why a training picture is left out, which are k
     True: ("no labelled person", "every picture with a labelled person (--keep-all: any person with "
            "a labelled keypoint may be a main person)")}
 EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keypoints",
-               "num_keypoints")
+               "num_keypoints", "source_category_id")
 
 
 # -- images ----------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
     per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
     encoded, names, texts, masks = per_image
-    ids, sizes, counts, samples, keypoints, boxes = [], [], [], [], [], []
+    ids, sizes, counts, samples, keypoints, boxes, crowd_index = [], [], [], [], [], [], []
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
         try:
             data = read_image(images_dir, info, ann_path)
@@ -237,6 +237,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
         masks[row] = encode_masks(record["ignore"], record["person"])
         ids.append(info["id"])
         sizes.append((info["height"], info["width"]))
+        crowd_index.append(info.get("crowdIndex", np.nan))
         counts.append(len(record["keypoints"]))
         samples.extend((row, p) for p in record["main"])
         keypoints.append(record["keypoints"])
@@ -256,6 +257,8 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
     f["people/keypoints"] = np.concatenate(keypoints)      # kept > 0: one array per image
     f["people/box"] = np.concatenate(boxes)
+    if not np.isnan(crowd_index).all():      # CrowdPose's per picture, for its easy / medium / hard AP
+        f[CROWD_INDEX] = np.array(crowd_index, np.float64)
     summary.update(images=kept, samples=len(samples), people=sum(counts))
 
 

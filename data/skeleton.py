@@ -18,6 +18,7 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
 METRIC_KEYS = {"oks": "AP", "pck": "PCK", "auc": "AUC", "epe": "EPE"}   # a metric -> its stat's name
 LOWER_IS_BETTER = {"EPE", "loss"}
+SCORING_CHOICES = {"oks_area": ("area", "box"), "per_category": (False, True), "oks_stats": ("coco", "crowd")}
 _SIDES = {"left": "right", "right": "left", "l": "r", "r": "l", "Left": "Right", "Right": "Left",
           "L": "R", "R": "L", "LEFT": "RIGHT", "RIGHT": "LEFT"}
 _GLUED = (re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])"),   # LeftEye, LEye
@@ -68,11 +69,17 @@ def name_flips(names) -> list:
 @dataclass(frozen=True)
 class Scoring:
     """How a skeleton's data is scored: `metrics` (the first keeps best.pth), PCK's `pck_threshold`
-    times `pck_normalize` ("bbox": the box's longer side; or two keypoints' distance)."""
+    times `pck_normalize` ("bbox": the box's longer side; or two keypoints' distance); OKS's
+    `oks_area` ("area": the annotation's, COCO's; "box": 0.53 x the box's width x height, for OKS and
+    the area ranges), `per_category` (each category its own AP, averaged) and `oks_stats` ("coco", or
+    "crowd": CrowdPose's too, AR50, AR75 and AP over easy / medium / hard pictures by crowdIndex)."""
 
     metrics: tuple = ("oks",)
     pck_threshold: float = 0.2
     pck_normalize: str | tuple = "bbox"
+    oks_area: str = "area"
+    per_category: bool = False
+    oks_stats: str = "coco"
 
     @property
     def key(self) -> str:
@@ -82,7 +89,18 @@ class Scoring:
     def written(self) -> dict:
         """Its fields as a skeleton file writes them."""
         normalize = self.pck_normalize if isinstance(self.pck_normalize, str) else list(self.pck_normalize)
-        return {"metric": list(self.metrics), "pck_threshold": self.pck_threshold, "pck_normalize": normalize}
+        return {"metric": list(self.metrics), "pck_threshold": self.pck_threshold, "pck_normalize": normalize,
+                "oks_area": self.oks_area, "per_category": self.per_category, "oks_stats": self.oks_stats}
+
+    def describe(self) -> str:
+        """The settings in one line, as evaluate.py prints them."""
+        pck = ("the box's longer side" if self.pck_normalize == "bbox"
+               else "the {}-{} distance".format(*self.pck_normalize))
+        words = {"oks": f"OKS AP ({'0.53 x box w x h' if self.oks_area == 'box' else 'annotation area'}"
+                        f"{', per category, averaged' if self.per_category else ''}"
+                        f"{', crowd stats' if self.oks_stats == 'crowd' else ''})",
+                 "pck": f"PCK within {self.pck_threshold:g} x {pck}", "auc": "AUC", "epe": "EPE"}
+        return "scored with: " + "; ".join(words[m] for m in self.metrics)
 
 
 def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring()) -> Scoring:
@@ -102,7 +120,12 @@ def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring())
             _fail(source, f"pck_normalize {normalize!r}: give bbox, or two of the annotated keypoints "
                   f"({', '.join(keypoints)})")
         normalize = tuple(pair)
-    return Scoring(tuple(metrics), float(threshold), normalize)
+    choices = {}
+    for name, allowed in SCORING_CHOICES.items():
+        choices[name] = value = spec.get(name, getattr(base, name))
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            _fail(source, f"{name} {value!r}: give one of {', '.join(str(a).lower() for a in allowed)}")
+    return Scoring(tuple(metrics), float(threshold), normalize, **choices)
 
 
 @dataclass(frozen=True)
@@ -215,7 +238,8 @@ class Skeleton:
         if not isinstance(spec, dict):
             _fail(source, "a skeleton must be a mapping with keypoints and limbs")
         unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
-                               "redundant", "flip", "metric", "pck_threshold", "pck_normalize"}
+                               "redundant", "flip", "metric", "pck_threshold", "pck_normalize",
+                               *SCORING_CHOICES}
         if unknown:
             _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
         dataset = _names(spec.get("keypoints") or [], "keypoints", source)

@@ -1,23 +1,33 @@
 """Scores of a list of results against the labelled people: COCO keypoint AP by pycocotools
-(iouType='keypoints'), quietly, with the skeleton's sigmas, and PCK, AUC and EPE as mmpose's
-PCKAccuracy, AUC and EPE define them (docs/evaluation.md). No results give AP 0; annotations are
-renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as "no match"). `matched_people`
-pairs labelled and found people, whose distances (a point the found person lacks: a miss) PCK, AUC
-and EPE score; a stat nothing defines is -1, as pycocotools reports such stats.
+(iouType='keypoints'), quietly, with the skeleton's sigmas and `Scoring` (the area rule, per-category
+AP, CrowdPose's statistics: docs/evaluation.md), and PCK, AUC and EPE as mmpose's PCKAccuracy, AUC and
+EPE define them. Annotations are renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as
+"no match"). `matched_people` pairs labelled and found people, whose distances (a point the found
+person lacks: a miss) PCK, AUC and EPE score; a stat nothing defines (no labelled person) is None.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import math
+from collections import Counter
 
 import numpy as np
 
+from data.skeleton import Scoring
+
 STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")    # COCOeval.stats[:6] for keypoints
+CROWD_NAMES = ("AR50", "AR75", "AP_easy", "AP_medium", "AP_hard")   # oks_stats crowd adds these
+BOX_AREA = 0.53            # oks_area box: OKS's area is 0.53 x the box's width x height
+CROWD_SPLITS = (0.2, 0.8)  # crowdIndex below the first: easy; below the second: medium; else hard
 
 
-def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None) -> dict:
-    """{AP, AP50, AP75, APm, APl, AR} of `results` against `gt_dict` on `image_ids` (default all;
-    images without results are misses), OKS with `sigmas` (default COCO's); undefined stats -1."""
+def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None,
+                        scoring: Scoring = Scoring()) -> dict:
+    """{AP, AP50, AP75, APm, APl, AR (and CROWD_NAMES for oks_stats crowd)} of `results` against
+    `gt_dict` on `image_ids` (default all; images without results are misses), OKS with `sigmas`
+    (default COCO's), areas, categories and statistics as `scoring` says; undefined stats None."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -25,16 +35,23 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         image_ids = [img["id"] for img in gt_dict.get("images", [])]
     image_ids = sorted({int(i) for i in image_ids})
     wanted = set(image_ids)
+    if not wanted:
+        return {name: None for name in STAT_NAMES + (CROWD_NAMES if scoring.oks_stats == "crowd" else ())}
+    annotations = [_scored(dict(_complete(a), id=n), scoring)
+                   for n, a in enumerate(gt_dict.get("annotations", []), 1)]
+    seen: dict = {}
+    for ann in annotations:
+        seen.setdefault(ann["image_id"], Counter())[ann["category_id"]] += 1
+    categories = sorted({a["category_id"] for a in annotations}) or [1]
     # pycocotools writes into the dicts it is given (ids, areas, ignore flags): give it copies.
-    results = [dict(r) for r in results if int(r["image_id"]) in wanted]
-    if not results:
-        return {name: 0.0 for name in STAT_NAMES}
+    results = [dict(r, category_id=_category(r, seen.get(int(r["image_id"])), categories, scoring))
+               for r in results if int(r["image_id"]) in wanted]
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
-        gt.dataset = dict(gt_dict, annotations=[dict(_complete(a), id=n) for n, a in
-                                                enumerate(gt_dict.get("annotations", []), 1)])
+        gt.dataset = dict(gt_dict, annotations=annotations,
+                          categories=[{"id": c, "name": str(c)} for c in categories])
         gt.createIndex()
-        dt = gt.loadRes(results)
+        dt = gt.loadRes(results) if results else COCO()
         evaluator = COCOeval(gt, dt, iouType="keypoints")
         evaluator.params.imgIds = image_ids
         if sigmas is not None:
@@ -42,21 +59,81 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    stats = np.asarray(evaluator.stats, dtype=np.float64)
-    return {name: float(stats[k]) for k, name in enumerate(STAT_NAMES)}
+        stats = {name: _defined(evaluator.stats[k]) for k, name in enumerate(STAT_NAMES)}
+        if scoring.oks_stats == "crowd":
+            stats.update(AR50=_defined(evaluator.stats[6]), AR75=_defined(evaluator.stats[7]))
+            crowd = {int(img["id"]): img.get("crowdIndex") for img in gt_dict.get("images", [])}
+            for name, subset in zip(CROWD_NAMES[2:], _crowd_subsets(image_ids, crowd)):
+                stats[name] = _subset_ap(evaluator, subset)
+    return stats
+
+
+def _scored(ann: dict, scoring: Scoring) -> dict:
+    """The annotation as `scoring` scores it: its area (oks_area box) and category."""
+    box = _box_area(ann, None)
+    if scoring.oks_area == "box" and box is not None:
+        ann["area"] = BOX_AREA * box
+    ann["category_id"] = int(ann.get("source_category_id", ann.get("category_id", 1))
+                             if scoring.per_category else 1)
+    return ann
+
+
+def _category(result: dict, in_image: Counter | None, categories: list, scoring: Scoring) -> int:
+    """A result's category: per category, its picture's (that of most of its people), or its own
+    where the picture holds people of several and it names one of them; otherwise the one category
+    everything is scored as."""
+    if not scoring.per_category:
+        return 1
+    own = result.get("category_id")
+    if in_image and (len(in_image) == 1 or own not in in_image):
+        return in_image.most_common(1)[0][0]
+    return own if own in categories else categories[0]
+
+
+def _defined(value) -> float | None:
+    return None if value < 0 else float(value)      # pycocotools' -1: nothing to score
+
+
+def _crowd_subsets(image_ids: list, crowd: dict) -> list:
+    """The image ids of the easy, medium and hard pictures (crowdIndex as CROWD_SPLITS cut it)."""
+    subsets: list = [[], [], []]
+    for i in image_ids:
+        if isinstance(crowd.get(i), (int, float)):
+            subsets[int(np.searchsorted(CROWD_SPLITS, crowd[i], side="right"))].append(i)
+    return subsets
+
+
+def _subset_ap(evaluator, image_ids: list) -> float | None:
+    """The evaluator's AP over `image_ids` alone: the mean of its precisions at every threshold and
+    recall, as CrowdPose's (over the categories with people there: CrowdPose has one)."""
+    if not image_ids:
+        return None
+    evaluator.params.imgIds = image_ids
+    evaluator.evaluate()
+    evaluator.accumulate()
+    precision = evaluator.eval["precision"][:, :, :, 0, -1]
+    return float(np.mean(precision[precision > -1])) if (precision > -1).any() else None
+
+
+def _box_area(ann: dict, otherwise):
+    """The width x height of the annotation's box, `otherwise` when it has none."""
+    box = ann.get("bbox")
+    return float(box[2] * box[3]) if isinstance(box, list) and len(box) == 4 else otherwise
 
 
 def format_stats(stats: dict) -> str:
-    """One readable line: 'AP 0.712  AP50 0.880 ...'."""
-    return "  ".join(f"{name} {stats[name]:.3f}" for name in STAT_NAMES if name in stats)
+    """One readable line: 'AP 0.712  AP50 0.880 ...' ('n/a' where nothing was scored)."""
+    return "  ".join(f"{name} " + ("n/a" if stats[name] is None else f"{stats[name]:.3f}")
+                     for name in STAT_NAMES + CROWD_NAMES if name in stats)
 
 
 def _complete(ann: dict) -> dict:
     """A copy of a ground-truth annotation with the fields COCOeval reads, COCO's meaning when absent."""
     out = dict(ann)
     out.setdefault("iscrowd", 0)
-    if "area" not in out and isinstance(out.get("bbox"), list) and len(out["bbox"]) == 4:
-        out["area"] = float(out["bbox"][2] * out["bbox"][3])
+    out.setdefault("area", _box_area(out, None))
+    if out["area"] is None:
+        del out["area"]
     if "num_keypoints" not in out and isinstance(out.get("keypoints"), list):
         out["num_keypoints"] = sum(1 for v in out["keypoints"][2::3] if v > 0)
     return out
@@ -146,16 +223,16 @@ def distance_stats(gt_dict: dict, results: list[dict], skeleton, scoring, image_
         pck = _mean_share(distances / norms[:, None], normalised, scoring.pck_threshold)
     auc = [_mean_share(distances / AUC_PIXELS, labelled, step / AUC_STEPS) for step in range(AUC_STEPS)]
     return {"PCK": pck, "PCK_unnormalised": int((labelled & ~normalised).sum()),
-            "AUC": float(np.mean(auc)) if labelled.any() else -1.0,
-            "EPE": float(distances[found].mean()) if found.any() else -1.0,
-            "EPE_found": float(found.sum() / labelled.sum()) if labelled.any() else -1.0}
+            "AUC": float(np.mean(auc)) if labelled.any() else None,
+            "EPE": float(distances[found].mean()) if found.any() else None,
+            "EPE_found": float(found.sum() / labelled.sum()) if labelled.any() else None}
 
 
-def _mean_share(ratios: np.ndarray, counted: np.ndarray, threshold: float) -> float:
+def _mean_share(ratios: np.ndarray, counted: np.ndarray, threshold: float) -> float | None:
     """The mean over keypoints (columns) with a counted point of the share of those below threshold."""
     per_keypoint = counted.sum(0)
     if not per_keypoint.any():
-        return -1.0
+        return None
     below = (counted & (np.where(counted, ratios, np.inf) < threshold)).sum(0)
     return float(np.mean(below[per_keypoint > 0] / per_keypoint[per_keypoint > 0]))
 
@@ -169,3 +246,73 @@ def _normaliser(ann: dict, points: np.ndarray, normalize, names: list) -> float:
     if points[a, 2] > 0 and points[b, 2] > 0:
         return float(np.hypot(*(points[a, :2] - points[b, :2])))
     return 0.0
+
+
+def read_results(path, image_ids, names) -> dict:
+    """{image id: COCO keypoint results} of a results file: a COCO keypoint results JSON (a list of
+    {image_id, keypoints, score}), or JSON lines as evaluate.py --out x.jsonl writes them; each
+    record checked against the split's `image_ids` and keypoint `names` (a `DataError` naming the
+    file and the first bad record)."""
+    from pathlib import Path
+
+    from common.errors import DataError
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise DataError(f"--results {path}: cannot read it ({why})") from None
+    lines = path.suffix == ".jsonl"
+    try:
+        records = ([json.loads(line) for line in text.splitlines() if line.strip()] if lines
+                   else json.loads(text))
+    except ValueError as exc:
+        raise DataError(f"--results {path}: not {'JSON lines' if lines else 'JSON'} ({exc})") from None
+    if not isinstance(records, list):
+        raise DataError(f"--results {path}: a COCO keypoint results file is a JSON list of results")
+    found: dict = {}
+    for n, record in enumerate(records, 1):
+        where = f"--results {path}: {'line' if lines else 'result'} {n}"
+        try:
+            image_id, people = _record(record, lines, names, image_ids)
+        except ValueError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        found.setdefault(image_id, []).extend(people)
+    return found
+
+
+def _record(record, lines: bool, names, image_ids) -> tuple:
+    """(image id, its COCO results) of one record; a ValueError says what is wrong."""
+    image_id = record.get("image_id") if isinstance(record, dict) else None
+    if isinstance(image_id, bool) or not isinstance(image_id, int):
+        raise ValueError("is not an object with an integer image_id")
+    if image_id not in image_ids:
+        raise ValueError(f"image_id {image_id} is not an image of the split")
+    people = record.get("people") if lines else [record]
+    if not isinstance(people, list):
+        raise ValueError(f"image_id {image_id}: people is not a list")
+    out = []
+    for person in people:
+        if not isinstance(person, dict) or not _finite(person.get("score")):
+            raise ValueError(f"image_id {image_id}: a person without a finite score")
+        points = person.get("keypoints")
+        if lines:
+            if not isinstance(points, dict) or not all(isinstance(p, list) and len(p) in (2, 3)
+                                                       for p in points.values()):
+                raise ValueError(f"image_id {image_id}: keypoints is not {{name: [x, y, score], ...}}")
+            unknown = sorted(set(points) - set(names))
+            if unknown:
+                raise ValueError(f"image_id {image_id}: keypoint {unknown[0]!r} is not one of the split's")
+            points = [v for name in names for v in ((*points[name][:2], 1) if name in points else (0, 0, 0))]
+        if not isinstance(points, list) or len(points) != 3 * len(names) or not all(map(_finite, points)):
+            count = len(points) if isinstance(points, (list, dict)) else "no"
+            raise ValueError(f"image_id {image_id}: keypoints has {count} values, not {3 * len(names)} "
+                             f"finite numbers (x, y, v of the split's {len(names)} keypoints)")
+        out.append({"image_id": image_id, "category_id": record.get("category_id"),
+                    "keypoints": [float(v) for v in points], "score": float(person["score"])})
+    return image_id, out
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

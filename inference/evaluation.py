@@ -118,6 +118,20 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
         return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite, scoring, recall))
 
 
+def score_results(results_path, h5_path, max_images: int = 0, scoring=None) -> dict:
+    """The stats of a results file (`coco_eval.read_results`) on the first `max_images` images of
+    `h5_path` (0: all), as the file's skeleton's `scoring` (or the one given) says."""
+    from data.h5format import KeypointH5
+    from inference.coco_eval import read_results
+
+    with contextlib.closing(KeypointH5(h5_path)) as h5:
+        images = h5.coco_ground_truth()["images"]
+        found = read_results(results_path, {img["id"] for img in images}, h5.skeleton.dataset_keypoints)
+        total = len(images) if max_images <= 0 else min(max_images, len(images))
+        merged = {img["id"]: found.get(img["id"], []) for img in images[:total]}
+        return _score([merged], h5, None, True, scoring or h5.skeleton.scoring, False)
+
+
 def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, recall: bool) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
     from inference.coco_eval import distance_stats
@@ -135,7 +149,7 @@ def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, rec
     stats, distances = {}, None          # in the order of `scoring.metrics`: the first leads
     for metric in scoring.metrics:
         if metric == "oks":
-            stats.update(coco_keypoint_stats(gt, results, image_ids=list(merged), sigmas=skeleton.sigmas))
+            stats.update(coco_keypoint_stats(gt, results, list(merged), skeleton.sigmas, scoring))
         else:                            # PCK with PCK_unnormalised, EPE with EPE_found, AUC
             distances = distances or distance_stats(gt, results, skeleton, scoring, image_ids=list(merged))
             stats.update({k: v for k, v in distances.items() if k.split("_")[0].lower() == metric})

@@ -1,4 +1,5 @@
-"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, centroid refinement.
+"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, refined to the
+Gaussian's centre (the log-parabola through the peak and its neighbours), else the window's centroid.
 
 Clean maps compare only the pixels above the threshold with their neighbours, noisy ones take a 3x3
 dilation: the same result. A plateau keeps its first pixel in raster order, which the weighted
@@ -142,7 +143,30 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
         kept = np.sort(order[rank < max_per_map])
         channel, value, i, j, half_step = channel[kept], value[kept], i[kept], j[kept], half_step[kept]
     xy = refine_peaks(heatmaps, channel, i, j, refine_radius, half_step)
+    if refine_radius > 0:
+        xy = gaussian_centres(heatmaps, channel, i, j, xy)
     return channel, xy, value.astype(np.float32)
+
+
+def gaussian_centres(heatmaps: np.ndarray, channel, i, j, xy: np.ndarray) -> np.ndarray:
+    """Per axis, the vertex of the parabola through the logs of the peak and its two neighbours (a
+    Gaussian's exact centre, where the centroid of a window narrower than the Gaussian stays within
+    half a pixel of the peak); `xy` kept where the map does not curve down or the vertex lies more
+    than a pixel away (a plateau, a map edge)."""
+    _, height, width = heatmaps.shape
+    out = xy.astype(np.float64)
+    centre = np.log(np.maximum(heatmaps[channel, i, j], 1e-30))
+    for axis, (di, dj) in enumerate(((0, 1), (1, 0))):
+        inside = (i - di >= 0) & (j - dj >= 0) & (i + di < height) & (j + dj < width)
+        before, after = (np.log(np.maximum(heatmaps[channel, np.clip(i + s * di, 0, height - 1),
+                                                    np.clip(j + s * dj, 0, width - 1)], 1e-30))
+                         for s in (-1, 1))
+        curve = before - 2 * centre + after
+        with np.errstate(divide="ignore", invalid="ignore"):
+            vertex = 0.5 * (before - after) / curve
+        use = inside & (curve < 0) & (np.abs(vertex) <= 1)
+        out[use, axis] = (j if axis == 0 else i)[use] + vertex[use]
+    return out.astype(np.float32)
 
 
 def refine_peaks(heatmaps: np.ndarray, channel, i, j, radius: int, half_step: np.ndarray) -> np.ndarray:

@@ -183,13 +183,14 @@ def _mpii_person(coco: np.ndarray, height: float) -> np.ndarray:
 
 
 def crowded_people(skeleton: Skeleton, rng, height: int = 480, width: int = 640,
-                   unlabelled: float = 0.04) -> np.ndarray:
-    """[P, K, 3] people (dataset order, v 2 labelled / 0 not) crowded on a height x width picture."""
+                   unlabelled: float = 0.04, heights=(60, 330)) -> np.ndarray:
+    """[P, K, 3] people (dataset order, v 2 labelled / 0 not) `heights` px tall crowded on a
+    height x width picture."""
     count = int(rng.integers(2, 7))
     cx = rng.uniform(0.25, 0.75) * width
     people = []
     for _ in range(count):
-        h = rng.uniform(60, 330)
+        h = rng.uniform(*heights)
         origin = (cx + rng.normal(0, 0.18 * width), rng.uniform(0.45 * h, height - 0.3 * h))
         coco = _place(_pose(rng), h, rng.uniform(-15, 15), origin)
         if skeleton.num_keypoints == 136:
@@ -228,14 +229,15 @@ def picture_annotations(people: np.ndarray, image_id: int, first_id: int) -> lis
 
 
 def oracle_results(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: InferenceConfig | None = None,
-                   height: int = 480, width: int = 640, unlabelled: float = 0.04, hide=None) -> tuple[dict, list]:
+                   height: int = 480, width: int = 640, unlabelled: float = 0.04, hide=None,
+                   heights=(60, 330)) -> tuple[dict, list]:
     """(COCO ground truth, results) of the grouping on the ground-truth maps of `pictures` crowded
     pictures; `hide(people, rng)` may unlabel more of their keypoints first (dataset order)."""
     cfg = cfg or InferenceConfig()
     rng = np.random.default_rng(seed)
     images, annotations, results = [], [], []
     for image_id in range(1, pictures + 1):
-        people = crowded_people(skeleton, rng, height, width, unlabelled)
+        people = crowded_people(skeleton, rng, height, width, unlabelled, heights)
         if hide is not None:
             hide(people, rng)
             people[people[..., 2] == 0] = 0
@@ -251,7 +253,7 @@ def oracle_results(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: I
 
 
 def oracle_ap(skeleton: Skeleton, pictures: int = 20, seed: int = 0, cfg: InferenceConfig | None = None,
-              height: int = 480, width: int = 640, unlabelled: float = 0.04) -> float:
+              height: int = 480, width: int = 640, unlabelled: float = 0.04, heights=(60, 330)) -> float:
     """COCO AP of the grouping on the ground-truth maps of `pictures` crowded pictures."""
-    gt, results = oracle_results(skeleton, pictures, seed, cfg, height, width, unlabelled)
+    gt, results = oracle_results(skeleton, pictures, seed, cfg, height, width, unlabelled, heights=heights)
     return coco_keypoint_stats(gt, results, sigmas=skeleton.sigmas)["AP"]

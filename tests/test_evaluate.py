@@ -18,7 +18,7 @@ from config.loader import build_config, to_dict
 from config.views import PredictSettings
 from runtime.checkpoint import save_checkpoint
 from runtime.launch_env import find_free_port
-from inference.coco_eval import STAT_NAMES
+from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.evaluation import evaluate_h5
 from models import build_model
 
@@ -138,6 +138,9 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1"], "--scales and --flip do not apply to --oracle"),
     (["--oracle", "--h5", "{h5}", "--flip"], "--scales and --flip do not apply to --oracle"),
     (["--oracle", "--weights", "{h5}", "--h5", "{h5}"], "options --oracle and --weights: give one"),
+    (["--oracle", "--results", "{h5}", "--h5", "{h5}"], "options --oracle and --results: give one"),
+    (["--results", "{h5}", "--h5", "{h5}", "--out", "x.json"], "--out, --scales and --flip do not apply"),
+    (["--results", "{missing}", "--h5", "{h5}"], "--results {missing}: cannot read it"),
     (["--weights", "{h5}", "--h5", "{h5}", "--device", "tpu"],
      "--device: 'tpu' is not auto, cpu, cuda, cuda:N or a list of GPU numbers"),
     (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"], "option --pck-threshold: 0.0 must be > 0"),
@@ -185,7 +188,7 @@ def test_each_metric_as_the_skeleton_says_or_as_asked_and_keypoints_per_picture(
     code, stats, err = run_cli(["--oracle", "--h5", h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
     assert code == 0 and "AP" not in stats and "stand-in" not in err
     assert stats["PCK"] >= 0.95 and 0 <= stats["EPE"] < 1.0 and stats["EPE_found"] >= 0.95
-    assert "  PCK: within 0.2 x the box's longer side" in err
+    assert "  scored with: PCK within 0.2 x the box's longer side; EPE" in err
     code, stats, err = run_cli(["--oracle", "--h5", h5, "--metric", "oks", "pck", "--pck-normalize",
                                 "left_eye,right_eye", "--out", tmp_path / "r.jsonl",
                                 "--no-progress"], capsys)
@@ -329,3 +332,89 @@ def test_evaluate_h5_without_a_model_or_oracle_is_refused_before_reading_the_fil
 
     with pytest.raises(ValueError, match="evaluate_h5 needs a model unless oracle=True"):
         evaluate_h5(None, tmp_path / "absent.h5", None, "cpu")
+
+
+def test_a_results_file_scores_as_the_network_results_it_holds(coco4_h5, tmp_path, capsys):
+    """The oracle's results written as COCO JSON and as JSON lines, scored with --results, give the
+    oracle's stats; the settings are said in one line; a stat with nothing to score is n/a / null."""
+    code, oracle, _ = run_cli(["--oracle", "--h5", coco4_h5, "--out", tmp_path / "r.jsonl", "--no-progress",
+                               "--max-images", "1"], capsys)
+    assert code == 0 and oracle["APm"] is None                  # image 785: one large person
+    run_cli(["--oracle", "--h5", coco4_h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
+    shifted = json.loads((tmp_path / "r.json").read_text())
+    for result in shifted:
+        result["keypoints"][0::3] = [x + 4 for x in result["keypoints"][0::3]]
+    (tmp_path / "shifted.json").write_text(json.dumps(shifted))
+    for name, images in (("r.jsonl", "1"), ("r.json", "0"), ("shifted.json", "0")):
+        code, stats, err = run_cli(["--results", tmp_path / name, "--h5", coco4_h5, "--max-images", images],
+                                   capsys)
+        assert code == 0 and "  scored with: OKS AP (annotation area)" in err, err
+        if name == "r.jsonl":
+            assert {k: v for k, v in stats.items() if k not in ("seconds", "results")} == {
+                k: v for k, v in oracle.items() if k not in ("seconds", "results", "keypoint_recall")}
+            assert "APm       n/a" in err and stats["APm"] is None          # JSON's null
+    expected = coco_keypoint_stats(coco4_h5_truth(coco4_h5), shifted, sigmas=COCO.sigmas)
+    assert {k: stats[k] for k in expected} == expected and stats["AP"] < 1.0
+
+
+def coco4_h5_truth(path) -> dict:
+    import contextlib
+
+    from data.h5format import KeypointH5
+
+    with contextlib.closing(KeypointH5(path)) as h5:
+        return h5.coco_ground_truth()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r[1].update(image_id=999), "result 2: image_id 999 is not an image of the split"),
+    (lambda r: r[0].update(keypoints=r[0]["keypoints"][:-3]),
+     "result 1: image_id 785: keypoints has 48 values, not 51 finite numbers"),
+    (lambda r: r[2]["keypoints"].__setitem__(4, float("nan")), "result 3: image_id"),
+    (lambda r: r[0].update(score="high"), "result 1: image_id 785: a person without a finite score"),
+])
+def test_a_bad_results_file_is_one_error_line_naming_the_record(edit, message, coco4_h5, tmp_path, capsys):
+    run_cli(["--oracle", "--h5", coco4_h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
+    results = json.loads((tmp_path / "r.json").read_text())
+    edit(results)
+    (tmp_path / "bad.json").write_text(json.dumps(results))
+    code, stats, err = run_cli(["--results", tmp_path / "bad.json", "--h5", coco4_h5], capsys)
+    assert code == 2 and stats is None and err.count("\n") == 1
+    assert err.startswith(f"error: --results {tmp_path / 'bad.json'}: {message}"), err
+
+
+def test_a_bad_json_lines_file_names_its_line(coco4_h5, tmp_path, capsys):
+    run_cli(["--oracle", "--h5", coco4_h5, "--out", tmp_path / "r.jsonl", "--no-progress"], capsys)
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    picture = json.loads(lines[1])
+    picture["people"][0]["keypoints"]["tail"] = [1, 2, 0.5]
+    (tmp_path / "bad.jsonl").write_text("\n".join([lines[0], json.dumps(picture)] + lines[2:]) + "\n")
+    code, stats, err = run_cli(["--results", tmp_path / "bad.jsonl", "--h5", coco4_h5], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"--results {tmp_path / 'bad.jsonl'}: line 2: image_id 40083: keypoint 'tail' is not one" in err
+
+
+def test_crowd_index_and_species_are_kept_by_the_conversion_and_scored(coco4_dir, tmp_path, capsys):
+    """A file whose pictures carry crowdIndex and whose people carry two categories, converted with
+    a skeleton stating oks_area box, per_category and oks_stats crowd: evaluate.py reports the
+    crowd statistics and scores each category on its own."""
+    from data.make_hdf5 import convert
+    from data.skeleton import Skeleton
+
+    data = json.loads((coco4_dir / "test_coco.json").read_text())
+    for k, image in enumerate(data["images"]):
+        image["crowdIndex"] = [0.05, 0.3, 0.9, 0.5][k]
+    data["categories"].append(dict(data["categories"][0], id=2, name="other"))
+    for ann in data["annotations"]:
+        ann["category_id"] = 2 if ann["image_id"] == 40083 else 1
+    (tmp_path / "two.json").write_text(json.dumps(data))
+    spec = dict(COCO.to_spec(), name="mine", oks_area="box", per_category=True, oks_stats="crowd")
+    convert(tmp_path / "two.json", coco4_dir, tmp_path / "two.h5", split="val", progress=False,
+            skeleton=Skeleton.from_spec(spec, "test"), categories=["1", "2"])
+    truth = coco4_h5_truth(tmp_path / "two.h5")
+    assert [img.get("crowdIndex") for img in truth["images"]] == [0.05, 0.3, 0.9, 0.5]
+    assert {a.get("source_category_id") for a in truth["annotations"] if a["image_id"] == 40083} == {2}
+    code, stats, err = run_cli(["--oracle", "--h5", tmp_path / "two.h5", "--out", tmp_path / "r.json",
+                                "--no-progress"], capsys)
+    assert code == 0 and "scored with: OKS AP (0.53 x box w x h, per category, averaged, crowd stats)" in err
+    assert [stats[k] for k in ("AP_easy", "AP_medium", "AP_hard", "AR75")] == pytest.approx([1.0] * 4)

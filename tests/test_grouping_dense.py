@@ -32,6 +32,25 @@ def test_halpe136_like_decodes_its_ground_truth():
     assert oracle_ap(halpe136_like(), pictures=12, seed=3, unlabelled=0.04) >= 0.85
 
 
+def test_halpe136_people_as_small_as_its_test_files_decode_their_ground_truth():
+    """Halpe's test file labels face and hands of COCO val2017's people, many of them small: with
+    sigma 0.015 a point must be found within a pixel or so. The peak's centre read from the
+    Gaussian's log-parabola (the window's centroid had left it up to half a pixel off: 0.83)."""
+    assert oracle_ap(builtin("halpe136"), pictures=12, seed=3, heights=(30, 165)) >= 0.9
+
+
+@pytest.mark.parametrize("x, y", [(100.0, 50.0), (100.3, 50.7), (100.5, 50.5), (100.9, 50.1)])
+def test_a_peak_is_read_at_its_gaussians_centre(x, y):
+    from inference.peaks import find_peaks
+
+    person = np.zeros((17, 3), np.float32)
+    person[0] = [x, y, 2]
+    maps = render_targets(COCO.from_annotation(person)[None], 120, 200, 1, TargetConfig(), COCO)
+    channel, xy, _ = find_peaks(maps[COCO.keypoint_channels], 0.1)
+    assert list(channel) == [COCO.keypoints.index("nose")]
+    np.testing.assert_allclose(xy[0], [x, y], atol=0.01)
+
+
 def chain_maps(people: np.ndarray, height=120, width=200) -> np.ndarray:
     return render_targets(people, height, width, 1, TargetConfig(), CHAIN)
 
@@ -148,15 +167,17 @@ def test_people_found_on_coco4_are_those_stored(coco4_dir):
     """The people found on coco4's ground-truth maps are those the grouping found before its
     speed-ups and the joining of broken chains (stored in tests/data/grouping_coco4_expected.json
     from commit 83d9579), but for the left wrist on its own that the joining adds (40083's, and
-    its pose in the crowds)."""
+    its pose in the crowds); each point within half a pixel of the stored one, which the centroid
+    refinement of then had left up to half a pixel off the Gaussian's centre."""
     expected = json.loads((Path(__file__).parent / "data" / "grouping_coco4_expected.json").read_text())
     for name, maps in coco4_pictures(coco4_dir):
         keypoints, scores = group_people(maps, InferenceConfig(), COCO)
         stored = expected[name]
         assert keypoints.shape[0] == len(stored["scores"]) > 0, name
         np.testing.assert_array_equal(keypoints[:, :, 2] > 0, np.array(stored["keypoints"])[:, :, 2] > 0)
-        np.testing.assert_allclose(keypoints, stored["keypoints"], atol=1e-3)
-        np.testing.assert_allclose(scores, stored["scores"], atol=1e-5)
+        np.testing.assert_allclose(keypoints[..., :2], np.array(stored["keypoints"])[..., :2], atol=0.5)
+        np.testing.assert_allclose(keypoints[..., 2], np.array(stored["keypoints"])[..., 2], atol=1e-3)
+        np.testing.assert_allclose(scores, stored["scores"], atol=1e-4)     # limbs sampled between them
 
 
 @pytest.mark.slow
