@@ -29,7 +29,8 @@ def test_entry_scripts_start_from_another_folder(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["wheel", "--no-deps", "-w", "wheels"],
-                                     ["install", "--dry-run", "--no-deps", "-e"]], ids=["install", "editable"])
+                                     ["install", "--dry-run", "--no-deps", "-e"]],
+                         ids=["install", "editable"])
 def test_pip_refuses_to_install_the_project_and_says_why(command, tmp_path):
     done = subprocess.run([sys.executable, "-m", "pip", *command, str(REPO), "--no-index",
                            "--disable-pip-version-check"], cwd=tmp_path, env=child_env(),

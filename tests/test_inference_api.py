@@ -83,8 +83,8 @@ def test_docstring_example_runs(checkpoint, coco4_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_docstring_example_runs_from_another_folder_with_the_clone_on_pythonpath(checkpoint, coco4_dir,
-                                                                                 tmp_path):
+def test_docstring_example_runs_from_another_folder_with_the_clone_on_pythonpath(
+        checkpoint, coco4_dir, tmp_path):
     """A user's program in a folder of its own (README.md, "From your own program")."""
     code = [line[4:] for line in inference.estimator.__doc__.splitlines() if line.startswith("    ")]
     (tmp_path / "mine.py").write_text("\n".join(code) + "\n")
