@@ -39,8 +39,8 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
-                                    optimizer_step_counters, synthetic_batches, sync)
+from bench.helpers import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
+                           optimizer_step_counters, run_entry, synthetic_batches, sync)
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 
@@ -69,29 +69,6 @@ def quick_args(out_dir: str, check: bool) -> list[str]:
     return ["--config", "tiny", "--epochs", "2", "--set", "train.max_steps_per_epoch=3",
             "--set", "train.ap_every=0", "--set", "train.cudnn_benchmark=false",
             "--set", "train.tensorboard=false", "--device", device_of(check).type, "--out-dir", out_dir]
-
-
-class _Parsed(BaseException):
-    """Raised once an entry script's parser has taken its arguments (past any `except Exception`)."""
-
-
-def run_entry(main, argv: list[str], check: bool):
-    """`main(argv)` of an entry script; under --cpu-check its parser only (nothing runs)."""
-    if not check:
-        return main(argv)
-    parse = argparse.ArgumentParser.parse_args
-
-    def parse_only(self, args=None, namespace=None):
-        parse(self, args, namespace)
-        raise _Parsed
-    argparse.ArgumentParser.parse_args = parse_only
-    try:
-        main(argv)
-    except _Parsed:
-        return {"parsed": True}
-    finally:
-        argparse.ArgumentParser.parse_args = parse
-    raise RuntimeError("the entry script ended without parsing its arguments")
 
 
 def tiny_runs(script: str, check: bool, first: list[str], resumed: list[str] | None = None) -> list:

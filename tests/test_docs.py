@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_smoke import run_entry
+from bench.helpers import run_entry
 from config.schema import Config, declared
 
 REPO = Path(__file__).resolve().parents[1]

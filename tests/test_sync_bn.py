@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.train_throughput import count_host_syncs
+from bench.helpers import count_host_syncs
 from config.schema import AmpConfig, DistConfig
 from runtime.distributed import DistContext, all_reduce_sum
 from engine.parallel import CrossProcessBatchNorm, convert_sync_bn, wrap_ddp
