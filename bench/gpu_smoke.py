@@ -468,7 +468,7 @@ def section_evaluation(check: bool) -> dict:
     """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512."""
     from config.views import PredictSettings
     from data.h5format import KeypointH5
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
     from inference.evaluation import decode_images, eval_mode
     from models import build_model
 
@@ -481,7 +481,7 @@ def section_evaluation(check: bool) -> dict:
     model = build_model(cfg.model, builtin("coco")).to(device)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         path = Path(tmp) / "val.h5"
-        convert(ann, source, path, split="val", progress=False, max_images=2 if check else 0)
+        convert(ann, source, path, ConvertSettings(split="val", progress=False, max_images=2 if check else 0))
         h5 = KeypointH5(path)
         indices = list(range(h5.num_images)) * (1 if check else max(1, 80 // h5.num_images))
         rates = []

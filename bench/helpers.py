@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from config import build_config
-from data.make_hdf5 import convert
+from data.make_hdf5 import ConvertSettings, convert
 from data.skeleton import builtin
 from engine.cli import single_process_context
 from engine.run_trainer import Launch, build_loop
@@ -53,11 +53,11 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
                   if found and (Path(found) / "test_coco.json").is_file()), None)
     if coco4 is not None:
         ann = repeat_annotations(coco4 / "test_coco.json", repeat, work / "bench.json", work / "bench_images")
-        convert(ann, work / "bench_images", out, split="train", progress=False)
+        convert(ann, work / "bench_images", out, ConvertSettings(split="train", progress=False))
         return out, f"coco4 x{repeat}"
     from data.synthetic import write_split
     ann = write_split(work, "train", 8 * repeat, 640, seed=0)
-    convert(ann, work / "train", out, split="train", progress=False)
+    convert(ann, work / "train", out, ConvertSettings(split="train", progress=False))
     return out, f"synthetic 640 px x{8 * repeat}"
 
 
