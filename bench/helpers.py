@@ -22,8 +22,7 @@ from data.skeleton import builtin
 from engine.cli import single_process_context
 from engine.run_trainer import Launch, build_loop
 
-ROOT = Path(__file__).resolve().parents[1]
-COCO4 = ROOT / "tests" / "data" / "coco4"
+COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
 def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:

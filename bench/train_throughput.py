@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.helpers import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
                            make_bench_h5, optimizer_step_counters, sync, synthetic_batches)

@@ -188,11 +188,10 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
     category, selection, skeleton, origin = load_coco(
         ann_path, images_dir, settings.skip_bad, settings.skeleton, settings.categories, settings.links_from)
-    side_outputs = settings.side_outputs or {}
-    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
-                   {"--out": out_path, **side_outputs})
+    outputs = {"--out": out_path, **(settings.side_outputs or {})}
+    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)}, outputs)
     images = selection.images[:settings.max_images] if settings.max_images > 0 else selection.images
-    for option, path in {"--out": out_path, **side_outputs}.items():
+    for option, path in outputs.items():
         if path:
             refuse_existing(option, path, settings.overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
