@@ -106,12 +106,12 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
         return args.h5, None
 
     def convert_to_temp() -> str:
-        from data.make_hdf5 import convert
+        from data.make_hdf5 import ConvertSettings, convert
 
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
-            convert(args.ann, args.images, Path(tmp) / "val.h5", split="val",
-                    progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton)
+            convert(args.ann, args.images, Path(tmp) / "val.h5", ConvertSettings(
+                split="val", progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton))
         except BaseException:            # a signal's KeyboardInterrupt too: no conversion left behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise

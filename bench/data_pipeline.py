@@ -26,7 +26,7 @@ from config.loader import build_config  # noqa: E402
 from config.views import SampleSettings  # noqa: E402
 from data.dataset import KeypointDataset  # noqa: E402
 from data.transfer import batch_bytes, expand, trim_people  # noqa: E402
-from bench.train_throughput import make_bench_h5  # noqa: E402
+from bench.helpers import make_bench_h5  # noqa: E402
 
 
 DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    # stages of a sample

@@ -39,8 +39,8 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
-                                    optimizer_step_counters, synthetic_batches, sync)
+from bench.helpers import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
+                           optimizer_step_counters, run_entry, synthetic_batches, sync)
 from config import build_config  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 
@@ -69,29 +69,6 @@ def quick_args(out_dir: str, check: bool) -> list[str]:
     return ["--config", "tiny", "--epochs", "2", "--set", "train.max_steps_per_epoch=3",
             "--set", "train.ap_every=0", "--set", "train.cudnn_benchmark=false",
             "--set", "train.tensorboard=false", "--device", device_of(check).type, "--out-dir", out_dir]
-
-
-class _Parsed(BaseException):
-    """Raised once an entry script's parser has taken its arguments (past any `except Exception`)."""
-
-
-def run_entry(main, argv: list[str], check: bool):
-    """`main(argv)` of an entry script; under --cpu-check its parser only (nothing runs)."""
-    if not check:
-        return main(argv)
-    parse = argparse.ArgumentParser.parse_args
-
-    def parse_only(self, args=None, namespace=None):
-        parse(self, args, namespace)
-        raise _Parsed
-    argparse.ArgumentParser.parse_args = parse_only
-    try:
-        main(argv)
-    except _Parsed:
-        return {"parsed": True}
-    finally:
-        argparse.ArgumentParser.parse_args = parse
-    raise RuntimeError("the entry script ended without parsing its arguments")
 
 
 def tiny_runs(script: str, check: bool, first: list[str], resumed: list[str] | None = None) -> list:
@@ -491,7 +468,7 @@ def section_evaluation(check: bool) -> dict:
     """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512."""
     from config.views import PredictSettings
     from data.h5format import KeypointH5
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
     from inference.evaluation import decode_images, eval_mode
     from models import build_model
 
@@ -504,7 +481,7 @@ def section_evaluation(check: bool) -> dict:
     model = build_model(cfg.model, builtin("coco")).to(device)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         path = Path(tmp) / "val.h5"
-        convert(ann, source, path, split="val", progress=False, max_images=2 if check else 0)
+        convert(ann, source, path, ConvertSettings(split="val", progress=False, max_images=2 if check else 0))
         h5 = KeypointH5(path)
         indices = list(range(h5.num_images)) * (1 if check else max(1, 80 // h5.num_images))
         rates = []

@@ -22,7 +22,7 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.train_throughput import sync  # noqa: E402
+from bench.helpers import sync  # noqa: E402
 from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402

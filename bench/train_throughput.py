@@ -1,8 +1,7 @@
 """Training throughput of the engine's own step per precision setting (O0 with TF32 off and on, O1
 fp16 and bf16, O2; channels_last; optionally torch.compile), built as train.py builds it, on
 synthetic batches or (--h5) the engine's DataLoader; per row images/s, memory, first step, data
-wait, share of bf16 peak, host syncs; one JSON line last. Also the benchmarks' training file
-(`make_bench_h5`) and host-sync counter (`count_host_syncs`).
+wait, share of bf16 peak, host syncs; one JSON line last (shared helpers: bench/helpers.py).
 
     python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
     python bench/train_throughput.py --compile both          # also under torch.compile
@@ -13,9 +12,6 @@ wait, share of bf16 peak, host syncs; one JSON line last. Also the benchmarks' t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import io
 import itertools
 import json
 import os
@@ -23,25 +19,19 @@ import re
 import sys
 import tempfile
 import time
-import warnings
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.helpers import (bench_config, build_quietly, count_host_syncs, free_memory,  # noqa: E402
+                           make_bench_h5, optimizer_step_counters, sync, synthetic_batches)
 from config import build_config                        # noqa: E402
-from data.make_hdf5 import convert                     # noqa: E402
-from data.skeleton import builtin                    # noqa: E402
-from engine.cli import single_process_context          # noqa: E402
-from engine.run_trainer import Launch, build_loop      # noqa: E402
+from data.skeleton import builtin                      # noqa: E402
 from models import build_model                         # noqa: E402
 from models.summary import count_macs                  # noqa: E402
 
-COCO4 = ROOT / "tests" / "data" / "coco4"
 CONFIGS = [  # name, opt level, dtype, tf32
     ("O0 fp32", "O0", "auto", False),
     ("O0 tf32", "O0", "auto", True),
@@ -49,41 +39,6 @@ CONFIGS = [  # name, opt level, dtype, tf32
     ("O1 bf16", "O1", "bfloat16", True),
     ("O2 fp16", "O2", "float16", True),
 ]
-
-
-def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
-    """A COCO annotation file with each image listed `repeat` times, each a linked picture file."""
-    coco = json.loads(Path(ann_path).read_text())
-    images_dir.mkdir(parents=True, exist_ok=True)
-    images, annotations = [], []
-    for copy in range(repeat):
-        offset = copy * 10 ** 9
-        for image in coco["images"]:
-            name = f"copy{copy}_{image['file_name']}"
-            (images_dir / name).symlink_to((Path(ann_path).parent / image["file_name"]).resolve())
-            images.append({**image, "id": image["id"] + offset, "file_name": name})
-        annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
-                        for ann in coco["annotations"]]
-    out_path.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
-    return out_path
-
-
-def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
-    """(HDF5 path, a name for what it holds) of a benchmark's training file under `work`: coco4
-    (`coco_dir`, `$SIMPLEPOSE_COCO4`, else tests/data/coco4), each image listed `repeat` times so that
-    a loader has whole batches and epochs; without coco4, 640x640 synthetic images (faster to decode:
-    the rate is then an upper bound)."""
-    out = work / "bench.h5"
-    coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
-                  if found and (Path(found) / "test_coco.json").is_file()), None)
-    if coco4 is not None:
-        ann = repeat_annotations(coco4 / "test_coco.json", repeat, work / "bench.json", work / "bench_images")
-        convert(ann, work / "bench_images", out, split="train", progress=False)
-        return out, f"coco4 x{repeat}"
-    from data.synthetic import write_split
-    ann = write_split(work, "train", 8 * repeat, 640, seed=0)
-    convert(ann, work / "train", out, split="train", progress=False)
-    return out, f"synthetic 640 px x{8 * repeat}"
 
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -97,118 +52,6 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> f
         a @ b
     sync(device)
     return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    """Unreferenced tensors collected, and on CUDA the allocator's cached blocks given back."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
-SYNC_WARNING = "called a synchronizing CUDA operation"     # torch's text in sync debug mode "warn"
-
-
-@dataclass
-class HostSyncs:
-    """Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, ...) by kind; on CUDA also
-    torch's own synchronising operations (`cuda_sync`, from its sync debug mode)."""
-    by_kind: Counter = field(default_factory=Counter)
-
-    @property
-    def count(self) -> int:
-        return sum(self.by_kind.values())
-
-
-def optimizer_step_counters(optimizer) -> list:
-    """The optimiser's per-parameter step counters that live on the CPU (host tensors in a GPU run)."""
-    states = getattr(optimizer, "state", {}).values()
-    return [s["step"] for s in states if torch.is_tensor(s.get("step")) and s["step"].device.type == "cpu"]
-
-
-@contextlib.contextmanager
-def count_host_syncs(host_tensors=(), device=None):
-    """HostSyncs of the block: the host's waits for the device, reads of `host_tensors` aside."""
-    syncs = HostSyncs()
-    ignored = {id(t) for t in host_tensors}
-    on_gpu = device is not None and torch.device(device).type != "cpu"
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    inside = [0]     # a read made by another read (float() through item()) is not counted again
-
-    def counting(name, read):
-        def wrapper(self, *args, **kwargs):
-            if not inside[0] and id(self) not in ignored and not (on_gpu and self.device.type == "cpu"):
-                syncs.by_kind[name] += 1
-            inside[0] += 1
-            try:
-                return read(self, *args, **kwargs)
-            finally:
-                inside[0] -= 1
-        return wrapper
-
-    for name, read in originals.items():
-        setattr(torch.Tensor, name, counting(name, read))
-    try:
-        cuda = on_gpu and torch.device(device).type == "cuda" and torch.cuda.is_available()
-        with _cuda_syncs(syncs, inside) if cuda else contextlib.nullcontext():
-            yield syncs
-    finally:
-        for name, read in originals.items():
-            setattr(torch.Tensor, name, read)
-
-
-@contextlib.contextmanager
-def _cuda_syncs(syncs: HostSyncs, inside: list):
-    """Each warning of torch's sync debug mode outside a read, counted as `cuda_sync` (not shown)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("always", message=SYNC_WARNING)
-        show = warnings.showwarning
-
-        def counted(message, *args, **kwargs):
-            if SYNC_WARNING not in str(message):
-                return show(message, *args, **kwargs)
-            if not inside[0]:
-                syncs.by_kind["cuda_sync"] += 1
-
-        warnings.showwarning = counted
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-
-
-def synthetic_batches(batch: int, cfg, device):
-    """An endless repeat of one batch on the device; sparse targets like real heatmaps."""
-    s, o = cfg.data.input_size, cfg.data.input_size // cfg.data.stride
-    images = torch.rand(batch, 3, s, s, device=device)
-    target = torch.rand(batch, builtin("coco").num_channels, o, o, device=device)
-    target = target * (target > 0.97)
-    mask = torch.ones(batch, 1, o, o, device=device)
-    while True:
-        yield images, target, mask
-
-
-def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets: str):
-    """The config of a benchmark's trainer: no TensorBoard, no DataLoader workers unless `sets` say."""
-    return build_config(preset, sets=[f"data.input_size={size}", f"data.train_h5={h5}", "data.workers=0",
-                                      f"train.batch_size={batch}", f"train.device={device}",
-                                      "train.tensorboard=false", *sets])
-
-
-def build_quietly(cfg):
-    """(trainer, parts, device): `build_loop` of `cfg`, its start-up lines unprinted."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        launch = Launch(single_process_context(cfg.train.device))
-        return (*build_loop(cfg, launch), launch.ctx.device)
 
 
 def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_model) -> dict:

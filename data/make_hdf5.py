@@ -10,6 +10,7 @@ import re
 import struct
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import cv2
@@ -158,14 +159,26 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool = False,
-            progress: bool = True, max_images: int = 0, skeleton: Skeleton | None = None,
-            overwrite: bool = True, categories: list | None = None, links_from: int | None = None,
-            keep_all: bool = False, side_outputs: dict | None = None) -> dict:
-    """Convert one COCO split (its first `max_images` images; 0: all) to HDF5 at `out_path`; returns
-    the summary (counts, what was skipped and why, the skeleton). `side_outputs` ({option: path})
-    are checked as `out_path` is; a `DataError` carries the summary so far (`.summary`)."""
-    ann_path, images_dir, out_path = Path(ann_path), Path(images_dir), Path(out_path)
+@dataclass(frozen=True)
+class ConvertSettings:
+    """How `convert` converts: the options of `python -m data.make_hdf5` beside --ann/--images/--out.
+    `side_outputs` ({option: path}) are checked as the output is."""
+    split: str = "train"
+    skip_bad: bool = False
+    progress: bool = True
+    max_images: int = 0                  # the first N images; 0: all
+    skeleton: Skeleton | None = None     # None: from the JSON or the built-in of its keypoint count
+    overwrite: bool = True
+    categories: list | None = None
+    links_from: int | None = None
+    keep_all: bool = False
+    side_outputs: dict | None = None
+
+
+def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertSettings()) -> dict:
+    """Convert one COCO split to HDF5 at `out_path`; returns the summary (counts, what was skipped
+    and why, the skeleton). A `DataError` carries the summary so far (`.summary`)."""
+    ann_path, images_dir, out_path, split = Path(ann_path), Path(images_dir), Path(out_path), settings.split
     if split not in SPLITS:
         raise DataError(f"--split {split!r}: choose train or val")
     if not images_dir.is_dir():
@@ -173,23 +186,23 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
                                              if images_dir.exists() else "no such image directory"))
     if out_path.is_dir():
         raise DataError(f"--out {out_path}: a folder; give the path of the HDF5 file to write")
-    category, selection, skeleton, origin = load_coco(ann_path, images_dir, skip_bad, skeleton, categories,
-                                                      links_from)
-    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)},
-                   {"--out": out_path, **(side_outputs or {})})
-    images = selection.images[:max_images] if max_images > 0 else selection.images
-    for option, path in {"--out": out_path, **(side_outputs or {})}.items():
+    category, selection, skeleton, origin = load_coco(
+        ann_path, images_dir, settings.skip_bad, settings.skeleton, settings.categories, settings.links_from)
+    outputs = {"--out": out_path, **(settings.side_outputs or {})}
+    refuse_clashes({"--ann": ann_path, "--images": pictures(selection, images_dir)}, outputs)
+    images = selection.images[:settings.max_images] if settings.max_images > 0 else selection.images
+    for option, path in outputs.items():
         if path:
-            refuse_existing(option, path, overwrite)
+            refuse_existing(option, path, settings.overwrite)
     summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
                "crowd_regions": 0, "people_without_keypoints": 0,
                "skipped": Counter(item["kind"] for item in selection.rejected),
                "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
-               "keep_all": keep_all}
+               "keep_all": settings.keep_all}
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with written_whole(out_path, overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
-            _write(f, category, images, selection.by_image, ann_path, images_dir, skip_bad, progress, summary)
+        with written_whole(out_path, settings.overwrite) as tmp_path, h5py.File(tmp_path, "w") as f:
+            _write(f, category, images, selection.by_image, ann_path, images_dir, settings, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
         reason = detail.group(1) if detail else exc.strerror or str(exc)
@@ -202,7 +215,7 @@ def convert(ann_path, images_dir, out_path, split: str = "train", skip_bad: bool
     return summary
 
 
-def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progress, summary):
+def _write(f, category, images, by_image, ann_path, images_dir, settings: ConvertSettings, summary):
     n = len(images)
     split, skeleton = summary["split"], summary["skeleton"]
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
@@ -213,11 +226,11 @@ def _write(f, category, images, by_image, ann_path, images_dir, skip_bad, progre
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
     encoded, names, texts, masks = per_image
     ids, sizes, counts, samples, keypoints, boxes, crowd_index = [], [], [], [], [], [], []
-    for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not progress):
+    for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
         try:
             data = read_image(images_dir, info, ann_path)
         except DataError as exc:
-            if not skip_bad:
+            if not settings.skip_bad:
                 raise
             summary["bad"].append({"kind": "bad image", "image_id": info["id"], "reason": str(exc)})
             summary["skipped"]["bad image"] += 1
@@ -359,10 +372,10 @@ def _main(argv=None) -> int:
         dump_skeleton(skeleton, args.dump_skeleton, args.overwrite, " (nothing converted: no --out)")
         return 0
     try:
-        summary = convert(args.ann, args.images, args.out, args.split, args.skip_bad,
-                          progress=not args.quiet, max_images=args.max_images, skeleton=skeleton,
-                          overwrite=args.overwrite, categories=categories,
-                          links_from=args.links_from, keep_all=args.keep_all, side_outputs=side_outputs)
+        summary = convert(args.ann, args.images, args.out, ConvertSettings(
+            split=args.split, skip_bad=args.skip_bad, progress=not args.quiet, max_images=args.max_images,
+            skeleton=skeleton, overwrite=args.overwrite, categories=categories, links_from=args.links_from,
+            keep_all=args.keep_all, side_outputs=side_outputs))
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise

@@ -317,7 +317,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
                         size: int = 192, seed: int = 0, skeleton: str = "coco") -> tuple[Path, Path]:
     """(train.h5, val.h5) of the synthetic dataset in `cache_dir`, made once (under a lock)."""
     from data.h5format import KeypointH5
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -346,7 +346,7 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
             try:
                 jsons = write_dataset(work, train_images, val_images, size, seed, skeleton)
                 for split, path in zip(("train", "val"), paths):
-                    convert(jsons[split], work / split, path, split=split, progress=False)
+                    convert(jsons[split], work / split, path, ConvertSettings(split=split, progress=False))
                 stamp.write_text(json.dumps(settings))
             finally:
                 shutil.rmtree(work, ignore_errors=True)

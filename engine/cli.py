@@ -211,8 +211,8 @@ def single_process_context(device: str):
     """The context of a one-process run on `device` (made the current CUDA device)."""
     import torch
     from runtime.distributed import DistContext
-    from runtime.launch_env import Launch, resolve_device
-    dev = resolve_device(device, Launch())
+    from runtime.launch_env import ProcessPlace, resolve_device
+    dev = resolve_device(device, ProcessPlace())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return DistContext(device=dev)

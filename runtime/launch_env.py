@@ -21,7 +21,7 @@ _AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @dataclass
-class Launch:
+class ProcessPlace:
     """This process's place in the job, as the launcher describes it."""
 
     launcher: str = "none"
@@ -72,26 +72,26 @@ def _first_slurm_host(env) -> str:
     return env.get("SLURM_LAUNCH_NODE_IPADDR", "")
 
 
-def _read_slurm(env) -> Launch:
+def _read_slurm(env) -> ProcessPlace:
     world = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1))
-    launch = Launch("slurm", _env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_LOCALID", 0), world)
+    place = ProcessPlace("slurm", _env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_LOCALID", 0), world)
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if per_node:
         try:
             counts = _expand_tasks_per_node(per_node)
-            launch.local_world_size = counts[min(_env_int(env, "SLURM_NODEID", 0), len(counts) - 1)]
+            place.local_world_size = counts[min(_env_int(env, "SLURM_NODEID", 0), len(counts) - 1)]
         except (ValueError, IndexError):
             raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={per_node!r}") from None
     nodes = _env_int(env, "SLURM_STEP_NUM_NODES", _env_int(env, "SLURM_NNODES", 0))
-    launch.master_addr = env.get("MASTER_ADDR") or ("127.0.0.1" if nodes == 1 else _first_slurm_host(env))
-    if world > 1 and not launch.master_addr:
+    place.master_addr = env.get("MASTER_ADDR") or ("127.0.0.1" if nodes == 1 else _first_slurm_host(env))
+    if world > 1 and not place.master_addr:
         raise ConfigError("SLURM job: cannot tell the master host (no SLURM_NODELIST, no scontrol, "
                           "no SLURM_LAUNCH_NODE_IPADDR); export MASTER_ADDR=<host of rank 0>")
-    launch.master_port = _env_int(env, "MASTER_PORT", 20000 + _env_int(env, "SLURM_JOB_ID", 0) % 10000)
-    return launch
+    place.master_port = _env_int(env, "MASTER_PORT", 20000 + _env_int(env, "SLURM_JOB_ID", 0) % 10000)
+    return place
 
 
-def read_launch(env, local_rank_arg: int | None) -> Launch:
+def read_launch(env, local_rank_arg: int | None) -> ProcessPlace:
     """Rank, world and master of this process from the launcher's environment."""
     if local_rank_arg is not None and local_rank_arg < 0:
         local_rank_arg = None
@@ -99,28 +99,28 @@ def read_launch(env, local_rank_arg: int | None) -> Launch:
         rank = _env_int(env, "RANK", 0)
         local_rank = local_rank_arg if local_rank_arg is not None else _env_int(env, "LOCAL_RANK", rank)
         agent = any(name in env for name in _AGENT_VARS)
-        launch = Launch("torchrun" if agent else "env", rank, local_rank, _env_int(env, "WORLD_SIZE", 1),
-                         agent_store=agent)
+        place = ProcessPlace("torchrun" if agent else "env", rank, local_rank, _env_int(env, "WORLD_SIZE", 1),
+                             agent_store=agent)
         if "LOCAL_WORLD_SIZE" in env:
-            launch.local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
-        if launch.world_size > 1:
+            place.local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
+        if place.world_size > 1:
             if not env.get("MASTER_ADDR"):
-                raise ConfigError(f"WORLD_SIZE={launch.world_size} but MASTER_ADDR is not set; "
+                raise ConfigError(f"WORLD_SIZE={place.world_size} but MASTER_ADDR is not set; "
                                   "launch with torchrun or export MASTER_ADDR and MASTER_PORT")
-            launch.master_addr = env["MASTER_ADDR"]
-            launch.master_port = _env_int(env, "MASTER_PORT")
+            place.master_addr = env["MASTER_ADDR"]
+            place.master_port = _env_int(env, "MASTER_PORT")
     elif "SLURM_PROCID" in env:
-        launch = _read_slurm(env)
+        place = _read_slurm(env)
     else:
-        launch = Launch(local_rank=local_rank_arg or 0)
-    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or launch.local_rank < 0:
-        names = ("SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS" if launch.launcher == "slurm"
+        place = ProcessPlace(local_rank=local_rank_arg or 0)
+    if place.world_size < 1 or not 0 <= place.rank < place.world_size or place.local_rank < 0:
+        names = ("SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS" if place.launcher == "slurm"
                  else "RANK, LOCAL_RANK, WORLD_SIZE")
-        raise ConfigError(f"rank {launch.rank} / local rank {launch.local_rank} do not fit a world "
-                          f"of {launch.world_size} processes (check {names})")
-    if launch.world_size > 1 and not 0 < launch.master_port < 65536:
-        raise ConfigError(f"MASTER_PORT {launch.master_port} is not a port (1 to 65535)")
-    return launch
+        raise ConfigError(f"rank {place.rank} / local rank {place.local_rank} do not fit a world "
+                          f"of {place.world_size} processes (check {names})")
+    if place.world_size > 1 and not 0 < place.master_port < 65536:
+        raise ConfigError(f"MASTER_PORT {place.master_port} is not a port (1 to 65535)")
+    return place
 
 
 def device_kind(spec: str) -> str:
@@ -131,7 +131,7 @@ def device_kind(spec: str) -> str:
     return "cpu" if spec == "cpu" else "cuda"
 
 
-def resolve_device(spec: str, launch: Launch) -> torch.device:
+def resolve_device(spec: str, place: ProcessPlace) -> torch.device:
     """The device of this process from --device and its local rank; refuses impossible choices."""
     check_device(spec or "auto", "--device")
     if device_kind(spec) == "cpu":
@@ -140,18 +140,18 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
         raise ConfigError(f"--device {spec}: no CUDA GPU is visible here; use --device cpu")
-    needed = launch.local_world_size or launch.local_rank + 1
+    needed = place.local_world_size or place.local_rank + 1
     pick_hint = "pick GPUs with --device 0,1 or CUDA_VISIBLE_DEVICES"
     if spec == "cuda":
-        if launch.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
+        if place.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
             return torch.device("cuda", 0)   # srun binds each task to its own GPUs
         bound = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
-        if launch.launcher in ("slurm", "env") and visible == 1 and needed > 1 and len(bound) == 1:
+        if place.launcher in ("slurm", "env") and visible == 1 and needed > 1 and len(bound) == 1:
             return torch.device("cuda", 0)   # srun --gpu-bind / mpirun wrappers: one GPU per process
         if needed > visible:
             raise ConfigError(f"{needed} processes on this node but only {visible} CUDA GPU(s) are "
                               f"visible; start at most {visible} per node (--nproc_per_node) or {pick_hint}")
-        return torch.device("cuda", launch.local_rank)
+        return torch.device("cuda", place.local_rank)
     if spec.startswith("cuda:"):              # the spelling was checked above
         ids = [int(spec[5:])]
         if needed > 1:
@@ -166,7 +166,7 @@ def resolve_device(spec: str, launch: Launch) -> torch.device:
     if needed > len(ids):
         raise ConfigError(f"{needed} processes on this node but --device {spec} lists {len(ids)} GPU(s); "
                           f"list one per process or start fewer (--nproc_per_node)")
-    return torch.device("cuda", ids[launch.local_rank])
+    return torch.device("cuda", ids[place.local_rank])
 
 
 def check_port_free(port: int) -> None:

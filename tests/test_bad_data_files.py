@@ -125,7 +125,8 @@ def test_exif_orientation_is_ignored_everywhere(tmp_path, orientation):
     coco = {"images": [{"id": 1, "file_name": "a.jpg", "width": 64, "height": 40}],
             "annotations": [], "categories": [dict(COCO_CATEGORY)]}
     (tmp_path / "a.json").write_text(json.dumps(coco))
-    make_hdf5.convert(tmp_path / "a.json", tmp_path, tmp_path / "a.h5", split="val", progress=False)
+    make_hdf5.convert(tmp_path / "a.json", tmp_path, tmp_path / "a.h5",
+                      make_hdf5.ConvertSettings(split="val", progress=False))
     image = KeypointH5(tmp_path / "a.h5").decode_image(0)
     assert image.shape[:2] == (40, 64) and image[2, 2, 0] > 200 and image[-2, -2, 0] < 50
 

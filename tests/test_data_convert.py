@@ -20,7 +20,7 @@ from pycocotools.cocoeval import COCOeval
 from common.errors import DataError
 from data.skeleton import builtin
 from data.h5format import KeypointH5, check_split
-from data.make_hdf5 import convert, main, main_people
+from data.make_hdf5 import ConvertSettings, convert, main, main_people
 
 COCO_SKELETON = builtin("coco")
 COCO_TO_OURS = COCO_SKELETON.dataset_index
@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def coco4_h5(coco4_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("coco4") / "val.h5"
-    summary = convert(coco4_dir / "test_coco.json", coco4_dir, out, split="val", progress=False)
+    summary = convert(coco4_dir / "test_coco.json", coco4_dir, out,
+                      ConvertSettings(split="val", progress=False))
     return out, summary
 
 
@@ -123,7 +124,8 @@ def test_check_split_refuses_a_val_file_for_training(coco4_h5):
 
 
 def test_train_split_keeps_only_images_with_a_main_person(coco4_dir, tmp_path):
-    summary = convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "t.h5", progress=False)
+    summary = convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "t.h5",
+                      ConvertSettings(progress=False))
     assert summary["images"] + summary["skipped"].get("no main person", 0) == 4
     assert KeypointH5(tmp_path / "t.h5").split == "train"
     assert not list(tmp_path.glob("*.tmp"))

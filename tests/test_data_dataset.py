@@ -14,7 +14,7 @@ from data.skeleton import builtin
 from config.views import SampleSettings
 from data.augment import AugmentParams
 from data.dataset import KeypointDataset
-from data.make_hdf5 import convert
+from data.make_hdf5 import ConvertSettings, convert
 
 COCO = builtin("coco")
 CHANNEL_FLIP = COCO.channel_flip
@@ -27,7 +27,7 @@ SIZE = 256
 @pytest.fixture(scope="module")
 def coco4_train(coco4_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("coco4ds") / "train.h5"
-    convert(coco4_dir / "test_coco.json", coco4_dir, out, split="train", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, out, ConvertSettings(split="train", progress=False))
     return out
 
 

@@ -15,7 +15,7 @@ from config.views import SampleSettings
 from data.augment import flip_people, mask_fraction
 from data.dataset import KeypointDataset
 from data.device_targets import TargetPainter
-from data.make_hdf5 import convert
+from data.make_hdf5 import ConvertSettings, convert
 from data.targets import render_targets
 from data.transfer import pack_people
 
@@ -83,7 +83,7 @@ def test_overlapping_limbs_of_many_people_are_averaged_the_same():
 @pytest.fixture(scope="module")
 def coco4_dataset(coco4_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("coco4dev") / "train.h5"
-    convert(coco4_dir / "test_coco.json", coco4_dir, out, split="train", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, out, ConvertSettings(split="train", progress=False))
     cfg = build_config(None, {"data": {"input_size": 256},
                               "train": {"seed": 5}, "augment": {"flip_prob": 0.5}})
     return KeypointDataset(out, SampleSettings.of(cfg), train=True)

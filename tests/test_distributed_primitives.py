@@ -24,7 +24,7 @@ from runtime import distributed as D
 from engine.parallel import wrap_ddp
 from child_env import child_env
 from runtime import launch_env
-from runtime.launch_env import Launch, find_free_port, read_launch, resolve_device
+from runtime.launch_env import ProcessPlace, find_free_port, read_launch, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -97,7 +97,7 @@ def test_bad_launcher_variables_are_named():
     slurm_names = r"world of 0 processes \(check SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS\)"
     with pytest.raises(ConfigError, match=slurm_names):
         read_launch(dict(SLURM_PROCID="0", SLURM_NTASKS="0"), None)
-    assert read_launch({}, None) == Launch()
+    assert read_launch({}, None) == ProcessPlace()
 
 
 # ---- device choice (CUDA faked: nothing touches a GPU) -----------------------------------------
@@ -109,24 +109,24 @@ def two_gpus(monkeypatch):
 
 
 def test_device_by_local_rank_and_by_list(two_gpus):
-    assert resolve_device("auto", Launch(local_rank=1, local_world_size=2)) == torch.device("cuda", 1)
-    assert resolve_device("0,1", Launch(local_rank=1, local_world_size=2)) == torch.device("cuda", 1)
-    assert resolve_device("1", Launch()) == torch.device("cuda", 1)
-    assert resolve_device("cuda:1", Launch()) == torch.device("cuda", 1)
-    assert resolve_device("cpu", Launch(local_rank=5, local_world_size=8)) == torch.device("cpu")
+    assert resolve_device("auto", ProcessPlace(local_rank=1, local_world_size=2)) == torch.device("cuda", 1)
+    assert resolve_device("0,1", ProcessPlace(local_rank=1, local_world_size=2)) == torch.device("cuda", 1)
+    assert resolve_device("1", ProcessPlace()) == torch.device("cuda", 1)
+    assert resolve_device("cuda:1", ProcessPlace()) == torch.device("cuda", 1)
+    assert resolve_device("cpu", ProcessPlace(local_rank=5, local_world_size=8)) == torch.device("cpu")
 
 
 def test_device_refusals(two_gpus):
     with pytest.raises(ConfigError, match="3 processes on this node but only 2 CUDA GPU.*--device"):
-        resolve_device("cuda", Launch(local_world_size=3))
+        resolve_device("cuda", ProcessPlace(local_world_size=3))
     with pytest.raises(ConfigError, match="lists 1 GPU"):
-        resolve_device("1", Launch(local_world_size=2))
+        resolve_device("1", ProcessPlace(local_world_size=2))
     with pytest.raises(ConfigError, match="one GPU for 2 processes"):
-        resolve_device("cuda:0", Launch(local_world_size=2))
+        resolve_device("cuda:0", ProcessPlace(local_world_size=2))
     with pytest.raises(ConfigError, match="does not exist"):
-        resolve_device("2,3", Launch())
+        resolve_device("2,3", ProcessPlace())
     with pytest.raises(ConfigError, match="--device: 'gpu' is not auto, cpu, cuda, cuda:N"):
-        resolve_device("gpu", Launch())
+        resolve_device("gpu", ProcessPlace())
 
 
 def test_a_one_process_run_on_gpu_1_makes_it_the_current_device(two_gpus, monkeypatch):
@@ -152,13 +152,14 @@ def test_a_process_bound_to_its_own_gpu_uses_it_whatever_its_local_rank(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     for launcher in ("slurm", "env"):
-        bound = Launch(launcher, rank=3, local_rank=3, world_size=4, local_world_size=4)
+        bound = ProcessPlace(launcher, rank=3, local_rank=3, world_size=4, local_world_size=4)
         assert resolve_device("cuda", bound) == torch.device("cuda", 0)
     with pytest.raises(ConfigError, match="4 processes on this node but only 1 CUDA GPU"):
-        resolve_device("cuda", Launch("torchrun", rank=3, local_rank=3, world_size=4, local_world_size=4))
+        resolve_device("cuda", ProcessPlace("torchrun", rank=3, local_rank=3, world_size=4,
+                                            local_world_size=4))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(ConfigError, match="4 processes on this node but only 1 CUDA GPU"):
-        resolve_device("cuda", Launch("slurm", rank=3, local_rank=3, world_size=4, local_world_size=4))
+        resolve_device("cuda", ProcessPlace("slurm", rank=3, local_rank=3, world_size=4, local_world_size=4))
 
 
 def test_more_processes_than_gpus_refused_before_any_process_group(two_gpus, clean_env):
@@ -176,8 +177,8 @@ def test_more_processes_than_gpus_refused_before_any_process_group(two_gpus, cle
 def test_cuda_asked_without_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA GPU is visible"):
-        resolve_device("cuda", Launch())
-    assert resolve_device("auto", Launch()) == torch.device("cpu")
+        resolve_device("cuda", ProcessPlace())
+    assert resolve_device("auto", ProcessPlace()) == torch.device("cpu")
 
 
 # ---- single process, port in use, seeding ---------------------------------------------------

@@ -1,7 +1,8 @@
 """What README.md and docs/*.md say about the code, checked against it: every command they show
 parses with its own script's parser (nothing runs), every option they name is an option of one of
 the project's commands, every config key they name is a field, every dotted name of the code they
-name (`inference.predict.MAX_ASPECT`) and every file of the repository they name exists."""
+name (`inference.predict.MAX_ASPECT`) and every file of the repository they name exists; and
+bench/RESULTS.md, which they cite, stays short and names files that exist."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_smoke import run_entry
+from bench.helpers import run_entry
 from config.schema import Config, declared
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,3 +149,15 @@ def test_each_file_of_the_repository_the_docs_name_exists():
     folders = "|".join(CODE + ("tests", "bench", "docs", "config/presets", ".ci"))
     paths = set(re.findall(rf"(?<![\w/.])((?:{folders})/[\w/.-]*\w)", text()))
     assert {p for p in paths if not (REPO / p).exists() and "*" not in p} == set()
+
+
+def test_bench_results_hold_todays_figures_and_what_they_name_exists():
+    """bench/RESULTS.md, which README and the docs cite: at most 20 kB, a table in each benchmark's
+    section; every file of bench/results/ that it or a dated page there names exists."""
+    results = REPO / "bench" / "RESULTS.md"
+    assert results.stat().st_size <= 20_000 and "bench/RESULTS.md" in text()
+    sections = results.read_text().split("\n## ")[1:]
+    assert len(sections) >= 5 and all("\n| --- |" in s or "\n|---|" in s for s in sections)
+    for page in [results, *(REPO / "bench" / "results").glob("*.md")]:
+        named = set(re.findall(r"(?<![\w/])(?:bench/)?(results/[\w./-]*\w)", page.read_text()))
+        assert named and {n for n in named if not (REPO / "bench" / n).exists()} == set(), page

@@ -29,10 +29,10 @@ COCO4_IDS = [785, 40083, 196141, 197388]   # in file order
 
 @pytest.fixture(scope="module")
 def coco4_h5(coco4_dir, tmp_path_factory):
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
 
     out = tmp_path_factory.mktemp("coco4") / "coco4_val.h5"
-    convert(coco4_dir / "test_coco.json", coco4_dir, out, split="val", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, out, ConvertSettings(split="val", progress=False))
     return out
 
 
@@ -178,13 +178,13 @@ def test_each_metric_as_the_skeleton_says_or_as_asked_and_keypoints_per_picture(
                                                                                  capsys):
     """A skeleton naming PCK and EPE is scored with them by default; --metric adds OKS, which with
     the stand-in sigma says so; --out NAME.jsonl holds each picture's people and keypoints."""
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
     from data.skeleton import Skeleton
 
     spec = dict(COCO.to_spec(), name="stand_in", sigmas=0.067, metric=["pck", "epe"])
     h5 = tmp_path / "stand_in.h5"
-    convert(coco4_dir / "test_coco.json", coco4_dir, h5, split="val", progress=False,
-            skeleton=Skeleton.from_spec(spec, "test"))
+    convert(coco4_dir / "test_coco.json", coco4_dir, h5,
+            ConvertSettings(split="val", progress=False, skeleton=Skeleton.from_spec(spec, "test")))
     code, stats, err = run_cli(["--oracle", "--h5", h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
     assert code == 0 and "AP" not in stats and "stand-in" not in err
     assert stats["PCK"] >= 0.95 and 0 <= stats["EPE"] < 1.0 and stats["EPE_found"] >= 0.95

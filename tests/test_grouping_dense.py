@@ -133,12 +133,13 @@ def test_a_far_part_is_not_joined_on_the_strength_of_a_large_one():
 def test_joining_costs_coco4_no_person(coco4_dir, tmp_path):
     """The oracle AP of coco4 (real COCO pictures) with the joining is at least that without, and
     its lone left wrist (no labelled elbow) is joined."""
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
     from config.views import PredictSettings
     from config.loader import build_config
     from inference.evaluation import evaluate_h5
 
-    convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "coco4.h5", split="val", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "coco4.h5",
+            ConvertSettings(split="val", progress=False))
     ap = {}
     for ratio in (0, 2.5):
         cfg = build_config("imhn512", sets=[f"inference.bridge_ratio={ratio}"])

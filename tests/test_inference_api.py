@@ -23,6 +23,7 @@ import demo
 import evaluate
 import export
 import inference.estimator
+from child_env import child_env
 from data.skeleton import builtin
 from config.loader import build_config, to_dict
 from runtime.checkpoint import save_checkpoint
@@ -79,6 +80,21 @@ def test_docstring_example_runs(checkpoint, coco4_dir, tmp_path, monkeypatch):
         exec("\n".join(code), {})
     found = re.findall(r"\((-?[\d.]+), \(([-\d., ]+)\)\)", printed.getvalue())
     assert len(found) >= 1 and all(len(box.split(",")) == 4 for _, box in found)
+
+
+@pytest.mark.slow
+def test_docstring_example_runs_from_another_folder_with_the_clone_on_pythonpath(
+        checkpoint, coco4_dir, tmp_path):
+    """A user's program in a folder of its own (README.md, "From your own program")."""
+    code = [line[4:] for line in inference.estimator.__doc__.splitlines() if line.startswith("    ")]
+    (tmp_path / "mine.py").write_text("\n".join(code) + "\n")
+    shutil.copy(checkpoint, tmp_path / "best.pth")
+    shutil.copy(coco4_dir / "000000000785.jpg", tmp_path / "photo.jpg")
+    runs = {path: subprocess.run([sys.executable, "mine.py"], cwd=tmp_path, capture_output=True, text=True,
+                                 env=child_env(PYTHONPATH=path), timeout=300) for path in (str(REPO), "")}
+    assert runs[str(REPO)].returncode == 0, runs[str(REPO)].stderr
+    assert re.search(r"\((-?[\d.]+), \(([-\d., ]+)\)\)", runs[str(REPO)].stdout)
+    assert "No module named 'inference'" in runs[""].stderr       # without it: what the docs warn of
 
 
 def test_settings_come_from_the_checkpoint_and_people_are_plain_records(estimator, pictures):

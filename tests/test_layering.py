@@ -4,11 +4,14 @@ runtime (checkpoint files, collectives), then engine, then inference and the ent
 module that imports a layer above its own, even inside a function, fails here. And the layers below the
 engine (data, models, runtime) and inference receive their own part of the configuration (a
 section, or a view of `config.views`), never the whole `Config`: a public function or method there
-that takes one fails here."""
+that takes one fails here. Inside the engine, the loop (trainer.py), the precision backends, the
+parallel wrappers, the loaders and the logger import only what their role needs, and precision/
+knows no parallelism."""
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,17 +29,21 @@ ABOVE = {                   # package -> the packages it must never import
 }
 
 
-def imported_packages(path: Path) -> set[str]:
-    """The project's packages `path` imports; `data.skeleton` stands apart from the rest of data."""
-    def package(module: str) -> str:
-        return SKELETON if module == SKELETON or module.startswith(SKELETON + ".") else module.split(".")[0]
+def imported_modules(path: Path) -> set[str]:
+    """The dotted names `path` imports, anywhere in it (`from a.b import c`: a.b and a.b.c)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(package(alias.name) for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(package(node.module))
+            found.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
     return found
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The project's packages `path` imports; `data.skeleton` stands apart from the rest of data."""
+    return {SKELETON if module == SKELETON or module.startswith(SKELETON + ".") else module.split(".")[0]
+            for module in imported_modules(path)}
 
 
 @pytest.mark.parametrize("package", sorted(ABOVE))
@@ -44,6 +51,53 @@ def test_a_layer_imports_nothing_above_it(package):
     wrong = {f"{path.relative_to(ROOT)}: {sorted(imported_packages(path) & ABOVE[package])}"
              for path in sorted((ROOT / package).rglob("*.py")) if imported_packages(path) & ABOVE[package]}
     assert not wrong, wrong
+
+
+# -- inside the engine: the loop, precision, parallelism and the data feed stay apart --------------
+ENGINE_RULES = {    # a file or folder of engine/ -> the project's modules it may import (and theirs)
+    "trainer.py": {"common", "runtime"},          # the loop alone, run by whoever hands it its parts
+    "precision/": {"common", "config", "runtime.launch_env", "engine.precision"},
+    "parallel.py": {"config", "runtime"},         # SyncBN and DDP: no precision backend, no loop
+    "loaders.py": {"common", "config", "data"},   # the data feed knows no network
+    "logger.py": {"common", "runtime"},
+}
+PARALLELISM = ("engine.parallel", "runtime.distributed", "torch.distributed", "torch.nn.parallel",
+               "apex.parallel")
+
+
+def engine_imports(rule: str) -> dict[str, set[str]]:
+    """{file: the modules of the project it imports} for a rule's file or folder of engine/."""
+    where = ROOT / "engine" / rule
+    return {str(path.relative_to(ROOT)): {m for m in imported_modules(path) if m.split(".")[0] in ABOVE}
+            for path in (sorted(where.rglob("*.py")) if rule.endswith("/") else [where])}
+
+
+def outside(modules: set[str], allowed) -> list[str]:
+    return sorted(m for m in modules if not any(m == a or m.startswith(a + ".") for a in allowed))
+
+
+@pytest.mark.parametrize("rule", sorted(ENGINE_RULES))
+def test_engine_files_import_only_what_their_role_needs(rule):
+    wrong = {path: outside(found, ENGINE_RULES[rule]) for path, found in engine_imports(rule).items()}
+    assert not {path: found for path, found in wrong.items() if found}
+
+
+def test_precision_knows_no_parallelism():
+    found = set().union(*map(imported_modules, (ROOT / "engine" / "precision").rglob("*.py")))
+    assert not {m for m in found if m.startswith(PARALLELISM)}
+
+
+def test_the_engine_rules_find_a_wrong_import(tmp_path, monkeypatch):
+    (tmp_path / "engine" / "precision").mkdir(parents=True)
+    (tmp_path / "engine" / "trainer.py").write_text("from engine.optim import OptimStep\nimport data.dataset")
+    (tmp_path / "engine" / "precision" / "x.py").write_text("def f():\n    from runtime import distributed")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert outside(engine_imports("trainer.py")["engine/trainer.py"], ENGINE_RULES["trainer.py"]) == [
+        "data.dataset", "engine.optim", "engine.optim.OptimStep"]
+    with pytest.raises(AssertionError):
+        test_precision_knows_no_parallelism()
+    with pytest.raises(AssertionError):
+        test_engine_files_import_only_what_their_role_needs("precision/")
 
 
 # -- the layers below the engine, and inference, take their part of the config ----------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.train_throughput import count_host_syncs
+from bench.helpers import count_host_syncs
 from config.schema import AmpConfig, DistConfig, OptimConfig
 from engine.optim import updates_rounded_away
 from engine.precision import NativePrecision as Precision

@@ -20,7 +20,7 @@ from data.skeleton import DEFAULT_SIGMA, builtin, from_checkpoint
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from data.h5format import KeypointH5
-from data.make_hdf5 import convert, main as make_hdf5
+from data.make_hdf5 import ConvertSettings, convert, main as make_hdf5
 from data.targets import render_targets
 from runtime.checkpoint import load_checkpoint, load_weights
 from inference.evaluation import oracle_maps
@@ -42,8 +42,8 @@ def test_coco_builtin_gives_the_targets_of_before_bit_for_bit(coco4_dir, tmp_pat
     cfg = build_config("tiny", sets=["augment.flip_prob=0.5"])
     found = {}
     for split in ("train", "val"):
-        convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / f"{split}.h5", split=split,
-                progress=False)
+        convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / f"{split}.h5",
+                ConvertSettings(split=split, progress=False))
         dataset = KeypointDataset(tmp_path / f"{split}.h5", SampleSettings.of(cfg), train=split == "train")
         assert dataset.skeleton == builtin("coco")
         for epoch in (0, 1):
@@ -63,7 +63,7 @@ def test_coco_builtin_gives_the_targets_of_before_bit_for_bit(coco4_dir, tmp_pat
 
 def test_files_and_checkpoints_without_a_skeleton_are_coco(coco4_dir, tmp_path):
     path = tmp_path / "old.h5"
-    convert(coco4_dir / "test_coco.json", coco4_dir, path, split="val", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, path, ConvertSettings(split="val", progress=False))
     with h5py.File(path, "a") as f:          # as written before the skeleton was stored
         del f.attrs["skeleton"]
     h5 = KeypointH5(path)
@@ -116,7 +116,8 @@ def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_pa
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["num_images"] == 2 and 0.0 <= stats["AP"] <= 1.0
     assert all(len(r["keypoints"]) == 14 * 3 for r in json.loads(out.read_text()))
-    convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "coco.h5", split="val", progress=False)
+    convert(coco4_dir / "test_coco.json", coco4_dir, tmp_path / "coco.h5",
+            ConvertSettings(split="val", progress=False))
     assert evaluate.main(["--weights", str(tmp_path / "cp" / "last.pth"), "--h5", str(tmp_path / "coco.h5"),
                           "--out", str(out), "--overwrite", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
@@ -126,7 +127,7 @@ def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_pa
 
 def test_the_oracle_scores_with_the_skeleton_sigmas(coco4_dir, tmp_path, capsys):
     ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
-    convert(ann, coco4_dir, tmp_path / "val.h5", split="val", progress=False)
+    convert(ann, coco4_dir, tmp_path / "val.h5", ConvertSettings(split="val", progress=False))
     assert evaluate.main(["--oracle", "--h5", str(tmp_path / "val.h5"), "--preset", "tiny",
                           "--out", str(tmp_path / "o.json"), "--no-progress"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -181,7 +182,7 @@ def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic
     coco_train = synthetic_h5[0]
     train.main(["--train-h5", str(coco_train), "--out-dir", str(tmp_path), "--run-name", "coco", *QUICK])
     ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
-    convert(ann, coco4_dir, tmp_path / "cp.h5", split="train", progress=False)
+    convert(ann, coco4_dir, tmp_path / "cp.h5", ConvertSettings(split="train", progress=False))
     weights = tmp_path / "coco" / "last.pth"
     argv = ["--train-h5", str(tmp_path / "cp.h5"), "--out-dir", str(tmp_path), "--weights", str(weights),
             *QUICK]
@@ -281,7 +282,7 @@ def test_a_skeleton_of_other_keypoints_than_the_json_is_refused(coco4_dir, tmp_p
 def test_training_and_validation_files_of_different_skeletons_are_refused(
         coco4_dir, synthetic_h5, tmp_path, capsys):
     ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
-    convert(ann, coco4_dir, tmp_path / "cp_val.h5", split="val", progress=False)
+    convert(ann, coco4_dir, tmp_path / "cp_val.h5", ConvertSettings(split="val", progress=False))
     code = run_cli(train.main, ["--train-h5", str(synthetic_h5[0]), "--val-h5", str(tmp_path / "cp_val.h5"),
                        "--out-dir", str(tmp_path), *QUICK])
     err = capsys.readouterr().err.strip().splitlines()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.train_throughput import count_host_syncs
+from bench.helpers import count_host_syncs
 from config.schema import AmpConfig, DistConfig
 from runtime.distributed import DistContext, all_reduce_sum
 from engine.parallel import CrossProcessBatchNorm, convert_sync_bn, wrap_ddp
@@ -117,7 +117,7 @@ def test_ddp_step_with_sync_bn_equals_one_process_step(two_rank_records):
 @pytest.mark.slow
 def test_the_sync_counter_sees_one_host_sync_per_sync_bn_layer_and_training_forward(two_rank_records):
     """Each SyncBN layer's training forward waits for the ranks' joint count on the host (torch's
-    SyncBatchNorm on CUDA too: counted there through its sync debug mode, bench/train_throughput.py);
+    SyncBatchNorm on CUDA too: counted there through its sync debug mode, bench/helpers.py);
     its backward and the DDP step add none. small_net has two, the second with a cumulative
     average (momentum None), whose factor reads its batch count, as torch's BatchNorm does."""
     for rec in two_rank_records:
