@@ -58,7 +58,7 @@ ENGINE_RULES = {    # a file or folder of engine/ -> the project's modules it ma
     "trainer.py": {"common", "runtime"},          # the loop alone, run by whoever hands it its parts
     "precision/": {"common", "config", "runtime.launch_env", "engine.precision"},
     "parallel.py": {"config", "runtime"},         # SyncBN and DDP: no precision backend, no loop
-    "loaders.py": {"common", "config", "data"},   # the data feed knows no network
+    "loaders.py": {"common", "config", "data", "runtime"},   # the data feed knows no network
     "logger.py": {"common", "runtime"},
 }
 PARALLELISM = ("engine.parallel", "runtime.distributed", "torch.distributed", "torch.nn.parallel",
