@@ -149,7 +149,6 @@ def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         with written_whole(run_dir / "config.yaml", option="--out-dir") as tmp:
             tmp.write_text(to_yaml(cfg))
     except OSError as exc:
