@@ -208,7 +208,8 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
                             "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5,
                             "--config": cfg.preset}, {"--run-name/--out-dir": _overwritten(run_dir)})
             path = _resume_path(cfg.train, run_dir, reader)
-            state = folder_state(run_dir, path and Path(path), train.epochs, reader) if train.resume else "new"
+            state = folder_state(run_dir, path and Path(path), train.epochs, reader) if train.resume \
+                else "new"
             return str(run_dir), created, path, cfg, state
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)

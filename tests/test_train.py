@@ -425,7 +425,8 @@ def test_every_spelling_of_a_gpu_gets_float16_and_its_refusal(tmp_path, syntheti
 def killed_before_its_first_checkpoint(tmp_path, synthetic_h5, name="k"):
     """The folder a run leaves when it is killed before its first checkpoint: config.yaml and its log."""
     from config.loader import to_yaml
-    sets = [*SMALL, "train.max_steps_per_epoch=2", "data.workers=0", "train.tensorboard=false", "optim.lr=0.001"]
+    sets = [*SMALL, "train.max_steps_per_epoch=2", "data.workers=0", "train.tensorboard=false",
+            "optim.lr=0.001"]
     cfg = build_config("tiny", {"data": {"train_h5": str(synthetic_h5[0])}, "train": {"epochs": 1}}, sets)
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.yaml").write_text(to_yaml(cfg))
@@ -433,7 +434,8 @@ def killed_before_its_first_checkpoint(tmp_path, synthetic_h5, name="k"):
     return tmp_path / name
 
 
-def test_a_run_killed_before_its_first_checkpoint_restarts_from_its_own_config(tmp_path, synthetic_h5, capsys):
+def test_a_run_killed_before_its_first_checkpoint_restarts_from_its_own_config(tmp_path, synthetic_h5,
+                                                                               capsys):
     """Its documented restart used to train the default preset on the synthetic data and write that
     config over the run's config.yaml."""
     import yaml
@@ -442,12 +444,14 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_from_its_own_config(t
     capsys.readouterr()
     train.main(["--resume", "auto", "--run-name", "k", "--out-dir", str(tmp_path)])
     assert f"--resume auto: no checkpoint in {run_dir} yet, restarting the run from step 0 with its own " \
-           "config.yaml (data, preset, options; it was stopped before its first checkpoint)" in capsys.readouterr().out
+           "config.yaml (data, preset, options; it was stopped before its first checkpoint)" \
+           in capsys.readouterr().out
     saved = load_checkpoint(run_dir / "last.pth")
     after = yaml.safe_load((run_dir / "config.yaml").read_text())
     for config in (saved["config"], after):
         assert config["data"]["train_h5"] == str(synthetic_h5[0]) and config["optim"]["lr"] == 0.001
-        assert {k: v for k, v in config.items() if k != "train"} == {k: v for k, v in before.items() if k != "train"}
+        assert {k: v for k, v in config.items() if k != "train"} == \
+            {k: v for k, v in before.items() if k != "train"}
     assert saved["epoch"] == 1 and saved["step"] == 2
 
 
