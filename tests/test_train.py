@@ -240,7 +240,9 @@ def test_a_requeued_run_starts_afresh_saying_so_and_its_folder_holds_its_log_and
     assert f"the environment differs from this run's earlier start: opencv 4.9.0 -> {cv2.__version__} " \
            f"(now in {run_dir / 'environment.json'})" in log
     assert log[-1].startswith("error: 2 consecutive steps had a non-finite or abnormal loss")   # its last line
-    assert json.loads((run_dir / "environment.json").read_text())["versions"]["opencv"] == cv2.__version__
+    resumed = json.loads((run_dir / "environment.json").read_text())
+    assert resumed["versions"]["opencv"] == cv2.__version__
+    assert resumed["earlier_starts"] == [env]          # each start's record kept (it used to be replaced)
 
 
 def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):
