@@ -21,8 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.errors import ArgumentParser, ConfigError, DataError
+from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
+from config.loader import out_of_bounds
+from config.schema import FILE_FIELDS
 from data.skeleton import METRIC_KEYS
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
@@ -64,13 +66,15 @@ def _check_args(args) -> None:
     if args.oracle and args.weights:
         raise ConfigError("options --oracle and --weights: give one (the oracle scores the ground-truth "
                           "maps; no network runs)")
-    if args.oracle and (args.scales or args.flip is not None):
-        raise ConfigError("options --scales and --flip do not apply to --oracle: it decodes the "
-                          "ground-truth maps drawn once at each image's own size (stride 1)")
+    if args.oracle:
+        refuse_inapplicable({"--scales": args.scales, "--flip": args.flip}, "to --oracle", "it decodes the "
+                            "ground-truth maps drawn once at each image's own size (stride 1)")
     if args.max_images < 0:
         raise ConfigError(f"option --max-images: {args.max_images} must be >= 0")
-    if args.pck_threshold is not None and not args.pck_threshold > 0:
-        raise ConfigError(f"option --pck-threshold: {args.pck_threshold} must be > 0")
+    problem = args.pck_threshold is not None and out_of_bounds(args.pck_threshold,
+                                                               FILE_FIELDS["skeleton.pck_threshold"])
+    if problem:
+        raise ConfigError(f"option --pck-threshold: {args.pck_threshold} {problem}")
 
 
 def _check_writable(path: Path, overwrite: bool) -> None:
@@ -183,9 +187,15 @@ def run(args) -> dict:
         given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
                  "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
                                    else args.pck_normalize.split(","))}
-        scoring = parse_scoring({k: v for k, v in given.items() if v is not None},
-                                file_skeleton.dataset_keypoints, "option --pck-normalize",
-                                base=file_skeleton.scoring)     # the one --pck-normalize left to check
+        scoring = file_skeleton.scoring
+        for key, value in given.items():        # each checked naming its own option
+            if value is not None:
+                scoring = parse_scoring({key: value}, file_skeleton.dataset_keypoints,
+                                        f"option --{key.replace('_', '-')}", base=scoring)
+        if "pck" not in scoring.metrics:
+            refuse_inapplicable({"--pck-threshold": args.pck_threshold, "--pck-normalize": args.pck_normalize},
+                                "here", f"no PCK is scored (metrics: {', '.join(scoring.metrics)}); add "
+                                "--metric pck, or leave them out")
         start = time.perf_counter()
         stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
                             progress=not args.no_progress, oracle=args.oracle, results_path=out,

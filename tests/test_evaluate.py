@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -135,12 +136,25 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--h5", "{missing}"], "{missing}"),
     (["--weights", "{missing}", "--h5", "{h5}"], "{missing}"),
     (["--oracle", "--h5", "{h5}", "--set", "inference.nonsense=1"], "inference.nonsense"),
-    (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1"], "--scales and --flip do not apply to --oracle"),
-    (["--oracle", "--h5", "{h5}", "--flip"], "--scales and --flip do not apply to --oracle"),
+    (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1", "--no-flip"],
+     "options --scales and --flip do not apply to --oracle"),
+    (["--oracle", "--h5", "{h5}", "--flip"], "option --flip does not apply to --oracle"),
     (["--oracle", "--weights", "{h5}", "--h5", "{h5}"], "options --oracle and --weights: give one"),
     (["--weights", "{h5}", "--h5", "{h5}", "--device", "tpu"],
      "--device: 'tpu' is not auto, cpu, cuda, cuda:N or a list of GPU numbers"),
-    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"], "option --pck-threshold: 0.0 must be > 0"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"],
+     "option --pck-threshold: 0.0 must be > 0 and <= 1"),
+    # issue 47: sense, not only type; the option at fault named; options that do not apply refused
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "inf"],
+     "option --pck-threshold: inf is not a finite number"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "5"],
+     "option --pck-threshold: 5.0 must be > 0 and <= 1"),
+    (["--oracle", "--h5", "{h5}", "--metric", "pck", "pck"],
+     "option --metric: metric ['pck', 'pck']: give one"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0.3"],
+     "option --pck-threshold does not apply here: no PCK is scored (metrics: oks); add --metric pck"),
+    (["--oracle", "--h5", "{h5}", "--metric", "oks", "--pck-threshold", "0.3", "--pck-normalize", "bbox"],
+     "options --pck-threshold and --pck-normalize do not apply here: no PCK is scored (metrics: oks)"),
     (["--oracle", "--h5", "{h5}", "--pck-normalize", "nose,tail"],
      "option --pck-normalize: pck_normalize ['nose', 'tail']: give bbox, or two of the annotated keypoints"),
 ])
@@ -329,3 +343,22 @@ def test_evaluate_h5_without_a_model_or_oracle_is_refused_before_reading_the_fil
 
     with pytest.raises(ValueError, match="evaluate_h5 needs a model unless oracle=True"):
         evaluate_h5(None, tmp_path / "absent.h5", None, "cpu")
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("evaluate", ["--oracle", "--h5", "d.h5", "--out", ""]), ("evaluate", ["--h5=", "--oracle"]),
+    ("data.make_hdf5", ["--ann", "a.json", "--images", "", "--out", "o.h5"]),
+    ("data.make_hdf5", ["--ann", "a.json", "--images", "i", "--out", "o.h5", "--categories", ""]),
+    ("export", ["--weights", "w.pth", "--out", ""]), ("demo", ["--weights", "", "--image", "p.jpg"]),
+    ("train", ["--train-h5", ""]), ("train", ["--set", ""])])
+def test_an_empty_value_is_refused_for_every_option_of_every_command(command, argv, capsys):
+    """An empty path or list was taken as the current folder or as absent (issue 47)."""
+    import importlib
+    module = importlib.import_module(command)
+    parser = module.build_parser(*(["train"] if command == "train" else []))
+    with pytest.raises(SystemExit) as ended:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1
+    assert re.match(r"error: argument --[a-z0-9-]+: an empty value; give one or leave the option out",
+                    err), err
