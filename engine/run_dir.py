@@ -84,7 +84,9 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
             fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             release_run_dir(run_dir, remove_if_empty=created)
-            raise ConfigError(f"{run_dir}: cannot write there ({exc.strerror})") from None
+            what = (f"{run_dir / LOCK_FILE}: the run's lock file is a folder; remove it" if
+                    (run_dir / LOCK_FILE).is_dir() else f"{run_dir}: cannot write there ({exc.strerror})")
+            raise ConfigError(what) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
