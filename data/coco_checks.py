@@ -149,8 +149,8 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     given = ann.get("keypoints")
     if isinstance(given, list) and len(given) != values:
         triples = f"{len(given) // 3} keypoints" if len(given) % 3 == 0 else "not a multiple of 3"
-        return (f"keypoints has {len(given)} values ({triples}) but the category lists "
-                f"{keypoints} keypoints ({values} values)")
+        return ann.get("field_problem") or (f"keypoints has {len(given)} values ({triples}) but the "
+                                            f"category lists {keypoints} keypoints ({values} values)")
     problem = _numbers(given, values, "keypoints")
     if problem:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
