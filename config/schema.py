@@ -31,7 +31,7 @@ LOSS_SCALE = Bounds(MIN_LOSS_SCALE, MAX_LOSS_SCALE)
 # a skeleton file's OKS sigmas (COCO's: 0.025-0.107) and PCK threshold
 FILE_FIELDS = {"scaler.scale": Bounds(MIN_LOSS_SCALE), "scaler.growth_factor": Bounds(1, 16, low_open=True),
                "scaler.backoff_factor": Bounds(1 / 16, 1, high_open=True),
-               "scaler.growth_interval": Bounds(1, 10 ** 7), "scaler._growth_tracker": Bounds(0),
+               "scaler.growth_interval": Bounds(1, 2 ** 31), "scaler._growth_tracker": Bounds(0),
                "ema.updates": Bounds(0), "skeleton.sigmas": Bounds(0, 1, low_open=True),
                "skeleton.pck_threshold": Bounds(0, 1, low_open=True)}
 COUNT = Bounds(1)                 # an integer that must be at least 1
