@@ -22,8 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.errors import ArgumentParser, ConfigError, DataError
+from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
+from config.loader import out_of_bounds
+from config.schema import FILE_FIELDS
 from data.skeleton import METRIC_KEYS
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 
@@ -70,16 +72,18 @@ def _check_args(args) -> None:
     if len(given) > 1:
         raise ConfigError(f"options {' and '.join(given)}: give one (the oracle scores the ground-truth "
                           "maps, --results a results file; no network runs)")
-    if args.results and (args.out or args.scales or args.flip is not None):
-        raise ConfigError("options --out, --scales and --flip do not apply to --results: the file's "
-                          "results are scored as they are and nothing is written")
-    if args.oracle and (args.scales or args.flip is not None):
-        raise ConfigError("options --scales and --flip do not apply to --oracle: it decodes the "
-                          "ground-truth maps drawn once at each image's own size (stride 1)")
+    if args.results:
+        refuse_inapplicable({"--out": args.out, "--scales": args.scales, "--flip": args.flip},
+                            "to --results", "the file's results are scored as they are and nothing is written")
+    if args.oracle:
+        refuse_inapplicable({"--scales": args.scales, "--flip": args.flip}, "to --oracle", "it decodes the "
+                            "ground-truth maps drawn once at each image's own size (stride 1)")
     if args.max_images < 0:
         raise ConfigError(f"option --max-images: {args.max_images} must be >= 0")
-    if args.pck_threshold is not None and not args.pck_threshold > 0:
-        raise ConfigError(f"option --pck-threshold: {args.pck_threshold} must be > 0")
+    problem = args.pck_threshold is not None and out_of_bounds(args.pck_threshold,
+                                                               FILE_FIELDS["skeleton.pck_threshold"])
+    if problem:
+        raise ConfigError(f"option --pck-threshold: {args.pck_threshold} {problem}")
 
 
 def _check_writable(path: Path, overwrite: bool) -> None:
@@ -154,7 +158,7 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
 
 
 def _scoring(args, h5_path: str):
-    """(the file's skeleton, its scoring with the options' changes: the one --pck-normalize left to check)."""
+    """(the file's skeleton, its scoring with the options' changes), each option checked by its name."""
     from data.h5format import KeypointH5
     from data.skeleton import parse_scoring
 
@@ -163,9 +167,16 @@ def _scoring(args, h5_path: str):
     given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
              "pck_normalize": (args.pck_normalize if args.pck_normalize in (None, "bbox")
                                else args.pck_normalize.split(","))}
-    return file_skeleton, parse_scoring({k: v for k, v in given.items() if v is not None},
-                                        file_skeleton.dataset_keypoints, "option --pck-normalize",
-                                        base=file_skeleton.scoring)
+    scoring = file_skeleton.scoring
+    for key, value in given.items():
+        if value is not None:
+            scoring = parse_scoring({key: value}, file_skeleton.dataset_keypoints,
+                                    f"option --{key.replace('_', '-')}", base=scoring)
+    if "pck" not in scoring.metrics:
+        refuse_inapplicable({"--pck-threshold": args.pck_threshold, "--pck-normalize": args.pck_normalize},
+                            "here", f"no PCK is scored (metrics: {', '.join(scoring.metrics)}); add "
+                            "--metric pck, or leave them out")
+    return file_skeleton, scoring
 
 
 def run(args) -> dict:

@@ -38,6 +38,22 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
+    def _get_values(self, action, arg_strings):
+        """An empty value is refused for every option: it never means "absent" or "this folder"."""
+        if "" in arg_strings and action.option_strings:
+            self.error(f"argument {'/'.join(action.option_strings)}: an empty value; give one or leave "
+                       "the option out")
+        return super()._get_values(action, arg_strings)
+
+
+def refuse_inapplicable(given: dict, where: str, why: str) -> None:
+    """ConfigError naming the options of `given` ({option: value, None when not given}) that were
+    given though they do not apply `where` ("to --oracle"): one rule for every command."""
+    named = [option for option, value in given.items() if value is not None]
+    if named:
+        raise ConfigError(f"option{'s' * (len(named) > 1)} {' and '.join(named)} "
+                          f"do{'es' * (len(named) == 1)} not apply {where}: {why}")
+
 
 def os_reason(exc: OSError) -> str:
     """What an operating-system error says, in lower case, for the middle of an error line."""

@@ -1,13 +1,18 @@
 """The paths a command writes: no output may be an input, lie inside a folder read or be another
 output (`refuse_clashes`; paths compared resolved, links and `..` followed), none replaces a file
 without --overwrite, and an output appears whole or not at all (`written_whole`), a new one
-created exclusively (of two commands writing it, the second fails in one line).
+created exclusively (of two commands writing it, the second fails in one line); a character device
+or FIFO is written into and a link followed, never replaced (`output_kind`).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 from common.errors import ConfigError, os_reason
@@ -71,11 +76,50 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
                           f"reads: writing it could destroy an input; choose another {option}")
 
 
+def output_kind(option: str, out) -> str:
+    """What the output `out` is: "absent", "file", "folder", or "stream" (a character device or FIFO,
+    written into, never replaced); links followed; ConfigError for a block device (a disk)."""
+    try:
+        mode = Path(out).stat().st_mode
+    except OSError:
+        return "absent"
+    if stat.S_ISBLK(mode):
+        raise ConfigError(f"{option} {out} is a block device (a disk): writing there would destroy what "
+                          f"it holds; choose a file for {option}")
+    return ("folder" if stat.S_ISDIR(mode) else "stream" if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+            else "file")
+
+
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:
-    """ConfigError when a file `out` (of `out_option`) exists and --overwrite was not given."""
-    if Path(out).exists() and not Path(out).is_dir() and not overwrite:
+    """ConfigError when a file `out` (of `out_option`) exists and --overwrite was not given (a device
+    or FIFO is written into, not replaced: it needs no --overwrite)."""
+    if output_kind(out_option, out) == "file" and not overwrite:
         raise ConfigError(f"{out_option} {out} already exists; remove it, choose another {out_option} "
                           "or pass --overwrite to replace it (nothing was written)")
+
+
+def _made_parent(path: Path, option: str) -> None:
+    """Create `path`'s folder; ConfigError naming `option` when a file stands where a folder must."""
+    ancestor = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if ancestor is not None:
+        raise ConfigError(f"{option} {path}: {ancestor} is a file, not a folder; choose another {option}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot create its folder ({os_reason(exc)})") from None
+
+
+def _write_into(path: Path, temp: Path, option: str) -> None:
+    """Copy `temp` into the character device or FIFO `path` (a FIFO only while a process reads it)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = "a FIFO no process reads; start its reader first" if exc.errno == errno.ENXIO else (
+            f"cannot write there ({os_reason(exc)})")
+        raise ConfigError(f"{option} {path}: {reason}; nothing was written") from None
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    with open(fd, "wb") as out, open(temp, "rb") as source:
+        shutil.copyfileobj(source, out)
 
 
 def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
@@ -101,9 +145,13 @@ def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None
     """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this
     process's id), which, when the block ends well, is synced and takes `path`'s name (over a file
     only with `overwrite`, else ConfigError naming `option`); on any failure it is removed and
-    `path` left as it was."""
-    path = Path(path)
-    temp = Path(temp) if temp else path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    `path` left as it was. A link is followed (its target written, the link kept); a character
+    device or FIFO is written into (the twin lies in the temporary folder), never replaced."""
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    stream = output_kind(option, path) == "stream"
+    _made_parent(path, option)
+    twin = f".{path.stem}.{os.getpid()}.tmp{path.suffix}"
+    temp = Path(temp) if temp else Path(tempfile.gettempdir(), twin) if stream else path.with_name(twin)
     try:
         yield temp
         if temp.is_file():
@@ -117,7 +165,9 @@ def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None
             if size == 0:
                 raise ConfigError(f"{option} {path}: the file written is empty (full disk?); nothing "
                                   "was written")
-            if overwrite:
+            if stream:
+                _write_into(path, temp, option)
+            elif overwrite:
                 os.replace(temp, path)
             else:
                 _take_name_exclusively(temp, path, option)
@@ -130,7 +180,6 @@ def write_text(option: str, path, text: str, overwrite: bool = True) -> None:
     """Write `text` to `path` whole (over a file only with `overwrite`); ConfigError naming `option`."""
     refuse_existing(option, path, overwrite)
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with written_whole(path, overwrite, option) as temp:
             temp.write_text(text)
     except OSError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
-from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, Config, declared
+from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, Bounds, Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -188,19 +188,28 @@ def check_value(key: str, value: Any) -> None:
                      else f"{bounds.min_items} to {bounds.max_items}")
             raise ConfigError(f"option {key}: {value!r} must have {count} items")
     for item in items:
-        if not isinstance(item, (int, float)) or isinstance(item, bool):
-            continue
-        where = f"item {item!r} of {value!r}" if isinstance(value, list) else repr(item)
-        if not math.isfinite(item):
-            raise ConfigError(f"option {key}: {where} is not a finite number")
-        if bounds is None:
-            continue
-        low_ok = bounds.low is None or (item > bounds.low if bounds.low_open else item >= bounds.low)
-        high_ok = bounds.high is None or (item < bounds.high if bounds.high_open else item <= bounds.high)
-        if not (low_ok and high_ok):
-            low = "" if bounds.low is None else f"{'>' if bounds.low_open else '>='} {_shown(bounds.low)}"
-            high = "" if bounds.high is None else f"{'<' if bounds.high_open else '<='} {_shown(bounds.high)}"
-            raise ConfigError(f"option {key}: {where} must be {' and '.join(t for t in (low, high) if t)}")
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            problem = out_of_bounds(item, bounds or Bounds())
+            if problem:
+                where = f"item {item!r} of {value!r}" if isinstance(value, list) else repr(item)
+                raise ConfigError(f"option {key}: {where} {problem}")
+
+
+def out_of_bounds(value: Any, bounds: Bounds, whole: bool = False) -> str | None:
+    """What makes `value` not a (`whole`) finite number within `bounds`, e.g. "must be >= 0"; None if
+    it is one. One rule for flags, config and skeleton files and checkpoint state."""
+    if not isinstance(value, int if whole else (int, float)) or isinstance(value, bool):
+        text = "text, " if isinstance(value, (str, bytes)) else ""
+        return f"is {text}not a {'whole ' if whole else ''}number"
+    if not math.isfinite(value):
+        return "is not a finite number"
+    low_ok = bounds.low is None or (value > bounds.low if bounds.low_open else value >= bounds.low)
+    high_ok = bounds.high is None or (value < bounds.high if bounds.high_open else value <= bounds.high)
+    if low_ok and high_ok:
+        return None
+    low = "" if bounds.low is None else f"{'>' if bounds.low_open else '>='} {_shown(bounds.low)}"
+    high = "" if bounds.high is None else f"{'<' if bounds.high_open else '<='} {_shown(bounds.high)}"
+    return f"must be {' and '.join(t for t in (low, high) if t)}"
 
 
 def _shown(bound: float) -> str:

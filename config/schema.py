@@ -26,6 +26,14 @@ POSITIVE, NON_NEGATIVE, FRACTION = Bounds(0, low_open=True), Bounds(0), Bounds(0
 # every step; below float16's smallest value, nearly every gradient becomes 0.
 MIN_LOSS_SCALE, MAX_LOSS_SCALE = 2.0 ** -24, 2.0 ** 24
 LOSS_SCALE = Bounds(MIN_LOSS_SCALE, MAX_LOSS_SCALE)
+# the numbers of the files the project reads, beside the config's fields (`config.loader.out_of_bounds`):
+# a checkpoint's loss scaler (GradScaler's names; a scale above 2^24 continues from 2^24, said) and EMA,
+# a skeleton file's OKS sigmas (COCO's: 0.025-0.107) and PCK threshold
+FILE_FIELDS = {"scaler.scale": Bounds(MIN_LOSS_SCALE), "scaler.growth_factor": Bounds(1, 16, low_open=True),
+               "scaler.backoff_factor": Bounds(1 / 16, 1, high_open=True),
+               "scaler.growth_interval": Bounds(1, 2 ** 31), "scaler._growth_tracker": Bounds(0),
+               "ema.updates": Bounds(0), "skeleton.sigmas": Bounds(0, 1, low_open=True),
+               "skeleton.pck_threshold": Bounds(0, 1, low_open=True)}
 COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 

@@ -129,6 +129,9 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
     problem = problem or _numbers(ann.get("bbox"), 4, "bbox")
     if problem is None and not (ann["bbox"][2] > 0 and ann["bbox"][3] > 0):
         problem = f"bbox {ann['bbox']} has no positive width and height"
+    if problem is None and _box_outside(ann["bbox"], info["width"], info["height"]):
+        problem = (f"bbox {ann['bbox']} cannot be [x, y, width, height] of the {info['width']}x"
+                   f"{info['height']} image: it lies far outside it ([x1, y1, x2, y2] given?)")
     if problem is None and "area" in ann and not (is_number(ann["area"]) and ann["area"] >= 0):
         problem = f"area {_short(ann.get('area'))} is not a finite number >= 0"
     if problem is None and (not crowd or "keypoints" in ann):
@@ -137,13 +140,20 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
     return f"{where}: {problem}" if problem else None
 
 
+def _box_outside(box, width: int, height: int) -> bool:
+    """Whether a box [x, y, w, h] leaves the image by more than KEYPOINT_MARGIN of its size."""
+    x, y, w, h = box
+    return bool(x < -KEYPOINT_MARGIN * width or y < -KEYPOINT_MARGIN * height
+                or x + w > (1 + KEYPOINT_MARGIN) * width or y + h > (1 + KEYPOINT_MARGIN) * height)
+
+
 def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     values = 3 * keypoints
     given = ann.get("keypoints")
     if isinstance(given, list) and len(given) != values:
         triples = f"{len(given) // 3} keypoints" if len(given) % 3 == 0 else "not a multiple of 3"
-        return (f"keypoints has {len(given)} values ({triples}) but the category lists "
-                f"{keypoints} keypoints ({values} values)")
+        return ann.get("field_problem") or (f"keypoints has {len(given)} values ({triples}) but the "
+                                            f"category lists {keypoints} keypoints ({values} values)")
     problem = _numbers(given, values, "keypoints")
     if problem:
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")

@@ -117,9 +117,13 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
         held = ", ".join(f"{'+'.join(f)} {n}" for f, n in layouts.items())
         raise DataError(f"{ann_path}: skeleton {skeleton.name} has {wanted} keypoints, but no field of "
                         f"the annotations holds as many ({held})")
-    fractional = 0
+    fractional, sizes = 0, {f: len(sample[f]) for f in fields} if sample else {}
     for ann in own if fields != ("keypoints",) else []:
         if all(isinstance(ann.get(f), list) for f in fields):
+            short = next((f for f in fields if len(ann[f]) != sizes[f]), None)
+            if short:         # what the length check of its keypoints says (coco_checks)
+                ann["field_problem"] = (f"{short} has {len(ann[short])} values, not {sizes[short]} "
+                                        f"({sizes[short] // 3} keypoints as in the other annotations)")
             values = [v for f in fields for v in ann[f]]
             for i in range(2, len(values), 3):       # COCO-WholeBody: a v > 0 that is not 1 or 2
                 if isinstance(values[i], float) and values[i] > 0 and values[i] not in (1, 2):

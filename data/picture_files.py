@@ -24,7 +24,6 @@ def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: boo
     """Write a BGR picture to `path` atomically; `DataError` naming `option` when it cannot."""
     path = check_picture_path(path, option)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(path, overwrite, option) as temp:
             written = cv2.imwrite(str(temp), picture)
     except (cv2.error, OSError) as exc:

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
+from config.loader import out_of_bounds
+from config.schema import FILE_FIELDS
 from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
@@ -111,8 +113,9 @@ def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring())
             or any(m not in METRIC_KEYS for m in metrics) or len(set(metrics)) != len(metrics)):
         _fail(source, f"metric {metrics!r}: give one or more of {', '.join(METRIC_KEYS)}, each once")
     threshold = spec.get("pck_threshold", base.pck_threshold)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-        _fail(source, f"pck_threshold {threshold!r} is not a number > 0")
+    problem = out_of_bounds(threshold, FILE_FIELDS["skeleton.pck_threshold"])
+    if problem:
+        _fail(source, f"pck_threshold {threshold!r} {problem}")
     normalize = spec.get("pck_normalize", base.pck_normalize)
     if normalize != "bbox":
         pair = list(normalize) if isinstance(normalize, (list, tuple)) else []
@@ -286,9 +289,11 @@ class Skeleton:
                       f"{[names[flip[a]], names[flip[b]]]} (add it, or fix the flip pairs)")
         sigmas = spec.get("sigmas", DEFAULT_SIGMA)
         sigmas = [sigmas] * len(dataset) if isinstance(sigmas, (int, float)) else sigmas
-        if (not isinstance(sigmas, (list, tuple)) or len(sigmas) != len(dataset)
-                or not all(isinstance(s, (int, float)) and s > 0 for s in sigmas)):
-            _fail(source, f"sigmas must be one positive number or {len(dataset)} of them (one per keypoint)")
+        if not isinstance(sigmas, (list, tuple)) or len(sigmas) != len(dataset):
+            _fail(source, f"sigmas must be one number or {len(dataset)} of them (one per keypoint)")
+        for name, sigma in zip(dataset, sigmas):       # COCO's: 0.025 to 0.107
+            if problem := out_of_bounds(sigma, FILE_FIELDS["skeleton.sigmas"]):
+                _fail(source, f"sigmas: {name}'s {sigma!r} {problem}")
         return cls(name=str(spec.get("name") or "custom"), keypoints=tuple(names), limbs=tuple(limbs),
                    main_limbs=len(main), flip=tuple(flip), dataset_keypoints=tuple(dataset),
                    sigmas=tuple(float(s) for s in sigmas), derived=derived,

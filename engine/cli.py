@@ -30,11 +30,14 @@ def build_parser(description: str) -> ArgumentParser:
 
 def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
                   reader) -> tuple[Path | None, dict | None]:
-    """(checkpoint, its stored config) that --resume will load, if found; read with `reader`."""
-    from engine.run_dir import newest_run_dir
+    """(checkpoint, its stored config) that --resume will load, if found; read with `reader`. A run
+    killed before its first checkpoint: (its config.yaml, that config)."""
+    from engine.run_dir import newest_run_dir, run_config
     if resume == "auto":
         base = Path(out_dir or "checkpoints")
         run_dir = base / run_name if run_name else newest_run_dir(base)
+        if run_config(run_dir):
+            return run_dir / "config.yaml", read_yaml(run_dir / "config.yaml")
         path = reader.latest(run_dir) if run_dir and run_dir.is_dir() else None
     else:
         path = Path(resume)

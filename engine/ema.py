@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from common.errors import CheckpointError
+from config.loader import out_of_bounds
+from config.schema import FILE_FIELDS
 from engine.precision import PrecisionBackend, live_state_dict
-from engine.train_state import bad_value
 from engine.trainer import Hook
 
 CHECKPOINT_KEY = "ema"
@@ -103,9 +104,10 @@ class WeightsEMA(Hook):
         """Continue the average saved in `state`; CheckpointError when it does not fit."""
         state = state if isinstance(state, dict) else {}
         saved, updates = state.get("model"), state.get("updates")
-        if not isinstance(saved, dict) or bad_value(updates, int):
-            raise CheckpointError("its EMA state is damaged (expected "
-                                  "'updates' and 'model'); start from its weights with --weights")
+        bad = updates is not None and out_of_bounds(updates, FILE_FIELDS["ema.updates"], whole=True)
+        if not isinstance(saved, dict) or updates is None or bad:
+            why = f"updates: {updates!r} {bad}" if bad else "expected 'updates' and 'model'"
+            raise CheckpointError(f"its EMA state is damaged ({why}); start from its weights with --weights")
         differ = sorted(set(saved) ^ set(self.averaged)) + sorted(
             k for k in saved.keys() & self.averaged.keys()
             if not isinstance(saved[k], torch.Tensor) or saved[k].shape != self.averaged[k].shape)

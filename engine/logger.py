@@ -53,15 +53,18 @@ class RunConsole:
             fh.write(text + "\n")
 
     def open(self, run_dir: Path, device, world_size: int) -> None:
-        """Start train.log and write environment.json (saying which versions changed since)."""
+        """Start train.log and write environment.json (saying which versions changed since; the
+        records of the run's earlier starts kept in its `earlier_starts`)."""
         if not self.enabled:
             return
         self.path, waiting, self.waiting = Path(run_dir) / "train.log", self.waiting, []
         path, now = Path(run_dir) / "environment.json", describe_environment(device, world_size)
         changed = []
-        if path.is_file():
-            with contextlib.suppress(OSError, ValueError):
-                changed = changed_versions(json.loads(path.read_text()), now)
+        if path.is_file():           # a resume: the earlier starts' records are kept in the file
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                before = json.loads(path.read_text())
+                now["earlier_starts"] = [*before.pop("earlier_starts", []), before]
+                changed = changed_versions(before, now)
         with writing(path), written_whole(path, option="--out-dir") as temp:
             temp.write_text(json.dumps(now, indent=1) + "\n")
         for text in waiting:

@@ -31,6 +31,28 @@ LOCK_FILE = ".run.lock"                  # locked (POSIX lockf) by the process t
 _claimed: dict[str, int] = {}            # run directory -> descriptor holding its lock, per process
 
 
+# what `--resume auto` does with a run folder in each state it can be left in (`folder_state`)
+RESTARTS = {"new": "starting afresh",
+            "config only": "restarting the run from step 0 with its own config.yaml (data, preset, "
+                           "options; it was stopped before its first checkpoint)",
+            "checkpoints": "continuing from its newest checkpoint",
+            "finished": "it has already finished its epochs: nothing to train (raise --epochs to go on)"}
+
+
+def folder_state(run_dir: Path, resume_path: Path | None, epochs: int, reader) -> str:
+    """The state of `run_dir` a resume finds: a key of RESTARTS."""
+    if resume_path is None:
+        return "config only" if (run_dir / "config.yaml").is_file() else "new"
+    epoch = reader.state(resume_path).get("epoch")
+    return "finished" if isinstance(epoch, int) and epoch >= epochs else "checkpoints"
+
+
+def run_config(run_dir: Path | None) -> Path | None:
+    """The config.yaml of a run folder killed before its first checkpoint: what its restart runs."""
+    path = run_dir / "config.yaml" if run_dir else None
+    return path if path and path.is_file() and not any(run_dir.glob("*.pth")) else None
+
+
 def holds_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
@@ -62,7 +84,9 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
             fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             release_run_dir(run_dir, remove_if_empty=created)
-            raise ConfigError(f"{run_dir}: cannot write there ({exc.strerror})") from None
+            what = (f"{run_dir / LOCK_FILE}: the run's lock file is a folder; remove it" if
+                    (run_dir / LOCK_FILE).is_dir() else f"{run_dir}: cannot write there ({exc.strerror})")
+            raise ConfigError(what) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -149,7 +173,6 @@ def clear_run_dir(train: TrainConfig, run_dir: Path) -> None:
 
 def save_resolved_config(cfg: Config, run_dir: Path) -> None:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         with written_whole(run_dir / "config.yaml", option="--out-dir") as tmp:
             tmp.write_text(to_yaml(cfg))
     except OSError as exc:
@@ -164,6 +187,13 @@ class RunPlan:
     resume_path: Path | None          # the checkpoint this run continues, if any
     config: Config                    # the main process's: the one every rank trains with
     reader: CheckpointReader          # reads resume_path (the command line may have read it)
+    state: str = "new"                # the folder's state (a key of RESTARTS)
+    notes: tuple = ()                 # what the resume says before it starts (`_resume_notes`)
+
+    @property
+    def restart(self) -> str:
+        """What a resume does with the folder in its state."""
+        return RESTARTS[self.state]
 
 
 def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
@@ -180,12 +210,24 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
             refuse_clashes({"--weights": train.weights, "--resume-reference": train.resume_reference,
                             "--train-h5": cfg.data.train_h5, "--val-h5": cfg.data.val_h5,
                             "--config": cfg.preset}, {"--run-name/--out-dir": _overwritten(run_dir)})
-            return str(run_dir), created, _resume_path(cfg.train, run_dir, reader), cfg
+            path = _resume_path(cfg.train, run_dir, reader)
+            state = folder_state(run_dir, path and Path(path), train.epochs, reader) if train.resume \
+                else "new"
+            return str(run_dir), created, path, cfg, state, _resume_notes(cfg, path, state, reader)
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)
             raise
-    run_dir, created, path, config = dist.decided_on_main(decide)
-    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader)
+    run_dir, created, path, config, state, notes = dist.decided_on_main(decide)
+    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader, state, notes)
+
+
+def _resume_notes(cfg: Config, path: str | None, state: str, reader) -> list[str]:
+    """The lines a resume of `path` says before it starts: a finished run, an average it drops."""
+    notes = [f"--resume {cfg.train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
+    if path and not cfg.train.ema and "ema" in reader.state(path):
+        notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates and "
+                     "keeps its own weights (resume with --ema DECAY to continue the average)")
+    return notes
 
 
 def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:

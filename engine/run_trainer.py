@@ -48,6 +48,8 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
     cfg = plan.config
     say = RunConsole(launch.ctx.is_main)
     say(f"run directory: {plan.run_dir}")
+    for note in plan.notes:
+        say(note)
     try:
         check_backend(cfg)           # as the command line does, for a config built in Python
         parts = (builder or TrainerBuilder()).build(cfg, launch, plan, say)

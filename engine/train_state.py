@@ -107,7 +107,7 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
         return state, None, plan.resume_path, list(state.get("fresh_tensors", ()))
     if train.resume == "auto" and plan is not None:
-        say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
+        say(f"--resume auto: no checkpoint in {plan.run_dir} yet, {plan.restart}")
     if train.resume_reference:
         path = Path(train.resume_reference)
         reference = ckpt.read_reference(path)

@@ -176,6 +176,6 @@ class PoseEstimator:
         """People of one BGR uint8 picture [H, W, 3], or per picture of a list."""
         if isinstance(pictures, np.ndarray):
             return next(self.stream([pictures], maps))
-        if pictures is None or isinstance(pictures, (str, bytes, os.PathLike)):
-            checked_picture(pictures, "the picture")          # says what it is
+        if not hasattr(pictures, "__iter__") or isinstance(pictures, (str, bytes)):
+            checked_picture(pictures, "the picture")          # says what it is (None, a path, an int)
         return list(self.stream(pictures, maps))

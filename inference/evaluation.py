@@ -173,7 +173,6 @@ def _write_results(path, overwrite: bool, results: list, merged: dict, gt: dict,
     else:
         text = json.dumps(results)
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with written_whole(path, overwrite) as temp:
             temp.write_text(text)
     except OSError as exc:

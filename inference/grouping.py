@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from config.loader import check_section
 from config.schema import InferenceConfig
 from data.skeleton import Skeleton
 from inference.peaks import find_peaks
@@ -356,7 +357,9 @@ def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_sco
 
 def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     """People in `maps` [C, H, W]: keypoints [P, K, 3] (x, y, peak score; 0 if missing) and
-    scores [P] (1 - 1 / total, decreasing, at most `cfg.max_people`), float32."""
+    scores [P] (1 - 1 / total, decreasing, at most `cfg.max_people`), float32. `cfg` is checked
+    as a config file's would be (one built in Python too): ConfigError naming the field."""
+    check_section(cfg, "inference")
     maps = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float32)
     if maps.shape[0] != skeleton.num_channels:
         raise ValueError(f"{maps.shape[0]} maps but skeleton {skeleton.name} has "

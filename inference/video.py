@@ -76,10 +76,6 @@ def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
     """A function writing BGR frames to the video `path` at `fps`; the video takes its name only
     when it is read back whole."""
     path = check_video_out(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"--out {path}: cannot write there ({exc.strerror or exc})") from None
     with written_whole(path, overwrite) as temp:
         writer = cv2.VideoWriter(str(temp), cv2.VideoWriter_fourcc(*FOURCC[path.suffix.lower()]), fps, size)
         if not writer.isOpened():

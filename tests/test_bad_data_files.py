@@ -38,6 +38,13 @@ COCO_CASES = {
     "zero box": (_edit(lambda c: first_ann(c).__setitem__("bbox", [1, 1, 0, 5])), ["has no positive width"]),
     "negative box": (_edit(lambda c: first_ann(c).__setitem__("bbox", [1, 1, -4, 5])),
                      ["no positive width"]),
+    # boxes whose numbers cannot be [x, y, w, h] of that picture (issue 47): converted without a word
+    "box as [x1, y1, x2, y2] past the picture": (
+        _edit(lambda c: first_ann(c).__setitem__("bbox", [400, 300, 1100, 900])),
+        ["annotation", "bbox [400, 300, 1100, 900] cannot be [x, y, width, height] of the",
+         "lies far outside"]),
+    "box far left of the picture": (_edit(lambda c: first_ann(c).__setitem__("bbox", [-5000, 10, 20, 20])),
+                                    ["bbox [-5000, 10, 20, 20] cannot be [x, y, width, height]"]),
     "keypoint far outside": (_edit(lambda c: first_ann(c)["keypoints"].__setitem__(
         next(i - 2 for i in range(2, 51, 3) if first_ann(c)["keypoints"][i]), 1e6)), ["lies far outside"]),
     "absolute file_name": (_edit(lambda c: c["images"][0].__setitem__(

@@ -304,19 +304,23 @@ GOOD_SCALER = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "gr
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"scale": float("nan")}, "scale is nan, not a finite number >= 2^-24"),
-    ({"scale": float("inf")}, "scale is inf, not a finite number >= 2^-24"),
-    ({"scale": 0.0}, "scale is 0.0, not a finite number >= 2^-24"),
-    ({"scale": 1e-30}, "scale is 1e-30, not a finite number >= 2^-24"),
-    ({"scale": "1024"}, "scale is '1024' (text), not a finite number >= 2^-24"),
-    ({"growth_factor": float("nan")}, "growth_factor is nan, not a finite number > 1"),
-    ({"growth_factor": 1.0}, "growth_factor is 1.0, not a finite number > 1"),
-    ({"backoff_factor": 1.5}, "backoff_factor is 1.5, not a number between 0 and 1"),
-    ({"backoff_factor": 0}, "backoff_factor is 0, not a number between 0 and 1"),
-    ({"growth_interval": 0}, "growth_interval is 0, not a whole number >= 1"),
-    ({"_growth_tracker": -1}, "_growth_tracker is -1, not a whole number >= 0"),
-    ({"_growth_tracker": True}, "_growth_tracker is True, not a whole number >= 0"),
-    ("apex", "loss_scaler0.loss_scale is nan, not a finite number >= 2^-24"),
+    ({"scale": float("nan")}, "scale: nan is not a finite number"),
+    ({"scale": float("inf")}, "scale: inf is not a finite number"),
+    ({"scale": 0.0}, "scale: 0.0 must be >= 5.96046e-08"),
+    ({"scale": 1e-30}, "scale: 1e-30 must be >= 5.96046e-08"),
+    ({"scale": "1024"}, "scale: '1024' is text, not a number"),
+    ({"growth_factor": float("nan")}, "growth_factor: nan is not a finite number"),
+    ({"growth_factor": 1.0}, "growth_factor: 1.0 must be > 1 and <= 16"),
+    ({"growth_factor": 1e9}, "growth_factor: 1000000000.0 must be > 1 and <= 16"),   # every growth overflows
+    ({"backoff_factor": 1.5}, "backoff_factor: 1.5 must be >= 0.0625 and < 1"),
+    ({"backoff_factor": 0}, "backoff_factor: 0 must be >= 0.0625 and < 1"),
+    ({"backoff_factor": 1e-9}, "backoff_factor: 1e-09 must be >= 0.0625 and < 1"),
+    ({"growth_interval": 0}, "growth_interval: 0 must be >= 1 and <= 2147483648"),
+    ({"growth_interval": 10 ** 12}, "growth_interval: 1000000000000 must be >= 1 and <= 2147483648"),
+    ({"growth_interval": 20.0}, "growth_interval: 20.0 is not a whole number"),
+    ({"_growth_tracker": -1}, "_growth_tracker: -1 must be >= 0"),
+    ({"_growth_tracker": True}, "_growth_tracker: True is not a whole number"),
+    ("apex", "loss_scaler0.loss_scale: nan is not a finite number"),
     ([1024.0], "it is a list"),
 ])
 def test_a_damaged_loss_scaler_state_is_refused_naming_the_file_and_the_field(change, says):

@@ -139,6 +139,21 @@ def test_keypoint_arrays_of_another_length_are_one_line_naming_both_counts(coco4
         in lines[0] and "[" not in lines[0]
 
 
+@pytest.mark.parametrize("skeleton, field", [("humanart21", "keypoints_21"),
+                                             ("wholebody133", "foot_kpts")])
+def test_a_short_field_of_another_layout_is_named_not_keypoints(skeleton, field, coco4_dir, tmp_path,
+                                                                capsys):
+    """A short keypoints_21 (Human-Art) or foot_kpts (COCO-WholeBody) was blamed on `keypoints`."""
+    def change(data):
+        (as_shipped("Human-Art") if field == "keypoints_21" else wholebody)(data)
+        last = [a for a in data["annotations"] if isinstance(a.get(field), list)][-1]     # not the first,
+        last[field] = last[field][:-3]                                          # which sets the layout
+    code, _, err = convert(shipped(coco4_dir, tmp_path, change), coco4_dir, tmp_path / "o.h5", capsys,
+                           "--skeleton", skeleton)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f": {field} has " in err and "as in the other annotations" in err, err
+
+
 # -- skeletons the JSON does not fully give ------------------------------------------------------
 def test_no_links_are_completed_dumped_and_given_back(coco4_dir, tmp_path, capsys):
     """Horse-10's layout: no skeleton links. The converter links every keypoint, says which links

@@ -149,6 +149,9 @@ def test_state_round_trip_is_exact_and_a_damaged_state_is_one_error():
     assert all(torch.equal(other.averaged[k], ema.averaged[k]) for k in ema.averaged)
     with pytest.raises(CheckpointError, match="^its EMA state is damaged"):
         other.load_state_dict({"model": {}})
+    for updates, says in ((-5, "-5 must be >= 0"), (2.5, "2.5 is not a whole number")):   # a negative
+        with pytest.raises(CheckpointError, match=f"damaged \\(updates: {says}\\)"):    # count: decay < 0
+            other.load_state_dict(dict(state, updates=updates))
     broken = dict(state, model={k: v for k, v in state["model"].items() if "stem" not in k})
     with pytest.raises(CheckpointError, match=r"^its EMA weights do not fit this model \("):
         other.load_state_dict(broken)

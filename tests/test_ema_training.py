@@ -142,3 +142,17 @@ def test_resuming_a_checkpoint_without_ema_under_ema_says_where_the_average_star
     assert said == [f"checkpoint {last} has no EMA of the weights (its run had no --ema): the average starts "
                     "from its weights now, its decay warming up again"], said
     assert load_checkpoint(last)["ema"]["updates"] == 3
+
+
+def test_resuming_an_ema_run_with_ema_0_says_the_average_is_dropped(straight, tmp_path, synthetic_h5,
+                                                                     capsys):
+    """The other direction of the test above was resumed without a word."""
+    import shutil
+    shutil.copytree(straight, tmp_path / "copy", ignore=shutil.ignore_patterns(".run.lock"))
+    capsys.readouterr()
+    run(tmp_path, synthetic_h5, "--epochs", "3", "--run-name", "copy", "--resume", "auto", "--ema", "0",
+        "--val-every", "0", "--ap-every", "0")
+    last = tmp_path / "copy" / "last.pth"
+    assert f"--ema 0: the average of the weights in {last} is dropped; this run validates and keeps its own " \
+           "weights (resume with --ema DECAY to continue the average)" in capsys.readouterr().out.splitlines()
+    assert load_checkpoint(last)["epoch"] == 3 and "ema" not in load_checkpoint(last)

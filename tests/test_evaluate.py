@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -135,15 +136,28 @@ def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     (["--oracle", "--h5", "{missing}"], "{missing}"),
     (["--weights", "{missing}", "--h5", "{h5}"], "{missing}"),
     (["--oracle", "--h5", "{h5}", "--set", "inference.nonsense=1"], "inference.nonsense"),
-    (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1"], "--scales and --flip do not apply to --oracle"),
-    (["--oracle", "--h5", "{h5}", "--flip"], "--scales and --flip do not apply to --oracle"),
+    (["--oracle", "--h5", "{h5}", "--scales", "0.5", "1", "--no-flip"],
+     "options --scales and --flip do not apply to --oracle"),
+    (["--oracle", "--h5", "{h5}", "--flip"], "option --flip does not apply to --oracle"),
     (["--oracle", "--weights", "{h5}", "--h5", "{h5}"], "options --oracle and --weights: give one"),
     (["--oracle", "--results", "{h5}", "--h5", "{h5}"], "options --oracle and --results: give one"),
     (["--results", "{h5}", "--h5", "{h5}", "--out", "x.json"], "--out, --scales and --flip do not apply"),
     (["--results", "{missing}", "--h5", "{h5}"], "--results {missing}: cannot read it"),
     (["--weights", "{h5}", "--h5", "{h5}", "--device", "tpu"],
      "--device: 'tpu' is not auto, cpu, cuda, cuda:N or a list of GPU numbers"),
-    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"], "option --pck-threshold: 0.0 must be > 0"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0"],
+     "option --pck-threshold: 0.0 must be > 0 and <= 1"),
+    # issue 47: sense, not only type; the option at fault named; options that do not apply refused
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "inf"],
+     "option --pck-threshold: inf is not a finite number"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "5"],
+     "option --pck-threshold: 5.0 must be > 0 and <= 1"),
+    (["--oracle", "--h5", "{h5}", "--metric", "pck", "pck"],
+     "option --metric: metric ['pck', 'pck']: give one"),
+    (["--oracle", "--h5", "{h5}", "--pck-threshold", "0.3"],
+     "option --pck-threshold does not apply here: no PCK is scored (metrics: oks); add --metric pck"),
+    (["--oracle", "--h5", "{h5}", "--metric", "oks", "--pck-threshold", "0.3", "--pck-normalize", "bbox"],
+     "options --pck-threshold and --pck-normalize do not apply here: no PCK is scored (metrics: oks)"),
     (["--oracle", "--h5", "{h5}", "--pck-normalize", "nose,tail"],
      "option --pck-normalize: pck_normalize ['nose', 'tail']: give bbox, or two of the annotated keypoints"),
 ])
@@ -398,7 +412,7 @@ def test_crowd_index_and_species_are_kept_by_the_conversion_and_scored(coco4_dir
     """A file whose pictures carry crowdIndex and whose people carry two categories, converted with
     a skeleton stating oks_area box, per_category and oks_stats crowd: evaluate.py reports the
     crowd statistics and scores each category on its own."""
-    from data.make_hdf5 import convert
+    from data.make_hdf5 import ConvertSettings, convert
     from data.skeleton import Skeleton
 
     data = json.loads((coco4_dir / "test_coco.json").read_text())
@@ -409,8 +423,8 @@ def test_crowd_index_and_species_are_kept_by_the_conversion_and_scored(coco4_dir
         ann["category_id"] = 2 if ann["image_id"] == 40083 else 1
     (tmp_path / "two.json").write_text(json.dumps(data))
     spec = dict(COCO.to_spec(), name="mine", oks_area="box", per_category=True, oks_stats="crowd")
-    convert(tmp_path / "two.json", coco4_dir, tmp_path / "two.h5", split="val", progress=False,
-            skeleton=Skeleton.from_spec(spec, "test"), categories=["1", "2"])
+    convert(tmp_path / "two.json", coco4_dir, tmp_path / "two.h5", ConvertSettings(
+        split="val", progress=False, skeleton=Skeleton.from_spec(spec, "test"), categories=["1", "2"]))
     truth = coco4_h5_truth(tmp_path / "two.h5")
     assert [img.get("crowdIndex") for img in truth["images"]] == [0.05, 0.3, 0.9, 0.5]
     assert {a.get("source_category_id") for a in truth["annotations"] if a["image_id"] == 40083} == {2}
@@ -418,3 +432,22 @@ def test_crowd_index_and_species_are_kept_by_the_conversion_and_scored(coco4_dir
                                 "--no-progress"], capsys)
     assert code == 0 and "scored with: OKS AP (0.53 x box w x h, per category, averaged, crowd stats)" in err
     assert [stats[k] for k in ("AP_easy", "AP_medium", "AP_hard", "AR75")] == pytest.approx([1.0] * 4)
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("evaluate", ["--oracle", "--h5", "d.h5", "--out", ""]), ("evaluate", ["--h5=", "--oracle"]),
+    ("data.make_hdf5", ["--ann", "a.json", "--images", "", "--out", "o.h5"]),
+    ("data.make_hdf5", ["--ann", "a.json", "--images", "i", "--out", "o.h5", "--categories", ""]),
+    ("export", ["--weights", "w.pth", "--out", ""]), ("demo", ["--weights", "", "--image", "p.jpg"]),
+    ("train", ["--train-h5", ""]), ("train", ["--set", ""])])
+def test_an_empty_value_is_refused_for_every_option_of_every_command(command, argv, capsys):
+    """An empty path or list was taken as the current folder or as absent (issue 47)."""
+    import importlib
+    module = importlib.import_module(command)
+    parser = module.build_parser(*(["train"] if command == "train" else []))
+    with pytest.raises(SystemExit) as ended:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1
+    assert re.match(r"error: argument --[a-z0-9-]+: an empty value; give one or leave the option out",
+                    err), err

@@ -266,3 +266,18 @@ def test_predict_maps_averages_scales_at_image_size(tiny_predictor):
         settings.inference.scales = [scale]
         singles.append(predict_maps(model, image, settings, "cpu"))
     np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_peaks", 10 ** 9, "option inference.max_peaks: 1000000000 must be >= 1 and <= 1000"),
+    ("min_parts", 0, "option inference.min_parts: 0 must be >= 1 and <= 18"),
+    ("merge_ratio", float("nan"), "option inference.merge_ratio: nan is not a finite number"),
+])
+def test_a_config_built_in_python_meets_the_bounds_of_a_config_file(field, value, says):
+    """The inference bounds held only for a config read from a file or flags (issue 47)."""
+    from common.errors import ConfigError
+    skeleton = builtin("coco")
+    maps = np.zeros((skeleton.num_channels, 8, 8), np.float32)
+    with pytest.raises(ConfigError) as refused:
+        group_people(maps, InferenceConfig(**{field: value}), skeleton)
+    assert str(refused.value) == says

@@ -290,6 +290,9 @@ def test_a_single_path_or_none_is_refused_as_the_picture(estimator):
         estimator("photo.jpg")
     with pytest.raises(TypeError, match="the picture is None"):
         estimator(None)
+    for picture, kind in ((5, "int"), (2.5, "float"), (Path("photo.jpg"), "path")):   # numpy's own
+        with pytest.raises(TypeError, match=f"^the picture is a {kind}"):              # TypeError before
+            estimator(picture)
 
 
 def same_people(a, b, tolerance: float = 0.0) -> bool:

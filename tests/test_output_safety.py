@@ -215,3 +215,15 @@ def test_table_refusals_leave_the_runs_untouched(table):
     assert (runs / "done" / "last.pth").read_bytes() == before["done"]       # another run's directory
     assert (runs / "disk" / "last.pth").read_bytes() == before["disk"]       # full disk while saving
     assert not list((runs / "disk").glob(".*tmp"))
+
+
+def test_a_lock_file_that_is_a_folder_is_named(tmp_path):
+    """It used to say the run folder could not be written, with the lock's '(Is a directory)'."""
+    from common.errors import ConfigError
+    from config import build_config
+    from engine.run_dir import LOCK_FILE, pick_and_claim
+    (tmp_path / "run" / LOCK_FILE).mkdir(parents=True)
+    cfg = build_config("tiny", {"train": {"out_dir": str(tmp_path), "run_name": "run"}})
+    with pytest.raises(ConfigError) as refused:
+        pick_and_claim(cfg)
+    assert str(refused.value) == f"{tmp_path / 'run' / LOCK_FILE}: the run's lock file is a folder; remove it"

@@ -260,6 +260,12 @@ GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
      "could never put it in a person (add a limb)"),
     ({"limbs": [["head", "left_hand"], ["left_hand", "right_hand"]]},
      "limb ['head', 'left_hand'] has no mirror limb ['head', 'right_hand'] (add it, or fix the flip pairs)"),
+    # numbers checked for sense by the bounds of config.schema.FILE_FIELDS (issue 47)
+    ({"sigmas": 5.0}, "sigmas: head's 5.0 must be > 0 and <= 1"),
+    ({"sigmas": [0.05, 0.05, 2.0]}, "sigmas: right_hand's 2.0 must be > 0 and <= 1"),
+    ({"sigmas": [0.05, "x", 0.05]}, "sigmas: left_hand's 'x' is text, not a number"),
+    ({"metric": "pck", "pck_threshold": 1e9}, "pck_threshold 1000000000.0 must be > 0 and <= 1"),
+    ({"pck_threshold": True}, "pck_threshold True is not a number"),
 ])
 def test_each_bad_skeleton_is_one_error_line(change, message, coco4_dir, tmp_path, capsys):
     path = tmp_path / "bad.yaml"

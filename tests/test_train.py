@@ -188,9 +188,9 @@ def test_a_damaged_loss_scaler_is_refused_on_resume_and_a_resume_that_only_skips
     good = load_checkpoint(last)
     resume = ["--train-h5", synthetic_h5[0], "--out-dir", tmp_path, *QUICK, "--epochs", "2", "--run-name", "s",
               "--resume", "auto", *fp16]
-    for field, value, says in (("scale", float("nan"), "scale is nan, not a finite number >= 2^-24"),
-                               ("scale", "1024", "scale is '1024' (text), not a finite number >= 2^-24"),
-                               ("backoff_factor", 1.5, "backoff_factor is 1.5, not a number between 0 and 1")):
+    for field, value, says in (("scale", float("nan"), "scale: nan is not a finite number"),
+                               ("scale", "1024", "scale: '1024' is text, not a number"),
+                               ("growth_factor", 1e9, "growth_factor: 1000000000.0 must be > 1 and <= 16")):
         save_checkpoint(last, {**good, "scaler": {**good["scaler"], field: value}})
         refused(capsys, train_cli, resume, [f"checkpoint {last}: its loss scaler state is damaged ({says})"],
                 tmp_path / "s")
@@ -240,7 +240,9 @@ def test_a_requeued_run_starts_afresh_saying_so_and_its_folder_holds_its_log_and
     assert f"the environment differs from this run's earlier start: opencv 4.9.0 -> {cv2.__version__} " \
            f"(now in {run_dir / 'environment.json'})" in log
     assert log[-1].startswith("error: 2 consecutive steps had a non-finite or abnormal loss")   # its last line
-    assert json.loads((run_dir / "environment.json").read_text())["versions"]["opencv"] == cv2.__version__
+    resumed = json.loads((run_dir / "environment.json").read_text())
+    assert resumed["versions"]["opencv"] == cv2.__version__
+    assert resumed["earlier_starts"] == [env]          # each start's record kept (it used to be replaced)
 
 
 def test_too_many_bad_steps_stop_the_run(tmp_path, synthetic_h5):
@@ -419,3 +421,55 @@ def test_every_spelling_of_a_gpu_gets_float16_and_its_refusal(tmp_path, syntheti
     with pytest.raises(ConfigError, match="O3 with --optimizer adamw in float16"):
         run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "gpu", "--opt-level", "O3",
             "--optimizer", "adamw", "--device", device)
+
+
+# -- what --resume auto does with a run folder in each state (engine.run_dir.folder_state) ----------
+def killed_before_its_first_checkpoint(tmp_path, synthetic_h5, name="k"):
+    """The folder a run leaves when it is killed before its first checkpoint: config.yaml and its log."""
+    from config.loader import to_yaml
+    sets = [*SMALL, "train.max_steps_per_epoch=2", "data.workers=0", "train.tensorboard=false",
+            "optim.lr=0.001"]
+    cfg = build_config("tiny", {"data": {"train_h5": str(synthetic_h5[0])}, "train": {"epochs": 1}}, sets)
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / name / "train.log").write_text(f"run directory: {tmp_path / name}\n")
+    return tmp_path / name
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_from_its_own_config(tmp_path, synthetic_h5,
+                                                                               capsys):
+    """Its documented restart used to train the default preset on the synthetic data and write that
+    config over the run's config.yaml."""
+    import yaml
+    run_dir = killed_before_its_first_checkpoint(tmp_path, synthetic_h5)
+    before = yaml.safe_load((run_dir / "config.yaml").read_text())
+    capsys.readouterr()
+    train.main(["--resume", "auto", "--run-name", "k", "--out-dir", str(tmp_path)])
+    assert f"--resume auto: no checkpoint in {run_dir} yet, restarting the run from step 0 with its own " \
+           "config.yaml (data, preset, options; it was stopped before its first checkpoint)" \
+           in capsys.readouterr().out
+    saved = load_checkpoint(run_dir / "last.pth")
+    after = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for config in (saved["config"], after):
+        assert config["data"]["train_h5"] == str(synthetic_h5[0]) and config["optim"]["lr"] == 0.001
+        assert {k: v for k, v in config.items() if k != "train"} == \
+            {k: v for k, v in before.items() if k != "train"}
+    assert saved["epoch"] == 1 and saved["step"] == 2
+
+
+def test_a_restart_whose_config_yaml_is_damaged_is_refused_naming_it(tmp_path, synthetic_h5, capsys):
+    run_dir = killed_before_its_first_checkpoint(tmp_path, synthetic_h5)
+    (run_dir / "config.yaml").write_text("optim: [unclosed\n")
+    refused(capsys, train_cli, ["--resume", "auto", "--run-name", "k", "--out-dir", tmp_path],
+            [f"{run_dir / 'config.yaml'}: malformed YAML"], tmp_path)
+
+
+def test_resume_auto_that_picks_a_finished_run_says_it_was_already_complete(tmp_path, synthetic_h5, capsys):
+    run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "f", "--val-every", "0")
+    last = (tmp_path / "f" / "last.pth").read_bytes()
+    capsys.readouterr()
+    train.main(["--resume", "auto", "--out-dir", str(tmp_path), *QUICK])       # no run name: the newest
+    said = capsys.readouterr().out.splitlines()
+    assert said[1] == (f"--resume auto: {tmp_path / 'f' / 'last.pth'}: it has already finished its epochs: "
+                       "nothing to train (raise --epochs to go on)")
+    assert (tmp_path / "f" / "last.pth").read_bytes() == last

@@ -2,15 +2,15 @@
 entry holds torch's `GradScaler.state_dict()` (native backend) or Apex's `amp.state_dict()` (apex
 backend; the authors' checkpoints keep it under `amp`). Both are the same dynamic scheme, so two
 numbers carry over: the scale and the finite steps since the last change. A saved state that would
-skip every step (a scale not finite or below 2^-24, bad factors or counts) is refused naming the
-file and field; a scale above 2^24 continues from 2^24, with a line.
+skip every step (a scale not finite or below 2^-24, factors or counts outside the bounds of
+config.schema.FILE_FIELDS) is refused naming the file and field; a scale above 2^24 continues from
+2^24, with a line.
 """
 from __future__ import annotations
 
-import math
-
 from common.errors import CheckpointError
-from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE
+from config.loader import out_of_bounds
+from config.schema import FILE_FIELDS, MAX_LOSS_SCALE
 
 APEX_KEY = "loss_scaler0"
 
@@ -38,24 +38,10 @@ def apex_amp_state(state) -> dict:
                        "unskipped": int(fields.get("_growth_tracker", 0))}}
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-# field: (what it must be, the test); GradScaler's layout, then Apex's (under APEX_KEY)
-_GRAD_SCALER_FIELDS = {
-    "scale": ("a finite number >= 2^-24", lambda v: _number(v) and v >= MIN_LOSS_SCALE),
-    "growth_factor": ("a finite number > 1", lambda v: _number(v) and v > 1),
-    "backoff_factor": ("a number between 0 and 1", lambda v: _number(v) and 0 < v < 1),
-    "growth_interval": ("a whole number >= 1", lambda v: _count(v) and v >= 1),
-    "_growth_tracker": ("a whole number >= 0", _count),
-}
-_APEX_FIELDS = {"loss_scale": _GRAD_SCALER_FIELDS["scale"],
-                "unskipped": _GRAD_SCALER_FIELDS["_growth_tracker"]}
+# GradScaler's fields (whole numbers or not), then Apex's (under APEX_KEY), and their bounds' names
+_GRAD_SCALER_FIELDS = {"scale": False, "growth_factor": False, "backoff_factor": False,
+                       "growth_interval": True, "_growth_tracker": True}
+_APEX_FIELDS = {"loss_scale": "scale", "unskipped": "_growth_tracker"}
 
 
 def scaler_problem(state) -> str | None:
@@ -65,14 +51,14 @@ def scaler_problem(state) -> str | None:
         if "loss_scale" not in state:
             return f"{prefix}loss_scale is missing"
     elif isinstance(state, dict) and "scale" in state:
-        fields, prefix = _GRAD_SCALER_FIELDS, ""
+        fields, prefix = {name: name for name in _GRAD_SCALER_FIELDS}, ""
     else:
         return None if state is None or isinstance(state, dict) else f"it is a {type(state).__name__}"
-    for name, (wanted, good) in fields.items():
-        if name in state and not good(state[name]):
-            value = state[name]
-            return (f"{prefix}{name} is {value!r}" + (" (text)" if isinstance(value, (str, bytes)) else "")
-                    + f", not {wanted}")
+    for name, ours in fields.items():
+        problem = name in state and out_of_bounds(state[name], FILE_FIELDS[f"scaler.{ours}"],
+                                                  _GRAD_SCALER_FIELDS[ours])
+        if problem:
+            return f"{prefix}{name}: {state[name]!r} {problem}"
     return None
 
 
