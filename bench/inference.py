@@ -28,7 +28,7 @@ from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
-from inference.evaluation import read_ahead  # noqa: E402
+from inference.estimator import read_ahead  # noqa: E402
 from inference.grouping import group_people  # noqa: E402
 from inference.loading import inference_config, pick_device  # noqa: E402
 from models import build_model  # noqa: E402

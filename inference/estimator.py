@@ -8,10 +8,13 @@
 
 `estimator(picture)` gives its `Person`s, best first (a list of pictures: a list of those;
 `maps=True`: `Prediction`s with the maps too). `estimator.stream(pictures)` batches any iterable;
-`estimator.grouped` gives arrays. Settings are the checkpoint's, changed by `sets`, `scales`, `flip`.
+`estimator.grouped` gives arrays: the network runs on windows of pictures batched by padded size, in a
+thread ahead of grouping's threads. Settings are the checkpoint's, changed by `sets`, `scales`, `flip`.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +30,10 @@ from config.views import PredictSettings
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
-from inference.predict import as_network, predict_maps_batch
+from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
 
-COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
+COCO_PICTURE_PIXELS = 640 * 480      # a window holds WINDOW x batch_size of these at most
+WINDOW = 4          # batches of pictures the network takes at once, batched by their padded size
 
 
 @dataclass(frozen=True)
@@ -61,23 +65,41 @@ def decode_threads(cfg: InferenceConfig) -> int:
     return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
 
 
-def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton,
-                    factors: deque | None = None) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a thread pool;
-    with `factors` (one a maps), keypoints in the picture's own pixels."""
+def read_ahead(items: Iterable, count: int) -> Iterator:
+    """The items of `items`, in order, made by a background thread up to `count` ahead (its
+    exception raised in its place); the thread is joined when the consumer stops."""
+    items, finished = iter(items), object()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
+    try:
+        pending = deque(pool.submit(next, items, finished) for _ in range(max(1, count)))
+        while (item := pending.popleft().result()) is not finished:
+            pending.append(pool.submit(next, items, finished))
+            yield item
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, factors: deque | None = None
+                    ) -> Iterator[tuple]:
+    """(maps, keypoints, scores) of each item of the stream (maps, or a call that makes them), in
+    order, made and grouped in a thread pool; with `factors` (one an item), keypoints in the
+    picture's own pixels."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
+    def group(item) -> tuple:
+        maps = item() if callable(item) else item
+        return maps, *group_people(maps, cfg, skeleton)
+
     def oldest() -> tuple:
-        maps_done, people = pending.popleft()
-        keypoints, scores = people.result()
+        maps, keypoints, scores = pending.popleft().result()
         if factors is not None:
             keypoints = coordinates_back(keypoints, factors.popleft())
-        return maps_done, keypoints, scores
+        return maps, keypoints, scores
 
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
-        for maps in maps_stream:
-            pending.append((maps, pool.submit(group_people, maps, cfg, skeleton)))
+        for item in maps_stream:
+            pending.append(pool.submit(group, item))
             while len(pending) > 2 * threads:
                 yield oldest()
         while pending:
@@ -141,25 +163,31 @@ class PoseEstimator:
                 factors.append(factor)
             yield ready
 
+    def network_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator:
+        """Per picture, a call that makes its maps from the network's: the network runs on windows of
+        `WINDOW` x `inference.batch_size` pictures (fewer when large), batched by padded size."""
+        window = WINDOW * self.settings.inference.batch_size
+        chunk, pixels = [], 0
+        for picture in itertools.chain(self._prepared(pictures, factors), [None]):
+            if picture is not None:
+                chunk.append(picture)
+                pixels += picture.shape[0] * picture.shape[1]
+            if chunk and (picture is None or len(chunk) == window or pixels >= window * COCO_PICTURE_PIXELS):
+                for parts, done in zip(network_maps(self.network, chunk, self.settings), chunk):
+                    yield functools.partial(picture_maps, parts, done.shape[:2], self.settings.inference.flip)
+                chunk, pixels = [], 0
+
     def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
                     ) -> Iterator[np.ndarray]:
-        """`maps` of an iterable of pictures, `inference.batch_size` at a time (fewer when large)."""
-        batch_size = self.settings.inference.batch_size
-        chunk, pixels = [], 0
-        for picture in self._prepared(pictures, factors):
-            chunk.append(picture)
-            pixels += picture.shape[0] * picture.shape[1]
-            if len(chunk) == batch_size or pixels >= batch_size * COCO_PICTURE_PIXELS:
-                yield from predict_maps_batch(self.network, chunk, self.settings)
-                chunk, pixels = [], 0
-        if chunk:
-            yield from predict_maps_batch(self.network, chunk, self.settings)
+        """`maps` of an iterable of pictures, made one by one (`network_stream`)."""
+        return (make() for make in self.network_stream(pictures, factors))
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
-        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order."""
+        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order; the
+        network a window ahead of grouping (memory: two windows' network maps, a few pictures' maps)."""
         factors: deque = deque()
-        yield from grouped_in_pool(self.maps_stream(pictures, factors), self.settings.inference,
-                                   self.skeleton, factors)
+        made = read_ahead(self.network_stream(pictures, factors), WINDOW * self.settings.inference.batch_size)
+        yield from grouped_in_pool(made, self.settings.inference, self.skeleton, factors)
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""

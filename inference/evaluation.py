@@ -8,9 +8,7 @@ import contextlib
 import itertools
 import json
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -24,7 +22,7 @@ from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
-from inference.estimator import PoseEstimator, grouped_in_pool
+from inference.estimator import WINDOW, PoseEstimator, grouped_in_pool, read_ahead
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import as_network
@@ -45,20 +43,6 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
     return maps, factor
 
 
-def read_ahead(items: Iterable, count: int) -> Iterator:
-    """The items of `items`, in order, made by a background thread up to `count` ahead (its
-    exception raised in its place); the thread is joined when the consumer stops."""
-    items, finished = iter(items), object()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
-    try:
-        pending = deque(pool.submit(next, items, finished) for _ in range(max(1, count)))
-        while (item := pending.popleft().result()) is not finished:
-            pending.append(pool.submit(next, items, finished))
-            yield item
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
                   stop=None) -> dict:
     """{image id: COCO results} of the image indices given; `stop()` True: the images so far."""
@@ -76,7 +60,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 yield maps
         people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
-        pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
+        window = WINDOW * settings.inference.batch_size
+        pictures = read_ahead((h5.decode_image(img) for img in chosen), window)
         people = PoseEstimator(as_network(model, device), settings).grouped(pictures)  # large: their pixels
     found = {}
     for img, (_, keypoints, scores) in zip(indices, people):     # in the order of `indices`
