@@ -480,7 +480,11 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512."""
+    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512, and
+    the ms of a picture by stage."""
+    import numpy
+    from bench.inference import split
+    from inference.estimator import PoseEstimator
     from config.views import PredictSettings
     from data.h5format import KeypointH5
     from data.make_hdf5 import convert
@@ -509,8 +513,13 @@ def section_evaluation(check: bool) -> dict:
                 sync(device)
                 rates.append(len(indices) / (time.perf_counter() - tick))
         h5.close()
+    truth = json.loads(ann.read_text())
+    encoded = [numpy.fromfile(str(source / info["file_name"]), numpy.uint8) for info in truth["images"]]
+    with eval_mode(model):                  # where a picture's time goes, by stage (bench/inference.py)
+        stages = split(PoseEstimator(model, PredictSettings.of(cfg)), encoded[:2 if check else None], truth)
     return {"status": "ok", "pictures": len(indices), "source": source.name, "scales": [1.0], "flip": True,
-            "pictures_per_s": [round(r, 2) for r in rates]}
+            "pictures_per_s": [round(r, 2) for r in rates],
+            "split_ms": {k: round(v, 2) for k, v in stages.items()}}
 
 
 ALONE = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,

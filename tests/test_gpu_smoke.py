@@ -39,7 +39,7 @@ def test_the_smokes_cpu_check_runs_every_section_and_ends_each_with_its_json_lin
     by_name = {line["section"]: line for line in lines}
     assert all(row["ok"] for row in by_name["levels"]["levels"].values())     # four command lines parsed
     assert by_name["throughput"]["rows"]["O1 bf16 b16"]["ms_per_step_median"] > 0
-    assert by_name["evaluation"]["pictures"] == 2
+    assert by_name["evaluation"]["pictures"] == 2 and by_name["evaluation"]["split_ms"]["network"] > 0
     first = by_name["first_step"]       # each cuDNN setting in a fresh process: its first five steps
     rows = [first["cudnn_benchmark_off"], first["cudnn_benchmark_on"]]
     assert len({first["pid"], *(row["pid"] for row in rows)}) == 3
