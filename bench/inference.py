@@ -34,7 +34,8 @@ import inference.estimator  # noqa: E402
 import inference.grouping  # noqa: E402
 import inference.predict  # noqa: E402
 from inference.coco_eval import coco_keypoint_stats  # noqa: E402
-from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool, read_ahead  # noqa: E402
+from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
+from inference.evaluation import read_ahead  # noqa: E402
 from inference.grouping import group_people, to_coco_results  # noqa: E402
 from inference.loading import inference_config, pick_device  # noqa: E402
 from models import build_model  # noqa: E402

@@ -8,8 +8,9 @@
 
 `estimator(picture)` gives its `Person`s, best first (a list of pictures: a list of those;
 `maps=True`: `Prediction`s with the maps too). `estimator.stream(pictures)` batches any iterable;
-`estimator.grouped` gives arrays: the network runs on windows of pictures batched by padded size, in a
-thread ahead of grouping's threads. Settings are the checkpoint's, changed by `sets`, `scales`, `flip`.
+`estimator.grouped` gives arrays: the network runs on windows of pictures batched by padded size,
+in a thread, a window ahead of grouping's threads. Settings are the checkpoint's, changed by `sets`,
+`scales`, `flip`.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back,
 from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
 
 COCO_PICTURE_PIXELS = 640 * 480      # a window holds WINDOW x batch_size of these at most
-WINDOW = 4          # batches of pictures the network takes at once, batched by their padded size
+WINDOW = 4          # batches of pictures a window holds, batched by their padded size
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,6 @@ def decode_threads(cfg: InferenceConfig) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ctx = current_context()          # the launcher's processes on this machine (torchrun, SLURM, ...)
     return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
-
-
-def read_ahead(items: Iterable, count: int) -> Iterator:
-    """The items of `items`, in order, made by a background thread up to `count` ahead (its
-    exception raised in its place); the thread is joined when the consumer stops."""
-    items, finished = iter(items), object()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
-    try:
-        pending = deque(pool.submit(next, items, finished) for _ in range(max(1, count)))
-        while (item := pending.popleft().result()) is not finished:
-            pending.append(pool.submit(next, items, finished))
-            yield item
-    finally:
-        pool.shutdown(cancel_futures=True)
 
 
 def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, factors: deque | None = None
@@ -115,6 +102,7 @@ class PoseEstimator:
         self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
         self.config: Config | None = None           # the whole config of the file it came from, if any
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
+        self.window = WINDOW                        # batches of pictures the network takes at once
 
     @classmethod
     def _loaded(cls, network, config: Config) -> "PoseEstimator":
@@ -163,19 +151,30 @@ class PoseEstimator:
                 factors.append(factor)
             yield ready
 
-    def network_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator:
-        """Per picture, a call that makes its maps from the network's: the network runs on windows of
-        `WINDOW` x `inference.batch_size` pictures (fewer when large), batched by padded size."""
-        window = WINDOW * self.settings.inference.batch_size
+    def windows(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator[list]:
+        """The pictures `_prepared`, `window` x `inference.batch_size` at a time (fewer when large)."""
+        size = self.window * self.settings.inference.batch_size
         chunk, pixels = [], 0
-        for picture in itertools.chain(self._prepared(pictures, factors), [None]):
-            if picture is not None:
-                chunk.append(picture)
-                pixels += picture.shape[0] * picture.shape[1]
-            if chunk and (picture is None or len(chunk) == window or pixels >= window * COCO_PICTURE_PIXELS):
-                for parts, done in zip(network_maps(self.network, chunk, self.settings), chunk):
-                    yield functools.partial(picture_maps, parts, done.shape[:2], self.settings.inference.flip)
+        for picture in self._prepared(pictures, factors):
+            chunk.append(picture)
+            pixels += picture.shape[0] * picture.shape[1]
+            if len(chunk) == size or pixels >= size * COCO_PICTURE_PIXELS:
+                yield chunk
                 chunk, pixels = [], 0
+        if chunk:
+            yield chunk
+
+    def network_window(self, chunk: list[np.ndarray]) -> list:
+        """Per picture of a window, a call that makes its maps: the network runs now, on batches of
+        pictures of one padded size (`network_maps`); the call samples them to the picture's size."""
+        flip = self.settings.inference.flip
+        return [functools.partial(picture_maps, parts, picture.shape[:2], flip)
+                for parts, picture in zip(network_maps(self.network, chunk, self.settings), chunk)]
+
+    def network_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator:
+        """`network_window` of each window of `pictures`, one picture's call at a time."""
+        for chunk in self.windows(pictures, factors):
+            yield from self.network_window(chunk)
 
     def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
                     ) -> Iterator[np.ndarray]:
@@ -183,11 +182,16 @@ class PoseEstimator:
         return (make() for make in self.network_stream(pictures, factors))
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
-        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order; the
-        network a window ahead of grouping (memory: two windows' network maps, a few pictures' maps)."""
+        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order. The
+        network runs in its own thread, on the next window while this one is grouped (pictures are
+        read here, one window ahead: two windows are held at most)."""
         factors: deque = deque()
-        made = read_ahead(self.network_stream(pictures, factors), WINDOW * self.settings.inference.batch_size)
-        yield from grouped_in_pool(made, self.settings.inference, self.skeleton, factors)
+        with ThreadPoolExecutor(1, thread_name_prefix="network") as network:
+            futures = (network.submit(self.network_window, chunk)
+                       for chunk in self.windows(pictures, factors))
+            made = (make for done, _ in itertools.pairwise(itertools.chain(futures, [None]))
+                    for make in done.result())
+            yield from grouped_in_pool(made, self.settings.inference, self.skeleton, factors)
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""

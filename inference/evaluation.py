@@ -8,7 +8,9 @@ import contextlib
 import itertools
 import json
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
-from inference.estimator import WINDOW, PoseEstimator, grouped_in_pool, read_ahead
+from inference.estimator import WINDOW, PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import as_network
@@ -41,6 +43,20 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
         height, width = person_mask.shape
     maps = render_targets(people, height, width, 1, targets, h5.skeleton, person_mask=person_mask)
     return maps, factor
+
+
+def read_ahead(items: Iterable, count: int) -> Iterator:
+    """The items of `items`, in order, made by a background thread up to `count` ahead (its
+    exception raised in its place); the thread is joined when the consumer stops."""
+    items, finished = iter(items), object()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
+    try:
+        pending = deque(pool.submit(next, items, finished) for _ in range(max(1, count)))
+        while (item := pending.popleft().result()) is not finished:
+            pending.append(pool.submit(next, items, finished))
+            yield item
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=False, progress=True,
