@@ -312,7 +312,8 @@ def fake_network(batch_size: int, runs: list):
 def test_grouping_overlaps_the_networks_next_window_and_the_network_runs_a_bounded_way_ahead(monkeypatch):
     """Grouping the first picture waits until the network has run the next window (it ran after the
     whole batch was grouped, one thread doing both), while the network runs at most two windows
-    ahead of grouping however long the stream (memory stays bounded)."""
+    ahead of grouping however long the stream (memory stays bounded); the pictures are read in the
+    caller's thread."""
     runs, ran_next, seen_ahead = [], threading.Event(), []
     network, settings = fake_network(2, runs)
     window = inference.estimator.WINDOW * 2
@@ -331,9 +332,15 @@ def test_grouping_overlaps_the_networks_next_window_and_the_network_runs_a_bound
         return out
     counted.device, counted.skeleton = network.device, network.skeleton
     monkeypatch.setattr(inference.estimator, "group_people", group_people)
-    pictures = [np.zeros((128, 128, 3), np.uint8)] * 200
-    assert len(list(PoseEstimator(counted, settings).grouped(pictures))) == 200
+    readers = set()
+
+    def pictures():                     # read in the caller's thread only (demo.py tees them)
+        for _ in range(200):
+            readers.add(threading.get_ident())
+            yield np.zeros((128, 128, 3), np.uint8)
+    assert len(list(PoseEstimator(counted, settings).grouped(pictures()))) == 200
     assert seen_ahead[0] is True and window < seen_ahead[1] <= 2 * window, seen_ahead
+    assert readers == {threading.get_ident()}
 
 
 STRIP_CAPPED = """
