@@ -174,6 +174,7 @@ def run(args) -> list[Path]:
         return draw_pictures(estimator, pairs, args.heatmaps, args.overwrite)
     if target is None:      # live: show each frame as soon as it is done
         estimator.settings.inference.batch_size = estimator.settings.inference.decode_threads = 1
+        estimator.window = 1
     draw_video(estimator, opened, target, args.heatmaps, args.overwrite)
     return [target] if target is not None else []
 

@@ -304,7 +304,25 @@ def alone_config(check: bool, level: str, dtype: str, batch: int, *sets: str):
 
 
 def section_first_step(check: bool) -> dict:
-    """The cost of a process's first training step, in parts."""
+    """The first step as users meet it: per cuDNN benchmarking setting a fresh process (`first_steps`),
+    its seconds from being started to its first step and its first five steps one by one."""
+    rows = {"pid": os.getpid()}
+    for benchmark in ("off", "on"):
+        started = time.time()
+        command = [sys.executable, __file__, "--first-steps", benchmark, *["--cpu-check"] * check]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        lines = done.stdout.strip().splitlines() or [done.stderr[-300:]]
+        try:
+            row = json.loads(lines[-1])
+        except ValueError:
+            return {"status": f"failed: benchmarking {benchmark}: exit {done.returncode}: {lines[-1][-300:]}"}
+        row["to_first_step_s"] = round(row.pop("first_step_at") - started, 3)
+        rows[f"cudnn_benchmark_{benchmark}"] = row
+    return {"status": "ok", **rows}
+
+
+def first_steps(check: bool, benchmark: bool) -> dict:
+    """This process's import, CUDA start and build seconds, then its first five training steps."""
     device = device_of(check)
     tick = time.perf_counter()
     if device.type == "cuda":
@@ -312,49 +330,23 @@ def section_first_step(check: bool) -> dict:
         torch.empty(1, device=device)
     cuda_init = time.perf_counter() - tick
     tick = time.perf_counter()
-    conv = torch.nn.Conv2d(3, 8, 3).to(device)               # cuDNN and cuBLAS handles, lazy modules
-    conv(torch.rand(1, 3, 16, 16, device=device, requires_grad=True)).sum().backward()
-    (torch.rand(8, 8, device=device) @ torch.rand(8, 8, device=device)).sum().item()
-    libraries = time.perf_counter() - tick
-    rows = {}
-    for benchmark in (False, True):
+    cfg = alone_config(check, "O1", "float16" if not check else "bfloat16", 2 if check else 16,
+                       f"train.cudnn_benchmark={benchmark}")
+    trainer, parts, dev = build_quietly(cfg)
+    batch = next(synthetic_batches(cfg.train.batch_size, cfg, dev))
+    sync(dev)
+    row = {"pid": os.getpid(), "import_torch_s": round(_IMPORT_TORCH_S, 3),
+           "import_all_s": round(_IMPORT_ALL_S, 3), "cuda_init_s": round(cuda_init, 3), "build_s": round(time.perf_counter() - tick, 3),
+           "first_step_at": time.time(), "capture_step": None, "steps_s": []}
+    graphed = getattr(trainer.net, "graphed", None)
+    for k in range(5):
         tick = time.perf_counter()
-        cfg = alone_config(check, "O1", "float16" if not check else "bfloat16", 2 if check else 16,
-                           f"train.cudnn_benchmark={benchmark}")
-        trainer, parts, dev = build_quietly(cfg)
-        images, target, mask = next(synthetic_batches(cfg.train.batch_size, cfg, dev))
+        trainer.run_step([batch])
         sync(dev)
-        update, times = trainer.optim_step, {"build_s": time.perf_counter() - tick}
-
-        def forward(images, target, mask, net=trainer.net):     # what OptimStep runs of each batch
-            tick = time.perf_counter()
-            per_sample, _ = net(images, target, mask)
-            sync(dev)
-            times["forward_s"] = time.perf_counter() - tick
-            return per_sample.mean()
-
-        def backward(loss, backend_backward=update.precision.backward):   # the backend's, timed
-            tick = time.perf_counter()
-            backend_backward(loss)
-            sync(dev)
-            times["backward_s"] = time.perf_counter() - tick
-
-        update.precision.backward = backward
-        tick = time.perf_counter()
-        update.update([(images, target, mask)], forward)
-        sync(dev)
-        times["optimiser_step_s"] = time.perf_counter() - tick - times["forward_s"] - times["backward_s"]
-        del update.precision.backward
-        tick = time.perf_counter()
-        trainer.run_step([(images, target, mask)])
-        sync(dev)
-        times["second_step_s"] = time.perf_counter() - tick
-        times["first_step_s"] = times["forward_s"] + times["backward_s"] + times["optimiser_step_s"]
-        rows["cudnn_benchmark_on" if benchmark else "cudnn_benchmark_off"] = {k: round(v, 3) for k, v in times.items()}
-        del trainer, parts, update, forward, backward
-        free_memory(device)
-    return {"status": "ok", "import_torch_s": round(_IMPORT_TORCH_S, 2), "import_all_s": round(_IMPORT_ALL_S, 2),
-            "cuda_init_s": round(cuda_init, 2), "cuda_libraries_s": round(libraries, 2), **rows}
+        row["steps_s"].append(round(time.perf_counter() - tick, 4))
+        if graphed is not None and graphed.replay is not None and row["capture_step"] is None:
+            row["capture_step"] = k + 1        # the step that captured the CUDA graphs
+    return row
 
 
 OLD = ["amp.cuda_graphs=false", "optim.fused=false"]     # the default before 2026-11-27
@@ -465,7 +457,11 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512."""
+    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512, and
+    the ms of a picture by stage."""
+    import numpy
+    from bench.inference import split
+    from inference.estimator import PoseEstimator
     from config.views import PredictSettings
     from data.h5format import KeypointH5
     from data.make_hdf5 import ConvertSettings, convert
@@ -494,8 +490,13 @@ def section_evaluation(check: bool) -> dict:
                 sync(device)
                 rates.append(len(indices) / (time.perf_counter() - tick))
         h5.close()
+    truth = json.loads(ann.read_text())
+    encoded = [numpy.fromfile(str(source / info["file_name"]), numpy.uint8) for info in truth["images"]]
+    with eval_mode(model):                  # where a picture's time goes, by stage (bench/inference.py)
+        stages = split(PoseEstimator(model, PredictSettings.of(cfg)), encoded[:2 if check else None], truth)
     return {"status": "ok", "pictures": len(indices), "source": source.name, "scales": [1.0], "flip": True,
-            "pictures_per_s": [round(r, 2) for r in rates]}
+            "pictures_per_s": [round(r, 2) for r in rates],
+            "split_ms": {k: round(v, 2) for k, v in stages.items()}}
 
 
 ALONE = {"first_step": section_first_step, "graph_numerics": section_graph_numerics,
@@ -522,7 +523,11 @@ def main(argv=None) -> int:
                         help="run every section's code on the CPU at toy sizes (command lines parsed only)")
     parser.add_argument("--section", choices=[*SECTIONS])
     parser.add_argument("--only", help="comma-separated sections to run (default: all)")
+    parser.add_argument("--first-steps", choices=("on", "off"), help=argparse.SUPPRESS)   # first_step's child
     args = parser.parse_args(argv)
+    if args.first_steps:
+        print(json.dumps(first_steps(args.cpu_check, args.first_steps == "on")), flush=True)
+        return 0
     only = set(args.only.split(",")) if args.only else None
     if only and (unknown := sorted(only - SECTIONS.keys())):
         parser.error(f"--only: no section {unknown}")

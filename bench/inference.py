@@ -1,15 +1,18 @@
 """Inference throughput: pictures/s through the network, through grouping, and both together as
-`inference.PoseEstimator` runs them.
+`inference.PoseEstimator` runs them; and where a picture's time goes, stage by stage.
 
     python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
         [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
 
 On coco4's pictures (without `--weights`: an untrained network, grouping on ground-truth maps),
-per batch size and per `--threads` count of evaluation's read-ahead; then one JSON line.
+per batch size and per `--threads` count of evaluation's read-ahead; then the split of one serial pass
+(decode, resize, host-to-device, network, maps back to picture size, peaks, grouping, scoring; each
+stage synchronised) at the last batch size; then one JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -27,9 +30,13 @@ from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
 from data.targets import render_targets  # noqa: E402
+import inference.estimator  # noqa: E402
+import inference.grouping  # noqa: E402
+import inference.predict  # noqa: E402
+from inference.coco_eval import coco_keypoint_stats  # noqa: E402
 from inference.estimator import PoseEstimator, decode_threads, grouped_in_pool  # noqa: E402
 from inference.evaluation import read_ahead  # noqa: E402
-from inference.grouping import group_people  # noqa: E402
+from inference.grouping import group_people, to_coco_results  # noqa: E402
 from inference.loading import inference_config, pick_device  # noqa: E402
 from models import build_model  # noqa: E402
 
@@ -57,9 +64,63 @@ def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, roun
     return {"threads": threads, **{f"{mode}_pictures_per_s": rate for mode, rate in best.items()}}
 
 
-def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """The coco4 pictures (BGR), the ground-truth maps [50, H, W] of their labelled people, and the
-    pictures' JPEG bytes."""
+STAGES = ("decode", "resize", "host_to_device", "network", "maps_back", "peaks", "grouping", "scoring")
+
+
+@contextlib.contextmanager
+def stage_clock(device, spent: dict, **stages):
+    """Each `stage=(owner, attribute)` function timed into `spent[stage]` (device synchronised)."""
+    originals = {name: getattr(*where) for name, where in stages.items()}
+
+    def timed(name, function):
+        def call(*args, **kwargs):
+            tick = time.perf_counter()
+            out = function(*args, **kwargs)
+            sync(device)
+            spent[name] += time.perf_counter() - tick
+            return out
+        return call
+    try:
+        for name, (owner, attribute) in stages.items():
+            setattr(owner, attribute, timed(name, originals[name]))
+        yield spent
+    finally:
+        for name, (owner, attribute) in stages.items():
+            setattr(owner, attribute, originals[name])
+
+
+def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:
+    """ms a picture per stage of one serial pass over `encoded` (JPEG), scored against `truth`
+    (COCO); "other" is the rest of the wall clock (batching, the mirror's merge, Python)."""
+    spent = dict.fromkeys(STAGES, 0.0)
+    cfg, skeleton, results = estimator.settings.inference, estimator.skeleton, []
+    ids = [info["id"] for info in truth["images"]]
+    with stage_clock(estimator.device, spent, resize=(inference.predict, "resize_for_scale"),
+                     host_to_device=(inference.predict, "pictures_to_batch"),
+                     network=(type(estimator.network), "__call__"),
+                     maps_back=(inference.estimator, "picture_maps"),
+                     peaks=(inference.grouping, "find_peaks"), decode=(cv2, "imdecode")):
+        start = time.perf_counter()
+        pictures = (cv2.imdecode(data, cv2.IMREAD_COLOR) for data in encoded)
+        for k, make in enumerate(estimator.network_stream(pictures)):
+            maps = make()
+            tick = time.perf_counter()
+            keypoints, scores = group_people(maps, cfg, skeleton)
+            spent["grouping"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            results += to_coco_results(ids[k % len(ids)], keypoints, scores, skeleton)
+            spent["scoring"] += time.perf_counter() - tick
+        tick = time.perf_counter()
+        coco_keypoint_stats(truth, results, image_ids=ids, sigmas=skeleton.sigmas)
+        spent["scoring"] += time.perf_counter() - tick
+        spent["grouping"] -= spent["peaks"]
+        spent["other"] = time.perf_counter() - start - sum(spent.values())
+    return {stage: 1e3 * s / len(encoded) for stage, s in spent.items()}
+
+
+def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], dict]:
+    """The coco4 pictures (BGR), the ground-truth maps [50, H, W] of their labelled people, the
+    pictures' JPEG bytes and their COCO annotations."""
     data = json.loads((COCO4 / "test_coco.json").read_text())
     pictures, truths, encoded = [], [], []
     for info in data["images"]:
@@ -68,7 +129,7 @@ def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray
         people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
                   if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
         truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets, COCO))
-    return pictures, truths, encoded
+    return pictures, truths, encoded, data
 
 
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
@@ -120,13 +181,15 @@ def main(argv=None) -> int:
         cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
         estimator = PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
                                   PredictSettings.of(cfg))
-    pictures, truths, encoded = coco4_pictures_and_truth(estimator.settings.targets)
+    pictures, truths, encoded, data = coco4_pictures_and_truth(estimator.settings.targets)
     pictures, truths = pictures * args.repeat, truths * args.repeat
     truths = None if args.weights else truths
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
     estimator.settings.inference.batch_size = args.batch_sizes[-1]
     evaluation = [evaluation_rates(estimator, encoded * args.repeat, t, max(1, args.rounds))
                   for t in args.threads]
+    split(estimator, encoded, data)          # warm-up
+    stages = split(estimator, encoded * args.repeat, data)
     settings = estimator.settings
     machine = platform.processor() or platform.machine()
     print(f"{args.weights or args.preset} on {estimator.device} ({machine}, "
@@ -151,8 +214,13 @@ def main(argv=None) -> int:
             print(f"| {row['threads']} torch + {row['threads']} grouping | "
                   f"{row['serial_pictures_per_s']:.2f} | {row['read_ahead_pictures_per_s']:.2f} | "
                   f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
+    total = sum(stages.values())
+    print(f"where a picture's time goes: one serial pass, batch {args.batch_sizes[-1]}, stages synchronised")
+    print("| stage | ms a picture | share |\n| --- | --- | --- |")
+    for stage, ms in [*stages.items(), ("total", total)]:
+        print(f"| {stage.replace('_', ' ')} | {ms:.2f} | {100 * ms / total:.0f} % |")
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
-                      "evaluation": evaluation, "pictures": len(pictures),
+                      "evaluation": evaluation, "split_ms": stages, "pictures": len(pictures),
                       "scales": settings.inference.scales, "flip": settings.inference.flip,
                       "grouping_maps": "network" if args.weights else "truth", "rows": rows}), flush=True)
     return 0

@@ -8,10 +8,14 @@
 
 `estimator(picture)` gives its `Person`s, best first (a list of pictures: a list of those;
 `maps=True`: `Prediction`s with the maps too). `estimator.stream(pictures)` batches any iterable;
-`estimator.grouped` gives arrays. Settings are the checkpoint's, changed by `sets`, `scales`, `flip`.
+`estimator.grouped` gives arrays: the network runs on windows of pictures batched by padded size,
+in a thread, a window ahead of grouping's threads. Settings are the checkpoint's, changed by `sets`,
+`scales`, `flip`.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +31,10 @@ from config.views import PredictSettings
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
-from inference.predict import as_network, predict_maps_batch
+from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
 
-COCO_PICTURE_PIXELS = 640 * 480      # a chunk of the stream holds the maps of batch_size of these
+COCO_PICTURE_PIXELS = 640 * 480      # a window holds WINDOW x batch_size of these at most
+WINDOW = 4          # batches of pictures a window holds, batched by their padded size
 
 
 @dataclass(frozen=True)
@@ -61,23 +66,27 @@ def decode_threads(cfg: InferenceConfig) -> int:
     return max(1, min(8, cores // (ctx.local_world_size if ctx else 1)))
 
 
-def grouped_in_pool(maps_stream: Iterable[np.ndarray], cfg: InferenceConfig, skeleton,
-                    factors: deque | None = None) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each maps of the stream, in order, grouped in a thread pool;
-    with `factors` (one a maps), keypoints in the picture's own pixels."""
+def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, factors: deque | None = None
+                    ) -> Iterator[tuple]:
+    """(maps, keypoints, scores) of each item of the stream (maps, or a call that makes them), in
+    order, made and grouped in a thread pool; with `factors` (one an item), keypoints in the
+    picture's own pixels."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
+    def group(item) -> tuple:
+        maps = item() if callable(item) else item
+        return maps, *group_people(maps, cfg, skeleton)
+
     def oldest() -> tuple:
-        maps_done, people = pending.popleft()
-        keypoints, scores = people.result()
+        maps, keypoints, scores = pending.popleft().result()
         if factors is not None:
             keypoints = coordinates_back(keypoints, factors.popleft())
-        return maps_done, keypoints, scores
+        return maps, keypoints, scores
 
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:
-        for maps in maps_stream:
-            pending.append((maps, pool.submit(group_people, maps, cfg, skeleton)))
+        for item in maps_stream:
+            pending.append(pool.submit(group, item))
             while len(pending) > 2 * threads:
                 yield oldest()
         while pending:
@@ -93,6 +102,7 @@ class PoseEstimator:
         self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
         self.config: Config | None = None           # the whole config of the file it came from, if any
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
+        self.window = WINDOW                        # batches of pictures the network takes at once
 
     @classmethod
     def _loaded(cls, network, config: Config) -> "PoseEstimator":
@@ -141,25 +151,47 @@ class PoseEstimator:
                 factors.append(factor)
             yield ready
 
-    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
-                    ) -> Iterator[np.ndarray]:
-        """`maps` of an iterable of pictures, `inference.batch_size` at a time (fewer when large)."""
-        batch_size = self.settings.inference.batch_size
+    def windows(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator[list]:
+        """The pictures `_prepared`, `window` x `inference.batch_size` at a time (fewer when large)."""
+        size = self.window * self.settings.inference.batch_size
         chunk, pixels = [], 0
         for picture in self._prepared(pictures, factors):
             chunk.append(picture)
             pixels += picture.shape[0] * picture.shape[1]
-            if len(chunk) == batch_size or pixels >= batch_size * COCO_PICTURE_PIXELS:
-                yield from predict_maps_batch(self.network, chunk, self.settings)
+            if len(chunk) == size or pixels >= size * COCO_PICTURE_PIXELS:
+                yield chunk
                 chunk, pixels = [], 0
         if chunk:
-            yield from predict_maps_batch(self.network, chunk, self.settings)
+            yield chunk
+
+    def network_window(self, chunk: list[np.ndarray]) -> list:
+        """Per picture of a window, a call that makes its maps: the network runs now, on batches of
+        pictures of one padded size (`network_maps`); the call samples them to the picture's size."""
+        flip = self.settings.inference.flip
+        return [functools.partial(picture_maps, parts, picture.shape[:2], flip)
+                for parts, picture in zip(network_maps(self.network, chunk, self.settings), chunk)]
+
+    def network_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator:
+        """`network_window` of each window of `pictures`, one picture's call at a time."""
+        for chunk in self.windows(pictures, factors):
+            yield from self.network_window(chunk)
+
+    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
+                    ) -> Iterator[np.ndarray]:
+        """`maps` of an iterable of pictures, made one by one (`network_stream`)."""
+        return (make() for make in self.network_stream(pictures, factors))
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
-        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order."""
+        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order. The
+        network runs in its own thread, on the next window while this one is grouped (pictures are
+        read here, one window ahead: two windows are held at most)."""
         factors: deque = deque()
-        yield from grouped_in_pool(self.maps_stream(pictures, factors), self.settings.inference,
-                                   self.skeleton, factors)
+        with ThreadPoolExecutor(1, thread_name_prefix="network") as network:
+            futures = (network.submit(self.network_window, chunk)
+                       for chunk in self.windows(pictures, factors))
+            made = (make for done, _ in itertools.pairwise(itertools.chain(futures, [None]))
+                    for make in done.result())
+            yield from grouped_in_pool(made, self.settings.inference, self.skeleton, factors)
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""

@@ -24,7 +24,7 @@ from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
 from inference.coco_eval import coco_keypoint_stats, keypoint_recall
-from inference.estimator import PoseEstimator, grouped_in_pool
+from inference.estimator import WINDOW, PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
 from inference.predict import as_network
@@ -76,7 +76,8 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
                 yield maps
         people = grouped_in_pool(drawn(), settings.inference, skeleton, factors)
     else:
-        pictures = read_ahead((h5.decode_image(img) for img in chosen), settings.inference.batch_size)
+        window = WINDOW * settings.inference.batch_size
+        pictures = read_ahead((h5.decode_image(img) for img in chosen), window)
         people = PoseEstimator(as_network(model, device), settings).grouped(pictures)  # large: their pixels
     found = {}
     for img, (_, keypoints, scores) in zip(indices, people):     # in the order of `indices`

@@ -65,14 +65,14 @@ def as_network(model, device=None):
 
 
 @torch.no_grad()
-def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: PredictSettings
-                       ) -> list[np.ndarray]:
-    """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
-    and flip; `network`: see the module docstring (`as_network` makes one of a model)."""
+def network_maps(network, pictures_bgr: list[np.ndarray], settings: PredictSettings) -> list[list[tuple]]:
+    """Per picture, per scale of `settings.inference`: (its stride-4 maps [C, h, w] from the network,
+    mirror merged when flipping, stride, resized size), batched by padded size; `picture_maps` makes
+    its maps. `network`: see the module docstring (`as_network` makes one of a model)."""
     inference = settings.inference
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     multiple = getattr(network, "size_multiple", input_multiple())
-    totals: list = [None] * len(pictures_bgr)
+    parts: list = [[] for _ in pictures_bgr]
     for scale in inference.scales:
         resized = [resize_for_scale(p, scale, settings.input_size) for p in pictures_bgr]
         by_size: dict[tuple[int, int], list[int]] = {}
@@ -92,11 +92,27 @@ def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: Predic
                     # Mirror back the whole padded map, so the crop region is the same for both.
                     out = out[: len(chunk)] + out[len(chunk):].flip(-1)[:, flip_index]
                 for row, k in enumerate(chunk):
-                    maps = resample_to_image(out[row: row + 1], stride, resized[k].shape[:2],
-                                             pictures_bgr[k].shape[:2])[0]
-                    totals[k] = maps if totals[k] is None else totals[k] + maps
-    count = len(inference.scales) * (2 if inference.flip else 1)
-    return [(total / count).cpu().numpy() for total in totals]
+                    parts[k].append((out[row: row + 1], stride, resized[k].shape[:2]))
+    return parts
+
+
+@torch.no_grad()
+def picture_maps(parts: list[tuple], image_hw, flip: bool) -> np.ndarray:
+    """float32 [C, *image_hw]: the mean of a picture's `network_maps` parts (`flip`: each holds two
+    runs), sampled to its pixels."""
+    total = None
+    for out, stride, resized_hw in parts:
+        maps = resample_to_image(out, stride, resized_hw, image_hw)[0]
+        total = maps if total is None else total + maps
+    return (total / (len(parts) * (2 if flip else 1))).cpu().numpy()
+
+
+def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: PredictSettings
+                       ) -> list[np.ndarray]:
+    """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
+    and flip (`network_maps`, then `picture_maps`)."""
+    return [picture_maps(parts, picture.shape[:2], settings.inference.flip)
+            for parts, picture in zip(network_maps(network, pictures_bgr, settings), pictures_bgr)]
 
 
 def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:

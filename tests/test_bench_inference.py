@@ -1,5 +1,5 @@
-"""bench/inference.py on the CPU: its table and JSON line, grouping on ground-truth maps that hold
-the coco4 people. Timings are not asserted (benchmarks report them)."""
+"""bench/inference.py on the CPU: its tables and JSON line, grouping on ground-truth maps that hold
+the coco4 people, and the split of a picture's time by stage. Timings are not asserted (benchmarks report them)."""
 from __future__ import annotations
 
 import json
@@ -23,3 +23,8 @@ def test_rows_per_batch_size_with_shares(capsys):
     assert [row["threads"] for row in result["evaluation"]] == [1, 2]
     assert all(min(row["serial_pictures_per_s"], row["read_ahead_pictures_per_s"]) > 0
                for row in result["evaluation"])
+    split = result["split_ms"]           # ms a picture per stage of a serial pass, then the rest
+    assert list(split) == ["decode", "resize", "host_to_device", "network", "maps_back", "peaks", "grouping",
+                           "scoring", "other"]
+    assert min(split.values()) >= 0 and min(split["decode"], split["network"], split["peaks"]) > 0
+    assert sum(line.startswith(("| network |", "| total |")) for line in lines) == 2

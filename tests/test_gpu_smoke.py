@@ -39,4 +39,10 @@ def test_the_smokes_cpu_check_runs_every_section_and_ends_each_with_its_json_lin
     by_name = {line["section"]: line for line in lines}
     assert all(row["ok"] for row in by_name["levels"]["levels"].values())     # four command lines parsed
     assert by_name["throughput"]["rows"]["O1 bf16 b16"]["ms_per_step_median"] > 0
-    assert by_name["evaluation"]["pictures"] == 2
+    assert by_name["evaluation"]["pictures"] == 2 and by_name["evaluation"]["split_ms"]["network"] > 0
+    first = by_name["first_step"]       # each cuDNN setting in a fresh process: its first five steps
+    rows = [first["cudnn_benchmark_off"], first["cudnn_benchmark_on"]]
+    assert len({first["pid"], *(row["pid"] for row in rows)}) == 3
+    for row in rows:
+        assert len(row["steps_s"]) == 5 and min(row["steps_s"]) > 0 and row["capture_step"] is None   # CPU
+        assert row["to_first_step_s"] > row["import_all_s"] + row["build_s"] > row["import_torch_s"] > 0

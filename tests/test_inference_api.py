@@ -4,6 +4,7 @@ a video through demo.py, and one error line for bad inputs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -11,6 +12,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -26,6 +29,7 @@ import inference.estimator
 from child_env import child_env
 from data.skeleton import builtin
 from config.loader import build_config, to_dict
+from config.views import PredictSettings
 from runtime.checkpoint import save_checkpoint
 from inference import Person, PoseEstimator, Prediction
 from inference.grouping import to_coco_results
@@ -162,6 +166,31 @@ def test_batched_equals_one_by_one(estimator, pictures):
 
 
 @pytest.mark.slow         # many CPU-seconds
+def test_a_stream_runs_batches_of_equal_padded_size_with_the_people_of_one_by_one(estimator, pictures):
+    """Square and 3:2 pictures in turn, 4 a batch: the window batches the four squares in one pass
+    and the 3:2 ones two a pass (consecutive batches of 4 held two of each, four passes); each
+    picture's maps and people are those of the picture alone."""
+    mixed = [p[:, : p.shape[0] * (2 + k % 2) // 2] for k, p in enumerate(pictures * 2)]
+    runs = []
+    network = estimator.network
+
+    def counted(batch):
+        runs.append(tuple(batch.shape))
+        return network(batch)
+    counted.device, counted.skeleton = network.device, network.skeleton
+    settings = dataclasses.replace(estimator.settings, inference=dataclasses.replace(
+        estimator.settings.inference, batch_size=4))
+    streamed = list(PoseEstimator(counted, settings).stream(mixed, maps=True))
+    assert sorted(runs) == [(4, 3, 128, 192), (4, 3, 128, 192), (8, 3, 128, 128)]     # with mirrors
+    for picture, together in zip(mixed, streamed):        # identical (on this CPU's kernels)
+        alone = estimator(picture, maps=True)
+        np.testing.assert_array_equal(together.maps, alone.maps)
+        assert [(p.score, p.box, p.keypoints.tolist()) for p in together.people] == [
+            (p.score, p.box, p.keypoints.tolist()) for p in alone.people]
+    assert sum(len(p.people) for p in streamed) >= 20
+
+
+@pytest.mark.slow         # many CPU-seconds
 def test_onnx_export_agrees_with_pytorch_and_gives_the_same_people(checkpoint, estimator, pictures,
                                                                    tmp_path, capsys):
     out = tmp_path / "pose.onnx"
@@ -271,17 +300,63 @@ def test_unreadable_video_is_one_error_line_on_the_command_line(checkpoint, tmp_
                                            "(damaged or unknown format)")
 
 
-def test_large_pictures_go_in_smaller_chunks(estimator, monkeypatch):
-    """A chunk holds the maps of at most batch_size COCO-sized pictures (HD video frames: fewer)."""
+def test_large_pictures_go_in_smaller_windows(estimator, monkeypatch):
+    """The network takes WINDOW batches of COCO-sized pictures at once (HD video frames: fewer)."""
     seen = []
-    monkeypatch.setattr(inference.estimator, "predict_maps_batch",
-                        lambda network, chunk, settings: seen.append(len(chunk)) or [None] * len(chunk))
-    assert estimator.settings.inference.batch_size == 8
-    assert len(list(estimator.maps_stream([np.zeros((480, 640, 3), np.uint8)] * 10))) == 10
-    assert seen == [8, 2]
+    monkeypatch.setattr(inference.estimator, "network_maps",
+                        lambda network, chunk, settings: seen.append(len(chunk)) or [[]] * len(chunk))
+    assert estimator.settings.inference.batch_size == 8 and inference.estimator.WINDOW == 4
+    assert len(list(estimator.network_stream([np.zeros((480, 640, 3), np.uint8)] * 40))) == 40
+    assert seen == [32, 8]
     seen.clear()
-    assert len(list(estimator.maps_stream([np.zeros((1080, 1920, 3), np.uint8)] * 5))) == 5
-    assert seen == [2, 2, 1]
+    assert len(list(estimator.network_stream([np.zeros((1080, 1920, 3), np.uint8)] * 12))) == 12
+    assert seen == [5, 5, 2]
+
+
+def fake_network(batch_size: int, runs: list):
+    """A network that gives zero maps, its batches' shapes appended to `runs`, and settings of
+    `batch_size` (input 128, one scale, no flip)."""
+    def network(batch):
+        runs.append(tuple(batch.shape))
+        return torch.zeros(batch.shape[0], COCO.num_channels, batch.shape[2] // 4, batch.shape[3] // 4)
+    network.device, network.skeleton = torch.device("cpu"), COCO
+    cfg = build_config("tiny", sets=[f"inference.batch_size={batch_size}", "inference.scales=[1.0]",
+                                     "inference.flip=false", "inference.decode_threads=1"])
+    return network, PredictSettings.of(cfg)
+
+
+def test_grouping_overlaps_the_networks_next_window_and_the_network_runs_a_bounded_way_ahead(monkeypatch):
+    """Grouping the first picture waits until the network has run the next window (it ran after the
+    whole batch was grouped, one thread doing both), while the network runs at most two windows
+    ahead of grouping however long the stream (memory stays bounded); the pictures are read in the
+    caller's thread."""
+    runs, ran_next, seen_ahead = [], threading.Event(), []
+    network, settings = fake_network(2, runs)
+    window = inference.estimator.WINDOW * 2
+
+    def group_people(maps, cfg, skeleton):
+        if not seen_ahead:
+            seen_ahead.append(ran_next.wait(10))
+            time.sleep(0.5)                                  # the network's chance to run further
+            seen_ahead.append(sum(shape[0] for shape in runs))
+        return np.zeros((0, len(COCO.keypoints), 3), np.float32), np.zeros(0, np.float32)
+
+    def counted(batch):
+        out = network(batch)
+        if sum(shape[0] for shape in runs) > window:
+            ran_next.set()
+        return out
+    counted.device, counted.skeleton = network.device, network.skeleton
+    monkeypatch.setattr(inference.estimator, "group_people", group_people)
+    readers = set()
+
+    def pictures():                     # read in the caller's thread only (demo.py tees them)
+        for _ in range(200):
+            readers.add(threading.get_ident())
+            yield np.zeros((128, 128, 3), np.uint8)
+    assert len(list(PoseEstimator(counted, settings).grouped(pictures()))) == 200
+    assert seen_ahead[0] is True and window < seen_ahead[1] <= 2 * window, seen_ahead
+    assert readers == {threading.get_ident()}
 
 
 STRIP_CAPPED = """
