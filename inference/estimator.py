@@ -195,14 +195,14 @@ class PoseEstimator:
 
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
-        for picture_maps, keypoints, scores in self.grouped(pictures):
+        for its_maps, keypoints, scores in self.grouped(pictures):
             people = []
             for person, score in zip(keypoints, scores):
                 found = person[person[:, 2] > 0, :2]
                 low, high = found.min(0), found.max(0)
                 people.append(Person(person, float(score), (float(low[0]), float(low[1]),
                                                            float(high[0]), float(high[1]))))
-            yield Prediction(people, picture_maps) if maps else people
+            yield Prediction(people, its_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):
         """People of one BGR uint8 picture [H, W, 3], or per picture of a list."""
