@@ -1,7 +1,10 @@
 """Run a function on real gloo ranks of one machine (torch.multiprocessing) and collect what each
 rank's call returned: `records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)` a
 module-level function (it is pickled to the children), its result saved by each rank to out_dir;
-and the fixture `gloo_group_of_one`, a group of one rank in the test's own process."""
+`as_forked_ranks(function, world, *args)`, a whole entry point such as `train_distributed.main` on
+ranks forked from the test's process (the variables torchrun sets, without its agent and without
+importing torch again: a fraction of a second each); and the fixture `gloo_group_of_one`, a group of
+one rank in the test's own process."""
 from __future__ import annotations
 
 import os
@@ -31,6 +34,18 @@ def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
     """[record(0, ctx) of rank 0, record(1, ctx) of rank 1, ...]."""
     mp.spawn(_worker, args=(world, find_free_port(), str(out_dir), record), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    function(*args)
+
+
+def as_forked_ranks(function, world: int, *args) -> None:
+    """function(*args) on `world` ranks forked from this process; a rank's exception is raised here."""
+    mp.start_processes(_forked_rank, args=(world, find_free_port(), function, args), nprocs=world,
+                       start_method="fork")
 
 
 @pytest.fixture
