@@ -44,6 +44,8 @@ def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> Non
 
 def as_forked_ranks(function, world: int, *args) -> None:
     """function(*args) on `world` ranks forked from this process; a rank's exception is raised here."""
+    import cv2
+    cv2.setNumThreads(1)     # as the loaders do before their workers fork; in a forked rank it can deadlock
     mp.start_processes(_forked_rank, args=(world, find_free_port(), function, args), nprocs=world,
                        start_method="fork")
 

@@ -147,7 +147,8 @@ def interrupted(case: dict, inputs: dict, name: str) -> None:
         lines = message_lines(stderr_of(err))
         assert lines[-1].endswith(f"Resume with the same command and --resume auto --run-name {name}"), lines
         state = load_checkpoint(run_dir / "last.pth")
-        assert (state["epoch"], "Traceback" in stderr_of(err)) == (0, False) and 0 < state["iteration"] < STEPS
+        batches = STEPS * (2 if case["option"] == "accumulate" else 1)
+        assert (state["epoch"], "Traceback" in stderr_of(err)) == (0, False) and 0 < state["iteration"] < batches
         return run_here(case, alone)
     wait_until(lambda: logged_steps(run_dir) > STEPS, process, "a logged step of epoch 2")
     os.killpg(process.pid, signal.SIGKILL)
