@@ -27,7 +27,7 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _read_preset(name: str, seen: tuple = ()) -> dict:
+def read_preset(name: str, seen: tuple = ()) -> dict:
     """The sections of preset `name` (or YAML path), its `base` chain merged under them."""
     is_path = name.endswith((".yaml", ".yml")) or os.sep in name
     path = Path(name) if is_path else PRESET_DIR / f"{name}.yaml"
@@ -42,7 +42,7 @@ def _read_preset(name: str, seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: must hold a mapping of config sections")
     base = data.pop("base", None)
     if base:
-        merged = _read_preset(base, seen + (str(path),))
+        merged = read_preset(base, seen + (str(path),))
         deep_update(merged, data)
         data = merged
     return data
@@ -127,7 +127,7 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
     """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`."""
     cfg = Config()
     if preset:
-        _apply(cfg, _read_preset(preset))
+        _apply(cfg, read_preset(preset))
         cfg.preset = preset
     if overrides:
         _apply(cfg, overrides)
@@ -146,6 +146,24 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> dict:
+    """{dotted key: (old value, new value)} of the fields that differ between two `to_dict`s."""
+    found = {}
+    for key, value in new.items():
+        was = old.get(key) if isinstance(old, dict) else None
+        if isinstance(value, dict):
+            found.update(differences(was if isinstance(was, dict) else {}, value, f"{prefix}{key}."))
+        elif was != value:
+            found[f"{prefix}{key}"] = (was, value)
+    return found
+
+
+def setting(key: str) -> str:
+    """How a user names option `key`: its flag and key ("--freeze (train.freeze)"), else the key."""
+    flg = declared(key)["flag"]
+    return f"{flg.name} ({key})" if flg else key
 
 
 def to_yaml(cfg: Config) -> str:
@@ -261,8 +279,11 @@ def validate(cfg: Config) -> None:
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
                           f"({cfg.augment.scale_max}): the minimum is above the maximum")
-    if cfg.optim.milestones != sorted(set(cfg.optim.milestones)):
-        raise ConfigError(f"option optim.milestones: {cfg.optim.milestones} must be increasing epochs")
+    milestones = cfg.optim.milestones
+    if milestones != sorted(set(milestones)) or any(m > 1 and not float(m).is_integer() for m in milestones):
+        raise ConfigError(f"option optim.milestones: {milestones} must be increasing epochs, or shares "
+                          "of train.epochs below 1")
+    cfg.optim.milestones = [int(m) if m >= 1 else m for m in milestones]
     check_input_size(cfg.data.input_size, cfg.model.depth)
     scale = cfg.amp.loss_scale
     if isinstance(scale, str) and scale != "dynamic":

@@ -39,12 +39,18 @@ class Flag:
     options: tuple = ()            # (name, value) pairs for add_argument
 
 
+# what a resume does with a value given again that differs from the run's: refuses it (KEPT: it would
+# change the run silently), applies it saying so (CHANGES), or never compares it (NAMES_RUN)
+KEPT, CHANGES, NAMES_RUN = "kept", "changes", "names the run"
+
+
 def option(default: Any = MISSING, *, factory=None, bounds: Bounds | None = None,
-           choices: tuple | None = None, flag: Flag | None = None, why: str | None = None):
-    """A field with what it accepts (`bounds`, `choices`, and `why`, said when a value is refused)
-    and its command-line `flag`."""
+           choices: tuple | None = None, flag: Flag | None = None, why: str | None = None,
+           resume: str = KEPT):
+    """A field with what it accepts (`bounds`, `choices`, and `why`, said when a value is refused),
+    its command-line `flag` and what a resume does with another value (`resume`)."""
     return field(default=default, default_factory=factory or MISSING,
-                 metadata={"bounds": bounds, "choices": choices, "flag": flag, "why": why})
+                 metadata={"bounds": bounds, "choices": choices, "flag": flag, "why": why, "resume": resume})
 
 
 def flag(name: str, group: str, help: str | None = None, **options) -> Flag:
@@ -88,9 +94,9 @@ class DataConfig:
     input_size: int = option(512, bounds=Bounds(64, 4096),
         flag=flag("--input-size", DATA, type=int, help="network input in pixels, a multiple of 64"))
     stride: int = option(4, choices=(4,), why="the network's output stride is 4")   # of the targets
-    workers: int = option(2, bounds=Bounds(0, 256),
+    workers: int = option(2, resume=CHANGES, bounds=Bounds(0, 256),
         flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
-    pin_memory: bool = True
+    pin_memory: bool = option(True, resume=CHANGES)
 
 
 @dataclass
@@ -148,7 +154,7 @@ class LossConfig:
 @dataclass
 class OptimConfig:
     name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
-    lr: float = option(2.5e-5, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
+    lr: float = option(2.5e-5, resume=CHANGES, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
     # N: LR = lr x total batch / N (batch_size x accumulate, any mode); 0: lr at any total batch
     reference_batch: int = option(0, bounds=Bounds(0, 2 ** 32))
@@ -163,13 +169,15 @@ class OptimConfig:
     warmup_start: float = option(0.0, bounds=FRACTION)     # LR multiplier at step 0 of warm-up
     # epochs; used when milestones is empty (0: no decay)
     decay_every: int = option(15, bounds=Bounds(0, 1e6))
-    milestones: list[int] = option(factory=list, bounds=Bounds(1, 1e6, items=int))
+    # epochs, or shares of train.epochs (below 1: 0.7 is epoch 7 of 10)
+    milestones: list[float] = option(factory=list, bounds=Bounds(0, 1e6, low_open=True, items=float))
     decay_factor: float = option(0.2, bounds=Bounds(0, 1, low_open=True))
     # 0: off; applied after unscaling
-    clip_grad_norm: float = option(0.0, bounds=NON_NEGATIVE,
+    clip_grad_norm: float = option(0.0, resume=CHANGES, bounds=NON_NEGATIVE,
         flag=flag("--clip-grad", OPTIMISATION, type=float, metavar="MAX_NORM"))
-    skip_loss_above: float = option(2e5, bounds=POSITIVE)  # a step whose loss exceeds this is skipped
-    max_bad_steps: int = option(20, bounds=Bounds(1, 1e9))   # consecutive skipped steps before the run stops
+    # a step whose loss exceeds this is skipped; after max_bad_steps such steps in a row the run stops
+    skip_loss_above: float = option(2e5, resume=CHANGES, bounds=POSITIVE)
+    max_bad_steps: int = option(20, resume=CHANGES, bounds=Bounds(1, 1e9))
     # torch.optim's fused kernels; auto: on for CUDA with the native backend
     fused: str | bool = option("auto", choices=("auto", True, False))
 
@@ -192,17 +200,17 @@ class AmpConfig:
                   help="float16 loss scale: dynamic (GradScaler) or fixed"))
     # dynamic scaler start (65536 overflows fp16 early); a larger one halves at each overflow
     init_scale: float = option(1024.0, bounds=LOSS_SCALE)
-    channels_last: str | bool = option("auto", choices=("auto", True, False),
+    channels_last: str | bool = option("auto", resume=CHANGES, choices=("auto", True, False),
         flag=flag("--channels-last", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
                   help="NHWC memory format for model and inputs (default: on for CUDA, off on CPU)"))
-    compile: bool = option(False,
+    compile: bool = option(False, resume=CHANGES,
         flag=flag("--compile", PRECISION, action="store_true", default=None, help="torch.compile the model"))
-    cuda_graphs: str | bool = option("auto", choices=("auto", True, False),
+    cuda_graphs: str | bool = option("auto", resume=CHANGES, choices=("auto", True, False),
         flag=flag("--cuda-graphs", PRECISION, type=parse_bool, nargs="?", const=True, metavar="True|False",
                   help="replay the network's training forward and backward as CUDA graphs (default: on "
                        "for one CUDA process with the native backend, without --compile)"))
-    tf32: bool = True             # CUDA: TF32 tensor cores for float32 convolutions and matmuls (Ampere+)
-    backend: str = option("native", choices=("native", "apex"),
+    tf32: bool = option(True, resume=CHANGES)   # CUDA: TF32 tensor cores for float32 convs, matmuls
+    backend: str = option("native", resume=CHANGES, choices=("native", "apex"),
         flag=flag("--amp-backend", PRECISION, metavar="native|apex",
                   help="native: torch.amp (default); apex: NVIDIA Apex's amp.initialize, apex.parallel DDP "
                        "and SyncBN (Apex 25.04 or older, CUDA only)"))
@@ -211,10 +219,10 @@ class AmpConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"         # auto: nccl on CUDA, gloo on CPU
-    sync_bn: bool = option(False,
+    sync_bn: bool = option(False, resume=CHANGES,
         flag=flag("--sync-bn", MULTI_PROCESS, action="store_true", default=None,
                   help="batch norm over all processes"))
-    delay_allreduce: bool = option(False,
+    delay_allreduce: bool = option(False, resume=CHANGES,
         flag=flag("--delay-allreduce", MULTI_PROCESS, action="store_true", default=None,
                   help="one all-reduce after backward"))
     bucket_cap_mb: float = option(25.0, bounds=Bounds(0, 1e5, low_open=True))
@@ -224,23 +232,25 @@ class DistConfig:
     zero: bool = option(False,
         flag=flag("--zero", MULTI_PROCESS, action="store_true", default=None,
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
-    timeout_s: int = option(1800, bounds=Bounds(1, 10 ** 7))
-    rendezvous_timeout_s: int = option(120, bounds=Bounds(1, 10 ** 7))   # how long ranks wait to join
+    timeout_s: int = option(1800, resume=CHANGES, bounds=Bounds(1, 10 ** 7))
+    # how long ranks wait to join
+    rendezvous_timeout_s: int = option(120, resume=CHANGES, bounds=Bounds(1, 10 ** 7))
     # a rank without heartbeat this long (killed, stopped, frozen) ends every rank
-    heartbeat_timeout_s: int = option(20, bounds=Bounds(3, 10 ** 7))
+    heartbeat_timeout_s: int = option(20, resume=CHANGES, bounds=Bounds(3, 10 ** 7))
 
 
 @dataclass
 class InferenceConfig:
     # x input_size / image height
     scales: list[float] = option(
-        factory=lambda: [1.0], bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
+        factory=lambda: [1.0], resume=CHANGES,
+        bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
         flag=flag("--scales", INFERENCE, type=float, nargs="+",
                   help="image heights to run, in units of input_size (1: input_size px; default: the "
                        "config's)"))
-    flip: bool = option(False, flag=flag("--flip", INFERENCE, action=argparse.BooleanOptionalAction,
-                                         default=None,
-                                         help="also run the mirror image (default: the config's)"))
+    flip: bool = option(False, resume=CHANGES,
+        flag=flag("--flip", INFERENCE, action=argparse.BooleanOptionalAction, default=None,
+                  help="also run the mirror image (default: the config's)"))
     # compared with the network's maps, which hold any value (2: no peak; -1: every sample)
     peak_threshold: float = 0.1
     refine_radius: int = option(2, bounds=Bounds(0, 32))        # 5x5 weighted centroid
@@ -257,46 +267,48 @@ class InferenceConfig:
     # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 1000))
     # evaluation's grouping threads (0: this machine's cores / its processes, <= 8)
-    decode_threads: int = option(0, bounds=Bounds(0, 256))
+    decode_threads: int = option(0, resume=CHANGES, bounds=Bounds(0, 256))
     # pictures per network pass at input_size x input_size (fewer when larger)
-    batch_size: int = option(8, bounds=Bounds(1, 4096))
+    batch_size: int = option(8, resume=CHANGES, bounds=Bounds(1, 4096))
 
 
 @dataclass
 class TrainConfig:
-    run_name: str = option("",
+    run_name: str = option("", resume=NAMES_RUN,
         flag=flag("--run-name", RUN, help="the run directory OUT_DIR/RUN_NAME (default: run-DATE-TIME)"))
-    out_dir: str = option("checkpoints",
+    out_dir: str = option("checkpoints", resume=NAMES_RUN,
         flag=flag("--out-dir", RUN, help="parent of run directories (default checkpoints)"))
-    epochs: int = option(100, bounds=Bounds(1, 10 ** 6),
+    epochs: int = option(100, resume=CHANGES, bounds=Bounds(1, 10 ** 6),
         flag=flag("--epochs", RUN, type=int, help="total epochs (a resumed run continues up to it)"))
     batch_size: int = option(4, bounds=Bounds(1, 65536),
         flag=flag("--batch-size", RUN, type=int, help="total batch over all processes / GPUs"))
-    accumulate: int = option(1, bounds=Bounds(1, 65536),
+    # a resume may change it: checkpoints count loader batches, so the run goes on from the same one
+    accumulate: int = option(1, resume=CHANGES, bounds=Bounds(1, 65536),
         flag=flag("--accumulate", RUN, type=int, metavar="K",
                   help="batches per optimiser step (gradient accumulation): K x batch-size samples per step"))
     seed: int = option(0, bounds=Bounds(0, 2 ** 32 - 1),
         flag=flag("--seed", RUN, type=int, help="weights, sample order and augmentation"))
-    device: str = option("auto", flag=flag("--device", RUN, help="auto | cpu | cuda | cuda:N"))
-    val_every: int = option(1, bounds=Bounds(0),
+    device: str = option("auto", resume=CHANGES,
+        flag=flag("--device", RUN, help="auto | cpu | cuda | cuda:N"))
+    val_every: int = option(1, resume=CHANGES, bounds=Bounds(0),
         flag=flag("--val-every", RUN, type=int, help="epochs between validation-loss passes (0: off)"))
-    ap_every: int = option(0, bounds=Bounds(0),
+    ap_every: int = option(0, resume=CHANGES, bounds=Bounds(0),
         flag=flag("--ap-every", RUN, type=int, help="epochs between validation-AP passes (0: off)"))
-    ap_max_images: int = option(0, bounds=Bounds(0))        # 0: every image of the val split
-    save_every: int = option(0, bounds=Bounds(0),
+    ap_max_images: int = option(0, resume=CHANGES, bounds=Bounds(0))        # 0: every image of the val split
+    save_every: int = option(0, resume=CHANGES, bounds=Bounds(0),
         flag=flag("--save-every", RUN, type=int, help="also keep epoch_N.pth every N epochs"))
-    early_stop_patience: int = option(0, bounds=Bounds(0),
+    early_stop_patience: int = option(0, resume=CHANGES, bounds=Bounds(0),
         flag=flag("--early-stop", RUN, type=int, metavar="N",
                   help="stop after N validations without improvement"))
-    log_every: int = option(20, bounds=COUNT)           # iterations between metrics.jsonl lines
+    log_every: int = option(20, resume=CHANGES, bounds=COUNT)   # iterations between metrics.jsonl lines
     max_steps_per_epoch: int = option(0, bounds=Bounds(0))  # 0: the whole epoch
-    resume: str = option("",
+    resume: str = option("", resume=NAMES_RUN,
         flag=flag("--resume", RUN,
                   help="checkpoint PATH (the run continues in its folder), or 'auto': the newest one of the"
                        " run"))
-    weights: str = option("",
+    weights: str = option("", resume=NAMES_RUN,
         flag=flag("--weights", RUN, help="initial weights only (fine-tuning); also the authors' layout"))
-    resume_reference: str = option("",
+    resume_reference: str = option("", resume=NAMES_RUN,
         flag=flag("--resume-reference", RUN, metavar="FILE",
                   help="continue the authors' training run from their checkpoint: weights, SGD momentum, "
                        f"loss scale, next epoch (default config {REFERENCE_PRESET})"))
@@ -306,19 +318,20 @@ class TrainConfig:
     freeze: list[str] = option(factory=list,
         flag=flag("--freeze", RUN, nargs="+", action="extend", metavar="PATTERN",
                   help="module-name prefixes or globs to freeze (repeatable: the patterns add up)"))
-    overwrite: bool = option(False,
+    overwrite: bool = option(False, resume=NAMES_RUN,
         flag=flag("--overwrite", RUN, action="store_true", default=None,
                   help="replace an existing run directory"))
-    tensorboard: bool = True
-    cudnn_benchmark: bool = True  # CUDA: time cuDNN's convolution algorithms once for the fixed input size
-    ema: float = option(0.0, bounds=Bounds(0, 1, high_open=True),
+    tensorboard: bool = option(True, resume=CHANGES)
+    # CUDA: time cuDNN's convolution algorithms once for the fixed input size
+    cudnn_benchmark: bool = option(True, resume=CHANGES)
+    ema: float = option(0.0, resume=CHANGES, bounds=Bounds(0, 1, high_open=True),
         flag=flag("--ema", OPTIMISATION, type=float, metavar="DECAY",
                   help="validate, score and keep in best.pth an exponential moving average of the weights "
                        "with this decay, e.g. 0.9998 (warmed up over train.ema_tau steps; default 0: off)"))
     # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
     ema_tau: float = option(2000.0, bounds=POSITIVE)
     # validation images drawn after each AP pass (0: none)
-    val_pictures: int = option(4, bounds=Bounds(0, 64))
+    val_pictures: int = option(4, resume=CHANGES, bounds=Bounds(0, 64))
 
 
 @dataclass
@@ -337,11 +350,12 @@ class Config:
 
 
 def declared(key: str) -> dict:
-    """{"bounds", "choices", "flag", "why"} of option `key` ("train.seed"), each None if not declared."""
+    """{"bounds", "choices", "flag", "why", "resume"} of option `key` ("train.seed"), each None if not
+    declared."""
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None
-    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag", "why")}
+    return {k: fld.metadata.get(k) if fld else None for k in ("bounds", "choices", "flag", "why", "resume")}
 
 
 def flags() -> Iterator[tuple[str, Flag]]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
-from config.loader import deep_update, build_config, nested, to_dict
-from config.schema import REFERENCE_PRESET, add_flags, flags
+from config.loader import build_config, deep_update, differences, nested, read_preset, setting, to_dict
+from config.schema import CHANGES, KEPT, REFERENCE_PRESET, add_flags, declared, flags
 from config.yaml_file import read_yaml
 
 DEFAULT_PRESET = "tiny"
@@ -51,20 +52,59 @@ RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite"
                 "run_name": ""}
 
 
-def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str]):
-    """The resumed run's config: its checkpoint's, then the flags given now."""
+def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str],
+                            preset: str | None = None) -> tuple:
+    """(the resumed run's config, the lines naming what it changes): its checkpoint's, then what
+    `preset` sets, then the flags given now, compared with it by `_resume_changes`."""
     saved["train"].update(RUN_IDENTITY)
-    deep_update(saved, overrides)
+    held = copy.deepcopy(saved)
+    if preset:
+        given, overrides = overrides, read_preset(preset)
+        deep_update(overrides, given)
     try:
-        return build_config(None, saved, sets)
+        base = build_config(None, held)
+        deep_update(saved, overrides)
+        cfg = build_config(None, saved, sets)
     except ConfigError as exc:
         try:
-            build_config(None, overrides, sets)
+            build_config(preset, overrides, sets)
         except ConfigError:
             raise exc from None             # the flags given now are wrong, not the saved config
         raise ConfigError(f"the config saved in checkpoint {path} does not fit this version: {exc}. "
                           "Resume with --config PRESET (plus --set for what that run changed) to give "
                           "the settings anew; the weights and optimiser state are still loaded") from None
+    return cfg, _resume_changes(base, cfg, path, f"--config {preset}" if preset else "this resume", held)
+
+
+def _resume_changes(base, cfg, path: Path, given: str, held: dict) -> list[str]:
+    """A line per setting `cfg` changes from the run's (`base`) that a resume may change, or that the
+    saved config `held` lacks (an older version's); ConfigError naming those it keeps
+    (config/schema.py's `option(resume=)`). Milestones that are shares move with --epochs: said."""
+    from engine.optim import milestone_epochs
+    differ = differences(to_dict(base), to_dict(cfg))
+    differ.pop("preset", None)
+    held = _leaf_keys(held)                 # the keys the saved config holds
+    kept = {key: pair for key, pair in differ.items()
+            if declared(key)["resume"] in (None, KEPT) and key in held}
+    if kept:
+        listed = "; ".join(f"{setting(key)} from {old!r} to {new!r}"
+                           for key, (old, new) in list(kept.items())[:4])
+        more = f" and {len(kept) - 4} more" if len(kept) > 4 else ""
+        raise ConfigError(f"{given} changes {listed}{more} of the run in {path.parent}, which a resume keeps "
+                          "(the run would change silently): leave out what differs or give the run's value; "
+                          f"to train with the new settings, start a new run with --weights {path}")
+    moved = [milestone_epochs(c.optim, c.train.epochs) for c in (base, cfg)]
+    also = {"train.epochs": f": LR milestones {cfg.optim.milestones} move from epochs {moved[0]} to "
+                            f"{moved[1]}" if moved[0] != moved[1] else ""}
+    return [f"{setting(key)} changes from {old!r} to {new!r}{also.get(key, '')}" if key in held else
+            f"{setting(key)} is {new!r} (the run's saved config, of an older version, has no value)"
+            for key, (old, new) in differ.items() if declared(key)["resume"] == CHANGES or key not in held]
+
+
+def _leaf_keys(data: dict, prefix: str = "") -> set[str]:
+    """The dotted keys of the values in nested mappings `data`."""
+    return {leaf for key, value in data.items() for leaf in (
+        _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])}
 
 
 def _is_saved_run_config(config: str | None) -> bool:
@@ -115,33 +155,51 @@ def _check_weights_network(cfg) -> None:
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
-    """The run's config from the flags, refused now when its backend cannot run here."""
+    """The run's config from the flags, refused now when its backend cannot run here; the lines
+    saying what a resume changes are said (by the first process)."""
     from engine.precision import check_backend
-    cfg = _resolve_config(args, reader)
+    cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(line, flush=True)
     return cfg
 
 
-def _resolve_config(args: argparse.Namespace, reader=None):
+def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:
+    """(the run's config, the lines saying what a resume changes or --config RUN/config.yaml leaves out)."""
     overrides: dict = {}
     for key, flag in flags():
         value = getattr(args, flag.name.lstrip("-").replace("-", "_"), None)    # argparse's dest
         if value is not None:
             deep_update(overrides, nested(key, value))
-    if args.resume and not args.config:
-        from engine.train_state import CheckpointReader
-        path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
-        if saved:
-            return _config_from_checkpoint(path, saved, overrides, args.set)
-    if _is_saved_run_config(args.config):
+    run_config = _is_saved_run_config(args.config)
+    if run_config:
         # another run's config.yaml as --config: a new run with its settings, not that run itself
         given, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}
         deep_update(overrides, given)
+    if args.resume:
+        from engine.train_state import CheckpointReader
+        path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
+        if saved:       # the run's config is the base; its own preset given again changes nothing
+            same = not args.config or args.config == saved.get("preset")
+            return _config_from_checkpoint(path, saved, overrides, args.set, None if same else args.config)
     default = REFERENCE_PRESET if getattr(args, "resume_reference", None) else DEFAULT_PRESET
     cfg = build_config(args.config or default, overrides, args.set)
     if not cfg.train.resume:
         _check_weights_network(cfg)
-    return cfg
+    return cfg, _left_out(args.config, cfg) if run_config and not args.resume else []
+
+
+def _left_out(config: str, cfg) -> list[str]:
+    """The line saying what --config RUN/config.yaml leaves out of that run: its name and weights."""
+    theirs = read_yaml(config).get("train") or {}
+    name, weights = theirs.get("run_name") or Path(config).parent.name, theirs.get("weights")
+    out = theirs.get("out_dir") or str(Path(config).parent.parent)
+    return [f"--config {config}: a new run with that run's settings but not its run name {name}"
+            + (f" nor its --weights {weights}" if weights else "")
+            + f": it trains from {cfg.train.weights or 'scratch'}; to continue that run instead: "
+            f"--resume auto --run-name {name} --out-dir {out}"]
 
 
 def run_main(main, argv=None) -> None:

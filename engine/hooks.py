@@ -36,18 +36,25 @@ def weights_evaluated(trainer):
     return stack
 
 
+def scored(value) -> bool:
+    """Whether a metric's value measures something: finite, and not the -1 of a metric nothing defines
+    (a validation that found nobody); losses and metrics are never negative."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
 class EpochEnd(Hook):
     """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation)."""
-    checkpoint_key = ("best_metric", "bad_validations")
+    checkpoint_key = ("best_metric", "bad_validations", "best_loss")
     priority = 90
+    EXPLODED = 100.0            # a validation loss this many times the training loss is said
 
     def __init__(self, train: TrainConfig, checkpoints, logger, say=print, validate=None,
                  metric: str = "loss"):
         self.every = (train.val_every, train.ap_every) if validate is not None else (0, 0)
         self.save_every, self.patience = train.save_every, train.early_stop_patience
         self.checkpoints, self.logger, self.say, self.validate = checkpoints, logger, say, validate
-        self.metric, self.best, self.bad_validations = metric, None, 0
-        self.stopped, self.results = False, {}
+        self.metric, self.best, self.bad_validations, self.best_loss = metric, None, 0, None
+        self.stopped, self.results, self.said_exploded = False, {}, False
 
     def due(self, trainer, epoch: int) -> tuple[bool, bool]:
         """(validation loss, metrics) due after `epoch` (0-based)."""
@@ -58,6 +65,11 @@ class EpochEnd(Hook):
     def before_train(self, trainer):
         if trainer.resumed is not None and trainer.resumed.validation_pending and trainer.epoch > 0:
             self.finish(trainer, trainer.epoch - 1, None)
+        elif trainer.resumed is not None and self.patience and self.bad_validations >= self.patience:
+            self.say(f"the run was ended by early stopping after epoch {trainer.epoch} "
+                     f"({self.bad_validations} validations without improvement): nothing to train; a larger "
+                     "--early-stop continues it")
+            self.stopped = trainer.finish_requested = True
 
     def after_epoch(self, trainer, epoch, train_loss):
         pending = any(self.due(trainer, epoch))
@@ -72,7 +84,10 @@ class EpochEnd(Hook):
                 results = self.validate(trainer, epoch, *due)
                 for hook in trainer.hooks:
                     hook.after_validation(trainer, epoch, results)
-            improved = self.judge(results)
+            # the metrics of a run's last epoch off their schedule (--ap-every) set best.pth only
+            # while there is no best: a run continued past it then judges as one never stopped
+            off_schedule = self.metric != "loss" and (epoch + 1) % max(self.every[1], 1) > 0
+            improved = self.judge(results, epoch, not off_schedule)
         trained = {} if train_loss is None else {"train_loss": train_loss}
         self.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
         if any(due):            # last.pth again, now with the hooks' states after validation
@@ -82,6 +97,12 @@ class EpochEnd(Hook):
         self.say(f"epoch {epoch + 1}/{trainer.epochs}: "
                  + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
                  + (f", val {shown}" if shown else "") + (" (best)" if improved else ""))
+        loss = results.get("loss")
+        if train_loss and scored(loss) and loss > self.EXPLODED * train_loss and not self.said_exploded:
+            self.say(f"the validation loss {loss:.3g} is {loss / train_loss:.3g} x the training loss "
+                     f"{train_loss:.3g}: BatchNorm's running statistics likely come from pictures of another "
+                     "domain (the --weights' data); they follow this data as training goes on")
+            self.said_exploded = True
         self.results = results
         if improved:
             with weights_evaluated(trainer):
@@ -93,30 +114,44 @@ class EpochEnd(Hook):
                      "validations")
             self.stopped = trainer.finish_requested = True
 
-    def judge(self, results: dict) -> bool | None:
-        """Whether `results` improve on the best (None: `metric` not measured); a value that is not
-        finite never improves, nor blocks as the best."""
+    def judge(self, results: dict, epoch: int = 0, counts: bool = True) -> bool | None:
+        """Whether `results` improve on the best (None: `metric` not measured); a value that measures
+        nothing (`scored`) never improves, nor blocks as the best; a tie goes to the lower validation
+        loss. A result that does not `count` (off schedule) only sets best.pth while there is none."""
         if self.metric not in results:
             return None
-        value, best = results[self.metric], self.best
-        improved = math.isfinite(value) and (best is None or not math.isfinite(best) or (
-            value < best if self.metric in LOWER_IS_BETTER else value > best))
+        value, best, loss = results[self.metric], self.best, results.get("loss")
+        lower = self.metric in LOWER_IS_BETTER
+        improved = scored(value) and (best is None or not scored(best)
+                                      or (value < best if lower else value > best))
+        if scored(value) and value == best and scored(loss) and self.metric != "loss":
+            improved = self.best_loss is None or loss < self.best_loss
+            kept = (f"below the best's {self.best_loss:.4g}" if self.best_loss is not None
+                    else "the first known")
+            self.say(f"epoch {epoch + 1} ties the best {self.metric} {value:.4g}: its validation loss "
+                     f"{loss:.4g} " + (f"is {kept}, so it becomes best.pth" if improved else
+                        f"is not below the best's {self.best_loss:.4g}, so best.pth stays"))
+        if not counts:
+            return improved and best is None
         if improved:
-            self.best = value
+            self.best, self.best_loss = value, loss if scored(loss) else None
         self.bad_validations = 0 if improved else self.bad_validations + 1
         return improved
 
     def state_dict(self):
-        return {"best_metric": self.best, "bad_validations": self.bad_validations}
+        return {"best_metric": self.best, "bad_validations": self.bad_validations,
+                "best_loss": self.best_loss}
 
     def load_state_dict(self, state):
-        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int)):
+        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int),
+                          ("best_loss", (int, float, type(None)))):
             if key in state and bad_value(state[key], kind):
                 raise CheckpointError(f"its {key} is damaged ({type(state[key]).__name__} "
                                       f"{str(state[key])[:40]!r}); start from its weights with "
                                       "--weights instead of --resume")
         self.best = state.get("best_metric", self.best)
         self.bad_validations = state.get("bad_validations", self.bad_validations)
+        self.best_loss = state.get("best_loss", self.best_loss)
 
     def outcome(self) -> dict:
         return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
@@ -181,7 +216,8 @@ class LRSchedule(Hook):
 
     def before_step(self, trainer, epoch, first):
         trainer.optim_step.set_lr(lr_at(self.optim, epoch, first + trainer.accumulate - 1,
-                                        trainer.batches_per_epoch, self.world_size, self.total_batch))
+                                        trainer.batches_per_epoch, self.world_size, self.total_batch,
+                                        trainer.epochs))
 
 
 class FrozenBatchNorm(Hook):
@@ -295,6 +331,10 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validate, metric)]
+    outside = [m for m in cfg.optim.milestones if m >= train.epochs]     # shares are inside
+    if outside:
+        say(f"optim.milestones {cfg.optim.milestones}: epochs {outside} are not inside --epochs "
+            f"{train.epochs}, so the LR never decays there (shares below 1 follow the run's length)")
     if train.ema:
         ema = WeightsEMA(train.ema, train.ema_tau, say).attach(checkpoints.model, checkpoints.precision)
         say(f"EMA of the weights, decay {ema.decay:g} warmed up over tau {ema.tau:g} steps")

@@ -26,12 +26,20 @@ def peak_lr(cfg: OptimConfig, total_batch: int | None = None, world_size: int = 
     return base
 
 
+def milestone_epochs(cfg: OptimConfig, epochs: int | None) -> list[int]:
+    """`optim.milestones` in epochs: a value below 1 is a share of the run's `epochs`, rounded."""
+    if epochs is None and any(m < 1 for m in cfg.milestones):
+        raise ValueError(f"optim.milestones {cfg.milestones} holds shares of the run: give its epochs")
+    return [round(m * epochs) if m < 1 else int(m) for m in cfg.milestones]
+
+
 def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
-          world_size: int = 1, total_batch: int | None = None) -> float:
-    """The LR at 0-based (`epoch`, `iteration`) for a total batch of `total_batch`: linear warm-up,
-    then step decay; a resumed run, or one with another number of processes, follows the same curve."""
+          world_size: int = 1, total_batch: int | None = None, epochs: int | None = None) -> float:
+    """The LR at 0-based (`epoch`, `iteration`) of a run of `epochs` for a total batch of `total_batch`:
+    linear warm-up, then step decay; a resumed run, or one with another number of processes, follows
+    the same curve."""
     base = peak_lr(cfg, total_batch, world_size)
-    drops = (sum(1 for m in cfg.milestones if epoch >= int(m)) if cfg.milestones
+    drops = (sum(1 for m in milestone_epochs(cfg, epochs) if epoch >= m) if cfg.milestones
              else epoch // cfg.decay_every if cfg.decay_every > 0 else 0)
     factor = cfg.decay_factor ** drops
     warmup_steps = cfg.warmup_epochs * iters_per_epoch

@@ -117,8 +117,9 @@ class RunTrainer:
         self.evaluator, self.draw = evaluator, draw
         self.say = console or RunConsole(self.ctx.is_main)
         self.logger = RunLogger(run_dir, self.ctx.is_main, cfg.train.tensorboard)
+        # the tensors --allow-partial left fresh: a resume keeps them trainable under --freeze
         fixed = {"config": to_dict(cfg), "skeleton": self.skeleton.to_spec(), "mode": launch.mode,
-                 "world_size": self.ctx.world_size}
+                 "world_size": self.ctx.world_size, "fresh_tensors": list(parts.start[3])}
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
                                        self.ctx.is_main, self.say)
         validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None

@@ -8,7 +8,10 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from common.errors import CheckpointError, ConfigError, TrainingDiverged
+from config.loader import differences, setting
 from config.schema import OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
@@ -22,7 +25,8 @@ DIVERGENCE_ADVICE = "lower optim.lr, enable --clip-grad, or use O0"
 _STATE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError)
 # what a checkpoint must hold to be resumed (and may hold), besides the hooks' entries, with types
 RESUME_FIELDS = {"model": dict, "optimizer": dict, "epoch": int, "iteration": int, "step": int}
-RESUME_OPTIONAL = {"scaler": (dict, type(None)), "skipped_steps": int, "rng": (dict, type(None))}
+RESUME_OPTIONAL = {"scaler": (dict, type(None)), "skipped_steps": int, "rng": (dict, type(None)),
+                   "fresh_tensors": list}
 
 
 def bad_value(value, kind) -> bool:
@@ -101,7 +105,7 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
         check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
-        return state, None, plan.resume_path, ()
+        return state, None, plan.resume_path, list(state.get("fresh_tensors", ()))
     if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, starting afresh")
     if train.resume_reference:
@@ -172,6 +176,15 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
     return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
             "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
             "origin": origin}
+
+
+def _batchnorm_batch(config, world_size) -> int | None:
+    """The samples each BatchNorm layer normalises in a run of `config` on `world_size` processes."""
+    try:
+        batch = config["train"]["batch_size"]
+        return batch if config["dist"]["sync_bn"] or world_size == 1 else batch // world_size
+    except (KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -270,11 +283,31 @@ class Checkpoints:
         return Interrupted(f"stopped by {name} {where}; saved {self.run_dir / 'last.pth'}. Resume with "
                            f"the same command and --resume auto --run-name {self.run_dir.name}")
 
+    def optimizer_settings(self, state: dict) -> str:
+        """The settings that decide what the optimiser trains, where they differ from `state`'s run."""
+        ours = self.fields.get("config") or {}
+        theirs = state.get("config") if isinstance(state.get("config"), dict) else {}
+        differ = {key: pair for key, pair in differences(theirs, ours).items()
+                  if key in ("train.freeze", "train.allow_partial", "optim.name", "dist.zero")}
+        if differ:
+            return "; ".join(f"{setting(key)} was {old!r} in that run and is {new!r} now"
+                             for key, (old, new) in differ.items()) + ": resume with that run's value"
+        freeze = " ".join(ours.get("train", {}).get("freeze") or [])
+        return (f"--freeze {freeze} (train.freeze) freezes other tensors than in that run, whose checkpoint "
+                "does not record which tensors --allow-partial left fresh (saved by an older version); "
+                "start from its weights with --weights" if freeze else
+                "start from its weights with --weights instead of --resume")
+
     def restore(self, trainer, state: dict, path: Path, say=print) -> TrainState:
         """Optimiser, scaler, RNG and hooks' states from `state`, and `trainer`'s position."""
         scaler, note = checked_scaler_state(state.get("scaler"), f"checkpoint {path}")
         try:
-            load_optimizer_state(self.optimizer, state["optimizer"])
+            try:
+                load_optimizer_state(self.optimizer, state["optimizer"])
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path}: its optimiser state does not fit this run's "
+                                      f"trainable parameters ({str(exc).splitlines()[0]}): "
+                                      f"{self.optimizer_settings(state)}") from None
             self.precision.load_state_dict(scaler or {})
             if self.main and state.get("rng"):
                 ckpt.restore_rng_state(state["rng"])
@@ -307,4 +340,12 @@ class Checkpoints:
                                          f"{state.get('world_size', '?')} process(es)")
         say(f"resumed from {path}: epoch {position.epoch + 1}, batch {position.iteration}"
             + (f", step {position.step}" if position.step is not None else "") + f" ({origin})")
+        theirs, ours = (_batchnorm_batch(run.get("config"), run.get("world_size"))
+                        for run in (state, self.fields))
+        if theirs and ours and theirs != ours and any(
+                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+            say(f"BatchNorm now normalises batches of {ours} samples, not {theirs} as in the run resumed "
+                f"({state['world_size']} process(es) then, {self.fields['world_size']} now, --sync-bn "
+                f"{'on' if self.fields['config']['dist']['sync_bn'] else 'off'}): the weights will differ "
+                "from that run's straight through; --sync-bn normalises the whole batch on any count")
         return position

@@ -33,7 +33,7 @@ from test_preemption import REPO, worker_log
     (["--seed", "-1"], ["option train.seed", "-1 must be >= 0"]),
     (["--set", "train.log_every=0"], ["option train.log_every", "0 must be >= 1"]),
     (["--set", "targets.keypoint_sigma=0"], ["option targets.keypoint_sigma", "must be > 0"]),
-    (["--set", "optim.milestones=abc"], ["option optim.milestones", "expected an integer, got 'abc'"]),
+    (["--set", "optim.milestones=abc"], ["option optim.milestones", "expected a number, got 'abc'"]),
     (["--set", "inference.scales=[.inf]"], ["option inference.scales", "not a finite number"]),
     (["--set", "inference.scales=[]"], ["option inference.scales", "must have 1 to 16 items"]),
     (["--set", "optim.lr=[1]"], ["option optim.lr", "expected a number, got [1]"]),

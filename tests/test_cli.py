@@ -20,7 +20,7 @@ def config_of(*argv):
     return config_from_args(build_parser("test").parse_args([str(a) for a in argv]))
 
 
-def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
+def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path, capsys):
     saved = to_dict(build_config("tiny", sets=["train.run_name=old", "train.resume=auto",
                                                "train.weights=pre.pth", "optim.lr=0.0123", "train.epochs=7"]))
     saved["train"]["overwrite"] = True      # as a run saved it before --resume and --overwrite were refused
@@ -29,12 +29,50 @@ def test_a_runs_config_yaml_starts_a_new_run_with_its_settings(tmp_path):
     identity = (cfg.train.run_name, cfg.train.resume, cfg.train.weights, cfg.train.overwrite)
     assert identity == ("", "", "", False)
     assert cfg.optim.lr == 0.0123 and cfg.train.epochs == 9     # its settings, then the flags
+    # what it leaves out of that run is said in one line
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == [f"--config {tmp_path / 'config.yaml'}: a new run with that run's settings but not "
+                    "its run name old nor its --weights pre.pth: it trains from scratch; to continue that "
+                    "run instead: --resume auto --run-name old --out-dir checkpoints"]
     cfg = config_of("--config", tmp_path / "config.yaml", "--run-name", "new", "--resume", "auto")
     assert (cfg.train.run_name, cfg.train.resume) == ("new", "auto")
     # a preset-like YAML (no top-level preset key, as users write them) keeps what it says
     (tmp_path / "mine.yaml").write_text("base: tiny\ntrain: {run_name: mine, weights: pre.pth}\n")
     cfg = config_of("--config", tmp_path / "mine.yaml")
     assert (cfg.train.run_name, cfg.train.weights) == ("mine", "pre.pth")
+
+
+def test_a_resume_that_gives_settings_again_keeps_the_run_changes_what_may_change_or_refuses(
+        tmp_path, capsys):
+    """The run's stored config is the base, its own preset given again included; an equal value is
+    a no-op, another one is said per setting or refused in one line naming the option."""
+    run = build_config("tiny", sets=["train.batch_size=4", "train.max_steps_per_epoch=3", "train.epochs=2",
+                                     "train.freeze=[stem]", "data.train_h5=x.h5", "train.run_name=R"])
+    (tmp_path / "R").mkdir()
+    torch.save({"format_version": 1, "config": to_dict(run)}, tmp_path / "R" / "last.pth")
+    resume = ["--resume", "auto", "--run-name", "R", "--out-dir", tmp_path]
+    cfg = config_of(*resume, "--config", "tiny", "--epochs", 6, "--batch-size", 4, "--freeze", "stem",
+                    "--train-h5", "x.h5", "--lr", "0.1")
+    assert (cfg.train.batch_size, cfg.train.max_steps_per_epoch, cfg.train.freeze, cfg.data.train_h5,
+            cfg.train.epochs, cfg.optim.lr, cfg.preset) == (4, 3, ["stem"], "x.h5", 6, 0.1, "tiny")
+    assert capsys.readouterr().out.splitlines() == [
+        "--lr (optim.lr) changes from 0.002 to 0.1",
+        "--epochs (train.epochs) changes from 2 to 6: LR milestones [0.7, 0.9] move from epochs [1, 2] to "
+        "[4, 5]"]
+    config_of(*resume, "--sync-bn")       # what the engine carries across a resume: said
+    assert capsys.readouterr().out.splitlines() == ["--sync-bn (dist.sync_bn) changes from False to True"]
+    for given, named in ((["--seed", 3], "--seed (train.seed) from 0 to 3"),
+                         (["--batch-size", 8], "--batch-size (train.batch_size) from 4 to 8"),
+                         (["--opt-level", "O1"], "--opt-level (amp.opt_level) from "),
+                         (["--freeze", "stem", "stacks.0.*"], "--freeze (train.freeze) from ['stem'] to "),
+                         (["--set", "train.max_steps_per_epoch=5"], "train.max_steps_per_epoch from 3 to 5"),
+                         (["--config", "imhn"],
+                          "--config imhn changes --input-size (data.input_size) from 128 to 512; "
+                          "model.stacks")):
+        with pytest.raises(ConfigError) as error:
+            config_of(*resume, *given)
+        assert named in str(error.value) and "which a resume keeps" in str(error.value)
+        assert "\n" not in str(error.value)
 
 
 def test_weights_of_another_network_say_which_settings_build_it(tmp_path):
@@ -171,7 +209,7 @@ def test_each_flag_declared_beside_its_field_sets_that_field():
     runs = [{name: v for name, v in FLAG_VALUES.items() if name not in alone}]
     for given in runs + [{name: FLAG_VALUES[name]} for name in alone]:
         argv = [arg for name, (value, _, _) in given.items() for arg in (name, value) if arg is not None]
-        values = to_dict(_resolve_config(build_parser("test").parse_args(argv)))
+        values = to_dict(_resolve_config(build_parser("test").parse_args(argv))[0])
         for name, (_, key, expected) in given.items():
             section, field = key.split(".")
             assert values[section][field] == expected, name

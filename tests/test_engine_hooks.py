@@ -94,7 +94,7 @@ def lr_of_mode(world_size: int, batch_size: int, accumulate: int, reference_batc
     cfg = build_config("tiny", sets=[f"train.batch_size={batch_size}", f"train.accumulate={accumulate}",
                                      f"optim.reference_batch={reference_batch}", "optim.warmup_epochs=0"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    trainer = SimpleNamespace(accumulate=accumulate, batches_per_epoch=10 * accumulate,
+    trainer = SimpleNamespace(accumulate=accumulate, batches_per_epoch=10 * accumulate, epochs=10,
                               optim_step=SimpleNamespace(set_lr=lambda lr: optimizer.param_groups[0]
                                                          .update(lr=lr)))
     hooks = default_hooks(cfg, checkpoints=None, logger=None, ctx=DistContext(world_size=world_size))
@@ -112,17 +112,18 @@ def test_the_lr_follows_the_total_batch_the_same_in_every_mode():
     assert [lr_of_mode(*run, reference_batch=0) for run in runs] == pytest.approx([lr] * len(runs))
     assert build_config("tiny").optim.reference_batch == 0
     optim = build_config("tiny", sets=["optim.reference_batch=4"]).optim
-    quadruple = lr_at(optim, 50, 0, 10, total_batch=16)
-    assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4))
+    quadruple = lr_at(optim, 50, 0, 10, total_batch=16, epochs=60)
+    assert quadruple == pytest.approx(4 * lr_at(optim, 50, 0, 10, total_batch=4, epochs=60))
 
 
-def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0):
+def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0, ap_every: int = 1):
     """An `EpochEnd` whose validations give `values` in turn, on a stand-in loop; (the hook, the
     checkpoints it saves as (name, epoch), the loop, the lines it says)."""
     saved, said = [], []
     checkpoints = SimpleNamespace(save=lambda trainer, name, epoch, *rest, **pending: saved.append((name, epoch)))
     logger = SimpleNamespace(log=lambda *args, **kwargs: None, plot_curves=lambda: None)
-    train = build_config("tiny", sets=["train.val_every=1", f"train.early_stop_patience={patience}"]).train
+    train = build_config("tiny", sets=["train.val_every=1", f"train.early_stop_patience={patience}",
+                                       f"train.ap_every={ap_every}"]).train
     validate = lambda trainer, epoch, *due: values[epoch]                      # noqa: E731
     hook = EpochEnd(train, checkpoints, logger, said.append, validate, metric)
     trainer = SimpleNamespace(hooks=[hook], epochs=len(values), step=0, finish_requested=False)
@@ -135,7 +136,8 @@ def test_the_epoch_end_decides_best_pth_and_early_stopping_in_one_place():
     for epoch in range(5):
         hook.after_epoch(trainer, epoch, 1.0)
     assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 1), ("best.pth", 2)]  # improved twice
-    assert hook.state_dict() == {"best_metric": 2.0, "bad_validations": 2}  # a pass without a loss: none
+    assert hook.state_dict() == {"best_metric": 2.0, "bad_validations": 2,   # a pass without a loss: none
+                                 "best_loss": 2.0}
     assert trainer.finish_requested
     assert hook.outcome() == {"loss": 2.1, "best_metric": 2.0, "early_stopped": True}
     assert [line for line in said if "best" in line] == ["epoch 1/5: train loss 1, val loss 3 (best)",
@@ -183,6 +185,68 @@ def test_a_nan_validation_loss_is_never_the_best_and_never_blocks_a_later_one(sa
         hook.after_epoch(trainer, epoch, 1.0)
     assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 2), ("best.pth", 4)]
     assert hook.best == 1.5 and hook.bad_validations == 0
+
+
+def test_a_validation_that_finds_nobody_is_never_best_and_ties_go_to_the_lower_validation_loss():
+    """EPE and AP are -1 when nothing was found: never a score (EPE -1 used to beat every real error)."""
+    epe, saved, trainer, _ = epoch_end([{"EPE": 3.0, "loss": 1.0}, {"EPE": -1.0, "loss": 1.0},
+                                        {"EPE": 2.0, "loss": 1.0}], metric="EPE")
+    for epoch in range(3):
+        epe.after_epoch(trainer, epoch, 1.0)
+    assert [s for s in saved if s[0] == "best.pth"] == [("best.pth", 1), ("best.pth", 3)] and epe.best == 2.0
+    nobody = epoch_end([], metric="AP")[0]
+    assert nobody.judge({"AP": -1.0, "loss": 1.0}) is False and nobody.best is None
+    ties, saved, trainer, said = epoch_end([{"AP": 0.0, "loss": 3.0}, {"AP": 0.0, "loss": 2.0},
+                                            {"AP": 0.0, "loss": 2.5}], metric="AP")
+    for epoch in range(3):
+        ties.judge(ties.validate(trainer, epoch), epoch) and saved.append(("best.pth", epoch + 1))
+    assert saved == [("best.pth", 1), ("best.pth", 2)] and ties.best_loss == 2.0
+    assert said == ["epoch 2 ties the best AP 0: its validation loss 2 is below the best's 3, so it "
+                    "becomes best.pth",
+                    "epoch 3 ties the best AP 0: its validation loss 2.5 is not below the best's 2, so "
+                    "best.pth stays"]
+
+
+def test_a_validation_loss_orders_of_magnitude_above_the_training_loss_is_said_once():
+    hook, _, trainer, said = epoch_end([{"loss": 6.3e7}, {"loss": 3.5e15}, {"loss": 4.0}])
+    for epoch in range(3):
+        hook.after_epoch(trainer, epoch, 5.0)
+    lines = [line for line in said if "BatchNorm" in line]
+    assert lines == ["the validation loss 6.3e+07 is 1.26e+07 x the training loss 5: BatchNorm's running "
+                     "statistics likely come from pictures of another domain (the --weights' data); they "
+                     "follow this data as training goes on"]
+
+
+def test_early_stopping_is_carried_across_a_resume():
+    """A run early stopping ended stays ended; one stopped at --epochs 2 of 6 (whose last epoch
+    measured AP off the --ap-every 5 schedule) and continued judges as the straight run."""
+    hook, _, trainer, _ = epoch_end([{"loss": 2.0}, {"loss": 3.0}, {"loss": 3.0}], patience=2)
+    for epoch in range(3):
+        hook.after_epoch(trainer, epoch, 1.0)
+    assert trainer.finish_requested
+    resumed, _, again, said = epoch_end([{"loss": 1.0}] * 5, patience=2)
+    resumed.load_state_dict(hook.state_dict())
+    again.resumed, again.epoch = SimpleNamespace(validation_pending=False), 3
+    resumed.before_train(again)
+    assert again.finish_requested and resumed.outcome()["early_stopped"]
+    assert said == ["the run was ended by early stopping after epoch 3 (2 validations without improvement): "
+                    "nothing to train; a larger --early-stop continues it"]
+    values = [{"loss": 1.0}] * 4 + [{"loss": 1.0, "AP": 0.3}, {"loss": 1.0, "AP": 0.2}]
+    straight, straight_saved, loop, _ = epoch_end(values, metric="AP", patience=1, ap_every=5)
+    for epoch in range(6):
+        straight.after_epoch(loop, epoch, 1.0)
+    short, short_saved, loop, _ = epoch_end([{"loss": 1.0}, {"loss": 1.0, "AP": 0.5}], metric="AP",
+                                            patience=1, ap_every=5)
+    for epoch in range(2):
+        short.after_epoch(loop, epoch, 1.0)
+    assert ("best.pth", 2) in short_saved            # its only AP: the best there is, for now
+    longer, longer_saved, loop, _ = epoch_end(values, metric="AP", patience=1, ap_every=5)
+    longer.load_state_dict(short.state_dict())
+    for epoch in range(2, 6):
+        longer.after_epoch(loop, epoch, 1.0)
+    assert longer.state_dict() == straight.state_dict() and longer.stopped == straight.stopped
+    best_of = lambda saved: [s for s in saved if s[0] == "best.pth"]      # noqa: E731
+    assert best_of(longer_saved) == best_of(straight_saved) == [("best.pth", 5)]
 
 
 def test_a_steps_note_reaches_the_console_once_through_the_train_log():

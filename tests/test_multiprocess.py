@@ -270,6 +270,23 @@ def test_ddp_zero_checkpoint_resumes_in_train_py(out_dir, single, ddp_sync):
 
 
 @pytest.mark.slow
+def test_a_resume_on_another_process_count_without_sync_bn_says_how_batchnorm_changes(
+        out_dir, ddp_legacy, ddp_sync, capsys):
+    """2 gloo ranks of batch 2 each, then 1 process of batch 4: BatchNorm's batch changes (said);
+    with --sync-bn it normalises the 4 samples on both counts (nothing said)."""
+    capsys.readouterr()
+    train.main(["--resume", str(copied_into(out_dir / "legacy_on_1", ddp_legacy / "last.pth")),
+                "--epochs", "2", "--out-dir", str(out_dir)])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BatchNorm")]
+    assert said == ["BatchNorm now normalises batches of 4 samples, not 2 as in the run resumed (2 "
+                    "process(es) then, 1 now, --sync-bn off): the weights will differ from that run's "
+                    "straight through; --sync-bn normalises the whole batch on any count"]
+    train.main(["--resume", str(copied_into(out_dir / "sync_on_1", ddp_sync[0] / "last.pth")),
+                "--epochs", "2", "--out-dir", str(out_dir), *NO_VALIDATION])
+    assert "BatchNorm now" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_train_py_checkpoint_continues_under_ddp_with_2_processes(out_dir, single):
     launch(out_dir, "torch.distributed.run",
            ["--resume", str(copied_into(out_dir / "continued", single / "epoch_1.pth")), "--epochs", "2",

@@ -217,6 +217,23 @@ def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic
     assert sorted(n.split(" (")[0] for n in report["mismatched"]) == fresh
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in coco_model.items() if k not in fresh)
+    # the fine-tune resumes with --resume auto alone: its checkpoint says which tensors were fresh,
+    # so the same tensors are frozen and the optimiser state fits
+    assert sorted(tuned["fresh_tensors"]) == fresh
+    train.main(["--resume", "auto", "--run-name", "tuned", "--out-dir", str(tmp_path), "--epochs", "2"])
+    resumed = load_checkpoint(tmp_path / "tuned" / "last.pth")
+    assert resumed["epoch"] == 2 and resumed["step"] == 2
+    assert all(torch.equal(resumed["model"][k], v) for k, v in coco_model.items()
+               if k.startswith("stacks.0.") and k not in fresh)
+    assert all(not torch.equal(resumed["model"][k], tuned["model"][k]) for k in fresh_0)
+    # a checkpoint that does not record them (an older version's): the error names --freeze
+    (tmp_path / "old").mkdir()
+    torch.save({k: v for k, v in tuned.items() if k != "fresh_tensors"}, tmp_path / "old" / "last.pth")
+    capsys.readouterr()
+    assert run_cli(train.main, ["--resume", "auto", "--run-name", "old", "--out-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "optimiser state does not fit" in error[0]
+    assert "--freeze stacks.0.* (train.freeze)" in error[0] and "--allow-partial" in error[0]
 
 
 # -- bad skeletons ----------------------------------------------------------------------------------

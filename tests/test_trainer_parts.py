@@ -88,7 +88,7 @@ def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
     trainer, _ = parts_and_hooks([{"loss": 2.0}, {"loss": 1.0}, {"loss": 1.5}, {"loss": 0.5}])
     assert trainer.fit() == {"epoch": 3, "step": 6, "loss": 1.5, "best_metric": 1.0, "early_stopped": True}
     train = [r for r in logger.read() if r["kind"] == "train"]
-    assert [r["lr"] for r in train] == pytest.approx([lr_at(cfg.optim, e, b, 2, total_batch=8)
+    assert [r["lr"] for r in train] == pytest.approx([lr_at(cfg.optim, e, b, 2, total_batch=8, epochs=4)
                                                       for e in range(3) for b in (0, 1)])
     assert [r["loss"] for r in logger.read() if r["kind"] == "val"] == [2.0, 1.0, 1.5]
     best, last = load_checkpoint(tmp_path / "best.pth"), load_checkpoint(tmp_path / "last.pth")
@@ -99,7 +99,7 @@ def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
     checkpoints.restore(again, last, tmp_path / "last.pth", said.append)
     ema, end = (next(h for h in again.hooks if isinstance(h, kind)) for kind in (WeightsEMA, EpochEnd))
     assert (again.epoch, again.step, ema.updates) == (3, 6, 6)
-    assert end.state_dict() == {"best_metric": 1.0, "bad_validations": 1}
+    assert end.state_dict() == {"best_metric": 1.0, "bad_validations": 1, "best_loss": 1.0}
 
 
 def test_accumulated_steps_take_the_model_inputs_of_several_batches():
