@@ -4,8 +4,8 @@ module-level function (it is pickled to the children), its result saved by each 
 `as_forked_ranks(function, world, *args)`, a whole entry point such as `train_distributed.main` on
 ranks forked from the test's process (the variables torchrun sets, without its agent and without
 importing torch again: a fraction of a second each), and `forked_job`, the same ranks in a session of
-their own, as srun starts a job's tasks, to be signalled as one process group; and the fixture `gloo_group_of_one`, a group of
-one rank in the test's own process."""
+their own, as srun starts a job's tasks, to be signalled as one process group; and the fixture
+`gloo_group_of_one`, a group of one rank in the test's own process."""
 from __future__ import annotations
 
 import multiprocessing
@@ -40,8 +40,8 @@ def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
 
 
 def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     function(*args)
 
 

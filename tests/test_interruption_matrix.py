@@ -69,7 +69,8 @@ def pairwise(factors: dict[str, list]) -> list[dict]:
                 row[name] = max(factors[name], key=lambda level: len(newly_covered({**row, name: level})))
         uncovered.difference_update(newly_covered(row))
         return row
-    rows = [completed(dict(zip(names[:2], pair))) for pair in itertools.product(*(factors[n] for n in names[:2]))]
+    rows = [completed(dict(zip(names[:2], pair)))
+            for pair in itertools.product(*(factors[n] for n in names[:2]))]
     while uncovered:
         (a, x), (b, y) = min(uncovered, key=lambda p: (names.index(p[0][0]), names.index(p[1][0]), str(p)))
         rows.append(completed({a: x, b: y}))
@@ -202,16 +203,26 @@ def interrupted(case: dict, inputs: dict, name: str) -> None:
 def differences(a, b, where: str = "") -> list[str]:
     """Where two checkpoint values differ (tensors bit for bit), as 'key.key' paths."""
     if isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(set(a) | set(b), key=str)
-        return [d for k in keys for d in (differences(a.get(k), b.get(k), f"{where}.{k}")
-                                          if k in a and k in b else [f"{where}.{k} (only one has it)"])]
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in (differences(a[k], b[k], f"{where}.{k}") if k in a and k in b
+                          else [f"{where}.{k} (only one has it)"])]
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}.{i}")]
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [f"{where} (max |a - b| {(a.double() - b.double()).abs().max().item():.3g})"
-                                if a.shape == b.shape else f"{where} (shapes {tuple(a.shape)}, {tuple(b.shape)})"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where} ({a.dtype} {tuple(a.shape)} against {b.dtype} {tuple(b.shape)})"]
+        gap = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        return [] if torch.equal(a, b) else [f"{where} (max |a - b| {gap:.3g})"]
     return [] if a == b else [f"{where} ({a!r} against {b!r})"]
+
+
+def test_differences_name_each_value_that_is_not_the_same_bit_for_bit():
+    a = {"model": {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}, "optimizer": {"state": [{"step": 2}]}}
+    b = {"model": {"w": torch.tensor([1.0, 2.0 + 2 ** -22]), "n": torch.tensor(3.0)},
+         "optimizer": {"state": [{"step": 3}]}, "ema": None}
+    assert differences(a, a) == []
+    assert differences(a, b) == [".ema (only one has it)", ".model.n (torch.int64 () against torch.float32 ())",
+                                 ".model.w (max |a - b| 2.38e-07)", ".optimizer.state.0.step (2 against 3)"]
 
 
 @pytest.mark.slow
@@ -220,8 +231,10 @@ def test_an_interrupted_run_ends_with_the_state_of_the_same_run_straight_through
     name = case_id(case)
     run_here(case, command(case, inputs, f"{name}-straight"))
     interrupted(case, inputs, name)
-    straight, resumed = (load_checkpoint(inputs["out"] / run / "last.pth") for run in (f"{name}-straight", name))
-    assert (resumed["epoch"], resumed["step"]) == (straight["epoch"], straight["step"]) == (EPOCHS, EPOCHS * STEPS)
+    straight, resumed = (load_checkpoint(inputs["out"] / run / "last.pth")
+                         for run in (f"{name}-straight", name))
+    assert (resumed["epoch"], resumed["step"]) == (straight["epoch"], straight["step"]) \
+        == (EPOCHS, EPOCHS * STEPS)
     assert (resumed.get("ema") is None) == (case["option"] != "ema")
     parts = ("model", "ema", "optimizer", "scaler")
     assert differences({k: resumed.get(k) for k in parts}, {k: straight.get(k) for k in parts}) == []
