@@ -301,7 +301,7 @@ class TrainConfig:
         flag=flag("--early-stop", RUN, type=int, metavar="N",
                   help="stop after N validations without improvement"))
     log_every: int = option(20, resume=CHANGES, bounds=COUNT)   # iterations between metrics.jsonl lines
-    max_steps_per_epoch: int = option(0, bounds=Bounds(0))  # 0: the whole epoch
+    max_steps_per_epoch: int = option(0, resume=CHANGES, bounds=Bounds(0))  # 0: the whole epoch
     resume: str = option("", resume=NAMES_RUN,
         flag=flag("--resume", RUN,
                   help="checkpoint PATH (the run continues in its folder), or 'auto': the newest one of the"

@@ -65,7 +65,6 @@ def test_a_resume_that_gives_settings_again_keeps_the_run_changes_what_may_chang
                          (["--batch-size", 8], "--batch-size (train.batch_size) from 4 to 8"),
                          (["--opt-level", "O1"], "--opt-level (amp.opt_level) from "),
                          (["--freeze", "stem", "stacks.0.*"], "--freeze (train.freeze) from ['stem'] to "),
-                         (["--set", "train.max_steps_per_epoch=5"], "train.max_steps_per_epoch from 3 to 5"),
                          (["--config", "imhn"],
                           "--config imhn changes --input-size (data.input_size) from 128 to 512; "
                           "model.stacks")):

@@ -164,8 +164,8 @@ def test_resume_reference_continues_the_authors_run(tiny_reference, synthetic_h5
     steps = [r for r in records if r["kind"] == "train"]
     cfg = build_config("tiny", sets=["optim.name=sgd"])
     assert len(steps) == 1 and steps[0]["epoch"] == 8
-    assert steps[0]["lr"] == pytest.approx(lr_at(cfg.optim, 8, 0, 1))
-    assert lr_at(cfg.optim, 8, 0, 1) != lr_at(cfg.optim, 0, 0, 1)
+    assert steps[0]["lr"] == pytest.approx(lr_at(cfg.optim, 8, 0, 1, epochs=9))
+    assert lr_at(cfg.optim, 8, 0, 1, epochs=9) != lr_at(cfg.optim, 0, 0, 1, epochs=9)
     last = load_checkpoint(run_dir / "last.pth")
     assert last["epoch"] == 9 and last["step"] == 9
     assert last["scaler"]["scale"] in (512.0, 256.0)
