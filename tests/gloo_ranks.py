@@ -1,10 +1,16 @@
 """Run a function on real gloo ranks of one machine (torch.multiprocessing) and collect what each
 rank's call returned: `records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)` a
 module-level function (it is pickled to the children), its result saved by each rank to out_dir;
-and the fixture `gloo_group_of_one`, a group of one rank in the test's own process."""
+`as_forked_ranks(function, world, *args)`, a whole entry point such as `train_distributed.main` on
+ranks forked from the test's process (the variables torchrun sets, without its agent and without
+importing torch again: a fraction of a second each), and `forked_job`, the same ranks in a session of
+their own, as srun starts a job's tasks, to be signalled as one process group; and the fixture
+`gloo_group_of_one`, a group of one rank in the test's own process."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,6 +37,38 @@ def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
     """[record(0, ctx) of rank 0, record(1, ctx) of rank 1, ...]."""
     mp.spawn(_worker, args=(world, find_free_port(), str(out_dir), record), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    function(*args)
+
+
+def as_forked_ranks(function, world: int, *args, join: bool = True):
+    """function(*args) on `world` ranks forked from this process; a rank's exception is raised here
+    (with `join`; else the ranks' torch.multiprocessing context is returned)."""
+    import cv2
+    cv2.setNumThreads(1)     # as the loaders do before their workers fork; in a forked rank it can deadlock
+    return mp.start_processes(_forked_rank, args=(world, find_free_port(), function, args), nprocs=world,
+                              start_method="fork", join=join)
+
+
+def _job(function, world: int, args: tuple) -> None:
+    os.setsid()
+    ranks = as_forked_ranks(function, world, *args, join=False).processes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)       # the ranks' to handle: the job waits for them
+    for rank in ranks:
+        rank.join()
+    os._exit(max(rank.exitcode for rank in ranks))
+
+
+def forked_job(function, world: int, *args) -> multiprocessing.Process:
+    """A started process leading a session of its own (its pid is the group's), which runs
+    function(*args) on `world` forked ranks and exits with their largest exit code."""
+    job = multiprocessing.get_context("fork").Process(target=_job, args=(function, world, args))
+    job.start()
+    return job
 
 
 @pytest.fixture
