@@ -158,6 +158,10 @@ def test_bench_results_hold_todays_figures_and_what_they_name_exists():
     assert results.stat().st_size <= 20_000 and "bench/RESULTS.md" in text()
     sections = results.read_text().split("\n## ")[1:]
     assert len(sections) >= 5 and all("\n| --- |" in s or "\n|---|" in s for s in sections)
+    cited = set()
     for page in [results, *(REPO / "bench" / "results").glob("*.md")]:
         named = set(re.findall(r"(?<![\w/])(?:bench/)?(results/[\w./-]*\w)", page.read_text()))
-        assert named and {n for n in named if not (REPO / "bench" / n).exists()} == set(), page
+        assert {n for n in named if not (REPO / "bench" / n).exists()} == set(), page
+        cited |= {(REPO / "bench" / n).resolve() for n in named}
+    dated = {p.resolve() for p in (REPO / "bench" / "results").glob("*.md")}
+    assert dated and dated <= cited, "a dated page that RESULTS.md or another page does not cite"
