@@ -8,7 +8,6 @@ and a traceback there: its SIGTERM handler raises SignalException. Other failure
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -22,30 +21,29 @@ from common.errors import ENDINGS_FOLDER, TRAINING_KEPT, stopped
 
 
 def main(argv=None) -> int:
+    """torchrun's `run` with torchrun's options `argv`; the exit code the ranks' endings give."""
     args = torchrun.parse_args(argv)
     if "SIGUSR1" not in args.signals_to_handle:      # the ranks save on it, as on SIGTERM
         args.signals_to_handle += ",SIGUSR1"
-    folder = tempfile.mkdtemp(prefix="endings-")
-    os.environ[ENDINGS_FOLDER] = folder         # the ranks inherit it
-    try:
-        torchrun.run(args)
-        return 0
-    except SignalException as exc:           # the agent has sent it on to the ranks and waited for them
-        ended = _ended(folder, sorted(int(p.name) for p in Path(folder).iterdir()))
-        if ended is not None:
-            return ended
-        if exc.sigval in (signal.SIGTERM, signal.SIGINT):
-            return stopped(exc.sigval == signal.SIGTERM, TRAINING_KEPT)
-        raise
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode > 1:              # its own ending (a Python bug is 1, a signal below 0)
-            return _ended(folder, [rank]) or _say(
-                failure.exitcode, f"error: rank {rank} (pid {failure.pid}) ended with exit code "
-                                  f"{failure.exitcode}; its own line above (or in its log) says why")
-        raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="endings-") as folder:
+        os.environ[ENDINGS_FOLDER] = folder         # the ranks inherit it
+        try:
+            torchrun.run(args)
+        except SignalException as exc:       # the agent has sent it on to the ranks and waited for them
+            ended = _ended(folder, sorted(int(p.name) for p in Path(folder).iterdir()))
+            if ended is not None:
+                return ended
+            if exc.sigval in (signal.SIGTERM, signal.SIGINT):
+                return stopped(exc.sigval == signal.SIGTERM, TRAINING_KEPT)
+            raise
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            if failure.exitcode > 1:          # its own ending (a Python bug is 1, a signal below 0)
+                return _ended(folder, [rank]) or _say(
+                    failure.exitcode, f"error: rank {rank} (pid {failure.pid}) ended with exit code "
+                                      f"{failure.exitcode}; its own line above (or in its log) says why")
+            raise
+    return 0
 
 
 def _ended(folder: str, ranks: list[int]) -> int | None:
