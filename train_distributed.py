@@ -1,6 +1,6 @@
 r"""Train with one process per GPU (DistributedDataParallel), on one machine or many.
 
-    torchrun --nproc_per_node 8 train_distributed.py --sync-bn --opt-level O1 ...
+    python -m runtime.launch --nproc_per_node 8 train_distributed.py ...   # torchrun, exits 2 on SIGTERM
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port PORT --nproc_per_node 8 \
         train_distributed.py ...
     python -m torch.distributed.launch --nproc_per_node 2 train_distributed.py ...   # legacy: --local_rank

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -97,12 +99,12 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
         main(argv)
     except Exception as exc:
         if handles_term and _STOP_SIGNALS_SEEN:
-            return _stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
+            return stopped(_STOP_SIGNALS_SEEN[0] == signal.SIGTERM, kept)
         if not isinstance(exc, UserError):
             raise
         return print_error(exc)
     except KeyboardInterrupt as exc:
-        return _stopped(isinstance(exc, Terminated), kept)
+        return stopped(isinstance(exc, Terminated), kept)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -116,13 +118,23 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+# set by runtime.launch: the folder where each rank it starts leaves its exit code and last line
+ENDINGS_FOLDER = "SIMPLE_POSE_ENDINGS"
+
+
 def print_error(exc: UserError) -> int:
-    """`exc`'s one line on stderr (`error: ...`); its exit code."""
-    _say(f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}")
+    """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its exit
+    code."""
+    line = f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}"
+    _say(line)
+    if os.environ.get(ENDINGS_FOLDER):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(os.environ[ENDINGS_FOLDER], os.environ.get("RANK", "0")), "w") as file:
+                file.write(f"{exc.exit_code} {line}")
     return exc.exit_code
 
 
-def _stopped(by_sigterm: bool, kept: str) -> int:
+def stopped(by_sigterm: bool, kept: str) -> int:
     """The one line of a command stopped by SIGTERM or Ctrl-C, and its exit code."""
     _say(f"{'stopped by SIGTERM' if by_sigterm else 'interrupted (Ctrl-C)'}; {kept}")
     return 143 if by_sigterm else 130

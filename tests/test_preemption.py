@@ -57,9 +57,10 @@ def start(command: list, env: dict | None = None, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def torchrun(log_dir: Path, *args: str, restarts: int = 0) -> list:
-    """torchrun with 2 local CPU workers whose stdout/stderr go to LOG_DIR/*/attempt_N/RANK/."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def torchrun(log_dir: Path, *args: str, restarts: int = 0, launcher: str = "torch.distributed.run") -> list:
+    """torchrun (or `launcher`, such as the project's runtime.launch) with 2 local CPU workers whose
+    stdout/stderr go to LOG_DIR/*/attempt_N/RANK/."""
+    return [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2",
             "--max-restarts", str(restarts), "--monitor-interval", "0.2", "--log-dir", str(log_dir),
             "--redirects", "3", "train_distributed.py", "--device", "cpu", *args]
 
@@ -246,14 +247,16 @@ def test_sigterm_and_sigusr1_finish_the_step_save_and_resume_on_the_same_lr_curv
         assert lrs[SIGNAL_STEPS] == pytest.approx(0.5 * lrs[SIGNAL_STEPS - 1])   # the milestone
 
 
-def start_torchrun_signal_run(tmp_path, synthetic_h5, name: str, *extra: str, **popen):
-    """(agent, run directory, log directory) of a 2-rank torchrun run of the signal tests."""
+def start_torchrun_signal_run(tmp_path, synthetic_h5, name: str, *extra: str,
+                              launcher: str = "torch.distributed.run", **popen):
+    """(agent, run directory, log directory) of a 2-rank torchrun (or `launcher`) run of the signal tests."""
     preset = write_micro_preset(tmp_path)
     logs = tmp_path / "logs"
     agent = start(torchrun(logs, "--config", str(preset), "--train-h5", str(synthetic_h5[0]),
                            "--out-dir", str(tmp_path), "--run-name", name, "--batch-size", "4",
                            "--epochs", str(SIGNAL_EPOCHS), *extra,
-                           *[arg for item in SIGNAL_SETS for arg in ("--set", item)]), **popen)
+                           *[arg for item in SIGNAL_SETS for arg in ("--set", item)],
+                           launcher=launcher), **popen)
     return agent, tmp_path / name, logs
 
 
@@ -281,22 +284,32 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_ranks_at_the_same_step_wi
     assert resume_hint(rank1, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
 
 
-# -- the signal to the process group, as torchrun and SLURM send it, with DataLoader workers ---------
+# -- the signal to the process group, as a scheduler sends it, with DataLoader workers ---------------
 @pytest.mark.slow
-def test_sigterm_to_the_process_group_of_torchrun_with_two_dataloader_workers_saves_and_says_how_to_resume(
+def test_sigterm_to_the_group_of_the_projects_launcher_saves_ends_it_with_code_2_and_resume_auto_continues(
         tmp_path, synthetic_h5):
     agent, run_dir, logs = start_torchrun_signal_run(tmp_path, synthetic_h5, "group", "--workers", "2",
-                                                     start_new_session=True)
+                                                     launcher="runtime.launch", start_new_session=True)
     wait_until(lambda: logged_steps(run_dir) >= 2, agent, "two logged steps")
     os.killpg(agent.pid, signal.SIGTERM)       # agent, both ranks and their four DataLoader workers
-    finish(agent)
+    rc, _, agent_err = finish(agent)
     state = load_checkpoint(run_dir / "last.pth")
     batch = state["iteration"]
     assert state["epoch"] == 0 and 2 <= batch < SIGNAL_STEPS and state["step"] == batch
+    hint = f"stopped by SIGTERM at epoch 1, batch {batch}; "
     for rank in (0, 1):
         err = worker_log(logs, 0, rank, "stderr")
         assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
-        assert resume_hint(err, run_dir).startswith(f"stopped by SIGTERM at epoch 1, batch {batch}; ")
+        assert resume_hint(err, run_dir).startswith(hint)
+    # plain torchrun would end with 1 and its SignalException's traceback (torch's own handler)
+    assert rc == 2 and "Traceback" not in agent_err, agent_err[-3000:]
+    assert resume_hint(agent_err, run_dir).startswith(hint) and agent_err.count("stopped by") == 1
+    rc, _, err = finish(start(agent.args + ["--resume", "auto"]))
+    assert rc == 0, err[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert records[-1]["epoch"] == SIGNAL_EPOCHS - 1 and load_checkpoint(run_dir / "last.pth")["step"] \
+        == len(records) > batch
 
 
 def _slow_to_start(worker_id: int) -> None:

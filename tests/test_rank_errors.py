@@ -55,16 +55,31 @@ def common_args(tmp_path, synthetic_h5) -> list[str]:
             "--set", "train.max_steps_per_epoch=1", "--set", "dist.timeout_s=60"]
 
 
-def test_a_run_directory_that_holds_a_run_is_the_same_error_on_every_rank(tmp_path, synthetic_h5):
+def a_run_in_the_way(tmp_path) -> str:
+    """The error line of a run started where another one is."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
+    return (f"error: {tmp_path / 'run'} already holds a run: pass --resume auto to continue it, "
+            "--overwrite to replace it, or choose another --run-name")
+
+
+def test_a_run_directory_that_holds_a_run_is_the_same_error_on_every_rank(tmp_path, synthetic_h5):
+    expected = [a_run_in_the_way(tmp_path)]
     args = common_args(tmp_path, synthetic_h5) + ["--device", "cpu"]
     results, spread = hand_set_ranks(lambda rank: args)
-    expected = [f"error: {tmp_path / 'run'} already holds a run: pass --resume auto to continue it, "
-                "--overwrite to replace it, or choose another --run-name"]
     for rc, err in results:
         assert rc == 2 and "Traceback" not in err and message_lines(err) == expected, err[-2000:]
     assert spread < 10
+
+
+def test_the_projects_launcher_ends_with_a_ranks_error_line_and_code_not_torchs_traceback(
+        tmp_path, synthetic_h5):
+    expected = a_run_in_the_way(tmp_path)       # plain torchrun: exit 1 and a ChildFailedError traceback
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "--standalone", "--nproc_per_node", "2",
+                           "train_distributed.py", *common_args(tmp_path, synthetic_h5), "--device", "cpu"],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message_lines(proc.stderr)[-1] == expected
 
 
 @pytest.mark.parametrize("failing", [1, 0])
