@@ -23,7 +23,7 @@ from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
-from engine.train_state import load_start
+from engine.train_state import Start, load_start
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Parts:
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
     eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
-    start: tuple                # (resume state, the authors' run, its path, fresh tensors): load_start's
+    start: Start                # what the weights start from
     frozen: dict | None         # counts of freeze()
 
 
@@ -104,7 +104,7 @@ class TrainerBuilder:
         data = self.build_data(replace(cfg, data=replace(cfg.data, pin_memory=False)) if graphs else cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
         start = load_start(model, plan, cfg.train, data.skeleton, say)
-        frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
+        frozen = freeze(model, cfg.train.freeze, start.fresh) if cfg.train.freeze else None
         if frozen and frozen["fresh"]:
             say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names "
                 f"start fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")

@@ -119,7 +119,7 @@ class RunTrainer:
         self.logger = RunLogger(run_dir, self.ctx.is_main, cfg.train.tensorboard)
         # the tensors --allow-partial left fresh: a resume keeps them trainable under --freeze
         fixed = {"config": to_dict(cfg), "skeleton": self.skeleton.to_spec(), "mode": launch.mode,
-                 "world_size": self.ctx.world_size, "fresh_tensors": list(parts.start[3])}
+                 "world_size": self.ctx.world_size, "fresh_tensors": list(parts.start.fresh)}
         self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
                                        self.ctx.is_main, self.say)
         validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
@@ -133,7 +133,7 @@ class RunTrainer:
     def _start(self, parts: Parts) -> None:
         """A resumed run's state, then the run directory written and the run described."""
         cfg, ctx, data, frozen = self.cfg, self.ctx, self.data, parts.frozen
-        state, reference, path, _ = parts.start
+        state, reference, path = parts.start.state, parts.start.reference, parts.start.path
         if reference is not None:
             state = resume_state(reference, str(path), self.model, self.optimizer, cfg.optim, cfg.model.depth)
         if state is not None:
