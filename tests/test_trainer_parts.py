@@ -135,3 +135,24 @@ def test_the_docs_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5
     assert (tmp_path / "l2/last.pth").is_file() and "done." in capsys.readouterr().out
     lines = (tmp_path / "l2/metrics.jsonl").read_text()
     assert '"l2"' in lines and '"keypoints"' not in lines  # the log holds the new loss's parts
+
+
+def test_the_seams_are_typed_the_optimiser_step_and_what_a_run_starts_from(tmp_path):
+    """The loop's `OptimiserStep` Protocol names what it uses, which `OptimStep` has; `load_start`
+    says what a run starts from by name (it was a tuple read as `start[3]`)."""
+    from dataclasses import replace
+
+    from data.skeleton import builtin
+    from engine.train_state import Start, load_start
+    from engine.trainer import OptimiserStep
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    step = OptimStep(Precision(AmpConfig(), torch.device("cpu")), torch.optim.SGD(model.parameters(), lr=0.1),
+                     list(model.parameters()), model, OptimConfig())
+    names = {n for n in vars(OptimiserStep) if not n.startswith("_")} | set(OptimiserStep.__annotations__)
+    assert names == {"skipped_total", "bad_streak", "backoff_skips", "update", "set_lr"}
+    assert all(hasattr(step, name) for name in names)
+    torch.save({"model": {k: v for k, v in model.state_dict().items() if k.startswith("0.")}}, tmp_path / "w.pth")
+    train = replace(build_config("tiny").train, weights=str(tmp_path / "w.pth"), allow_partial=True)
+    start = load_start(model, None, train, builtin("coco"), lambda line: None)
+    assert start == Start(fresh=["1.weight", "1.bias"]) and start.state is None and start.path is None
