@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
             print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "
                   "the distributed function", flush=True)
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "
-              f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
+              f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optim_step.optimizer).__name__}, "
               f"{sync_bn} SyncBN layers", flush=True)
         return trainer.fit()
     finally:

@@ -24,6 +24,7 @@ from engine.freeze import freeze, trainable_parameters
 from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
 from engine.train_state import Start, load_start
+from engine.validation import Validator
 
 
 @dataclass
@@ -34,7 +35,6 @@ class Data:
     val_set: object | None
     train_h5: str
     val_h5: str | None
-    val_loader: object | None = None    # made at the first validation; its workers then persist
 
     @property
     def skeleton(self) -> Skeleton:      # the data's: heads, loss, checkpoints follow it
@@ -94,6 +94,14 @@ class TrainerBuilder:
     def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,
                         native: bool = True):
         return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
+
+    def build_validator(self, cfg: Config, ctx, parts: Parts, evaluator=None, draw=None,
+                        run_dir: Path | None = None) -> Validator | None:
+        """The run's validation (None without a validation set); the weights it evaluates are those
+        the hooks' `evaluating()` swap in (EMA)."""
+        if parts.data.val_set is None:
+            return None
+        return Validator(cfg, ctx, parts.data, parts.eval_net, parts.model, evaluator, draw, run_dir)
 
     def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
         """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""

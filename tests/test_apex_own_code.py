@@ -59,7 +59,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
     from config.loader import build_config
     from data.dataset import KeypointDataset
     from config.views import SampleSettings
-    from engine.hooks import validate
+    from engine.validation import Validator
     from runtime.distributed import DistContext
 
     precision, model, _ = apex_attached(conv_bn_net(), "O1")
@@ -81,11 +81,10 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
         def __call__(self, images, target, mask):
             return eval_net(images, target, mask)
 
-    run = SimpleNamespace(ctx=DistContext(), cfg=cfg, evaluator=None,
-                          data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
-    results = validate(run, SimpleNamespace(stop_signal=None), 0, loss_due=True, ap_due=False)
+    data = SimpleNamespace(val_set=val_set, val_h5=None, skeleton=val_set.skeleton)
+    loss = Validator(cfg, DistContext(), data, EvalNet(), None).loss(lambda: False)
     every = [value for per_sample in seen for value in per_sample.tolist()]   # not torch.sum: O1 casts
-    assert results["loss"] == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
+    assert loss == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
 
 
 # -- Apex's Python SyncBatchNorm ---------------------------------------------------------------------
