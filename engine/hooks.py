@@ -206,11 +206,15 @@ class LRSchedule(Hook):
 
 
 class FrozenBatchNorm(Hook):
-    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch."""
+    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch;
+    `frozen_modules`: `engine.freeze.freeze()`'s "all_modules"."""
     priority = 0
 
+    def __init__(self, frozen_modules=()):
+        self.frozen_modules = list(frozen_modules)
+
     def before_epoch(self, trainer, epoch):
-        set_frozen_bn_eval(trainer.model)
+        set_frozen_bn_eval(trainer.model, self.frozen_modules)
 
 
 class ProgressBar(Hook):
@@ -309,10 +313,11 @@ def best_metric(train: TrainConfig, skeleton) -> str:
 
 
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
-                  validator=None, metric: str = "loss") -> list[Hook]:
-    """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`."""
+                  validator=None, metric: str = "loss", frozen: dict | None = None) -> list[Hook]:
+    """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`; `frozen`:
+    what `engine.freeze.freeze()` returned."""
     train = cfg.train
-    hooks = [FrozenBatchNorm(), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
+    hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validator, metric)]

@@ -133,7 +133,8 @@ def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, parts: Parts, valid
              "world_size": ctx.world_size, "fresh_tensors": list(start.fresh)}
     checkpoints = Checkpoints(run_dir, parts.model, parts.optimizer, parts.precision, fixed, ctx.is_main, say)
     metric = engine_hooks.best_metric(cfg.train, data.skeleton)
-    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric)
+    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,
+                                          parts.frozen)
     end = RunEnd(run_dir, logger, say, lambda: (data.loader, getattr(validator, "loader", None)), ctx.is_main)
     failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=parts.net, say=say)
     trainer = Trainer(loop_parts(cfg.train, parts, ctx.device), defaults + [end] + list(hooks), failure)

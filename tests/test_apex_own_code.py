@@ -114,14 +114,14 @@ def test_apex_python_syncbn_updates_its_running_statistics_in_their_own_tensors(
 def test_apex_syncbn_keeps_the_parameters_and_freezing_of_the_batch_norms_it_replaces(apex_cpu):
     from engine.freeze import freeze, set_frozen_bn_eval
     model = conv_bn_net(blocks=2)
-    freeze(model, ["1"])                                # the first batch norm
+    report = freeze(model, ["1"])                       # the first batch norm
     frozen, trained = model[1].weight, model[4].weight
     model = parallel.convert_sync_bn(model, DISTRIBUTED, AmpConfig(backend="apex"))
     assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)
     assert model[1].weight is frozen and not model[1].weight.requires_grad
     assert model[4].weight is trained and model[4].weight.requires_grad
     model.train()
-    assert set_frozen_bn_eval(model) == 1 and not model[1].training and model[4].training
+    assert set_frozen_bn_eval(model, report["all_modules"]) == 1 and not model[1].training and model[4].training
 
 
 @requires_apex
