@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-from torch import nn
 
 from common.errors import UserError
 from config.loader import to_dict
@@ -33,11 +32,10 @@ __all__ = ["Launch", "Run", "build_run", "build_trainer", "build_loop"]
 
 @dataclass
 class Launch:
-    """How a launch mode runs the engine."""
+    """How a launch mode runs the engine (`TrainerBuilder.build_parallel` wraps the network for it)."""
     ctx: dist.DistContext
-    wrap: Callable[[nn.Module], nn.Module] = lambda module: module
     mode: str = "single"                 # single | dataparallel | ddp
-    wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
+    device_ids: list[int] | None = None  # DataParallel's GPUs (none or one: no wrapper)
 
 
 class Run(NamedTuple):
