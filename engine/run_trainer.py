@@ -13,7 +13,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from common.errors import UserError
-from config.loader import to_dict
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
@@ -126,9 +125,7 @@ def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, parts: Parts, valid
     from what the run starts from; then the run directory written and the run described."""
     ctx, data, start = launch.ctx, parts.data, parts.start
     logger = RunLogger(run_dir, ctx.is_main, cfg.train.tensorboard)
-    # the tensors --allow-partial left fresh: a resume keeps them trainable under --freeze
-    fixed = {"config": to_dict(cfg), "skeleton": data.skeleton.to_spec(), "mode": launch.mode,
-             "world_size": ctx.world_size, "fresh_tensors": list(start.fresh)}
+    fixed = Checkpoints.run_fields(cfg, data.skeleton, launch.mode, ctx.world_size, start.fresh)
     checkpoints = Checkpoints(run_dir, parts.model, parts.optimizer, parts.precision, fixed, ctx.is_main, say)
     metric = engine_hooks.best_metric(cfg.train, data.skeleton)
     defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 
 from common.errors import CheckpointError, ConfigError, TrainingDiverged
-from config.loader import differences, setting
-from config.schema import OptimConfig, TrainConfig
+from config.loader import differences, setting, to_dict
+from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
@@ -185,6 +185,12 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
             "origin": origin}
 
 
+def reference_checkpoint(reference: dict, source, model, optimizer, cfg: Config, skeleton: Skeleton) -> dict:
+    """A checkpoint of this trainer continuing the authors' run `reference` (loaded into `model`)."""
+    state = resume_state(reference, str(source), model, optimizer, cfg.optim, cfg.model.depth, strict=False)
+    return {**state, "model": model.state_dict(), "config": to_dict(cfg), "skeleton": skeleton.to_spec()}
+
+
 def _batchnorm_batch(config, world_size) -> int | None:
     """The samples each BatchNorm layer normalises in a run of `config` on `world_size` processes."""
     try:
@@ -209,7 +215,15 @@ def _keys(hook) -> tuple:
 
 
 class Checkpoints:
-    """The checkpoints of a run; `fields`: the entries fixed for it; `main`: this process writes."""
+    """The checkpoints of a run, and the one owner of their entries; `fields`: those fixed for the
+    run (`run_fields`); `main`: this process writes."""
+
+    @staticmethod
+    def run_fields(cfg: Config, skeleton: Skeleton, mode: str, world_size: int, fresh=()) -> dict:
+        """The entries of a run's every checkpoint: its config, skeleton and launch, and the tensors
+        --allow-partial left fresh (a resume keeps them trainable under --freeze)."""
+        return {"config": to_dict(cfg), "skeleton": skeleton.to_spec(), "mode": mode, "world_size": world_size,
+                "fresh_tensors": list(fresh)}
 
     def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
                  say=print):
