@@ -16,7 +16,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from common.errors import ConfigError, UserError             # noqa: E402
 from runtime import distributed as dist                      # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main   # noqa: E402
-from engine.train_state import CheckpointReader              # noqa: E402
+from engine.checkpoints import CheckpointReader              # noqa: E402
 from engine.run_trainer import Launch, build_trainer         # noqa: E402
 from inference.evaluation import training_evaluator          # noqa: E402
 from inference.val_pictures import write_val_pictures        # noqa: E402

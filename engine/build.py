@@ -23,7 +23,7 @@ from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
-from engine.train_state import Start, load_start
+from engine.checkpoints import Start, load_start
 from engine.validation import Validator
 
 

@@ -39,7 +39,7 @@ def run(args) -> dict:
     from models import build_model
     from runtime import checkpoint as ckpt
     from engine.optim import build_optimizer
-    from engine.train_state import reference_checkpoint
+    from engine.checkpoints import reference_checkpoint
 
     source, out = Path(args.source), Path(args.out)
     refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})

@@ -15,7 +15,7 @@ from torch import nn
 
 from common.errors import CheckpointError
 from engine.precision import PrecisionBackend, live_state_dict
-from engine.train_state import bad_value
+from engine.checkpoints import bad_value
 from engine.trainer import Hook
 
 CHECKPOINT_KEY = "ema"

@@ -22,7 +22,7 @@ from engine.ema import WeightsEMA
 from engine.freeze import set_frozen_bn_eval
 from engine.loaders import STOP_SIGNALS
 from engine.optim import lr_at
-from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
+from engine.checkpoints import DIVERGENCE_ADVICE, Checkpoints, bad_value
 from engine.trainer import Hook
 
 

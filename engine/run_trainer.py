@@ -22,7 +22,7 @@ from engine.loaders import PersistentWorkersLoader, training_feed
 from engine.freeze import trainable_parameters
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
-from engine.train_state import CheckpointReader, Checkpoints, resume_state
+from engine.checkpoints import CheckpointReader, Checkpoints, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
 from engine.trainer import Hook, Trainer, TrainParts
 

@@ -46,7 +46,7 @@ class LoopState(Protocol):
     accumulate: int
     batches_per_epoch: int
     steps_this_epoch: int
-    resumed: Any                     # the engine.train_state.TrainState resumed, or None
+    resumed: Any                     # the engine.checkpoints.TrainState resumed, or None
     stop_signal: int | None
     finish_requested: bool
 

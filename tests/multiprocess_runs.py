@@ -187,7 +187,7 @@ def _abort_before_save() -> None:
     import time
 
     import torch.distributed as torch_dist
-    from engine.train_state import Checkpoints
+    from engine.checkpoints import Checkpoints
     save = Checkpoints.save
 
     def aborted_save(self, *args, **kwargs):

@@ -245,7 +245,7 @@ def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeyp
     written in between is seen, and another reader reads for itself (no module-level cache)."""
     from config.loader import build_config, to_dict
     from engine.cli import build_parser, config_from_args
-    from engine.train_state import CheckpointReader
+    from engine.checkpoints import CheckpointReader
     from engine.run_dir import plan_run, release_run_dir
 
     run_dir = tmp_path / "r"
@@ -346,7 +346,7 @@ def test_the_engines_checkpoints_own_the_entries_fixed_for_a_run():
     """run_trainer.py and convert_reference.py ask `Checkpoints` for the entries; they name no key."""
     from config import build_config
     from data.skeleton import builtin, from_checkpoint
-    from engine.train_state import Checkpoints
+    from engine.checkpoints import Checkpoints
 
     cfg = build_config("tiny")
     fields = Checkpoints.run_fields(cfg, builtin("coco"), "ddp", 2, ("head.weight",))

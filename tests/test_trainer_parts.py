@@ -22,7 +22,7 @@ from engine.logger import RunLogger
 from engine.build import ModelWithLoss
 from engine.optim import OptimStep, lr_at
 from engine.precision import NativePrecision as Precision
-from engine.train_state import Checkpoints
+from engine.checkpoints import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
@@ -144,7 +144,7 @@ def test_the_seams_are_typed_the_optimiser_step_and_what_a_run_starts_from(tmp_p
     from dataclasses import replace
 
     from data.skeleton import builtin
-    from engine.train_state import Start, load_start
+    from engine.checkpoints import Start, load_start
     from engine.trainer import OptimiserStep
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
