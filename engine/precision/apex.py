@@ -35,7 +35,7 @@ class ApexPrecision(PrecisionBackend):
 
     @classmethod
     def check(cls, cfg) -> None:
-        apex_checks.check_backend(cfg)
+        apex_checks.check_apex_config(cfg)
         super().check(cfg)
 
     @classmethod

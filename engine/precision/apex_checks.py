@@ -58,7 +58,7 @@ def apex_build() -> ApexBuild:
     return ApexBuild(_apex_where(), tuple(present))
 
 
-def check_backend(cfg: Config) -> None:
+def check_apex_config(cfg: Config) -> None:
     """ConfigError (one line) where `--amp-backend apex` cannot run `cfg`."""
     amp = cfg.amp
     if amp.opt_level != "O0" and amp.dtype == "bfloat16":
