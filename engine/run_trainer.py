@@ -43,17 +43,16 @@ class Run(NamedTuple):
     parts: Parts
 
 
-def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
-                  hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
-                  reader: CheckpointReader | None = None, draw: Callable | None = None) -> Trainer:
-    """The run of `cfg`, ready to `fit()`; `evaluator` and `draw`: the AP and validation pictures."""
-    return build_run(cfg, launch, evaluator, hooks, builder, reader, draw).trainer
+def build_trainer(*args, **kwargs) -> Trainer:
+    """`build_run(...)`'s trainer."""
+    return build_run(*args, **kwargs).trainer
 
 
 def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
               hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
               reader: CheckpointReader | None = None, draw: Callable | None = None) -> Run:
-    """`build_trainer`'s run, with its parts: they are built, the state restored, the run folder written."""
+    """The run of `cfg`, ready to `trainer.fit()`: its parts built, the state restored, the run folder
+    written; `evaluator` and `draw`: the AP and validation pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
