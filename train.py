@@ -6,7 +6,7 @@
     python train.py --weights best.pth --freeze stem 'stacks.0.*' --lr 1e-5
 """
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
-from engine.train_state import CheckpointReader
+from engine.checkpoints import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures

@@ -4,13 +4,12 @@ only per-sample losses come back to the first GPU. --sync-bn is refused (use tra
     python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
 """
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from common.errors import ConfigError
 from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
-from engine.train_state import CheckpointReader
+from engine.checkpoints import CheckpointReader
 from engine.run_trainer import Launch, build_trainer
 from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
@@ -38,8 +37,7 @@ def _gpu_launch(cfg, ids: list[int]) -> Launch:
         raise ConfigError("option amp.compile: a compiled model's replicas under DataParallel still "
                           "run the module on the first GPU; for compiled multi-GPU training use "
                           "torchrun train_distributed.py")
-    wrap = (lambda module: nn.DataParallel(module, device_ids=ids)) if len(ids) > 1 else (lambda m: m)
-    return Launch(single_process_context(f"cuda:{ids[0]}"), wrap=wrap, mode="dataparallel", wrapped_eval=True)
+    return Launch(single_process_context(f"cuda:{ids[0]}"), mode="dataparallel", device_ids=ids)
 
 
 def main(argv=None) -> dict:

@@ -180,7 +180,6 @@ def section_sync_debug(check: bool) -> dict:
     """Device waits per step beside the project's host-read counter, without and with --sync-bn."""
     from bench.group_of_one import force_sync_function, join_group_of_one
     from engine.cli import single_process_context
-    from engine.parallel import wrap_ddp
     from engine.run_trainer import Launch, build_loop
 
     ctx = single_process_context(device_of(check).type)
@@ -190,8 +189,7 @@ def section_sync_debug(check: bool) -> dict:
         cfg = bench_config("tiny" if check else "imhn512", 64 if check else 256, 4, ctx.device.type,
                            SYNTHETIC / "train.h5", f"dist.sync_bn={sync_bn}", "amp.opt_level=O1")
         with contextlib.redirect_stdout(io.StringIO()):
-            trainer, parts = build_loop(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
-                                                    mode="ddp"))
+            trainer, parts = build_loop(cfg, Launch(ctx, mode="ddp"))
         if sync_bn and ctx.device.type == "cuda":
             force_sync_function(trainer.net)
         batch = next(synthetic_batches(4, cfg, ctx.device))

@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import distributed as dist                     # noqa: E402
-from engine.parallel import CrossProcessBatchNorm, wrap_ddp    # noqa: E402
+from engine.parallel import CrossProcessBatchNorm              # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
 from runtime.launch_env import find_free_port                # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
@@ -68,15 +68,14 @@ def main(argv=None) -> dict:
     ctx = single_process_context(cfg.train.device)
     ctx.backend, ctx.distributed = join_group_of_one(ctx.device, cfg.dist.timeout_s), True
     try:
-        trainer = build_trainer(cfg, Launch(ctx, wrap=lambda m: wrap_ddp(m, ctx, cfg.amp, cfg.dist),
-                                            mode="ddp"), training_evaluator())
+        trainer = build_trainer(cfg, Launch(ctx, mode="ddp"), training_evaluator())
         sync_bn = sum(isinstance(m, CrossProcessBatchNorm) or "SyncBatchNorm" in type(m).__name__
                       for m in trainer.model.modules())
         if args.force_sync_function:
             print(f"{force_sync_function(trainer.model)} nn.SyncBatchNorm layers forced through "
                   "the distributed function", flush=True)
         print(f"group of one: backend {torch_dist.get_backend()}, model wrapped as "
-              f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optimizer).__name__}, "
+              f"{type(trainer.net).__module__}.{type(trainer.net).__name__}, optimiser {type(trainer.optim_step.optimizer).__name__}, "
               f"{sync_bn} SyncBN layers", flush=True)
         return trainer.fit()
     finally:

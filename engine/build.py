@@ -17,13 +17,14 @@ from data.h5format import KeypointH5, check_split
 from data.skeleton import Skeleton, skeleton_words
 from config.views import SampleSettings
 from runtime import distributed as dist
-from engine.parallel import convert_sync_bn
+from engine.parallel import convert_sync_bn, wrap_ddp
 from engine.cuda_graphs import GraphedNetwork, use_cuda_graphs
 from engine.precision import PrecisionBackend, build_precision
 from engine.freeze import freeze, trainable_parameters
 from engine.optim import OptimStep, build_optimizer, peak_lr
 from engine.loaders import train_loader
-from engine.train_state import load_start
+from engine.checkpoints import Start, load_start
+from engine.validation import Validator
 
 
 @dataclass
@@ -34,7 +35,6 @@ class Data:
     val_set: object | None
     train_h5: str
     val_h5: str | None
-    val_loader: object | None = None    # made at the first validation; its workers then persist
 
     @property
     def skeleton(self) -> Skeleton:      # the data's: heads, loss, checkpoints follow it
@@ -50,7 +50,7 @@ class Parts:
     optim_step: OptimStep
     net: nn.Module              # model and loss, wrapped for the launch mode: what trains
     eval_net: nn.Module         # what validates (eager, wrapped only under DataParallel)
-    start: tuple                # (resume state, the authors' run, its path, fresh tensors): load_start's
+    start: Start                # what the weights start from
     frozen: dict | None         # counts of freeze()
 
 
@@ -95,6 +95,25 @@ class TrainerBuilder:
                         native: bool = True):
         return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
 
+    def build_parallel(self, module: nn.Module, cfg: Config, launch, wrap: bool = False) -> nn.Module:
+        """The parallelism of `launch`, set up in one place: before the network goes to its device,
+        its BatchNorm layers made cross-process (`--sync-bn`); `wrap`: the network and loss wrapped,
+        in the backend's DDP with `cfg.dist`'s options, or in DataParallel over `launch.device_ids`."""
+        if not wrap:
+            return convert_sync_bn(module, launch.ctx, cfg.amp) if cfg.dist.sync_bn else module
+        if launch.mode == "ddp":
+            return wrap_ddp(module, launch.ctx, cfg.amp, cfg.dist)
+        ids = launch.device_ids or []
+        return nn.DataParallel(module, device_ids=ids) if len(ids) > 1 else module
+
+    def build_validator(self, cfg: Config, ctx, parts: Parts, evaluator=None, draw=None,
+                        run_dir: Path | None = None) -> Validator | None:
+        """The run's validation (None without a validation set); the weights it evaluates are those
+        the hooks' `evaluating()` swap in (EMA)."""
+        if parts.data.val_set is None:
+            return None
+        return Validator(cfg, ctx, parts.data, parts.eval_net, parts.model, evaluator, draw, run_dir)
+
     def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
         """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
         ctx = launch.ctx
@@ -104,13 +123,12 @@ class TrainerBuilder:
         data = self.build_data(replace(cfg, data=replace(cfg.data, pin_memory=False)) if graphs else cfg, ctx)
         model = self.build_model(cfg.model, data.skeleton, cfg.train.seed)
         start = load_start(model, plan, cfg.train, data.skeleton, say)
-        frozen = freeze(model, cfg.train.freeze, start[3]) if cfg.train.freeze else None
+        frozen = freeze(model, cfg.train.freeze, start.fresh) if cfg.train.freeze else None
         if frozen and frozen["fresh"]:
             say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names "
                 f"start fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
-        if cfg.dist.sync_bn:
-            model = convert_sync_bn(model, ctx, cfg.amp)
+        model = self.build_parallel(model, cfg, launch)
         model = model.to(ctx.device)
         precision = self.build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
         model = precision.prepare_model(model)
@@ -124,10 +142,11 @@ class TrainerBuilder:
         loss = self.build_loss(cfg.loss, data.skeleton).to(ctx.device)
         model_with_loss = ModelWithLoss(torch.compile(model) if cfg.amp.compile else model, loss, precision,
                                         cuda_graphs=graphs)
-        net = launch.wrap(model_with_loss)
+        net = self.build_parallel(model_with_loss, cfg, launch, wrap=True)
         # validation runs eagerly: under --compile each of its shapes would compile for minutes
         eval_net = ModelWithLoss(model, loss, precision) if cfg.amp.compile else model_with_loss
-        eval_net = launch.wrap(eval_net) if launch.wrapped_eval else eval_net
+        if launch.mode == "dataparallel":    # not through DDP's wrapper: each rank validates its shard
+            eval_net = self.build_parallel(eval_net, cfg, launch, wrap=True)
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
                                static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
                                    cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))

@@ -182,7 +182,7 @@ def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:
         given, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}
         deep_update(overrides, given)
     if args.resume:
-        from engine.train_state import CheckpointReader
+        from engine.checkpoints import CheckpointReader
         path, saved = _saved_config(args.resume, args.run_name, args.out_dir, reader or CheckpointReader())
         if saved:       # the run's config is the base; its own preset given again changes nothing
             same = not args.config or args.config == saved.get("preset")

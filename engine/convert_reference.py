@@ -34,12 +34,12 @@ def build_parser() -> ArgumentParser:
 
 
 def run(args) -> dict:
-    from config.loader import build_config, to_dict
+    from config.loader import build_config
     from data.skeleton import builtin
     from models import build_model
     from runtime import checkpoint as ckpt
     from engine.optim import build_optimizer
-    from engine.train_state import resume_state
+    from engine.checkpoints import reference_checkpoint
 
     source, out = Path(args.source), Path(args.out)
     refuse_clashes({"IN.pth": source, "--config": args.config}, {"OUT.pth": out})
@@ -52,8 +52,7 @@ def run(args) -> dict:
     model = build_model(cfg.model, coco)
     ckpt.load_weights(model, reference)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    state = resume_state(reference, str(source), model, optimizer, cfg.optim, cfg.model.depth, strict=False)
-    state.update(model=model.state_dict(), config=to_dict(cfg), skeleton=coco.to_spec())
+    state = reference_checkpoint(reference, source, model, optimizer, cfg, coco)
     ckpt.save_checkpoint(str(out), state)
     print(f"{source}: the authors' layout converted (names mapped, first conv BGR -> RGB; "
           f"{state['origin']}); wrote {out}: config {args.config}, continues at epoch {state['epoch'] + 1}")

@@ -12,8 +12,6 @@ from torch import nn
 from common.errors import ConfigError
 from runtime.checkpoint import unwrap_model
 
-_FROZEN_MARK = "_frozen_by_pattern"   # set on matched modules, so parameterless BN counts as frozen
-
 
 def _matches(name: str, pattern: str) -> bool:
     """Whether `pattern` names `name` or one of its enclosing modules."""
@@ -28,8 +26,9 @@ def _parameter_count(model: nn.Module, trainable: bool) -> int:
 
 
 def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
-    """Freeze what `patterns` name but the `fresh` tensors; return {"frozen", "trainable",
-    "modules", "fresh"}. ConfigError when a pattern matches nothing or nothing is left to train."""
+    """Freeze what `patterns` name but the `fresh` tensors; return {"frozen", "trainable", "modules"
+    (the outermost frozen), "all_modules" (every module frozen, by name: for `set_frozen_bn_eval`),
+    "fresh"}. ConfigError when a pattern matches nothing or nothing is left to train."""
     model = unwrap_model(model)
     modules = [(name, module) for name, module in model.named_modules() if name]
     names = [name for name, _ in modules] + [name for name, _ in model.named_parameters()]
@@ -50,12 +49,9 @@ def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
                           "trainable parameters of the model: nothing would be left to train")
     for parameter in to_freeze:
         parameter.requires_grad_(False)
-    for name, module in modules:
-        if name in matched:
-            setattr(module, _FROZEN_MARK, True)
     return {"frozen": _parameter_count(model, False), "trainable": _parameter_count(model, True),
             "modules": [name for name in matched if not any(
-                name.startswith(other + ".") for other in matched)],
+                name.startswith(other + ".") for other in matched)], "all_modules": matched,
             "fresh": [name for name, _ in named if name in fresh]}
 
 
@@ -64,13 +60,15 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def set_frozen_bn_eval(model: nn.Module) -> int:
-    """Put frozen BatchNorm layers in eval mode (after every `model.train()`); return how many."""
-    count = 0
-    for module in unwrap_model(model).modules():
+def set_frozen_bn_eval(model: nn.Module, frozen_modules=()) -> int:
+    """Put frozen BatchNorm layers in eval mode (after every `model.train()`); return how many.
+    `frozen_modules`: `freeze()`'s "all_modules", by name (a BatchNorm replaced since, by SyncBN,
+    keeps its name), so that one without parameters counts as frozen."""
+    count, frozen_modules = 0, set(frozen_modules)
+    for name, module in unwrap_model(model).named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             params = list(module.parameters())
-            if getattr(module, _FROZEN_MARK, False) or (params and not any(p.requires_grad for p in params)):
+            if name in frozen_modules or (params and not any(p.requires_grad for p in params)):
                 module.eval()
                 count += 1
     return count

@@ -2,7 +2,7 @@
 run. A user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30) and
 logging (40) hooks and before the pre-emption save (80) and `EpochEnd` (90), so that what it keeps
 is saved. `EpochEnd.finish` decides an epoch's end, in order: checkpoints, the validation when due
-(`validate`: the loss, the entry script's metrics, pictures), the verdict, best.pth, early stopping.
+(the `Validator`'s loss, metrics, pictures), the verdict, best.pth, early stopping.
 """
 from __future__ import annotations
 
@@ -15,16 +15,14 @@ from tqdm import tqdm
 
 from common.errors import CheckpointError, TrainingDiverged
 from config.schema import Config, OptimConfig, TrainConfig
-from config.views import PredictSettings
 from data.skeleton import LOWER_IS_BETTER
 from runtime import distributed as dist
 from runtime.distributed import DistContext
 from engine.ema import WeightsEMA
 from engine.freeze import set_frozen_bn_eval
-from engine.loaders import STOP_SIGNALS, to_model_input, val_loader
+from engine.loaders import STOP_SIGNALS
 from engine.optim import lr_at
-from engine.precision import cudnn_autotuning_off
-from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
+from engine.checkpoints import DIVERGENCE_ADVICE, Checkpoints, bad_value
 from engine.trainer import Hook
 
 
@@ -43,16 +41,17 @@ def scored(value) -> bool:
 
 
 class EpochEnd(Hook):
-    """`validate(trainer, epoch, loss_due, ap_due)` -> results (None: no validation)."""
+    """The end of an epoch, in short steps: last.pth, then `validate` when due (by `validator`, an
+    `engine.validation.Validator`; None: no validation), `judge`, `record`, `report`, `save`."""
     checkpoint_key = ("best_metric", "bad_validations", "best_loss")
     priority = 90
     EXPLODED = 100.0            # a validation loss this many times the training loss is said
 
-    def __init__(self, train: TrainConfig, checkpoints, logger, say=print, validate=None,
+    def __init__(self, train: TrainConfig, checkpoints, logger, say=print, validator=None,
                  metric: str = "loss"):
-        self.every = (train.val_every, train.ap_every) if validate is not None else (0, 0)
+        self.every = (train.val_every, train.ap_every) if validator is not None else (0, 0)
         self.save_every, self.patience = train.save_every, train.early_stop_patience
-        self.checkpoints, self.logger, self.say, self.validate = checkpoints, logger, say, validate
+        self.checkpoints, self.logger, self.say, self.validator = checkpoints, logger, say, validator
         self.metric, self.best, self.bad_validations, self.best_loss = metric, None, 0, None
         self.stopped, self.results, self.said_exploded = False, {}, False
 
@@ -88,11 +87,36 @@ class EpochEnd(Hook):
             # while there is no best: a run continued past it then judges as one never stopped
             off_schedule = self.metric != "loss" and (epoch + 1) % max(self.every[1], 1) > 0
             improved = self.judge(results, epoch, not off_schedule)
+        self.record(trainer, epoch, train_loss, results, any(due))
+        self.report(trainer, epoch, train_loss, results, improved)
+        self.save(trainer, epoch, improved)
+
+    def validate(self, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
+        """The validator's loss and metrics, and its pictures once the metrics are measured."""
+        results, stop = {}, lambda: trainer.stop_signal is not None
+        for due, measure in ((loss_due, lambda: {"loss": self.validator.loss(stop)}),
+                             (ap_due, lambda: self.validator.metrics(stop))):
+            measured = measure() if due else {}
+            if measured is None or None in measured.values():
+                raise self.checkpoints.interrupted(
+                    trainer, f"while validating epoch {epoch + 1} (resuming validates it again)")
+            results.update(measured)
+        if ap_due and self.validator.skeleton.scoring.key in results:
+            path = self.validator.pictures(epoch)
+            if path is not None:
+                self.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
+        return results
+
+    def record(self, trainer, epoch: int, train_loss: float | None, results: dict, validated: bool) -> None:
+        """The epoch in metrics.jsonl; last.pth again after a validation, with the hooks' states."""
         trained = {} if train_loss is None else {"train_loss": train_loss}
         self.logger.log("val", trainer.step, epoch=epoch, **trained, **results)
-        if any(due):            # last.pth again, now with the hooks' states after validation
+        if validated:
             self.checkpoints.save(trainer, "last.pth", epoch + 1, 0)
         self.logger.plot_curves()
+
+    def report(self, trainer, epoch: int, train_loss: float | None, results: dict, improved) -> None:
+        """The epoch's line, and once a validation loss far above the training loss."""
         shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
         self.say(f"epoch {epoch + 1}/{trainer.epochs}: "
                  + ("no training step counted" if train_loss is None else f"train loss {train_loss:.4g}")
@@ -104,6 +128,9 @@ class EpochEnd(Hook):
                      "domain (the --weights' data); they follow this data as training goes on")
             self.said_exploded = True
         self.results = results
+
+    def save(self, trainer, epoch: int, improved) -> None:
+        """best.pth when improved, epoch_N.pth when due; early stopping."""
         if improved:
             with weights_evaluated(trainer):
                 self.checkpoints.save(trainer, "best.pth", epoch + 1, 0)
@@ -157,48 +184,6 @@ class EpochEnd(Hook):
         return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
 
 
-@torch.no_grad()
-def validate(run, trainer, epoch: int, loss_due: bool, ap_due: bool) -> dict:
-    """The validation loss, the skeleton's metrics and the validation pictures of `run`."""
-    results = {}
-    ctx, cfg, val_set = run.ctx, run.cfg, run.data.val_set
-    where = f"while validating epoch {epoch + 1} (resuming validates it again)"
-    if loss_due:
-        run.eval_net.eval()
-        # summed in Python floats: Apex's O1 patches torch's float64 sums
-        loss_sum, count = 0.0, 0
-        if run.data.val_loader is None:       # made once: its workers serve every validation
-            run.data.val_loader = val_loader(val_set, cfg.data, cfg.train.batch_size, ctx)
-        loader = run.data.val_loader
-        # a stop vote per batch while every rank still has one (shards differ by one at most)
-        voted_batches = -(-(len(val_set) // ctx.world_size) // loader.batch_size)
-        for n, batch in enumerate(loader):
-            images, target, mask = to_model_input(batch, ctx.device, val_set.painter_for(ctx.device),
-                                                  non_blocking=False)
-            per_sample, _ = run.eval_net(images, target, mask)
-            loss_sum += math.fsum(per_sample.detach().float().cpu().tolist())
-            count += per_sample.numel()
-            if n < voted_batches and dist.any_rank(trainer.stop_signal is not None):
-                raise run.checkpoints.interrupted(trainer, where)
-        total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
-        loss_sum, count = total.tolist()
-        results["loss"] = loss_sum / max(count, 1.0)
-    if ap_due and run.evaluator is not None:
-        settings, pictures = PredictSettings.of(cfg), cfg.train.val_pictures
-        with cudnn_autotuning_off():    # pictures of several sizes: none worth timing algorithms for
-            stats = run.evaluator(run.model, run.data.val_h5, settings, ctx.device,
-                                  max_images=cfg.train.ap_max_images, progress=ctx.is_main,
-                                  stop=lambda: trainer.stop_signal is not None, skeleton=run.skeleton)
-            if stats is None:
-                raise run.checkpoints.interrupted(trainer, where)
-            results.update({k: v for k, v in stats.items() if k != "num_images" and isinstance(v, float)})
-            if run.draw is not None and pictures and ctx.is_main and run.skeleton.scoring.key in results:
-                path = run.draw(run.model, run.data.val_h5, run.skeleton, settings, epoch + 1, run.run_dir,
-                                ctx.device, pictures)
-                run.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
-    return results
-
-
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocations on GPU, resident set size on CPU."""
     if device.type == "cuda":
@@ -221,11 +206,15 @@ class LRSchedule(Hook):
 
 
 class FrozenBatchNorm(Hook):
-    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch."""
+    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch;
+    `frozen_modules`: `engine.freeze.freeze()`'s "all_modules"."""
     priority = 0
 
+    def __init__(self, frozen_modules=()):
+        self.frozen_modules = list(frozen_modules)
+
     def before_epoch(self, trainer, epoch):
-        set_frozen_bn_eval(trainer.model)
+        set_frozen_bn_eval(trainer.model, self.frozen_modules)
 
 
 class ProgressBar(Hook):
@@ -324,13 +313,14 @@ def best_metric(train: TrainConfig, skeleton) -> str:
 
 
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
-                  validate=None, metric: str = "loss") -> list[Hook]:
-    """The engine's hooks for a run of `cfg`; `validate` and `metric`: see `EpochEnd`."""
+                  validator=None, metric: str = "loss", frozen: dict | None = None) -> list[Hook]:
+    """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`; `frozen`:
+    what `engine.freeze.freeze()` returned."""
     train = cfg.train
-    hooks = [FrozenBatchNorm(), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
+    hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
-             EpochEnd(train, checkpoints, logger, say, validate, metric)]
+             EpochEnd(train, checkpoints, logger, say, validator, metric)]
     outside = [m for m in cfg.optim.milestones if m >= train.epochs]     # shares are inside
     if outside:
         say(f"optim.milestones {cfg.optim.milestones}: epochs {outside} are not inside --epochs "

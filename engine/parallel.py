@@ -191,11 +191,7 @@ def apex_sync_bn(model: nn.Module) -> nn.Module:
     mended = _mended_class(parallel.SyncBatchNorm)
     for name, module in model.named_modules():
         if name in before and module is not before[name]:
-            old = before[name]
-            _move_state(old, module)
-            for key, value in vars(old).items():     # marks set on it, e.g. engine.freeze's
-                if key.startswith("_frozen"):
-                    setattr(module, key, value)
+            _move_state(before[name], module)
         if type(module) is parallel.SyncBatchNorm:
             module.__class__ = mended
     return model

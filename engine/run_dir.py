@@ -18,7 +18,7 @@ from common.paths import refuse_clashes, same_file, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
-from engine.train_state import CheckpointReader
+from engine.checkpoints import CheckpointReader
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
 # what the trainer writes in a run directory: all --overwrite ever removes

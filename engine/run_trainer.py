@@ -1,19 +1,18 @@
 """A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run, builds
-its parts and returns a `RunTrainer`: the `Trainer` with the engine's hooks and the caller's, and
-the run around it. Every launch mode calls it; the `Launch` says how the network is wrapped.
+its parts and its `Validator`, restores the state, writes the run folder and returns the `Trainer`
+with the engine's hooks and the caller's. Every launch mode calls it; the `Launch` says how the
+network is wrapped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-from torch import nn
 
 from common.errors import UserError
-from config.loader import to_dict
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
@@ -23,26 +22,37 @@ from engine.loaders import PersistentWorkersLoader, training_feed
 from engine.freeze import trainable_parameters
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
-from engine.train_state import CheckpointReader, Checkpoints, resume_state
+from engine.checkpoints import CheckpointReader, Checkpoints, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
 from engine.trainer import Hook, Trainer, TrainParts
 
-__all__ = ["Launch", "RunTrainer", "build_trainer", "build_loop"]
+__all__ = ["Launch", "Run", "build_run", "build_trainer", "build_loop"]
 
 
 @dataclass
 class Launch:
-    """How a launch mode runs the engine."""
+    """How a launch mode runs the engine (`TrainerBuilder.build_parallel` wraps the network for it)."""
     ctx: dist.DistContext
-    wrap: Callable[[nn.Module], nn.Module] = lambda module: module
     mode: str = "single"                 # single | dataparallel | ddp
-    wrapped_eval: bool = False           # validate through the wrapper (DataParallel) or not (DDP)
+    device_ids: list[int] | None = None  # DataParallel's GPUs (none or one: no wrapper)
 
 
-def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None,
-                  hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
-                  reader: CheckpointReader | None = None, draw: Callable | None = None) -> "RunTrainer":
-    """The run of `cfg`, ready to `fit()`; `evaluator` and `draw`: the AP and validation pictures."""
+class Run(NamedTuple):
+    """A run ready to `trainer.fit()`: the loop with its hooks, and the parts it was built from."""
+    trainer: Trainer
+    parts: Parts
+
+
+def build_trainer(*args, **kwargs) -> Trainer:
+    """`build_run(...)`'s trainer."""
+    return build_run(*args, **kwargs).trainer
+
+
+def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
+              hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
+              reader: CheckpointReader | None = None, draw: Callable | None = None) -> Run:
+    """The run of `cfg`, ready to `trainer.fit()`: its parts built, the state restored, the run folder
+    written; `evaluator` and `draw`: the AP and validation pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
@@ -52,8 +62,10 @@ def build_trainer(cfg: Config, launch: Launch, evaluator: Callable | None = None
         say(note)
     try:
         check_backend(cfg)           # as the command line does, for a config built in Python
-        parts = (builder or TrainerBuilder()).build(cfg, launch, plan, say)
-        return RunTrainer(cfg, launch, plan.run_dir, parts, hooks, evaluator, draw, say)
+        builder = builder or TrainerBuilder()
+        parts = builder.build(cfg, launch, plan, say)
+        validator = builder.build_validator(cfg, launch.ctx, parts, evaluator, draw, plan.run_dir)
+        return Run(_run_trainer(cfg, launch, plan.run_dir, parts, validator, hooks, say), parts)
     except BaseException:               # a run that did not start leaves no directory behind
         if launch.ctx.is_main:
             release_run_dir(plan.run_dir, remove_if_empty=plan.created)
@@ -81,113 +93,111 @@ def loop_parts(train: TrainConfig, parts: Parts, device) -> TrainParts:
 
 
 class RunEnd(Hook):
-    """The logger closed, the `done.` line; whatever happened, workers and run lock let go."""
+    """The run's result names its folder; the logger closed, the `done.` line; whatever happened,
+    workers and run lock let go."""
     priority = 100
 
-    def __init__(self, run: "RunTrainer"):
-        self.run = run
+    def __init__(self, run_dir: Path, logger: RunLogger, say: RunConsole, loaders: Callable, main: bool):
+        self.run_dir, self.logger, self.say, self.loaders, self.main = run_dir, logger, say, loaders, main
 
     def after_train(self, trainer):
-        self.run.logger.close()
+        self.logger.close()
         dist.barrier()   # ranks leave together: none tears down its process group while one still works
-        run_dir = self.run.run_dir
-        self.run.say(f"done. checkpoints: {run_dir / 'last.pth'}"
-                     + (f", {run_dir / 'best.pth'}" if (run_dir / 'best.pth').exists() else "")
-                     + f"; metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}"
-                     + (f"; pictures: {run_dir / 'val_pictures'}/" if (run_dir / "val_pictures").is_dir()
-                        else ""))
+        run_dir = self.run_dir
+        self.say(f"done. checkpoints: {run_dir / 'last.pth'}"
+                 + (f", {run_dir / 'best.pth'}" if (run_dir / 'best.pth').exists() else "")
+                 + f"; metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}"
+                 + (f"; pictures: {run_dir / 'val_pictures'}/" if (run_dir / "val_pictures").is_dir()
+                    else ""))
 
     def on_stop(self, trainer):
-        for loader in (self.run.data.loader, self.run.data.val_loader):   # before the group is left
+        for loader in self.loaders():   # before the group is left
             if isinstance(loader, PersistentWorkersLoader):
                 loader.close()
-        if self.run.ctx.is_main:
-            release_run_dir(self.run.run_dir)
+        if self.main:
+            release_run_dir(self.run_dir)
+
+    def outcome(self) -> dict:
+        return {"run_dir": str(self.run_dir)}
 
 
-class RunTrainer:
-    """A run around the loop `trainer`: its config, launch, directory, parts and writers."""
+def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, parts: Parts, validator, hooks, say) -> Trainer:
+    """The loop over `parts` with the engine's hooks, the run's end and `hooks`; its state restored
+    from what the run starts from; then the run directory written and the run described."""
+    ctx, data, start = launch.ctx, parts.data, parts.start
+    logger = RunLogger(run_dir, ctx.is_main, cfg.train.tensorboard)
+    fixed = Checkpoints.run_fields(cfg, data.skeleton, launch.mode, ctx.world_size, start.fresh)
+    checkpoints = Checkpoints(run_dir, parts.model, parts.optimizer, parts.precision, fixed, ctx.is_main, say)
+    metric = engine_hooks.best_metric(cfg.train, data.skeleton)
+    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,
+                                          parts.frozen)
+    end = RunEnd(run_dir, logger, say, lambda: (data.loader, getattr(validator, "loader", None)), ctx.is_main)
+    failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=parts.net, say=say)
+    trainer = Trainer(loop_parts(cfg.train, parts, ctx.device), defaults + [end] + list(hooks), failure)
+    state = start.state
+    if start.reference is not None:
+        state = resume_state(start.reference, str(start.path), parts.model, parts.optimizer, cfg.optim,
+                             cfg.model.depth)
+    if state is not None:
+        checkpoints.restore(trainer, state, start.path, say)
+    if ctx.is_main:     # the run directory is written only once everything above has worked
+        clear_run_dir(cfg.train, run_dir)
+        save_resolved_config(cfg, run_dir)
+        remove_stale_temps(run_dir)   # of saves killed mid-write: checkpoint-sized each
+        say.open(run_dir, ctx.device, ctx.world_size)
+    logger.open(resumed_step=trainer.step if state is not None else None)
+    _describe(cfg, launch, parts, validator, say)
+    return trainer
 
-    def __init__(self, cfg: Config, launch: Launch, run_dir: Path, parts: Parts, hooks: list[Hook] = (),
-                 evaluator: Callable | None = None, draw: Callable | None = None,
-                 console: RunConsole | None = None):
-        self.cfg, self.launch, self.ctx, self.run_dir = cfg, launch, launch.ctx, run_dir
-        self.data, self.model, self.precision = parts.data, parts.model, parts.precision
-        self.optimizer, self.optim_step, self.net, self.eval_net = (parts.optimizer, parts.optim_step,
-                                                                    parts.net, parts.eval_net)
-        self.skeleton, self.train_set = parts.data.skeleton, parts.data.train_set
-        self.evaluator, self.draw = evaluator, draw
-        self.say = console or RunConsole(self.ctx.is_main)
-        self.logger = RunLogger(run_dir, self.ctx.is_main, cfg.train.tensorboard)
-        # the tensors --allow-partial left fresh: a resume keeps them trainable under --freeze
-        fixed = {"config": to_dict(cfg), "skeleton": self.skeleton.to_spec(), "mode": launch.mode,
-                 "world_size": self.ctx.world_size, "fresh_tensors": list(parts.start[3])}
-        self.checkpoints = Checkpoints(run_dir, self.model, self.optimizer, self.precision, fixed,
-                                       self.ctx.is_main, self.say)
-        validate = partial(engine_hooks.validate, self) if self.data.val_set is not None else None
-        metric = engine_hooks.best_metric(cfg.train, self.skeleton)
-        defaults = engine_hooks.default_hooks(cfg, self.checkpoints, self.logger, self.say, self.ctx,
-                                              validate, metric)
-        self.trainer = Trainer(loop_parts(cfg.train, parts, self.ctx.device),
-                               defaults + [RunEnd(self)] + list(hooks), self.failure)
-        self._start(parts)
 
-    def _start(self, parts: Parts) -> None:
-        """A resumed run's state, then the run directory written and the run described."""
-        cfg, ctx, data, frozen = self.cfg, self.ctx, self.data, parts.frozen
-        state, reference, path, _ = parts.start
-        if reference is not None:
-            state = resume_state(reference, str(path), self.model, self.optimizer, cfg.optim, cfg.model.depth)
-        if state is not None:
-            self.checkpoints.restore(self.trainer, state, path, self.say)
-        if ctx.is_main:     # the run directory is written only once everything above has worked
-            clear_run_dir(cfg.train, self.run_dir)
-            save_resolved_config(cfg, self.run_dir)
-            remove_stale_temps(self.run_dir)   # of saves killed mid-write: checkpoint-sized each
-            self.say.open(self.run_dir, ctx.device, ctx.world_size)
-        self.logger.open(resumed_step=self.trainer.step if state is not None else None)
-        batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
-        n_train = sum(p.numel() for p in trainable_parameters(self.model))
-        self.say(f"mode {self.launch.mode}, {self.ctx.world_size} process(es) on {self.ctx.device}; "
-                 f"batch {batch // self.ctx.world_size} per process, {batch} in total"
-                 + (f", {accumulate} batches per step ({batch * accumulate} samples)"
-                    if accumulate > 1 else "") + f"; {self.precision.describe()}")
-        self.say(f"data: {len(data.train_set)} training samples from {data.train_h5}"
-                 + (f", {len(data.val_set)} validation samples from {data.val_h5}" if data.val_set
-                    else "; no --val-h5, so no validation loss, no AP and no best.pth")
-                 + f"; {self.skeleton.describe()}")
-        if data.val_set is not None and cfg.train.ap_every and self.evaluator is None:
-            self.say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
-        self.say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in self.model.parameters()):,}"
-                 + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
+def _describe(cfg: Config, launch: Launch, parts: Parts, validator, say) -> None:
+    """The run's lines: its launch, data and parameters."""
+    ctx, data, frozen, model = launch.ctx, parts.data, parts.frozen, parts.model
+    batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
+    n_train = sum(p.numel() for p in trainable_parameters(model))
+    say(f"mode {launch.mode}, {ctx.world_size} process(es) on {ctx.device}; "
+        f"batch {batch // ctx.world_size} per process, {batch} in total"
+        + (f", {accumulate} batches per step ({batch * accumulate} samples)"
+           if accumulate > 1 else "") + f"; {parts.precision.describe()}")
+    say(f"data: {len(data.train_set)} training samples from {data.train_h5}"
+        + (f", {len(data.val_set)} validation samples from {data.val_h5}" if data.val_set
+           else "; no --val-h5, so no validation loss, no AP and no best.pth")
+        + f"; {data.skeleton.describe()}")
+    if validator is not None and cfg.train.ap_every and validator.evaluator is None:
+        say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
+    say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,}"
+        + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
 
-    def fit(self) -> dict:
-        try:
-            return {"run_dir": str(self.run_dir), **self.trainer.fit()}
-        except UserError as exc:       # the line the command ends with, in train.log too
-            self.say.record(f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}")
-            raise
 
-    def failure(self, exc: Exception) -> Exception | None:
-        """What a failure means: another rank's end, a worker's death, or memory (and what to lower)."""
-        if isinstance(exc, UserError):
-            return None
-        other = dist.error_of_another_rank() if self.ctx.distributed else None
-        if other is not None:
-            return other
-        line = (str(exc).splitlines() or [""])[0]
-        if isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
-            return UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
-                             "fewer --workers or a smaller --batch-size)")
-        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not (
-                isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
-            return None
-        size, batch = self.cfg.data.input_size, self.cfg.train.batch_size // self.ctx.world_size
-        kept = self.run_dir / "last.pth"
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-        return UserError(f"out of memory on {self.ctx.device} ({reason})"
-                         f" with batch {batch} per process at input {size}: lower --batch-size (add "
-                         f"--accumulate K to keep the total batch) or --input-size"
-                         + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
-                            if getattr(self.net, "graphed", None) is not None else "")
-                         + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
+def _failure(exc: Exception, cfg: Config, ctx, run_dir: Path, net, say: RunConsole) -> Exception | None:
+    """What a failure means (another rank's end, a worker's death, or memory, and what to lower);
+    the line the command ends with, in train.log too."""
+    failure = _meaning(exc, cfg, ctx, run_dir, net)
+    shown = failure if failure is not None else exc
+    if isinstance(shown, UserError):
+        say.record(f"{'' if getattr(shown, 'plain_message', False) else 'error: '}{shown}")
+    return failure
+
+
+def _meaning(exc: Exception, cfg: Config, ctx, run_dir: Path, net) -> Exception | None:
+    if isinstance(exc, UserError):
+        return None
+    other = dist.error_of_another_rank() if ctx.distributed else None
+    if other is not None:
+        return other
+    line = (str(exc).splitlines() or [""])[0]
+    if isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
+        return UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
+                         "fewer --workers or a smaller --batch-size)")
+    if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not (
+            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
+        return None
+    size, batch = cfg.data.input_size, cfg.train.batch_size // ctx.world_size
+    kept = run_dir / "last.pth"
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+    return UserError(f"out of memory on {ctx.device} ({reason})"
+                     f" with batch {batch} per process at input {size}: lower --batch-size (add "
+                     f"--accumulate K to keep the total batch) or --input-size"
+                     + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                        if getattr(net, "graphed", None) is not None else "")
+                     + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

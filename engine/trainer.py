@@ -18,14 +18,27 @@ from torch import nn
 from common.errors import UserError
 from runtime import distributed as dist
 
-__all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook", "LoopState"]
+__all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook", "LoopState", "OptimiserStep"]
+
+
+class OptimiserStep(Protocol):
+    """What the loop and its hooks need of the optimiser step (engine.optim.OptimStep)."""
+    skipped_total: int               # steps skipped for a bad loss or gradients, all told
+    bad_streak: int                  # skipped steps in a row
+    backoff_skips: int               # this process's skips that were a dynamic loss scale's overflows
+
+    def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
+               stop_requested: Callable[[], bool] = ...) -> "StepResult":
+        """One step over `batches` (`loss_of(*batch)` each), or a skip."""
+
+    def set_lr(self, lr: float) -> None: ...
 
 
 class LoopState(Protocol):
     """What a hook may read of the loop; it may set `stop_signal` and `finish_requested`."""
     model: nn.Module                 # the network whose weights train (unwrapped)
     net: nn.Module                   # what trains: the network and its loss, wrapped
-    optim_step: Any                  # engine.optim.OptimStep
+    optim_step: OptimiserStep
     hooks: list
     epoch: int                       # the epoch a run starts or resumes at
     step: int                        # optimiser steps done
@@ -33,7 +46,7 @@ class LoopState(Protocol):
     accumulate: int
     batches_per_epoch: int
     steps_this_epoch: int
-    resumed: Any                     # the engine.train_state.TrainState resumed, or None
+    resumed: Any                     # the engine.checkpoints.TrainState resumed, or None
     stop_signal: int | None
     finish_requested: bool
 
@@ -85,7 +98,7 @@ class TrainParts:
     """What the loop runs: `net(images, target, mask)` -> (per-sample loss [B], loss parts), and
     `batches(epoch, start)` -> model inputs from batch `start` of `epoch` on."""
     net: nn.Module
-    optim_step: object                 # engine.optim.OptimStep, or one with its `update`
+    optim_step: OptimiserStep
     batches: Callable[[int, int], Iterator]
     batches_per_epoch: int             # a whole number of steps of `accumulate` batches
     epochs: int = 1

@@ -1,4 +1,4 @@
-"""Checkpoints of a run (plain values and tensors, engine/train_state.py says which): atomic saving,
+"""Checkpoints of a run (plain values and tensors, engine/checkpoints.py says which): atomic saving,
 weights-only loading (no file runs code), weights of other layouts, RNG states, resume lookup."""
 from __future__ import annotations
 

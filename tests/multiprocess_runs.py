@@ -105,7 +105,6 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 # -- the driver (runs in the launched processes) ------------------------------------------------
 def _patch_trainer_and_run() -> None:
     from engine import trainer as engine_trainer
-    from engine.run_trainer import RunTrainer
     from runtime.checkpoint import unwrap_model
     from engine.cli import run_main
     from engine.build import ModelWithLoss
@@ -114,7 +113,7 @@ def _patch_trainer_and_run() -> None:
     blow_up, bad_data = os.environ.get("TEST_BLOW_UP"), os.environ.get("TEST_BAD_DATA")
     crash = os.environ.get("TEST_CRASH")
     Trainer = engine_trainer.Trainer
-    forward, fit, run_step = ModelWithLoss.forward, RunTrainer.fit, Trainer.run_step
+    forward, fit, run_step = ModelWithLoss.forward, Trainer.fit, Trainer.run_step
     steps = []
 
     def blown_forward(self, images, target, mask):
@@ -136,9 +135,9 @@ def _patch_trainer_and_run() -> None:
     def fit_and_dump(self):
         result = fit(self)
         state = {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()}
-        ema = [h.state_dict() for h in self.trainer.hooks if h.checkpoint_key == "ema"]
+        ema = [h.state_dict() for h in self.hooks if h.checkpoint_key == "ema"]
         torch.save(dict(state=state, steps=steps, argv=sys.argv[1:], loads=loads,
-                        ema=ema[0] if ema else None), self.run_dir / f"rank{rank}.pt")
+                        ema=ema[0] if ema else None), Path(result["run_dir"]) / f"rank{rank}.pt")
         return result
 
     loads, load = [], torch.load
@@ -149,7 +148,7 @@ def _patch_trainer_and_run() -> None:
         return load(file, *args, **kwargs)
     torch.load = recorded_load
 
-    ModelWithLoss.forward, Trainer.run_step, RunTrainer.fit = blown_forward, recorded_step, fit_and_dump
+    ModelWithLoss.forward, Trainer.run_step, Trainer.fit = blown_forward, recorded_step, fit_and_dump
     if os.environ.get("TEST_SLOW_VAL"):
         _slow_validation_samples(float(os.environ["TEST_SLOW_VAL"]))
     if os.environ.get("TEST_FLAT_VAL"):
@@ -175,22 +174,20 @@ def _slow_validation_samples(seconds: float) -> None:
 
 
 def _flat_validation_loss() -> None:
-    from engine import hooks
-    validate = hooks.validate
+    from engine.validation import Validator
+    loss = Validator.loss
 
-    def flat_validate(*args, **kwargs):
-        results = validate(*args, **kwargs)          # the validation loader still runs
-        if "loss" in results:
-            results["loss"] = 1.0
-        return results
-    hooks.validate = flat_validate
+    def flat_loss(*args, **kwargs):
+        value = loss(*args, **kwargs)          # the validation loader still runs
+        return value if value is None else 1.0
+    Validator.loss = flat_loss
 
 
 def _abort_before_save() -> None:
     import time
 
     import torch.distributed as torch_dist
-    from engine.train_state import Checkpoints
+    from engine.checkpoints import Checkpoints
     save = Checkpoints.save
 
     def aborted_save(self, *args, **kwargs):

@@ -20,7 +20,7 @@ from common.errors import ConfigError
 from runtime.checkpoint import load_checkpoint
 from engine.cli import single_process_context
 from engine.loaders import to_model_input
-from engine.run_trainer import Launch, RunTrainer, build_trainer
+from engine.run_trainer import Launch, Run, build_run
 from engine.trainer import Interrupted, Trainer
 from test_preemption import write_micro_preset
 
@@ -33,13 +33,13 @@ def run(tmp_path, synthetic_h5, *extra):
                        "--out-dir", str(tmp_path), *QUICK, *extra])
 
 
-def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *extra: str) -> RunTrainer:
+def trainer(tmp_path, synthetic_h5, name: str, batch: int, accumulate: int, *extra: str) -> Run:
     sets = [f"data.train_h5={synthetic_h5[0]}", "data.workers=0", f"train.out_dir={tmp_path}",
             f"train.run_name={name}", f"train.batch_size={batch}", f"train.accumulate={accumulate}",
             "optim.name=sgd", "optim.lr=0.01", "optim.warmup_epochs=0", "optim.decay_every=0",
             "train.tensorboard=false", "train.device=cpu", *extra]
-    return build_trainer(build_config(str(write_micro_preset(tmp_path)), sets=sets),
-                         Launch(single_process_context("cpu")))
+    return build_run(build_config(str(write_micro_preset(tmp_path)), sets=sets),
+                     Launch(single_process_context("cpu")))
 
 
 def bn_eval(model: nn.Module) -> None:
@@ -77,20 +77,21 @@ def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synth
     amp = [f"amp.opt_level={level}", f"amp.dtype={dtype}", "amp.loss_scale=128"]
     joined = trainer(tmp_path, synthetic_h5, "joined", 4, 1, *amp)
     split = trainer(tmp_path, synthetic_h5, "split", 2, 2, *amp)
-    start = joined.precision.float32_state_dict(joined.model)
-    assert all(torch.equal(start[k], v) for k, v in split.precision.float32_state_dict(split.model).items())
-    batch = [torch.stack(t) for t in zip(*(joined.train_set[i] for i in range(4)))]
+    start = joined.parts.precision.float32_state_dict(joined.parts.model)
+    split_start = split.parts.precision.float32_state_dict(split.parts.model)
+    assert all(torch.equal(start[k], v) for k, v in split_start.items())
+    batch = [torch.stack(t) for t in zip(*(joined.parts.data.train_set[i] for i in range(4)))]
     halves = [[t[:2] for t in batch], [t[2:] for t in batch]]
     for t in (joined, split):
-        t.net.train()
-        bn_eval(t.model)
-    painter, cpu = joined.train_set.painter_for("cpu"), torch.device("cpu")
+        t.parts.net.train()
+        bn_eval(t.parts.model)
+    painter, cpu = joined.parts.data.train_set.painter_for("cpu"), torch.device("cpu")
     out_joined = joined.trainer.run_step([to_model_input(batch, cpu, painter)])
     out_split = split.trainer.run_step([to_model_input(half, cpu, painter) for half in halves])
     assert not out_joined.skipped and not out_split.skipped
     assert out_split.loss == pytest.approx(out_joined.loss, rel=10 * tolerance)  # mean of the 4 samples
-    a = joined.precision.float32_state_dict(joined.model)
-    b = split.precision.float32_state_dict(split.model)
+    a = joined.parts.precision.float32_state_dict(joined.parts.model)
+    b = split.parts.precision.float32_state_dict(split.parts.model)
     keys = [k for k in a if a[k].is_floating_point()]
     update = torch.cat([(a[k] - start[k]).flatten() for k in keys]).norm()
     diff = torch.cat([(a[k] - b[k]).flatten() for k in keys]).norm()

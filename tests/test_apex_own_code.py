@@ -59,7 +59,7 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
     from config.loader import build_config
     from data.dataset import KeypointDataset
     from config.views import SampleSettings
-    from engine.hooks import validate
+    from engine.validation import Validator
     from runtime.distributed import DistContext
 
     precision, model, _ = apex_attached(conv_bn_net(), "O1")
@@ -81,11 +81,10 @@ def test_validation_sums_its_loss_under_apex_o1_patching(apex_cpu, synthetic_h5)
         def __call__(self, images, target, mask):
             return eval_net(images, target, mask)
 
-    run = SimpleNamespace(ctx=DistContext(), cfg=cfg, evaluator=None,
-                          data=SimpleNamespace(val_set=val_set, val_loader=None), eval_net=EvalNet())
-    results = validate(run, SimpleNamespace(stop_signal=None), 0, loss_due=True, ap_due=False)
+    data = SimpleNamespace(val_set=val_set, val_h5=None, skeleton=val_set.skeleton)
+    loss = Validator(cfg, DistContext(), data, EvalNet(), None).loss(lambda: False)
     every = [value for per_sample in seen for value in per_sample.tolist()]   # not torch.sum: O1 casts
-    assert results["loss"] == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
+    assert loss == pytest.approx(math.fsum(every) / len(every), rel=1e-12)     # it to float32
 
 
 # -- Apex's Python SyncBatchNorm ---------------------------------------------------------------------
@@ -115,14 +114,14 @@ def test_apex_python_syncbn_updates_its_running_statistics_in_their_own_tensors(
 def test_apex_syncbn_keeps_the_parameters_and_freezing_of_the_batch_norms_it_replaces(apex_cpu):
     from engine.freeze import freeze, set_frozen_bn_eval
     model = conv_bn_net(blocks=2)
-    freeze(model, ["1"])                                # the first batch norm
+    report = freeze(model, ["1"])                       # the first batch norm
     frozen, trained = model[1].weight, model[4].weight
     model = parallel.convert_sync_bn(model, DISTRIBUTED, AmpConfig(backend="apex"))
     assert isinstance(model[1], sys.modules["apex.parallel"].SyncBatchNorm)
     assert model[1].weight is frozen and not model[1].weight.requires_grad
     assert model[4].weight is trained and model[4].weight.requires_grad
     model.train()
-    assert set_frozen_bn_eval(model) == 1 and not model[1].training and model[4].training
+    assert set_frozen_bn_eval(model, report["all_modules"]) == 1 and not model[1].training and model[4].training
 
 
 @requires_apex

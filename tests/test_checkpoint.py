@@ -6,6 +6,7 @@ import errno
 import os
 import pickle
 import random
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -244,7 +245,7 @@ def test_resume_auto_reads_the_run_directorys_checkpoints_once(tmp_path, monkeyp
     written in between is seen, and another reader reads for itself (no module-level cache)."""
     from config.loader import build_config, to_dict
     from engine.cli import build_parser, config_from_args
-    from engine.train_state import CheckpointReader
+    from engine.checkpoints import CheckpointReader
     from engine.run_dir import plan_run, release_run_dir
 
     run_dir = tmp_path / "r"
@@ -343,3 +344,19 @@ def test_a_usable_loss_scaler_state_loads_and_a_scale_above_2_to_24_continues_fr
                     "run continues from 2^24 (a dynamic scale lowers itself from there)")
     state, _ = checked_scaler_state({"loss_scaler0": {"loss_scale": 1e30, "unskipped": 5}}, "c.pth")
     assert state == {"loss_scaler0": {"loss_scale": 2.0 ** 24, "unskipped": 5}}
+
+
+def test_the_engines_checkpoints_own_the_entries_fixed_for_a_run():
+    """run_trainer.py and convert_reference.py ask `Checkpoints` for the entries; they name no key."""
+    from config import build_config
+    from data.skeleton import builtin, from_checkpoint
+    from engine.checkpoints import Checkpoints
+
+    cfg = build_config("tiny")
+    fields = Checkpoints.run_fields(cfg, builtin("coco"), "ddp", 2, ("head.weight",))
+    assert (fields["mode"], fields["world_size"], fields["fresh_tensors"]) == ("ddp", 2, ["head.weight"])
+    assert fields["config"]["train"]["batch_size"] == cfg.train.batch_size
+    assert from_checkpoint(fields) == builtin("coco")
+    for script in ("engine/run_trainer.py", "engine/convert_reference.py"):
+        source = (Path(__file__).resolve().parent.parent / script).read_text()
+        assert not re.search(r"""["'](fresh_tensors|world_size|skeleton|config)["']\s*:""", source), script

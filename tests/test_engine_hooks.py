@@ -124,8 +124,8 @@ def epoch_end(values: list[dict], metric: str = "loss", patience: int = 0, ap_ev
     logger = SimpleNamespace(log=lambda *args, **kwargs: None, plot_curves=lambda: None)
     train = build_config("tiny", sets=["train.val_every=1", f"train.early_stop_patience={patience}",
                                        f"train.ap_every={ap_every}"]).train
-    validate = lambda trainer, epoch, *due: values[epoch]                      # noqa: E731
-    hook = EpochEnd(train, checkpoints, logger, said.append, validate, metric)
+    hook = EpochEnd(train, checkpoints, logger, said.append, SimpleNamespace(), metric)
+    hook.validate = lambda trainer, epoch, *due: values[epoch]
     trainer = SimpleNamespace(hooks=[hook], epochs=len(values), step=0, finish_requested=False)
     return hook, saved, trainer, said
 

@@ -3,6 +3,7 @@ through real optimizer steps while the rest trains, and errors for useless patte
 from __future__ import annotations
 
 from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from common.errors import ConfigError
 from engine.freeze import freeze, set_frozen_bn_eval, trainable_parameters
+from engine.hooks import FrozenBatchNorm
 
 
 def block(cin: int, cout: int) -> nn.Sequential:
@@ -66,7 +68,7 @@ def test_freezing_everything_is_an_error():
 
 def test_frozen_parts_bit_identical_through_sgd_steps_while_the_rest_trains():
     model = tiny_net()
-    freeze(model, ["stem", "stacks.0.*"])
+    report = freeze(model, ["stem", "stacks.0.*"])
     frozen_before = {k: v.clone() for k, v in model.state_dict().items()
                      if k.startswith(("stem.", "stacks.0."))}
     others_before = {k: v.clone() for k, v in model.state_dict().items()
@@ -75,7 +77,7 @@ def test_frozen_parts_bit_identical_through_sgd_steps_while_the_rest_trains():
     assert not any(p is q for p in optimizer.param_groups[0]["params"] for q in model.stem.parameters())
     for step in range(3):
         model.train()
-        assert set_frozen_bn_eval(model) == 3
+        assert set_frozen_bn_eval(model, report["all_modules"]) == 3
         assert not model.stem.bn.training and model.stems.bn.training
         images = torch.randn(2, 3, 8, 8) * 3 + 1
         optimizer.zero_grad()
@@ -95,7 +97,10 @@ def test_batchnorm_without_parameters_in_a_frozen_part_stays_in_eval():
     model = nn.Sequential(OrderedDict(stem=nn.Sequential(nn.Conv2d(3, 4, 1),
                                                          nn.BatchNorm2d(4, affine=False)),
                                       bn=nn.BatchNorm2d(4, affine=False), head=nn.Conv2d(4, 1, 1)))
-    freeze(model, ["stem"])
+    report = freeze(model, ["stem"])
     model.train()
-    assert set_frozen_bn_eval(model) == 1
+    assert set_frozen_bn_eval(model, report["all_modules"]) == 1
+    assert not model.stem[1].training and model.bn.training
+    model.stem[1] = nn.BatchNorm2d(4, affine=False)        # replaced since (SyncBN): by name, no mark
+    FrozenBatchNorm(report["all_modules"]).before_epoch(SimpleNamespace(model=model.train()), 0)
     assert not model.stem[1].training and model.bn.training

@@ -139,3 +139,15 @@ def test_layers_below_the_engine_and_inference_take_their_part_of_the_config(pac
              if str(path.relative_to(ROOT)) not in READS_A_CHECKPOINT
              and (found := whole_config_parameters(path.read_text(), str(path)))}
     assert not wrong, wrong
+
+
+def test_the_engines_public_functions_and_classes_have_one_name_each():
+    """Two `check_backend` in engine/ (the registry's and apex_checks') read as one; the command-line
+    modules' own `build_parser`, `main` and `run` are excepted."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_") \
+                    and node.name not in ("build_parser", "main", "run"):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in where.items() if len(paths) > 1}

@@ -11,7 +11,7 @@ from bench.helpers import count_host_syncs
 from config.schema import AmpConfig, DistConfig
 from runtime.distributed import DistContext, all_reduce_sum
 from engine.parallel import CrossProcessBatchNorm, convert_sync_bn, wrap_ddp
-from gloo_ranks import on_gloo_ranks
+from gloo_ranks import gloo_group_of_one, on_gloo_ranks  # noqa: F401 - a fixture
 
 TOTAL_BATCH = 4
 WORLD = 2
@@ -148,3 +148,19 @@ def test_convert_uses_torch_sync_batchnorm_on_cuda_and_nothing_alone():
     assert isinstance(convert_sync_bn(small_net(), cuda_ctx, AmpConfig())[1], nn.SyncBatchNorm)
     net = small_net()
     assert convert_sync_bn(net, DistContext(), AmpConfig()) is net
+
+
+def test_the_builder_sets_up_syncbn_and_ddp_of_a_ddp_launch_in_one_place(gloo_group_of_one):
+    """A `Launch` of mode ddp gets its cross-process BatchNorm (--sync-bn) and its DDP wrapper from
+    `TrainerBuilder.build_parallel`; the entry script hands in no wrapper."""
+    from config import build_config
+    from engine.build import TrainerBuilder
+    from engine.run_trainer import Launch
+
+    cfg = build_config("tiny", sets=["dist.sync_bn=true"])
+    builder, launch = TrainerBuilder(), Launch(DistContext(backend="gloo", distributed=True), mode="ddp")
+    model = builder.build_parallel(small_net(), cfg, launch)
+    assert isinstance(model[1], CrossProcessBatchNorm) and isinstance(model[4], CrossProcessBatchNorm)
+    net = builder.build_parallel(model, cfg, launch, wrap=True)
+    assert isinstance(net, nn.parallel.DistributedDataParallel) and net.module is model
+    assert builder.build_parallel(model, cfg, Launch(DistContext(), mode="dataparallel"), wrap=True) is model

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from engine.logger import RunLogger
 from engine.build import ModelWithLoss
 from engine.optim import OptimStep, lr_at
 from engine.precision import NativePrecision as Precision
-from engine.train_state import Checkpoints
+from engine.checkpoints import Checkpoints
 from engine.trainer import StepResult, Trainer, TrainParts
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
@@ -74,8 +75,8 @@ def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         step = OptimStep(precision, optimizer, list(model.parameters()), model, OptimConfig())
         checkpoints = Checkpoints(tmp_path, model, optimizer, precision)
-        hooks = default_hooks(cfg, checkpoints, logger, said.append,
-                              validate=lambda trainer, epoch, *due: validations[epoch])
+        hooks = default_hooks(cfg, checkpoints, logger, said.append, validator=SimpleNamespace())
+        next(h for h in hooks if isinstance(h, EpochEnd)).validate = lambda trainer, epoch, *due: validations[epoch]
         parts = TrainParts(ModelWithLoss(model, SquaredError(), precision), step, TrainParts.feed(inputs),
                            batches_per_epoch=2, epochs=4, model=model)
         return Trainer(parts, hooks), checkpoints
@@ -135,3 +136,48 @@ def test_the_docs_loss_example_replaces_the_loss_of_a_run(tmp_path, synthetic_h5
     assert (tmp_path / "l2/last.pth").is_file() and "done." in capsys.readouterr().out
     lines = (tmp_path / "l2/metrics.jsonl").read_text()
     assert '"l2"' in lines and '"keypoints"' not in lines  # the log holds the new loss's parts
+
+
+def test_the_seams_are_typed_the_optimiser_step_and_what_a_run_starts_from(tmp_path):
+    """The loop's `OptimiserStep` Protocol names what it uses, which `OptimStep` has; `load_start`
+    says what a run starts from by name (it was a tuple read as `start[3]`)."""
+    from dataclasses import replace
+
+    from data.skeleton import builtin
+    from engine.checkpoints import Start, load_start
+    from engine.trainer import OptimiserStep
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    step = OptimStep(Precision(AmpConfig(), torch.device("cpu")), torch.optim.SGD(model.parameters(), lr=0.1),
+                     list(model.parameters()), model, OptimConfig())
+    names = {n for n in vars(OptimiserStep) if not n.startswith("_")} | set(OptimiserStep.__annotations__)
+    assert names == {"skipped_total", "bad_streak", "backoff_skips", "update", "set_lr"}
+    assert all(hasattr(step, name) for name in names)
+    torch.save({"model": {k: v for k, v in model.state_dict().items() if k.startswith("0.")}}, tmp_path / "w.pth")
+    train = replace(build_config("tiny").train, weights=str(tmp_path / "w.pth"), allow_partial=True)
+    start = load_start(model, None, train, builtin("coco"), lambda line: None)
+    assert start == Start(fresh=["1.weight", "1.bias"]) and start.state is None and start.path is None
+
+
+def test_a_bare_trainer_validates_with_the_builders_validator(tmp_path, synthetic_h5):
+    """Validation included, without a stand-in: the parts and the `Validator` a `TrainerBuilder`
+    builds, under a bare `Trainer` with the engine's hooks and no run around them."""
+    from engine.build import TrainerBuilder
+    from engine.cli import single_process_context
+    from engine.run_trainer import Launch, loop_parts
+
+    cfg = build_config("tiny", sets=[f"data.train_h5={synthetic_h5[0]}", f"data.val_h5={synthetic_h5[1]}",
+                                     "data.workers=0", "train.batch_size=2", "train.max_steps_per_epoch=1",
+                                     "train.epochs=2", "train.val_every=1", "train.ap_every=0",
+                                     "data.input_size=64", "train.tensorboard=false"])
+    launch, builder = Launch(single_process_context("cpu")), TrainerBuilder()
+    parts = builder.build(cfg, launch)
+    validator = builder.build_validator(cfg, launch.ctx, parts)
+    checkpoints = Checkpoints(tmp_path, parts.model, parts.optimizer, parts.precision)
+    logger, said = RunLogger(tmp_path, True, tensorboard=False).open(), []
+    hooks = default_hooks(cfg, checkpoints, logger, said.append, validator=validator)
+    result = Trainer(loop_parts(cfg.train, parts, launch.ctx.device), hooks).fit()
+    losses = [r["loss"] for r in logger.read() if r["kind"] == "val"]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses) and result["loss"] == losses[-1]
+    assert load_checkpoint(tmp_path / "best.pth")["best_metric"] == min(losses)
+    assert validator.loader is not None and said[-1].startswith("epoch 2/2: train loss ")

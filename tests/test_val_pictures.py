@@ -14,7 +14,8 @@ from data.skeleton import builtin
 from config.views import PredictSettings
 from data.h5format import KeypointH5
 from engine.logger import RunLogger
-from engine.hooks import validate
+from engine.hooks import EpochEnd
+from engine.validation import Validator
 from inference.val_pictures import HEADER, TILE, fitted, write_val_pictures
 
 COCO = builtin("coco")
@@ -69,19 +70,18 @@ class Recorder:
 def test_validation_draws_after_an_ap_pass_on_the_main_process(tiny_network, synthetic_h5, tmp_path):
     logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
     logger.tb = Recorder()
-    run = SimpleNamespace(model=tiny_network, skeleton=COCO, run_dir=tmp_path, logger=logger,
-                          draw=write_val_pictures,
-                          evaluator=lambda *args, **kwargs: {"AP": 0.0, "num_images": 2},
-                          ctx=SimpleNamespace(is_main=True, device=torch.device("cpu")),
-                          cfg=build_config("tiny", sets=NOBODY + ["train.val_pictures=1"]),
-                          data=SimpleNamespace(val_set=None, val_h5=synthetic_h5[1]))
+    cfg = build_config("tiny", sets=NOBODY + ["train.val_pictures=1"])
+    ctx = SimpleNamespace(is_main=True, device=torch.device("cpu"))
+    data = SimpleNamespace(val_set=None, val_h5=synthetic_h5[1], skeleton=COCO)
+    validator = Validator(cfg, ctx, data, None, tiny_network, lambda *args, **kwargs: {"loss": 1.0},
+                          write_val_pictures, tmp_path)
+    end = EpochEnd(cfg.train, None, logger, validator=validator)
     trainer = SimpleNamespace(step=12, stop_signal=None)
-    run.evaluator, evaluator = (lambda *args, **kwargs: {"loss": 1.0}), run.evaluator     # no AP: no picture
-    validate(run, trainer, 0, loss_due=False, ap_due=True)
-    run.evaluator, run.ctx.is_main = evaluator, False
-    assert validate(run, trainer, 1, loss_due=False, ap_due=True) == {"AP": 0.0}    # not the main process
+    end.validate(trainer, 0, loss_due=False, ap_due=True)                       # no AP: no picture
+    validator.evaluator, ctx.is_main = (lambda *args, **kwargs: {"AP": 0.0, "num_images": 2}), False
+    assert end.validate(trainer, 1, loss_due=False, ap_due=True) == {"AP": 0.0}    # not the main process
     assert not (tmp_path / "val_pictures").exists() and not logger.tb.images
-    run.ctx.is_main = True
-    validate(run, trainer, 4, loss_due=False, ap_due=True)
+    ctx.is_main = True
+    end.validate(trainer, 4, loss_due=False, ap_due=True)
     assert (tmp_path / "val_pictures/epoch_5.png").is_file()
     assert logger.tb.images == [("val_pictures", (HEADER + TILE, 2 * TILE, 3), 12, "HWC")]

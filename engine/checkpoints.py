@@ -7,12 +7,13 @@ from __future__ import annotations
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from common.errors import CheckpointError, ConfigError, TrainingDiverged
-from config.loader import differences, setting
-from config.schema import OptimConfig, TrainConfig
+from config.loader import differences, setting, to_dict
+from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
 from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
@@ -93,10 +94,16 @@ def check_skeleton(theirs: Skeleton, ours: Skeleton, path, how: str) -> None:
                           f"has {skeleton_words(ours, theirs)}: {fix}")
 
 
-def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tuple:
-    """Load the weights the run starts from into `model`; returns (resume state, the authors'
-    checkpoint whose run continues, its path, the tensors --allow-partial left fresh). Without a
-    `plan`: --weights only."""
+class Start(NamedTuple):
+    """What a run starts from, as `load_start` loaded it."""
+    state: dict | None = None          # the checkpoint resumed
+    reference: dict | None = None      # the authors' checkpoint whose run continues
+    path: Path | None = None           # the file of either
+    fresh: list | tuple = ()           # the tensors --allow-partial left fresh
+
+
+def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> Start:
+    """Load the weights the run starts from into `model`. Without a `plan`: --weights only."""
     if plan is not None and plan.resume_path is not None:
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
@@ -105,14 +112,14 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
         check_resumable(state, plan.resume_path)
         check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
         ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
-        return state, None, plan.resume_path, list(state.get("fresh_tensors", ()))
+        return Start(state, None, plan.resume_path, list(state.get("fresh_tensors", ())))
     if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, {plan.restart}")
     if train.resume_reference:
         path = Path(train.resume_reference)
         reference = ckpt.read_reference(path)
         say(f"loaded weights from {path}: {load_summary(ckpt.load_weights(model, reference))}")
-        return None, reference, path, ()
+        return Start(None, reference, path)
     if train.weights:
         weights = ckpt.read_file(train.weights)
         if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
@@ -122,8 +129,8 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> tupl
                                    source=str(train.weights))
         say(f"loaded weights from {train.weights}: {load_summary(report)}"
             + (f"; {ema_note}" if ema_note else ""))
-        return None, None, None, list(report.get("missing") or []) + _reshaped(report)
-    return None, None, None, ()
+        return Start(fresh=list(report.get("missing") or []) + _reshaped(report))
+    return Start()
 
 
 def _reshaped(report: dict) -> list[str]:
@@ -178,6 +185,12 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
             "origin": origin}
 
 
+def reference_checkpoint(reference: dict, source, model, optimizer, cfg: Config, skeleton: Skeleton) -> dict:
+    """A checkpoint of this trainer continuing the authors' run `reference` (loaded into `model`)."""
+    state = resume_state(reference, str(source), model, optimizer, cfg.optim, cfg.model.depth, strict=False)
+    return {**state, "model": model.state_dict(), "config": to_dict(cfg), "skeleton": skeleton.to_spec()}
+
+
 def _batchnorm_batch(config, world_size) -> int | None:
     """The samples each BatchNorm layer normalises in a run of `config` on `world_size` processes."""
     try:
@@ -202,7 +215,15 @@ def _keys(hook) -> tuple:
 
 
 class Checkpoints:
-    """The checkpoints of a run; `fields`: the entries fixed for it; `main`: this process writes."""
+    """The checkpoints of a run, and the one owner of their entries; `fields`: those fixed for the
+    run (`run_fields`); `main`: this process writes."""
+
+    @staticmethod
+    def run_fields(cfg: Config, skeleton: Skeleton, mode: str, world_size: int, fresh=()) -> dict:
+        """The entries of a run's every checkpoint: its config, skeleton and launch, and the tensors
+        --allow-partial left fresh (a resume keeps them trainable under --freeze)."""
+        return {"config": to_dict(cfg), "skeleton": skeleton.to_spec(), "mode": mode, "world_size": world_size,
+                "fresh_tensors": list(fresh)}
 
     def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
                  say=print):
