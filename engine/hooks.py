@@ -24,7 +24,7 @@ from engine.freeze import set_frozen_bn_eval
 from engine.loaders import STOP_SIGNALS, to_model_input, val_loader
 from engine.optim import lr_at
 from engine.precision import cudnn_autotuning_off
-from engine.train_state import DIVERGENCE_ADVICE, Checkpoints, bad_value
+from engine.train_state import Checkpoints, bad_value
 from engine.trainer import Hook
 
 
@@ -285,7 +285,8 @@ class DivergenceStop(Hook):
         if streak >= self.max_bad_steps:
             raise TrainingDiverged(
                 f"{streak} consecutive steps had a non-finite or abnormal loss or gradients (last loss "
-                f"{out.loss:.4g}); stopped. {self.checkpoints.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
+                f"{out.loss:.4g}); stopped. {self.checkpoints.good_checkpoint(trainer)}: "
+                f"{self.checkpoints.advice(trainer, streak)}")
 
 
 class Preemption(Hook):
