@@ -133,13 +133,16 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
         elif ann.get("iscrowd"):      # a crowd region without them: none
             ann.pop("keypoints", None)
     count = layouts[fields] if wanted else max(layouts[fields], len(names))
-    others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
+    others = {f: f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n}
     if not others and fields == ("keypoints",):
         return count, []
     line = f"keypoints read from {' + '.join(fields)}: {layouts[fields]} per person"
     if fractional:
         line += f"; {fractional} fractional visibilities (labelled, in COCO-WholeBody) read as 1"
-    return count, [line + (f"; not read: {', '.join(others)}" if others else "")]
+    within = [said for f, said in others.items() if set(f) < set(fields)]     # read, as part of `fields`
+    unread = [said for f, said in others.items() if not set(f) < set(fields)]
+    return count, [line + "".join(f"; {said.replace(' (', ' alone (', 1)}" for said in within)
+                   + (f"; not read: {', '.join(unread)}" if unread else "")]
 
 
 def _reader(names: list, count: int) -> str:
