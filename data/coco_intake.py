@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from common.errors import DataError
+from common.errors import DataError, refuse_inapplicable
 from data.skeleton import Skeleton, limb_changes
 from data.skeleton_infer import (fit_to_labels, infer_skeleton, keypoint_names, listed, matching_builtin,
                                  plain_name)
@@ -75,6 +75,13 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
                     skeleton: Skeleton | None, links_from: int | None = None) -> tuple[Skeleton, str]:
     """(the file's skeleton, lines saying where it came from): `skeleton`, else the built-in the
     keypoints name, else one inferred; fitted to the labels (`fit_to_labels`)."""
+    known = matching_builtin(names) if skeleton is None else None
+    fixed = skeleton if skeleton is not None else known
+    if fixed is not None or not category.get("skeleton"):
+        refuse_inapplicable({"--links-from": links_from}, "here", "the JSON's category lists no links "
+                            "(categories[].skeleton)" if fixed is None else f"the skeleton is "
+                            f"{'--skeleton' if skeleton is not None else 'built-in'} {fixed.name}, so the "
+                            "JSON's links (categories[].skeleton) are not read")
     if skeleton is not None:
         lines = _name_lines(names, skeleton, category, ann_path)
         known = matching_builtin(skeleton.dataset_keypoints)
@@ -82,7 +89,6 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
             lines.append(f"--skeleton differs from built-in {known.name}: "
                          f"{limb_changes(skeleton, known) or 'in flips, sigmas or channel order'}")
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
-    known = matching_builtin(names)
     if known is not None:
         chosen, report = known, [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
                                  f"{known.name}", *_name_lines(names, known, category, ann_path)]
