@@ -175,7 +175,8 @@ def _refuse_inapplicable(args: argparse.Namespace, cfg) -> None:
     import torch
     from engine.precision import BACKENDS
     level = cfg.amp.opt_level
-    float16 = level != "O0" and BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device) == torch.float16
+    half = BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device)
+    float16 = level != "O0" and half == torch.float16
     for flag, off, where, why in (
             ("--loss-scale", not float16, "to this run", "only float16 training (O1-O3, --amp-dtype float16 "
              "or auto on CUDA) scales its loss"),

@@ -228,8 +228,8 @@ def test_links_that_use_neither_keypoint_0_nor_the_last_say_how_they_were_counte
              ["categories"][0]["skeleton"] if 1 not in (a, b) and 17 not in (a, b)]
     ann = shipped(coco4_dir, tmp_path, renamed(names, links))
     code, out, _ = convert(ann, coco4_dir, tmp_path / "o.h5", capsys)
-    guess = "skeleton links (categories[].skeleton) counted from 1 (COCO's rule; no link uses keypoint 0 or " \
-        "17, so either could be meant); "
+    guess = "skeleton links (categories[].skeleton) counted from 1 (COCO's rule; no link uses keypoint " \
+        "0 or 17, so either could be meant); "
     assert code == 0 and guess + "--links-from 0 reads them the other way" in out.splitlines()
     # evaluate.py --ann converts the JSON too: the guess used to go unsaid there (issue 47, point 7)
     assert evaluate.main(["--oracle", "--ann", str(ann), "--images", str(coco4_dir), "--max-images", "1",

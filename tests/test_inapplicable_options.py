@@ -11,6 +11,7 @@ import pytest
 from bad_inputs import one_error_line
 from common.errors import run_cli
 
+CONVERT = ["--ann", "C/test_coco.json", "--images", "C/", "--out", "T/o.h5"]
 CASES = {   # name: (module, argv with T the test's folder and C coco4's, what the line says)
     "make_hdf5 --list-skeletons with a split": (
         "data.make_hdf5", ["--list-skeletons", "--split", "val"],
@@ -20,20 +21,21 @@ CASES = {   # name: (module, argv with T the test's folder and C coco4's, what t
                            "--keep-all", "--max-images", "2", "--quiet"],
         "options --keep-all and --max-images and --quiet do not apply without --out: nothing is converted"),
     "make_hdf5 --keep-all on the val split": (
-        "data.make_hdf5", ["--ann", "C/test_coco.json", "--images", "C/", "--out", "T/o.h5", "--split", "val",
-                           "--keep-all"], "option --keep-all does not apply to --split val: it keeps every image"),
+        "data.make_hdf5", [*CONVERT, "--split", "val", "--keep-all"],
+        "option --keep-all does not apply to --split val: it keeps every image"),
     "make_hdf5 --links-from with a built-in skeleton": (
-        "data.make_hdf5", ["--ann", "C/test_coco.json", "--images", "C/", "--out", "T/o.h5", "--links-from", "0"],
+        "data.make_hdf5", [*CONVERT, "--links-from", "0"],
         "option --links-from does not apply here: the skeleton is built-in coco, so the JSON's links "
         "(categories[].skeleton) are not read"),
     "make_hdf5 --links-from with --skeleton": (
-        "data.make_hdf5", ["--ann", "C/test_coco.json", "--images", "C/", "--out", "T/o.h5", "--links-from", "1",
-                           "--skeleton", "coco"], "the skeleton is --skeleton coco, so the JSON's links"),
+        "data.make_hdf5", [*CONVERT, "--links-from", "1", "--skeleton", "coco"],
+        "the skeleton is --skeleton coco, so the JSON's links"),
     "demo --out of the camera": (
         "demo", ["--weights", "T/w.pth", "--camera", "0", "--out", "T/o.mp4", "--overwrite"],
         "options --out and --overwrite do not apply to --camera: its frames are shown in a live window"),
     "demo --preset of an ONNX file": (
-        "demo", ["--weights", "T/w.onnx", "--image", "C/000000197388.jpg", "--out", "T/o.png", "--preset", "tiny"],
+        "demo", ["--weights", "T/w.onnx", "--image", "C/000000197388.jpg", "--out", "T/o.png", "--preset",
+                 "tiny"],
         "option --preset does not apply to an ONNX --weights: the file carries its own config"),
     "export --preset of a trainer's checkpoint": (
         "export", ["--weights", "T/run.pth", "--out", "T/o.onnx", "--preset", "tiny"],
