@@ -23,7 +23,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from common.errors import ArgumentParser, DataError
+from common.errors import ArgumentParser, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
@@ -167,6 +167,8 @@ def run(args) -> list[Path]:
         refuse_existing("--out", target, args.overwrite)
         opened = open_video(args.video)
     else:
+        refuse_inapplicable({"--out": args.out, "--overwrite": args.overwrite or None}, "to --camera",
+                            "its frames are shown in a live window and nothing is written")
         opened, target = open_camera(args.camera), None
     estimator = PoseEstimator.from_file(args.weights, args.device, preset=args.preset, sets=args.set,
                                         scales=args.scales, flip=args.flip)

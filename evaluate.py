@@ -114,8 +114,13 @@ def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
 
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
-            convert(args.ann, args.images, Path(tmp) / "val.h5", ConvertSettings(
-                split="val", progress=not args.no_progress, max_images=args.max_images, skeleton=skeleton))
+            origin = convert(args.ann, args.images, Path(tmp) / "val.h5", ConvertSettings(
+                split="val", progress=not args.no_progress, max_images=args.max_images,
+                skeleton=skeleton))["skeleton_origin"]
+            for line in origin.splitlines() if skeleton is None else []:   # how the JSON's links count
+                if "(categories[].skeleton) counted from" in line:
+                    print(f"--ann {args.ann}: " + line.replace("; --links-from", "; python -m data.make_hdf5 "
+                                                               "--links-from"), file=sys.stderr)
         except BaseException:            # a signal's KeyboardInterrupt too: no conversion left behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise

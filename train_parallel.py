@@ -6,7 +6,7 @@ only per-sample losses come back to the first GPU. --sync-bn is refused (use tra
 import torch
 from tqdm import tqdm
 
-from common.errors import ConfigError
+from common.errors import ConfigError, refuse_inapplicable
 from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
 from engine.checkpoints import CheckpointReader
@@ -51,6 +51,8 @@ def main(argv=None) -> dict:
                           "of the first GPU's share of the batch; for synchronised BatchNorm run one "
                           "process per GPU: torchrun --nproc_per_node N train_distributed.py --sync-bn")
     if not torch.cuda.is_available() or cfg.train.device == "cpu":
+        refuse_inapplicable({"--gpus": args.gpus or None}, "on the CPU", "no CUDA GPU is in use here, so "
+                            "train_parallel.py trains on the CPU without DataParallel")
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         launch = Launch(single_process_context("cpu"), mode="dataparallel")
     else:

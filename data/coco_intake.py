@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from common.errors import DataError
+from common.errors import DataError, refuse_inapplicable
 from data.skeleton import Skeleton, limb_changes
 from data.skeleton_infer import (fit_to_labels, infer_skeleton, keypoint_names, listed, matching_builtin,
                                  plain_name)
@@ -75,6 +75,13 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
                     skeleton: Skeleton | None, links_from: int | None = None) -> tuple[Skeleton, str]:
     """(the file's skeleton, lines saying where it came from): `skeleton`, else the built-in the
     keypoints name, else one inferred; fitted to the labels (`fit_to_labels`)."""
+    known = matching_builtin(names) if skeleton is None else None
+    fixed = skeleton if skeleton is not None else known
+    if fixed is not None or not category.get("skeleton"):
+        refuse_inapplicable({"--links-from": links_from}, "here", "the JSON's category lists no links "
+                            "(categories[].skeleton)" if fixed is None else f"the skeleton is "
+                            f"{'--skeleton' if skeleton is not None else 'built-in'} {fixed.name}, so the "
+                            "JSON's links (categories[].skeleton) are not read")
     if skeleton is not None:
         lines = _name_lines(names, skeleton, category, ann_path)
         known = matching_builtin(skeleton.dataset_keypoints)
@@ -82,7 +89,6 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
             lines.append(f"--skeleton differs from built-in {known.name}: "
                          f"{limb_changes(skeleton, known) or 'in flips, sigmas or channel order'}")
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])
-    known = matching_builtin(names)
     if known is not None:
         chosen, report = known, [f"the keypoints are {known.name}'s {len(names)}: built-in skeleton "
                                  f"{known.name}", *_name_lines(names, known, category, ann_path)]
@@ -133,13 +139,16 @@ def _read_keypoints(own: list, names: list, skeleton: Skeleton | None, ann_path:
         elif ann.get("iscrowd"):      # a crowd region without them: none
             ann.pop("keypoints", None)
     count = layouts[fields] if wanted else max(layouts[fields], len(names))
-    others = [f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n]
+    others = {f: f"{'+'.join(f)} ({n}: {_reader(names, n)})" for f, n in layouts.items() if f != fields and n}
     if not others and fields == ("keypoints",):
         return count, []
     line = f"keypoints read from {' + '.join(fields)}: {layouts[fields]} per person"
     if fractional:
         line += f"; {fractional} fractional visibilities (labelled, in COCO-WholeBody) read as 1"
-    return count, [line + (f"; not read: {', '.join(others)}" if others else "")]
+    within = [said for f, said in others.items() if set(f) < set(fields)]     # read, as part of `fields`
+    unread = [said for f, said in others.items() if not set(f) < set(fields)]
+    return count, [line + "".join(f"; {said.replace(' (', ' alone (', 1)}" for said in within)
+                   + (f"; not read: {', '.join(unread)}" if unread else "")]
 
 
 def _reader(names: list, count: int) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from common.errors import ArgumentParser, ConfigError, DataError, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable, run_cli
 from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_checks import read_segment
@@ -315,8 +315,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--ann", help="COCO keypoints JSON")
     parser.add_argument("--images", help="folder of the JSON's images")
     parser.add_argument("--out", help="HDF5 file to write (may be left out with --dump-skeleton)")
-    parser.add_argument("--split", default="train", choices=SPLITS,
-                        help="train keeps images with a main person (SPEC's rule); val keeps every image")
+    parser.add_argument("--split", choices=SPLITS, help="train (default) keeps images with a main person "
+                        "(SPEC's rule); val keeps every image")
     parser.add_argument("--keep-all", action="store_true",
                         help="train split: keep every image with a labelled person (any such person "
                         "may be a main person)")
@@ -325,7 +325,7 @@ def build_parser() -> ArgumentParser:
                         "its reason on stderr")
     parser.add_argument("--skipped", metavar="FILE.json",
                         help="with --skip-bad: also write what was skipped, and why, to this file")
-    parser.add_argument("--max-images", type=int, default=0, metavar="N",
+    parser.add_argument("--max-images", type=int, metavar="N",
                         help="only the JSON's first N images (0: all), e.g. for a quick trial")
     parser.add_argument("--skeleton", metavar="NAME|FILE.yaml",
                         help="the keypoints and limbs to learn: a built-in (--list-skeletons) or "
@@ -346,8 +346,12 @@ def build_parser() -> ArgumentParser:
 
 
 def _main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.list_skeletons:
+        refuse_inapplicable({a.option_strings[0]: getattr(args, a.dest) or None for a in parser._actions
+                             if a.dest not in ("help", "list_skeletons")}, "with --list-skeletons",
+                            "it lists the built-in skeletons and does nothing else")
         print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
     given = {"--ann": args.ann, "--images": args.images, "--out": args.out or args.dump_skeleton}
@@ -355,8 +359,14 @@ def _main(argv=None) -> int:
     if missing:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
                           "(see python -m data.make_hdf5 --help)")
-    if args.max_images < 0:
+    if (args.max_images or 0) < 0:
         raise DataError(f"option --max-images: {args.max_images} must be >= 0")
+    if not args.out:
+        refuse_inapplicable({"--split": args.split, "--keep-all": args.keep_all or None, "--max-images":
+                             args.max_images, "--skipped": args.skipped, "--quiet": args.quiet or None},
+                            "without --out", "nothing is converted; only --dump-skeleton is written")
+    if args.split == "val":
+        refuse_inapplicable({"--keep-all": args.keep_all or None}, "to --split val", "it keeps every image")
     if args.skipped and not args.skip_bad:
         raise ConfigError("option --skipped lists what --skip-bad skips: give --skip-bad too")
     side_outputs = {"--skipped": args.skipped, "--dump-skeleton": args.dump_skeleton}
@@ -373,7 +383,8 @@ def _main(argv=None) -> int:
         return 0
     try:
         summary = convert(args.ann, args.images, args.out, ConvertSettings(
-            split=args.split, skip_bad=args.skip_bad, progress=not args.quiet, max_images=args.max_images,
+            split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet,
+            max_images=args.max_images or 0,
             skeleton=skeleton, overwrite=args.overwrite, categories=categories, links_from=args.links_from,
             keep_all=args.keep_all, side_outputs=side_outputs))
     except DataError as exc:         # what was skipped before the error is still listed

@@ -354,6 +354,9 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
     for pair in value:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             _fail(source, f"{what}: {pair!r} is not a [keypoint, keypoint] pair")
+        if any(isinstance(name, int) for name in pair):     # no base (0 or 1) is guessed: names only
+            _fail(source, f"{what}: {list(pair)} gives keypoint numbers; a skeleton file names the "
+                  f"keypoints, e.g. {list(index)[:2]}")
         for name in pair:
             if name not in index:
                 _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "

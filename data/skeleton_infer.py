@@ -97,8 +97,8 @@ def _links(category: dict, count: int, source: str, links_from: int | None) -> t
         a, b = a - base, b - base
         if a != b and (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
-    return pairs, [f"skeleton links counted from {base} ({why}); --links-from {1 - base} "
-                   "reads them the other way"]
+    return pairs, [f"skeleton links (categories[].skeleton) counted from {base} ({why}); --links-from "
+                   f"{1 - base} reads them the other way"]
 
 
 def _mean_distances(points: np.ndarray) -> np.ndarray:

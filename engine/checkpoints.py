@@ -264,7 +264,7 @@ class Checkpoints:
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self._since_start(trainer)
-        if ran and skipped == ran and trainer.optim_step.backoff_skips == ran:
+        if ran and skipped == ran and self.precision.dynamic and trainer.optim_step.overflow_streak >= ran:
             if not self.said_backoff:
                 scale = grad_scaler_fields(self.precision.state_dict()).get("scale")
                 self.say(f"all {ran} steps of this run overflowed the dynamic loss scale, which backed off "
@@ -274,7 +274,7 @@ class Checkpoints:
         elif ran and skipped == ran:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
                                    f"or gradients at each): nothing trained and {kept}. "
-                                   f"{self.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
+                                   f"{self.good_checkpoint(trainer)}: {self.advice(trainer, ran)}")
         bad = ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model)))
         if bad:
             raise TrainingDiverged(f"after step {trainer.step} the weights hold NaN or infinite values "
@@ -292,11 +292,20 @@ class Checkpoints:
         """The checkpoint to go back to: last.pth, unless no step succeeded since the resumed one."""
         ran, skipped = self._since_start(trainer)
         if self.resumed_from is not None and ran == skipped:
-            return (f"Every step since the resume from {self.resumed_from} was skipped, so it is no good "
-                    "start: go back to an earlier checkpoint of the run, or start from its weights with "
-                    "--weights")
+            return (f"Every step since the resume from {self.resumed_from} was skipped; that checkpoint is "
+                    "as it was; resume it with one of these changes (if its steps skip again, go back to "
+                    "an earlier checkpoint of the run)")
         last = self.run_dir / "last.pth"
         return f"The last good checkpoint is {last}" if last.exists() else "No checkpoint was written before"
+
+    def advice(self, trainer, steps: int) -> str:
+        """What to change after `steps` skipped steps in a row: a fixed loss scale that overflowed
+        the gradients at each is named, not the learning rate."""
+        scale = self.precision.fixed_scale
+        if scale and trainer.optim_step.overflow_streak >= steps:
+            return (f"the fixed loss scale {scale:g} (--loss-scale) overflowed float16's gradients at each: "
+                    "use --loss-scale dynamic or a lower number")
+        return DIVERGENCE_ADVICE
 
     def interrupted(self, trainer, where: str) -> Interrupted:
         """The error that ends a run stopped by a signal, once last.pth holds what it resumes from."""

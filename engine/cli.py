@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from common.errors import ArgumentParser, CheckpointError, ConfigError, run_cli
+from common.errors import ArgumentParser, CheckpointError, ConfigError, refuse_inapplicable, run_cli
 from config.loader import build_config, deep_update, differences, nested, read_preset, setting, to_dict
 from config.schema import CHANGES, KEPT, REFERENCE_PRESET, add_flags, declared, flags
 from config.yaml_file import read_yaml
@@ -163,10 +163,32 @@ def config_from_args(args: argparse.Namespace, reader=None):
     from engine.precision import check_backend
     cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)
+    _refuse_inapplicable(args, cfg)
     if os.environ.get("RANK", "0") == "0":
         for line in lines:
             print(line, flush=True)
     return cfg
+
+
+def _refuse_inapplicable(args: argparse.Namespace, cfg) -> None:
+    """The flags given now that would have no effect in this run, refused by the one rule."""
+    import torch
+    from engine.precision import BACKENDS
+    level = cfg.amp.opt_level
+    half = BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device)
+    float16 = level != "O0" and half == torch.float16
+    for flag, off, where, why in (
+            ("--loss-scale", not float16, "to this run", "only float16 training (O1-O3, --amp-dtype float16 "
+             "or auto on CUDA) scales its loss"),
+            ("--amp-dtype", level == "O0", "at --opt-level O0", "it trains in float32"),
+            ("--keep-batchnorm-fp32", level in ("O0", "O1"), f"at --opt-level {level}", "only O2 and O3 "
+             "turn the model's BatchNorm into half precision"),
+            ("--allow-partial", not cfg.train.weights, "without --weights", "it loads the tensors of "
+             "--weights that fit the model"),
+            ("--early-stop", not (cfg.train.val_every or cfg.train.ap_every), "with --val-every 0 and "
+             "--ap-every 0", "it counts validations, and there are none")):
+        if off:
+            refuse_inapplicable({flag: getattr(args, flag[2:].replace("-", "_"))}, where, why)
 
 
 def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:

@@ -22,7 +22,7 @@ from engine.ema import WeightsEMA
 from engine.freeze import set_frozen_bn_eval
 from engine.loaders import STOP_SIGNALS
 from engine.optim import lr_at
-from engine.checkpoints import DIVERGENCE_ADVICE, Checkpoints, bad_value
+from engine.checkpoints import Checkpoints, bad_value
 from engine.trainer import Hook
 
 
@@ -274,7 +274,8 @@ class DivergenceStop(Hook):
         if streak >= self.max_bad_steps:
             raise TrainingDiverged(
                 f"{streak} consecutive steps had a non-finite or abnormal loss or gradients (last loss "
-                f"{out.loss:.4g}); stopped. {self.checkpoints.good_checkpoint(trainer)}: {DIVERGENCE_ADVICE}")
+                f"{out.loss:.4g}); stopped. {self.checkpoints.good_checkpoint(trainer)}: "
+                f"{self.checkpoints.advice(trainer, streak)}")
 
 
 class Preemption(Hook):

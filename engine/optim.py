@@ -126,7 +126,7 @@ class OptimStep:
         self.buffers = list(model.buffers())    # restored when a step is skipped (BN statistics)
         self.buffers_before_step = [b.clone() for b in self.buffers]
         self.skipped_total, self.bad_streak = 0, 0
-        self.backoff_skips = 0    # this process's skips that were a dynamic loss scale's overflows
+        self.overflow_streak = 0    # the last skips in a row with a finite loss: gradients that overflowed
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -167,7 +167,7 @@ class OptimStep:
             with torch.no_grad():
                 torch._foreach_copy_(self.buffers, self.buffers_before_step)
         self.skipped_total += skipped
-        self.backoff_skips += skipped and not bad_loss and self.precision.dynamic
+        self.overflow_streak = self.overflow_streak + 1 if skipped and not bad_loss else 0
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return StepResult(loss_sum / len(batches), self.lr, skipped, stop, note=note)
 

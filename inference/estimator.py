@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, refuse_inapplicable
 from config.schema import Config, InferenceConfig
 from config.views import PredictSettings
 from inference.grouping import group_people
@@ -132,7 +132,9 @@ class PoseEstimator:
     def from_file(cls, path, device="auto", **options) -> "PoseEstimator":
         """`from_onnx` for a .onnx file, else `from_checkpoint`."""
         if str(path).endswith(".onnx"):
-            return cls.from_onnx(path, **{k: v for k, v in options.items() if k != "preset"})
+            refuse_inapplicable({"--preset": options.pop("preset", None)}, "to an ONNX --weights",
+                                "the file carries its own config (change a setting with --set KEY=VALUE)")
+            return cls.from_onnx(path, **options)
         return cls.from_checkpoint(path, device, **options)
 
     @property

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from common.errors import CheckpointError, ConfigError
+from common.errors import CheckpointError, ConfigError, refuse_inapplicable
 from config.loader import build_config
 from config.schema import Config
 from data.skeleton import from_checkpoint
@@ -55,6 +55,9 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
     saved = state.get("config") if isinstance(state, dict) else None
     saved = saved if isinstance(saved, dict) else None
     settings = reference_file_settings(weights) if state is None else None
+    if saved is not None:
+        refuse_inapplicable({"--preset": preset}, "to a checkpoint of this trainer", "it carries its own "
+                            "config (change a setting with --set KEY=VALUE)")
     try:
         cfg = inference_config(saved, preset, sets, scales, flip, settings)
     except ConfigError as exc:

@@ -106,11 +106,14 @@ def test_channels_last_is_on_for_cuda_by_default_and_can_be_turned_off():
         config_of("--set", "amp.channels_last=sometimes")
 
 
+FLOAT16 = ("--opt-level", "O1", "--amp-dtype", "float16")     # where a loss scale applies
+
+
 def test_a_switch_is_not_taken_for_a_loss_scale():
     with pytest.raises(ConfigError,
                        match="option amp.loss_scale: True is not 'dynamic' or a number from 2\\^-24 to 2\\^24"):
         config_of("--set", "amp.loss_scale=true")
-    assert config_of("--loss-scale", "128").amp.loss_scale == 128
+    assert config_of(*FLOAT16, "--loss-scale", "128").amp.loss_scale == 128
 
 
 @pytest.mark.parametrize("args, says", [
@@ -124,8 +127,8 @@ def test_a_loss_scale_that_zeroes_or_overflows_every_float16_gradient_is_refused
     with pytest.raises(ConfigError) as refused:
         config_of(*args)
     assert says in str(refused.value)
-    assert config_of("--loss-scale", str(2.0 ** -24)).amp.loss_scale == 2.0 ** -24   # the bounds are legal
-    assert config_of("--loss-scale", "0.5").amp.loss_scale == 0.5
+    assert config_of(*FLOAT16, "--loss-scale", str(2.0 ** -24)).amp.loss_scale == 2.0 ** -24   # legal bounds
+    assert config_of(*FLOAT16, "--loss-scale", "0.5").amp.loss_scale == 0.5
 
 
 @pytest.mark.parametrize("content,says", [

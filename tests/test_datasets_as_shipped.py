@@ -210,8 +210,8 @@ def test_zero_based_links_are_recognised(coco4_dir, tmp_path, capsys):
              ["categories"][0]["skeleton"]]
     code, out, _ = convert(shipped(coco4_dir, tmp_path, renamed(names, links)), coco4_dir,
                            tmp_path / "o.h5", capsys)
-    assert code == 0 and "skeleton links counted from 0 (a link uses keypoint 0); --links-from 1 " \
-        "reads them the other way" in out
+    assert code == 0 and "skeleton links (categories[].skeleton) counted from 0 (a link uses keypoint 0); " \
+        "--links-from 1 reads them the other way" in out
     skeleton = KeypointH5(tmp_path / "o.h5").skeleton
     index = skeleton.keypoints.index
     limbs = {frozenset(limb) for limb in skeleton.limbs}
@@ -228,11 +228,17 @@ def test_links_that_use_neither_keypoint_0_nor_the_last_say_how_they_were_counte
              ["categories"][0]["skeleton"] if 1 not in (a, b) and 17 not in (a, b)]
     ann = shipped(coco4_dir, tmp_path, renamed(names, links))
     code, out, _ = convert(ann, coco4_dir, tmp_path / "o.h5", capsys)
-    assert code == 0 and "skeleton links counted from 1 (COCO's rule; no link uses keypoint 0 or 17, so " \
-        "either could be meant); --links-from 0 reads them the other way" in out.splitlines()
+    guess = "skeleton links (categories[].skeleton) counted from 1 (COCO's rule; no link uses keypoint " \
+        "0 or 17, so either could be meant); "
+    assert code == 0 and guess + "--links-from 0 reads them the other way" in out.splitlines()
+    # evaluate.py --ann converts the JSON too: the guess used to go unsaid there (issue 47, point 7)
+    assert evaluate.main(["--oracle", "--ann", str(ann), "--images", str(coco4_dir), "--max-images", "1",
+                          "--out", str(tmp_path / "r.json"), "--no-progress"]) == 0
+    assert f"--ann {ann}: {guess}python -m data.make_hdf5 --links-from 0 reads them the other way" \
+        in capsys.readouterr().err.splitlines()
     code, out, _ = convert(ann, coco4_dir, tmp_path / "zero.h5", capsys, "--links-from", "0")
-    assert code == 0 and "skeleton links counted from 0 (as --links-from says); --links-from 1 " \
-        "reads them the other way" in out.splitlines()
+    assert code == 0 and "skeleton links (categories[].skeleton) counted from 0 (as --links-from says); " \
+        "--links-from 1 reads them the other way" in out.splitlines()
     skeleton = KeypointH5(tmp_path / "zero.h5").skeleton
     limbs = {frozenset(skeleton.keypoints[k] for k in limb) for limb in skeleton.limbs}
     assert frozenset(("ankleL", "kneeL")) in limbs                  # [15, 13] counted from 0
@@ -609,7 +615,8 @@ def test_coco_wholebody_converts_whole_or_the_body_alone_and_says_which(coco4_di
                 for a in json.loads(ann.read_text())["annotations"] if not a["iscrowd"])
     assert "keypoints read from keypoints + foot_kpts + face_kpts + lefthand_kpts + righthand_kpts: " \
            f"133 per person; {faces} fractional visibilities (labelled, in COCO-WholeBody) read as 1; " \
-           "not read: keypoints (17: --skeleton coco reads them)" in lines
+           "keypoints alone (17: --skeleton coco reads them)" in lines       # it said "not read: keypoints"
+    assert not any("not read" in line for line in lines)
     h5 = KeypointH5(tmp_path / "all.h5")
     assert h5.skeleton == builtin("wholebody133") and len(h5.annotations(0)[0]["keypoints"]) == 399
     assert h5.people(0).shape[1:] == (134, 3)

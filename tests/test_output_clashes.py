@@ -62,7 +62,7 @@ CASES = {
                                                                 "--skeleton", "T/skeleton.yaml",
                                                                 "--skipped", "T/skeleton.yaml"],
                                           "--skipped T/skeleton.yaml is the same file as --skeleton"),
-    "make_hdf5 --dump-skeleton is --skeleton": (make_hdf5.main, HDF5 + [
+    "make_hdf5 --dump-skeleton is --skeleton": (make_hdf5.main, HDF5[:4] + [     # no --quiet: no conversion
         "--skeleton", "T/skeleton.yaml", "--dump-skeleton", "T/./skeleton.yaml"],
         "--dump-skeleton T/skeleton.yaml is the same file as --skeleton"),
     "make_hdf5 --skipped is a picture": (make_hdf5.main, HDF5 + ["--out", "T/o.h5", "--skip-bad",
@@ -70,7 +70,8 @@ CASES = {
                                          f"--skipped T/images/{IMAGE} is the same file as --images"),
     "make_hdf5 --out is a picture": (make_hdf5.main, HDF5 + ["--out", f"T/images/{IMAGE}"],
                                      f"--out T/images/{IMAGE} is the same file as --images"),
-    "make_hdf5 --dump-skeleton is a picture": (make_hdf5.main, HDF5 + ["--dump-skeleton", f"T/images/{IMAGE}"],
+    "make_hdf5 --dump-skeleton is a picture": (make_hdf5.main, HDF5[:4] + [
+        "--dump-skeleton", f"T/images/{IMAGE}"],
                                                f"--dump-skeleton T/images/{IMAGE} is the same file as --images"),
     "make_hdf5 two outputs, one file": (make_hdf5.main, HDF5 + ["--out", "T/o.h5", "--skip-bad",
                                                               "--skipped", "T/both", "--dump-skeleton", "T/both"],

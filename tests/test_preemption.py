@@ -409,3 +409,20 @@ def test_fp16_scaler_overflows_are_skipped_and_counted(tmp_path, synthetic_h5, c
            "weight changed yet; last.pth keeps the lowered scale" in capsys.readouterr().out
     assert [r["skipped_steps"] for r in read_metrics(tmp_path / "fp16")] == [1, 2, 3]
     assert load_checkpoint(tmp_path / "fp16" / "last.pth")["scaler"]["scale"] == 2.0 ** 21
+
+
+def test_every_step_overflowing_a_fixed_loss_scale_names_the_scale_not_the_learning_rate(
+        tmp_path, synthetic_h5, capsys):
+    """Issue 47: a fixed --loss-scale of 2^24 overflows float16's gradients at every step; the stop
+    used to say "lower optim.lr, enable --clip-grad, or use O0"."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_main(lambda argv: in_process(tmp_path, synthetic_h5, *argv),
+                 ["--epochs", "1", "--run-name", "fixed", "--opt-level", "O1", "--amp-dtype", "float16",
+                  "--loss-scale", "16777216", "--set", "optim.max_bad_steps=2"])
+    assert stop.value.code == 3
+    err = message_lines(capsys.readouterr().err)[-1]
+    assert err.startswith("error: 2 consecutive steps had a non-finite or abnormal loss or gradients")
+    assert err.endswith("stopped. No checkpoint was written before: the fixed loss scale 1.67772e+07 "
+                        "(--loss-scale) overflowed float16's gradients at each: use --loss-scale dynamic or "
+                        "a lower number")

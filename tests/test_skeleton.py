@@ -246,6 +246,8 @@ GOOD = {"keypoints": ["head", "left_hand", "right_hand"],
     ({"limbs": [["head", "left_hand"], ["head", "tail"]]},
      "limbs: ['head', 'tail'] names 'tail', which is not a keypoint "
      "(keypoints: 'head', 'left_hand', 'right_hand')"),
+    ({"limbs": [[0, 1], [1, 2]]},                    # issue 47: numbers are not read from 0 or 1 unsaid
+     "limbs: [0, 1] gives keypoint numbers; a skeleton file names the keypoints, e.g. ['head', 'left_hand']"),
     ({"channels": ["head", "left_hand", "Right_hand"]},
      "channels must list every keypoint and derived keypoint once ('head', 'left_hand', 'right_hand')"),
     ({"flip": [["left_hand", "right_hand"], ["right_hand", "head"]]},

@@ -28,6 +28,7 @@ class ApexPrecision(PrecisionBackend):
         self.build = apex_checks.apex_build()
         self.init_scale = cfg.init_scale
         self.dynamic = self.level != "O0" and self.static_scale is None
+        self.fixed_scale = None if self.level == "O0" else self.static_scale
         self._optimizer, self._attached = None, False
         self._apex_skips = False        # Apex found an overflow and patched this step into a skip
         self._state_before = {}         # Apex's amp state before this step's unscale

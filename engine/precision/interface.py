@@ -34,6 +34,7 @@ class PrecisionBackend(abc.ABC):
 
     name: str = ""
     dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
+    fixed_scale: float | None = None    # a fixed loss scale in use (--loss-scale NUMBER, float16)
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
         self.level = cfg.opt_level

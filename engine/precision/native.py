@@ -38,6 +38,7 @@ class NativePrecision(PrecisionBackend):
                                   init_scale=self.static_scale or cfg.init_scale,
                                   growth_interval=2 ** 30 if self.static_scale else 2000)
         self.dynamic = self.scaler.is_enabled() and self.static_scale is None
+        self.fixed_scale = self.static_scale if self.scaler.is_enabled() else None
 
     def describe(self) -> str:
         text = f"opt level {self.level}"
