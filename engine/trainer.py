@@ -25,7 +25,7 @@ class OptimiserStep(Protocol):
     """What the loop and its hooks need of the optimiser step (engine.optim.OptimStep)."""
     skipped_total: int               # steps skipped for a bad loss or gradients, all told
     bad_streak: int                  # skipped steps in a row
-    backoff_skips: int               # this process's skips that were a dynamic loss scale's overflows
+    overflow_streak: int             # the last skips in a row whose gradients overflowed (finite loss)
 
     def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
                stop_requested: Callable[[], bool] = ...) -> "StepResult":

@@ -151,7 +151,7 @@ def test_the_seams_are_typed_the_optimiser_step_and_what_a_run_starts_from(tmp_p
     step = OptimStep(Precision(AmpConfig(), torch.device("cpu")), torch.optim.SGD(model.parameters(), lr=0.1),
                      list(model.parameters()), model, OptimConfig())
     names = {n for n in vars(OptimiserStep) if not n.startswith("_")} | set(OptimiserStep.__annotations__)
-    assert names == {"skipped_total", "bad_streak", "backoff_skips", "update", "set_lr"}
+    assert names == {"skipped_total", "bad_streak", "overflow_streak", "update", "set_lr"}
     assert all(hasattr(step, name) for name in names)
     torch.save({"model": {k: v for k, v in model.state_dict().items() if k.startswith("0.")}}, tmp_path / "w.pth")
     train = replace(build_config("tiny").train, weights=str(tmp_path / "w.pth"), allow_partial=True)
