@@ -132,9 +132,12 @@ def test_a_short_run_ends_with_the_stored_weights(digests, name):
     if torch.__version__ != stored["torch"]:
         pytest.skip(f"digests were made with torch {stored['torch']} (requirements.txt); this is "
                     f"{torch.__version__}, whose kernels may round differently")
-    assert digests[name] == stored["runs"][name], (
+    capability = torch.backends.cpu.get_cpu_capability()
+    # a processor whose float32 sums PINNED does not make equal to the AVX-512 machine's has its own
+    expected = stored.get("runs_by_capability", {}).get(capability, {}).get(name, stored["runs"][name])
+    assert digests[name] == expected, (
         f"run {name!r}: its weights differ from the stored digest (CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}); a change meant to change the numbers records "
+        f"{capability}); a change meant to change the numbers records "
         "new digests with python tests/test_run_digest.py")
 
 
