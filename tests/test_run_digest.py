@@ -149,6 +149,14 @@ if __name__ == "__main__":
         h5 = coco4_h5(Path(tmp))
         made = {name: run_digest(name, h5, Path(tmp) / "runs") for name in RUNS}
         synthetic = {"versions": versions(), "digest": synthetic_digest(Path(tmp) / "synthetic")}
+    # a processor with its own entry records there; the others' entries are kept as they were
+    old = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+    by_capability = old.get("runs_by_capability", {})
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in by_capability:
+        by_capability[capability].update({k: made[k] for k in by_capability[capability]})
+        made = {k: old["runs"].get(k, v) for k, v in made.items()}
     DIGESTS.write_text(json.dumps({"torch": torch.__version__, "pinned": PINNED, "runs": made,
-                                   "synthetic": synthetic}, indent=2) + "\n")
+                                   "synthetic": synthetic, "runs_by_capability": by_capability},
+                                  indent=2) + "\n")
     print(f"wrote {DIGESTS}")
