@@ -123,8 +123,9 @@ def nested(key: str, value: Any) -> dict:
 
 
 def build_config(preset: str | None = None, overrides: dict | None = None,
-                 sets: list[str] | None = None) -> Config:
-    """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`."""
+                 sets: list[str] | None = None, options: dict | None = None) -> Config:
+    """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`, then
+    `options` (a command's own flags, as values: they win over `--set`)."""
     cfg = Config()
     if preset:
         _apply(cfg, read_preset(preset))
@@ -140,6 +141,8 @@ def build_config(preset: str | None = None, overrides: dict | None = None,
         except yaml.YAMLError:
             value = raw
         _apply(cfg, nested(key.strip(), value))
+    if options:
+        _apply(cfg, options)
     validate(cfg)
     return cfg
 

@@ -30,15 +30,13 @@ def pick_device(device) -> torch.device:
 def inference_config(saved: dict | None, preset: str | None, sets: list[str],
                      scales=None, flip: bool | None = None, model: dict | None = None) -> Config:
     """The run's config: `saved` or `preset` with `model` settings, then `sets`, scales, flip."""
-    extra = list(sets or [])
-    if scales:
-        extra.append("inference.scales=[" + ",".join(str(float(s)) for s in scales) + "]")
-    if flip is not None:
-        extra.append(f"inference.flip={'true' if flip else 'false'}")
+    flags = {"scales": [float(s) for s in scales] if scales else None, "flip": flip}
+    options = {"inference": {k: v for k, v in flags.items() if v is not None}}
     if saved is not None:
         saved = {k: v for k, v in saved.items() if k != "preset"}
-        return build_config(None, overrides=saved, sets=extra)
-    return build_config(preset or DEFAULT_PRESET, overrides={"model": model} if model else None, sets=extra)
+        return build_config(None, overrides=saved, sets=sets, options=options)
+    return build_config(preset or DEFAULT_PRESET, overrides={"model": model} if model else None, sets=sets,
+                        options=options)
 
 
 def load_model(weights: str, preset: str | None, sets: list[str], device, scales=None,
