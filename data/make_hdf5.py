@@ -5,9 +5,9 @@ pictures with a main person; people without a labelled keypoint are masked out l
 """
 from __future__ import annotations
 
+import io
 import json
 import re
-import struct
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 import cv2
 import h5py
 import numpy as np
+from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
@@ -40,27 +41,6 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 
 # -- images ----------------------------------------------------------------------------------------
-def header_size(data: bytes) -> tuple[int, int] | None:
-    """(height, width) read from a JPEG or PNG header, or None for other formats."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        return struct.unpack(">II", data[16:24])[::-1]      # stored as width, height
-    if data[:2] != b"\xff\xd8":
-        return None
-    pos = 2
-    while pos + 9 < len(data):
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:
-            pos += 1
-            continue
-        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return struct.unpack(">HH", data[pos + 5:pos + 9])
-        pos += 2 + length
-    return None
-
-
 def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
     """The encoded bytes of an image of `images_dir` after checking it decodes and matches the
     JSON's size; a missing one's error says where the JSON says it comes from."""
@@ -74,7 +54,11 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    size = header_size(data)       # the stored pixels' size: EXIF orientation is ignored everywhere
+    try:                           # the stored pixels' size: EXIF orientation is ignored everywhere
+        with Image.open(io.BytesIO(data)) as header:       # reads no pixels
+            size = header.height, header.width
+    except (OSError, ValueError, Image.DecompressionBombError):
+        size = None
     try:
         probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
                              | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
@@ -106,17 +90,6 @@ def _where_from(info: dict, images_dir: Path) -> str:
 
 
 # -- annotations -> people, masks, samples ---------------------------------------------------------
-def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
-    """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
-    mask = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
-    if mask is not None:
-        return mask
-    out = np.zeros((height, width), np.uint8)
-    x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
-    out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
-    return out
-
-
 def main_people(anns: list[dict], keep_all: bool = False) -> list[int]:
     """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule; `keep_all`:
     without its keypoint count and area, so that every picture with a labelled person has one."""
@@ -141,7 +114,11 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
     for ann in anns:
         crowd = bool(ann.get("iscrowd", 0))
         labelled = 0 if crowd else int((np.asarray(ann["keypoints"][2::3]) > 0).sum())
-        region = region_mask(ann, height, width)
+        region = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
+        if region is None:               # no segmentation: the box
+            region = np.zeros((height, width), np.uint8)
+            x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
+            region[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
         person |= region
         if labelled:
             keyed.append(dict(ann, num_keypoints=labelled))
