@@ -185,16 +185,12 @@ class Skeleton:
         return tuple(self.keypoints.index(n) for n in self.dataset_keypoints)
 
     @cached_property
-    def limb_flip(self) -> tuple:
-        """limb_flip[l] = the limb that l becomes in a mirrored image."""
-        index = {limb: i for i, limb in enumerate(self.limbs)}
-        index.update({(b, a): i for i, (a, b) in enumerate(self.limbs)})
-        return tuple(index[(self.flip[a], self.flip[b])] for a, b in self.limbs)
-
-    @cached_property
     def channel_flip(self) -> tuple:
         """Permutation of the output channels for a mirrored image: out_flipped[c] = out[flip[c]]."""
-        return (self.limb_flip + tuple(self.num_limbs + k for k in self.flip)
+        index = {limb: i for i, limb in enumerate(self.limbs)}
+        index.update({(b, a): i for i, (a, b) in enumerate(self.limbs)})
+        return (tuple(index[(self.flip[a], self.flip[b])] for a, b in self.limbs)     # the limb each becomes
+                + tuple(self.num_limbs + k for k in self.flip)
                 + (self.person_mask_channel, self.keypoint_max_channel))
 
     def describe(self) -> str:
@@ -240,9 +236,8 @@ class Skeleton:
         """A checked skeleton from its mapping; `ConfigError` naming `source` when it is wrong."""
         if not isinstance(spec, dict):
             _fail(source, "a skeleton must be a mapping with keypoints and limbs")
-        unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
-                               "redundant", "flip", "metric", "pck_threshold", "pck_normalize",
-                               *SCORING_CHOICES}
+        unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs", "redundant",
+                               "flip", *Scoring().written()}
         if unknown:
             _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
         dataset = _names(spec.get("keypoints") or [], "keypoints", source)
@@ -282,7 +277,13 @@ class Skeleton:
         if lost:
             _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
                   f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
-        flip = _flip_of(spec, names, index, source)
+        flip = name_flips(names) if spec.get("flip") is None else list(range(len(names)))  # left_x: right_x
+        for a, b in _pairs(spec.get("flip"), "flip", index, source):
+            for k, other in ((a, b), (b, a)):
+                if flip[k] not in (k, other):
+                    _fail(source, f"flip pairs are not symmetric: {names[k]!r} pairs with both "
+                          f"{names[flip[k]]!r} and {names[other]!r}")
+                flip[k] = other
         for a, b in limbs:
             if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
                 _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
@@ -365,19 +366,6 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
             _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
         out.append((index[pair[0]], index[pair[1]]))
     return out
-
-
-def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
-    if spec.get("flip") is None:                 # from the names: left_x <-> right_x
-        return name_flips(names)
-    flip = list(range(len(names)))
-    for a, b in _pairs(spec["flip"], "flip", index, source):
-        for k, other in ((a, b), (b, a)):
-            if flip[k] not in (k, other):
-                _fail(source, f"flip pairs are not symmetric: {names[k]!r} pairs with both "
-                      f"{names[flip[k]]!r} and {names[other]!r}")
-            flip[k] = other
-    return flip
 
 
 def limb_walk(count: int, limbs, start: int = 0) -> list:
