@@ -261,8 +261,17 @@ def check_device(spec: str, option: str) -> None:
                           "like 2,3")
 
 
-def _check_start(train) -> None:
-    """One way to start a run (`--resume auto` with --weights: a requeued job)."""
+def validate(cfg: Config) -> None:
+    """Raise `ConfigError` for settings that cannot work, naming the option."""
+    check_section(cfg)
+    train = cfg.train
+    name = train.run_name                    # the run directory is OUT_DIR/NAME: one plain component
+    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
+        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
+                          "--out-dir")
+    check_device(train.device, "option train.device")
+    # one way to start a run (`--resume auto` with --weights: a requeued job)
     if train.resume_reference and train.weights:
         raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint already "
                           "holds the weights)")
@@ -273,20 +282,8 @@ def _check_start(train) -> None:
     if train.resume and train.overwrite:
         raise ConfigError(f"--resume {train.resume} and --overwrite: give one (--overwrite removes the "
                           "checkpoints a resume would continue from)")
-
-
-def validate(cfg: Config) -> None:
-    """Raise `ConfigError` for settings that cannot work, naming the option."""
-    check_section(cfg)
-    name = cfg.train.run_name                # the run directory is OUT_DIR/NAME: one plain component
-    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
-        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
-                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
-                          "--out-dir")
-    check_device(cfg.train.device, "option train.device")
-    _check_start(cfg.train)
-    if not all(isinstance(p, str) and p for p in cfg.train.freeze):
-        raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names "
+    if not all(isinstance(p, str) and p for p in train.freeze):
+        raise ConfigError(f"option train.freeze: {train.freeze!r} must be a list of module names "
                           "or globs")
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
