@@ -1,9 +1,5 @@
-"""Build a `Config` from a YAML preset and overrides, check it, and turn it back into YAML.
-
-A preset is `config/presets/NAME.yaml` (or any YAML path) of config sections; `base: OTHER`
-inherits another first. Overrides are dotted keys with YAML values (`optim.milestones=[10,20]`).
-Unknown keys, wrong types and impossible values raise `ConfigError` naming the key.
-"""
+"""Build a `Config` from a YAML preset (`base: OTHER` inherits another first) and dotted overrides
+(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML."""
 from __future__ import annotations
 
 import contextlib

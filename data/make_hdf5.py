@@ -1,8 +1,4 @@
-"""Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file.
-
-Images are stored encoded, masks as run-length codes (`data.h5format`); the train split keeps the
-pictures with a main person; people without a labelled keypoint are masked out like crowds.
-"""
+"""Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file (docs/data.md)."""
 from __future__ import annotations
 
 import io

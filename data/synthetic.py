@@ -1,9 +1,6 @@
 """A keypoint dataset the project draws itself, for users with nothing downloaded (and for tests).
-
-DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick figures (or
-animals seen from above) per picture with occluded and unlabelled keypoints, people cut by the
-border, small people and crowds, so every mask path is exercised; `ensure_synthetic_h5` makes it once.
-"""
+DIR/{train,val}.json and DIR/{train,val}/*.jpg: stick figures (or animals seen from above) with occluded
+and unlabelled keypoints, cut by the border, small and in crowds, so every mask path is exercised."""
 from __future__ import annotations
 
 import fcntl
