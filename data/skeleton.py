@@ -277,7 +277,7 @@ class Skeleton:
         if lost:
             _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
                   f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
-        flip = name_flips(names) if spec.get("flip") is None else list(range(len(names)))  # none: by the names
+        flip = name_flips(names) if spec.get("flip") is None else list(range(len(names)))  # none: the names
         for a, b in _pairs(spec.get("flip"), "flip", index, source):
             for k, other in ((a, b), (b, a)):
                 if flip[k] not in (k, other):
