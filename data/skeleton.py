@@ -27,14 +27,7 @@ _GLUED = (re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])")
           re.compile(r"^(left|right)(?=[a-z])"),                                    # leftear
           re.compile(r"(?<=[a-z0-9])(Left|Right|L|R)(?=\d*$)"))                     # eyeL, legL1
 _LOOSE = re.compile(r"^(L|R)(?=[a-z])")        # Lear/Rear, but Lip and Rump name no side
-_TOKEN = re.compile(r"([FBHfbh]?)([LRlr])([FBHfbh]?)")    # FL (front left), LB, l
-
-
-def _swap_token(part: str) -> str:
-    match = _TOKEN.fullmatch(part)
-    if match and not (match.group(1) and match.group(3)):
-        return match.group(1) + _SIDES[match.group(2)] + match.group(3)
-    return _SIDES.get(part, part)
+_TOKEN = re.compile(r"(?<=^[FBHfbh])[LRlr]$|^[LRlr](?=[FBHfbh]?$)")     # FL (front left), LB, l; not FLB
 
 
 def mirror_names(name: str, loose: bool = False) -> list:
@@ -42,7 +35,7 @@ def mirror_names(name: str, loose: bool = False) -> list:
     `eyeLeft`, ...; with `loose` also `Lear`, a side only when `Rear` is there too); empty: none."""
     out = []
     parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_swap_token(p) for p in parts]
+    swapped = [_SIDES.get(p) or _TOKEN.sub(lambda m: _SIDES[m[0]], p) for p in parts]
     if swapped != parts:
         out.append("".join(swapped))
     for pattern in _GLUED + ((_LOOSE,) if loose else ()):
