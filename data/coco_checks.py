@@ -233,7 +233,8 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             raise DataError(f"{ann_path}: {message}")
         out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
-    good, bad_ids, by_file = {}, set(), {}
+    good, by_file = {}, {}
+    known = {info["id"] for info in data["images"] if isinstance(info, dict) and is_int(info.get("id"))}
     for info in data["images"]:
         problem = image_problem(info, images_dir)
         if problem is None and info["id"] in good:
@@ -245,14 +246,10 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             if first != info["id"]:
                 problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
                            "(one picture listed twice: its people would be split between them)")
-                if first in good:
-                    del good[first]
-                    bad_ids.add(first)
-        image_id = info.get("id") if isinstance(info, dict) and is_int(info.get("id")) else None
+                good.pop(first, None)
         if problem is not None:
-            if image_id is not None and image_id not in good:
-                bad_ids.add(image_id)
-            reject("bad image", problem, image_id)
+            reject("bad image", problem, info.get("id") if isinstance(info, dict) and is_int(info.get("id"))
+                   else None)
             continue
         good[info["id"]] = info
     by_image: dict = {i: [] for i in good}
@@ -264,7 +261,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         raw_id = ann.get("image_id") if isinstance(ann, dict) else None
         image_id = raw_id if is_int(raw_id) else None
         if isinstance(ann, dict) and image_id not in good:
-            if image_id is None or image_id not in bad_ids:
+            if image_id not in known:         # an image left out: its annotations with it
                 reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}",
                        image_id)
             continue
@@ -272,9 +269,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         if problem is None and ann["id"] in ann_ids:
             problem = f"annotation id {ann['id']} appears twice in annotations"
         if problem is not None:
-            if image_id in good:
-                del good[image_id]
-                bad_ids.add(image_id)
+            if good.pop(image_id, None) is not None:
                 problem += "; its image is skipped" if skip_bad else ""
             reject("image with a bad annotation", problem, image_id)
             continue
