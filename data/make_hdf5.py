@@ -197,8 +197,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
     per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
-    encoded, names, texts, masks = per_image
-    ids, sizes, counts, samples, keypoints, boxes, crowd_index = [], [], [], [], [], [], []
+    infos, records = [], []           # of the kept images
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
         try:
             data = read_image(images_dir, info, ann_path)
@@ -216,36 +215,33 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
             summary["bad"].append({"kind": kind, "image_id": info["id"], "reason":
                                    f"image {info['id']} ({info['file_name']}): {kind} (train split)"})
             continue
-        row = len(ids)
-        encoded[row] = np.frombuffer(data, np.uint8)
-        names[row] = info["file_name"]
-        texts[row] = json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns])
-        masks[row] = encode_masks(record["ignore"], record["person"])
-        ids.append(info["id"])
-        sizes.append((info["height"], info["width"]))
-        crowd_index.append(info.get("crowdIndex", np.nan))
-        counts.append(len(record["keypoints"]))
-        samples.extend((row, p) for p in record["main"])
-        keypoints.append(record["keypoints"])
-        boxes.append(record["boxes"])
-        summary["crowd_regions"] += record["crowds"]
-        summary["people_without_keypoints"] += record["no_keypoints"]
-    kept = len(ids)
-    if kept == 0:
+        values = (np.frombuffer(data, np.uint8), info["file_name"],      # in PER_IMAGE's order
+                  json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns]),
+                  encode_masks(record.pop("ignore"), record.pop("person")))
+        for dataset, value in zip(per_image, values):
+            dataset[len(infos)] = value
+        infos.append(info)
+        records.append(record)
+    if not infos:
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
-    for ds in per_image:
-        ds.resize((kept,))
-    f["images/id"] = np.array(ids, np.int64)
-    f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
+    for dataset in per_image:
+        dataset.resize((len(infos),))
+    counts = [len(record["keypoints"]) for record in records]
+    samples = [(row, p) for row, record in enumerate(records) for p in record["main"]]
+    f["images/id"] = np.array([info["id"] for info in infos], np.int64)
+    f["images/size"] = np.array([(info["height"], info["width"]) for info in infos], np.int32)
     f["images/people"] = np.stack([np.cumsum([0] + counts[:-1]), counts], 1).astype(np.int64)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
-    f["people/keypoints"] = np.concatenate(keypoints)      # kept > 0: one array per image
-    f["people/box"] = np.concatenate(boxes)
+    f["people/keypoints"] = np.concatenate([record["keypoints"] for record in records])
+    f["people/box"] = np.concatenate([record["boxes"] for record in records])
+    crowd_index = [info.get("crowdIndex", np.nan) for info in infos]
     if not np.isnan(crowd_index).all():      # CrowdPose's per picture, for its easy / medium / hard AP
         f[CROWD_INDEX] = np.array(crowd_index, np.float64)
-    summary.update(images=kept, samples=len(samples), people=sum(counts))
+    summary.update(images=len(infos), samples=len(samples), people=sum(counts),
+                   crowd_regions=sum(record["crowds"] for record in records),
+                   people_without_keypoints=sum(record["no_keypoints"] for record in records))
 
 
 def format_summary(summary: dict) -> str:
