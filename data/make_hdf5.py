@@ -167,8 +167,7 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
     for option, path in outputs.items():
         if path:
             refuse_existing(option, path, settings.overwrite)
-    summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
-               "crowd_regions": 0, "people_without_keypoints": 0,
+    summary = {"out": str(out_path), "split": split,        # the counts: once written (`_write`)
                "skipped": Counter(item["kind"] for item in selection.rejected),
                "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
                "keep_all": settings.keep_all}
@@ -353,9 +352,8 @@ def _main(argv=None) -> int:
     try:
         summary = convert(args.ann, args.images, args.out, ConvertSettings(
             split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet,
-            max_images=args.max_images or 0,
-            skeleton=skeleton, overwrite=args.overwrite, categories=categories, links_from=args.links_from,
-            keep_all=args.keep_all, side_outputs=side_outputs))
+            max_images=args.max_images or 0, skeleton=skeleton, overwrite=args.overwrite, categories=categories,
+            links_from=args.links_from, keep_all=args.keep_all, side_outputs=side_outputs))
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise
