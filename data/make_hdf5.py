@@ -351,8 +351,8 @@ def _main(argv=None) -> int:
         return 0
     try:
         summary = convert(args.ann, args.images, args.out, ConvertSettings(
-            split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet,
-            max_images=args.max_images or 0, skeleton=skeleton, overwrite=args.overwrite, categories=categories,
+            split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet, skeleton=skeleton,
+            max_images=args.max_images or 0, overwrite=args.overwrite, categories=categories,
             links_from=args.links_from, keep_all=args.keep_all, side_outputs=side_outputs))
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
