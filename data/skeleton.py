@@ -63,18 +63,14 @@ def name_flips(names) -> list:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How a skeleton's data is scored: `metrics` (the first keeps best.pth), PCK's `pck_threshold`
-    times `pck_normalize` ("bbox": the box's longer side; or two keypoints' distance); OKS's
-    `oks_area` ("area": the annotation's, COCO's; "box": 0.53 x the box's width x height, for OKS and
-    the area ranges), `per_category` (each category its own AP, averaged) and `oks_stats` ("coco", or
-    "crowd": CrowdPose's too, AR50, AR75 and AP over easy / medium / hard pictures by crowdIndex)."""
+    """How a skeleton's data is scored (docs/data.md, docs/evaluation.md)."""
 
-    metrics: tuple = ("oks",)
-    pck_threshold: float = 0.2
-    pck_normalize: str | tuple = "bbox"
-    oks_area: str = "area"
-    per_category: bool = False
-    oks_stats: str = "coco"
+    metrics: tuple = ("oks",)              # the first keeps best.pth
+    pck_threshold: float = 0.2             # PCK: within this x pck_normalize
+    pck_normalize: str | tuple = "bbox"    # "bbox": the box's longer side; or two keypoints' distance
+    oks_area: str = "area"                 # the annotation's (COCO's); "box": 0.53 x w x h, for OKS and APm/APl
+    per_category: bool = False             # each category its own AP, averaged
+    oks_stats: str = "coco"                # "crowd": CrowdPose's AR50, AR75 and AP easy / medium / hard too
 
     @property
     def key(self) -> str:
