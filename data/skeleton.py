@@ -68,7 +68,7 @@ class Scoring:
     metrics: tuple = ("oks",)              # the first keeps best.pth
     pck_threshold: float = 0.2             # PCK: within this x pck_normalize
     pck_normalize: str | tuple = "bbox"    # "bbox": the box's longer side; or two keypoints' distance
-    oks_area: str = "area"                 # the annotation's (COCO's); "box": 0.53 x w x h, for OKS and APm/APl
+    oks_area: str = "area"                 # the annotation's (COCO's); "box": 0.53 x w x h, for OKS, APm, APl
     per_category: bool = False             # each category its own AP, averaged
     oks_stats: str = "coco"                # "crowd": CrowdPose's AR50, AR75 and AP easy / medium / hard too
 
