@@ -123,8 +123,7 @@ ENDINGS_FOLDER = "SIMPLE_POSE_ENDINGS"
 
 
 def print_error(exc: UserError) -> int:
-    """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its exit
-    code."""
+    """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its code."""
     line = f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}"
     _say(line)
     if os.environ.get(ENDINGS_FOLDER):

@@ -131,11 +131,9 @@ def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
 
 @contextlib.contextmanager
 def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None):
-    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this
-    process's id), which, when the block ends well, is synced and takes `path`'s name (over a file
-    only with `overwrite`, else ConfigError naming `option`); on any failure it is removed and
-    `path` left as it was. A link is followed (its target written, the link kept); a character
-    device or FIFO is written into (the twin lies in the temporary folder), never replaced."""
+    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this process's
+    id), which, when the block ends well, is synced and takes `path`'s name (over a file only with
+    `overwrite`, else ConfigError naming `option`); on any failure it is removed, `path` as it was."""
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     stream = output_kind(option, path) == "stream"
     ancestor = next((p for p in path.parents if p.exists() and not p.is_dir()), None)

@@ -198,14 +198,12 @@ class KeypointH5:
 
     @property
     def max_people(self) -> int:
-        """The most people with keypoints in one image of the file."""
-        counts = self._load_meta()["images/people"][:, 1]
-        return int(counts.max()) if len(counts) else 0
+        """The most people with keypoints in one image of the file (it holds one image or more)."""
+        return int(self._load_meta()["images/people"][:, 1].max())
 
     def sample_ref(self, i: int) -> tuple[int, int]:
         """(image index, person index within `people(image)`) of sample `i`."""
-        img, person = self._load_meta()["samples"][i]
-        return int(img), int(person)
+        return tuple(int(v) for v in self._load_meta()["samples"][i])
 
     # -- per image ------------------------------------------------------------------------------
     def image_info(self, img: int, file_name=None) -> dict:
@@ -219,8 +217,7 @@ class KeypointH5:
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
-        height, width = self._load_meta()["images/size"][img]
-        return int(height), int(width)
+        return tuple(int(v) for v in self._load_meta()["images/size"][img])
 
     def encoded_image(self, img: int) -> np.ndarray:
         return self._dataset("images/encoded")[img]
