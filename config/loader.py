@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
-from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, Bounds, Config, declared
+from config.schema import LOSS_SCALE, Bounds, Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -294,8 +294,7 @@ def validate(cfg: Config) -> None:
     if isinstance(scale, str) and scale != "dynamic":
         with contextlib.suppress(ValueError):
             scale = float(scale)          # kept as given: amp reads it with float()
-    if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
-                               or not MIN_LOSS_SCALE <= scale <= MAX_LOSS_SCALE):
+    if scale != "dynamic" and out_of_bounds(scale, LOSS_SCALE):
         raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number from 2^-24 to "
                           "2^24 (smaller makes every float16 gradient under 1 zero, larger overflows "
                           "float16 at every step)")
