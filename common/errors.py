@@ -51,8 +51,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def refuse_inapplicable(given: dict, where: str, why: str) -> None:
     """ConfigError naming the options of `given` ({option: value, None when not given}) that were
     given though they do not apply `where` ("to --oracle"): one rule for every command."""
-    named = [option for option, value in given.items() if value is not None]
-    if named:
+    if named := [option for option, value in given.items() if value is not None]:
         raise ConfigError(f"option{'s' * (len(named) > 1)} {' and '.join(named)} "
                           f"do{'es' * (len(named) == 1)} not apply {where}: {why}")
 

@@ -36,8 +36,7 @@ def read_preset(name: str, seen: tuple = ()) -> dict:
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must hold a mapping of config sections")
-    base = data.pop("base", None)
-    if base:
+    if base := data.pop("base", None):
         merged = read_preset(base, seen + (str(path),))
         deep_update(merged, data)
         data = merged
@@ -188,8 +187,7 @@ def check_value(key: str, value: Any) -> None:
             raise ConfigError(f"option {key}: {value!r} must have {count} items")
     for item in items:
         if isinstance(item, (int, float)) and not isinstance(item, bool):
-            problem = out_of_bounds(item, bounds or Bounds())
-            if problem:
+            if problem := out_of_bounds(item, bounds or Bounds()):
                 where = f"item {item!r} of {value!r}" if isinstance(value, list) else repr(item)
                 raise ConfigError(f"option {key}: {where} {problem}")
 

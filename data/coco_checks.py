@@ -43,8 +43,7 @@ def image_problem(info, images_dir: Path) -> str | None:
     """What is wrong with one entry of `images` (None: nothing)."""
     if not isinstance(info, dict):
         return f"an entry of images is a {type(info).__name__}, not an object"
-    problem = _id_problem(info.get("id"), "image id")
-    if problem:
+    if problem := _id_problem(info.get("id"), "image id"):
         return problem
     name = info.get("file_name")
     where = f"image {info['id']}"
@@ -89,8 +88,7 @@ def _segmentation_problem(seg, info: dict) -> str | None:
         return None
     if isinstance(seg, list):
         for poly in seg:
-            problem = _numbers(poly, None, "a segmentation polygon")
-            if problem:
+            if problem := _numbers(poly, None, "a segmentation polygon"):
                 return problem
             if len(poly) < 6 or len(poly) % 2:
                 return f"a segmentation polygon has {len(poly)} values (an even number, at least 6)"
@@ -154,8 +152,7 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         triples = f"{len(given) // 3} keypoints" if len(given) % 3 == 0 else "not a multiple of 3"
         return ann.get("field_problem") or (f"keypoints has {len(given)} values ({triples}) but the "
                                             f"category lists {keypoints} keypoints ({values} values)")
-    problem = _numbers(given, values, "keypoints")
-    if problem:
+    if problem := _numbers(given, values, "keypoints"):
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]

@@ -147,8 +147,7 @@ class KeypointH5:
                               CROWD_INDEX: f[CROWD_INDEX][:] if CROWD_INDEX in f else None}
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise _damaged_file(self.path, f"keypoint dataset ({exc})") from None
-            problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
-            if problem:
+            if problem := _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE}):
                 self._meta = None
                 raise _damaged_file(self.path, f"keypoint dataset ({problem})")
         return self._meta

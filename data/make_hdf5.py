@@ -323,8 +323,7 @@ def _main(argv=None) -> int:
         print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
     given = {"--ann": args.ann, "--images": args.images, "--out": args.out or args.dump_skeleton}
-    missing = [option for option, value in given.items() if not value]
-    if missing:
+    if missing := [option for option, value in given.items() if not value]:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
                           "(see python -m data.make_hdf5 --help)")
     if (args.max_images or 0) < 0:

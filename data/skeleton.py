@@ -39,8 +39,7 @@ def mirror_names(name: str, loose: bool = False) -> list:
     if swapped != parts:
         out.append("".join(swapped))
     for pattern in _GLUED + ((_LOOSE,) if loose else ()):
-        match = pattern.search(name)
-        if match:
+        if match := pattern.search(name):
             side = match.group(1)
             other = _SIDES.get(side) or _SIDES[side.lower()]
             out.append(name[:match.start()] + other + name[match.end():])
@@ -102,8 +101,7 @@ def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring())
             or any(m not in METRIC_KEYS for m in metrics) or len(set(metrics)) != len(metrics)):
         _fail(source, f"metric {metrics!r}: give one or more of {', '.join(METRIC_KEYS)}, each once")
     threshold = spec.get("pck_threshold", base.pck_threshold)
-    problem = out_of_bounds(threshold, FILE_FIELDS["skeleton.pck_threshold"])
-    if problem:
+    if problem := out_of_bounds(threshold, FILE_FIELDS["skeleton.pck_threshold"]):
         _fail(source, f"pck_threshold {threshold!r} {problem}")
     normalize = spec.get("pck_normalize", base.pck_normalize)
     if normalize != "bbox":
@@ -262,8 +260,7 @@ class Skeleton:
                 _fail(source, f"limb {[names[a], names[b]]} is listed twice")
             seen.add((a, b))
         reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
-        lost = [name for k, name in enumerate(names) if k not in reached]
-        if lost:
+        if lost := [name for k, name in enumerate(names) if k not in reached]:
             _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
                   f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
         flip = name_flips(names) if spec.get("flip") is None else list(range(len(names)))  # none: the names
