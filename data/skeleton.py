@@ -33,16 +33,11 @@ _TOKEN = re.compile(r"(?<=^[FBHfbh])[LRlr]$|^[LRlr](?=[FBHfbh]?$)")     # FL (fr
 def mirror_names(name: str, loose: bool = False) -> list:
     """The names `name` may have on the other side, most likely first (`left_eye`, `paw_l`, `LEye`,
     `eyeLeft`, ...; with `loose` also `Lear`, a side only when `Rear` is there too); empty: none."""
-    out = []
-    parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_SIDES.get(p) or _TOKEN.sub(lambda m: _SIDES[m[0]], p) for p in parts]
-    if swapped != parts:
-        out.append("".join(swapped))
+    parts = re.split(r"([_\-\s.]+)", name)            # the separators kept: joined, the parts are `name`
+    out = ["".join(_SIDES.get(p) or _TOKEN.sub(lambda m: _SIDES[m[0]], p) for p in parts)]
     for pattern in _GLUED + ((_LOOSE,) if loose else ()):
         if match := pattern.search(name):
-            side = match.group(1)
-            other = _SIDES.get(side) or _SIDES[side.lower()]
-            out.append(name[:match.start()] + other + name[match.end():])
+            out.append(name[:match.start()] + _SIDES[match[1]] + name[match.end():])
     return [n for n in dict.fromkeys(out) if n != name]
 
 
