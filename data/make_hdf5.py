@@ -285,12 +285,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--out", help="HDF5 file to write (may be left out with --dump-skeleton)")
     parser.add_argument("--split", choices=SPLITS, help="train (default) keeps images with a main person "
                         "(SPEC's rule); val keeps every image")
-    parser.add_argument("--keep-all", action="store_true",
-                        help="train split: keep every image with a labelled person (any such person "
-                        "may be a main person)")
-    parser.add_argument("--skip-bad", action="store_true",
-                        help="skip bad images and the images of bad annotations, listing each with "
-                        "its reason on stderr")
+    parser.add_argument("--keep-all", action="store_true", help="train split: keep every image with a "
+                        "labelled person (any such person may be a main person)")
+    parser.add_argument("--skip-bad", action="store_true", help="skip bad images and the images of bad "
+                        "annotations, listing each with its reason on stderr")
     parser.add_argument("--skipped", metavar="FILE.json",
                         help="with --skip-bad: also write what was skipped, and why, to this file")
     parser.add_argument("--max-images", type=int, metavar="N",
@@ -304,9 +302,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--links-from", type=int, choices=(0, 1),
                         help="the category's skeleton links count keypoints from 0 or from 1 "
                         "(default: decided from the links and the data, and said)")
-    parser.add_argument("--dump-skeleton", metavar="FILE.yaml",
-                        help="write the skeleton used (built-in, given or inferred) to edit and pass "
-                        "back with --skeleton")
+    parser.add_argument("--dump-skeleton", metavar="FILE.yaml", help="write the skeleton used (built-in, "
+                        "given or inferred) to edit and pass back with --skeleton")
     parser.add_argument("--list-skeletons", action="store_true", help="print the built-in skeletons")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
