@@ -5,6 +5,7 @@ import io
 import json
 import re
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -51,8 +52,10 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
     try:                           # the stored pixels' size: EXIF orientation is ignored everywhere
-        with Image.open(io.BytesIO(data)) as header:       # reads no pixels
-            size = header.height, header.width
+        with warnings.catch_warnings():        # a large picture's size is no decompression bomb
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as header:       # reads no pixels
+                size = header.height, header.width
     except (OSError, ValueError, Image.DecompressionBombError):
         size = None
     try:
