@@ -34,9 +34,8 @@ def is_number(value) -> bool:
 
 
 def _id_problem(value, what: str) -> str | None:
-    if not is_int(value) or not 0 <= value <= MAX_ID:
-        return f"{what} {value!r} is not an integer from 0 to 2^63-1"
-    return None
+    valid = is_int(value) and 0 <= value <= MAX_ID
+    return None if valid else f"{what} {value!r} is not an integer from 0 to 2^63-1"
 
 
 def image_problem(info, images_dir: Path) -> str | None:

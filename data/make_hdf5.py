@@ -65,8 +65,7 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         probe = None
     if probe is None or probe.size == 0:
         raise DataError(f"{path}: image {info['id']} is not a readable image")
-    if size is None:
-        size = probe.shape[:2]
+    size = size or probe.shape[:2]          # a format Pillow does not read: the decoded picture's
     if size != (info["height"], info["width"]):
         raise DataError(f"{path}: image {info['id']} is {size[1]}x{size[0]} pixels but {ann_path} "
                         f"says {info['width']}x{info['height']}")
