@@ -51,8 +51,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def refuse_inapplicable(given: dict, where: str, why: str) -> None:
     """ConfigError naming the options of `given` ({option: value, None when not given}) that were
     given though they do not apply `where` ("to --oracle"): one rule for every command."""
-    named = [option for option, value in given.items() if value is not None]
-    if named:
+    if named := [option for option, value in given.items() if value is not None]:
         raise ConfigError(f"option{'s' * (len(named) > 1)} {' and '.join(named)} "
                           f"do{'es' * (len(named) == 1)} not apply {where}: {why}")
 
@@ -123,8 +122,7 @@ ENDINGS_FOLDER = "SIMPLE_POSE_ENDINGS"
 
 
 def print_error(exc: UserError) -> int:
-    """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its exit
-    code."""
+    """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its code."""
     line = f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}"
     _say(line)
     if os.environ.get(ENDINGS_FOLDER):

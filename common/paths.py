@@ -98,17 +98,6 @@ def refuse_existing(out_option: str, out, overwrite: bool) -> None:
                           "or pass --overwrite to replace it (nothing was written)")
 
 
-def _made_parent(path: Path, option: str) -> None:
-    """Create `path`'s folder; ConfigError naming `option` when a file stands where a folder must."""
-    ancestor = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if ancestor is not None:
-        raise ConfigError(f"{option} {path}: {ancestor} is a file, not a folder; choose another {option}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot create its folder ({os_reason(exc)})") from None
-
-
 def _write_into(path: Path, temp: Path, option: str) -> None:
     """Copy `temp` into the character device or FIFO `path` (a FIFO only while a process reads it)."""
     try:
@@ -142,14 +131,18 @@ def _take_name_exclusively(temp: Path, path: Path, option: str) -> None:
 
 @contextlib.contextmanager
 def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None):
-    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this
-    process's id), which, when the block ends well, is synced and takes `path`'s name (over a file
-    only with `overwrite`, else ConfigError naming `option`); on any failure it is removed and
-    `path` left as it was. A link is followed (its target written, the link kept); a character
-    device or FIFO is written into (the twin lies in the temporary folder), never replaced."""
+    """Write an output atomically: yields `temp` (default: the hidden twin of `path` with this process's
+    id), which, when the block ends well, is synced and takes `path`'s name (over a file only with
+    `overwrite`, else ConfigError naming `option`); on any failure it is removed, `path` as it was."""
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     stream = output_kind(option, path) == "stream"
-    _made_parent(path, option)
+    ancestor = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if ancestor is not None:            # a file stands where a folder must
+        raise ConfigError(f"{option} {path}: {ancestor} is a file, not a folder; choose another {option}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot create its folder ({os_reason(exc)})") from None
     twin = f".{path.stem}.{os.getpid()}.tmp{path.suffix}"
     temp = Path(temp) if temp else Path(tempfile.gettempdir(), twin) if stream else path.with_name(twin)
     try:

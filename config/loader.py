@@ -1,9 +1,5 @@
-"""Build a `Config` from a YAML preset and overrides, check it, and turn it back into YAML.
-
-A preset is `config/presets/NAME.yaml` (or any YAML path) of config sections; `base: OTHER`
-inherits another first. Overrides are dotted keys with YAML values (`optim.milestones=[10,20]`).
-Unknown keys, wrong types and impossible values raise `ConfigError` naming the key.
-"""
+"""Build a `Config` from a YAML preset (`base: OTHER` inherits another first) and dotted overrides
+(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +13,7 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
-from config.schema import MAX_LOSS_SCALE, MIN_LOSS_SCALE, Bounds, Config, declared
+from config.schema import LOSS_SCALE, Bounds, Config, declared
 from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -40,8 +36,7 @@ def read_preset(name: str, seen: tuple = ()) -> dict:
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must hold a mapping of config sections")
-    base = data.pop("base", None)
-    if base:
+    if base := data.pop("base", None):
         merged = read_preset(base, seen + (str(path),))
         deep_update(merged, data)
         data = merged
@@ -192,8 +187,7 @@ def check_value(key: str, value: Any) -> None:
             raise ConfigError(f"option {key}: {value!r} must have {count} items")
     for item in items:
         if isinstance(item, (int, float)) and not isinstance(item, bool):
-            problem = out_of_bounds(item, bounds or Bounds())
-            if problem:
+            if problem := out_of_bounds(item, bounds or Bounds()):
                 where = f"item {item!r} of {value!r}" if isinstance(value, list) else repr(item)
                 raise ConfigError(f"option {key}: {where} {problem}")
 
@@ -261,8 +255,17 @@ def check_device(spec: str, option: str) -> None:
                           "like 2,3")
 
 
-def _check_start(train) -> None:
-    """One way to start a run (`--resume auto` with --weights: a requeued job)."""
+def validate(cfg: Config) -> None:
+    """Raise `ConfigError` for settings that cannot work, naming the option."""
+    check_section(cfg)
+    train = cfg.train
+    name = train.run_name                    # the run directory is OUT_DIR/NAME: one plain component
+    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
+        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
+                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
+                          "--out-dir")
+    check_device(train.device, "option train.device")
+    # one way to start a run (`--resume auto` with --weights: a requeued job)
     if train.resume_reference and train.weights:
         raise ConfigError("--resume-reference and --weights: give one (the authors' checkpoint already "
                           "holds the weights)")
@@ -273,20 +276,8 @@ def _check_start(train) -> None:
     if train.resume and train.overwrite:
         raise ConfigError(f"--resume {train.resume} and --overwrite: give one (--overwrite removes the "
                           "checkpoints a resume would continue from)")
-
-
-def validate(cfg: Config) -> None:
-    """Raise `ConfigError` for settings that cannot work, naming the option."""
-    check_section(cfg)
-    name = cfg.train.run_name                # the run directory is OUT_DIR/NAME: one plain component
-    if name and (name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\0" in name):
-        raise ConfigError(f"option train.run_name: {name!r} is not a plain folder name (no '/', "
-                          "'.' or '..'); the run directory is --out-dir/NAME, choose the parent with "
-                          "--out-dir")
-    check_device(cfg.train.device, "option train.device")
-    _check_start(cfg.train)
-    if not all(isinstance(p, str) and p for p in cfg.train.freeze):
-        raise ConfigError(f"option train.freeze: {cfg.train.freeze!r} must be a list of module names "
+    if not all(isinstance(p, str) and p for p in train.freeze):
+        raise ConfigError(f"option train.freeze: {train.freeze!r} must be a list of module names "
                           "or globs")
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
@@ -301,8 +292,7 @@ def validate(cfg: Config) -> None:
     if isinstance(scale, str) and scale != "dynamic":
         with contextlib.suppress(ValueError):
             scale = float(scale)          # kept as given: amp reads it with float()
-    if scale != "dynamic" and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
-                               or not MIN_LOSS_SCALE <= scale <= MAX_LOSS_SCALE):
+    if scale != "dynamic" and out_of_bounds(scale, LOSS_SCALE):
         raise ConfigError(f"option amp.loss_scale: {scale!r} is not 'dynamic' or a number from 2^-24 to "
                           "2^24 (smaller makes every float16 gradient under 1 zero, larger overflows "
                           "float16 at every step)")

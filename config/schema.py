@@ -358,8 +358,7 @@ class Config:
 
 
 def declared(key: str) -> dict:
-    """{"bounds", "choices", "flag", "why", "resume"} of option `key` ("train.seed"), each None if not
-    declared."""
+    """{"bounds", "choices", "flag", "why", "resume"} of option `key` ("train.seed"); None: not declared."""
     section, _, name = key.partition(".")
     kind = {f.name: f for f in fields(Config)}.get(section)
     fld = {f.name: f for f in fields(kind.default_factory)}.get(name) if kind and name else None

@@ -34,17 +34,15 @@ def is_number(value) -> bool:
 
 
 def _id_problem(value, what: str) -> str | None:
-    if not is_int(value) or not 0 <= value <= MAX_ID:
-        return f"{what} {value!r} is not an integer from 0 to 2^63-1"
-    return None
+    valid = is_int(value) and 0 <= value <= MAX_ID
+    return None if valid else f"{what} {value!r} is not an integer from 0 to 2^63-1"
 
 
 def image_problem(info, images_dir: Path) -> str | None:
     """What is wrong with one entry of `images` (None: nothing)."""
     if not isinstance(info, dict):
         return f"an entry of images is a {type(info).__name__}, not an object"
-    problem = _id_problem(info.get("id"), "image id")
-    if problem:
+    if problem := _id_problem(info.get("id"), "image id"):
         return problem
     name = info.get("file_name")
     where = f"image {info['id']}"
@@ -89,8 +87,7 @@ def _segmentation_problem(seg, info: dict) -> str | None:
         return None
     if isinstance(seg, list):
         for poly in seg:
-            problem = _numbers(poly, None, "a segmentation polygon")
-            if problem:
+            if problem := _numbers(poly, None, "a segmentation polygon"):
                 return problem
             if len(poly) < 6 or len(poly) % 2:
                 return f"a segmentation polygon has {len(poly)} values (an even number, at least 6)"
@@ -154,8 +151,7 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
         triples = f"{len(given) // 3} keypoints" if len(given) % 3 == 0 else "not a multiple of 3"
         return ann.get("field_problem") or (f"keypoints has {len(given)} values ({triples}) but the "
                                             f"category lists {keypoints} keypoints ({values} values)")
-    problem = _numbers(given, values, "keypoints")
-    if problem:
+    if problem := _numbers(given, values, "keypoints"):
         return problem.replace(f"list of {values} numbers", f"list of {values} numbers ({keypoints} x, y, v)")
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
@@ -233,7 +229,8 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             raise DataError(f"{ann_path}: {message}")
         out.rejected.append({"kind": kind, "image_id": image_id, "reason": message})
 
-    good, bad_ids, by_file = {}, set(), {}
+    good, by_file = {}, {}
+    known = {info["id"] for info in data["images"] if isinstance(info, dict) and is_int(info.get("id"))}
     for info in data["images"]:
         problem = image_problem(info, images_dir)
         if problem is None and info["id"] in good:
@@ -245,14 +242,10 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
             if first != info["id"]:
                 problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
                            "(one picture listed twice: its people would be split between them)")
-                if first in good:
-                    del good[first]
-                    bad_ids.add(first)
-        image_id = info.get("id") if isinstance(info, dict) and is_int(info.get("id")) else None
+                good.pop(first, None)
         if problem is not None:
-            if image_id is not None and image_id not in good:
-                bad_ids.add(image_id)
-            reject("bad image", problem, image_id)
+            reject("bad image", problem, info.get("id") if isinstance(info, dict) and is_int(info.get("id"))
+                   else None)
             continue
         good[info["id"]] = info
     by_image: dict = {i: [] for i in good}
@@ -264,7 +257,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         raw_id = ann.get("image_id") if isinstance(ann, dict) else None
         image_id = raw_id if is_int(raw_id) else None
         if isinstance(ann, dict) and image_id not in good:
-            if image_id is None or image_id not in bad_ids:
+            if image_id not in known:         # an image left out: its annotations with it
                 reject("bad annotation", f"annotation {ann.get('id')!r} refers to unknown image {raw_id!r}",
                        image_id)
             continue
@@ -272,9 +265,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
         if problem is None and ann["id"] in ann_ids:
             problem = f"annotation id {ann['id']} appears twice in annotations"
         if problem is not None:
-            if image_id in good:
-                del good[image_id]
-                bad_ids.add(image_id)
+            if good.pop(image_id, None) is not None:
                 problem += "; its image is skipped" if skip_bad else ""
             reject("image with a bad annotation", problem, image_id)
             continue

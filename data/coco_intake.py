@@ -24,8 +24,7 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
     if wanted:
         chosen = []
         for item in wanted:
-            found = [c for c in categories if str(c.get("id")) == item or c.get("name") == item]
-            if not found:
+            if not (found := [c for c in categories if str(c.get("id")) == item or c.get("name") == item]):
                 known = ", ".join(f"{c.get('name')} ({c.get('id')})" for c in categories[:SHOWN_CATEGORIES])
                 raise DataError(f"--categories {item!r}: no category of {ann_path} has this name or id "
                                 f"(categories: {known})")
@@ -104,8 +103,7 @@ def _layouts(ann: dict) -> dict:
         value = ann.get(field)
         return len(value) // 3 if isinstance(value, list) else 0
     out = {("keypoints",): size("keypoints")}
-    parts = tuple(p for p in WHOLEBODY_PARTS if p in ann)
-    if parts:
+    if parts := tuple(p for p in WHOLEBODY_PARTS if p in ann):
         out[("keypoints", *parts)] = sum(size(f) for f in ("keypoints", *parts))
     out.update({(key,): size(key) for key in ann if re.fullmatch(r"keypoints_\d+", key)})
     return out

@@ -147,8 +147,7 @@ class KeypointH5:
                               CROWD_INDEX: f[CROWD_INDEX][:] if CROWD_INDEX in f else None}
             except (KeyError, OSError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 raise _damaged_file(self.path, f"keypoint dataset ({exc})") from None
-            problem = _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE})
-            if problem:
+            if problem := _meta_problem(self._meta, {name: len(f[name]) for name in PER_IMAGE}):
                 self._meta = None
                 raise _damaged_file(self.path, f"keypoint dataset ({problem})")
         return self._meta
@@ -198,14 +197,12 @@ class KeypointH5:
 
     @property
     def max_people(self) -> int:
-        """The most people with keypoints in one image of the file."""
-        counts = self._load_meta()["images/people"][:, 1]
-        return int(counts.max()) if len(counts) else 0
+        """The most people with keypoints in one image of the file (it holds one image or more)."""
+        return int(self._load_meta()["images/people"][:, 1].max())
 
     def sample_ref(self, i: int) -> tuple[int, int]:
         """(image index, person index within `people(image)`) of sample `i`."""
-        img, person = self._load_meta()["samples"][i]
-        return int(img), int(person)
+        return tuple(int(v) for v in self._load_meta()["samples"][i])
 
     # -- per image ------------------------------------------------------------------------------
     def image_info(self, img: int, file_name=None) -> dict:
@@ -219,8 +216,7 @@ class KeypointH5:
 
     def image_size(self, img: int) -> tuple[int, int]:
         """(height, width) of image `img`."""
-        height, width = self._load_meta()["images/size"][img]
-        return int(height), int(width)
+        return tuple(int(v) for v in self._load_meta()["images/size"][img])
 
     def encoded_image(self, img: int) -> np.ndarray:
         return self._dataset("images/encoded")[img]

@@ -1,14 +1,11 @@
-"""Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file.
-
-Images are stored encoded, masks as run-length codes (`data.h5format`); the train split keeps the
-pictures with a main person; people without a labelled keypoint are masked out like crowds.
-"""
+"""Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file (docs/data.md)."""
 from __future__ import annotations
 
+import io
 import json
 import re
-import struct
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -16,6 +13,7 @@ from pathlib import Path, PurePosixPath
 import cv2
 import h5py
 import numpy as np
+from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
@@ -40,27 +38,6 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 
 # -- images ----------------------------------------------------------------------------------------
-def header_size(data: bytes) -> tuple[int, int] | None:
-    """(height, width) read from a JPEG or PNG header, or None for other formats."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        return struct.unpack(">II", data[16:24])[::-1]      # stored as width, height
-    if data[:2] != b"\xff\xd8":
-        return None
-    pos = 2
-    while pos + 9 < len(data):
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:
-            pos += 1
-            continue
-        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return struct.unpack(">HH", data[pos + 5:pos + 9])
-        pos += 2 + length
-    return None
-
-
 def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
     """The encoded bytes of an image of `images_dir` after checking it decodes and matches the
     JSON's size; a missing one's error says where the JSON says it comes from."""
@@ -74,7 +51,13 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    size = header_size(data)       # the stored pixels' size: EXIF orientation is ignored everywhere
+    try:                           # the stored pixels' size: EXIF orientation is ignored everywhere
+        with warnings.catch_warnings():        # a large picture's size is no decompression bomb
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as header:       # reads no pixels
+                size = header.height, header.width
+    except (OSError, ValueError, Image.DecompressionBombError):
+        size = None
     try:
         probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
                              | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
@@ -82,8 +65,7 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         probe = None
     if probe is None or probe.size == 0:
         raise DataError(f"{path}: image {info['id']} is not a readable image")
-    if size is None:
-        size = probe.shape[:2]
+    size = size or probe.shape[:2]          # a format Pillow does not read: the decoded picture's
     if size != (info["height"], info["width"]):
         raise DataError(f"{path}: image {info['id']} is {size[1]}x{size[0]} pixels but {ann_path} "
                         f"says {info['width']}x{info['height']}")
@@ -106,17 +88,6 @@ def _where_from(info: dict, images_dir: Path) -> str:
 
 
 # -- annotations -> people, masks, samples ---------------------------------------------------------
-def region_mask(ann: dict, height: int, width: int) -> np.ndarray:
-    """uint8 0/1 mask of an annotation's segmentation (its box when it has none)."""
-    mask = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
-    if mask is not None:
-        return mask
-    out = np.zeros((height, width), np.uint8)
-    x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
-    out[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
-    return out
-
-
 def main_people(anns: list[dict], keep_all: bool = False) -> list[int]:
     """Indices (into `anns`, all with keypoints) of the main people, by SPEC's rule; `keep_all`:
     without its keypoint count and area, so that every picture with a labelled person has one."""
@@ -141,7 +112,11 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
     for ann in anns:
         crowd = bool(ann.get("iscrowd", 0))
         labelled = 0 if crowd else int((np.asarray(ann["keypoints"][2::3]) > 0).sum())
-        region = region_mask(ann, height, width)
+        region = read_segment(mask_utils.decode, ann.get("segmentation"), height, width)
+        if region is None:               # no segmentation: the box
+            region = np.zeros((height, width), np.uint8)
+            x, y, w, h = ann.get("bbox", (0, 0, 0, 0))
+            region[max(int(y), 0):int(np.ceil(y + h)), max(int(x), 0):int(np.ceil(x + w))] = 1
         person |= region
         if labelled:
             keyed.append(dict(ann, num_keypoints=labelled))
@@ -194,8 +169,7 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
     for option, path in outputs.items():
         if path:
             refuse_existing(option, path, settings.overwrite)
-    summary = {"out": str(out_path), "split": split, "images": 0, "samples": 0, "people": 0,
-               "crowd_regions": 0, "people_without_keypoints": 0,
+    summary = {"out": str(out_path), "split": split,        # the counts: once written (`_write`)
                "skipped": Counter(item["kind"] for item in selection.rejected),
                "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
                "keep_all": settings.keep_all}
@@ -224,8 +198,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
     per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
-    encoded, names, texts, masks = per_image
-    ids, sizes, counts, samples, keypoints, boxes, crowd_index = [], [], [], [], [], [], []
+    infos, records = [], []           # of the kept images
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
         try:
             data = read_image(images_dir, info, ann_path)
@@ -243,36 +216,33 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
             summary["bad"].append({"kind": kind, "image_id": info["id"], "reason":
                                    f"image {info['id']} ({info['file_name']}): {kind} (train split)"})
             continue
-        row = len(ids)
-        encoded[row] = np.frombuffer(data, np.uint8)
-        names[row] = info["file_name"]
-        texts[row] = json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns])
-        masks[row] = encode_masks(record["ignore"], record["person"])
-        ids.append(info["id"])
-        sizes.append((info["height"], info["width"]))
-        crowd_index.append(info.get("crowdIndex", np.nan))
-        counts.append(len(record["keypoints"]))
-        samples.extend((row, p) for p in record["main"])
-        keypoints.append(record["keypoints"])
-        boxes.append(record["boxes"])
-        summary["crowd_regions"] += record["crowds"]
-        summary["people_without_keypoints"] += record["no_keypoints"]
-    kept = len(ids)
-    if kept == 0:
+        values = (np.frombuffer(data, np.uint8), info["file_name"],      # in PER_IMAGE's order
+                  json.dumps([{k: a[k] for k in EVAL_FIELDS if k in a} for a in anns]),
+                  encode_masks(record.pop("ignore"), record.pop("person")))
+        for dataset, value in zip(per_image, values):
+            dataset[len(infos)] = value
+        infos.append(info)
+        records.append(record)
+    if not infos:
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
-    for ds in per_image:
-        ds.resize((kept,))
-    f["images/id"] = np.array(ids, np.int64)
-    f["images/size"] = np.array(sizes, np.int32).reshape(-1, 2)
+    for dataset in per_image:
+        dataset.resize((len(infos),))
+    counts = [len(record["keypoints"]) for record in records]
+    samples = [(row, p) for row, record in enumerate(records) for p in record["main"]]
+    f["images/id"] = np.array([info["id"] for info in infos], np.int64)
+    f["images/size"] = np.array([(info["height"], info["width"]) for info in infos], np.int32)
     f["images/people"] = np.stack([np.cumsum([0] + counts[:-1]), counts], 1).astype(np.int64)
     f["samples"] = np.array(samples, np.int64).reshape(-1, 2)
-    f["people/keypoints"] = np.concatenate(keypoints)      # kept > 0: one array per image
-    f["people/box"] = np.concatenate(boxes)
+    f["people/keypoints"] = np.concatenate([record["keypoints"] for record in records])
+    f["people/box"] = np.concatenate([record["boxes"] for record in records])
+    crowd_index = [info.get("crowdIndex", np.nan) for info in infos]
     if not np.isnan(crowd_index).all():      # CrowdPose's per picture, for its easy / medium / hard AP
         f[CROWD_INDEX] = np.array(crowd_index, np.float64)
-    summary.update(images=kept, samples=len(samples), people=sum(counts))
+    summary.update(images=len(infos), samples=len(samples), people=sum(counts),
+                   crowd_regions=sum(record["crowds"] for record in records),
+                   people_without_keypoints=sum(record["no_keypoints"] for record in records))
 
 
 def format_summary(summary: dict) -> str:
@@ -317,12 +287,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--out", help="HDF5 file to write (may be left out with --dump-skeleton)")
     parser.add_argument("--split", choices=SPLITS, help="train (default) keeps images with a main person "
                         "(SPEC's rule); val keeps every image")
-    parser.add_argument("--keep-all", action="store_true",
-                        help="train split: keep every image with a labelled person (any such person "
-                        "may be a main person)")
-    parser.add_argument("--skip-bad", action="store_true",
-                        help="skip bad images and the images of bad annotations, listing each with "
-                        "its reason on stderr")
+    parser.add_argument("--keep-all", action="store_true", help="train split: keep every image with a "
+                        "labelled person (any such person may be a main person)")
+    parser.add_argument("--skip-bad", action="store_true", help="skip bad images and the images of bad "
+                        "annotations, listing each with its reason on stderr")
     parser.add_argument("--skipped", metavar="FILE.json",
                         help="with --skip-bad: also write what was skipped, and why, to this file")
     parser.add_argument("--max-images", type=int, metavar="N",
@@ -336,9 +304,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--links-from", type=int, choices=(0, 1),
                         help="the category's skeleton links count keypoints from 0 or from 1 "
                         "(default: decided from the links and the data, and said)")
-    parser.add_argument("--dump-skeleton", metavar="FILE.yaml",
-                        help="write the skeleton used (built-in, given or inferred) to edit and pass "
-                        "back with --skeleton")
+    parser.add_argument("--dump-skeleton", metavar="FILE.yaml", help="write the skeleton used (built-in, "
+                        "given or inferred) to edit and pass back with --skeleton")
     parser.add_argument("--list-skeletons", action="store_true", help="print the built-in skeletons")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -355,8 +322,7 @@ def _main(argv=None) -> int:
         print("\n".join(f"{name:<12} {builtin(name).describe()}" for name in builtin_names()))
         return 0
     given = {"--ann": args.ann, "--images": args.images, "--out": args.out or args.dump_skeleton}
-    missing = [option for option, value in given.items() if not value]
-    if missing:
+    if missing := [option for option, value in given.items() if not value]:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} "
                           "(see python -m data.make_hdf5 --help)")
     if (args.max_images or 0) < 0:
@@ -383,10 +349,9 @@ def _main(argv=None) -> int:
         return 0
     try:
         summary = convert(args.ann, args.images, args.out, ConvertSettings(
-            split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet,
-            max_images=args.max_images or 0,
-            skeleton=skeleton, overwrite=args.overwrite, categories=categories, links_from=args.links_from,
-            keep_all=args.keep_all, side_outputs=side_outputs))
+            split=args.split or "train", skip_bad=args.skip_bad, progress=not args.quiet, skeleton=skeleton,
+            max_images=args.max_images or 0, overwrite=args.overwrite, categories=categories,
+            links_from=args.links_from, keep_all=args.keep_all, side_outputs=side_outputs))
     except DataError as exc:         # what was skipped before the error is still listed
         _report_skipped(getattr(exc, "summary", None), args)
         raise

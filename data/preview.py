@@ -1,8 +1,4 @@
-"""Draw augmented training samples with their targets, so a user can see what the network learns.
-
-Two panels per sample: the input with the keypoint maps' max and the joints on the main limbs; the
-input with the limb maps' max, the ignore mask (red) and the person-mask outline.
-"""
+"""Draw augmented training samples with their targets, so a user can see what the network learns."""
 from __future__ import annotations
 
 import sys
@@ -29,7 +25,8 @@ def _heat(image: np.ndarray, heat: np.ndarray, weight: float = 0.6) -> np.ndarra
 
 
 def sample_panels(sample: dict, skeleton) -> np.ndarray:
-    """Two panels side by side (uint8 BGR, 2S x S) for one `sample_arrays` dict of `skeleton`."""
+    """Two panels side by side (uint8 BGR, 2S x S) for one `sample_arrays` dict of `skeleton`: the input
+    with the keypoint maps' max and the main limbs; with the limb maps' max, the ignored (red), the people."""
     image, target, people = sample["image"], sample["target"], sample["people"]
     size = image.shape[0]
     left = _heat(image, target[skeleton.keypoint_max_channel])

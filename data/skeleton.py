@@ -27,30 +27,17 @@ _GLUED = (re.compile(r"^(left|right|Left|Right|LEFT|RIGHT|L|R|l|r)(?=[A-Z0-9])")
           re.compile(r"^(left|right)(?=[a-z])"),                                    # leftear
           re.compile(r"(?<=[a-z0-9])(Left|Right|L|R)(?=\d*$)"))                     # eyeL, legL1
 _LOOSE = re.compile(r"^(L|R)(?=[a-z])")        # Lear/Rear, but Lip and Rump name no side
-_TOKEN = re.compile(r"([FBHfbh]?)([LRlr])([FBHfbh]?)")    # FL (front left), LB, l
-
-
-def _swap_token(part: str) -> str:
-    match = _TOKEN.fullmatch(part)
-    if match and not (match.group(1) and match.group(3)):
-        return match.group(1) + _SIDES[match.group(2)] + match.group(3)
-    return _SIDES.get(part, part)
+_TOKEN = re.compile(r"(?<=^[FBHfbh])[LRlr]$|^[LRlr](?=[FBHfbh]?$)")     # FL (front left), LB, l; not FLB
 
 
 def mirror_names(name: str, loose: bool = False) -> list:
     """The names `name` may have on the other side, most likely first (`left_eye`, `paw_l`, `LEye`,
     `eyeLeft`, ...; with `loose` also `Lear`, a side only when `Rear` is there too); empty: none."""
-    out = []
-    parts = re.split(r"([_\-\s.]+)", name)
-    swapped = [_swap_token(p) for p in parts]
-    if swapped != parts:
-        out.append("".join(swapped))
+    parts = re.split(r"([_\-\s.]+)", name)            # the separators kept: joined, the parts are `name`
+    out = ["".join(_SIDES.get(p) or _TOKEN.sub(lambda m: _SIDES[m[0]], p) for p in parts)]
     for pattern in _GLUED + ((_LOOSE,) if loose else ()):
-        match = pattern.search(name)
-        if match:
-            side = match.group(1)
-            other = _SIDES.get(side) or _SIDES[side.lower()]
-            out.append(name[:match.start()] + other + name[match.end():])
+        if match := pattern.search(name):
+            out.append(name[:match.start()] + _SIDES[match[1]] + name[match.end():])
     return [n for n in dict.fromkeys(out) if n != name]
 
 
@@ -70,18 +57,14 @@ def name_flips(names) -> list:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How a skeleton's data is scored: `metrics` (the first keeps best.pth), PCK's `pck_threshold`
-    times `pck_normalize` ("bbox": the box's longer side; or two keypoints' distance); OKS's
-    `oks_area` ("area": the annotation's, COCO's; "box": 0.53 x the box's width x height, for OKS and
-    the area ranges), `per_category` (each category its own AP, averaged) and `oks_stats` ("coco", or
-    "crowd": CrowdPose's too, AR50, AR75 and AP over easy / medium / hard pictures by crowdIndex)."""
+    """How a skeleton's data is scored (docs/data.md, docs/evaluation.md)."""
 
-    metrics: tuple = ("oks",)
-    pck_threshold: float = 0.2
-    pck_normalize: str | tuple = "bbox"
-    oks_area: str = "area"
-    per_category: bool = False
-    oks_stats: str = "coco"
+    metrics: tuple = ("oks",)              # the first keeps best.pth
+    pck_threshold: float = 0.2             # PCK: within this x pck_normalize
+    pck_normalize: str | tuple = "bbox"    # "bbox": the box's longer side; or two keypoints' distance
+    oks_area: str = "area"                 # the annotation's (COCO's); "box": 0.53 x w x h, for OKS, APm, APl
+    per_category: bool = False             # each category its own AP, averaged
+    oks_stats: str = "coco"                # "crowd": CrowdPose's AR50, AR75 and AP easy / medium / hard too
 
     @property
     def key(self) -> str:
@@ -113,8 +96,7 @@ def parse_scoring(spec: dict, keypoints, source: str, base: Scoring = Scoring())
             or any(m not in METRIC_KEYS for m in metrics) or len(set(metrics)) != len(metrics)):
         _fail(source, f"metric {metrics!r}: give one or more of {', '.join(METRIC_KEYS)}, each once")
     threshold = spec.get("pck_threshold", base.pck_threshold)
-    problem = out_of_bounds(threshold, FILE_FIELDS["skeleton.pck_threshold"])
-    if problem:
+    if problem := out_of_bounds(threshold, FILE_FIELDS["skeleton.pck_threshold"]):
         _fail(source, f"pck_threshold {threshold!r} {problem}")
     normalize = spec.get("pck_normalize", base.pck_normalize)
     if normalize != "bbox":
@@ -185,16 +167,12 @@ class Skeleton:
         return tuple(self.keypoints.index(n) for n in self.dataset_keypoints)
 
     @cached_property
-    def limb_flip(self) -> tuple:
-        """limb_flip[l] = the limb that l becomes in a mirrored image."""
-        index = {limb: i for i, limb in enumerate(self.limbs)}
-        index.update({(b, a): i for i, (a, b) in enumerate(self.limbs)})
-        return tuple(index[(self.flip[a], self.flip[b])] for a, b in self.limbs)
-
-    @cached_property
     def channel_flip(self) -> tuple:
         """Permutation of the output channels for a mirrored image: out_flipped[c] = out[flip[c]]."""
-        return (self.limb_flip + tuple(self.num_limbs + k for k in self.flip)
+        index = {limb: i for i, limb in enumerate(self.limbs)}
+        index.update({(b, a): i for i, (a, b) in enumerate(self.limbs)})
+        return (tuple(index[(self.flip[a], self.flip[b])] for a, b in self.limbs)     # the limb each becomes
+                + tuple(self.num_limbs + k for k in self.flip)
                 + (self.person_mask_channel, self.keypoint_max_channel))
 
     def describe(self) -> str:
@@ -240,9 +218,8 @@ class Skeleton:
         """A checked skeleton from its mapping; `ConfigError` naming `source` when it is wrong."""
         if not isinstance(spec, dict):
             _fail(source, "a skeleton must be a mapping with keypoints and limbs")
-        unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs",
-                               "redundant", "flip", "metric", "pck_threshold", "pck_normalize",
-                               *SCORING_CHOICES}
+        unknown = set(spec) - {"name", "keypoints", "sigmas", "derived", "channels", "limbs", "redundant",
+                               "flip", *Scoring().written()}
         if unknown:
             _fail(source, f"unknown skeleton field {sorted(unknown)[0]!r}")
         dataset = _names(spec.get("keypoints") or [], "keypoints", source)
@@ -278,11 +255,16 @@ class Skeleton:
                 _fail(source, f"limb {[names[a], names[b]]} is listed twice")
             seen.add((a, b))
         reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
-        lost = [name for k, name in enumerate(names) if k not in reached]
-        if lost:
+        if lost := [name for k, name in enumerate(names) if k not in reached]:
             _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
                   f"{names[0]!r}, so the grouping could never put it in a person (add a limb)")
-        flip = _flip_of(spec, names, index, source)
+        flip = name_flips(names) if spec.get("flip") is None else list(range(len(names)))  # none: the names
+        for a, b in _pairs(spec.get("flip"), "flip", index, source):
+            for k, other in ((a, b), (b, a)):
+                if flip[k] not in (k, other):
+                    _fail(source, f"flip pairs are not symmetric: {names[k]!r} pairs with both "
+                          f"{names[flip[k]]!r} and {names[other]!r}")
+                flip[k] = other
         for a, b in limbs:
             if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
                 _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
@@ -365,19 +347,6 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
             _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
         out.append((index[pair[0]], index[pair[1]]))
     return out
-
-
-def _flip_of(spec: dict, names: list, index: dict, source: str) -> list:
-    if spec.get("flip") is None:                 # from the names: left_x <-> right_x
-        return name_flips(names)
-    flip = list(range(len(names)))
-    for a, b in _pairs(spec["flip"], "flip", index, source):
-        for k, other in ((a, b), (b, a)):
-            if flip[k] not in (k, other):
-                _fail(source, f"flip pairs are not symmetric: {names[k]!r} pairs with both "
-                      f"{names[flip[k]]!r} and {names[other]!r}")
-            flip[k] = other
-    return flip
 
 
 def limb_walk(count: int, limbs, start: int = 0) -> list:

@@ -44,8 +44,7 @@ def listed(items, shown: int = SHOWN) -> str:
 
 def keypoint_names(category: dict, annotations: list, source: str) -> tuple[list, list]:
     """(the category's keypoint names, report lines); without names: a built-in's, or `keypoint_1`..."""
-    names = category.get("keypoints")
-    if names:
+    if names := category.get("keypoints"):
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
             _fail(source, f"the {category.get('name')!r} category's keypoints are not a list of names")
         return list(names), []
@@ -201,8 +200,7 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
         report.append(SAME_SKELETON)
     pairs_found = [f"{names[k]}/{names[f]}" for k, f in enumerate(flip) if k < f]
     report.append(f"flip pairs: {listed(pairs_found) if pairs_found else 'none found in the names'}")
-    alone = unpaired_sided(names)
-    if alone:
+    if alone := unpaired_sided(names):
         report.append(f"warning: keypoints that name a side have no partner: {listed(alone)} "
                       "(flip augmentation leaves them in place; give flip pairs with --skeleton)")
     report.append(f"OKS sigma {DEFAULT_SIGMA} for every keypoint (none published for these "

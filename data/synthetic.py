@@ -1,9 +1,6 @@
 """A keypoint dataset the project draws itself, for users with nothing downloaded (and for tests).
-
-DIR/train.json, DIR/val.json (COCO format) and DIR/train/*.jpg, DIR/val/*.jpg: 1-3 stick figures (or
-animals seen from above) per picture with occluded and unlabelled keypoints, people cut by the
-border, small people and crowds, so every mask path is exercised; `ensure_synthetic_h5` makes it once.
-"""
+DIR/{train,val}.json and DIR/{train,val}/*.jpg: stick figures (or animals seen from above) with occluded
+and unlabelled keypoints, cut by the border, small and in crowds, so every mask path is exercised."""
 from __future__ import annotations
 
 import fcntl
@@ -321,18 +318,15 @@ def ensure_synthetic_h5(cache_dir, train_images: int = 400, val_images: int = 50
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    settings = {"train_images": train_images, "val_images": val_images, "size": size,
-                "seed": seed, "version": SYNTHETIC_VERSION}
-    if skeleton != "coco":
-        settings["skeleton"] = skeleton
+    settings = {"train_images": train_images, "val_images": val_images, "size": size, "seed": seed,
+                "version": SYNTHETIC_VERSION, **({} if skeleton == "coco" else {"skeleton": skeleton})}
     paths = (cache / "train.h5", cache / "val.h5")
     stamp = cache / "settings.json"
 
     def ready() -> bool:
         try:
-            if json.loads(stamp.read_text()) != settings:
-                return False
-            return all(KeypointH5(p).open().split == split for p, split in zip(paths, ("train", "val")))
+            return json.loads(stamp.read_text()) == settings and all(
+                KeypointH5(p).open().split == split for p, split in zip(paths, ("train", "val")))
         except (OSError, ValueError, DataError):
             return False
 

@@ -8,12 +8,14 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import cv2
 import h5py
 import numpy as np
 import pytest
+from PIL import Image
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
@@ -184,6 +186,18 @@ def test_bad_input_one_line_error(coco_copy, tmp_path, capsys, damage, expected)
     assert err.startswith("error: ") and len(err.splitlines()) == 1
     assert re.search(expected, err), err
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_a_picture_past_pillows_bomb_limit_has_its_size_read_without_a_warning(coco_copy, tmp_path, capsys):
+    """The size comes from the picture's header (Pillow): 90 Mpx is a size, no warning line."""
+    ann, images, _ = coco_copy
+    cv2.imwrite(str(images / "000000040083.jpg"), np.zeros((9500, 9500), np.uint8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        code, err = run_cli(["--ann", str(ann), "--images", str(images), "--out", str(tmp_path / "o.h5"),
+                             "--quiet"], capsys)
+    assert (code, err) == (2, f"error: {images / '000000040083.jpg'}: image 40083 is 9500x9500 pixels but "
+                              f"{ann} says 500x333")
 
 
 def test_skip_bad_lists_skipped_images(coco_copy, tmp_path, capsys):
