@@ -15,6 +15,7 @@ from common.errors import CheckpointError, ConfigError, TrainingDiverged
 from config.loader import differences, setting, to_dict
 from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
+from models.checkpoint_weights import preferred_weights
 from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
 from engine.trainer import Interrupted
@@ -48,6 +49,23 @@ def check_resumable(state: dict, path) -> None:
                                   "instead of --resume")
 
 
+def find_latest_checkpoint(run_dir) -> Path | None:
+    """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
+    order = {}
+    for path in sorted(Path(run_dir).glob("*.pth")):
+        try:
+            state = ckpt.load_checkpoint(path, mmap=True)
+            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
+            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                           path.name == "last.pth", path.stat().st_mtime)
+        except (CheckpointError, OSError) as exc:
+            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
+            raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
+                                  f"of {run_dir}, or resume from another checkpoint with --resume PATH"
+                                  ) from None
+    return max(order, key=order.get, default=None)
+
+
 class CheckpointReader:
     """Reads a checkpoint, and finds a run's latest, once while the files stay the same."""
 
@@ -66,10 +84,10 @@ class CheckpointReader:
         return self._read[kind][1]
 
     def latest(self, run_dir) -> Path | None:
-        """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
+        """`find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
         run_dir = Path(run_dir)
         found = self._once("latest", run_dir, run_dir.glob("*.pth"),
-                           lambda: getattr(ckpt.find_latest_checkpoint(run_dir), "name", None))
+                           lambda: getattr(find_latest_checkpoint(run_dir), "name", None))
         return run_dir / found if found else None
 
     def state(self, path) -> dict:
@@ -124,7 +142,7 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> Star
         weights = ckpt.read_file(train.weights)
         if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
             check_skeleton(from_checkpoint(weights), skeleton, train.weights, "weights")
-        weights, ema_note = ckpt.preferred_weights(weights)
+        weights, ema_note = preferred_weights(weights)
         report = ckpt.load_weights(model, weights, allow_partial=train.allow_partial,
                                    source=str(train.weights))
         say(f"loaded weights from {train.weights}: {load_summary(report)}"

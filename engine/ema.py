@@ -18,12 +18,11 @@ from config.loader import out_of_bounds
 from config.schema import FILE_FIELDS
 from engine.precision import PrecisionBackend, live_state_dict
 from engine.trainer import Hook
-
-CHECKPOINT_KEY = "ema"
+from models.checkpoint_weights import EMA_KEY
 
 
 class WeightsEMA(Hook):
-    checkpoint_key = CHECKPOINT_KEY
+    checkpoint_key = EMA_KEY
 
     def __init__(self, decay: float, tau: float = 2000.0, say=print):
         if not 0.0 <= decay < 1.0 or not tau > 0:

@@ -18,6 +18,7 @@ from common.paths import refuse_clashes, same_file, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
+from models.checkpoint_weights import EMA_KEY
 from engine.checkpoints import CheckpointReader
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
@@ -224,7 +225,7 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
 def _resume_notes(cfg: Config, path: str | None, state: str, reader) -> list[str]:
     """The lines a resume of `path` says before it starts: a finished run, an average it drops."""
     notes = [f"--resume {cfg.train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
-    if path and not cfg.train.ema and "ema" in reader.state(path):
+    if path and not cfg.train.ema and EMA_KEY in reader.state(path):
         notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates and "
                      "keeps its own weights (resume with --ema DECAY to continue the average)")
     return notes

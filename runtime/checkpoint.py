@@ -1,5 +1,5 @@
-"""Checkpoints of a run (plain values and tensors, engine/checkpoints.py says which): atomic saving,
-weights-only loading (no file runs code), weights of other layouts, RNG states, resume lookup."""
+"""Checkpoint files (plain values and tensors; engine/checkpoints.py owns their entries): atomic
+saving, weights-only loading (no file runs code), weights of other layouts, RNG states."""
 from __future__ import annotations
 
 import contextlib
@@ -129,23 +129,6 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-def find_latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
-    order = {}
-    for path in sorted(Path(run_dir).glob("*.pth")):
-        try:
-            state = load_checkpoint(path, mmap=True)
-            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-                           path.name == "last.pth", path.stat().st_mtime)
-        except (CheckpointError, OSError) as exc:
-            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
-            raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
-                                  f"of {run_dir}, or resume from another checkpoint with --resume PATH"
-                                  ) from None
-    return max(order, key=order.get, default=None)
-
-
 # ------------------------------------------------------------------------------------ RNG states
 def capture_rng_state() -> dict:
     """Python, numpy, torch CPU (and CUDA) generator states as tensors and plain values."""
@@ -207,17 +190,6 @@ def _find_weights(obj, source: str) -> dict:
         obj = inner[0] if inner else None
     raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
                           f"under a key {', '.join(WEIGHTS_KEYS)}")
-
-
-def preferred_weights(obj) -> tuple[object, str]:
-    """(what to load, a note): a checkpoint's EMA weights (with a note), anything else as it is."""
-    ema = obj.get("ema") if isinstance(obj, dict) else None
-    averaged = ema.get("model") if isinstance(ema, dict) else None
-    if not _is_state_dict(averaged):
-        return obj, ""
-    updates = ema.get("updates")
-    return averaged, (f"the EMA weights (decay {ema.get('decay', '?')}, {updates} updates), not the "
-                      "training weights")
 
 
 def _listed(names: list[str]) -> str:
