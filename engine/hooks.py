@@ -254,9 +254,9 @@ class TrainLog(Hook):
         self.logger.log_step(trainer.step, out.loss)
         if trainer.step % self.log_every and not out.last_of_epoch:
             return
-        names = list(out.parts)
+        names = list(out.loss_parts)
         means = dist.all_reduce_mean(torch.stack(
-            [out.parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
+            [out.loss_parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
         self.logger.log("train", trainer.step, epoch=out.epoch, loss=means[-1], lr=out.lr,
                         samples_per_s=out.samples_per_s, skipped_steps=trainer.optim_step.skipped_total,
                         memory_gb=memory_gb(self.device), **dict(zip(names, means)))
