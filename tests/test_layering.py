@@ -164,3 +164,13 @@ def test_runtime_reads_and_writes_checkpoint_files_but_names_none_of_their_entri
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)
              and isinstance(node.value, str) and node.value in entries}
     assert not named, sorted(named)
+
+
+def test_no_stand_in_of_a_test_takes_the_name_of_an_engine_class():
+    """A test's own class named as one of the engine's (two `Launch`) reads as the engine's."""
+    engine = {node.name for path in (ROOT / "engine").rglob("*.py")
+              for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    taken = {f"{path.name}: {node.name}" for path in sorted((ROOT / "tests").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+             and node.name in engine}
+    assert not taken, sorted(taken)
