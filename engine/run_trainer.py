@@ -173,32 +173,25 @@ def _describe(cfg: Config, launch: Launch, built: RunComponents, validator, say)
 def _failure(exc: Exception, cfg: Config, ctx, run_dir: Path, net, say: RunConsole) -> Exception | None:
     """What a failure means (another rank's end, a worker's death, or memory, and what to lower);
     the line the command ends with, in train.log too."""
-    failure = _meaning(exc, cfg, ctx, run_dir, net)
+    failure, line = None, (str(exc).splitlines() or [""])[0]
+    if isinstance(exc, UserError):
+        pass
+    elif ctx.distributed and (other := dist.error_of_another_rank()) is not None:
+        failure = other
+    elif isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
+        failure = UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
+                            "fewer --workers or a smaller --batch-size)")
+    elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
+        kept, reason = run_dir / "last.pth", (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        failure = UserError(f"out of memory on {ctx.device} ({reason}) with batch "
+                            f"{cfg.train.batch_size // ctx.world_size} per process at input "
+                            f"{cfg.data.input_size}: lower --batch-size (add --accumulate K to keep the "
+                            "total batch) or --input-size"
+                            + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                               if getattr(net, "graphed", None) is not None else "")
+                            + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
     shown = failure if failure is not None else exc
     if isinstance(shown, UserError):
         say.record(f"{'' if getattr(shown, 'plain_message', False) else 'error: '}{shown}")
     return failure
-
-
-def _meaning(exc: Exception, cfg: Config, ctx, run_dir: Path, net) -> Exception | None:
-    if isinstance(exc, UserError):
-        return None
-    other = dist.error_of_another_rank() if ctx.distributed else None
-    if other is not None:
-        return other
-    line = (str(exc).splitlines() or [""])[0]
-    if isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
-        return UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
-                         "fewer --workers or a smaller --batch-size)")
-    if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not (
-            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
-        return None
-    size, batch = cfg.data.input_size, cfg.train.batch_size // ctx.world_size
-    kept = run_dir / "last.pth"
-    reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-    return UserError(f"out of memory on {ctx.device} ({reason})"
-                     f" with batch {batch} per process at input {size}: lower --batch-size (add "
-                     f"--accumulate K to keep the total batch) or --input-size"
-                     + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
-                        if getattr(net, "graphed", None) is not None else "")
-                     + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
