@@ -126,7 +126,11 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
         run_dir = newest_run_dir(out_dir)
     if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
             run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
-        raise ConfigError(_nothing_to_resume(out_dir, run_dir))
+        where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
+                 "the --out-dir the run was started with" if run_dir else
+                 f"found no run in {out_dir}: give the --out-dir the runs were written to")
+        raise ConfigError(f"--resume auto: {where}; to start a new run instead, leave out --resume auto or "
+                          "name its data (--train-h5) or weights (--weights)")
     parent = out_dir if run_dir is None else run_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -144,15 +148,6 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     else:
         created = _claim(run_dir, exclusive=False)
     return run_dir, created
-
-
-def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
-    """Why `--resume auto` that finds no run (and names no data or weights) is refused."""
-    where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
-             "the --out-dir the run was started with" if run_dir else
-             f"found no run in {out_dir}: give the --out-dir the runs were written to")
-    return (f"--resume auto: {where}; to start a new run instead, leave out --resume auto or name "
-            "its data (--train-h5) or weights (--weights)")
 
 
 def _overwritten(run_dir: Path) -> list[Path]:
