@@ -1,8 +1,5 @@
-"""Building a run's components, apart from running them: `TrainerBuilder`, one method per component, which
-`build` calls in the engine's order (the same seeds at the same points); a subclass replaces any.
-What trains is `ModelWithLoss`, the network and its loss as one module that every launch mode wraps
-(DataParallel computes the loss on every replica), the precision policy in one place.
-"""
+"""Building a run's components apart from running them: `TrainerBuilder`, one method per component
+in the engine's order (a subclass replaces any), and `ModelWithLoss`, what every launch mode wraps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,7 +1,5 @@
-"""A run's checkpoints in one place: what a run starts from (`load_start`: resume, the authors'
-run through `resume_state`, --weights), what it writes (`Checkpoints.save`: the parts' states, the
-position `TrainState`, each hook's `state_dict()`) and restores.
-"""
+"""A run's checkpoints in one place, the one owner of their entries: what a run starts from
+(`load_start`), what `Checkpoints.save` writes (position, parts' and hooks' states) and restores."""
 from __future__ import annotations
 
 import signal

@@ -1,7 +1,5 @@
-"""The command line shared by the three entry scripts: flags -> resolved `Config`, and error exits.
-Flags are declared beside their fields in config/schema.py; `--set KEY=VALUE` reaches any field.
-With `--resume` and no `--config`, the run's saved config is the base.
-"""
+"""The command line of the three train scripts: flags (declared in config/schema.py) -> `Config`;
+with `--resume` and no `--config`, the run's saved config is the base."""
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,5 @@
-"""An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
-and kept in `best.pth` when it is on. After every step not skipped, each floating-point parameter
-becomes `ema = d * ema + (1 - d) * w` with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`),
-as YOLO and RTMO warm it up; buffers are copied. The average is float32 at any opt level and the
-same on every rank without communication; `--weights`, evaluate.py and demo.py take it from a
-checkpoint's "ema".
-"""
+"""The exponential moving average of the weights (`--ema DECAY`, docs/training.md): float32 at any
+opt level, the same on every rank without communication, kept in checkpoints under `EMA_KEY`."""
 from __future__ import annotations
 
 import contextlib

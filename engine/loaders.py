@@ -1,8 +1,5 @@
-"""The run's DataLoaders (workers kept from epoch to epoch, safe from the group's stop signals) and
-samplers (the same global batch whatever the number of processes). Batches go onto the device by
-`to_model_input`; on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
-over batch n, and the compute stream waits on batch n's event only.
-"""
+"""The run's DataLoaders (persistent workers, safe from stop signals), the global-batch sampler, and
+`DeviceFeed`: on CUDA batch n + 1's copy is queued on a side stream before batch n is handed over."""
 from __future__ import annotations
 
 import atexit

@@ -1,9 +1,5 @@
-"""The optimiser, the LR as a pure function of (epoch, iteration), and `OptimStep.update`: one step
-over one or more batches in one call, the precision backend doing only what it is told. One host
-sync per step: a bad loss (not finite, or above `optim.skip_loss_above`) poisons its backward with
-NaN instead of being read, every rank runs every backward, and one small all-reduced tensor of
-flags makes every rank decide alike; a step poisoned by its loss leaves the loss scale as it was.
-"""
+"""The optimiser, the LR as a pure function of the step, and `OptimStep.update`: one host sync per
+step (a bad loss poisons its backward with NaN instead of being read; the flags are all-reduced)."""
 from __future__ import annotations
 
 import contextlib

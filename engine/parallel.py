@@ -1,7 +1,5 @@
-"""SyncBN (`--sync-bn`) and the DDP wrapper, one definition each for the native backend (torch) and
-the apex backend (`apex.parallel`, mended), picked by `amp.backend`. On CPU groups (gloo), where
-`nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same statistics and gradients.
-"""
+"""SyncBN (`--sync-bn`) and DDP for either backend; on CPU groups (gloo), where `nn.SyncBatchNorm`
+refuses, `CrossProcessBatchNorm` computes the same statistics and gradients."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,5 @@
-"""The run directory `checkpoints/RUN/` and what a run resumes there, decided once (`plan_run`, on
-rank 0 for every rank). One that holds a run is refused unless resumed (`--resume`) or replaced
-(`--overwrite`: only the trainer's own files); the main process claims it (created exclusively,
-`RUN/.run.lock` held), so two runs never share one.
-"""
+"""The run directory and what a run resumes there, decided once on rank 0 (`plan_run`); the main
+process claims it (created exclusively, `RUN/.run.lock` held), so two runs never share one."""
 from __future__ import annotations
 
 import contextlib

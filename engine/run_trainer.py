@@ -1,8 +1,5 @@
-"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run, builds
-its components and its `Validator`, restores the state, writes the run folder and returns the `Trainer`
-with the engine's hooks and the caller's. Every launch mode calls it; the `Launch` says how the
-network is wrapped.
-"""
+"""A training run composed around the loop: `build_trainer(cfg, launch, ...)`, which every launch
+mode calls (the `Launch` says how the network is wrapped), returns the `Trainer` with its hooks."""
 from __future__ import annotations
 
 from dataclasses import dataclass

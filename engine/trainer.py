@@ -1,10 +1,5 @@
-"""The training loop and nothing else: `Trainer(inputs, hooks)` runs epochs of optimiser steps over
-the batches its inputs give, with hooks around every step and epoch. It knows no configuration and no
-run directory (engine/run_trainer.py composes a run around it). Hook methods run in this order:
-`before_train`, per epoch `before_epoch`, per step `before_step` and `after_step`, then
-`after_validation` and `after_epoch`; `after_train`; `on_stop` last, whatever happened. Hooks run by
-`priority`, lower first, and read the loop through `LoopState`.
-"""
+"""The training loop and nothing else: `Trainer(inputs, hooks)` runs epochs of optimiser steps, hooks
+(by `priority`, reading the loop through `LoopState`) around each step and epoch; it knows no config."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
-"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (ranks meet
-in a store, where a failing rank leaves its error; a `RankWatch` catches one that dies or freezes);
-once the group is lost, every collective here raises why."""
+"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (a failing
+rank leaves its error in the store), and once the group is lost every collective raises why."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,5 @@
-"""What the launcher tells this process (rank, local rank, world, master address and port, device),
-read from the environment only; first match wins: torchrun or `torch.distributed.launch` (its
---local-rank wins), the same variables set by hand, SLURM (master: MASTER_ADDR, else 127.0.0.1 on
-one node, else the node list's first host; port 20000 + SLURM_JOB_ID % 10000). Else one process.
-"""
+"""What the launcher tells this process (rank, world, master, device), from the environment only:
+torchrun or the same variables by hand, SLURM, else one process (docs/distributed.md)."""
 from __future__ import annotations
 
 import os

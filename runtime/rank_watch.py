@@ -1,7 +1,5 @@
-"""The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
-a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it. Neither
-counts the time it was itself stopped (a whole job paused and continued) against another rank. A
-rank's own DataLoader workers, stopped as long, end the job too (the rank would wait on them)."""
+"""The watch every rank keeps on the others and on its own DataLoader workers: one that dies or
+freezes ends the job in bounded time with one `error:` line; time this rank was stopped is not counted."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,5 @@
-"""What the apex backend needs, checked in one line each before anything is built (Apex with `amp`,
-importable with this PyTorch, a CUDA device, float16, no --compile, no ZeRO or multi-GPU
-DataParallel under O2/O3), and which Apex build is installed (`apex_build`).
-"""
+"""What the apex backend needs, checked in one line each before anything is built, and which Apex
+build is installed (`apex_build`)."""
 from __future__ import annotations
 
 import contextlib
