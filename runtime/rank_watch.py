@@ -144,10 +144,7 @@ class RankWatch:
             if self.verdict is None and now - max(self._answered, resumed) > self.silent_s:
                 self.decide(self.store_lost(f"has not answered for {now - self._answered:.0f} s"))
             if self.verdict is not None and now - self._decided > self.grace_s:
-                self._end()
-                return
-
-    def _end(self) -> None:
+                break
         with self._ending:
             if self._stopped.is_set():
                 return
