@@ -181,7 +181,7 @@ class RunPlan:
     config: Config                    # the main process's: the one every rank trains with
     reader: CheckpointReader          # reads resume_path (the command line may have read it)
     state: str = "new"                # the folder's state (a key of RESTARTS)
-    notes: tuple = ()                 # what the resume says before it starts (`_resume_notes`)
+    notes: tuple = ()                 # what the resume says before it starts
 
     @property
     def restart(self) -> str:
@@ -206,21 +206,16 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
             path = _resume_path(cfg.train, run_dir, reader)
             state = folder_state(run_dir, path and Path(path), train.epochs, reader) if train.resume \
                 else "new"
-            return str(run_dir), created, path, cfg, state, _resume_notes(cfg, path, state, reader)
+            notes = [f"--resume {train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
+            if path and not train.ema and EMA_KEY in reader.state(path):     # an average it drops
+                notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates "
+                             "and keeps its own weights (resume with --ema DECAY to continue the average)")
+            return str(run_dir), created, path, cfg, state, notes
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)
             raise
     run_dir, created, path, config, state, notes = dist.decided_on_main(decide)
     return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader, state, notes)
-
-
-def _resume_notes(cfg: Config, path: str | None, state: str, reader) -> list[str]:
-    """The lines a resume of `path` says before it starts: a finished run, an average it drops."""
-    notes = [f"--resume {cfg.train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
-    if path and not cfg.train.ema and EMA_KEY in reader.state(path):
-        notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates and "
-                     "keeps its own weights (resume with --ema DECAY to continue the average)")
-    return notes
 
 
 def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:
