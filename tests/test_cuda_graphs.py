@@ -129,7 +129,8 @@ def test_cuda_graphs_are_used_where_they_can_be_and_refused_in_one_line_where_as
     assert use_cuda_graphs(AmpConfig(), LaunchOn("cuda")) is True
     for amp, launch in [(AmpConfig(), LaunchOn("cpu")), (AmpConfig(), LaunchOn("cuda", "ddp")),
                         (AmpConfig(backend="apex"), LaunchOn("cuda")),
-                        (AmpConfig(compile=True), LaunchOn("cuda")), (AmpConfig(cuda_graphs=False), LaunchOn("cuda"))]:
+                        (AmpConfig(compile=True), LaunchOn("cuda")),
+                        (AmpConfig(cuda_graphs=False), LaunchOn("cuda"))]:
         assert use_cuda_graphs(amp, launch) is False
     with pytest.raises(ConfigError, match=r"^option amp.cuda_graphs \(--cuda-graphs\): .* here the launch "
                                           r"mode is dataparallel; leave it at auto$"):
