@@ -64,7 +64,7 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
     trainer, parts, device = build_quietly(cfg)
     trainer.net.train()
     # with --h5: the engine's DataLoader through its device feed, epoch after epoch, as train_one_epoch
-    data = (itertools.chain.from_iterable(trainer.parts.batches(epoch, 0) for epoch in itertools.count())
+    data = (itertools.chain.from_iterable(trainer.inputs.batches(epoch, 0) for epoch in itertools.count())
             if args.h5 else synthetic_batches(args.batch, cfg, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,8 +1,5 @@
-"""Building a run's parts, apart from running them: `TrainerBuilder`, one method per part, which
-`build` calls in the engine's order (the same seeds at the same points); a subclass replaces any.
-What trains is `ModelWithLoss`, the network and its loss as one module that every launch mode wraps
-(DataParallel computes the loss on every replica), the precision policy in one place.
-"""
+"""Building a run's components apart from running them: `TrainerBuilder`, one method per component
+in the engine's order (a subclass replaces any), and `ModelWithLoss`, what every launch mode wraps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -42,7 +39,7 @@ class Data:
 
 
 @dataclass
-class Parts:
+class RunComponents:
     data: Data
     model: nn.Module            # the network, unwrapped, prepared for its precision
     precision: PrecisionBackend  # the precision backend
@@ -55,7 +52,7 @@ class Parts:
 
 
 class TrainerBuilder:
-    """The parts of a run, each built once by its method, in `build`'s order."""
+    """The components of a run, each built once by its method, in `build`'s order."""
 
     def build_data(self, cfg: Config, ctx) -> Data:
         from data.dataset import KeypointDataset
@@ -106,16 +103,16 @@ class TrainerBuilder:
         ids = launch.device_ids or []
         return nn.DataParallel(module, device_ids=ids) if len(ids) > 1 else module
 
-    def build_validator(self, cfg: Config, ctx, parts: Parts, evaluator=None, draw=None,
+    def build_validator(self, cfg: Config, ctx, built: RunComponents, evaluator=None, draw=None,
                         run_dir: Path | None = None) -> Validator | None:
         """The run's validation (None without a validation set); the weights it evaluates are those
         the hooks' `evaluating()` swap in (EMA)."""
-        if parts.data.val_set is None:
+        if built.data.val_set is None:
             return None
-        return Validator(cfg, ctx, parts.data, parts.eval_net, parts.model, evaluator, draw, run_dir)
+        return Validator(cfg, ctx, built.data, built.eval_net, built.model, evaluator, draw, run_dir)
 
-    def build(self, cfg: Config, launch, plan=None, say=print) -> Parts:
-        """All parts, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
+    def build(self, cfg: Config, launch, plan=None, say=print) -> RunComponents:
+        """All components, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
         ctx = launch.ctx
         graphs = use_cuda_graphs(cfg.amp, launch)
         # no DataLoader pin thread under graphs (a capture forbids other threads' pinned allocations):
@@ -150,7 +147,7 @@ class TrainerBuilder:
         optim_step = OptimStep(precision, optimizer, params, model, cfg.optim, net=net,
                                static_graph=cfg.dist.static_graph, rounding_lr=peak_lr(
                                    cfg.optim, cfg.train.batch_size * cfg.train.accumulate, ctx.world_size))
-        return Parts(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
+        return RunComponents(data, model, precision, optimizer, optim_step, net, eval_net, start, frozen)
 
 
 def _resolve_data(data: DataConfig) -> tuple[str, str]:

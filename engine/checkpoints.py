@@ -1,7 +1,5 @@
-"""A run's checkpoints in one place: what a run starts from (`load_start`: resume, the authors'
-run through `resume_state`, --weights), what it writes (`Checkpoints.save`: the parts' states, the
-position `TrainState`, each hook's `state_dict()`) and restores.
-"""
+"""A run's checkpoints in one place, the one owner of their entries: what a run starts from
+(`load_start`), what `Checkpoints.save` writes (position, parts' and hooks' states) and restores."""
 from __future__ import annotations
 
 import signal
@@ -15,6 +13,7 @@ from common.errors import CheckpointError, ConfigError, TrainingDiverged
 from config.loader import differences, setting, to_dict
 from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
+from models.checkpoint_weights import preferred_weights
 from models.reference import momentum_by_name
 from engine.precision.loss_scale import checked_scaler_state, grad_scaler_fields, scaler_problem
 from engine.trainer import Interrupted
@@ -35,17 +34,21 @@ def bad_value(value, kind) -> bool:
     return not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0)
 
 
-def check_resumable(state: dict, path) -> None:
-    """CheckpointError naming `path` unless `state` holds everything a resume reads, well typed."""
-    for key, kind in {**RESUME_FIELDS, **RESUME_OPTIONAL}.items():
-        if key not in state:
-            if key in RESUME_FIELDS:
-                raise CheckpointError(f"checkpoint {path} cannot be resumed: it has no {key!r}; start from "
-                                      "its weights with --weights instead of --resume")
-        elif bad_value(state[key], kind):
-            raise CheckpointError(f"checkpoint {path} is damaged: {key} is {type(state[key]).__name__} "
-                                  f"{str(state[key])[:40]!r}; start from its weights with --weights "
-                                  "instead of --resume")
+def find_latest_checkpoint(run_dir) -> Path | None:
+    """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
+    order = {}
+    for path in sorted(Path(run_dir).glob("*.pth")):
+        try:
+            state = ckpt.load_checkpoint(path, mmap=True)
+            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
+            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
+                           path.name == "last.pth", path.stat().st_mtime)
+        except (CheckpointError, OSError) as exc:
+            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
+            raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
+                                  f"of {run_dir}, or resume from another checkpoint with --resume PATH"
+                                  ) from None
+    return max(order, key=order.get, default=None)
 
 
 class CheckpointReader:
@@ -66,10 +69,10 @@ class CheckpointReader:
         return self._read[kind][1]
 
     def latest(self, run_dir) -> Path | None:
-        """`runtime.checkpoint.find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
+        """`find_latest_checkpoint(run_dir)`, which reads every checkpoint there."""
         run_dir = Path(run_dir)
         found = self._once("latest", run_dir, run_dir.glob("*.pth"),
-                           lambda: getattr(ckpt.find_latest_checkpoint(run_dir), "name", None))
+                           lambda: getattr(find_latest_checkpoint(run_dir), "name", None))
         return run_dir / found if found else None
 
     def state(self, path) -> dict:
@@ -108,11 +111,18 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> Star
         for option, path in (("--weights", train.weights), ("--resume-reference", train.resume_reference)):
             if path:
                 say(f"{option} {path} not loaded: --resume auto continues the run from {plan.resume_path}")
-        state = plan.reader.state(plan.resume_path)
-        check_resumable(state, plan.resume_path)
-        check_skeleton(from_checkpoint(state), skeleton, plan.resume_path, "resume")
-        ckpt.load_weights(model, state, source=f"checkpoint {plan.resume_path}")
-        return Start(state, None, plan.resume_path, list(state.get("fresh_tensors", ())))
+        state, path = plan.reader.state(plan.resume_path), plan.resume_path
+        for key, kind in {**RESUME_FIELDS, **RESUME_OPTIONAL}.items():      # what a resume reads
+            if key not in state and key in RESUME_FIELDS:
+                raise CheckpointError(f"checkpoint {path} cannot be resumed: it has no {key!r}; start from "
+                                      "its weights with --weights instead of --resume")
+            if key in state and bad_value(state[key], kind):
+                raise CheckpointError(f"checkpoint {path} is damaged: {key} is {type(state[key]).__name__} "
+                                      f"{str(state[key])[:40]!r}; start from its weights with --weights "
+                                      "instead of --resume")
+        check_skeleton(from_checkpoint(state), skeleton, path, "resume")
+        ckpt.load_weights(model, state, source=f"checkpoint {path}")
+        return Start(state, None, path, list(state.get("fresh_tensors", ())))
     if train.resume == "auto" and plan is not None:
         say(f"--resume auto: no checkpoint in {plan.run_dir} yet, {plan.restart}")
     if train.resume_reference:
@@ -124,7 +134,7 @@ def load_start(model, plan, train: TrainConfig, skeleton: Skeleton, say) -> Star
         weights = ckpt.read_file(train.weights)
         if isinstance(weights, dict) and "skeleton" in weights and not train.allow_partial:
             check_skeleton(from_checkpoint(weights), skeleton, train.weights, "weights")
-        weights, ema_note = ckpt.preferred_weights(weights)
+        weights, ema_note = preferred_weights(weights)
         report = ckpt.load_weights(model, weights, allow_partial=train.allow_partial,
                                    source=str(train.weights))
         say(f"loaded weights from {train.weights}: {load_summary(report)}"
@@ -145,17 +155,6 @@ def load_summary(report: dict) -> str:
             + (f"; {report['converted']}" if report.get("converted") else "")
             + (f"; {len(fresh)} of another shape start fresh (--allow-partial): {', '.join(fresh)}"
                if fresh else ""))
-
-
-def _param_groups(optimizer) -> list[dict]:
-    """`optimizer.state_dict()["param_groups"]` without asking the optimiser for its state."""
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(start, start + count))})
-        start += count
-    return groups
 
 
 def resume_state(reference: dict, source: str, model, optimizer, optim: OptimConfig, depth: int,
@@ -180,7 +179,12 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
     origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
               else f"the authors' run: no momentum, optim.name is {optim.name}")
     origin += f", loss scale {scaler['scale']:g}" if scaler else ""
-    return {"optimizer": {"state": state, "param_groups": _param_groups(optimizer)}, "scaler": scaler,
+    groups, first = [], 0       # optimizer.state_dict()'s param_groups, without asking for its state
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(first, first + len(group["params"])))})
+        first += len(group["params"])
+    return {"optimizer": {"state": state, "param_groups": groups}, "scaler": scaler,
             "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
             "origin": origin}
 
@@ -222,8 +226,8 @@ class Checkpoints:
     def run_fields(cfg: Config, skeleton: Skeleton, mode: str, world_size: int, fresh=()) -> dict:
         """The entries of a run's every checkpoint: its config, skeleton and launch, and the tensors
         --allow-partial left fresh (a resume keeps them trainable under --freeze)."""
-        return {"config": to_dict(cfg), "skeleton": skeleton.to_spec(), "mode": mode, "world_size": world_size,
-                "fresh_tensors": list(fresh)}
+        return {"config": to_dict(cfg), "skeleton": skeleton.to_spec(), "mode": mode,
+                "world_size": world_size, "fresh_tensors": list(fresh)}
 
     def __init__(self, run_dir, model, optimizer, precision, fields: dict | None = None, main: bool = True,
                  say=print):

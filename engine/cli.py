@@ -1,7 +1,5 @@
-"""The command line shared by the three entry scripts: flags -> resolved `Config`, and error exits.
-Flags are declared beside their fields in config/schema.py; `--set KEY=VALUE` reaches any field.
-With `--resume` and no `--config`, the run's saved config is the base.
-"""
+"""The command line of the three train scripts: flags (declared in config/schema.py) -> `Config`;
+with `--resume` and no `--config`, the run's saved config is the base."""
 from __future__ import annotations
 
 import argparse
@@ -110,38 +108,20 @@ def _leaf_keys(data: dict, prefix: str = "") -> set[str]:
         _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])}
 
 
-def _is_saved_run_config(config: str | None) -> bool:
-    """Whether --config is a run's own config.yaml (it has a top-level `preset` key)."""
-    if not config or not Path(config).is_file():
-        return False
-    try:
-        data = read_yaml(config)
-    except ConfigError:
-        return False                      # build_config reports it
-    return isinstance(data, dict) and "preset" in data
-
-
-def _weights_network(path: str) -> tuple[dict | None, tuple]:
-    """(model settings, presets that may build it) of the network in a --weights file, if known."""
-    from runtime.checkpoint import load_checkpoint, reference_file_settings
-    try:
-        saved = load_checkpoint(path, mmap=True).get("config")
-    except CheckpointError:               # a bare state dict, or a bad file: the trainer says which
-        return reference_file_settings(path), (REFERENCE_PRESET, DEFAULT_PRESET)
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        return None, ()
-    return saved["model"], (saved.get("preset"),)
-
-
 def _check_weights_network(cfg) -> None:
     """Weights of another network: say which model settings differ, not hundreds of tensors."""
-    from runtime.checkpoint import listed_difference, settings_difference
-
+    from runtime.checkpoint import (listed_difference, load_checkpoint, reference_file_settings,
+                                    settings_difference)
     for option, path, partial in (("--weights", cfg.train.weights, cfg.train.allow_partial),
                                   ("--resume-reference", cfg.train.resume_reference, False)):
         if not path or partial or not Path(path).is_file():
             continue
-        saved, presets = _weights_network(path)
+        try:                              # the model settings, and presets that may build it
+            run = load_checkpoint(path, mmap=True).get("config")
+            run = run if isinstance(run, dict) and isinstance(run.get("model"), dict) else {}
+            saved, presets = run.get("model"), (run.get("preset"),)
+        except CheckpointError:           # a bare state dict, or a bad file: the trainer says which
+            saved, presets = reference_file_settings(path), (REFERENCE_PRESET, DEFAULT_PRESET)
         differ = settings_difference(saved, to_dict(cfg)["model"]) if saved else None
         if not differ:
             continue
@@ -163,18 +143,9 @@ def config_from_args(args: argparse.Namespace, reader=None):
     from engine.precision import check_backend
     cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)
-    _refuse_inapplicable(args, cfg)
-    if os.environ.get("RANK", "0") == "0":
-        for line in lines:
-            print(line, flush=True)
-    return cfg
-
-
-def _refuse_inapplicable(args: argparse.Namespace, cfg) -> None:
-    """The flags given now that would have no effect in this run, refused by the one rule."""
     import torch
     from engine.precision import BACKENDS
-    level = cfg.amp.opt_level
+    level = cfg.amp.opt_level           # the flags given now that would have no effect in this run
     half = BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device)
     float16 = level != "O0" and half == torch.float16
     for flag, off, where, why in (
@@ -189,6 +160,10 @@ def _refuse_inapplicable(args: argparse.Namespace, cfg) -> None:
              "--ap-every 0", "it counts validations, and there are none")):
         if off:
             refuse_inapplicable({flag: getattr(args, flag[2:].replace("-", "_"))}, where, why)
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(line, flush=True)
+    return cfg
 
 
 def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:
@@ -198,9 +173,11 @@ def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:
         value = getattr(args, flag.name.lstrip("-").replace("-", "_"), None)    # argparse's dest
         if value is not None:
             deep_update(overrides, nested(key, value))
-    run_config = _is_saved_run_config(args.config)
+    run_config = None       # another run's config.yaml (a top-level `preset`): its settings, not that run
+    with contextlib.suppress(ConfigError):                  # build_config reports it
+        found = read_yaml(args.config) if args.config and Path(args.config).is_file() else None
+        run_config = found if isinstance(found, dict) and "preset" in found else None
     if run_config:
-        # another run's config.yaml as --config: a new run with its settings, not that run itself
         given, overrides = overrides, {"train": dict(RUN_IDENTITY, run_name="")}
         deep_update(overrides, given)
     if args.resume:
@@ -213,18 +190,14 @@ def _resolve_config(args: argparse.Namespace, reader=None) -> tuple:
     cfg = build_config(args.config or default, overrides, args.set)
     if not cfg.train.resume:
         _check_weights_network(cfg)
-    return cfg, _left_out(args.config, cfg) if run_config and not args.resume else []
-
-
-def _left_out(config: str, cfg) -> list[str]:
-    """The line saying what --config RUN/config.yaml leaves out of that run: its name and weights."""
-    theirs = read_yaml(config).get("train") or {}
-    name, weights = theirs.get("run_name") or Path(config).parent.name, theirs.get("weights")
-    out = theirs.get("out_dir") or str(Path(config).parent.parent)
-    return [f"--config {config}: a new run with that run's settings but not its run name {name}"
-            + (f" nor its --weights {weights}" if weights else "")
-            + f": it trains from {cfg.train.weights or 'scratch'}; to continue that run instead: "
-            f"--resume auto --run-name {name} --out-dir {out}"]
+    if not run_config or args.resume:
+        return cfg, []
+    theirs, config = run_config.get("train") or {}, Path(args.config)    # what it leaves out of that run
+    name, weights = theirs.get("run_name") or config.parent.name, theirs.get("weights")
+    return cfg, [f"--config {config}: a new run with that run's settings but not its run name {name}"
+                 + (f" nor its --weights {weights}" if weights else "")
+                 + f": it trains from {cfg.train.weights or 'scratch'}; to continue that run instead: "
+                 f"--resume auto --run-name {name} --out-dir {theirs.get('out_dir') or config.parent.parent}"]
 
 
 def run_main(main, argv=None) -> None:

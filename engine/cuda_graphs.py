@@ -1,7 +1,5 @@
-"""CUDA graphs for the training step: `GraphedNetwork` captures the network's forward and backward
-once and replays them; `use_cuda_graphs` says where a run uses them. A graph hands back the same
-static gradient buffers at every replay: each parameter's gradient is accumulated in its own
-storage, so `--accumulate K` sums K micro-batches as the eager run does."""
+"""CUDA graphs for the training step (`GraphedNetwork`) and where a run uses them (`use_cuda_graphs`);
+each gradient accumulates in its own storage, so `--accumulate K` sums as the eager run does."""
 from __future__ import annotations
 
 import contextlib

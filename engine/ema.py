@@ -1,10 +1,5 @@
-"""An exponential moving average (EMA) of the weights (`--ema DECAY`): what is validated, scored
-and kept in `best.pth` when it is on. After every step not skipped, each floating-point parameter
-becomes `ema = d * ema + (1 - d) * w` with `d = decay * (1 - exp(-updates / tau))` (`train.ema_tau`),
-as YOLO and RTMO warm it up; buffers are copied. The average is float32 at any opt level and the
-same on every rank without communication; `--weights`, evaluate.py and demo.py take it from a
-checkpoint's "ema".
-"""
+"""The exponential moving average of the weights (`--ema DECAY`, docs/training.md): float32 at any
+opt level, the same on every rank without communication, kept in checkpoints under `EMA_KEY`."""
 from __future__ import annotations
 
 import contextlib
@@ -18,12 +13,11 @@ from config.loader import out_of_bounds
 from config.schema import FILE_FIELDS
 from engine.precision import PrecisionBackend, live_state_dict
 from engine.trainer import Hook
-
-CHECKPOINT_KEY = "ema"
+from models.checkpoint_weights import EMA_KEY
 
 
 class WeightsEMA(Hook):
-    checkpoint_key = CHECKPOINT_KEY
+    checkpoint_key = EMA_KEY
 
     def __init__(self, decay: float, tau: float = 2000.0, say=print):
         if not 0.0 <= decay < 1.0 or not tau > 0:

@@ -1,8 +1,5 @@
-"""Freezing parts of the model (`--freeze PATTERN...`) for fine-tuning. A pattern names modules or
-parameters by prefix on whole name parts (`stem`, not `stems`) or by an fnmatch glob (`stacks.0.*`).
-Frozen parameters get no gradient and no optimiser state; BatchNorm layers inside frozen parts stay
-in eval mode. A tensor `--allow-partial` started fresh is never frozen.
-"""
+"""Freezing parts of the model (`--freeze PATTERN...`): a pattern names modules or parameters by
+prefix on whole name parts or by an fnmatch glob; a tensor `--allow-partial` left fresh stays trainable."""
 from __future__ import annotations
 
 from fnmatch import fnmatchcase

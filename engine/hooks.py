@@ -1,9 +1,5 @@
-"""The engine's own hooks, each given its settings when it is made, and `default_hooks`, those of a
-run. A user's hook (priority 50) runs after the LR (10), divergence (20), progress bar (30) and
-logging (40) hooks and before the pre-emption save (80) and `EpochEnd` (90), so that what it keeps
-is saved. `EpochEnd.finish` decides an epoch's end, in order: checkpoints, the validation when due
-(the `Validator`'s loss, metrics, pictures), the verdict, best.pth, early stopping.
-"""
+"""The engine's own hooks and `default_hooks`, those of a run; by priority a user's hook (50) runs
+after LR, divergence, progress and logging and before the pre-emption save (80) and `EpochEnd` (90)."""
 from __future__ import annotations
 
 import contextlib
@@ -254,9 +250,9 @@ class TrainLog(Hook):
         self.logger.log_step(trainer.step, out.loss)
         if trainer.step % self.log_every and not out.last_of_epoch:
             return
-        names = list(out.parts)
+        names = list(out.loss_parts)
         means = dist.all_reduce_mean(torch.stack(
-            [out.parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
+            [out.loss_parts[k].float().cpu() for k in names] + [torch.tensor(out.loss)])).tolist()
         self.logger.log("train", trainer.step, epoch=out.epoch, loss=means[-1], lr=out.lr,
                         samples_per_s=out.samples_per_s, skipped_steps=trainer.optim_step.skipped_total,
                         memory_gb=memory_gb(self.device), **dict(zip(names, means)))
@@ -318,7 +314,8 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
     """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`; `frozen`:
     what `engine.freeze.freeze()` returned."""
     train = cfg.train
-    hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())), LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
+    hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())),
+             LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validator, metric)]

@@ -1,8 +1,5 @@
-"""The run's DataLoaders (workers kept from epoch to epoch, safe from the group's stop signals) and
-samplers (the same global batch whatever the number of processes). Batches go onto the device by
-`to_model_input`; on CUDA `DeviceFeed` queues batch n + 1's copy on a side stream before handing
-over batch n, and the compute stream waits on batch n's event only.
-"""
+"""The run's DataLoaders (persistent workers, safe from stop signals), the global-batch sampler, and
+`DeviceFeed`: on CUDA batch n + 1's copy is queued on a side stream before batch n is handed over."""
 from __future__ import annotations
 
 import atexit
@@ -165,7 +162,6 @@ def to_model_input(batch, device: torch.device, painter, non_blocking: bool = Tr
 
 
 def _moved_and_expanded(batch, device: torch.device, painter, non_blocking: bool):
-    """`to_model_input` of a batch whose unused person slots are already cut."""
     moved = tuple(t.to(device, non_blocking=non_blocking) for t in batch)
     return expand(*moved, painter) if is_compact(moved) else moved
 
@@ -185,6 +181,9 @@ def one_ahead(items: Iterable, start: Callable, finish: Callable) -> Iterator:
         yield finish(pending)
 
 
+_SIDE_STREAMS: dict = {}
+
+
 class DeviceFeed:
     """Iterable of the model inputs of `batches` on `device` (see the module docstring)."""
 
@@ -198,7 +197,9 @@ class DeviceFeed:
 
     def _start_copy(self, batch):
         """Queue batch's copy and expansion on the side stream, then an event: (the tensors, event)."""
-        stream = side_stream(self.device)
+        if self.device not in _SIDE_STREAMS:     # one per device, shared by every feed of this process
+            _SIDE_STREAMS[self.device] = torch.cuda.Stream(self.device)
+        stream = _SIDE_STREAMS[self.device]
         pinned = [t if t.is_pinned() else t.pin_memory() for t in _trimmed(batch)]
         with torch.cuda.stream(stream):
             moved = _moved_and_expanded(pinned, self.device, self.painter, non_blocking=True)
@@ -214,17 +215,6 @@ class DeviceFeed:
         for tensor in moved:
             tensor.record_stream(current)
         return moved
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream(device: torch.device):
-    """The side stream of `device` that every feed of this process queues its copies on."""
-    device = torch.device(device)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def training_feed(data, device) -> Callable[[int, int], Iterator]:

@@ -1,9 +1,5 @@
-"""What a run writes besides checkpoints: metrics.jsonl ("train" records every `log_every` steps, a
-"val" record per validation), train_steps.jsonl (every step's loss), TensorBoard events,
-curves.png, and (`RunConsole`) train.log with environment.json. Only the main process logs.
-A resumed run appends a `{"kind": "resume", "step": S}` record: `read()`, hence curves.png, leaves
-out the records above it with a later step (nothing is deleted), and TensorBoard purges them.
-"""
+"""What a run writes besides checkpoints (metrics.jsonl, train_steps.jsonl, TensorBoard, curves.png,
+train.log, environment.json), on the main process; a resume's record rolls back the later ones."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,5 @@
-"""The optimiser, the LR as a pure function of (epoch, iteration), and `OptimStep.update`: one step
-over one or more batches in one call, the precision backend doing only what it is told. One host
-sync per step: a bad loss (not finite, or above `optim.skip_loss_above`) poisons its backward with
-NaN instead of being read, every rank runs every backward, and one small all-reduced tensor of
-flags makes every rank decide alike; a step poisoned by its loss leaves the loss scale as it was.
-"""
+"""The optimiser, the LR as a pure function of the step, and `OptimStep.update`: one host sync per
+step (a bad loss poisons its backward with NaN instead of being read; the flags are all-reduced)."""
 from __future__ import annotations
 
 import contextlib
@@ -77,14 +73,6 @@ def load_optimizer_state(optimizer, state: dict) -> None:
                     inner.state[param]["step"] = step.to(param.device, torch.float32)
 
 
-def grad_norm(params) -> torch.Tensor:
-    """L2 norm of the gradients of `params`, in float32 (a float16 norm overflows at 65504)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-
-
 def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, float] | None:
     """For the half weights in `params`: (the share whose non-zero first update of `lr` rounds away,
     being under half their type's spacing; the same for the weight decay alone), the update being
@@ -144,8 +132,10 @@ class OptimStep:
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
         loss_sum = bad = None
-        for i, batch in enumerate(batches):
-            with self._sync_unless(last=i == len(batches) - 1):
+        no_sync = getattr(self.net, "no_sync", None)     # DDP's, on every batch but the step's last
+        for i, batch in enumerate(batches):                # (not with static_graph, which fails under it)
+            last = i == len(batches) - 1 or no_sync is None or self.static_graph
+            with contextlib.nullcontext() if last else no_sync():
                 loss = loss_of(*batch)
                 value = loss.detach().float()
                 bad_now = torch.logical_not(torch.isfinite(value)) | (value > self.cfg.skip_loss_above)
@@ -154,7 +144,9 @@ class OptimStep:
                 poison = torch.where(bad_now, torch.full_like(value, math.nan), torch.ones_like(value))
                 self.precision.backward(loss * poison.to(loss.dtype) / len(batches))
         self.precision.unscale_(self.optimizer)
-        norm = grad_norm(self.params).to(loss_sum.device)   # float32 whatever the grads' dtype
+        grads = [p.grad for p in self.params if p.grad is not None]    # norm in float32: float16's overflows
+        norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+                if grads else torch.zeros(())).to(loss_sum.device)
         loss_sum, bad_loss, not_finite, stop = self._read_step(norm, loss_sum, bad, stop_requested())
         skipped, note = bad_loss or not_finite, ""
         if not skipped and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
@@ -170,13 +162,6 @@ class OptimStep:
         self.overflow_streak = self.overflow_streak + 1 if skipped and not bad_loss else 0
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return StepResult(loss_sum / len(batches), self.lr, skipped, stop, note=note)
-
-    def _sync_unless(self, last: bool):
-        """DDP's `no_sync` but on the step's last batch (not with static_graph, which fails under it)."""
-        no_sync = getattr(self.net, "no_sync", None)
-        if no_sync is None or last or self.static_graph:
-            return contextlib.nullcontext()
-        return no_sync()
 
     @staticmethod
     def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor,

@@ -1,7 +1,5 @@
-"""SyncBN (`--sync-bn`) and the DDP wrapper, one definition each for the native backend (torch) and
-the apex backend (`apex.parallel`, mended), picked by `amp.backend`. On CPU groups (gloo), where
-`nn.SyncBatchNorm` refuses, `CrossProcessBatchNorm` computes the same statistics and gradients.
-"""
+"""SyncBN (`--sync-bn`) and DDP for either backend; on CPU groups (gloo), where `nn.SyncBatchNorm`
+refuses, `CrossProcessBatchNorm` computes the same statistics and gradients."""
 from __future__ import annotations
 
 import contextlib
@@ -31,17 +29,12 @@ def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
 
 
 def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
-    """The backend's DDP with `dist_cfg`'s options; the model itself when not distributed."""
+    """The backend's DDP with `dist_cfg`'s options (torch's: `delay_allreduce` puts every gradient in
+    one bucket, as Apex's option does); the model itself when not distributed."""
     if not ctx.distributed:
         return model
     if amp.backend == "apex":
         return apex_ddp(model, dist_cfg, ctx.world_size)
-    return torch_ddp(model, ctx, dist_cfg)
-
-
-# -- native: torch's DDP; for SyncBN, CrossProcessBatchNorm on CPU ----------------------------------
-def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
-    """torch's DDP; `delay_allreduce` puts every gradient in one bucket (Apex's option)."""
     if dist_cfg.delay_allreduce:
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         bucket_mb = math.ceil(grad_bytes / 2**20) + 1
@@ -58,12 +51,9 @@ def torch_ddp(model: nn.Module, ctx, dist_cfg: DistConfig) -> nn.Module:
                static_graph=dist_cfg.static_graph, **{buffers_kw: dist_cfg.broadcast_buffers})
 
 
+# -- native SyncBN on CPU: CrossProcessBatchNorm ----------------------------------------------------
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
-
-
-def _reduce_dims(x: torch.Tensor) -> list[int]:
-    return [0] + list(range(2, x.dim()))
 
 
 class _CrossProcessBatchNormFn(torch.autograd.Function):
@@ -71,7 +61,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, group):
-        dims = _reduce_dims(x)
+        dims = [0, *range(2, x.dim())]
         xf = x.float()
         local = torch.cat([
             torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
@@ -104,7 +94,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, mean, invstd = ctx.saved_tensors
-        dims = _reduce_dims(x)
+        dims = [0, *range(2, x.dim())]
         dy = grad_out.float()
         xhat = (x.float() - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
         sum_dy = dy.sum(dims)

@@ -1,8 +1,5 @@
-"""The run directory `checkpoints/RUN/` and what a run resumes there, decided once (`plan_run`, on
-rank 0 for every rank). One that holds a run is refused unless resumed (`--resume`) or replaced
-(`--overwrite`: only the trainer's own files); the main process claims it (created exclusively,
-`RUN/.run.lock` held), so two runs never share one.
-"""
+"""The run directory and what a run resumes there, decided once on rank 0 (`plan_run`); the main
+process claims it (created exclusively, `RUN/.run.lock` held), so two runs never share one."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +15,7 @@ from common.paths import refuse_clashes, same_file, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
+from models.checkpoint_weights import EMA_KEY
 from engine.checkpoints import CheckpointReader
 
 RUN_FILES = ("last.pth", "best.pth", "metrics.jsonl", "config.yaml")
@@ -125,7 +123,11 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
         run_dir = newest_run_dir(out_dir)
     if train.resume == "auto" and not (cfg.data.train_h5 or train.weights or train.resume_reference) and not (
             run_dir and run_dir.is_dir() and (holds_run(run_dir) or any(run_dir.glob("*.pth")))):
-        raise ConfigError(_nothing_to_resume(out_dir, run_dir))
+        where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
+                 "the --out-dir the run was started with" if run_dir else
+                 f"found no run in {out_dir}: give the --out-dir the runs were written to")
+        raise ConfigError(f"--resume auto: {where}; to start a new run instead, leave out --resume auto or "
+                          "name its data (--train-h5) or weights (--weights)")
     parent = out_dir if run_dir is None else run_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -143,15 +145,6 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     else:
         created = _claim(run_dir, exclusive=False)
     return run_dir, created
-
-
-def _nothing_to_resume(out_dir: Path, run_dir: Path | None) -> str:
-    """Why `--resume auto` that finds no run (and names no data or weights) is refused."""
-    where = (f"found no run in {run_dir} (no checkpoint, no config.yaml): check --run-name, and give "
-             "the --out-dir the run was started with" if run_dir else
-             f"found no run in {out_dir}: give the --out-dir the runs were written to")
-    return (f"--resume auto: {where}; to start a new run instead, leave out --resume auto or name "
-            "its data (--train-h5) or weights (--weights)")
 
 
 def _overwritten(run_dir: Path) -> list[Path]:
@@ -188,7 +181,7 @@ class RunPlan:
     config: Config                    # the main process's: the one every rank trains with
     reader: CheckpointReader          # reads resume_path (the command line may have read it)
     state: str = "new"                # the folder's state (a key of RESTARTS)
-    notes: tuple = ()                 # what the resume says before it starts (`_resume_notes`)
+    notes: tuple = ()                 # what the resume says before it starts
 
     @property
     def restart(self) -> str:
@@ -213,21 +206,16 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
             path = _resume_path(cfg.train, run_dir, reader)
             state = folder_state(run_dir, path and Path(path), train.epochs, reader) if train.resume \
                 else "new"
-            return str(run_dir), created, path, cfg, state, _resume_notes(cfg, path, state, reader)
+            notes = [f"--resume {train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
+            if path and not train.ema and EMA_KEY in reader.state(path):     # an average it drops
+                notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates "
+                             "and keeps its own weights (resume with --ema DECAY to continue the average)")
+            return str(run_dir), created, path, cfg, state, notes
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)
             raise
     run_dir, created, path, config, state, notes = dist.decided_on_main(decide)
     return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader, state, notes)
-
-
-def _resume_notes(cfg: Config, path: str | None, state: str, reader) -> list[str]:
-    """The lines a resume of `path` says before it starts: a finished run, an average it drops."""
-    notes = [f"--resume {cfg.train.resume}: {path}: {RESTARTS[state]}"] if state == "finished" else []
-    if path and not cfg.train.ema and "ema" in reader.state(path):
-        notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates and "
-                     "keeps its own weights (resume with --ema DECAY to continue the average)")
-    return notes
 
 
 def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:

@@ -1,8 +1,5 @@
-"""A training run, composed around the loop: `build_trainer(cfg, launch, ...)` plans the run, builds
-its parts and its `Validator`, restores the state, writes the run folder and returns the `Trainer`
-with the engine's hooks and the caller's. Every launch mode calls it; the `Launch` says how the
-network is wrapped.
-"""
+"""A training run composed around the loop: `build_trainer(cfg, launch, ...)`, which every launch
+mode calls (the `Launch` says how the network is wrapped), returns the `Trainer` with its hooks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,14 +14,14 @@ from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
 from engine import hooks as engine_hooks
-from engine.build import Parts, TrainerBuilder
+from engine.build import RunComponents, TrainerBuilder
 from engine.loaders import PersistentWorkersLoader, training_feed
 from engine.freeze import trainable_parameters
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
 from engine.checkpoints import CheckpointReader, Checkpoints, resume_state
 from engine.run_dir import clear_run_dir, plan_run, release_run_dir, save_resolved_config
-from engine.trainer import Hook, Trainer, TrainParts
+from engine.trainer import Hook, Trainer, LoopInputs
 
 __all__ = ["Launch", "Run", "build_run", "build_trainer", "build_loop"]
 
@@ -38,9 +35,9 @@ class Launch:
 
 
 class Run(NamedTuple):
-    """A run ready to `trainer.fit()`: the loop with its hooks, and the parts it was built from."""
+    """A run ready to `trainer.fit()`: the loop with its hooks, and the components it was built from."""
     trainer: Trainer
-    parts: Parts
+    components: RunComponents
 
 
 def build_trainer(*args, **kwargs) -> Trainer:
@@ -51,7 +48,7 @@ def build_trainer(*args, **kwargs) -> Trainer:
 def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
               hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
               reader: CheckpointReader | None = None, draw: Callable | None = None) -> Run:
-    """The run of `cfg`, ready to `trainer.fit()`: its parts built, the state restored, the run folder
+    """The run of `cfg`, ready to `trainer.fit()`: its components built, the state restored, the run folder
     written; `evaluator` and `draw`: the AP and validation pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
@@ -63,9 +60,9 @@ def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
     try:
         check_backend(cfg)           # as the command line does, for a config built in Python
         builder = builder or TrainerBuilder()
-        parts = builder.build(cfg, launch, plan, say)
-        validator = builder.build_validator(cfg, launch.ctx, parts, evaluator, draw, plan.run_dir)
-        return Run(_run_trainer(cfg, launch, plan.run_dir, parts, validator, hooks, say), parts)
+        built = builder.build(cfg, launch, plan, say)
+        validator = builder.build_validator(cfg, launch.ctx, built, evaluator, draw, plan.run_dir)
+        return Run(_run_trainer(cfg, launch, plan.run_dir, built, validator, hooks, say), built)
     except BaseException:               # a run that did not start leaves no directory behind
         if launch.ctx.is_main:
             release_run_dir(plan.run_dir, remove_if_empty=plan.created)
@@ -75,21 +72,21 @@ def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
 
 
 def build_loop(cfg: Config, launch: Launch, builder: TrainerBuilder | None = None
-               ) -> tuple[Trainer, Parts]:
-    """The loop over `cfg`'s parts with no run, checkpoint or hook around it; and the parts."""
-    parts = (builder or TrainerBuilder()).build(cfg, launch)
-    return Trainer(loop_parts(cfg.train, parts, launch.ctx.device)), parts
+               ) -> tuple[Trainer, RunComponents]:
+    """The loop over `cfg`'s components with no run, checkpoint or hook around it; and those."""
+    built = (builder or TrainerBuilder()).build(cfg, launch)
+    return Trainer(loop_inputs(cfg.train, built, launch.ctx.device)), built
 
 
-def loop_parts(train: TrainConfig, parts: Parts, device) -> TrainParts:
-    """What the loop runs of `parts`: `train.max_steps_per_epoch` steps at most per epoch."""
+def loop_inputs(train: TrainConfig, built: RunComponents, device) -> LoopInputs:
+    """What the loop runs of `built`: `train.max_steps_per_epoch` steps at most per epoch."""
     # loader batches per epoch, a whole number of steps of `accumulate` batches each
-    steps = parts.data.sampler.batches_per_epoch // train.accumulate
+    steps = built.data.sampler.batches_per_epoch // train.accumulate
     if train.max_steps_per_epoch:
         steps = min(steps, train.max_steps_per_epoch)
-    return TrainParts(parts.net, parts.optim_step, training_feed(parts.data, device),
+    return LoopInputs(built.net, built.optim_step, training_feed(built.data, device),
                       steps * train.accumulate, train.epochs, train.accumulate,
-                      train.batch_size * train.accumulate, parts.model)
+                      train.batch_size * train.accumulate, built.model)
 
 
 class RunEnd(Hook):
@@ -121,22 +118,23 @@ class RunEnd(Hook):
         return {"run_dir": str(self.run_dir)}
 
 
-def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, parts: Parts, validator, hooks, say) -> Trainer:
-    """The loop over `parts` with the engine's hooks, the run's end and `hooks`; its state restored
+def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, built: RunComponents, validator, hooks,
+                 say) -> Trainer:
+    """The loop over `built` with the engine's hooks, the run's end and `hooks`; its state restored
     from what the run starts from; then the run directory written and the run described."""
-    ctx, data, start = launch.ctx, parts.data, parts.start
+    ctx, data, start = launch.ctx, built.data, built.start
     logger = RunLogger(run_dir, ctx.is_main, cfg.train.tensorboard)
     fixed = Checkpoints.run_fields(cfg, data.skeleton, launch.mode, ctx.world_size, start.fresh)
-    checkpoints = Checkpoints(run_dir, parts.model, parts.optimizer, parts.precision, fixed, ctx.is_main, say)
+    checkpoints = Checkpoints(run_dir, built.model, built.optimizer, built.precision, fixed, ctx.is_main, say)
     metric = engine_hooks.best_metric(cfg.train, data.skeleton)
     defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,
-                                          parts.frozen)
+                                          built.frozen)
     end = RunEnd(run_dir, logger, say, lambda: (data.loader, getattr(validator, "loader", None)), ctx.is_main)
-    failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=parts.net, say=say)
-    trainer = Trainer(loop_parts(cfg.train, parts, ctx.device), defaults + [end] + list(hooks), failure)
+    failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=built.net, say=say)
+    trainer = Trainer(loop_inputs(cfg.train, built, ctx.device), defaults + [end] + list(hooks), failure)
     state = start.state
     if start.reference is not None:
-        state = resume_state(start.reference, str(start.path), parts.model, parts.optimizer, cfg.optim,
+        state = resume_state(start.reference, str(start.path), built.model, built.optimizer, cfg.optim,
                              cfg.model.depth)
     if state is not None:
         checkpoints.restore(trainer, state, start.path, say)
@@ -146,19 +144,19 @@ def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, parts: Parts, valid
         remove_stale_temps(run_dir)   # of saves killed mid-write: checkpoint-sized each
         say.open(run_dir, ctx.device, ctx.world_size)
     logger.open(resumed_step=trainer.step if state is not None else None)
-    _describe(cfg, launch, parts, validator, say)
+    _describe(cfg, launch, built, validator, say)
     return trainer
 
 
-def _describe(cfg: Config, launch: Launch, parts: Parts, validator, say) -> None:
+def _describe(cfg: Config, launch: Launch, built: RunComponents, validator, say) -> None:
     """The run's lines: its launch, data and parameters."""
-    ctx, data, frozen, model = launch.ctx, parts.data, parts.frozen, parts.model
+    ctx, data, frozen, model = launch.ctx, built.data, built.frozen, built.model
     batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
     n_train = sum(p.numel() for p in trainable_parameters(model))
     say(f"mode {launch.mode}, {ctx.world_size} process(es) on {ctx.device}; "
         f"batch {batch // ctx.world_size} per process, {batch} in total"
         + (f", {accumulate} batches per step ({batch * accumulate} samples)"
-           if accumulate > 1 else "") + f"; {parts.precision.describe()}")
+           if accumulate > 1 else "") + f"; {built.precision.describe()}")
     say(f"data: {len(data.train_set)} training samples from {data.train_h5}"
         + (f", {len(data.val_set)} validation samples from {data.val_h5}" if data.val_set
            else "; no --val-h5, so no validation loss, no AP and no best.pth")
@@ -172,32 +170,25 @@ def _describe(cfg: Config, launch: Launch, parts: Parts, validator, say) -> None
 def _failure(exc: Exception, cfg: Config, ctx, run_dir: Path, net, say: RunConsole) -> Exception | None:
     """What a failure means (another rank's end, a worker's death, or memory, and what to lower);
     the line the command ends with, in train.log too."""
-    failure = _meaning(exc, cfg, ctx, run_dir, net)
+    failure, line = None, (str(exc).splitlines() or [""])[0]
+    if isinstance(exc, UserError):
+        pass
+    elif ctx.distributed and (other := dist.error_of_another_rank()) is not None:
+        failure = other
+    elif isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
+        failure = UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
+                            "fewer --workers or a smaller --batch-size)")
+    elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
+        kept, reason = run_dir / "last.pth", (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        failure = UserError(f"out of memory on {ctx.device} ({reason}) with batch "
+                            f"{cfg.train.batch_size // ctx.world_size} per process at input "
+                            f"{cfg.data.input_size}: lower --batch-size (add --accumulate K to keep the "
+                            "total batch) or --input-size"
+                            + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
+                               if getattr(net, "graphed", None) is not None else "")
+                            + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
     shown = failure if failure is not None else exc
     if isinstance(shown, UserError):
         say.record(f"{'' if getattr(shown, 'plain_message', False) else 'error: '}{shown}")
     return failure
-
-
-def _meaning(exc: Exception, cfg: Config, ctx, run_dir: Path, net) -> Exception | None:
-    if isinstance(exc, UserError):
-        return None
-    other = dist.error_of_another_rank() if ctx.distributed else None
-    if other is not None:
-        return other
-    line = (str(exc).splitlines() or [""])[0]
-    if isinstance(exc, RuntimeError) and line.startswith("DataLoader worker (pid"):
-        return UserError(f"{line.strip()} (a loader process of this rank: out of memory? try "
-                         "fewer --workers or a smaller --batch-size)")
-    if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not (
-            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
-        return None
-    size, batch = cfg.data.input_size, cfg.train.batch_size // ctx.world_size
-    kept = run_dir / "last.pth"
-    reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-    return UserError(f"out of memory on {ctx.device} ({reason})"
-                     f" with batch {batch} per process at input {size}: lower --batch-size (add "
-                     f"--accumulate K to keep the total batch) or --input-size"
-                     + (", or add --cuda-graphs False (the captured graphs hold their own memory)"
-                        if getattr(net, "graphed", None) is not None else "")
-                     + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))

@@ -1,10 +1,5 @@
-"""The training loop and nothing else: `Trainer(parts, hooks)` runs epochs of optimiser steps over
-the batches its parts give, with hooks around every step and epoch. It knows no configuration and no
-run directory (engine/run_trainer.py composes a run around it). Hook methods run in this order:
-`before_train`, per epoch `before_epoch`, per step `before_step` and `after_step`, then
-`after_validation` and `after_epoch`; `after_train`; `on_stop` last, whatever happened. Hooks run by
-`priority`, lower first, and read the loop through `LoopState`.
-"""
+"""The training loop and nothing else: `Trainer(inputs, hooks)` runs epochs of optimiser steps, hooks
+(by `priority`, reading the loop through `LoopState`) around each step and epoch; it knows no config."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +13,7 @@ from torch import nn
 from common.errors import UserError
 from runtime import distributed as dist
 
-__all__ = ["Trainer", "TrainParts", "StepResult", "Interrupted", "Hook", "LoopState", "OptimiserStep"]
+__all__ = ["Trainer", "LoopInputs", "StepResult", "Interrupted", "Hook", "LoopState", "OptimiserStep"]
 
 
 class OptimiserStep(Protocol):
@@ -94,7 +89,7 @@ class Interrupted(UserError):
 
 
 @dataclass
-class TrainParts:
+class LoopInputs:
     """What the loop runs: `net(images, target, mask)` -> (per-sample loss [B], loss parts), and
     `batches(epoch, start)` -> model inputs from batch `start` of `epoch` on."""
     net: nn.Module
@@ -120,7 +115,7 @@ class StepResult:
     lr: float
     skipped: bool               # no update: a bad loss on some rank, or non-finite gradients
     stop: bool                  # some rank was asked to stop (signal) during the step
-    parts: dict = field(default_factory=dict)    # the loss's parts, mean over the batches (tensors)
+    loss_parts: dict = field(default_factory=dict)    # the loss's parts, mean over the batches (tensors)
     epoch: int = 0
     first: int = 0              # the step's first batch in its epoch
     samples_per_s: float = 0.0
@@ -131,12 +126,12 @@ class StepResult:
 class Trainer:
     """`failure(exc)`: the error to raise instead of `exc`, or None."""
 
-    def __init__(self, parts: TrainParts, hooks: Iterable[Hook] = (),
+    def __init__(self, inputs: LoopInputs, hooks: Iterable[Hook] = (),
                  failure: Callable[[Exception], Exception | None] = lambda exc: None):
-        self.parts, self.net, self.optim_step = parts, parts.net, parts.optim_step
-        self.model = parts.model if parts.model is not None else parts.net
-        self.epochs, self.accumulate = parts.epochs, parts.accumulate
-        self.batches_per_epoch = parts.batches_per_epoch
+        self.inputs, self.net, self.optim_step = inputs, inputs.net, inputs.optim_step
+        self.model = inputs.model if inputs.model is not None else inputs.net
+        self.epochs, self.accumulate = inputs.epochs, inputs.accumulate
+        self.batches_per_epoch = inputs.batches_per_epoch
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
         self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
@@ -146,15 +141,15 @@ class Trainer:
 
     def run_step(self, inputs: list) -> StepResult:
         """One optimisation step over `inputs` (several: accumulation), each on the device."""
-        parts = {}
+        loss_parts = {}
 
         def loss_of(images, target, mask):
             per_sample, losses = self.net(images, target, mask)
             for k, v in losses.items():
-                parts[k] = parts.get(k, 0) + v.detach().mean() / len(inputs)
+                loss_parts[k] = loss_parts.get(k, 0) + v.detach().mean() / len(inputs)
             return per_sample.mean()
         out = self.optim_step.update(inputs, loss_of, lambda: self.stop_signal is not None)
-        out.parts = parts
+        out.loss_parts = loss_parts
         return out
 
     def train_one_epoch(self, epoch: int) -> float | None:
@@ -165,7 +160,7 @@ class Trainer:
         self._call("before_epoch", epoch)
         loss_sum, count = torch.zeros((), dtype=torch.float64), 0
         tick = time.perf_counter()          # samples per second since the epoch's first step
-        batches = self.parts.batches(epoch, start)
+        batches = self.inputs.batches(epoch, start)
         for n in range(self.steps_this_epoch):
             first = start + n * accumulate
             self._call("before_step", epoch, first)
@@ -175,7 +170,7 @@ class Trainer:
                 loss_sum += out.loss
                 count += 1
             out.epoch, out.first = epoch, first
-            out.samples_per_s = self.parts.samples_per_step * (n + 1) / (time.perf_counter() - tick)
+            out.samples_per_s = self.inputs.samples_per_step * (n + 1) / (time.perf_counter() - tick)
             out.last_of_epoch = n == self.steps_this_epoch - 1
             self._call("after_step", out)
         # mean over ranks too (every rank has the same count: skips are decided together)

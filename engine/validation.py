@@ -1,8 +1,5 @@
-"""A run's validation, owned as mmengine's ValLoop owns it: `Validator` holds the validation set, its
-loader (made at the first validation; its workers then persist), the network it evaluates, the
-evaluator of the skeleton's metrics and the validation pictures. `TrainerBuilder.build_validator`
-makes it; `engine.hooks.EpochEnd` asks it for the `loss` and the `metrics` when they are due.
-"""
+"""A run's validation, owned as mmengine's ValLoop owns it: `Validator` (the set, its persistent
+loader, the network, the evaluator, the pictures), asked by `engine.hooks.EpochEnd` when due."""
 from __future__ import annotations
 
 import math
@@ -24,7 +21,8 @@ class Validator:
     `model`: the network the `evaluator` (the AP pass) and `draw` (the pictures) run."""
 
     def __init__(self, cfg: Config, ctx, data, net: nn.Module, model: nn.Module,
-                 evaluator: Callable | None = None, draw: Callable | None = None, run_dir: Path | None = None):
+                 evaluator: Callable | None = None, draw: Callable | None = None,
+                 run_dir: Path | None = None):
         self.cfg, self.ctx, self.net, self.model, self.run_dir = cfg, ctx, net, model, run_dir
         self.val_set, self.val_h5, self.skeleton = data.val_set, data.val_h5, data.skeleton
         self.evaluator, self.draw, self.loader = evaluator, draw, None

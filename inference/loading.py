@@ -43,8 +43,9 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
                flip: bool | None = None, say=None):
     """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
     (converted, `say` says so) or a bare weights file; its skeleton is `model.skeleton`."""
-    from runtime.checkpoint import load_checkpoint, load_weights, preferred_weights, reference_file_settings
+    from runtime.checkpoint import load_checkpoint, load_weights, reference_file_settings
     from models import build_model
+    from models.checkpoint_weights import preferred_weights
 
     try:
         state, not_a_checkpoint = load_checkpoint(weights), None

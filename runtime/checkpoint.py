@@ -1,5 +1,5 @@
-"""Checkpoints of a run (plain values and tensors, engine/checkpoints.py says which): atomic saving,
-weights-only loading (no file runs code), weights of other layouts, RNG states, resume lookup."""
+"""Checkpoint files (plain values and tensors; engine/checkpoints.py owns their entries): atomic
+saving, weights-only loading (no file runs code), weights of other layouts, RNG states."""
 from __future__ import annotations
 
 import contextlib
@@ -46,20 +46,6 @@ def _plain(value, where: str):
                     "tensors can be saved (so that weights_only loading can read them)")
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return                                   # platforms that cannot open a directory
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path, state: dict) -> None:
     """Write `state` + `format_version` to `path` atomically; CheckpointError if it cannot be."""
     path = Path(path)
@@ -72,7 +58,17 @@ def save_checkpoint(path, state: dict) -> None:
         with written_whole(path, temp=temp) as temp, open(temp, "wb") as file:
             torch.save(state, file)
         replaced = True
-        _fsync_dir(path.parent)
+        try:
+            fd = os.open(path.parent, os.O_RDONLY)      # the rename made durable
+        except OSError:
+            return                                   # platforms that cannot open a directory
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+                raise
+        finally:
+            os.close(fd)
     except Exception as exc:
         kept = "; the previous file there, if any, is intact" if not replaced else ""
         raise CheckpointError(f"cannot save checkpoint {path}: {chained_os_reason(exc)}{kept}") from exc
@@ -129,23 +125,6 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-def find_latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint of `run_dir` with the highest stored step, or None (unreadable ones raise)."""
-    order = {}
-    for path in sorted(Path(run_dir).glob("*.pth")):
-        try:
-            state = load_checkpoint(path, mmap=True)
-            step, epoch = state.get("step", state.get("global_step")), state.get("epoch")
-            order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
-                           path.name == "last.pth", path.stat().st_mtime)
-        except (CheckpointError, OSError) as exc:
-            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
-            raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
-                                  f"of {run_dir}, or resume from another checkpoint with --resume PATH"
-                                  ) from None
-    return max(order, key=order.get, default=None)
-
-
 # ------------------------------------------------------------------------------------ RNG states
 def capture_rng_state() -> dict:
     """Python, numpy, torch CPU (and CUDA) generator states as tensors and plain values."""
@@ -198,28 +177,6 @@ def _is_state_dict(obj) -> bool:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
-def _find_weights(obj, source: str) -> dict:
-    """The state dict in a loaded file: itself, or under `model` / `state_dict` / `weights`."""
-    for _ in range(3):                    # e.g. {"state_dict": {"model": {...}}}
-        if _is_state_dict(obj):
-            return obj
-        inner = [obj[k] for k in WEIGHTS_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
-        obj = inner[0] if inner else None
-    raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
-                          f"under a key {', '.join(WEIGHTS_KEYS)}")
-
-
-def preferred_weights(obj) -> tuple[object, str]:
-    """(what to load, a note): a checkpoint's EMA weights (with a note), anything else as it is."""
-    ema = obj.get("ema") if isinstance(obj, dict) else None
-    averaged = ema.get("model") if isinstance(ema, dict) else None
-    if not _is_state_dict(averaged):
-        return obj, ""
-    updates = ema.get("updates")
-    return averaged, (f"the EMA weights (decay {ema.get('decay', '?')}, {updates} updates), not the "
-                      "training weights")
-
-
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
@@ -237,8 +194,17 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     reference = reference_weights(obj)
     if reference is not None:       # the authors' layout: renamed by structure, first conv to RGB
         weights = to_ours(reference, target, len(target.stacks[0].hourglass.levels))
-    else:
-        weights = _find_weights(obj, source)
+    else:                           # the file itself, or under WEIGHTS_KEYS: {"state_dict": {"model": ...}}
+        weights = obj
+        for _ in range(3):
+            if _is_state_dict(weights):
+                break
+            inner = [weights[k] for k in WEIGHTS_KEYS
+                     if isinstance(weights, dict) and isinstance(weights.get(k), dict)]
+            weights = inner[0] if inner else None
+        else:
+            raise CheckpointError(f"{source} holds no weights: expected a state dict of tensors, or one "
+                                  f"under a key {', '.join(WEIGHTS_KEYS)}")
     expected = target.state_dict()
     stripped = {WRAPPERS.sub("", k): v for k, v in weights.items()}   # `target` is unwrapped: never added
     weights = max((weights, stripped), key=lambda named: sum(k in expected for k in named))

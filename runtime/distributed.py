@@ -1,6 +1,5 @@
-"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (ranks meet
-in a store, where a failing rank leaves its error; a `RankWatch` catches one that dies or freezes);
-once the group is lost, every collective here raises why."""
+"""The process group: rank and device, collectives, per-rank seeding; ranks fail together (a failing
+rank leaves its error in the store), and once the group is lost every collective raises why."""
 from __future__ import annotations
 
 import contextlib
@@ -39,16 +38,6 @@ class DistContext:
     is_main: bool = True
     launcher: str = "none"        # none | torchrun | env | slurm
     local_world_size: int = 1
-
-
-def _pick_backend(name: str, device: torch.device) -> str:
-    if name not in BACKENDS:
-        raise ConfigError(f"dist.backend {name!r} is unknown; use one of {', '.join(BACKENDS)}")
-    if name == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if name == "nccl" and device.type != "cuda":
-        raise ConfigError("dist.backend nccl needs CUDA devices; use gloo (or auto) with --device cpu")
-    return name
 
 
 _CONTEXT: DistContext | None = None
@@ -94,9 +83,15 @@ def _set_context(launch, dev: torch.device, dist_cfg: DistConfig, distributed: b
     global _CONTEXT
     if dev.type == "cuda":
         torch.cuda.set_device(dev)   # before any CUDA context or NCCL communicator exists
-    _CONTEXT = DistContext(launch.rank, launch.local_rank, max(launch.world_size, 1), dev,
-                           _pick_backend(dist_cfg.backend, dev) if distributed else "", distributed,
-                           launch.rank == 0, launch.launcher, launch.local_world_size or 1)
+    backend = dist_cfg.backend if distributed else ""
+    if backend not in ("", *BACKENDS):
+        raise ConfigError(f"dist.backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError("dist.backend nccl needs CUDA devices; use gloo (or auto) with --device cpu")
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    _CONTEXT = DistContext(launch.rank, launch.local_rank, max(launch.world_size, 1), dev, backend,
+                           distributed, launch.rank == 0, launch.launcher, launch.local_world_size or 1)
     return _CONTEXT
 
 
@@ -284,8 +279,15 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 
 def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s: float) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    if launch.rank != 0 and not _reachable(launch.master_addr, launch.master_port, min(timeout_s, 30.0)):
-        return                            # no rank 0 there: the store's own attempt would log a trace
+    deadline = time.monotonic() + min(timeout_s, 30.0)
+    while launch.rank != 0:               # no rank 0 there: the store's own attempt would log a trace
+        try:
+            with socket.create_connection((launch.master_addr, launch.master_port), timeout=2.0):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
     with contextlib.suppress(UserError, RuntimeError, dist.DistError):
         store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
         store.compare_set(ERROR_KEY, "", f"rank {launch.rank}: {err}")
@@ -295,19 +297,6 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s:
         while launch.rank == 0 and store.add(_ENDED_KEY, 0) < launch.world_size - 1 \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-def _reachable(host: str, port: int, within_s: float) -> bool:
-    """Whether something accepts connections on host:port within `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=2.0):
-                return True
-        except OSError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.2)
 
 
 def _meet(store, launch, timeout_s: float) -> None:

@@ -34,15 +34,6 @@ def _version(module: str) -> str | None:
     return _installed_version(module) if version is None else str(version)
 
 
-def _apex() -> dict | None:
-    """Where Apex is, its version and compiled extensions (found, not imported); None without it."""
-    spec = importlib.util.find_spec("apex")
-    if spec is None:
-        return None
-    return {"path": str(Path(spec.origin or "").parent), "version": _installed_version("apex"),
-            "extensions": [name for name in APEX_EXTENSIONS if importlib.util.find_spec(name)]}
-
-
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20)
@@ -62,12 +53,13 @@ def _cpu_name() -> str:
 def describe_environment(device: torch.device, world_size: int) -> dict:
     """The environment of a run on `device` (this process's) with `world_size` processes."""
     commit, changes = _git("rev-parse", "HEAD"), _git("status", "--porcelain")
-    cuda = torch.cuda.is_available()
+    cuda, apex = torch.cuda.is_available(), importlib.util.find_spec("apex")     # found, not imported
     return {
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
                      **{name: _version(module) for name, module in LIBRARIES.items()}},
-        "apex": _apex(),
+        "apex": apex and {"path": str(Path(apex.origin or "").parent), "version": _installed_version("apex"),
+                          "extensions": [name for name in APEX_EXTENSIONS if importlib.util.find_spec(name)]},
         "git": {"commit": commit, "clean": None if changes is None else changes == ""},
         "command": [sys.executable, *sys.argv],
         "device": str(device), "world_size": world_size,

@@ -1,10 +1,5 @@
-"""torchrun that ends as the run does: `python -m runtime.launch [torchrun's options] SCRIPT ...` runs
-torch's own elastic launcher (torch.distributed.run) in this process, with all its options and
-behaviour, and ends with the ranks' code and line. Stopped by SIGTERM or SIGUSR1 (to it or its
-group), the ranks save and exit 2, and so does this launcher, with their line saying how to resume;
-a rank that ends with its own error (exit 2, 3) gives its code and line. Plain torchrun ends with 1
-and a traceback there: its SIGTERM handler raises SignalException. Other failures keep torch's report.
-"""
+"""torchrun that ends as the run does: `python -m runtime.launch [torchrun's options] SCRIPT ...`
+exits with the ranks' code and line (2 when stopped by SIGTERM / SIGUSR1), not torchrun's 1 and traceback."""
 from __future__ import annotations
 
 import os

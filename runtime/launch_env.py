@@ -1,8 +1,5 @@
-"""What the launcher tells this process (rank, local rank, world, master address and port, device),
-read from the environment only; first match wins: torchrun or `torch.distributed.launch` (its
---local-rank wins), the same variables set by hand, SLURM (master: MASTER_ADDR, else 127.0.0.1 on
-one node, else the node list's first host; port 20000 + SLURM_JOB_ID % 10000). Else one process.
-"""
+"""What the launcher tells this process (rank, world, master, device), from the environment only:
+torchrun or the same variables by hand, SLURM, else one process (docs/distributed.md)."""
 from __future__ import annotations
 
 import os
@@ -46,19 +43,6 @@ def _env_int(env, name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _expand_tasks_per_node(spec: str) -> list[int]:
-    """SLURM's '2(x3),1' -> [2, 2, 2, 1]."""
-    counts = []
-    for part in spec.split(","):
-        part = part.strip()
-        if "(x" in part:
-            num, times = part.rstrip(")").split("(x")
-            counts += [int(num)] * int(times)
-        elif part:
-            counts.append(int(part))
-    return counts
-
-
 def _first_slurm_host(env) -> str:
     names = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     nodelist = next((env[name] for name in names if env.get(name)), "")
@@ -78,7 +62,10 @@ def _read_slurm(env) -> ProcessPlace:
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if per_node:
         try:
-            counts = _expand_tasks_per_node(per_node)
+            counts = []                          # SLURM's '2(x3),1' -> [2, 2, 2, 1]
+            for part in filter(None, map(str.strip, per_node.split(","))):
+                num, _, times = part.rstrip(")").partition("(x")
+                counts += [int(num)] * int(times or 1)
             place.local_world_size = counts[min(_env_int(env, "SLURM_NODEID", 0), len(counts) - 1)]
         except (ValueError, IndexError):
             raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={per_node!r}") from None

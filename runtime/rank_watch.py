@@ -1,7 +1,5 @@
-"""The watch every rank keeps on the others (its pulse on the next rank's beat, its judge on the store):
-a rank that dies or freezes ends the job in bounded time, with one `error:` line naming it. Neither
-counts the time it was itself stopped (a whole job paused and continued) against another rank. A
-rank's own DataLoader workers, stopped as long, end the job too (the rank would wait on them)."""
+"""The watch every rank keeps on the others and on its own DataLoader workers: one that dies or
+freezes ends the job in bounded time with one `error:` line; time this rank was stopped is not counted."""
 from __future__ import annotations
 
 import contextlib
@@ -146,10 +144,7 @@ class RankWatch:
             if self.verdict is None and now - max(self._answered, resumed) > self.silent_s:
                 self.decide(self.store_lost(f"has not answered for {now - self._answered:.0f} s"))
             if self.verdict is not None and now - self._decided > self.grace_s:
-                self._end()
-                return
-
-    def _end(self) -> None:
+                break
         with self._ending:
             if self._stopped.is_set():
                 return

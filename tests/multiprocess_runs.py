@@ -198,8 +198,7 @@ def _abort_before_save() -> None:
 
 
 def _stale_checkpoint_view(name: str) -> None:
-    from engine import trainer
-    from runtime import checkpoint
+    from engine import checkpoints as checkpoint, trainer
 
     def stale_latest(run_dir):
         return Path(run_dir) / name

@@ -77,21 +77,21 @@ def test_an_accumulated_step_equals_one_step_on_the_joined_batch(tmp_path, synth
     amp = [f"amp.opt_level={level}", f"amp.dtype={dtype}", "amp.loss_scale=128"]
     joined = trainer(tmp_path, synthetic_h5, "joined", 4, 1, *amp)
     split = trainer(tmp_path, synthetic_h5, "split", 2, 2, *amp)
-    start = joined.parts.precision.float32_state_dict(joined.parts.model)
-    split_start = split.parts.precision.float32_state_dict(split.parts.model)
+    start = joined.components.precision.float32_state_dict(joined.components.model)
+    split_start = split.components.precision.float32_state_dict(split.components.model)
     assert all(torch.equal(start[k], v) for k, v in split_start.items())
-    batch = [torch.stack(t) for t in zip(*(joined.parts.data.train_set[i] for i in range(4)))]
+    batch = [torch.stack(t) for t in zip(*(joined.components.data.train_set[i] for i in range(4)))]
     halves = [[t[:2] for t in batch], [t[2:] for t in batch]]
     for t in (joined, split):
-        t.parts.net.train()
-        bn_eval(t.parts.model)
-    painter, cpu = joined.parts.data.train_set.painter_for("cpu"), torch.device("cpu")
+        t.components.net.train()
+        bn_eval(t.components.model)
+    painter, cpu = joined.components.data.train_set.painter_for("cpu"), torch.device("cpu")
     out_joined = joined.trainer.run_step([to_model_input(batch, cpu, painter)])
     out_split = split.trainer.run_step([to_model_input(half, cpu, painter) for half in halves])
     assert not out_joined.skipped and not out_split.skipped
     assert out_split.loss == pytest.approx(out_joined.loss, rel=10 * tolerance)  # mean of the 4 samples
-    a = joined.parts.precision.float32_state_dict(joined.parts.model)
-    b = split.parts.precision.float32_state_dict(split.parts.model)
+    a = joined.components.precision.float32_state_dict(joined.components.model)
+    b = split.components.precision.float32_state_dict(split.components.model)
     keys = [k for k in a if a[k].is_floating_point()]
     update = torch.cat([(a[k] - start[k]).flatten() for k in keys]).norm()
     diff = torch.cat([(a[k] - b[k]).flatten() for k in keys]).norm()

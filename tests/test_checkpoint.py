@@ -17,9 +17,9 @@ from torch import nn
 
 from common.errors import CheckpointError
 from runtime import checkpoint
-from runtime.checkpoint import (FORMAT_VERSION, capture_rng_state, find_latest_checkpoint,
-                               load_checkpoint, load_weights, model_state_dict, restore_rng_state,
-                               save_checkpoint, unwrap_model)
+from engine.checkpoints import find_latest_checkpoint
+from runtime.checkpoint import (FORMAT_VERSION, capture_rng_state, load_checkpoint, load_weights,
+                               model_state_dict, restore_rng_state, save_checkpoint, unwrap_model)
 
 
 def tiny_model() -> nn.Module:

@@ -23,7 +23,7 @@ from engine.cuda_graphs import GraphedNetwork, use_cuda_graphs
 from engine.loaders import to_model_input
 from engine.optim import OptimStep
 from engine.precision import NativePrecision
-from engine.trainer import Trainer, TrainParts
+from engine.trainer import Trainer, LoopInputs
 from models import FocalL2Loss
 from runtime.distributed import DistContext
 
@@ -95,7 +95,7 @@ def train(tiny_cfg, inputs, graphs: list | None, accumulate: int = 1):
     if graphs is not None:
         net.graphed = GraphedNetwork(model, precision, make_graphed=graphed_stand_in(graphs))
     seen = []
-    trainer = Trainer(TrainParts(net, step, TrainParts.feed(inputs), batches_per_epoch=len(inputs),
+    trainer = Trainer(LoopInputs(net, step, LoopInputs.feed(inputs), batches_per_epoch=len(inputs),
                                  accumulate=accumulate))
     seen.append(trainer.train_one_epoch(0))
     with torch.no_grad():
@@ -122,18 +122,19 @@ def test_a_run_with_graphs_trains_exactly_as_the_eager_run_and_replays_only_its_
 
 
 def test_cuda_graphs_are_used_where_they_can_be_and_refused_in_one_line_where_asked_and_impossible():
-    class Launch:
+    class LaunchOn:
         def __init__(self, device, mode="single"):
             self.ctx, self.mode = DistContext(device=torch.device(device)), mode
 
-    assert use_cuda_graphs(AmpConfig(), Launch("cuda")) is True
-    for amp, launch in [(AmpConfig(), Launch("cpu")), (AmpConfig(), Launch("cuda", "ddp")),
-                        (AmpConfig(backend="apex"), Launch("cuda")), (AmpConfig(compile=True), Launch("cuda")),
-                        (AmpConfig(cuda_graphs=False), Launch("cuda"))]:
+    assert use_cuda_graphs(AmpConfig(), LaunchOn("cuda")) is True
+    for amp, launch in [(AmpConfig(), LaunchOn("cpu")), (AmpConfig(), LaunchOn("cuda", "ddp")),
+                        (AmpConfig(backend="apex"), LaunchOn("cuda")),
+                        (AmpConfig(compile=True), LaunchOn("cuda")),
+                        (AmpConfig(cuda_graphs=False), LaunchOn("cuda"))]:
         assert use_cuda_graphs(amp, launch) is False
     with pytest.raises(ConfigError, match=r"^option amp.cuda_graphs \(--cuda-graphs\): .* here the launch "
                                           r"mode is dataparallel; leave it at auto$"):
-        use_cuda_graphs(AmpConfig(cuda_graphs=True), Launch("cuda", "dataparallel"))
+        use_cuda_graphs(AmpConfig(cuda_graphs=True), LaunchOn("cuda", "dataparallel"))
 
 
 @pytest.mark.slow
@@ -156,13 +157,13 @@ def test_no_capture_meets_pinned_memory_allocated_by_the_dataloaders_thread(tiny
         def build_data(self, cfg, ctx):
             raise Built(super().build_data(cfg, ctx))
 
-    class Launch:
+    class CudaLaunch:
         ctx, mode = DistContext(device=torch.device("cuda")), "single"
 
     cfg = replace(tiny_cfg, data=replace(tiny_cfg.data, train_h5=str(synthetic_h5[0]), val_h5="", workers=2,
                                          input_size=64), train=replace(tiny_cfg.train, batch_size=2))
     with pytest.raises(Built) as built:
-        Builder().build(cfg, Launch())
+        Builder().build(cfg, CudaLaunch())
     data = built.value.args[0]
     from models import build_model
     torch.manual_seed(0)
@@ -176,7 +177,7 @@ def test_no_capture_meets_pinned_memory_allocated_by_the_dataloaders_thread(tiny
     painter = data.train_set.painter_for(torch.device("cpu"))
     feed = lambda epoch, start: (to_model_input(b, torch.device("cpu"), painter) for b in data.loader)  # noqa: E731
     try:
-        Trainer(TrainParts(net, step, feed, batches_per_epoch=6)).train_one_epoch(0)
+        Trainer(LoopInputs(net, step, feed, batches_per_epoch=6)).train_one_epoch(0)
     finally:
         data.loader.close()
     assert captures and captures[0]["replays"] == 3

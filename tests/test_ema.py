@@ -13,7 +13,8 @@ from common.errors import CheckpointError, ConfigError
 from config.loader import to_dict
 from data.skeleton import builtin
 from engine.precision import NativePrecision as Precision
-from runtime.checkpoint import preferred_weights, save_checkpoint
+from models.checkpoint_weights import preferred_weights
+from runtime.checkpoint import save_checkpoint
 from engine.ema import WeightsEMA
 from engine.trainer import StepResult
 from models import build_model

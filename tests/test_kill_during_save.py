@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.checkpoints import find_latest_checkpoint
+from runtime.checkpoint import TEMP_SUFFIX, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow          # every test here starts processes
 
@@ -27,7 +28,8 @@ PAYLOAD = 500_000      # floats per checkpoint (2 MB): a save takes long enough 
 # without pause), reports the saver's pid, and reports how it died.
 HELPER = f"""
 import os, sys, torch
-from runtime.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.checkpoints import find_latest_checkpoint
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 run_dir = sys.argv[1]
 print("ready", flush=True)
 for _ in sys.stdin:

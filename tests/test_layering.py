@@ -151,3 +151,26 @@ def test_the_engines_public_functions_and_classes_have_one_name_each():
                     and node.name not in ("build_parser", "main", "run"):
                 where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: paths for name, paths in where.items() if len(paths) > 1}
+
+
+def test_runtime_reads_and_writes_checkpoint_files_but_names_none_of_their_entries():
+    """engine/checkpoints.py owns what a checkpoint holds (models/checkpoint_weights.py, the weights
+    evaluation prefers); "model" stays one of the keys any file's weights may sit under."""
+    from engine.checkpoints import RESUME_FIELDS, RESUME_OPTIONAL, TrainState
+    from models.checkpoint_weights import EMA_KEY
+    entries = {*RESUME_FIELDS, *RESUME_OPTIONAL, *TrainState.__dataclass_fields__, EMA_KEY, "global_step",
+               "skeleton", "fresh_tensors", "decay", "updates", "best_metric"} - {"model"}
+    named = {f"{path.relative_to(ROOT)}: {node.value!r}" for path in sorted((ROOT / "runtime").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)
+             and isinstance(node.value, str) and node.value in entries}
+    assert not named, sorted(named)
+
+
+def test_no_stand_in_of_a_test_takes_the_name_of_an_engine_class():
+    """A test's own class named as one of the engine's (two `Launch`) reads as the engine's."""
+    engine = {node.name for path in (ROOT / "engine").rglob("*.py")
+              for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    taken = {f"{path.name}: {node.name}" for path in sorted((ROOT / "tests").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+             and node.name in engine}
+    assert not taken, sorted(taken)

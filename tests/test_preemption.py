@@ -26,7 +26,8 @@ import torch
 
 import train
 from config.loader import build_config
-from runtime.checkpoint import TEMP_SUFFIX, find_latest_checkpoint, load_checkpoint
+from runtime.checkpoint import TEMP_SUFFIX, load_checkpoint
+from engine.checkpoints import find_latest_checkpoint
 from engine.cli import run_main
 from engine.loaders import PersistentWorkersLoader, ignore_stop_signals
 from engine.optim import lr_at

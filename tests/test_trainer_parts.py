@@ -23,7 +23,7 @@ from engine.build import ModelWithLoss
 from engine.optim import OptimStep, lr_at
 from engine.precision import NativePrecision as Precision
 from engine.checkpoints import Checkpoints
-from engine.trainer import StepResult, Trainer, TrainParts
+from engine.trainer import StepResult, Trainer, LoopInputs
 
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
@@ -53,7 +53,7 @@ def test_a_trainer_runs_from_a_model_a_loss_an_optimiser_step_and_batches(tmp_pa
     images = torch.randn(4, 3, 8, 8)
     inputs = [(images[i:i + 2], images[i:i + 2, :2] * 0.5, torch.ones(2, 1, 8, 8)) for i in (0, 2)]
     hook = Steps()
-    parts = TrainParts(ModelWithLoss(model, SquaredError(), precision), step, TrainParts.feed(inputs),
+    parts = LoopInputs(ModelWithLoss(model, SquaredError(), precision), step, LoopInputs.feed(inputs),
                        batches_per_epoch=2, epochs=3)
     result = Trainer(parts, [hook]).fit()
     assert result == {"epoch": 3, "step": 6}
@@ -61,7 +61,7 @@ def test_a_trainer_runs_from_a_model_a_loss_an_optimiser_step_and_batches(tmp_pa
     assert [(out.epoch, out.first, out.last_of_epoch) for out in hook.seen[:2]] == [(0, 0, False), (0, 1, True)]
     losses = [out.loss for out in hook.seen]
     assert losses[-1] < 0.5 * losses[0]                  # it learnt the target, step by step
-    assert set(hook.seen[0].parts) == {"squared"}
+    assert set(hook.seen[0].loss_parts) == {"squared"}
     assert os.listdir(tmp_path) == []                     # no run directory, no file of any kind
 
 
@@ -77,7 +77,7 @@ def test_a_bare_trainer_runs_with_the_engines_default_hooks(tmp_path):
         checkpoints = Checkpoints(tmp_path, model, optimizer, precision)
         hooks = default_hooks(cfg, checkpoints, logger, said.append, validator=SimpleNamespace())
         next(h for h in hooks if isinstance(h, EpochEnd)).validate = lambda trainer, epoch, *due: validations[epoch]
-        parts = TrainParts(ModelWithLoss(model, SquaredError(), precision), step, TrainParts.feed(inputs),
+        parts = LoopInputs(ModelWithLoss(model, SquaredError(), precision), step, LoopInputs.feed(inputs),
                            batches_per_epoch=2, epochs=4, model=model)
         return Trainer(parts, hooks), checkpoints
 
@@ -111,8 +111,8 @@ def test_accumulated_steps_take_the_model_inputs_of_several_batches():
                      model, OptimConfig())
     images = torch.randn(4, 3, 4, 4)
     inputs = [(images[i:i + 1], torch.zeros(1, 2, 4, 4), torch.ones(1, 1, 4, 4)) for i in range(4)]
-    trainer = Trainer(TrainParts(ModelWithLoss(model, SquaredError(), precision), step,
-                                 TrainParts.feed(inputs), batches_per_epoch=4, accumulate=2))
+    trainer = Trainer(LoopInputs(ModelWithLoss(model, SquaredError(), precision), step,
+                                 LoopInputs.feed(inputs), batches_per_epoch=4, accumulate=2))
     assert trainer.fit() == {"epoch": 1, "step": 2}
 
 
@@ -164,7 +164,7 @@ def test_a_bare_trainer_validates_with_the_builders_validator(tmp_path, syntheti
     builds, under a bare `Trainer` with the engine's hooks and no run around them."""
     from engine.build import TrainerBuilder
     from engine.cli import single_process_context
-    from engine.run_trainer import Launch, loop_parts
+    from engine.run_trainer import Launch, loop_inputs
 
     cfg = build_config("tiny", sets=[f"data.train_h5={synthetic_h5[0]}", f"data.val_h5={synthetic_h5[1]}",
                                      "data.workers=0", "train.batch_size=2", "train.max_steps_per_epoch=1",
@@ -176,7 +176,7 @@ def test_a_bare_trainer_validates_with_the_builders_validator(tmp_path, syntheti
     checkpoints = Checkpoints(tmp_path, parts.model, parts.optimizer, parts.precision)
     logger, said = RunLogger(tmp_path, True, tensorboard=False).open(), []
     hooks = default_hooks(cfg, checkpoints, logger, said.append, validator=validator)
-    result = Trainer(loop_parts(cfg.train, parts, launch.ctx.device), hooks).fit()
+    result = Trainer(loop_inputs(cfg.train, parts, launch.ctx.device), hooks).fit()
     losses = [r["loss"] for r in logger.read() if r["kind"] == "val"]
     assert len(losses) == 2 and all(loss > 0 for loss in losses) and result["loss"] == losses[-1]
     assert load_checkpoint(tmp_path / "best.pth")["best_metric"] == min(losses)

@@ -1,7 +1,4 @@
-"""A run's mixed precision: the backend interface (`interface`), the native (torch.amp) and Apex
-backends (`native`, `apex`, `apex_checks`), the loss scaler's state (`loss_scale`); here, the
-backends by name (`amp.backend`) and the process-wide CUDA switches.
-"""
+"""A run's mixed precision: the backends by name (`amp.backend`) and the process-wide CUDA switches."""
 from __future__ import annotations
 
 import contextlib

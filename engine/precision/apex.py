@@ -1,7 +1,5 @@
-"""The `apex` precision backend (`--amp-backend apex`): NVIDIA Apex's own amp, for users whose Apex
-still has it (25.04 and older; `apex_checks` runs first). Apex is never a dependency. An overflow
-Apex found shows as non-finite gradients, so the engine's skip vote agrees with Apex.
-"""
+"""The `apex` precision backend: NVIDIA Apex's own amp (25.04 and older; never a dependency); an
+overflow Apex found shows as non-finite gradients, so the engine's skip vote agrees with it."""
 from __future__ import annotations
 
 import importlib

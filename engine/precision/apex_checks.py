@@ -1,7 +1,5 @@
-"""What the apex backend needs, checked in one line each before anything is built (Apex with `amp`,
-importable with this PyTorch, a CUDA device, float16, no --compile, no ZeRO or multi-GPU
-DataParallel under O2/O3), and which Apex build is installed (`apex_build`).
-"""
+"""What the apex backend needs, checked in one line each before anything is built, and which Apex
+build is installed (`apex_build`)."""
 from __future__ import annotations
 
 import contextlib
@@ -78,7 +76,22 @@ def check_apex_options(cfg: Config) -> None:
 
 def check_installed(device: str) -> None:
     """ConfigError unless an Apex with amp imports, can patch this PyTorch, and CUDA is there."""
-    _check_apex_installed()
+    if importlib.util.find_spec("apex") is None:
+        raise ConfigError(f"--amp-backend apex: Apex is not installed (import apex fails); install "
+                          f"NVIDIA Apex {LAST_APEX_WITH_AMP} or older (the last with apex.amp), e.g. from "
+                          "an NGC PyTorch container before 25.07, or use --amp-backend native")
+    try:
+        importlib.import_module("apex")
+        has_amp = all(importlib.util.find_spec(f"apex.{name}") is not None for name in ("amp", "parallel"))
+    except Exception as exc:                 # noqa: BLE001 - whatever this Apex raises on import
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigError(f"--amp-backend apex: {_apex_where()} does not import with PyTorch "
+                          f"{torch.__version__} ({type(exc).__name__}: {first}); use --amp-backend "
+                          "native") from None
+    if not has_amp:
+        raise ConfigError(f"--amp-backend apex: {_apex_where()} has no apex.amp / apex.parallel: NVIDIA "
+                          f"removed them in Apex 25.07; {LAST_APEX_WITH_AMP} is the last release that has "
+                          "them. Install that one, or use --amp-backend native (torch.amp)")
     missing = missing_torch_apis()
     if missing:
         raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
@@ -105,25 +118,6 @@ def _apex_where() -> str:
         return f"Apex {version('apex')} at {where}"
     except Exception:            # a source checkout on PYTHONPATH has no package metadata
         return f"the Apex at {where}"
-
-
-def _check_apex_installed() -> None:
-    if importlib.util.find_spec("apex") is None:
-        raise ConfigError(f"--amp-backend apex: Apex is not installed (import apex fails); install "
-                          f"NVIDIA Apex {LAST_APEX_WITH_AMP} or older (the last with apex.amp), e.g. from "
-                          "an NGC PyTorch container before 25.07, or use --amp-backend native")
-    try:
-        importlib.import_module("apex")
-        has_amp = all(importlib.util.find_spec(f"apex.{name}") is not None for name in ("amp", "parallel"))
-    except Exception as exc:                 # noqa: BLE001 - whatever this Apex raises on import
-        first = (str(exc).splitlines() or [""])[0]
-        raise ConfigError(f"--amp-backend apex: {_apex_where()} does not import with PyTorch "
-                          f"{torch.__version__} ({type(exc).__name__}: {first}); use --amp-backend "
-                          "native") from None
-    if not has_amp:
-        raise ConfigError(f"--amp-backend apex: {_apex_where()} has no apex.amp / apex.parallel: NVIDIA "
-                          f"removed them in Apex 25.07; {LAST_APEX_WITH_AMP} is the last release that has "
-                          "them. Install that one, or use --amp-backend native (torch.amp)")
 
 
 def missing_torch_apis() -> list[str]:

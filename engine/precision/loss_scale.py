@@ -1,11 +1,5 @@
-"""The loss scaler's saved state in either layout, and the mapping between the two: the `scaler`
-entry holds torch's `GradScaler.state_dict()` (native backend) or Apex's `amp.state_dict()` (apex
-backend; the authors' checkpoints keep it under `amp`). Both are the same dynamic scheme, so two
-numbers carry over: the scale and the finite steps since the last change. A saved state that would
-skip every step (a scale not finite or below 2^-24, factors or counts outside the bounds of
-config.schema.FILE_FIELDS) is refused naming the file and field; a scale above 2^24 continues from
-2^24, with a line.
-"""
+"""The loss scaler's saved state in either layout (GradScaler's, Apex's `loss_scaler0`), mapped both
+ways (the scale and the finite steps since its change), and refused when it would skip every step."""
 from __future__ import annotations
 
 from common.errors import CheckpointError

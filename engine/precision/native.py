@@ -1,8 +1,5 @@
-"""The native precision backend (`amp.backend: native`): Apex's opt levels on torch.amp. O0 float32;
-O1 autocast and a loss scaler; O2 the model in half precision but BatchNorm (`keep_batchnorm_fp32`),
-float32 master weights and a loss scaler; O3 all half, no masters. Only float16 needs a `GradScaler`
-(dynamic from `init_scale`, or static); bfloat16's is disabled.
-"""
+"""The native precision backend: Apex's opt levels on torch.amp (docs/training.md); only float16
+needs a `GradScaler`."""
 from __future__ import annotations
 
 import torch
