@@ -60,7 +60,6 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
     return out, f"synthetic 640 px x{8 * repeat}"
 
 
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,12 +165,11 @@ def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets
                                       "train.tensorboard=false", *sets])
 
 
-def build_quietly(cfg):
-    """(trainer, parts, device): `build_loop` of `cfg`, its start-up lines unprinted."""
+def build_quietly(cfg, launch=None):
+    """(trainer, parts, device): `build_loop` of `cfg` (default: in one process), start-up unprinted."""
     with contextlib.redirect_stdout(io.StringIO()):
-        launch = Launch(single_process_context(cfg.train.device))
+        launch = launch or Launch(single_process_context(cfg.train.device))
         return (*build_loop(cfg, launch), launch.ctx.device)
-
 
 
 class _Parsed(BaseException):
