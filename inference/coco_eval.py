@@ -12,9 +12,11 @@ import io
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
+from common.errors import DataError
 from data.skeleton import Scoring
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")    # COCOeval.stats[:6] for keypoints
@@ -253,10 +255,6 @@ def read_results(path, image_ids, names) -> dict:
     {image_id, keypoints, score}), or JSON lines as evaluate.py --out x.jsonl writes them; each
     record checked against the split's `image_ids` and keypoint `names` (a `DataError` naming the
     file and the first bad record)."""
-    from pathlib import Path
-
-    from common.errors import DataError
-
     path = Path(path)
     try:
         text = path.read_text()

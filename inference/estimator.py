@@ -28,8 +28,10 @@ import torch
 from common.errors import CheckpointError, refuse_inapplicable
 from config.schema import Config, InferenceConfig
 from config.views import PredictSettings
+from runtime.distributed import current_context
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
+from inference.onnx_network import OnnxNetwork
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
 from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
 
@@ -57,8 +59,6 @@ class Prediction:
 
 def decode_threads(cfg: InferenceConfig) -> int:
     """Grouping threads: the config's number, or this process's share of the machine's cores."""
-    from runtime.distributed import current_context
-
     if cfg.decode_threads > 0:
         return cfg.decode_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -123,8 +123,6 @@ class PoseEstimator:
     @classmethod
     def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
         """From a file written by export.py (its config rides in the file), run by onnxruntime."""
-        from inference.onnx_network import OnnxNetwork
-
         network = OnnxNetwork(path)
         return cls._loaded(network, network.config(list(sets), scales, flip))
 

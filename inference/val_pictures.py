@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 
 from config.views import PredictSettings
+from data.h5format import KeypointH5
 from data.skeleton import Skeleton
 from data.preprocess import GREY
 from data.picture_files import write_image
@@ -50,8 +51,6 @@ def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: l
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
                        run_dir, device, count: int = 4) -> Path:
     """Write RUN/val_pictures/epoch_`epoch`.png of the first `count` images; returns its path."""
-    from data.h5format import KeypointH5
-
     with contextlib.closing(KeypointH5(val_h5)) as h5:
         chosen = range(min(count, h5.num_images))
         pictures = [h5.decode_image(img) for img in chosen]
