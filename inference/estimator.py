@@ -196,11 +196,9 @@ class PoseEstimator:
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
         for its_maps, keypoints, scores in self.grouped(pictures):
-            people = []
-            for person, score in zip(keypoints, scores):
-                found = person[person[:, 2] > 0, :2]
-                box = tuple(float(v) for v in (*found.min(0), *found.max(0)))
-                people.append(Person(person, float(score), box))
+            found = [person[person[:, 2] > 0, :2] for person in keypoints]
+            people = [Person(person, float(score), tuple(float(v) for v in (*xy.min(0), *xy.max(0))))
+                      for person, score, xy in zip(keypoints, scores, found)]
             yield Prediction(people, its_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):
