@@ -29,6 +29,7 @@ from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path, write_image
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 from inference.draw import draw_people, maps_panel
+from inference.estimator import PoseEstimator
 from inference.video import check_video_out, frame_rate, frames, open_camera, open_video, video_out
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -146,8 +147,6 @@ def live_window():
 
 
 def run(args) -> list[Path]:
-    from inference.estimator import PoseEstimator
-
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
         refuse_clashes({"--weights": args.weights, "--image": [source for source, _ in pairs],
