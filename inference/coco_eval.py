@@ -64,8 +64,11 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         if scoring.oks_stats == "crowd":
             stats.update(AR50=_defined(evaluator.stats[6]), AR75=_defined(evaluator.stats[7]))
             crowd = {int(img["id"]): img.get("crowdIndex") for img in gt_dict.get("images", [])}
-            for name, subset in zip(CROWD_NAMES[2:], _crowd_subsets(image_ids, crowd)):
-                stats[name] = _subset_ap(evaluator, subset)
+            levels = {image: int(np.searchsorted(CROWD_SPLITS, crowd[image], side="right"))
+                      for image in image_ids if isinstance(crowd.get(image), (int, float))}
+            for level, name in enumerate(CROWD_NAMES[2:]):          # easy, medium, hard
+                chosen = [image for image in image_ids if levels.get(image) == level]
+                stats[name] = _subset_ap(evaluator, chosen)
     return stats
 
 
@@ -102,15 +105,6 @@ def _category(result: dict, in_image: Counter | None, categories: list, scoring:
 
 def _defined(value) -> float | None:
     return None if value < 0 else float(value)      # pycocotools' -1: nothing to score
-
-
-def _crowd_subsets(image_ids: list, crowd: dict) -> list:
-    """The image ids of the easy, medium and hard pictures (crowdIndex as CROWD_SPLITS cut it)."""
-    subsets: list = [[], [], []]
-    for i in image_ids:
-        if isinstance(crowd.get(i), (int, float)):
-            subsets[int(np.searchsorted(CROWD_SPLITS, crowd[i], side="right"))].append(i)
-    return subsets
 
 
 def _subset_ap(evaluator, image_ids: list) -> float | None:
