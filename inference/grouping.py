@@ -313,8 +313,7 @@ def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list
 def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
             hops: np.ndarray, ratio: float) -> list[_Person]:
     """Join to partial people the parts (another person, or a lone peak) that only missing keypoints
-    could link: no shared keypoint type, closest keypoints h = 2..BRIDGE_HOPS limbs apart and within
-    `ratio` x h x the shorter part's longest connection; nearest first, never across a kept limb."""
+    could link (docs/evaluation.md, "Joining broken people"), h = 2..BRIDGE_HOPS limbs apart."""
     if ratio <= 0 or not people:
         return people
     slots = np.array([p.slots for p in people])
