@@ -22,11 +22,15 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+from tqdm import tqdm
 
 from common.errors import ArgumentParser, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
-from data.picture_files import check_picture_path
+from data.picture_files import check_picture_path, write_image
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
+from inference.draw import draw_people, maps_panel
+from inference.estimator import PoseEstimator
+from inference.video import check_video_out, frame_rate, frames, open_camera, open_video, video_out
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -70,8 +74,6 @@ def pictures_to_draw(image: str, out: str | None) -> list[tuple[Path, Path]]:
 
 def annotated(picture: np.ndarray, prediction, heatmaps: bool, skeleton) -> np.ndarray:
     """The picture with its people drawn, and the maps panel beside it with `heatmaps`."""
-    from inference.draw import draw_people, maps_panel
-
     drawn = draw_people(picture, [person.keypoints for person in prediction.people], skeleton)
     if not heatmaps:
         return drawn
@@ -96,8 +98,6 @@ def read_pictures(pairs):
 
 
 def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Path]:
-    from data.picture_files import write_image
-
     written = []
     for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
                                                                                 read_pictures(pairs))):
@@ -112,10 +112,6 @@ def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Pat
 
 def draw_video(estimator, opened, target, heatmaps: bool, overwrite: bool) -> None:
     """Annotate every frame of `opened` into the video `target` (None: a live window); prints frames/s."""
-    from tqdm import tqdm
-
-    from inference.video import frame_rate, frames, video_out
-
     capture, first = opened
     total = max(int(capture.get(cv2.CAP_PROP_FRAME_COUNT)), 0) if target is not None else 0
     size, fps = (first.shape[1] * (2 if heatmaps else 1), first.shape[0]), frame_rate(capture)
@@ -151,9 +147,6 @@ def live_window():
 
 
 def run(args) -> list[Path]:
-    from inference.estimator import PoseEstimator
-    from inference.video import check_video_out, open_camera, open_video
-
     if args.image is not None:
         pairs = pictures_to_draw(args.image, args.out)
         refuse_clashes({"--weights": args.weights, "--image": [source for source, _ in pairs],

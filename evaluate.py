@@ -24,10 +24,18 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
-from config.loader import out_of_bounds
+from config.loader import build_config, out_of_bounds
 from config.schema import FILE_FIELDS
-from data.skeleton import METRIC_KEYS
+from config.views import PredictSettings
+from data.h5format import KeypointH5
+from data.make_hdf5 import ConvertSettings, convert
+from data.skeleton import METRIC_KEYS, parse_scoring
+from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
+from inference.coco_eval import format_recall
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
+from inference.estimator import PoseEstimator
+from inference import evaluation    # (looked up when called: tests replace its functions)
+from inference.loading import inference_config
 
 
 def build_parser() -> ArgumentParser:
@@ -104,14 +112,10 @@ def _check_writable(path: Path, overwrite: bool) -> None:
 
 def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
     """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
-    from runtime.distributed import barrier, decided_on_main
-
     if args.h5:
         return args.h5, None
 
     def convert_to_temp() -> str:
-        from data.make_hdf5 import ConvertSettings, convert
-
         tmp = tempfile.mkdtemp(prefix="evaluate_")
         try:
             origin = convert(args.ann, args.images, Path(tmp) / "val.h5", ConvertSettings(
@@ -136,8 +140,6 @@ RECALL_LINES = 24     # keypoints listed on stderr (the lowest recall); the JSON
 
 def _print_stats(stats: dict, scoring, skeleton) -> dict:
     """The metrics' table (and recall) on stderr; the stats for the JSON line."""
-    from inference.coco_eval import format_recall
-
     if "oks" in scoring.metrics and skeleton.stand_in_sigmas:
         print(f"  OKS uses the stand-in sigma {skeleton.sigmas[0]:g} for every keypoint of skeleton "
               f"{skeleton.name}: nobody published its sigmas, so its AP compares with no paper's",
@@ -164,9 +166,6 @@ def _print_stats(stats: dict, scoring, skeleton) -> dict:
 
 def _scoring(args, h5_path: str):
     """(the file's skeleton, its scoring with the options' changes), each option checked by its name."""
-    from data.h5format import KeypointH5
-    from data.skeleton import parse_scoring
-
     with contextlib.closing(KeypointH5(h5_path)) as h5:
         file_skeleton = h5.skeleton
     given = {"metric": args.metric, "pck_threshold": args.pck_threshold,
@@ -185,13 +184,6 @@ def _scoring(args, h5_path: str):
 
 
 def run(args) -> dict:
-    from config.loader import build_config
-    from config.views import PredictSettings
-    from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
-    from inference.evaluation import evaluate_h5, score_results
-    from inference.estimator import PoseEstimator
-    from inference.loading import inference_config
-
     _check_args(args)
     ctx = init_distributed(build_config(None).dist, args.device)
     temp_dir, out, model = None, None, None
@@ -216,12 +208,13 @@ def run(args) -> dict:
         file_skeleton, scoring = _scoring(args, h5_path)
         start = time.perf_counter()
         if args.results:
-            stats = decided_on_main(lambda: score_results(args.results, h5_path, args.max_images, scoring))
+            stats = decided_on_main(lambda: evaluation.score_results(args.results, h5_path, args.max_images,
+                                                                     scoring))
         else:
-            stats = evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
-                                progress=not args.no_progress, oracle=args.oracle, results_path=out,
-                                skeleton=skeleton, overwrite=args.overwrite, scoring=scoring,
-                                recall=args.oracle)
+            stats = evaluation.evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
+                                           progress=not args.no_progress, oracle=args.oracle,
+                                           results_path=out, skeleton=skeleton, overwrite=args.overwrite,
+                                           scoring=scoring, recall=args.oracle)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("the results as given" if args.results else

@@ -23,7 +23,13 @@ import torch
 
 from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason
 from common.paths import refuse_clashes, refuse_existing, written_whole
+from config.loader import to_dict
+from data.preprocess import padded_size, pictures_to_batch
 from inference.command_line import command_main, weights_options
+from inference.estimator import PoseEstimator
+from inference.onnx_network import (CONFIG_KEY, INPUT_NAME, KEYPOINTS_KEY, OUTPUT_NAME, SKELETON_KEY,
+                                    OnnxNetwork, need)
+from inference.predict import TorchNetwork, resize_for_scale
 
 FORMATS = ("onnx",)
 MIN_OPSET = 9      # the network's upsampling needs it from the TorchScript exporter
@@ -72,10 +78,6 @@ class LastStackMaps(torch.nn.Module):
 
 def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
     """The network as ONNX at `path` with dynamic batch and size, the config in its metadata."""
-    from config.loader import to_dict
-    from inference.onnx_network import (CONFIG_KEY, INPUT_NAME, KEYPOINTS_KEY, OUTPUT_NAME,
-                                        SKELETON_KEY, need)
-
     onnx = need("onnx")
     network = LastStackMaps(model).eval()        # export restores this mode afterwards
     size = cfg.data.input_size
@@ -95,10 +97,6 @@ def write_onnx(model: torch.nn.Module, cfg, path: Path, opset: int) -> None:
 
 def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float, name: Path) -> list[float]:
     """Relative map differences ONNX (`path`) vs PyTorch per picture; ExportMismatch beyond `tolerance`."""
-    from data.preprocess import padded_size, pictures_to_batch
-    from inference.onnx_network import OnnxNetwork
-    from inference.predict import TorchNetwork, resize_for_scale
-
     exported, reference = OnnxNetwork(path), TorchNetwork(model)
     errors = []
     for picture_path in pictures:
@@ -121,8 +119,6 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float,
 
 
 def run(args) -> Path:
-    from inference.estimator import PoseEstimator
-
     if args.format not in FORMATS:
         raise ConfigError(f"--format {args.format}: unknown format; this exporter writes "
                           f"{', '.join(FORMATS)}")

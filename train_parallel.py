@@ -15,7 +15,8 @@ from inference.evaluation import training_evaluator
 from inference.val_pictures import write_val_pictures
 
 
-def _gpu_ids(spec: str) -> list[int]:
+def _gpu_launch(cfg, spec: str) -> Launch:
+    """DataParallel over the GPUs --gpus `spec` names (none when one), after the checks it needs."""
     visible = torch.cuda.device_count()
     try:
         ids = [int(x) for x in spec.split(",") if x.strip()] if spec else list(range(visible))
@@ -24,11 +25,6 @@ def _gpu_ids(spec: str) -> list[int]:
     bad = [i for i in ids if not 0 <= i < visible]
     if bad:
         raise ConfigError(f"--gpus {spec}: GPU(s) {bad} not visible ({visible} visible)")
-    return ids
-
-
-def _gpu_launch(cfg, ids: list[int]) -> Launch:
-    """DataParallel over the GPUs `ids` (none when one), after the checks it needs."""
     check_data_parallel(cfg.amp, len(ids))
     if cfg.train.batch_size % len(ids):
         raise ConfigError(f"option train.batch_size: {cfg.train.batch_size} does not divide over "
@@ -56,7 +52,7 @@ def main(argv=None) -> dict:
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         launch = Launch(single_process_context("cpu"), mode="dataparallel")
     else:
-        launch = _gpu_launch(cfg, _gpu_ids(args.gpus))
+        launch = _gpu_launch(cfg, args.gpus)
     return build_trainer(cfg, launch, training_evaluator(), draw=write_val_pictures, reader=reader).fit()
 
 

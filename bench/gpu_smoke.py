@@ -180,7 +180,7 @@ def section_sync_debug(check: bool) -> dict:
     """Device waits per step beside the project's host-read counter, without and with --sync-bn."""
     from bench.group_of_one import force_sync_function, join_group_of_one
     from engine.cli import single_process_context
-    from engine.run_trainer import Launch, build_loop
+    from engine.run_trainer import Launch
 
     ctx = single_process_context(device_of(check).type)
     ctx.backend, ctx.distributed = join_group_of_one(ctx.device, 20), True
@@ -188,8 +188,7 @@ def section_sync_debug(check: bool) -> dict:
     for sync_bn in (False, True):
         cfg = bench_config("tiny" if check else "imhn512", 64 if check else 256, 4, ctx.device.type,
                            SYNTHETIC / "train.h5", f"dist.sync_bn={sync_bn}", "amp.opt_level=O1")
-        with contextlib.redirect_stdout(io.StringIO()):
-            trainer, parts = build_loop(cfg, Launch(ctx, mode="ddp"))
+        trainer, parts, _ = build_quietly(cfg, Launch(ctx, mode="ddp"))
         if sync_bn and ctx.device.type == "cuda":
             force_sync_function(trainer.net)
         batch = next(synthetic_batches(4, cfg, ctx.device))

@@ -78,42 +78,37 @@ def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
     return np.stack([cv2.GaussianBlur(m, (0, 0), 2) for m in maps]) * 3
 
 
-def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter) -> dict:
-    """{median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`."""
-    times, found = [], []
-    for _ in range(reps):
-        maps = make_maps()
-        group_people(maps, cfg, COCO)                   # warm caches
-        start = clock()
-        keypoints, _ = group_people(maps, cfg, COCO)
-        times.append((clock() - start) * 1e3)
-        found.append(len(keypoints))
-    return {"median_ms": round(float(np.median(times)), 2),
-            "p90_ms": round(float(np.percentile(times, 90)), 2),
-            "mean_found": round(float(np.mean(found)), 2)}
-
-
-def time_stages(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter) -> dict:
-    """Median ms per image of `group_people`, its stages and one max over the keypoint maps."""
+def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter,
+                  stages: bool = False) -> tuple[dict, dict]:
+    """({median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`, and with
+    `stages` the median ms per image of it, its stages and one max over the keypoint maps)."""
     times: dict = {"total": [], "peaks": [], "limbs": [], "read_once": []}
+    found = []
     for _ in range(reps):
         maps = make_maps()
-        keypoint_maps, limb_maps = maps[COCO.keypoint_channels], maps[COCO.limb_channels]
         group_people(maps, cfg, COCO)                   # warm caches
+        runs = [("total", lambda: found.append(len(group_people(maps, cfg, COCO)[0])))]
+        if stages:
+            keypoint_maps, limb_maps = maps[COCO.keypoint_channels], maps[COCO.limb_channels]
 
-        def peaks():
-            return find_peaks(keypoint_maps, cfg.peak_threshold, cfg.refine_radius, cfg.max_peaks)
-        channel, xy, score = peaks()
-        bounds = np.searchsorted(channel, np.arange(COCO.num_keypoints + 1))
-        for name, run in (("total", lambda: group_people(maps, cfg, COCO)), ("peaks", peaks),
-                          ("limbs", lambda: limb_connections(limb_maps, bounds, xy, score, cfg, COCO.limbs)),
-                          ("read_once", keypoint_maps.max)):
+            def peaks():
+                return find_peaks(keypoint_maps, cfg.peak_threshold, cfg.refine_radius, cfg.max_peaks)
+            channel, xy, score = peaks()
+            bounds = np.searchsorted(channel, np.arange(COCO.num_keypoints + 1))
+            runs += [("peaks", peaks), ("read_once", keypoint_maps.max),
+                     ("limbs", lambda: limb_connections(limb_maps, bounds, xy, score, cfg, COCO.limbs))]
+        for name, run in runs:
             start = clock()
             run()
             times[name].append((clock() - start) * 1e3)
-    row = {name: round(float(np.median(values)), 2) for name, values in times.items()}
-    row["rest"] = round(row["total"] - row["peaks"] - row["limbs"], 2)
-    return row
+    row = {"median_ms": round(float(np.median(times["total"])), 2),
+           "p90_ms": round(float(np.percentile(times["total"], 90)), 2),
+           "mean_found": round(float(np.mean(found)), 2)}
+    if not stages:
+        return row, {}
+    split = {name: round(float(np.median(values)), 2) for name, values in times.items()}
+    split["rest"] = round(split["total"] - split["peaks"] - split["limbs"], 2)
+    return row, split
 
 
 def pool_ms_per_image(maps: list, threads: int, cfg: InferenceConfig) -> float:
@@ -157,18 +152,16 @@ def main(argv=None) -> int:
         return lambda: render_targets(compose(poses, count, height, width, rng), height, width, 1,
                                       targets, COCO)
     for count in args.people:
-        row = time_grouping(truth_maps(count), args.reps, cfg, clock)
+        row, stages[str(count)] = time_grouping(truth_maps(count), args.reps, cfg, clock, args.stages)
         report[str(count)] = row
         print(f"{count:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     if args.stages:
         print(f"{'people':>7} {'total':>7} {'peaks':>7} {'limbs':>7} {'rest':>7} {'read once':>10}")
-        for count in args.people:
-            row = time_stages(truth_maps(count), args.reps, cfg, clock)
-            stages[str(count)] = row
+        for count, row in stages.items():
             print(f"{count:>7} {row['total']:>7.2f} {row['peaks']:>7.2f} {row['limbs']:>7.2f} "
                   f"{row['rest']:>7.2f} {row['read_once']:>10.2f}")
     for kind, target in TARGET_MS_NOISE.items() if args.noise else ():
-        row = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
+        row, _ = time_grouping(lambda: noise_maps(kind, height, width, rng), args.reps, cfg, clock)
         noise[kind] = dict(row, target_ms=target, meets_target=row["median_ms"] < target)
         print(f"{kind:>7} {row['median_ms']:>10.2f} {row['p90_ms']:>8.2f} {row['mean_found']:>7.2f}")
     if args.pool:
@@ -182,7 +175,8 @@ def main(argv=None) -> int:
                       "clock": "cpu" if args.cpu_time else "wall", "code": args.code or ".",
                       "reps": args.reps, "per_people": report, "target_ms_5_people": TARGET_MS_5_PEOPLE,
                       "meets_target": None if five is None else five < TARGET_MS_5_PEOPLE,
-                      **{k: v for k, v in (("noise", noise), ("pool", pool), ("stages_ms", stages)) if v}}))
+                      **{k: v for k, v in (("noise", noise), ("pool", pool),
+                                           ("stages_ms", args.stages and stages)) if v}}))
     return 0
 
 

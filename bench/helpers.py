@@ -13,6 +13,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,7 +61,6 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
     return out, f"synthetic 640 px x{8 * repeat}"
 
 
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -100,8 +100,6 @@ def count_host_syncs(host_tensors=(), device=None):
     syncs = HostSyncs()
     ignored = {id(t) for t in host_tensors}
     on_gpu = device is not None and torch.device(device).type != "cpu"
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
     inside = [0]     # a read made by another read (float() through item()) is not counted again
 
     def counting(name, read):
@@ -115,15 +113,13 @@ def count_host_syncs(host_tensors=(), device=None):
                 inside[0] -= 1
         return wrapper
 
-    for name, read in originals.items():
-        setattr(torch.Tensor, name, counting(name, read))
-    try:
-        cuda = on_gpu and torch.device(device).type == "cuda" and torch.cuda.is_available()
-        with _cuda_syncs(syncs, inside) if cuda else contextlib.nullcontext():
-            yield syncs
-    finally:
-        for name, read in originals.items():
-            setattr(torch.Tensor, name, read)
+    with contextlib.ExitStack() as patches:
+        for name in READS:
+            counted = counting(name, getattr(torch.Tensor, name))
+            patches.enter_context(mock.patch.object(torch.Tensor, name, counted))
+        if on_gpu and torch.device(device).type == "cuda" and torch.cuda.is_available():
+            patches.enter_context(_cuda_syncs(syncs, inside))
+        yield syncs
 
 
 @contextlib.contextmanager
@@ -166,12 +162,11 @@ def bench_config(preset: str, size: int, batch: int, device: str, h5: str, *sets
                                       "train.tensorboard=false", *sets])
 
 
-def build_quietly(cfg):
-    """(trainer, parts, device): `build_loop` of `cfg`, its start-up lines unprinted."""
+def build_quietly(cfg, launch=None):
+    """(trainer, parts, device): `build_loop` of `cfg` (default: in one process), start-up unprinted."""
     with contextlib.redirect_stdout(io.StringIO()):
-        launch = Launch(single_process_context(cfg.train.device))
+        launch = launch or Launch(single_process_context(cfg.train.device))
         return (*build_loop(cfg, launch), launch.ctx.device)
-
 
 
 class _Parsed(BaseException):
@@ -187,11 +182,9 @@ def run_entry(main, argv: list[str], check: bool):
     def parse_only(self, args=None, namespace=None):
         parse(self, args, namespace)
         raise _Parsed
-    argparse.ArgumentParser.parse_args = parse_only
     try:
-        main(argv)
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_only):
+            main(argv)
     except _Parsed:
         return {"parsed": True}
-    finally:
-        argparse.ArgumentParser.parse_args = parse
     raise RuntimeError("the entry script ended without parsing its arguments")

@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -67,11 +68,8 @@ def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, roun
 STAGES = ("decode", "resize", "host_to_device", "network", "maps_back", "peaks", "grouping", "scoring")
 
 
-@contextlib.contextmanager
-def stage_clock(device, spent: dict, **stages):
+def stage_clock(device, spent: dict, **stages) -> contextlib.ExitStack:
     """Each `stage=(owner, attribute)` function timed into `spent[stage]` (device synchronised)."""
-    originals = {name: getattr(*where) for name, where in stages.items()}
-
     def timed(name, function):
         def call(*args, **kwargs):
             tick = time.perf_counter()
@@ -80,13 +78,10 @@ def stage_clock(device, spent: dict, **stages):
             spent[name] += time.perf_counter() - tick
             return out
         return call
-    try:
-        for name, (owner, attribute) in stages.items():
-            setattr(owner, attribute, timed(name, originals[name]))
-        yield spent
-    finally:
-        for name, (owner, attribute) in stages.items():
-            setattr(owner, attribute, originals[name])
+    patches = contextlib.ExitStack()
+    for name, (owner, attribute) in stages.items():
+        patches.enter_context(mock.patch.object(owner, attribute, timed(name, getattr(owner, attribute))))
+    return patches
 
 
 def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:

@@ -12,9 +12,11 @@ import io
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
+from common.errors import DataError
 from data.skeleton import Scoring
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")    # COCOeval.stats[:6] for keypoints
@@ -37,8 +39,7 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
     wanted = set(image_ids)
     if not wanted:
         return {name: None for name in STAT_NAMES + (CROWD_NAMES if scoring.oks_stats == "crowd" else ())}
-    annotations = [_scored(dict(_complete(a), id=n), scoring)
-                   for n, a in enumerate(gt_dict.get("annotations", []), 1)]
+    annotations = [_scored(a, n, scoring) for n, a in enumerate(gt_dict.get("annotations", []), 1)]
     seen: dict = {}
     for ann in annotations:
         seen.setdefault(ann["image_id"], Counter())[ann["category_id"]] += 1
@@ -63,19 +64,31 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
         if scoring.oks_stats == "crowd":
             stats.update(AR50=_defined(evaluator.stats[6]), AR75=_defined(evaluator.stats[7]))
             crowd = {int(img["id"]): img.get("crowdIndex") for img in gt_dict.get("images", [])}
-            for name, subset in zip(CROWD_NAMES[2:], _crowd_subsets(image_ids, crowd)):
-                stats[name] = _subset_ap(evaluator, subset)
+            levels = {image: int(np.searchsorted(CROWD_SPLITS, crowd[image], side="right"))
+                      for image in image_ids if isinstance(crowd.get(image), (int, float))}
+            for level, name in enumerate(CROWD_NAMES[2:]):          # easy, medium, hard
+                chosen = [image for image in image_ids if levels.get(image) == level]
+                stats[name] = _subset_ap(evaluator, chosen)
     return stats
 
 
-def _scored(ann: dict, scoring: Scoring) -> dict:
-    """The annotation as `scoring` scores it: its area (oks_area box) and category."""
-    box = _box_area(ann, None)
+def _scored(ann: dict, number: int, scoring: Scoring) -> dict:
+    """A copy of a ground-truth annotation, numbered `number`, with the fields COCOeval reads (COCO's
+    meaning when absent) and its area (oks_area box) and category as `scoring` scores them."""
+    out = dict(ann, id=number)
+    out.setdefault("iscrowd", 0)
+    box = out.get("bbox")
+    box = float(box[2] * box[3]) if isinstance(box, list) and len(box) == 4 else None
+    out.setdefault("area", box)
     if scoring.oks_area == "box" and box is not None:
-        ann["area"] = BOX_AREA * box
-    ann["category_id"] = int(ann.get("source_category_id", ann.get("category_id", 1))
+        out["area"] = BOX_AREA * box
+    if out["area"] is None:
+        del out["area"]
+    if "num_keypoints" not in out and isinstance(out.get("keypoints"), list):
+        out["num_keypoints"] = sum(1 for v in out["keypoints"][2::3] if v > 0)
+    out["category_id"] = int(out.get("source_category_id", out.get("category_id", 1))
                              if scoring.per_category else 1)
-    return ann
+    return out
 
 
 def _category(result: dict, in_image: Counter | None, categories: list, scoring: Scoring) -> int:
@@ -94,15 +107,6 @@ def _defined(value) -> float | None:
     return None if value < 0 else float(value)      # pycocotools' -1: nothing to score
 
 
-def _crowd_subsets(image_ids: list, crowd: dict) -> list:
-    """The image ids of the easy, medium and hard pictures (crowdIndex as CROWD_SPLITS cut it)."""
-    subsets: list = [[], [], []]
-    for i in image_ids:
-        if isinstance(crowd.get(i), (int, float)):
-            subsets[int(np.searchsorted(CROWD_SPLITS, crowd[i], side="right"))].append(i)
-    return subsets
-
-
 def _subset_ap(evaluator, image_ids: list) -> float | None:
     """The evaluator's AP over `image_ids` alone: the mean of its precisions at every threshold and
     recall, as CrowdPose's (over the categories with people there: CrowdPose has one)."""
@@ -115,28 +119,10 @@ def _subset_ap(evaluator, image_ids: list) -> float | None:
     return float(np.mean(precision[precision > -1])) if (precision > -1).any() else None
 
 
-def _box_area(ann: dict, otherwise):
-    """The width x height of the annotation's box, `otherwise` when it has none."""
-    box = ann.get("bbox")
-    return float(box[2] * box[3]) if isinstance(box, list) and len(box) == 4 else otherwise
-
-
 def format_stats(stats: dict) -> str:
     """One readable line: 'AP 0.712  AP50 0.880 ...' ('n/a' where nothing was scored)."""
     return "  ".join(f"{name} " + ("n/a" if stats[name] is None else f"{stats[name]:.3f}")
                      for name in STAT_NAMES + CROWD_NAMES if name in stats)
-
-
-def _complete(ann: dict) -> dict:
-    """A copy of a ground-truth annotation with the fields COCOeval reads, COCO's meaning when absent."""
-    out = dict(ann)
-    out.setdefault("iscrowd", 0)
-    out.setdefault("area", _box_area(out, None))
-    if out["area"] is None:
-        del out["area"]
-    if "num_keypoints" not in out and isinstance(out.get("keypoints"), list):
-        out["num_keypoints"] = sum(1 for v in out["keypoints"][2::3] if v > 0)
-    return out
 
 
 AUC_PIXELS, AUC_STEPS = 30.0, 20
@@ -253,10 +239,6 @@ def read_results(path, image_ids, names) -> dict:
     {image_id, keypoints, score}), or JSON lines as evaluate.py --out x.jsonl writes them; each
     record checked against the split's `image_ids` and keypoint `names` (a `DataError` naming the
     file and the first bad record)."""
-    from pathlib import Path
-
-    from common.errors import DataError
-
     path = Path(path)
     try:
         text = path.read_text()
@@ -273,11 +255,10 @@ def read_results(path, image_ids, names) -> dict:
         raise DataError(f"--results {path}: a COCO keypoint results file is a JSON list of results")
     found: dict = {}
     for n, record in enumerate(records, 1):
-        where = f"--results {path}: {'line' if lines else 'result'} {n}"
         try:
             image_id, people = _record(record, lines, names, image_ids)
         except ValueError as exc:
-            raise DataError(f"{where}: {exc}") from None
+            raise DataError(f"--results {path}: {'line' if lines else 'result'} {n}: {exc}") from None
         found.setdefault(image_id, []).extend(people)
     return found
 

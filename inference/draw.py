@@ -12,11 +12,8 @@ from data.skeleton import Skeleton
 
 def person_colours(count: int) -> list[tuple[int, int, int]]:
     """`count` well separated BGR colours (hues spread evenly, full saturation)."""
-    colours = []
-    for k in range(count):
-        r, g, b = colorsys.hsv_to_rgb((k * 0.618034) % 1.0, 0.9, 1.0)
-        colours.append((int(b * 255), int(g * 255), int(r * 255)))
-    return colours
+    rgb = (colorsys.hsv_to_rgb((k * 0.618034) % 1.0, 0.9, 1.0) for k in range(count))
+    return [tuple(int(value * 255) for value in reversed(colour)) for colour in rgb]
 
 
 def draw_people(image_bgr: np.ndarray, keypoints: np.ndarray, skeleton: Skeleton) -> np.ndarray:

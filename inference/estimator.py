@@ -28,8 +28,10 @@ import torch
 from common.errors import CheckpointError, refuse_inapplicable
 from config.schema import Config, InferenceConfig
 from config.views import PredictSettings
+from runtime.distributed import current_context
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
+from inference.onnx_network import OnnxNetwork
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
 from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
 
@@ -57,8 +59,6 @@ class Prediction:
 
 def decode_threads(cfg: InferenceConfig) -> int:
     """Grouping threads: the config's number, or this process's share of the machine's cores."""
-    from runtime.distributed import current_context
-
     if cfg.decode_threads > 0:
         return cfg.decode_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -123,8 +123,6 @@ class PoseEstimator:
     @classmethod
     def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
         """From a file written by export.py (its config rides in the file), run by onnxruntime."""
-        from inference.onnx_network import OnnxNetwork
-
         network = OnnxNetwork(path)
         return cls._loaded(network, network.config(list(sets), scales, flip))
 
@@ -198,12 +196,9 @@ class PoseEstimator:
     def stream(self, pictures: Iterable[np.ndarray], maps: bool = False) -> Iterator:
         """The people of each picture (a `Prediction` with maps=True), in order, as they are found."""
         for its_maps, keypoints, scores in self.grouped(pictures):
-            people = []
-            for person, score in zip(keypoints, scores):
-                found = person[person[:, 2] > 0, :2]
-                low, high = found.min(0), found.max(0)
-                people.append(Person(person, float(score), (float(low[0]), float(low[1]),
-                                                           float(high[0]), float(high[1]))))
+            found = [person[person[:, 2] > 0, :2] for person in keypoints]
+            people = [Person(person, float(score), tuple(float(v) for v in (*xy.min(0), *xy.max(0))))
+                      for person, score, xy in zip(keypoints, scores, found)]
             yield Prediction(people, its_maps) if maps else people
 
     def __call__(self, pictures, maps: bool = False):

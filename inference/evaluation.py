@@ -20,10 +20,13 @@ from common.errors import DataError
 from common.paths import written_whole
 from config.schema import TargetConfig
 from config.views import PredictSettings
+from data.h5format import KeypointH5
+from data.skeleton import skeleton_words
+from data.targets import render_targets
 from models.imhn import eval_mode
 from runtime.checkpoint import unwrap_model
 from runtime.distributed import all_gather_object, any_rank, decided_on_main, get_rank, get_world_size
-from inference.coco_eval import coco_keypoint_stats, keypoint_recall
+from inference.coco_eval import coco_keypoint_stats, distance_stats, keypoint_recall, read_results
 from inference.estimator import WINDOW, PoseEstimator, grouped_in_pool
 from inference.grouping import to_coco_results
 from inference.picture_input import MAX_SIDE, shrunk
@@ -32,8 +35,6 @@ from inference.predict import as_network
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
     """(ground-truth maps [C, H, W] of image `img` at the network's size, picture px per map px)."""
-    from data.targets import render_targets
-
     height, width = h5.image_size(img)
     _, person_mask = h5.masks(img)
     people = h5.people(img)
@@ -95,16 +96,12 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
     `h5_path` (0: all). `skeleton`: the model's, refused when not the file's; `scoring` chooses the
     metrics; `recall` adds `keypoint_recall`. Rank 0 writes `results_path` atomically (COCO JSON, or
     .jsonl). `stop()` True on any rank: every rank returns None."""
-    from data.h5format import KeypointH5
-
     if model is None and not oracle:
         raise ValueError("evaluate_h5 needs a model unless oracle=True")
     if isinstance(model, torch.nn.Module):
         model = unwrap_model(model)    # DDP's forward would sync buffers: ranks decode unequal counts
     with contextlib.closing(KeypointH5(h5_path)) as h5:
         if skeleton is not None and skeleton != h5.skeleton:
-            from data.skeleton import skeleton_words
-
             raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, skeleton)} "
                             f"but the model was trained on {skeleton_words(skeleton, h5.skeleton)}")
         scoring = scoring or (skeleton or h5.skeleton).scoring
@@ -122,9 +119,6 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
 def score_results(results_path, h5_path, max_images: int = 0, scoring=None) -> dict:
     """The stats of a results file (`coco_eval.read_results`) on the first `max_images` images of
     `h5_path` (0: all), as the file's skeleton's `scoring` (or the one given) says."""
-    from data.h5format import KeypointH5
-    from inference.coco_eval import read_results
-
     with contextlib.closing(KeypointH5(h5_path)) as h5:
         images = h5.coco_ground_truth()["images"]
         found = read_results(results_path, {img["id"] for img in images}, h5.skeleton.dataset_keypoints)
@@ -135,8 +129,6 @@ def score_results(results_path, h5_path, max_images: int = 0, scoring=None) -> d
 
 def _score(gathered: list[dict], h5, results_path, overwrite: bool, scoring, recall: bool) -> dict:
     """Rank 0: merge the ranks' {image id: results}, write them, score them against the file."""
-    from inference.coco_eval import distance_stats
-
     merged = {}
     for part in gathered:
         if set(part) & set(merged):

@@ -60,9 +60,9 @@ def _score_pairs(limb_maps: np.ndarray, limb, x_a, y_a, x_b, y_b, cfg: Inference
     return score, length, support & (score > 0)
 
 
-def _sample_chunks(count: int, samples: int) -> list:
-    """Slices of range(count): pairs whose `samples` samples each fit SAMPLE_CELLS."""
-    step = max(1, SAMPLE_CELLS // samples)
+def _chunks(count: int, each: int, cells: int = SAMPLE_CELLS) -> list:
+    """Slices of range(count): items of `each` cells, `cells` at most a slice."""
+    step = max(1, cells // max(each, 1))
     return [slice(lo, lo + step) for lo in range(0, count, step)]
 
 
@@ -160,7 +160,7 @@ def _accepted(limb_maps, ends, bounds, count_b, pairs, first: int, lo: int, x, y
     peak_a, peak_b = bounds[ends[limb, 0]] + local_a, bounds[ends[limb, 1]] + local_b
     if len(limb) > PROBE_FROM:               # most pairs join two people: a few samples reject them
         hopeful = np.ones(len(limb), bool)
-        for part in _sample_chunks(len(limb), cfg.limb_samples):
+        for part in _chunks(len(limb), cfg.limb_samples):
             a, b = peak_a[part], peak_b[part]
             hopeful[part] = _may_be_supported(limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
         hopeful = np.flatnonzero(hopeful)
@@ -169,7 +169,7 @@ def _accepted(limb_maps, ends, bounds, count_b, pairs, first: int, lo: int, x, y
     score = np.empty(len(limb), np.float32)
     length = np.empty(len(limb), np.float32)
     accepted = np.empty(len(limb), bool)
-    for part in _sample_chunks(len(limb), cfg.limb_samples):
+    for part in _chunks(len(limb), cfg.limb_samples):
         a, b = peak_a[part], peak_b[part]
         score[part], length[part], accepted[part] = _score_pairs(
             limb_maps, limb[part], x[a], y[a], x[b], y[b], cfg)
@@ -268,19 +268,18 @@ def _person_pairs(slots, longest, present, within, xy, hops, ratio) -> list:
     """(relative distance, i, j) of partial people i < j `_bridge` may join (BRIDGE_PARTNERS nearest)."""
     crowd = len(slots)
     found = []
-    for lo in range(0, crowd, max(1, BRIDGE_CELLS // crowd)):
-        rows = slice(lo, lo + max(1, BRIDGE_CELLS // crowd))
+    for rows in _chunks(crowd, crowd, BRIDGE_CELLS):
         # limbs from i's keypoints to j's closest one
         closest = BRIDGE_HOPS + 1 - sum((w[rows] @ present.T > 0).astype(np.intp) for w in within)
-        closest[lo + np.arange(len(closest))[:, None] >= np.arange(crowd)] = 0     # each pair once
+        closest[rows.start + np.arange(len(closest))[:, None] >= np.arange(crowd)] = 0     # each pair once
         i, j = np.nonzero(closest >= 2)
-        h, i = closest[i, j], i + lo
+        h, i = closest[i, j], i + rows.start
         gap = np.full(len(i), np.inf, np.float32)
         for limbs in range(2, BRIDGE_HOPS + 1):   # the least distance between keypoints h limbs apart
             ka, kb = np.nonzero(hops == limbs)
             these = np.flatnonzero(h == limbs)
-            for s in range(0, len(these), max(1, BRIDGE_CELLS // max(len(ka), 1))):
-                pair = these[s:s + max(1, BRIDGE_CELLS // max(len(ka), 1))]
+            for part in _chunks(len(these), len(ka), BRIDGE_CELLS):
+                pair = these[part]
                 mine, theirs = slots[i[pair]][:, ka], slots[j[pair]][:, kb]
                 d = np.hypot(*np.moveaxis(xy[mine] - xy[theirs], -1, 0))
                 gap[pair] = np.where((mine >= 0) & (theirs >= 0), d, np.inf).min(1)
@@ -300,9 +299,8 @@ def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list
         # (person, keypoint) ends: the person's keypoints closest to this type, 2+ limbs away
         person, end = np.nonzero((slots >= 0) & (hops[:, kind] == to_type[:, kind, None])
                                  & (to_type[:, kind, None] >= 2))
-        step = max(1, BRIDGE_CELLS // len(which))
-        for s in range(0, len(person), step):
-            i, k = person[s:s + step], end[s:s + step]
+        for part in _chunks(len(person), len(which), BRIDGE_CELLS):
+            i, k = person[part], end[part]
             gap = np.hypot(*np.moveaxis(xy[slots[i, k]][:, None] - xy[lone[which]][None], -1, 0))
             relative = gap / np.maximum(hops[k, kind] * longest[i], 1.0)[:, None]
             e, n = np.nonzero(relative <= ratio)
@@ -315,8 +313,7 @@ def _lone_pairs(slots, longest, to_type, lone, channel, xy, hops, ratio) -> list
 def _bridge(people: list[_Person], channel: np.ndarray, xy: np.ndarray, peak_score: np.ndarray,
             hops: np.ndarray, ratio: float) -> list[_Person]:
     """Join to partial people the parts (another person, or a lone peak) that only missing keypoints
-    could link: no shared keypoint type, closest keypoints h = 2..BRIDGE_HOPS limbs apart and within
-    `ratio` x h x the shorter part's longest connection; nearest first, never across a kept limb."""
+    could link (docs/evaluation.md, "Joining broken people"), h = 2..BRIDGE_HOPS limbs apart."""
     if ratio <= 0 or not people:
         return people
     slots = np.array([p.slots for p in people])
@@ -376,13 +373,10 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
               if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)
     order = np.argsort(-scores, kind="stable")[: cfg.max_people]
-    keypoints = np.zeros((len(order), skeleton.num_keypoints, 3), dtype=np.float32)
-    for row, index in enumerate(order):
-        slots = np.array(people[index].slots)
-        present = slots >= 0
-        keypoints[row, present, :2] = xy[slots[present]]
-        keypoints[row, present, 2] = peak_score[slots[present]]
-    return keypoints, scores[order]
+    slots = np.array([people[index].slots for index in order], np.intp)
+    slots = slots.reshape(len(order), skeleton.num_keypoints)      # peak ids; -1: missing, zeroed below
+    found = np.column_stack([xy, peak_score])[slots]
+    return np.where(slots[..., None] >= 0, found, 0).astype(np.float32), scores[order]
 
 
 def to_coco_results(image_id: int, keypoints: np.ndarray, scores: np.ndarray, skeleton: Skeleton,
@@ -391,10 +385,7 @@ def to_coco_results(image_id: int, keypoints: np.ndarray, scores: np.ndarray, sk
     results = []
     for person, score in zip(keypoints, scores):
         coco = skeleton.to_dataset_order(person)
-        found = coco[:, 2] > 0
-        triples = np.zeros((len(coco), 3), dtype=np.float64)
-        triples[found, :2] = coco[found, :2]
-        triples[found, 2] = 1.0
+        triples = np.where(coco[:, 2:] > 0, np.column_stack([coco[:, :2], np.ones(len(coco))]), 0.0)
         results.append({"image_id": int(image_id), "category_id": int(category_id),
                         "keypoints": [round(float(v), 2) for v in triples.reshape(-1)],
                         "score": float(score)})

@@ -31,9 +31,7 @@ def local_maxima(heatmaps: np.ndarray, threshold: float, dense: bool | None = No
     if dense is None:
         sample = heatmaps[:, ::_SAMPLE_ROWS]
         dense = np.count_nonzero(sample > threshold) > DENSE_FRACTION * sample.size
-    if dense:
-        return _local_maxima_dense(heatmaps, threshold)
-    return _local_maxima_sparse(heatmaps, threshold)
+    return (_local_maxima_dense if dense else _local_maxima_sparse)(heatmaps, threshold)
 
 
 def _above_per_map(heatmaps, threshold):

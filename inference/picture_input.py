@@ -36,7 +36,9 @@ def checked_picture(picture, name: str) -> np.ndarray:
                          "[H, W] / [H, W, 1] (grey)")
     if shape[0] == 0 or shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {shape})")
-    return _as_bgr(_as_uint8(picture, name))
+    picture = np.ascontiguousarray(_as_uint8(picture, name).reshape(*shape[:2], -1))
+    conversion = {1: cv2.COLOR_GRAY2BGR, 4: cv2.COLOR_BGRA2BGR}.get(picture.shape[2])
+    return picture if conversion is None else cv2.cvtColor(picture, conversion)
 
 
 def _as_uint8(picture: np.ndarray, name: str) -> np.ndarray:
@@ -52,14 +54,6 @@ def _as_uint8(picture: np.ndarray, name: str) -> np.ndarray:
                          "or 0-255")
     scale = 255.0 if high <= 1.0 else 1.0
     return np.clip(np.rint(picture.astype(np.float32) * scale), 0, 255).astype(np.uint8)
-
-
-def _as_bgr(picture: np.ndarray) -> np.ndarray:
-    if picture.ndim == 2 or picture.shape[2] == 1:
-        return cv2.cvtColor(np.ascontiguousarray(picture.reshape(picture.shape[:2])), cv2.COLOR_GRAY2BGR)
-    if picture.shape[2] == 4:
-        return cv2.cvtColor(np.ascontiguousarray(picture), cv2.COLOR_BGRA2BGR)
-    return np.ascontiguousarray(picture)
 
 
 def shrunk(picture: np.ndarray, max_side: int = MAX_SIDE) -> tuple[np.ndarray, float]:

@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 
 from config.views import PredictSettings
+from data.h5format import KeypointH5
 from data.skeleton import Skeleton
 from data.preprocess import GREY
 from data.picture_files import write_image
@@ -35,23 +36,9 @@ def fitted(picture: np.ndarray, size: int = TILE) -> np.ndarray:
     return tile
 
 
-def pictures_grid(pictures: list[np.ndarray], truths: list[np.ndarray], found: list[np.ndarray],
-                  skeleton: Skeleton, title: str) -> np.ndarray:
-    """BGR uint8: `title`, then per picture its true people (left) and the people found (right)."""
-    rows = [np.hstack([fitted(draw_people(picture, truth, skeleton)),
-                       fitted(draw_people(picture, people, skeleton))])
-            for picture, truth, people in zip(pictures, truths, found)]
-    header = np.zeros((HEADER, 2 * TILE, 3), np.uint8)
-    cv2.putText(header, title, (6, HEADER - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1,
-                cv2.LINE_AA)
-    return np.vstack([header, *rows])
-
-
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
                        run_dir, device, count: int = 4) -> Path:
     """Write RUN/val_pictures/epoch_`epoch`.png of the first `count` images; returns its path."""
-    from data.h5format import KeypointH5
-
     with contextlib.closing(KeypointH5(val_h5)) as h5:
         chosen = range(min(count, h5.num_images))
         pictures = [h5.decode_image(img) for img in chosen]
@@ -61,5 +48,11 @@ def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSetti
         found = [keypoints for _, keypoints, _ in estimator.grouped(pictures)]
     title = (f"epoch {epoch}: left ground truth ({sum(map(len, truths))} people), "
              f"right found ({sum(map(len, found))})")
-    grid = pictures_grid(pictures, truths, found, skeleton, title)
-    return write_image(Path(run_dir) / FOLDER / f"epoch_{epoch}.png", grid, option="validation picture")
+    header = np.zeros((HEADER, 2 * TILE, 3), np.uint8)
+    cv2.putText(header, title, (6, HEADER - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1,
+                cv2.LINE_AA)
+    rows = [np.hstack([fitted(draw_people(picture, truth, skeleton)),       # true people left, found right
+                       fitted(draw_people(picture, people, skeleton))])
+            for picture, truth, people in zip(pictures, truths, found)]
+    return write_image(Path(run_dir) / FOLDER / f"epoch_{epoch}.png", np.vstack([header, *rows]),
+                       option="validation picture")
