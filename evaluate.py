@@ -26,7 +26,7 @@ from common.errors import ArgumentParser, ConfigError, DataError, refuse_inappli
 from common.paths import refuse_clashes, refuse_existing
 from config.loader import build_config, out_of_bounds
 from config.schema import FILE_FIELDS
-from config.views import PredictSettings
+from config.views import EvalOptions, PredictSettings
 from data.h5format import KeypointH5
 from data.make_hdf5 import ConvertSettings, convert
 from data.skeleton import METRIC_KEYS, parse_scoring
@@ -211,10 +211,9 @@ def run(args) -> dict:
             stats = decided_on_main(lambda: evaluation.score_results(args.results, h5_path, args.max_images,
                                                                      scoring))
         else:
-            stats = evaluation.evaluate_h5(model, h5_path, settings, ctx.device, max_images=args.max_images,
-                                           progress=not args.no_progress, oracle=args.oracle,
-                                           results_path=out, skeleton=skeleton, overwrite=args.overwrite,
-                                           scoring=scoring, recall=args.oracle)
+            options = EvalOptions(args.max_images, not args.no_progress, args.oracle, out, args.overwrite,
+                                  skeleton, scoring, recall=args.oracle)
+            stats = evaluation.evaluate_h5(model, h5_path, settings, ctx.device, options)
         seconds = time.perf_counter() - start
         if ctx.is_main:
             how = ("the results as given" if args.results else

@@ -49,3 +49,20 @@ class PredictSettings:
     @classmethod
     def of(cls, cfg: Config) -> "PredictSettings":
         return cls(cfg.inference, cfg.data.input_size, cfg.targets)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How `inference.evaluation.evaluate_h5` runs: the first `max_images` images (0: all), the
+    ground-truth maps instead of a network (`oracle`), where rank 0 writes the results, the model's
+    `skeleton` (refused when not the file's), the metrics (`scoring`: the file's skeleton's when
+    None) and whether `keypoint_recall` is added."""
+
+    max_images: int = 0
+    progress: bool = True
+    oracle: bool = False
+    results_path: object = None
+    overwrite: bool = True
+    skeleton: object = None
+    scoring: object = None
+    recall: bool = False

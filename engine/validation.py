@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from config.schema import Config
-from config.views import PredictSettings
+from config.views import EvalOptions, PredictSettings
 from runtime import distributed as dist
 from engine.loaders import to_model_input, val_loader
 from engine.precision import cudnn_autotuning_off
@@ -57,9 +57,9 @@ class Validator:
             return {}
         ctx = self.ctx
         with cudnn_autotuning_off():    # pictures of several sizes: none worth timing algorithms for
-            stats = self.evaluator(self.model, self.val_h5, PredictSettings.of(self.cfg), ctx.device,
-                                   max_images=self.cfg.train.ap_max_images, progress=ctx.is_main, stop=stop,
-                                   skeleton=self.skeleton)
+            options = EvalOptions(self.cfg.train.ap_max_images, ctx.is_main, skeleton=self.skeleton)
+            stats = self.evaluator(self.model, self.val_h5, PredictSettings.of(self.cfg), ctx.device, options,
+                                   stop=stop)
         return None if stats is None else {k: v for k, v in stats.items()
                                            if k != "num_images" and isinstance(v, float)}
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from common.errors import DataError
 from common.paths import written_whole
 from config.schema import TargetConfig
-from config.views import PredictSettings
+from config.views import EvalOptions, PredictSettings
 from data.h5format import KeypointH5
 from data.skeleton import skeleton_words
 from data.targets import render_targets
@@ -89,13 +89,11 @@ def decode_images(model, h5, indices, settings: PredictSettings, device, oracle=
     return found
 
 
-def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: int = 0, progress: bool = True,
-                oracle: bool = False, results_path=None, stop=None, skeleton=None,
-                overwrite: bool = True, scoring=None, recall: bool = False) -> dict | None:
-    """The stats of `model` (or `oracle`: the ground-truth maps) on the first `max_images` images of
-    `h5_path` (0: all). `skeleton`: the model's, refused when not the file's; `scoring` chooses the
-    metrics; `recall` adds `keypoint_recall`. Rank 0 writes `results_path` atomically (COCO JSON, or
-    .jsonl). `stop()` True on any rank: every rank returns None."""
+def evaluate_h5(model, h5_path, settings: PredictSettings, device, options: EvalOptions = EvalOptions(),
+                stop=None) -> dict | None:
+    """The stats of `model` (None with `options.oracle`) on `h5_path`, as `options` says. `stop()`
+    True on any rank: every rank returns None."""
+    oracle, skeleton = options.oracle, options.skeleton
     if model is None and not oracle:
         raise ValueError("evaluate_h5 needs a model unless oracle=True")
     if isinstance(model, torch.nn.Module):
@@ -104,16 +102,17 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, max_images: i
         if skeleton is not None and skeleton != h5.skeleton:
             raise DataError(f"{h5.path}: its people have skeleton {skeleton_words(h5.skeleton, skeleton)} "
                             f"but the model was trained on {skeleton_words(skeleton, h5.skeleton)}")
-        scoring = scoring or (skeleton or h5.skeleton).scoring
-        total = h5.num_images if max_images <= 0 else min(max_images, h5.num_images)
+        scoring = options.scoring or (skeleton or h5.skeleton).scoring
+        total = h5.num_images if options.max_images <= 0 else min(options.max_images, h5.num_images)
         rank, world = get_rank(), get_world_size()
         with eval_mode(model):
             found = decode_images(model, h5, range(rank, total, world), settings, device, oracle,
-                                  progress and rank == 0, stop)
+                                  options.progress and rank == 0, stop)
         if stop is not None and any_rank(stop()):
             return None
         gathered = all_gather_object(found)
-        return decided_on_main(lambda: _score(gathered, h5, results_path, overwrite, scoring, recall))
+        return decided_on_main(lambda: _score(gathered, h5, options.results_path, options.overwrite, scoring,
+                                              options.recall))
 
 
 def score_results(results_path, h5_path, max_images: int = 0, scoring=None) -> dict:

@@ -16,7 +16,7 @@ import evaluate
 from common.errors import DataError
 from data.skeleton import builtin
 from config.loader import build_config, to_dict
-from config.views import PredictSettings
+from config.views import EvalOptions, PredictSettings
 from runtime.checkpoint import save_checkpoint
 from runtime.launch_env import find_free_port
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
@@ -124,8 +124,8 @@ def test_grouping_in_threads_gives_the_results_of_grouping_in_line(coco4_h5):
 def test_evaluate_h5_restores_the_model_mode(coco4_h5):
     cfg = build_config("tiny")
     model = build_model(cfg.model, COCO).train()
-    stats = evaluate_h5(model, coco4_h5, PredictSettings.of(cfg), torch.device("cpu"), max_images=1,
-                        progress=False)
+    stats = evaluate_h5(model, coco4_h5, PredictSettings.of(cfg), torch.device("cpu"),
+                        EvalOptions(max_images=1, progress=False))
     assert model.training and stats["num_images"] == 1 and set(STAT_NAMES) <= set(stats)
     assert all(p.grad is None for p in model.parameters())
 
@@ -229,7 +229,7 @@ def test_an_annotation_id_0_is_said_at_conversion_and_scores_as_any_other(coco4_
     said = capsys.readouterr()
     assert "annotation id 0, which pycocotools reads as 'no match'" in said.out + said.err
     plain = evaluate_h5(None, tmp_path / "id0.h5", PredictSettings.of(build_config(None)), "cpu",
-                        oracle=True, progress=False)
+                        EvalOptions(oracle=True, progress=False))
     assert plain["AP"] >= 0.98 and plain["AR"] >= 0.99
 
 

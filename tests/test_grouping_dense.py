@@ -134,7 +134,7 @@ def test_joining_costs_coco4_no_person(coco4_dir, tmp_path):
     """The oracle AP of coco4 (real COCO pictures) with the joining is at least that without, and
     its lone left wrist (no labelled elbow) is joined."""
     from data.make_hdf5 import ConvertSettings, convert
-    from config.views import PredictSettings
+    from config.views import EvalOptions, PredictSettings
     from config.loader import build_config
     from inference.evaluation import evaluate_h5
 
@@ -143,8 +143,8 @@ def test_joining_costs_coco4_no_person(coco4_dir, tmp_path):
     ap = {}
     for ratio in (0, 2.5):
         cfg = build_config("imhn512", sets=[f"inference.bridge_ratio={ratio}"])
-        ap[ratio] = evaluate_h5(None, tmp_path / "coco4.h5", PredictSettings.of(cfg), "cpu", oracle=True,
-                                progress=False)["AP"]
+        ap[ratio] = evaluate_h5(None, tmp_path / "coco4.h5", PredictSettings.of(cfg), "cpu",
+                                EvalOptions(oracle=True, progress=False))["AP"]
     assert ap[2.5] >= ap[0] and ap[2.5] > 0.99, ap
 
 
