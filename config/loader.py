@@ -1,5 +1,6 @@
 """Build a `Config` from a YAML preset (`base: OTHER` inherits another first) and dotted overrides
-(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML."""
+(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML.
+`read_yaml` reads any YAML file a user names (preset, config.yaml, skeleton), or one error line."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,34 @@ from typing import Any
 
 import yaml
 
-from common.errors import ConfigError
+from common.errors import ConfigError, os_reason
 from config.schema import LOSS_SCALE, Bounds, Config, declared
-from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
+MAX_BYTES = 16 << 20          # a config or skeleton is a few kB; more is another kind of file
+
+
+def read_yaml(path, source: str | None = None):
+    """The parsed content of the YAML file at `path`; `source` is how errors name it (the path)."""
+    path, source = Path(path), source or str(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ConfigError(f"{source}: {size >> 20} MiB is too large for a YAML "
+                              "config or skeleton file; is it the file you meant?")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a YAML file (not UTF-8 text)") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read ({os_reason(exc)})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source}: malformed YAML{where}: {' '.join(str(exc.problem).split())}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: malformed YAML ({' '.join(str(exc).split())})") from None
 
 
 def available_presets() -> list[str]:

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
-from config.loader import out_of_bounds
+from config.loader import out_of_bounds, read_yaml
 from config.schema import FILE_FIELDS
-from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
