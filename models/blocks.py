@@ -1,7 +1,6 @@
 """Building blocks of the IMHN network: conv+BN(+LeakyReLU), bottleneck residual, SE, stem. Convs
 have no bias (a BatchNorm follows), activations are LeakyReLU(0.01) (SPEC "Network"), and child
-names say where a weight lives (`stem.context.convs.2.0.weight`).
-"""
+names say where a weight lives (`stem.context.convs.2.0.weight`)."""
 from __future__ import annotations
 
 from functools import partial
