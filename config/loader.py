@@ -128,8 +128,7 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"option {full}: expected a mapping of {type(current).__name__} fields")
             _apply(current, value, full + ".")
-        else:
-            # union types (auto or a switch, ...): their choices, or validate(), check them
+        else:          # union types (auto or a switch, ...): their choices, or validate(), check them
             several = "|" in str(fields[key].type)
             setattr(cfg, key, value if several else _coerce(full, value, current))
 
@@ -143,8 +142,7 @@ def nested(key: str, value: Any) -> dict:
 
 def build_config(preset: str | None = None, overrides: dict | None = None,
                  sets: list[str] | None = None, options: dict | None = None) -> Config:
-    """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`, then
-    `options` (a command's own flags, as values: they win over `--set`)."""
+    """Schema defaults, then the preset, `overrides`, `sets`, `options` (a command's flags: over --set)."""
     cfg = Config()
     if preset:
         _apply(cfg, read_preset(preset))
@@ -217,8 +215,8 @@ def check_value(key: str, value: Any) -> None:
 
 
 def out_of_bounds(value: Any, bounds: Bounds, whole: bool = False) -> str | None:
-    """What makes `value` not a (`whole`) finite number within `bounds`, e.g. "must be >= 0"; None if
-    it is one. One rule for flags, config and skeleton files and checkpoint state."""
+    """Why `value` is not a (`whole`) finite number within `bounds` ("must be >= 0"), else None: one rule
+    for flags, config and skeleton files and checkpoint state."""
     if not isinstance(value, int if whole else (int, float)) or isinstance(value, bool):
         text = "text, " if isinstance(value, (str, bytes)) else ""
         return f"is {text}not a {'whole ' if whole else ''}number"
@@ -268,7 +266,6 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
 def device_spelling(spec: str) -> str:
-    """A --device value in one spelling: lower case, no spaces."""
     return spec.strip().lower().replace(" ", "")
 
 

@@ -376,7 +376,6 @@ def _report_skipped(summary: dict | None, args) -> None:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="the HDF5 file was not written (its partial copy is removed); "
                    "an existing --out is as it was")
 

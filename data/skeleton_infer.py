@@ -1,7 +1,6 @@
 """A skeleton for a COCO keypoint category: a built-in when its keypoints are one's, else one inferred
 from the category's links (1- or 0-based, `--links-from`), joined where they leave parts apart by a
-minimum spanning tree over the keypoints' mean distances; every decision is a line of the report.
-"""
+minimum spanning tree over the keypoints' mean distances; every decision is a line of the report."""
 from __future__ import annotations
 
 import re

@@ -379,7 +379,6 @@ def _main(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="the pictures and JSON files written so far are kept; the "
                    "dataset is incomplete: run the command again with --overwrite")
 

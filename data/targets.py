@@ -1,10 +1,7 @@
-"""Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
-
-Output cell (i, j) samples the input point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5).
-Keypoints are Gaussians (several people: max); limbs are Gaussians of the distance to the segment
-inside its box widened by a margin (several people: mean). Each is computed only in a window,
-0 below exp(-GAUSSIAN_CUTOFF). `HostTargetPainter` is a CPU device's drawing of a batch.
-"""
+"""Ground-truth maps (limbs, keypoints, person mask, keypoint max); output cell (i, j) samples the input
+point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5). Keypoints are Gaussians (several people: max),
+limbs Gaussians of the distance to the segment inside its box widened by a margin (several: mean), each
+drawn in a window, 0 below exp(-GAUSSIAN_CUTOFF). `HostTargetPainter` draws a batch on a CPU device."""
 from __future__ import annotations
 
 import math
