@@ -1,7 +1,6 @@
-"""Field-by-field checks of a COCO keypoint JSON before anything is converted: each check returns the
-problem naming the image or annotation (None when sound). Nothing is trusted: a NaN keypoint, a box
-of no size or a file outside `--images` would be trained on silently. What published datasets leave
-out harmlessly is completed with COCO's meaning and counted (`Selection.repairs`)."""
+"""Checks of a COCO keypoint JSON, field by field, before anything is converted: a NaN keypoint, a box of
+no size or a file outside `--images` would be trained on silently. Each names the image or annotation;
+what published datasets leave out harmlessly is completed as COCO means it, counted (`Selection.repairs`)."""
 from __future__ import annotations
 
 import contextlib
@@ -218,9 +217,8 @@ class Selection:
 
 def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: bool, ann_path: Path,
                  keypoints: int) -> Selection:
-    """Check every image and person annotation of `data` in `category_ids`: a problem raises
-    `DataError`, or with `skip_bad` drops its whole image (listed in `rejected`). Kept
-    annotations get the first category's id and `complete_fields`."""
+    """Each image and annotation of `data` in `category_ids` checked: a problem raises `DataError`, or with
+    `skip_bad` drops its image (`rejected`); kept ones get the first category's id, `complete_fields`."""
     out = Selection()
     wanted = set(category_ids)
 

@@ -94,7 +94,6 @@ def open_checked(path: Path) -> h5py.File:
 
 
 def _damaged_file(path, what: str) -> DataError:
-    """The error for a keypoint file whose `what` is damaged (it must be converted again)."""
     return DataError(f"{path}: damaged {what}; convert it again with python -m data.make_hdf5")
 
 
@@ -267,8 +266,7 @@ class KeypointH5:
         return self._load_meta()[table][start:start + count].copy()
 
     def annotations(self, img: int, text=None) -> list[dict]:
-        """The image's COCO annotations (every person, crowds too), without segmentation (`text`:
-        their stored JSON, when already read)."""
+        """The image's COCO annotations (crowds too), no segmentation; `text`: their JSON if already read."""
         with self._damaged(img, "annotations"):
             return json.loads(_text(self._dataset("images/annotations")[img] if text is None else text))
 

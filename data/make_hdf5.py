@@ -39,8 +39,7 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 # -- images ----------------------------------------------------------------------------------------
 def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
-    """The encoded bytes of an image of `images_dir` after checking it decodes and matches the
-    JSON's size; a missing one's error says where the JSON says it comes from."""
+    """The bytes of a picture that decodes to the JSON's size; a missing one's error says where from."""
     path = images_dir / info["file_name"]
     try:
         data = path.read_bytes()
@@ -136,8 +135,7 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
 # -- writing ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ConvertSettings:
-    """How `convert` converts: the options of `python -m data.make_hdf5` beside --ann/--images/--out.
-    `side_outputs` ({option: path}) are checked as the output is."""
+    """`python -m data.make_hdf5`'s options beside --ann/--images/--out; `side_outputs`: {option: path}."""
     split: str = "train"
     skip_bad: bool = False
     progress: bool = True

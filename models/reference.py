@@ -60,8 +60,7 @@ def reference_name(name: str, depth: int) -> str:
 
 
 def name_map(model: nn.Module, depth: int) -> dict[str, str]:
-    """{reference key: our key} for every entry of `model`'s state dict, in the order the reference
-    registers them (a stable sort by section)."""
+    """{reference key: our key} of `model`'s state dict, in the reference's order (stable sort by section)."""
     ours = {reference_name(k, depth): k for k in model.state_dict()}
     section = {k: next(i for i, s in enumerate(SECTIONS) if k.startswith(s)) for k in ours}
     return {k: ours[k] for k in sorted(ours, key=section.get)}
