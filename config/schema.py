@@ -326,8 +326,7 @@ class TrainConfig:
         flag=flag("--ema", OPTIMISATION, type=float, metavar="DECAY",
                   help="validate, score and keep in best.pth an exponential moving average of the weights "
                        "with this decay, e.g. 0.9998 (warmed up over train.ema_tau steps; default 0: off)"))
-    # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
-    ema_tau: float = option(2000.0, bounds=POSITIVE)
+    ema_tau: float = option(2000.0, bounds=POSITIVE)   # steps: the decay is ema * (1 - exp(-steps / tau))
     val_pictures: int = option(4, resume=CHANGES, bounds=Bounds(0, 64))   # drawn after each AP pass
 
 

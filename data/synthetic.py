@@ -118,16 +118,6 @@ def _box(mask: np.ndarray) -> list:
     return [float(v) for v in cv2.boundingRect(mask)]
 
 
-def _uncompressed_rle(mask: np.ndarray) -> dict:
-    """COCO's uncompressed RLE (column-major run lengths, starting with a run of zeros)."""
-    flat = mask.T.reshape(-1)
-    changes = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    counts = np.diff(np.concatenate([[0], changes, [flat.size]])).tolist()
-    if flat[0]:
-        counts = [0] + counts
-    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
-
-
 def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
     """One image and its annotations (without ids): people, small unlabelled people, crowds."""
     height = width = size
@@ -197,9 +187,11 @@ def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
         _draw_figure(image, mask, kp, h, True)
     if crowd:
         x, y, w, h = cv2.boundingRect(mask)
-        region = np.zeros_like(mask)
-        region[y:y + h, x:x + w] = 1
-        segmentation, mask = _uncompressed_rle(region), region
+        mask = np.zeros_like(mask)
+        mask[y:y + h, x:x + w] = 1
+        flat = mask.T.reshape(-1)        # COCO's uncompressed RLE: column-major runs, zeros first
+        counts = np.diff(np.concatenate([[0], np.flatnonzero(flat[1:] != flat[:-1]) + 1, [flat.size]]))
+        segmentation = {"size": [height, width], "counts": [0] * int(flat[0]) + counts.tolist()}
     else:
         segmentation = _polygons(mask)
     return {"iscrowd": int(crowd), "keypoints": [0] * 51, "num_keypoints": 0,
