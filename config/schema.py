@@ -1,6 +1,5 @@
-"""Typed configuration of a run: one dataclass per concern, gathered in `Config`; each field declared
-once with what it accepts (`option(bounds=, choices=)`) and maybe its command-line `flag`. Defaults
-are the method's reference values (../shared/SPEC.md) unless a comment says otherwise."""
+"""Typed configuration of a run: a dataclass per concern in `Config`, each field declared once with what it
+accepts (`option(bounds=, choices=)`), maybe its `flag`; defaults: SPEC's unless a comment says otherwise."""
 from __future__ import annotations
 
 import argparse

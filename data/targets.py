@@ -129,8 +129,7 @@ def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfi
 
 
 class HostTargetPainter:
-    """`TargetPainter`'s call on the host: padded people [B, P, K, 3] and uint8 person masks
-    [B, 1, h, w] -> float32 targets [B, C, h, w] by `render_targets` (as `sample_arrays` draws)."""
+    """`TargetPainter` on the host: people [B, P, K, 3], uint8 masks [B, 1, h, w] -> float32 [B, C, h, w]."""
 
     def __init__(self, skeleton: Skeleton, cfg: TargetConfig, stride: int):
         self.skeleton = skeleton

@@ -1,7 +1,6 @@
-"""The Simple Pose authors' checkpoint layout, mapped onto this project's IMHN. Their file holds
-`weights` (under `posenet.`, maybe `module.`), `optimizer_weight` (SGD state by parameter index),
-`train_loss`, `epoch` (0-based, finished), maybe an Apex `amp` state. Names map by structure
-(`reference_name`, `name_map`); only the first conv changes (BGR input)."""
+"""The Simple Pose authors' checkpoint on this project's IMHN: `weights` (under `posenet.`, maybe `module.`),
+`optimizer_weight` (SGD state by parameter index), `train_loss`, `epoch` (0-based, finished), maybe an
+Apex `amp` state; names map by structure (`reference_name`, `name_map`), the first conv BGR -> RGB."""
 from __future__ import annotations
 
 import re
