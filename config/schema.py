@@ -160,7 +160,6 @@ class OptimConfig:
     name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, resume=CHANGES, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
-    # N: LR = lr x total batch / N (batch_size x accumulate, any mode); 0: lr at any total batch
     reference_batch: int = option(0, bounds=Bounds(0, 2 ** 32))
     scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs by mode; use reference_batch)
     momentum: float = option(0.9, bounds=FRACTION)
@@ -171,12 +170,10 @@ class OptimConfig:
         flag=flag("--warmup-epochs", OPTIMISATION, type=float))
     warmup_start: float = option(0.0, bounds=FRACTION)     # LR multiplier at step 0 of warm-up
     decay_every: int = option(15, bounds=Bounds(0, 1e6))   # epochs, when milestones is empty (0: no decay)
-    # epochs, or shares of train.epochs (below 1: 0.7 is epoch 7 of 10)
     milestones: list[float] = option(factory=list, bounds=Bounds(0, 1e6, low_open=True, items=float))
     decay_factor: float = option(0.2, bounds=Bounds(0, 1, low_open=True))
     clip_grad_norm: float = option(0.0, resume=CHANGES, bounds=NON_NEGATIVE,   # 0: off; after unscaling
         flag=flag("--clip-grad", OPTIMISATION, type=float, metavar="MAX_NORM"))
-    # a step whose loss exceeds this is skipped; after max_bad_steps such steps in a row the run stops
     skip_loss_above: float = option(2e5, resume=CHANGES, bounds=POSITIVE)
     max_bad_steps: int = option(20, resume=CHANGES, bounds=Bounds(1, 1e9))
     fused: str | bool = option("auto", choices=("auto", True, False))   # fused kernels; auto: CUDA + native
@@ -234,7 +231,6 @@ class DistConfig:
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
     timeout_s: int = option(1800, resume=CHANGES, bounds=Bounds(1, 10 ** 7))
     rendezvous_timeout_s: int = option(120, resume=CHANGES, bounds=Bounds(1, 10 ** 7))  # wait for all ranks
-    # a rank without heartbeat this long (killed, stopped, frozen) ends every rank
     heartbeat_timeout_s: int = option(20, resume=CHANGES, bounds=Bounds(3, 10 ** 7))
 
 
@@ -257,14 +253,12 @@ class InferenceConfig:
     limb_min_ratio: float = option(0.8, bounds=FRACTION)
     max_limb_ratio: float = option(16.0, bounds=POSITIVE)
     merge_ratio: float = option(0.7, bounds=FRACTION)
-    # join partial people across keypoints missing in both (0: off)
     bridge_ratio: float = option(2.5, bounds=NON_NEGATIVE)
     min_parts: int = option(2, bounds=Bounds(1, 18))
     min_mean_score: float = 0.45
     max_people: int = option(20, bounds=Bounds(1, 10000))
     # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 1000))
-    # evaluation's grouping threads (0: this machine's cores / its processes, <= 8)
     decode_threads: int = option(0, resume=CHANGES, bounds=Bounds(0, 256))
     # pictures per network pass at input_size x input_size (fewer when larger)
     batch_size: int = option(8, resume=CHANGES, bounds=Bounds(1, 4096))
