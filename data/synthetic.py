@@ -18,7 +18,6 @@ from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_existing, written_whole
 from data.skeleton import builtin
 
-# COCO keypoint indices (COCO order).
 NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HIP, R_HIP, \
     L_KNE, R_KNE, L_ANK, R_ANK = range(17)
 COCO_SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
@@ -296,7 +295,6 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
 
 def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
                   seed: int = 0, skeleton: str = "coco", overwrite: bool = True) -> dict:
-    """Both splits under `out_dir`; returns {split: json path}."""
     out_dir = Path(out_dir)
     return {split: write_split(out_dir, split, count, size, seed, skeleton, overwrite)
             for split, count in (("train", train_images), ("val", val_images))}
