@@ -50,8 +50,7 @@ def refuse_clashes(reads: dict, writes: dict) -> None:
             resolved, identity = out.resolve(), _identity(out)
         except (OSError, RuntimeError):
             raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
-        other = written.setdefault(identity, (option, out, resolved))
-        if other[:2] != (option, out):
+        if (other := written.setdefault(identity, (option, out, resolved)))[:2] != (option, out):
             raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
                               "would replace the other; give each its own path")
     for source_option, source in _each_path(reads):

@@ -24,8 +24,7 @@ def read_yaml(path, source: str | None = None):
     """The parsed content of the YAML file at `path`; `source` is how errors name it (the path)."""
     path, source = Path(path), source or str(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
+        if (size := path.stat().st_size) > MAX_BYTES:
             raise ConfigError(f"{source}: {size >> 20} MiB is too large for a YAML "
                               "config or skeleton file; is it the file you meant?")
         text = path.read_bytes().decode("utf-8")
@@ -256,8 +255,7 @@ def check_input_size(size: Any, depth: int = 4, option: str = "option data.input
     if not isinstance(size, int) or isinstance(size, bool):
         raise ConfigError(f"{option}: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)
-    multiple = input_multiple(depth)
-    if size % multiple:
+    if size % (multiple := input_multiple(depth)):
         raise ConfigError(f"{option}: {size} is not a positive multiple of {multiple}"
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))
 

@@ -51,8 +51,7 @@ def image_problem(info, images_dir: Path) -> str | None:
             or ".." in PurePosixPath(name.replace("\\", "/")).parts):
         return f"{where}: file_name {name!r} must be a path inside --images (not absolute, no '..')"
     for side in ("width", "height"):
-        value = info.get(side)
-        if not is_int(value) or not 0 < value <= MAX_SIDE:
+        if not is_int(value := info.get(side)) or not 0 < value <= MAX_SIDE:
             return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
     crowd = info.get("crowdIndex", 0.0)
     if isinstance(crowd, bool) or not isinstance(crowd, (int, float)) or not math.isfinite(crowd):
@@ -236,8 +235,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
                        f"and {info['file_name']!r}; it would be trained twice)")
         if problem is None:
             spelled = os.path.normpath(info["file_name"].replace("\\", "/"))    # a/./b.jpg is a/b.jpg
-            first = by_file.setdefault(spelled, info["id"])
-            if first != info["id"]:
+            if (first := by_file.setdefault(spelled, info["id"])) != info["id"]:
                 problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
                            "(one picture listed twice: its people would be split between them)")
                 good.pop(first, None)

@@ -77,8 +77,7 @@ def _where_from(info: dict, images_dir: Path) -> str:
     if len(parts) > 1 and not (images_dir / parts[0]).exists():
         hints.append(f"its file_name starts with '{parts[0]}/', which --images {images_dir} lacks: "
                      f"give the folder that holds {parts[0]}/")
-    url = info.get("coco_url")
-    if isinstance(url, str) and url.count("/") > 3:
+    if isinstance(url := info.get("coco_url"), str) and url.count("/") > 3:
         hints.append(f"the JSON's coco_url is {url}: --images the folder of COCO's "
                      f"{url.rstrip('/').split('/')[-2]} pictures")
     elif isinstance(info.get("flickr_url"), str):

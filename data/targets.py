@@ -99,8 +99,7 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
         reached_cells.append(cell)
         first = last
     shared, counts = np.unique(np.concatenate(reached_cells), return_counts=True)
-    several = counts > 1
-    if several.any():
+    if (several := counts > 1).any():
         flat[shared[several]] /= counts[several].astype(np.float32)
 
 
