@@ -1,2 +1,1 @@
-"""What every layer shares, below the configuration: the errors a user is shown (`common.errors`)
-and the safety of output files (`common.paths`)."""
+"""What every layer shares: the errors a user is shown (`common.errors`), safe output files (`paths`)."""

@@ -49,8 +49,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def refuse_inapplicable(given: dict, where: str, why: str) -> None:
-    """ConfigError naming the options of `given` ({option: value, None when not given}) that were
-    given though they do not apply `where` ("to --oracle"): one rule for every command."""
+    """ConfigError naming the options of `given` ({option: value or None}) that do not apply `where`."""
     if named := [option for option, value in given.items() if value is not None]:
         raise ConfigError(f"option{'s' * (len(named) > 1)} {' and '.join(named)} "
                           f"do{'es' * (len(named) == 1)} not apply {where}: {why}")
@@ -87,9 +86,8 @@ def chained_os_reason(exc: BaseException) -> str:
 
 
 def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
-    """Call `main(argv)` and return the exit code: 0, or a `UserError`'s after `print_error`.
-    Ctrl-C (130) and, with `kept`, SIGTERM (143) end with one line saying what was kept; once
-    stopped, whatever ends the command counts as that stop."""
+    """`main(argv)`'s exit code: 0, or a `UserError`'s after `print_error`. Ctrl-C (130) and, with `kept`,
+    SIGTERM (143) end with one line saying what was kept; once stopped, whatever ends it is that stop."""
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
     stops = (signal.SIGTERM, signal.SIGINT) if handles_term else ()
     previous = {sig: signal.signal(sig, _stop) for sig in stops}

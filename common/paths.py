@@ -1,9 +1,7 @@
-"""The paths a command writes: no output may be an input, lie inside a folder read or be another
-output (`refuse_clashes`; paths compared resolved, links and `..` followed), none replaces a file
-without --overwrite, and an output appears whole or not at all (`written_whole`), a new one
-created exclusively (of two commands writing it, the second fails in one line); a character device
-or FIFO is written into and a link followed, never replaced (`output_kind`).
-"""
+"""The paths a command writes: no output may be an input, lie inside a folder read or be another output
+(`refuse_clashes`; paths resolved), none replaces a file without --overwrite, each appears whole or not
+at all (`written_whole`), a new one created exclusively (of two commands writing it, the second fails in
+one line); a character device or FIFO is written into and a link followed, never replaced (`output_kind`)."""
 from __future__ import annotations
 
 import contextlib
@@ -44,17 +42,15 @@ def _identity(path: Path):
 
 
 def refuse_clashes(reads: dict, writes: dict) -> None:
-    """ConfigError unless every output is safe to write: `writes` and `reads` are {option: path(s)};
-    an output is refused when it is a symlink loop, another output, a file read, or in or of a
-    folder read. Every command calls this before it writes."""
+    """ConfigError for an output of `writes` ({option: path(s)}) that is a symlink loop, another output,
+    a file of `reads`, or in or of a folder read. Every command calls this before it writes."""
     written: dict = {}                   # identity -> (option, path, resolved path)
     for option, out in _each_path(writes):
         try:
             resolved, identity = out.resolve(), _identity(out)
         except (OSError, RuntimeError):
             raise ConfigError(f"{option} {out}: a loop of symbolic links; give another path") from None
-        other = written.setdefault(identity, (option, out, resolved))
-        if other[:2] != (option, out):
+        if (other := written.setdefault(identity, (option, out, resolved)))[:2] != (option, out):
             raise ConfigError(f"{option} {out} and {other[0]} {other[1]} are the same file: one output "
                               "would replace the other; give each its own path")
     for source_option, source in _each_path(reads):
@@ -91,8 +87,7 @@ def output_kind(option: str, out) -> str:
 
 
 def refuse_existing(out_option: str, out, overwrite: bool) -> None:
-    """ConfigError when a file `out` (of `out_option`) exists and --overwrite was not given (a device
-    or FIFO is written into, not replaced: it needs no --overwrite)."""
+    """ConfigError when a file `out` exists without `overwrite` (a device or FIFO is written into)."""
     if output_kind(out_option, out) == "file" and not overwrite:
         raise ConfigError(f"{out_option} {out} already exists; remove it, choose another {out_option} "
                           "or pass --overwrite to replace it (nothing was written)")

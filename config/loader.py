@@ -1,5 +1,6 @@
 """Build a `Config` from a YAML preset (`base: OTHER` inherits another first) and dotted overrides
-(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML."""
+(`optim.milestones=[10,20]`), check it (a `ConfigError` naming the key), and turn it back into YAML.
+`read_yaml` reads any YAML file a user names (preset, config.yaml, skeleton), or one error line."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,33 @@ from typing import Any
 
 import yaml
 
-from common.errors import ConfigError
+from common.errors import ConfigError, os_reason
 from config.schema import LOSS_SCALE, Bounds, Config, declared
-from config.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
+MAX_BYTES = 16 << 20          # a config or skeleton is a few kB; more is another kind of file
+
+
+def read_yaml(path, source: str | None = None):
+    """The parsed content of the YAML file at `path`; `source` is how errors name it (the path)."""
+    path, source = Path(path), source or str(path)
+    try:
+        if (size := path.stat().st_size) > MAX_BYTES:
+            raise ConfigError(f"{source}: {size >> 20} MiB is too large for a YAML "
+                              "config or skeleton file; is it the file you meant?")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a YAML file (not UTF-8 text)") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read ({os_reason(exc)})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source}: malformed YAML{where}: {' '.join(str(exc.problem).split())}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: malformed YAML ({' '.join(str(exc).split())})") from None
 
 
 def available_presets() -> list[str]:
@@ -104,8 +127,7 @@ def _apply(cfg: Any, data: dict, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"option {full}: expected a mapping of {type(current).__name__} fields")
             _apply(current, value, full + ".")
-        else:
-            # union types (auto or a switch, ...): their choices, or validate(), check them
+        else:          # union types (auto or a switch, ...): their choices, or validate(), check them
             several = "|" in str(fields[key].type)
             setattr(cfg, key, value if several else _coerce(full, value, current))
 
@@ -119,8 +141,7 @@ def nested(key: str, value: Any) -> dict:
 
 def build_config(preset: str | None = None, overrides: dict | None = None,
                  sets: list[str] | None = None, options: dict | None = None) -> Config:
-    """The resolved config: schema defaults, then the preset, then `overrides`, then `sets`, then
-    `options` (a command's own flags, as values: they win over `--set`)."""
+    """Schema defaults, then the preset, `overrides`, `sets`, `options` (a command's flags: over --set)."""
     cfg = Config()
     if preset:
         _apply(cfg, read_preset(preset))
@@ -193,8 +214,8 @@ def check_value(key: str, value: Any) -> None:
 
 
 def out_of_bounds(value: Any, bounds: Bounds, whole: bool = False) -> str | None:
-    """What makes `value` not a (`whole`) finite number within `bounds`, e.g. "must be >= 0"; None if
-    it is one. One rule for flags, config and skeleton files and checkpoint state."""
+    """Why `value` is not a (`whole`) finite number within `bounds` ("must be >= 0"), else None: one rule
+    for flags, config and skeleton files and checkpoint state."""
     if not isinstance(value, int if whole else (int, float)) or isinstance(value, bool):
         text = "text, " if isinstance(value, (str, bytes)) else ""
         return f"is {text}not a {'whole ' if whole else ''}number"
@@ -234,8 +255,7 @@ def check_input_size(size: Any, depth: int = 4, option: str = "option data.input
     if not isinstance(size, int) or isinstance(size, bool):
         raise ConfigError(f"{option}: {size!r} is not a whole number of pixels")
     check_value("data.input_size", size)
-    multiple = input_multiple(depth)
-    if size % multiple:
+    if size % (multiple := input_multiple(depth)):
         raise ConfigError(f"{option}: {size} is not a positive multiple of {multiple}"
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))
 
@@ -244,7 +264,6 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
 
 
 def device_spelling(spec: str) -> str:
-    """A --device value in one spelling: lower case, no spaces."""
     return spec.strip().lower().replace(" ", "")
 
 

@@ -1,6 +1,5 @@
-"""Typed configuration of a run: one dataclass per concern, gathered in `Config`; each field declared
-once with what it accepts (`option(bounds=, choices=)`) and maybe its command-line `flag`. Defaults
-are the method's reference values (../shared/SPEC.md) unless a comment says otherwise."""
+"""Typed configuration of a run: a dataclass per concern in `Config`, each field declared once with what it
+accepts (`option(bounds=, choices=)`), maybe its `flag`; defaults: SPEC's unless a comment says otherwise."""
 from __future__ import annotations
 
 import argparse
@@ -138,19 +137,16 @@ class ModelConfig:
     channels: int = option(256, bounds=LAYER)           # stride-4 features
     increase: int = option(128, bounds=Bounds(0, 8192))           # channels added per level down
     head_channels: int = option(256, bounds=LAYER)      # the two 3x3 convs before each head
-    # 7x7 conv output (the stem then goes to 2x this, then `channels`)
-    stem_channels: int = option(64, bounds=LAYER)
+    stem_channels: int = option(64, bounds=LAYER)      # 7x7 conv output (the stem: 2x this, then `channels`)
     se: bool = True
     se_reduction: int = option(16, bounds=LAYER)
     init_std: float = option(0.001, bounds=Bounds(0, 1, low_open=True))
-    # refuse to build a network of more million parameters (a typo guard)
-    max_params_m: float = option(1000.0, bounds=POSITIVE)
+    max_params_m: float = option(1000.0, bounds=POSITIVE)     # million parameters at most (a typo guard)
 
 
 @dataclass
 class LossConfig:
-    # focal exponent: 0 plain L2, 1 reference code, 2 paper's best
-    gamma: float = option(1.0, bounds=Bounds(0, 16))
+    gamma: float = option(1.0, bounds=Bounds(0, 16))  # focal exponent: 0 L2, 1 reference code, 2 paper's best
     focal_threshold: float = option(0.01, bounds=FRACTION)     # G >= this uses |1-P|^gamma, else |P|^gamma
     focal_detach: bool = False        # true: the focal factor is a constant weight (no gradient)
     keypoint_weight: float = option(3.0, bounds=NON_NEGATIVE)
@@ -164,10 +160,8 @@ class OptimConfig:
     name: str = option("sgd", choices=("sgd", "adamw"), flag=flag("--optimizer", OPTIMISATION))
     lr: float = option(2.5e-5, resume=CHANGES, bounds=Bounds(0, 1e30, low_open=True),   # more overflows AdamW
         flag=flag("--lr", OPTIMISATION, type=float, help="peak learning rate, after warm-up"))
-    # N: LR = lr x total batch / N (batch_size x accumulate, any mode); 0: lr at any total batch
     reference_batch: int = option(0, bounds=Bounds(0, 2 ** 32))
-    scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs between modes; prefer
-                                           # reference_batch)
+    scale_lr_by_world_size: bool = False   # legacy: lr x processes (differs by mode; use reference_batch)
     momentum: float = option(0.9, bounds=FRACTION)
     weight_decay: float = option(5e-4, bounds=Bounds(0, 1))
     betas: list[float] = option(
@@ -175,19 +169,14 @@ class OptimConfig:
     warmup_epochs: float = option(3.0, bounds=Bounds(0, 1e6),
         flag=flag("--warmup-epochs", OPTIMISATION, type=float))
     warmup_start: float = option(0.0, bounds=FRACTION)     # LR multiplier at step 0 of warm-up
-    # epochs; used when milestones is empty (0: no decay)
-    decay_every: int = option(15, bounds=Bounds(0, 1e6))
-    # epochs, or shares of train.epochs (below 1: 0.7 is epoch 7 of 10)
+    decay_every: int = option(15, bounds=Bounds(0, 1e6))   # epochs, when milestones is empty (0: no decay)
     milestones: list[float] = option(factory=list, bounds=Bounds(0, 1e6, low_open=True, items=float))
     decay_factor: float = option(0.2, bounds=Bounds(0, 1, low_open=True))
-    # 0: off; applied after unscaling
-    clip_grad_norm: float = option(0.0, resume=CHANGES, bounds=NON_NEGATIVE,
+    clip_grad_norm: float = option(0.0, resume=CHANGES, bounds=NON_NEGATIVE,   # 0: off; after unscaling
         flag=flag("--clip-grad", OPTIMISATION, type=float, metavar="MAX_NORM"))
-    # a step whose loss exceeds this is skipped; after max_bad_steps such steps in a row the run stops
     skip_loss_above: float = option(2e5, resume=CHANGES, bounds=POSITIVE)
     max_bad_steps: int = option(20, resume=CHANGES, bounds=Bounds(1, 1e9))
-    # torch.optim's fused kernels; auto: on for CUDA with the native backend
-    fused: str | bool = option("auto", choices=("auto", True, False))
+    fused: str | bool = option("auto", choices=("auto", True, False))   # fused kernels; auto: CUDA + native
 
 
 @dataclass
@@ -241,15 +230,12 @@ class DistConfig:
         flag=flag("--zero", MULTI_PROCESS, action="store_true", default=None,
                   help="shard optimiser state (ZeroRedundancyOptimizer)"))
     timeout_s: int = option(1800, resume=CHANGES, bounds=Bounds(1, 10 ** 7))
-    # how long ranks wait to join
-    rendezvous_timeout_s: int = option(120, resume=CHANGES, bounds=Bounds(1, 10 ** 7))
-    # a rank without heartbeat this long (killed, stopped, frozen) ends every rank
+    rendezvous_timeout_s: int = option(120, resume=CHANGES, bounds=Bounds(1, 10 ** 7))  # wait for all ranks
     heartbeat_timeout_s: int = option(20, resume=CHANGES, bounds=Bounds(3, 10 ** 7))
 
 
 @dataclass
 class InferenceConfig:
-    # x input_size / image height
     scales: list[float] = option(
         factory=lambda: [1.0], resume=CHANGES,
         bounds=Bounds(0, 8, low_open=True, items=float, min_items=1, max_items=16),
@@ -267,14 +253,12 @@ class InferenceConfig:
     limb_min_ratio: float = option(0.8, bounds=FRACTION)
     max_limb_ratio: float = option(16.0, bounds=POSITIVE)
     merge_ratio: float = option(0.7, bounds=FRACTION)
-    # join partial people across keypoints missing in both (0: off)
     bridge_ratio: float = option(2.5, bounds=NON_NEGATIVE)
     min_parts: int = option(2, bounds=Bounds(1, 18))
     min_mean_score: float = 0.45
     max_people: int = option(20, bounds=Bounds(1, 10000))
     # strongest peaks kept per keypoint type (bounds noisy maps' cost)
     max_peaks: int = option(100, bounds=Bounds(1, 1000))
-    # evaluation's grouping threads (0: this machine's cores / its processes, <= 8)
     decode_threads: int = option(0, resume=CHANGES, bounds=Bounds(0, 256))
     # pictures per network pass at input_size x input_size (fewer when larger)
     batch_size: int = option(8, resume=CHANGES, bounds=Bounds(1, 4096))
@@ -330,16 +314,13 @@ class TrainConfig:
         flag=flag("--overwrite", RUN, action="store_true", default=None,
                   help="replace an existing run directory"))
     tensorboard: bool = option(True, resume=CHANGES)
-    # CUDA: time cuDNN's convolution algorithms once for the fixed input size
-    cudnn_benchmark: bool = option(True, resume=CHANGES)
+    cudnn_benchmark: bool = option(True, resume=CHANGES)   # CUDA: time cuDNN's convs once per input size
     ema: float = option(0.0, resume=CHANGES, bounds=Bounds(0, 1, high_open=True),
         flag=flag("--ema", OPTIMISATION, type=float, metavar="DECAY",
                   help="validate, score and keep in best.pth an exponential moving average of the weights "
                        "with this decay, e.g. 0.9998 (warmed up over train.ema_tau steps; default 0: off)"))
-    # optimiser steps: the decay warms up as ema * (1 - exp(-steps / tau))
-    ema_tau: float = option(2000.0, bounds=POSITIVE)
-    # validation images drawn after each AP pass (0: none)
-    val_pictures: int = option(4, resume=CHANGES, bounds=Bounds(0, 64))
+    ema_tau: float = option(2000.0, bounds=POSITIVE)   # steps: the decay is ema * (1 - exp(-steps / tau))
+    val_pictures: int = option(4, resume=CHANGES, bounds=Bounds(0, 64))   # drawn after each AP pass
 
 
 @dataclass

@@ -1,7 +1,6 @@
-"""Field-by-field checks of a COCO keypoint JSON before anything is converted: each check returns the
-problem naming the image or annotation (None when sound). Nothing is trusted: a NaN keypoint, a box
-of no size or a file outside `--images` would be trained on silently. What published datasets leave
-out harmlessly is completed with COCO's meaning and counted (`Selection.repairs`)."""
+"""Checks of a COCO keypoint JSON, field by field, before anything is converted: a NaN keypoint, a box of
+no size or a file outside `--images` would be trained on silently. Each names the image or annotation;
+what published datasets leave out harmlessly is completed as COCO means it, counted (`Selection.repairs`)."""
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +51,7 @@ def image_problem(info, images_dir: Path) -> str | None:
             or ".." in PurePosixPath(name.replace("\\", "/")).parts):
         return f"{where}: file_name {name!r} must be a path inside --images (not absolute, no '..')"
     for side in ("width", "height"):
-        value = info.get(side)
-        if not is_int(value) or not 0 < value <= MAX_SIDE:
+        if not is_int(value := info.get(side)) or not 0 < value <= MAX_SIDE:
             return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
     crowd = info.get("crowdIndex", 0.0)
     if isinstance(crowd, bool) or not isinstance(crowd, (int, float)) or not math.isfinite(crowd):
@@ -218,9 +216,8 @@ class Selection:
 
 def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: bool, ann_path: Path,
                  keypoints: int) -> Selection:
-    """Check every image and person annotation of `data` in `category_ids`: a problem raises
-    `DataError`, or with `skip_bad` drops its whole image (listed in `rejected`). Kept
-    annotations get the first category's id and `complete_fields`."""
+    """Each image and annotation of `data` in `category_ids` checked: a problem raises `DataError`, or with
+    `skip_bad` drops its image (`rejected`); kept ones get the first category's id, `complete_fields`."""
     out = Selection()
     wanted = set(category_ids)
 
@@ -238,8 +235,7 @@ def select_valid(data: dict, category_ids: list, images_dir: Path, skip_bad: boo
                        f"and {info['file_name']!r}; it would be trained twice)")
         if problem is None:
             spelled = os.path.normpath(info["file_name"].replace("\\", "/"))    # a/./b.jpg is a/b.jpg
-            first = by_file.setdefault(spelled, info["id"])
-            if first != info["id"]:
+            if (first := by_file.setdefault(spelled, info["id"])) != info["id"]:
                 problem = (f"image {info['id']}: file_name {info['file_name']!r} is also image {first} "
                            "(one picture listed twice: its people would be split between them)")
                 good.pop(first, None)

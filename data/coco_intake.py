@@ -41,8 +41,7 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
         if not chosen:
             raise DataError(f"{ann_path}: no 'person' category among the categories, and none lists "
                             "keypoints (choose with --categories NAME_OR_ID,...)")
-    lists = {tuple(c.get("keypoints") or ()) for c in chosen}
-    if len(lists) > 1:
+    if len({tuple(c.get("keypoints") or ()) for c in chosen}) > 1:
         names = ", ".join(f"{c.get('name')} ({len(c.get('keypoints') or ())} keypoints)"
                           for c in chosen[:SHOWN_CATEGORIES])
         raise DataError(f"{ann_path}: the categories {names} list different keypoints; convert one "
@@ -56,8 +55,7 @@ def _name_lines(names: list, skeleton: Skeleton, category: dict, ann_path: Path)
     plain = [plain_name(n) for n in names]
     differ = [k for k in range(common) if names[k] != given[k]]
     renamed = [k for k in differ if plain[k] != plain_name(given[k])]
-    moved = [k for k in renamed if plain_name(given[k]) in plain]
-    if moved or 2 * len(renamed) > common:
+    if (moved := [k for k in renamed if plain_name(given[k]) in plain]) or 2 * len(renamed) > common:
         shown = "; ".join(f"keypoint {k} is {names[k]!r} there, {given[k]!r} in the skeleton"
                           for k in (moved or renamed)[:3])
         raise DataError(f"{ann_path}: the {category.get('name')!r} category's keypoints are not those "
@@ -83,8 +81,7 @@ def choose_skeleton(category: dict, names: list, points: np.ndarray, ann_path: P
                             "JSON's links (categories[].skeleton) are not read")
     if skeleton is not None:
         lines = _name_lines(names, skeleton, category, ann_path)
-        known = matching_builtin(skeleton.dataset_keypoints)
-        if known is not None and known != skeleton:
+        if (known := matching_builtin(skeleton.dataset_keypoints)) is not None and known != skeleton:
             lines.append(f"--skeleton differs from built-in {known.name}: "
                          f"{limb_changes(skeleton, known) or 'in flips, sigmas or channel order'}")
         return skeleton, "\n".join([f"{skeleton.describe()} (given by --skeleton)", *lines])

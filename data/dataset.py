@@ -61,8 +61,7 @@ class KeypointDataset(Dataset):
         self._process = None          # pid `keep_freed_memory` ran in
 
     def painter_for(self, device: torch.device):
-        """What draws a batch's targets on `device`: on a CPU `data.targets`' windows (40x cheaper
-        there), elsewhere the whole-grid `TargetPainter`; they agree to float32 rounding."""
+        """On a CPU `data.targets`' windows (40x cheaper there), else the whole-grid `TargetPainter`."""
         return self.host_painter if torch.device(device).type == "cpu" else self.painter
 
     def set_epoch(self, epoch: int) -> None:

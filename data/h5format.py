@@ -1,7 +1,5 @@
-"""The keypoint HDF5 file: its layout, and `KeypointH5`, the lazy reader used by every consumer.
-
-One file holds one split of a COCO-format keypoint set, written by `data.make_hdf5`:
-
+"""The keypoint HDF5 file, one split of a COCO-format keypoint set written by `data.make_hdf5`, and
+`KeypointH5`, its lazy reader (the h5py handle opens on first use in each process, never pickled):
     attrs: format, version, split, categories (JSON), source, skeleton (JSON; absent: COCO)
     images/encoded      vlen uint8   the original encoded file bytes (JPEG/PNG)
     images/id, file_name, size       int64; vlen str; int32 [N,2] (height, width)
@@ -10,10 +8,7 @@ One file holds one split of a COCO-format keypoint set, written by `data.make_hd
     images/masks        vlen uint8   run-length codes of the ignore and person masks (`encode_masks`)
     people/keypoints    float32 [P,K,3]   x, y, v in image pixels, the skeleton's keypoint order
     people/box          float32 [P,4]     COCO bbox x, y, w, h
-    samples             int64 [S,2]  (image index, person index within the image)
-
-The h5py handle opens on first use in each process and is never pickled (DataLoader workers).
-"""
+    samples             int64 [S,2]  (image index, person index within the image)"""
 from __future__ import annotations
 
 import contextlib
@@ -99,7 +94,6 @@ def open_checked(path: Path) -> h5py.File:
 
 
 def _damaged_file(path, what: str) -> DataError:
-    """The error for a keypoint file whose `what` is damaged (it must be converted again)."""
     return DataError(f"{path}: damaged {what}; convert it again with python -m data.make_hdf5")
 
 
@@ -272,8 +266,7 @@ class KeypointH5:
         return self._load_meta()[table][start:start + count].copy()
 
     def annotations(self, img: int, text=None) -> list[dict]:
-        """The image's COCO annotations (every person, crowds too), without segmentation (`text`:
-        their stored JSON, when already read)."""
+        """The image's COCO annotations (crowds too), no segmentation; `text`: their JSON if already read."""
         with self._damaged(img, "annotations"):
             return json.loads(_text(self._dataset("images/annotations")[img] if text is None else text))
 

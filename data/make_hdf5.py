@@ -39,8 +39,7 @@ EVAL_FIELDS = ("id", "image_id", "category_id", "iscrowd", "area", "bbox", "keyp
 
 # -- images ----------------------------------------------------------------------------------------
 def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
-    """The encoded bytes of an image of `images_dir` after checking it decodes and matches the
-    JSON's size; a missing one's error says where the JSON says it comes from."""
+    """The bytes of a picture that decodes to the JSON's size; a missing one's error says where from."""
     path = images_dir / info["file_name"]
     try:
         data = path.read_bytes()
@@ -78,8 +77,7 @@ def _where_from(info: dict, images_dir: Path) -> str:
     if len(parts) > 1 and not (images_dir / parts[0]).exists():
         hints.append(f"its file_name starts with '{parts[0]}/', which --images {images_dir} lacks: "
                      f"give the folder that holds {parts[0]}/")
-    url = info.get("coco_url")
-    if isinstance(url, str) and url.count("/") > 3:
+    if isinstance(url := info.get("coco_url"), str) and url.count("/") > 3:
         hints.append(f"the JSON's coco_url is {url}: --images the folder of COCO's "
                      f"{url.rstrip('/').split('/')[-2]} pictures")
     elif isinstance(info.get("flickr_url"), str):
@@ -136,8 +134,7 @@ def image_record(anns: list[dict], height: int, width: int, skeleton: Skeleton,
 # -- writing ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ConvertSettings:
-    """How `convert` converts: the options of `python -m data.make_hdf5` beside --ann/--images/--out.
-    `side_outputs` ({option: path}) are checked as the output is."""
+    """`python -m data.make_hdf5`'s options beside --ann/--images/--out; `side_outputs`: {option: path}."""
     split: str = "train"
     skip_bad: bool = False
     progress: bool = True
@@ -376,7 +373,6 @@ def _report_skipped(summary: dict | None, args) -> None:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="the HDF5 file was not written (its partial copy is removed); "
                    "an existing --out is as it was")
 

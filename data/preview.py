@@ -81,7 +81,6 @@ def _main(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="the preview picture was not written; an existing --out is as it was")
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
-from config.loader import out_of_bounds
+from config.loader import out_of_bounds, read_yaml
 from config.schema import FILE_FIELDS
-from config.yaml_file import read_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "skeletons"
 DEFAULT_SIGMA = 0.067      # the mean of COCO's 17 OKS sigmas, for keypoints nobody gave one
@@ -239,8 +238,7 @@ class Skeleton:
         index = {name: k for k, name in enumerate(names)}
         for n in extra:
             parts = derived_spec[n] if isinstance(derived_spec[n], (list, tuple)) else []
-            outside = next((p for p in parts if p in index and p not in dataset), None)
-            if outside is not None:
+            if (outside := next((p for p in parts if p in index and p not in dataset), None)) is not None:
                 _fail(source, f"derived {n}: {list(parts)} uses {outside!r}, which is not a keypoint of the "
                       "annotations (a derived keypoint is the middle of two annotated ones)")
         derived = tuple((index[n], *_pairs([derived_spec[n]], f"derived {n}", index, source)[0])
@@ -321,8 +319,7 @@ def _fail(source: str, problem: str):
 def _names(value, what: str, source: str) -> list:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
         _fail(source, f"{what} must be a list of keypoint names")
-    twice = next((name for k, name in enumerate(value) if name in value[:k]), None)
-    if twice is not None:
+    if (twice := next((name for k, name in enumerate(value) if name in value[:k]), None)) is not None:
         _fail(source, f"keypoint {twice!r} is listed twice in {what}")
     return list(value)
 

@@ -1,7 +1,6 @@
 """A skeleton for a COCO keypoint category: a built-in when its keypoints are one's, else one inferred
 from the category's links (1- or 0-based, `--links-from`), joined where they leave parts apart by a
-minimum spanning tree over the keypoints' mean distances; every decision is a line of the report.
-"""
+minimum spanning tree over the keypoints' mean distances; every decision is a line of the report."""
 from __future__ import annotations
 
 import re
@@ -87,8 +86,7 @@ def _links(category: dict, count: int, source: str, links_from: int | None) -> t
            else f"a link uses keypoint {count}" if max(flat) == count
            else f"COCO's rule; no link uses keypoint 0 or {count}, so either could be meant")
     low, high = base, count - 1 + base
-    bad = next((link for link in links if not all(low <= i <= high for i in link)), None)
-    if bad is not None:
+    if (bad := next((link for link in links if not all(low <= i <= high for i in link)), None)) is not None:
         _fail(source, f"skeleton link {list(bad)} is not a pair of keypoint numbers {low}-{high} "
               f"(the category lists {count} keypoints)")
     pairs = []

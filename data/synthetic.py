@@ -18,7 +18,6 @@ from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from common.paths import refuse_existing, written_whole
 from data.skeleton import builtin
 
-# COCO keypoint indices (COCO order).
 NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HIP, R_HIP, \
     L_KNE, R_KNE, L_ANK, R_ANK = range(17)
 COCO_SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
@@ -118,16 +117,6 @@ def _box(mask: np.ndarray) -> list:
     return [float(v) for v in cv2.boundingRect(mask)]
 
 
-def _uncompressed_rle(mask: np.ndarray) -> dict:
-    """COCO's uncompressed RLE (column-major run lengths, starting with a run of zeros)."""
-    flat = mask.T.reshape(-1)
-    changes = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    counts = np.diff(np.concatenate([[0], changes, [flat.size]])).tolist()
-    if flat[0]:
-        counts = [0] + counts
-    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
-
-
 def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
     """One image and its annotations (without ids): people, small unlabelled people, crowds."""
     height = width = size
@@ -197,9 +186,11 @@ def _small_person(rng, image: np.ndarray, size: int, crowd: bool) -> dict:
         _draw_figure(image, mask, kp, h, True)
     if crowd:
         x, y, w, h = cv2.boundingRect(mask)
-        region = np.zeros_like(mask)
-        region[y:y + h, x:x + w] = 1
-        segmentation, mask = _uncompressed_rle(region), region
+        mask = np.zeros_like(mask)
+        mask[y:y + h, x:x + w] = 1
+        flat = mask.T.reshape(-1)        # COCO's uncompressed RLE: column-major runs, zeros first
+        counts = np.diff(np.concatenate([[0], np.flatnonzero(flat[1:] != flat[:-1]) + 1, [flat.size]]))
+        segmentation = {"size": [height, width], "counts": [0] * int(flat[0]) + counts.tolist()}
     else:
         segmentation = _polygons(mask)
     return {"iscrowd": int(crowd), "keypoints": [0] * 51, "num_keypoints": 0,
@@ -304,7 +295,6 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
 
 def write_dataset(out_dir, train_images: int = 400, val_images: int = 50, size: int = 192,
                   seed: int = 0, skeleton: str = "coco", overwrite: bool = True) -> dict:
-    """Both splits under `out_dir`; returns {split: json path}."""
     out_dir = Path(out_dir)
     return {split: write_split(out_dir, split, count, size, seed, skeleton, overwrite)
             for split, count in (("train", train_images), ("val", val_images))}
@@ -379,7 +369,6 @@ def _main(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="the pictures and JSON files written so far are kept; the "
                    "dataset is incomplete: run the command again with --overwrite")
 

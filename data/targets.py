@@ -1,10 +1,7 @@
-"""Ground-truth maps: limb maps, keypoint heatmaps, the person mask and the keypoint max.
-
-Output cell (i, j) samples the input point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5).
-Keypoints are Gaussians (several people: max); limbs are Gaussians of the distance to the segment
-inside its box widened by a margin (several people: mean). Each is computed only in a window,
-0 below exp(-GAUSSIAN_CUTOFF). `HostTargetPainter` is a CPU device's drawing of a batch.
-"""
+"""Ground-truth maps (limbs, keypoints, person mask, keypoint max); output cell (i, j) samples the input
+point ((j + 0.5) * stride - 0.5, (i + 0.5) * stride - 0.5). Keypoints are Gaussians (several people: max),
+limbs Gaussians of the distance to the segment inside its box widened by a margin (several: mean), each
+drawn in a window, 0 below exp(-GAUSSIAN_CUTOFF). `HostTargetPainter` draws a batch on a CPU device."""
 from __future__ import annotations
 
 import math
@@ -102,8 +99,7 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
         reached_cells.append(cell)
         first = last
     shared, counts = np.unique(np.concatenate(reached_cells), return_counts=True)
-    several = counts > 1
-    if several.any():
+    if (several := counts > 1).any():
         flat[shared[several]] /= counts[several].astype(np.float32)
 
 
@@ -132,8 +128,7 @@ def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfi
 
 
 class HostTargetPainter:
-    """`TargetPainter`'s call on the host: padded people [B, P, K, 3] and uint8 person masks
-    [B, 1, h, w] -> float32 targets [B, C, h, w] by `render_targets` (as `sample_arrays` draws)."""
+    """`TargetPainter` on the host: people [B, P, K, 3], uint8 masks [B, 1, h, w] -> float32 [B, C, h, w]."""
 
     def __init__(self, skeleton: Skeleton, cfg: TargetConfig, stride: int):
         self.skeleton = skeleton

@@ -11,8 +11,7 @@ _IGNORE_SCALE = 1.0 / 255
 
 
 def pack_people(people: np.ndarray, slots: int) -> np.ndarray:
-    """float32 [slots, K, 3]: the people [P, K, 3] with a labelled keypoint, in their order, then
-    zero rows. Raises ValueError when more than `slots` people have a labelled keypoint."""
+    """float32 [slots, K, 3]: the people with a labelled keypoint, then zeros; ValueError beyond `slots`."""
     labelled = people[(people[:, :, 2] > 0).any(axis=1)]
     if len(labelled) > slots:
         raise ValueError(f"{len(labelled)} labelled people in a sample, more than the {slots} "

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, CheckpointError, ConfigError, refuse_inapplicable, run_cli
-from config.loader import build_config, deep_update, differences, nested, read_preset, setting, to_dict
+from config.loader import (build_config, deep_update, differences, nested, read_preset, read_yaml, setting,
+                           to_dict)
 from config.schema import CHANGES, KEPT, REFERENCE_PRESET, add_flags, declared, flags
-from config.yaml_file import read_yaml
 
 DEFAULT_PRESET = "tiny"
 

@@ -1,7 +1,5 @@
-"""Building blocks of the IMHN network: conv+BN(+LeakyReLU), bottleneck residual, SE, stem. Convs
-have no bias (a BatchNorm follows), activations are LeakyReLU(0.01) (SPEC "Network"), and child
-names say where a weight lives (`stem.context.convs.2.0.weight`).
-"""
+"""Building blocks of IMHN: conv+BN(+LeakyReLU(0.01), SPEC "Network"; no bias: a BatchNorm follows),
+bottleneck residual, SE, stem; child names say where a weight lives (`stem.context.convs.2.0.weight`)."""
 from __future__ import annotations
 
 from functools import partial

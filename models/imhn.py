@@ -1,15 +1,10 @@
-"""IMHN: the stacked improved hourglass network of Simple Pose (SPEC "Network"), built from config.
-
-Layout (names are stable: users freeze and load weights by them):
-`stem` (to stride 4), then per stack `stacks.{i}.hourglass` (level k at stride 4*2^k with
-`channels + k*increase` channels, D+1 feature maps, stride 4 first), `stacks.{i}.heads.{s}` and
-`stacks.{i}.merge.{s}` (all stacks but the last; merge_0 is added to this stack's input to make
-the next one's, every merge_s to the next hourglass's output at scale s, before its head: the
-reference network's function, `tests/test_reference_golden.py`).
-
-Input: RGB / 255 (`data.preprocess.normalise`). Output: a list over stacks of lists over scales
-(stride 4, 8, ...) of [B, out_channels, H/stride, W/stride], near 0 at initialisation.
-"""
+"""IMHN: the stacked improved hourglass network of Simple Pose (SPEC "Network"). Names are stable
+(users freeze and load weights by them): `stem` (to stride 4), then per stack `stacks.{i}.hourglass`
+(level k at stride 4*2^k with `channels + k*increase` channels, D+1 feature maps, stride 4 first),
+`stacks.{i}.heads.{s}` and `stacks.{i}.merge.{s}` (all stacks but the last; merge_0 is added to this
+stack's input to make the next one's, every merge_s to the next hourglass's output at scale s, before
+its head: the reference's function, `tests/test_reference_golden.py`). Input: RGB / 255; output: a
+list over stacks of lists over scales (stride 4, 8, ...) of [B, C, H/stride, W/stride], near 0 at first."""
 from __future__ import annotations
 
 import contextlib
@@ -110,8 +105,6 @@ class Stack(nn.Module):
 
 
 class IMHN(nn.Module):
-    """The improved hourglass network; see the module docstring for layout and outputs."""
-
     def __init__(self, cfg: ModelConfig, out_channels: int):
         super().__init__()
         if cfg.channels <= 2 * cfg.stem_channels:    # the one rule the schema's bounds cannot say

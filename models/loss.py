@@ -1,7 +1,5 @@
-"""The multi-task focal L2 loss of Simple Pose (SPEC "Loss"), normalised per sample.
-
-For outputs P[i][j] (stack i of S, scale j of J), target G (stride 4) and mask M (1 = supervise):
-
+"""The multi-task focal L2 loss of Simple Pose (SPEC "Loss"), per sample. For outputs P[i][j]
+(stack i of S, scale j), target G (stride 4) and mask M (1 = supervise):
     G_j = area average of G down to the size of scale j   (adaptive average pooling)
     M_j = bilinear resize of M to scale j, values < 0.5 set to 0
     e   = (P - G_j)^2 * w_c * f * M_j          per element
@@ -9,14 +7,10 @@ For outputs P[i][j] (stack i of S, scale j of J), target G (stride 4) and mask M
     w_c = keypoint_weight on the keypoint maps, mask_weight on the person mask, 1 elsewhere
     L_ij[b] = sum of e over channels and pixels of sample b
     loss[b] = (1 / S) * sum_i sum_j (s_j / sum_k s_k) * L_ij[b]     s = scale_weights
-
-`per_sample` is loss[b]; the training loss is its mean, so a batch's loss does not depend on how
-it is split over devices, and its size is the reference's per-sample sum (its LR keeps its
-meaning). Computed in float32. `parts` (each [B], detached): the shares of loss[b] of `keypoints`,
-`limbs`, `person_mask`, `keypoint_max` and `scale{j}` (each family sums to loss[b]), and
-`stack{i}`, the loss of stack i alone. `LossConfig.focal_detach` makes f a constant weight, so every
-gradient points from P towards G.
-"""
+Training takes the mean of loss[b] (the same however a batch is split; the reference's per-sample
+size, so its LR keeps its meaning), in float32. `parts` ([B], detached): the shares of loss[b] of
+`keypoints`, `limbs`, `person_mask`, `keypoint_max` and `scale{j}` (each family sums to loss[b]),
+and `stack{i}`, stack i's own loss. `focal_detach` makes f a constant, so gradients point to G."""
 from __future__ import annotations
 
 import torch
@@ -37,8 +31,6 @@ def resized(target: torch.Tensor, mask: torch.Tensor, size: tuple[int, int]) -> 
 
 
 class FocalL2Loss(nn.Module):
-    """Multi-task focal L2 over every stack and scale; see the module docstring for the formula."""
-
     def __init__(self, cfg: LossConfig, skeleton: Skeleton):
         super().__init__()
         self.groups = {               # the channels of each part of the loss, in `skeleton`'s layout

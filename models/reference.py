@@ -1,9 +1,6 @@
-"""The Simple Pose authors' checkpoint layout, mapped onto this project's IMHN.
-
-Their file holds `weights` (under `posenet.`, maybe `module.`), `optimizer_weight` (SGD state by
-parameter index), `train_loss`, `epoch` (0-based, finished), maybe an Apex `amp` state. Names map
-by structure (`reference_name`, `name_map`); only the first conv changes (BGR input).
-"""
+"""The Simple Pose authors' checkpoint on this project's IMHN: `weights` (under `posenet.`, maybe `module.`),
+`optimizer_weight` (SGD state by parameter index), `train_loss`, `epoch` (0-based, finished), maybe an
+Apex `amp` state; names map by structure (`reference_name`, `name_map`), the first conv BGR -> RGB."""
 from __future__ import annotations
 
 import re
@@ -62,8 +59,7 @@ def reference_name(name: str, depth: int) -> str:
 
 
 def name_map(model: nn.Module, depth: int) -> dict[str, str]:
-    """{reference key: our key} for every entry of `model`'s state dict, in the order the reference
-    registers them (a stable sort by section)."""
+    """{reference key: our key} of `model`'s state dict, in the reference's order (stable sort by section)."""
     ours = {reference_name(k, depth): k for k in model.state_dict()}
     section = {k: next(i for i, s in enumerate(SECTIONS) if k.startswith(s)) for k in ours}
     return {k: ours[k] for k in sorted(ours, key=section.get)}

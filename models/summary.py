@@ -88,7 +88,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def main(argv=None) -> int:
-    """The command line: a user error prints one line and returns its exit code."""
     return run_cli(_main, argv, kept="nothing was written")
 
 

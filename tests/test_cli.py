@@ -138,7 +138,7 @@ def test_a_loss_scale_that_zeroes_or_overflows_every_float16_gradient_is_refused
     (b"- 1\n- 2\n", "must hold a mapping of config sections"),
 ])
 def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, content, says):
-    """--config and --skeleton read their files the same way (config.yaml_file.read_yaml)."""
+    """--config and --skeleton read their files the same way (config.loader.read_yaml)."""
     from data.skeleton import load_skeleton
     path = tmp_path / "mine.yaml"
     path.write_bytes(content)
