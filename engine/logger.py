@@ -14,6 +14,7 @@ from common.paths import written_whole
 from runtime.environment import changed_versions, describe_environment
 
 SHARES = ("AP", "PCK", "AUC")      # validation metrics from 0 to 1 that curves.png draws (the first found)
+CURVES_EVERY_S = 60.0              # curves.png redrawn at most this often, and at the run's end
 
 
 @contextlib.contextmanager
@@ -78,7 +79,7 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.steps_path = self.run_dir / "train_steps.jsonl"
         self.curves_path = self.run_dir / "curves.png"
-        self.tb = None
+        self.tb, self.drawn_at = None, time.monotonic()
 
     def open(self, resumed_step: int | None = None) -> "RunLogger":
         """Start writing; `resumed_step`: where a resumed run continues from."""
@@ -150,10 +151,12 @@ class RunLogger:
             out.append(record)
         return out
 
-    def plot_curves(self) -> None:
-        """Loss, metric and LR against the step, in curves.png."""
-        if not self.enabled:
+    def plot_curves(self, now: bool = False) -> None:
+        """Loss, metric and LR against the step, in curves.png: `now`, or once CURVES_EVERY_S have
+        passed since the last drawing (a drawing costs about half a second of CPU)."""
+        if not self.enabled or not (now or time.monotonic() - self.drawn_at >= CURVES_EVERY_S):
             return
+        self.drawn_at = time.monotonic()
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -200,5 +203,6 @@ class RunLogger:
             plt.close(fig)
 
     def close(self) -> None:
+        self.plot_curves(now=True)
         if self.tb is not None:
             self.tb.close()

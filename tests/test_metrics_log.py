@@ -1,8 +1,12 @@
 """engine/logger.py's metrics.jsonl as resumed runs leave it: resume markers hide the records of
-rolled-back steps from read() (and so from curves.png), however many resumes and cut lines."""
+rolled-back steps from read() (and so from curves.png), however many resumes and cut lines; and how
+often curves.png is drawn."""
 from __future__ import annotations
 
-from engine.logger import RunLogger
+from pathlib import Path
+
+import engine.logger
+from engine.logger import CURVES_EVERY_S, RunLogger
 
 
 def train_records(log: RunLogger) -> list[tuple[int, float]]:
@@ -32,3 +36,19 @@ def test_a_resume_marker_after_a_line_cut_by_a_crash_still_counts(tmp_path):
     log = RunLogger(tmp_path, True, tensorboard=False).open(resumed_step=3)
     log.log("train", 4, loss=2.0)
     assert train_records(log) == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_curves_are_drawn_at_most_once_a_minute_and_at_the_runs_end(tmp_path, monkeypatch):
+    clock, drawn = [1000.0], []
+    monkeypatch.setattr(engine.logger.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig",
+                        lambda figure, path, **options: drawn.append(clock[0]) or Path(path).write_bytes(b"png"))
+    log = RunLogger(tmp_path, True, tensorboard=False).open()
+    for epoch, seconds in enumerate((10, 40, 20, 5, 50)):       # an epoch's end after each
+        clock[0] += seconds
+        log.log("train", epoch + 1, loss=1.0, lr=0.1)
+        log.plot_curves()
+    assert drawn == [1070.0]                                   # 70 s after the start, not again 55 s on
+    log.close()                                                # the run's end draws whatever the time
+    assert drawn == [1070.0, 1125.0] and (tmp_path / "curves.png").read_bytes() == b"png"
+    assert CURVES_EVERY_S == 60.0
