@@ -167,11 +167,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def model_state_dict(model: nn.Module) -> dict:
-    """State dict of the unwrapped model: never a `module.` or `_orig_mod.` prefix."""
-    return unwrap_model(model).state_dict()
-
-
 def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
