@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 LIBRARIES = {"numpy": "numpy", "opencv": "cv2", "h5py": "h5py", "pycocotools": "pycocotools",
              "tqdm": "tqdm", "PyYAML": "yaml", "matplotlib": "matplotlib"}
-APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn", "fused_layer_norm_cuda")
+APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn")     # the compiled ones that amp, SyncBN, DDP use
 
 
 def _installed_version(distribution: str) -> str | None:

@@ -12,6 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from config.schema import AmpConfig, Config
+from runtime.environment import APEX_EXTENSIONS
 
 LAST_APEX_WITH_AMP = "25.04"
 
@@ -23,9 +24,6 @@ APEX_TORCH_NEEDS = (
     ("torch.autograd.Variable", "_execution_engine"),  # apex.parallel DDP: end-of-backward callback
     ("torch._utils", "_flatten_dense_tensors"),       # apex.parallel DDP: all-reduce buckets
 )
-
-
-APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn")
 
 
 @dataclass(frozen=True)
