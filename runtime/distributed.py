@@ -20,7 +20,8 @@ import torch.distributed as dist
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
-from runtime.rank_watch import BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, fate, post_error, read_key
+from runtime.rank_watch import (BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, WatchSettings, fate, post_error,
+                                read_key)
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -72,10 +73,10 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)
-    _WATCH = RankWatch(_rendezvous_store(launch, rendezvous, serve=False), launch.rank,
-                       launch.world_size, "the torchrun agent" if launch.agent_store else "rank 0",
-                       f"{launch.master_addr}:{launch.master_port}", _abort, _leave,
-                       dist_cfg.heartbeat_timeout_s)
+    host = "the torchrun agent" if launch.agent_store else "rank 0"
+    settings = WatchSettings(host, f"{launch.master_addr}:{launch.master_port}", dist_cfg.heartbeat_timeout_s)
+    _WATCH = RankWatch(_rendezvous_store(launch, rendezvous, serve=False), launch.rank, launch.world_size,
+                       settings, _abort, _leave)
     return ctx
 
 
