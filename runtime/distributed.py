@@ -3,6 +3,7 @@ rank leaves its error in the store), and once the group is lost every collective
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -379,6 +380,8 @@ def barrier() -> None:
 
 
 def _all_reduce(value, op, divide: bool):
+    """The sum, mean or element-wise maximum over ranks of a tensor (a new one) or a number; the input
+    itself when not distributed."""
     if not _active():
         return value
     is_tensor = torch.is_tensor(value)
@@ -393,19 +396,9 @@ def _all_reduce(value, op, divide: bool):
     return work.to(tensor.device)
 
 
-def all_reduce_sum(value):
-    """Sum of a tensor (or number) over ranks; a new tensor, the input is left as is."""
-    return _all_reduce(value, dist.ReduceOp.SUM, divide=False)
-
-
-def all_reduce_mean(value):
-    """Mean of a tensor (or number) over ranks; the input itself when not distributed."""
-    return _all_reduce(value, dist.ReduceOp.SUM, divide=True)
-
-
-def all_reduce_max(value):
-    """Element-wise maximum of a tensor (or number) over ranks; the input when not distributed."""
-    return _all_reduce(value, dist.ReduceOp.MAX, divide=False)
+all_reduce_sum = functools.partial(_all_reduce, op=dist.ReduceOp.SUM, divide=False)
+all_reduce_mean = functools.partial(_all_reduce, op=dist.ReduceOp.SUM, divide=True)
+all_reduce_max = functools.partial(_all_reduce, op=dist.ReduceOp.MAX, divide=False)
 
 
 def any_rank(flag: bool) -> bool:
