@@ -64,19 +64,16 @@ class ApexPrecision(PrecisionBackend):
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before `attach`: the trainable parameters; after: `amp.master_params`."""
-        if not self._attached:
-            return trainable
-        return list(self.amp.master_params(self._optimizer))
+        return list(self.amp.master_params(self._optimizer)) if self._attached else trainable
 
     def attach(self, model: nn.Module, optimizer):
-        cast = self.level in ("O2", "O3")
         # masters start from the float32 values, not Apex's copy of the float16 model
         exact = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
                  if self.master_weights else {})
         loss_scale = None if self.level == "O0" else ("dynamic" if self.dynamic else self.static_scale)
         model, optimizer = self.amp.initialize(
-            model, optimizer, opt_level=self.level, keep_batchnorm_fp32=self.keep_bn_fp32 if cast else None,
-            loss_scale=loss_scale, verbosity=0)
+            model, optimizer, opt_level=self.level, loss_scale=loss_scale, verbosity=0,
+            keep_batchnorm_fp32=self.keep_bn_fp32 if self.cast_model else None)
         if self.dynamic:          # Apex starts at 2**16; the run's config says where to start
             self.amp.load_state_dict({"loss_scaler0": {"loss_scale": float(self.init_scale), "unskipped": 0}})
         if self.master_weights:

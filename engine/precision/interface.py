@@ -1,6 +1,5 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares, in the
-order the engine calls it (`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`).
-"""
+order the engine calls it (`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`)."""
 from __future__ import annotations
 
 import abc
@@ -40,12 +39,10 @@ class PrecisionBackend(abc.ABC):
         self.level = cfg.opt_level
         self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.device_type = device.type
-        self.cast_model = self.level in ("O2", "O3")
+        self.cast_model, self.master_weights = self.level in ("O2", "O3"), self.level == "O2"
         keep = cfg.keep_batchnorm_fp32
-        self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
-        self.master_weights = self.level == "O2"
-        # "auto": on for CUDA (measured faster there), off elsewhere
-        auto = cfg.channels_last == "auto"
+        self.keep_bn_fp32 = self.master_weights if keep is None else bool(keep)
+        auto = cfg.channels_last == "auto"      # on for CUDA (measured faster there), off elsewhere
         self.channels_last = device.type == "cuda" if auto else bool(cfg.channels_last)
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value

@@ -26,10 +26,8 @@ def grad_scaler_fields(state) -> dict:
 def apex_amp_state(state) -> dict:
     """`state` (either layout) as Apex's amp state; {} when it holds no scale."""
     fields = grad_scaler_fields(state)
-    if not fields:
-        return {}
-    return {APEX_KEY: {"loss_scale": float(fields["scale"]),
-                       "unskipped": int(fields.get("_growth_tracker", 0))}}
+    return fields and {APEX_KEY: {"loss_scale": float(fields["scale"]),
+                                  "unskipped": int(fields.get("_growth_tracker", 0))}}
 
 
 # GradScaler's fields (whole numbers or not), then Apex's (under APEX_KEY), and their bounds' names
