@@ -240,8 +240,7 @@ class Checkpoints:
     def save(self, trainer, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
         """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
         self.refuse_unusable_state(trainer, name)
-        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)    # ZeRO's
-        if consolidate is not None:
+        if (consolidate := getattr(self.optimizer, "consolidate_state_dict", None)) is not None:    # ZeRO's
             consolidate(to=0)
         hooks = {}                      # every rank computes them
         for hook in trainer.hooks:
@@ -279,12 +278,10 @@ class Checkpoints:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
                                    f"or gradients at each): nothing trained and {kept}. "
                                    f"{self.good_checkpoint(trainer)}: {self.advice(trainer, ran)}")
-        bad = ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model)))
-        if bad:
+        if bad := ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model))):
             raise TrainingDiverged(f"after step {trainer.step} the weights hold NaN or infinite values "
                                    f"({len(bad)} tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
-        problem = scaler_problem(self.precision.state_dict())
-        if problem:
+        if problem := scaler_problem(self.precision.state_dict()):
             raise TrainingDiverged(f"after step {trainer.step} the loss scaler's state is unusable "
                                    f"({problem}); {kept}: {DIVERGENCE_ADVICE}")
 

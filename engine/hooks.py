@@ -98,8 +98,7 @@ class EpochEnd(Hook):
                     trainer, f"while validating epoch {epoch + 1} (resuming validates it again)")
             results.update(measured)
         if ap_due and self.validator.skeleton.scoring.key in results:
-            path = self.validator.pictures(epoch)
-            if path is not None:
+            if (path := self.validator.pictures(epoch)) is not None:
                 self.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
         return results
 
@@ -319,8 +318,7 @@ def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx:
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validator, metric)]
-    outside = [m for m in cfg.optim.milestones if m >= train.epochs]     # shares are inside
-    if outside:
+    if outside := [m for m in cfg.optim.milestones if m >= train.epochs]:     # shares are inside
         say(f"optim.milestones {cfg.optim.milestones}: epochs {outside} are not inside --epochs "
             f"{train.epochs}, so the LR never decays there (shares below 1 follow the run's length)")
     if train.ema:

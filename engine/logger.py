@@ -92,8 +92,7 @@ class RunLogger:
         for path in (self.metrics_path, self.steps_path):
             if self.enabled and path.exists():    # a line cut by a crash must not swallow ours
                 with writing(path), open(path, "rb+") as fh:
-                    size = fh.seek(0, 2)
-                    if size:
+                    if size := fh.seek(0, 2):
                         fh.seek(size - 1)
                         if fh.read(1) != b"\n":
                             fh.write(b"\n")
@@ -127,8 +126,7 @@ class RunLogger:
         if self.tb is None:
             return
         import cv2
-        picture = cv2.imread(str(path), cv2.IMREAD_COLOR)
-        if picture is not None:
+        if (picture := cv2.imread(str(path), cv2.IMREAD_COLOR)) is not None:
             self.tb.add_image(tag, picture[:, :, ::-1].copy(), step, dataformats="HWC")
 
     def read(self, path: Path | None = None) -> list[dict]:
@@ -167,15 +165,13 @@ class RunLogger:
         dots = "." if len(steps) < 60 else None        # a short run: each step visible
         axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], marker=dots, lw=1,
                      label="train loss (each step)" if steps is not train else "train loss")
-        with_loss = [r for r in val if "loss" in r]
-        if with_loss:
+        if with_loss := [r for r in val if "loss" in r]:
             axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
                          label="val loss")
         axes[0].set(yscale="log", xlabel="step", ylabel="loss")
         handles, labels = axes[0].get_legend_handles_labels()
         key = next((k for k in SHARES if any(k in r for r in val)), None)   # AP, else PCK, else AUC
-        with_ap = [r for r in val if key in r]
-        if with_ap:
+        if with_ap := [r for r in val if key in r]:
             ap_axis = axes[0].twinx()
             ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-",
                                     color="g", label=f"val {key} (last {with_ap[-1][key]:.3f})")

@@ -92,8 +92,7 @@ def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, fl
 
 def rounding_note(params, lr: float, cfg: OptimConfig) -> str:
     """One line on `updates_rounded_away(params, lr, cfg)`; '' without half weights."""
-    shares = updates_rounded_away(params, lr, cfg)
-    if shares is None:
+    if (shares := updates_rounded_away(params, lr, cfg)) is None:
         return ""
     dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
     return (f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "

@@ -97,8 +97,7 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
 
 def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
     """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
-    fd = _claimed.pop(str(Path(run_dir).resolve()), None)
-    if fd is not None:
+    if (fd := _claimed.pop(str(Path(run_dir).resolve()), None)) is not None:
         os.close(fd)
     if remove_if_empty and {p.name for p in Path(run_dir).iterdir()} <= {LOCK_FILE}:
         (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)

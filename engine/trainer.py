@@ -197,8 +197,7 @@ class Trainer:
                 result.update(hook.outcome())
             return result
         except Exception as exc:
-            failure = self.failure(exc)
-            if failure is None:
+            if (failure := self.failure(exc)) is None:
                 raise
             raise failure from None
         finally:

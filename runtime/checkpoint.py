@@ -93,8 +93,7 @@ def read_file(path, mmap: bool = False):
         mmap = mmap and zipfile.is_zipfile(path)     # only torch.save's zip format maps; others read whole
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        code = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        if code:
+        if code := re.search(r"GLOBAL ([\w.]+)", str(exc)):
             raise CheckpointError(
                 f"checkpoint {path} was refused: loading it would execute code from the file "
                 f"(it refers to {code.group(1)}); only a file you trust may be converted by hand to a "
@@ -241,8 +240,7 @@ def check_values(weights: dict, expected: dict, source: str) -> None:
             raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
                                   f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
                                   "not weights this trainer wrote")
-    unusable = non_finite(weights)
-    if unusable:
+    if unusable := non_finite(weights):
         name, tensor = unusable[0], weights[unusable[0]]
         bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "

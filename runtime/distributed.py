@@ -314,8 +314,7 @@ def _meet(store, launch, timeout_s: float) -> None:
                   f"{timeout_s - _SAY_WAITING_S:g} s more (dist.rendezvous_timeout_s {timeout_s:g} s)",
                   flush=True)
             said = True
-        error = read_key(store, ERROR_KEY)
-        if error is not None:
+        if (error := read_key(store, ERROR_KEY)) is not None:
             store.add(_ENDED_KEY, 1)
             raise ConfigError(error)
         joined = store.add(_JOINED_KEY, 0)

@@ -90,8 +90,7 @@ def check_installed(device: str) -> None:
         raise ConfigError(f"--amp-backend apex: {_apex_where()} has no apex.amp / apex.parallel: NVIDIA "
                           f"removed them in Apex 25.07; {LAST_APEX_WITH_AMP} is the last release that has "
                           "them. Install that one, or use --amp-backend native (torch.amp)")
-    missing = missing_torch_apis()
-    if missing:
+    if missing := missing_torch_apis():
         raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
                           f"{torch.__version__}: it needs {', '.join(missing)}, which this PyTorch lacks; "
                           "use --amp-backend native")

@@ -57,8 +57,7 @@ def scaler_problem(state) -> str | None:
 def checked_scaler_state(state, source: str) -> tuple[object, str]:
     """A checkpoint's scaler entry ready to load, and '' or a line saying its scale was brought
     within bounds; CheckpointError naming the file (`source`) and field when unusable."""
-    problem = scaler_problem(state)
-    if problem:
+    if problem := scaler_problem(state):
         raise CheckpointError(f"{source}: its loss scaler state is damaged ({problem}); start from its "
                               "weights with --weights instead of --resume")
     scale = grad_scaler_fields(state).get("scale")
