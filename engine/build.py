@@ -104,9 +104,8 @@ class TrainerBuilder:
     def build_validator(self, cfg: Config, ctx, built: RunComponents, evaluator=None, draw=None,
                         run_dir: Path | None = None) -> Validator | None:
         """The run's validation (None without a validation set), of the weights hooks swap in (EMA)."""
-        if built.data.val_set is None:
-            return None
-        return Validator(cfg, ctx, built.data, built.eval_net, built.model, evaluator, draw, run_dir)
+        return None if built.data.val_set is None else Validator(cfg, ctx, built.data, built.eval_net,
+                                                                 built.model, evaluator, draw, run_dir)
 
     def build(self, cfg: Config, launch, plan=None, say=print) -> RunComponents:
         """All components, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""

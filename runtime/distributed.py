@@ -245,11 +245,6 @@ def _group_lost() -> UserError:
     return _LOST
 
 
-def check_group() -> None:
-    """Raise why once this process's group is lost (call before saving a checkpoint)."""
-    _active()
-
-
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     """torchrun's agent store (per restart attempt), else rank 0's on MASTER_ADDR:MASTER_PORT."""
     where = f"{launch.master_addr}:{launch.master_port}"
@@ -365,6 +360,9 @@ def _active() -> bool:
     return False
 
 
+check_group = _active           # raises why once this process's group is lost: called before a save
+
+
 def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -373,9 +371,8 @@ def _comm_device() -> torch.device:
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
-    if not _active():
-        return
-    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+    if _active():
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def _all_reduce(value, op, divide: bool):
@@ -390,9 +387,7 @@ def _all_reduce(value, op, divide: bool):
     dist.all_reduce(work, op=op)
     if divide:
         work /= dist.get_world_size()
-    if not is_tensor:
-        return work.item()
-    return work.to(tensor.device)
+    return work.to(tensor.device) if is_tensor else work.item()
 
 
 all_reduce_sum = functools.partial(_all_reduce, op=dist.ReduceOp.SUM, divide=False)
