@@ -159,9 +159,8 @@ def load_summary(report: dict) -> str:
 
 def resume_state(reference: dict, source: str, model, optimizer, optim: OptimConfig, depth: int,
                  strict: bool = True) -> dict:
-    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`
-    over `model`'s trainable parameters. An optimiser other than SGD with momentum is refused when
-    `strict`, else starts without momentum."""
+    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`; an
+    optimiser other than SGD with momentum is refused when `strict`, else starts without momentum."""
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     sgd = optim.name == "sgd" and bool(optim.momentum)
     if strict and not sgd:
@@ -219,8 +218,7 @@ def _keys(hook) -> tuple:
 
 
 class Checkpoints:
-    """The checkpoints of a run, and the one owner of their entries; `fields`: those fixed for the
-    run (`run_fields`); `main`: this process writes."""
+    """A run's checkpoints, the one owner of their entries; `fields`: `run_fields`; `main`: it writes."""
 
     @staticmethod
     def run_fields(cfg: Config, skeleton: Skeleton, mode: str, world_size: int, fresh=()) -> dict:
@@ -261,9 +259,8 @@ class Checkpoints:
         dist.barrier()
 
     def refuse_unusable_state(self, trainer, name: str) -> None:
-        """`TrainingDiverged` on every rank instead of writing RUN/name when every step was skipped
-        (but for a dynamic loss scale's back-off, which is said), the weights are not finite, or the
-        loss scaler's state could not be resumed."""
+        """`TrainingDiverged` on every rank instead of writing RUN/name when every step was skipped (a
+        dynamic scale's back-off is only said), the weights are not finite, or the scaler's state is bad."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self._since_start(trainer)
@@ -300,8 +297,7 @@ class Checkpoints:
         return f"The last good checkpoint is {last}" if last.exists() else "No checkpoint was written before"
 
     def advice(self, trainer, steps: int) -> str:
-        """What to change after `steps` skipped steps in a row: a fixed loss scale that overflowed
-        the gradients at each is named, not the learning rate."""
+        """What to change after `steps` skipped steps in a row (a fixed loss scale that overflowed, named)."""
         scale = self.precision.fixed_scale
         if scale and trainer.optim_step.overflow_streak >= steps:
             return (f"the fixed loss scale {scale:g} (--loss-scale) overflowed float16's gradients at each: "

@@ -78,9 +78,8 @@ def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list
 
 
 def _resume_changes(base, cfg, path: Path, given: str, held: dict) -> list[str]:
-    """A line per setting `cfg` changes from the run's (`base`) that a resume may change, or that the
-    saved config `held` lacks (an older version's); ConfigError naming those it keeps
-    (config/schema.py's `option(resume=)`). Milestones that are shares move with --epochs: said."""
+    """A line per setting `cfg` changes from the run's (`base`) that a resume may change or the saved
+    config `held` lacks; ConfigError naming those it keeps (config/schema.py's `option(resume=)`)."""
     from engine.optim import milestone_epochs
     differ = differences(to_dict(base), to_dict(cfg))
     differ.pop("preset", None)
@@ -138,8 +137,7 @@ def _check_weights_network(cfg) -> None:
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
-    """The run's config from the flags, refused now when its backend cannot run here; the lines
-    saying what a resume changes are said (by the first process)."""
+    """The run's config from the flags, refused when its backend cannot run here; a resume's changes said."""
     from engine.precision import check_backend
     cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)

@@ -75,8 +75,7 @@ class WeightsEMA(Hook):
 
     @contextlib.contextmanager
     def applied(self, trainer=None):
-        """The averaged weights in the model inside the block, the training weights put back after:
-        what validation, AP and saving best.pth see (the hook's `evaluating`)."""
+        """The averaged weights in the model inside the block (`evaluating`), the training ones after."""
         with torch.no_grad():
             self._kept = [t.clone() for t in self._targets.values()]
             torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])

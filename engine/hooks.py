@@ -31,8 +31,7 @@ def weights_evaluated(trainer):
 
 
 def scored(value) -> bool:
-    """Whether a metric's value measures something: finite, and not the -1 of a metric nothing defines
-    (a validation that found nobody); losses and metrics are never negative."""
+    """A metric's value measures something: finite and >= 0 (not the -1 of a validation that found nobody)."""
     return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
@@ -201,8 +200,7 @@ class LRSchedule(Hook):
 
 
 class FrozenBatchNorm(Hook):
-    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch;
-    `frozen_modules`: `engine.freeze.freeze()`'s "all_modules"."""
+    """`--freeze`'s BatchNorm layers (`freeze()`'s "all_modules") in eval mode each epoch: stats kept."""
     priority = 0
 
     def __init__(self, frozen_modules=()):
@@ -303,15 +301,13 @@ class Preemption(Hook):
 
 
 def best_metric(train: TrainConfig, skeleton) -> str:
-    """What best.pth and early stopping follow: the skeleton's first metric when it is measured
-    (`train.ap_every`), else the validation loss."""
+    """What best.pth and early stopping follow: the skeleton's first metric if measured, else the loss."""
     return skeleton.scoring.key if train.ap_every else "loss"
 
 
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
                   validator=None, metric: str = "loss", frozen: dict | None = None) -> list[Hook]:
-    """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`; `frozen`:
-    what `engine.freeze.freeze()` returned."""
+    """The engine's hooks for a run of `cfg` (`validator`, `metric`: see `EpochEnd`; `frozen`: freeze()'s)."""
     train = cfg.train
     hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())),
              LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),

@@ -18,9 +18,8 @@ from runtime import distributed as dist
 
 
 class GlobalBatchSampler(Sampler):
-    """Each epoch one permutation from (seed, epoch), cut into global batches of `batch_size`; rank r
-    gets the r-th slice of each, as (epoch, index) pairs (workers then know the epoch). The samples
-    do not depend on the number of processes, and a resume (`start_batch`) takes the next batch."""
+    """Each epoch one permutation from (seed, epoch) cut into global batches; rank r gets the r-th slice
+    of each as (epoch, index) pairs: the same samples on any process count; a resume takes the next batch."""
 
     def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
         self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
@@ -67,9 +66,8 @@ def _stop_workers(iterator, workers) -> None:
 
 
 class PersistentWorkersLoader(DataLoader):
-    """A DataLoader whose workers start safe from stop signals, end with `close()` (call it: the
-    garbage collector cannot stop them cleanly) or when Python exits, and whose user errors read
-    as one line, as without workers."""
+    """A DataLoader whose workers start safe from stop signals, end with `close()` (the garbage collector
+    cannot stop them cleanly) or at exit, and whose user errors read as one line."""
 
     def _get_iterator(self):
         if self.num_workers == 0:

@@ -49,8 +49,7 @@ class RunConsole:
             fh.write(text + "\n")
 
     def open(self, run_dir: Path, device, world_size: int) -> None:
-        """Start train.log and write environment.json (saying which versions changed since; the
-        records of the run's earlier starts kept in its `earlier_starts`)."""
+        """Start train.log, write environment.json (earlier starts kept in `earlier_starts`; changes said)."""
         if not self.enabled:
             return
         self.path, waiting, self.waiting = Path(run_dir) / "train.log", self.waiting, []

@@ -29,8 +29,7 @@ def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
 
 
 def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
-    """The backend's DDP with `dist_cfg`'s options (torch's: `delay_allreduce` puts every gradient in
-    one bucket, as Apex's option does); the model itself when not distributed."""
+    """The backend's DDP (torch's `delay_allreduce`: one bucket, as Apex's); the model if not distributed."""
     if not ctx.distributed:
         return model
     if amp.backend == "apex":
@@ -173,8 +172,7 @@ def _to_cross_process(module: nn.Module) -> nn.Module:
 
 # -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------
 def apex_sync_bn(model: nn.Module) -> nn.Module:
-    """`apex.parallel.convert_syncbn_model`, mended (`_mended_class`), each keeping the very
-    parameters and mode of the batch norm it replaces (Apex's makes new ones)."""
+    """`apex.parallel.convert_syncbn_model`, mended, each keeping the replaced batch norm's tensors, mode."""
     parallel = importlib.import_module("apex.parallel")
     before = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
     model = parallel.convert_syncbn_model(model)       # channel_last off: see _mended_class

@@ -184,7 +184,6 @@ class RunPlan:
 
     @property
     def restart(self) -> str:
-        """What a resume does with the folder in its state."""
         return RESTARTS[self.state]
 
 

@@ -48,8 +48,7 @@ def build_trainer(*args, **kwargs) -> Trainer:
 def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
               hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
               reader: CheckpointReader | None = None, draw: Callable | None = None) -> Run:
-    """The run of `cfg`, ready to `trainer.fit()`: its components built, the state restored, the run folder
-    written; `evaluator` and `draw`: the AP and validation pictures."""
+    """The run of `cfg`, ready to `fit()`, its folder written; `evaluator`, `draw`: AP, pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
@@ -90,8 +89,7 @@ def loop_inputs(train: TrainConfig, built: RunComponents, device) -> LoopInputs:
 
 
 class RunEnd(Hook):
-    """The run's result names its folder; the logger closed, the `done.` line; whatever happened,
-    workers and run lock let go."""
+    """The run's end (its folder in the result): logger closed, `done.` said; workers and run lock let go."""
     priority = 100
 
     def __init__(self, run_dir: Path, logger: RunLogger, say: RunConsole, loaders: Callable, main: bool):

@@ -177,9 +177,8 @@ def _listed(names: list[str]) -> str:
 
 
 def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, source: str = "") -> dict:
-    """Load weights into `model` (unwrapped) from a file or a dict; return {"source", "loaded",
-    "missing", "unexpected", "mismatched"}. A mismatch is a CheckpointError unless `allow_partial`;
-    loading nothing always is."""
+    """Load weights into `model` (unwrapped) from a file or a dict; return {"source", "loaded", "missing",
+    "unexpected", "mismatched"}; CheckpointError for a mismatch unless `allow_partial`, or if none load."""
     if isinstance(path_or_state, (str, os.PathLike)):
         source, obj = str(path_or_state), read_file(path_or_state)
     else:

@@ -376,8 +376,7 @@ def barrier() -> None:
 
 
 def _all_reduce(value, op, divide: bool):
-    """The sum, mean or element-wise maximum over ranks of a tensor (a new one) or a number; the input
-    itself when not distributed."""
+    """The reduction over ranks of a tensor (into a new one) or a number; the input if not distributed."""
     if not _active():
         return value
     is_tensor = torch.is_tensor(value)

@@ -19,8 +19,6 @@ _AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 @dataclass
 class ProcessPlace:
-    """This process's place in the job, as the launcher describes it."""
-
     launcher: str = "none"
     rank: int = 0
     local_rank: int = 0

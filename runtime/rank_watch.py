@@ -19,13 +19,11 @@ BEAT_KEY, WHO_KEY = "beat/{}", "who/{}"       # a rank's heartbeat count, its "H
 
 
 def read_key(store, key: str) -> str | None:
-    """What the store holds under `key`, or None."""
     return store.get(key).decode() if store.check([key]) else None
 
 
 def post_error(store, message: str) -> str:
-    """Leave `message` in the store as the job's error unless one is there (the first wins); the one
-    there, or `message` when the store cannot be reached."""
+    """Leave `message` as the job's error unless one is there: the one there (`message` if no store)."""
     with contextlib.suppress(RuntimeError):        # torch's DistError: the store is gone
         store.compare_set(ERROR_KEY, "", message)
         return store.get(ERROR_KEY).decode()
