@@ -30,8 +30,7 @@ class GraphedNetwork:
     run eagerly). The capture's BatchNorm updates are put back. A parameter's first gradient of a step
     is a copy of the graph's static buffer, which the next replay overwrites."""
 
-    def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
-                 make_graphed=None):
+    def __init__(self, model: nn.Module, precision, warm_calls: int = 3, make_graphed=None):
         self.model, self.precision, self.warm_calls = model, precision, warm_calls
         self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
         self.calls, self.key, self.replay = 0, None, None
@@ -61,7 +60,6 @@ class GraphedNetwork:
             for buffer, value in zip(self.model.buffers(), saved):
                 buffer.copy_(value)
         # torch warns once that the capture's side stream made the weights' accumulation nodes
-        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-        if quiet is not None:
+        if quiet := getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None):
             quiet(False)
         return replay

@@ -28,8 +28,7 @@ class WeightsEMA(Hook):
     def attach(self, model: nn.Module, precision: PrecisionBackend) -> "WeightsEMA":
         """Start the average at the weights of `model` as it trains; returns self."""
         sources = precision.weight_sources(model)
-        # the model's own tensors, live (see interface.live_state_dict)
-        self._targets = live_state_dict(model)
+        self._targets = live_state_dict(model)      # the model's own tensors, live
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
         self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
         parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}
