@@ -49,8 +49,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
 
 
 # what names one run: never taken over from a saved config
-RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False,
-                "run_name": ""}
+RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False, "run_name": ""}
 
 
 def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str],

@@ -120,8 +120,7 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
     if train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
                           f"{ctx.world_size} processes (it is the total batch)")
-    sampler = GlobalBatchSampler(len(dataset), train.batch_size, ctx.rank, ctx.world_size,
-                                 seed=train.seed)
+    sampler = GlobalBatchSampler(len(dataset), train.batch_size, ctx.rank, ctx.world_size, seed=train.seed)
     if sampler.batches_per_epoch == 0:
         raise ConfigError(f"option train.batch_size: {train.batch_size} is larger than the "
                           f"{len(dataset)} training samples")

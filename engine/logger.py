@@ -113,8 +113,7 @@ class RunLogger:
         """Append one record ({"kind": "train"|"val"|..., "step": N, ...}) to metrics.jsonl."""
         if not self.enabled:
             return
-        self._append(self.metrics_path, {"kind": kind, "step": step, "time": round(time.time(), 3),
-                                         **values})
+        self._append(self.metrics_path, {"kind": kind, "step": step, "time": round(time.time(), 3), **values})
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

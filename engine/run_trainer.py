@@ -125,8 +125,7 @@ def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, built: RunComponent
     fixed = Checkpoints.run_fields(cfg, data.skeleton, launch.mode, ctx.world_size, start.fresh)
     checkpoints = Checkpoints(run_dir, built.model, built.optimizer, built.precision, fixed, ctx.is_main, say)
     metric = engine_hooks.best_metric(cfg.train, data.skeleton)
-    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,
-                                          built.frozen)
+    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric, built.frozen)
     end = RunEnd(run_dir, logger, say, lambda: (data.loader, getattr(validator, "loader", None)), ctx.is_main)
     failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=built.net, say=say)
     trainer = Trainer(loop_inputs(cfg.train, built, ctx.device), defaults + [end] + list(hooks), failure)

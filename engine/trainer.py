@@ -84,7 +84,6 @@ class Hook:
 
 class Interrupted(UserError):
     """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
-
     plain_message = True
 
 

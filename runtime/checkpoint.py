@@ -130,8 +130,7 @@ def capture_rng_state() -> dict:
     version, words, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64),
-                   "gauss_next": gauss},
+        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss},
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),

@@ -30,7 +30,6 @@ BACKENDS = ("auto", "nccl", "gloo")
 @dataclass
 class DistContext:
     """Where this process stands in the job; `distributed` is True when a process group exists."""
-
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1

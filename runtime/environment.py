@@ -61,12 +61,10 @@ def describe_environment(device: torch.device, world_size: int) -> dict:
         "apex": apex and {"path": str(Path(apex.origin or "").parent), "version": _installed_version("apex"),
                           "extensions": [name for name in APEX_EXTENSIONS if importlib.util.find_spec(name)]},
         "git": {"commit": commit, "clean": None if changes is None else changes == ""},
-        "command": [sys.executable, *sys.argv],
-        "device": str(device), "world_size": world_size,
+        "command": [sys.executable, *sys.argv], "device": str(device), "world_size": world_size,
         "devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
                     else [_cpu_name()]),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "platform": platform.platform(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
     }
 
 

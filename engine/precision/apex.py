@@ -17,7 +17,6 @@ class ApexPrecision(PrecisionBackend):
     """The precision backend on Apex's amp (float16 only; CUDA only). The base class's
     `prepare_model`, `cast_input` and `autocast_context` are all it needs: amp.initialize casts the
     model (given in float32), its patched forward the input, and O1's patched torch functions."""
-
     name = "apex"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):

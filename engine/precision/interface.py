@@ -30,7 +30,6 @@ def live_state_dict(model: nn.Module) -> dict:
 
 class PrecisionBackend(abc.ABC):
     """One run's mixed precision."""
-
     name: str = ""
     dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
     fixed_scale: float | None = None    # a fixed loss scale in use (--loss-scale NUMBER, float16)

@@ -21,7 +21,6 @@ class _HalfParamsGradScaler(torch.amp.GradScaler):
 
 class NativePrecision(PrecisionBackend):
     """Apex's opt levels on torch.amp: autocast, GradScaler, this class's own master weights."""
-
     name = "native"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
