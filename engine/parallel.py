@@ -62,14 +62,10 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, group):
         dims = [0, *range(2, x.dim())]
         xf = x.float()
-        local = torch.cat([
-            torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
-            xf.sum(dims, dtype=torch.float64),
-            (xf * xf).sum(dims, dtype=torch.float64),
-        ])
+        local = torch.cat([torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
+                           xf.sum(dims, dtype=torch.float64), (xf * xf).sum(dims, dtype=torch.float64)])
         dist.all_reduce(local, group=group)
-        channels = x.shape[1]
-        total = local[0].item()
+        channels, total = x.shape[1], local[0].item()
         if total <= 1:
             raise ValueError("Expected more than 1 value per channel when training, "
                              f"got input size {list(x.shape)} on this rank")
@@ -79,8 +75,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             unbiased = var * (total / (total - 1))
             running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-        mean32 = mean.float()
-        invstd = torch.rsqrt(var + eps).float()
+        mean32, invstd = mean.float(), torch.rsqrt(var + eps).float()
         y = (xf - _channel_view(mean32, x.dim())) * _channel_view(invstd, x.dim())
         if weight is not None:
             y = y * _channel_view(weight.float(), x.dim())
@@ -106,9 +101,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat]).double()
             dist.all_reduce(both, group=ctx.group)
-            channels = x.shape[1]
-            mean_dy = (both[:channels] / ctx.total).float()
-            mean_dy_xhat = (both[channels:] / ctx.total).float()
+            mean_dy, mean_dy_xhat = (both / ctx.total).float().split(x.shape[1])
             scale = invstd if weight is None else invstd * weight.float()
             grad_x = (dy - _channel_view(mean_dy, x.dim()) - xhat * _channel_view(mean_dy_xhat, x.dim()))
             grad_x = (grad_x * _channel_view(scale, x.dim())).to(x.dtype)
