@@ -84,7 +84,6 @@ class TrainerBuilder:
         return FocalL2Loss(cfg, skeleton)
 
     def build_precision(self, cfg: AmpConfig, device, cudnn_benchmark: bool) -> PrecisionBackend:
-        """The precision backend named by `amp.backend` (engine.precision.BACKENDS)."""
         return build_precision(cfg, device, cudnn_benchmark)
 
     def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,

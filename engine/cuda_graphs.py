@@ -25,10 +25,9 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
 
 
 class GraphedNetwork:
-    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
-    one capture for that input's shape, layout and type, replayed by later calls with it (others
-    run eagerly). The capture's BatchNorm updates are put back. A parameter's first gradient of a step
-    is a copy of the graph's static buffer, which the next replay overwrites."""
+    """The training forward and backward as CUDA graphs: `warm_calls` eager calls, then one capture for
+    that input's shape, layout and type, replayed by later calls with it (others run eagerly); the capture's
+    BatchNorm updates are put back; a step's first gradient is copied from the graph's (reused) buffer."""
 
     def __init__(self, model: nn.Module, precision, warm_calls: int = 3, make_graphed=None):
         self.model, self.precision, self.warm_calls = model, precision, warm_calls

@@ -136,9 +136,8 @@ class EpochEnd(Hook):
             self.stopped = trainer.finish_requested = True
 
     def judge(self, results: dict, epoch: int = 0, counts: bool = True) -> bool | None:
-        """Whether `results` improve on the best (None: `metric` not measured); a value that measures
-        nothing (`scored`) never improves, nor blocks as the best; a tie goes to the lower validation
-        loss. A result that does not `count` (off schedule) only sets best.pth while there is none."""
+        """Whether `results` improve on the best (None: `metric` not measured); an unscored value never
+        improves nor blocks; a tie goes to the lower loss; off schedule (not `counts`) only a first best."""
         if self.metric not in results:
             return None
         value, best, loss = results[self.metric], self.best, results.get("loss")

@@ -143,7 +143,6 @@ def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
 
 
 def _worker_options(data: DataConfig, ctx) -> dict:
-    """The DataLoader options of both loaders."""
     if data.workers > 0:
         # one OpenCV thread, set before forking (setting it in a forked worker can deadlock)
         import cv2

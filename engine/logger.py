@@ -120,7 +120,6 @@ class RunLogger:
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def log_image(self, tag: str, path, step: int) -> None:
-        """Send the picture at `path` to TensorBoard, if on."""
         if self.tb is None:
             return
         import cv2

@@ -41,7 +41,6 @@ class Run(NamedTuple):
 
 
 def build_trainer(*args, **kwargs) -> Trainer:
-    """`build_run(...)`'s trainer."""
     return build_run(*args, **kwargs).trainer
 
 

@@ -14,9 +14,8 @@ from engine.precision.loss_scale import apex_amp_state
 
 
 class ApexPrecision(PrecisionBackend):
-    """The precision backend on Apex's amp (float16 only; CUDA only). The base class's
-    `prepare_model`, `cast_input` and `autocast_context` are all it needs: amp.initialize casts the
-    model (given in float32), its patched forward the input, and O1's patched torch functions."""
+    """The backend on Apex's amp (float16, CUDA only); the base's `prepare_model`, `cast_input` and
+    `autocast_context` suffice: amp.initialize casts the model, its forward the input (O1: torch's)."""
     name = "apex"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):

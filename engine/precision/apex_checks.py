@@ -118,7 +118,6 @@ def _apex_where() -> str:
 
 
 def missing_torch_apis() -> list[str]:
-    """The names in APEX_TORCH_NEEDS that this PyTorch lacks."""
     missing = []
     for owner, attr in APEX_TORCH_NEEDS:
         try:

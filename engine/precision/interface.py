@@ -99,7 +99,6 @@ class PrecisionBackend(abc.ABC):
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def autocast_context(self):
-        """The context of the forward pass."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod
