@@ -12,7 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from config.schema import AmpConfig, Config
-from runtime.environment import APEX_EXTENSIONS
+from runtime.environment import APEX_EXTENSIONS, installed_version
 
 LAST_APEX_WITH_AMP = "25.04"
 
@@ -110,11 +110,8 @@ def _apex_where() -> str:
     spec = importlib.util.find_spec("apex")
     locations = list(spec.submodule_search_locations or []) if spec else []
     where = locations[0] if locations else (spec.origin if spec else "?")
-    try:
-        from importlib.metadata import version
-        return f"Apex {version('apex')} at {where}"
-    except Exception:            # a source checkout on PYTHONPATH has no package metadata
-        return f"the Apex at {where}"
+    version = installed_version("apex")      # None: a source checkout on PYTHONPATH, no package metadata
+    return f"Apex {version} at {where}" if version else f"the Apex at {where}"
 
 
 def missing_torch_apis() -> list[str]:
