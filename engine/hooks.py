@@ -38,7 +38,9 @@ def scored(value) -> bool:
 class EpochEnd(Hook):
     """The end of an epoch, in short steps: last.pth, then `validate` when due (by `validator`, an
     `engine.validation.Validator`; None: no validation), `judge`, `record`, `report`, `save`."""
-    checkpoint_key = ("best_metric", "bad_validations", "best_loss")
+    KEPT = {"best_metric": ("best", (int, float, type(None))), "bad_validations": ("bad_validations", int),
+            "best_loss": ("best_loss", (int, float, type(None)))}     # checkpoint key: (attribute, types)
+    checkpoint_key = tuple(KEPT)
     priority = 90
     EXPLODED = 100.0            # a validation loss this many times the training loss is said
 
@@ -159,19 +161,16 @@ class EpochEnd(Hook):
         return improved
 
     def state_dict(self):
-        return {"best_metric": self.best, "bad_validations": self.bad_validations,
-                "best_loss": self.best_loss}
+        return {key: getattr(self, attribute) for key, (attribute, _) in self.KEPT.items()}
 
     def load_state_dict(self, state):
-        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int),
-                          ("best_loss", (int, float, type(None)))):
+        for key, (_, kind) in self.KEPT.items():
             if key in state and bad_value(state[key], kind):
                 raise CheckpointError(f"its {key} is damaged ({type(state[key]).__name__} "
                                       f"{str(state[key])[:40]!r}); start from its weights with "
                                       "--weights instead of --resume")
-        self.best = state.get("best_metric", self.best)
-        self.bad_validations = state.get("bad_validations", self.bad_validations)
-        self.best_loss = state.get("best_loss", self.best_loss)
+        for key, (attribute, _) in self.KEPT.items():
+            setattr(self, attribute, state.get(key, getattr(self, attribute)))
 
     def outcome(self) -> dict:
         return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
