@@ -241,11 +241,9 @@ class Checkpoints:
         if (consolidate := getattr(self.optimizer, "consolidate_state_dict", None)) is not None:    # ZeRO's
             consolidate(to=0)
         hooks = {}                      # every rank computes them
-        for hook in trainer.hooks:
-            if isinstance(hook.checkpoint_key, tuple):
-                hooks.update(hook.state_dict())
-            elif hook.checkpoint_key:
-                hooks[hook.checkpoint_key] = hook.state_dict()
+        for hook in filter(_keys, trainer.hooks):
+            kept = hook.state_dict()
+            hooks.update(kept if isinstance(hook.checkpoint_key, tuple) else {hook.checkpoint_key: kept})
         if self.main:
             position = TrainState(epoch, iteration, trainer.step, trainer.optim_step.skipped_total,
                                   validation_pending)

@@ -298,8 +298,7 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s:
 def _meet(store, launch, timeout_s: float) -> None:
     """Wait until every rank has joined; raise a rank's error, or say how many are missing."""
     store.add(_JOINED_KEY, 1)
-    started = time.monotonic()
-    deadline, said = started + timeout_s, launch.rank != 0
+    started, said = time.monotonic(), launch.rank != 0
     while True:
         if not said and time.monotonic() - started > _SAY_WAITING_S:
             joined = store.add(_JOINED_KEY, 0)
@@ -314,7 +313,7 @@ def _meet(store, launch, timeout_s: float) -> None:
         joined = store.add(_JOINED_KEY, 0)
         if joined >= launch.world_size:
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() > started + timeout_s:
             raise ConfigError(f"only {joined} of {launch.world_size} processes joined within {timeout_s:g} s "
                               f"(dist.rendezvous_timeout_s) at {launch.master_addr}:{launch.master_port}; "
                               "the others failed before (see their errors) or were not started")
