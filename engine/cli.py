@@ -137,11 +137,10 @@ def _check_weights_network(cfg) -> None:
 
 def config_from_args(args: argparse.Namespace, reader=None):
     """The run's config from the flags, refused when its backend cannot run here; a resume's changes said."""
-    from engine.precision import check_backend
+    import torch
+    from engine.precision import BACKENDS, check_backend
     cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)
-    import torch
-    from engine.precision import BACKENDS
     level = cfg.amp.opt_level           # the flags given now that would have no effect in this run
     half = BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device)
     float16 = level != "O0" and half == torch.float16

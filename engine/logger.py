@@ -152,7 +152,6 @@ class RunLogger:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
         records = self.read()
         train = [r for r in records if r["kind"] == "train"]
         steps = [r for r in self.read(self.steps_path) if r["kind"] == "step"

@@ -51,8 +51,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     if launch.world_size <= 1 or dist.is_initialized():
         return _set_context(launch, resolve_device(device, launch), dist_cfg,
                             distributed=launch.world_size > 1)
-    os.environ["MASTER_ADDR"] = launch.master_addr
-    os.environ["MASTER_PORT"] = str(launch.master_port)
+    os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))
     if launch.rank == 0 and not launch.agent_store:
         check_port_free(launch.master_port)
     try:
