@@ -113,8 +113,7 @@ class _AsRaisedInWorker:
             raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
-def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
-                 ) -> tuple[DataLoader, GlobalBatchSampler]:
+def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` (compact batches) and its sampler."""
     from data.dataset import CompactSamples
     if train.batch_size % ctx.world_size:
