@@ -83,9 +83,7 @@ class TrainerBuilder:
         from models import FocalL2Loss
         return FocalL2Loss(cfg, skeleton)
 
-    def build_precision(self, cfg: AmpConfig, device: torch.device,
-                        cudnn_benchmark: bool) -> PrecisionBackend:
-        """The precision backend named by `amp.backend` (engine.precision.BACKENDS)."""
+    def build_precision(self, cfg: AmpConfig, device, cudnn_benchmark: bool) -> PrecisionBackend:
         return build_precision(cfg, device, cudnn_benchmark)
 
     def build_optimizer(self, params: list, cfg: OptimConfig, zero: bool, device_type: str,
@@ -93,9 +91,8 @@ class TrainerBuilder:
         return build_optimizer(params, cfg, zero=zero, device_type=device_type, native=native)
 
     def build_parallel(self, module: nn.Module, cfg: Config, launch, wrap: bool = False) -> nn.Module:
-        """The parallelism of `launch`, set up in one place: before the network goes to its device,
-        its BatchNorm layers made cross-process (`--sync-bn`); `wrap`: the network and loss wrapped,
-        in the backend's DDP with `cfg.dist`'s options, or in DataParallel over `launch.device_ids`."""
+        """Before the network goes to its device, its BatchNorm made cross-process (`--sync-bn`); `wrap`:
+        the network and loss in the backend's DDP, or in DataParallel over `launch.device_ids`."""
         if not wrap:
             return convert_sync_bn(module, launch.ctx, cfg.amp) if cfg.dist.sync_bn else module
         if launch.mode == "ddp":
@@ -105,11 +102,9 @@ class TrainerBuilder:
 
     def build_validator(self, cfg: Config, ctx, built: RunComponents, evaluator=None, draw=None,
                         run_dir: Path | None = None) -> Validator | None:
-        """The run's validation (None without a validation set); the weights it evaluates are those
-        the hooks' `evaluating()` swap in (EMA)."""
-        if built.data.val_set is None:
-            return None
-        return Validator(cfg, ctx, built.data, built.eval_net, built.model, evaluator, draw, run_dir)
+        """The run's validation (None without a validation set), of the weights hooks swap in (EMA)."""
+        return None if built.data.val_set is None else Validator(cfg, ctx, built.data, built.eval_net,
+                                                                 built.model, evaluator, draw, run_dir)
 
     def build(self, cfg: Config, launch, plan=None, say=print) -> RunComponents:
         """All components, in order; `plan` (engine.run_dir.plan_run) says what the weights start from."""
@@ -125,8 +120,7 @@ class TrainerBuilder:
             say(f"--freeze {' '.join(cfg.train.freeze)}: {len(frozen['fresh'])} of the tensors it names "
                 f"start fresh (--allow-partial), so they stay trainable: {', '.join(frozen['fresh'])}")
         dist.seed_everything(cfg.train.seed, ctx.rank)
-        model = self.build_parallel(model, cfg, launch)
-        model = model.to(ctx.device)
+        model = self.build_parallel(model, cfg, launch).to(ctx.device)
         precision = self.build_precision(cfg.amp, ctx.device, cfg.train.cudnn_benchmark)
         model = precision.prepare_model(model)
         trainable = trainable_parameters(model)

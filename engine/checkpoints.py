@@ -159,9 +159,8 @@ def load_summary(report: dict) -> str:
 
 def resume_state(reference: dict, source: str, model, optimizer, optim: OptimConfig, depth: int,
                  strict: bool = True) -> dict:
-    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`
-    over `model`'s trainable parameters. An optimiser other than SGD with momentum is refused when
-    `strict`, else starts without momentum."""
+    """The resume state of `reference` (the authors' layout, loaded into `model`) for `optimizer`; an
+    optimiser other than SGD with momentum is refused when `strict`, else starts without momentum."""
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     sgd = optim.name == "sgd" and bool(optim.momentum)
     if strict and not sgd:
@@ -219,8 +218,7 @@ def _keys(hook) -> tuple:
 
 
 class Checkpoints:
-    """The checkpoints of a run, and the one owner of their entries; `fields`: those fixed for the
-    run (`run_fields`); `main`: this process writes."""
+    """A run's checkpoints, the one owner of their entries; `fields`: `run_fields`; `main`: it writes."""
 
     @staticmethod
     def run_fields(cfg: Config, skeleton: Skeleton, mode: str, world_size: int, fresh=()) -> dict:
@@ -240,15 +238,12 @@ class Checkpoints:
     def save(self, trainer, name: str, epoch: int, iteration: int, validation_pending: bool = False) -> None:
         """Write RUN/name on the main process (all ranks call: ZeRO consolidates the optimiser)."""
         self.refuse_unusable_state(trainer, name)
-        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)    # ZeRO's
-        if consolidate is not None:
+        if (consolidate := getattr(self.optimizer, "consolidate_state_dict", None)) is not None:    # ZeRO's
             consolidate(to=0)
         hooks = {}                      # every rank computes them
-        for hook in trainer.hooks:
-            if isinstance(hook.checkpoint_key, tuple):
-                hooks.update(hook.state_dict())
-            elif hook.checkpoint_key:
-                hooks[hook.checkpoint_key] = hook.state_dict()
+        for hook in filter(_keys, trainer.hooks):
+            kept = hook.state_dict()
+            hooks.update(kept if isinstance(hook.checkpoint_key, tuple) else {hook.checkpoint_key: kept})
         if self.main:
             position = TrainState(epoch, iteration, trainer.step, trainer.optim_step.skipped_total,
                                   validation_pending)
@@ -262,9 +257,8 @@ class Checkpoints:
         dist.barrier()
 
     def refuse_unusable_state(self, trainer, name: str) -> None:
-        """`TrainingDiverged` on every rank instead of writing RUN/name when every step was skipped
-        (but for a dynamic loss scale's back-off, which is said), the weights are not finite, or the
-        loss scaler's state could not be resumed."""
+        """`TrainingDiverged` on every rank instead of writing RUN/name when every step was skipped (a
+        dynamic scale's back-off is only said), the weights are not finite, or the scaler's state is bad."""
         path = self.run_dir / name
         kept = (f"{path} still holds the weights it held" if path.exists() else f"{path} was not written")
         ran, skipped = self._since_start(trainer)
@@ -279,12 +273,10 @@ class Checkpoints:
             raise TrainingDiverged(f"all {ran} steps of this run were skipped (a non-finite or abnormal loss "
                                    f"or gradients at each): nothing trained and {kept}. "
                                    f"{self.good_checkpoint(trainer)}: {self.advice(trainer, ran)}")
-        bad = ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model)))
-        if bad:
+        if bad := ckpt.non_finite(self.precision.weight_sources(ckpt.unwrap_model(self.model))):
             raise TrainingDiverged(f"after step {trainer.step} the weights hold NaN or infinite values "
                                    f"({len(bad)} tensors, the first {bad[0]}); {kept}: {DIVERGENCE_ADVICE}")
-        problem = scaler_problem(self.precision.state_dict())
-        if problem:
+        if problem := scaler_problem(self.precision.state_dict()):
             raise TrainingDiverged(f"after step {trainer.step} the loss scaler's state is unusable "
                                    f"({problem}); {kept}: {DIVERGENCE_ADVICE}")
 
@@ -303,8 +295,7 @@ class Checkpoints:
         return f"The last good checkpoint is {last}" if last.exists() else "No checkpoint was written before"
 
     def advice(self, trainer, steps: int) -> str:
-        """What to change after `steps` skipped steps in a row: a fixed loss scale that overflowed
-        the gradients at each is named, not the learning rate."""
+        """What to change after `steps` skipped steps in a row (a fixed loss scale that overflowed, named)."""
         scale = self.precision.fixed_scale
         if scale and trainer.optim_step.overflow_streak >= steps:
             return (f"the fixed loss scale {scale:g} (--loss-scale) overflowed float16's gradients at each: "

@@ -49,8 +49,7 @@ def _saved_config(resume: str, run_name: str | None, out_dir: str | None,
 
 
 # what names one run: never taken over from a saved config
-RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False,
-                "run_name": ""}
+RUN_IDENTITY = {"resume": "", "weights": "", "resume_reference": "", "overwrite": False, "run_name": ""}
 
 
 def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list[str],
@@ -78,9 +77,8 @@ def _config_from_checkpoint(path: Path, saved: dict, overrides: dict, sets: list
 
 
 def _resume_changes(base, cfg, path: Path, given: str, held: dict) -> list[str]:
-    """A line per setting `cfg` changes from the run's (`base`) that a resume may change, or that the
-    saved config `held` lacks (an older version's); ConfigError naming those it keeps
-    (config/schema.py's `option(resume=)`). Milestones that are shares move with --epochs: said."""
+    """A line per setting `cfg` changes from the run's (`base`) that a resume may change or the saved
+    config `held` lacks; ConfigError naming those it keeps (config/schema.py's `option(resume=)`)."""
     from engine.optim import milestone_epochs
     differ = differences(to_dict(base), to_dict(cfg))
     differ.pop("preset", None)
@@ -138,13 +136,11 @@ def _check_weights_network(cfg) -> None:
 
 
 def config_from_args(args: argparse.Namespace, reader=None):
-    """The run's config from the flags, refused now when its backend cannot run here; the lines
-    saying what a resume changes are said (by the first process)."""
-    from engine.precision import check_backend
+    """The run's config from the flags, refused when its backend cannot run here; a resume's changes said."""
+    import torch
+    from engine.precision import BACKENDS, check_backend
     cfg, lines = _resolve_config(args, reader)
     check_backend(cfg)
-    import torch
-    from engine.precision import BACKENDS
     level = cfg.amp.opt_level           # the flags given now that would have no effect in this run
     half = BACKENDS[cfg.amp.backend].half_dtype(cfg.amp, cfg.train.device)
     float16 = level != "O0" and half == torch.float16

@@ -25,13 +25,11 @@ def use_cuda_graphs(amp: AmpConfig, launch) -> bool:
 
 
 class GraphedNetwork:
-    """The network's training forward and backward as CUDA graphs: `warm_calls` eager calls, then
-    one capture for that input's shape, layout and type, replayed by later calls with it (others
-    run eagerly). The capture's BatchNorm updates are put back. A parameter's first gradient of a step
-    is a copy of the graph's static buffer, which the next replay overwrites."""
+    """The training forward and backward as CUDA graphs: `warm_calls` eager calls, then one capture for
+    that input's shape, layout and type, replayed by later calls with it (others run eagerly); the capture's
+    BatchNorm updates are put back; a step's first gradient is copied from the graph's (reused) buffer."""
 
-    def __init__(self, model: nn.Module, precision, warm_calls: int = 3,
-                 make_graphed=None):
+    def __init__(self, model: nn.Module, precision, warm_calls: int = 3, make_graphed=None):
         self.model, self.precision, self.warm_calls = model, precision, warm_calls
         self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
         self.calls, self.key, self.replay = 0, None, None
@@ -61,7 +59,6 @@ class GraphedNetwork:
             for buffer, value in zip(self.model.buffers(), saved):
                 buffer.copy_(value)
         # torch warns once that the capture's side stream made the weights' accumulation nodes
-        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-        if quiet is not None:
+        if quiet := getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None):
             quiet(False)
         return replay

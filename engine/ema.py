@@ -28,8 +28,7 @@ class WeightsEMA(Hook):
     def attach(self, model: nn.Module, precision: PrecisionBackend) -> "WeightsEMA":
         """Start the average at the weights of `model` as it trains; returns self."""
         sources = precision.weight_sources(model)
-        # the model's own tensors, live (see interface.live_state_dict)
-        self._targets = live_state_dict(model)
+        self._targets = live_state_dict(model)      # the model's own tensors, live
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
         self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
         parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}
@@ -75,8 +74,7 @@ class WeightsEMA(Hook):
 
     @contextlib.contextmanager
     def applied(self, trainer=None):
-        """The averaged weights in the model inside the block, the training weights put back after:
-        what validation, AP and saving best.pth see (the hook's `evaluating`)."""
+        """The averaged weights in the model inside the block (`evaluating`), the training ones after."""
         with torch.no_grad():
             self._kept = [t.clone() for t in self._targets.values()]
             torch._foreach_copy_(list(self._targets.values()), [self.averaged[k] for k in self._targets])

@@ -53,14 +53,12 @@ def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters the optimizer should own: those that are not frozen."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def set_frozen_bn_eval(model: nn.Module, frozen_modules=()) -> int:
-    """Put frozen BatchNorm layers in eval mode (after every `model.train()`); return how many.
-    `frozen_modules`: `freeze()`'s "all_modules", by name (a BatchNorm replaced since, by SyncBN,
-    keeps its name), so that one without parameters counts as frozen."""
+    """Put frozen BatchNorm layers in eval mode (after every `model.train()`); return how many. By name in
+    `frozen_modules` (`freeze()`'s "all_modules"; SyncBN keeps it), so one without parameters counts too."""
     count, frozen_modules = 0, set(frozen_modules)
     for name, module in unwrap_model(model).named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -31,15 +31,16 @@ def weights_evaluated(trainer):
 
 
 def scored(value) -> bool:
-    """Whether a metric's value measures something: finite, and not the -1 of a metric nothing defines
-    (a validation that found nobody); losses and metrics are never negative."""
+    """A metric's value measures something: finite and >= 0 (not the -1 of a validation that found nobody)."""
     return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
 class EpochEnd(Hook):
     """The end of an epoch, in short steps: last.pth, then `validate` when due (by `validator`, an
     `engine.validation.Validator`; None: no validation), `judge`, `record`, `report`, `save`."""
-    checkpoint_key = ("best_metric", "bad_validations", "best_loss")
+    KEPT = {"best_metric": ("best", (int, float, type(None))), "bad_validations": ("bad_validations", int),
+            "best_loss": ("best_loss", (int, float, type(None)))}     # checkpoint key: (attribute, types)
+    checkpoint_key = tuple(KEPT)
     priority = 90
     EXPLODED = 100.0            # a validation loss this many times the training loss is said
 
@@ -98,8 +99,7 @@ class EpochEnd(Hook):
                     trainer, f"while validating epoch {epoch + 1} (resuming validates it again)")
             results.update(measured)
         if ap_due and self.validator.skeleton.scoring.key in results:
-            path = self.validator.pictures(epoch)
-            if path is not None:
+            if (path := self.validator.pictures(epoch)) is not None:
                 self.logger.log_image("val_pictures", path, trainer.step)     # the TensorBoard tag
         return results
 
@@ -138,9 +138,8 @@ class EpochEnd(Hook):
             self.stopped = trainer.finish_requested = True
 
     def judge(self, results: dict, epoch: int = 0, counts: bool = True) -> bool | None:
-        """Whether `results` improve on the best (None: `metric` not measured); a value that measures
-        nothing (`scored`) never improves, nor blocks as the best; a tie goes to the lower validation
-        loss. A result that does not `count` (off schedule) only sets best.pth while there is none."""
+        """Whether `results` improve on the best (None: `metric` not measured); an unscored value never
+        improves nor blocks; a tie goes to the lower loss; off schedule (not `counts`) only a first best."""
         if self.metric not in results:
             return None
         value, best, loss = results[self.metric], self.best, results.get("loss")
@@ -162,19 +161,16 @@ class EpochEnd(Hook):
         return improved
 
     def state_dict(self):
-        return {"best_metric": self.best, "bad_validations": self.bad_validations,
-                "best_loss": self.best_loss}
+        return {key: getattr(self, attribute) for key, (attribute, _) in self.KEPT.items()}
 
     def load_state_dict(self, state):
-        for key, kind in (("best_metric", (int, float, type(None))), ("bad_validations", int),
-                          ("best_loss", (int, float, type(None)))):
+        for key, (_, kind) in self.KEPT.items():
             if key in state and bad_value(state[key], kind):
                 raise CheckpointError(f"its {key} is damaged ({type(state[key]).__name__} "
                                       f"{str(state[key])[:40]!r}); start from its weights with "
                                       "--weights instead of --resume")
-        self.best = state.get("best_metric", self.best)
-        self.bad_validations = state.get("bad_validations", self.bad_validations)
-        self.best_loss = state.get("best_loss", self.best_loss)
+        for key, (attribute, _) in self.KEPT.items():
+            setattr(self, attribute, state.get(key, getattr(self, attribute)))
 
     def outcome(self) -> dict:
         return {**self.results, "best_metric": self.best, "early_stopped": self.stopped}
@@ -202,8 +198,7 @@ class LRSchedule(Hook):
 
 
 class FrozenBatchNorm(Hook):
-    """The BatchNorm layers that `--freeze` froze keep their statistics: eval mode every epoch;
-    `frozen_modules`: `engine.freeze.freeze()`'s "all_modules"."""
+    """`--freeze`'s BatchNorm layers (`freeze()`'s "all_modules") in eval mode each epoch: stats kept."""
     priority = 0
 
     def __init__(self, frozen_modules=()):
@@ -304,23 +299,20 @@ class Preemption(Hook):
 
 
 def best_metric(train: TrainConfig, skeleton) -> str:
-    """What best.pth and early stopping follow: the skeleton's first metric when it is measured
-    (`train.ap_every`), else the validation loss."""
+    """What best.pth and early stopping follow: the skeleton's first metric if measured, else the loss."""
     return skeleton.scoring.key if train.ap_every else "loss"
 
 
 def default_hooks(cfg: Config, checkpoints: Checkpoints, logger, say=print, ctx: DistContext = DistContext(),
                   validator=None, metric: str = "loss", frozen: dict | None = None) -> list[Hook]:
-    """The engine's hooks for a run of `cfg`; `validator` and `metric`: see `EpochEnd`; `frozen`:
-    what `engine.freeze.freeze()` returned."""
+    """The engine's hooks for a run of `cfg` (`validator`, `metric`: see `EpochEnd`; `frozen`: freeze()'s)."""
     train = cfg.train
     hooks = [FrozenBatchNorm((frozen or {}).get("all_modules", ())),
              LRSchedule(cfg.optim, train.batch_size * train.accumulate, ctx.world_size),
              DivergenceStop(cfg.optim.max_bad_steps, checkpoints), ProgressBar(ctx.is_main, ctx.device),
              TrainLog(logger, train.log_every, ctx.device, say), Preemption(checkpoints),
              EpochEnd(train, checkpoints, logger, say, validator, metric)]
-    outside = [m for m in cfg.optim.milestones if m >= train.epochs]     # shares are inside
-    if outside:
+    if outside := [m for m in cfg.optim.milestones if m >= train.epochs]:     # shares are inside
         say(f"optim.milestones {cfg.optim.milestones}: epochs {outside} are not inside --epochs "
             f"{train.epochs}, so the LR never decays there (shares below 1 follow the run's length)")
     if train.ema:

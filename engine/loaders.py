@@ -18,9 +18,8 @@ from runtime import distributed as dist
 
 
 class GlobalBatchSampler(Sampler):
-    """Each epoch one permutation from (seed, epoch), cut into global batches of `batch_size`; rank r
-    gets the r-th slice of each, as (epoch, index) pairs (workers then know the epoch). The samples
-    do not depend on the number of processes, and a resume (`start_batch`) takes the next batch."""
+    """Each epoch one permutation from (seed, epoch) cut into global batches; rank r gets the r-th slice
+    of each as (epoch, index) pairs: the same samples on any process count; a resume takes the next batch."""
 
     def __init__(self, dataset_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
         self.dataset_len, self.batch_size, self.per_rank = dataset_len, batch_size, batch_size // world_size
@@ -67,9 +66,8 @@ def _stop_workers(iterator, workers) -> None:
 
 
 class PersistentWorkersLoader(DataLoader):
-    """A DataLoader whose workers start safe from stop signals, end with `close()` (call it: the
-    garbage collector cannot stop them cleanly) or when Python exits, and whose user errors read
-    as one line, as without workers."""
+    """A DataLoader whose workers start safe from stop signals, end with `close()` (the garbage collector
+    cannot stop them cleanly) or at exit, and whose user errors read as one line."""
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -115,15 +113,13 @@ class _AsRaisedInWorker:
             raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
 
 
-def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx
-                 ) -> tuple[DataLoader, GlobalBatchSampler]:
+def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` (compact batches) and its sampler."""
     from data.dataset import CompactSamples
     if train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
                           f"{ctx.world_size} processes (it is the total batch)")
-    sampler = GlobalBatchSampler(len(dataset), train.batch_size, ctx.rank, ctx.world_size,
-                                 seed=train.seed)
+    sampler = GlobalBatchSampler(len(dataset), train.batch_size, ctx.rank, ctx.world_size, seed=train.seed)
     if sampler.batches_per_epoch == 0:
         raise ConfigError(f"option train.batch_size: {train.batch_size} is larger than the "
                           f"{len(dataset)} training samples")
@@ -146,7 +142,6 @@ def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
 
 
 def _worker_options(data: DataConfig, ctx) -> dict:
-    """The DataLoader options of both loaders."""
     if data.workers > 0:
         # one OpenCV thread, set before forking (setting it in a forked worker can deadlock)
         import cv2

@@ -50,8 +50,7 @@ class RunConsole:
             fh.write(text + "\n")
 
     def open(self, run_dir: Path, device, world_size: int) -> None:
-        """Start train.log and write environment.json (saying which versions changed since; the
-        records of the run's earlier starts kept in its `earlier_starts`)."""
+        """Start train.log, write environment.json (earlier starts kept in `earlier_starts`; changes said)."""
         if not self.enabled:
             return
         self.path, waiting, self.waiting = Path(run_dir) / "train.log", self.waiting, []
@@ -93,8 +92,7 @@ class RunLogger:
         for path in (self.metrics_path, self.steps_path):
             if self.enabled and path.exists():    # a line cut by a crash must not swallow ours
                 with writing(path), open(path, "rb+") as fh:
-                    size = fh.seek(0, 2)
-                    if size:
+                    if size := fh.seek(0, 2):
                         fh.seek(size - 1)
                         if fh.read(1) != b"\n":
                             fh.write(b"\n")
@@ -116,20 +114,17 @@ class RunLogger:
         """Append one record ({"kind": "train"|"val"|..., "step": N, ...}) to metrics.jsonl."""
         if not self.enabled:
             return
-        self._append(self.metrics_path, {"kind": kind, "step": step, "time": round(time.time(), 3),
-                                         **values})
+        self._append(self.metrics_path, {"kind": kind, "step": step, "time": round(time.time(), 3), **values})
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
 
     def log_image(self, tag: str, path, step: int) -> None:
-        """Send the picture at `path` to TensorBoard, if on."""
         if self.tb is None:
             return
         import cv2
-        picture = cv2.imread(str(path), cv2.IMREAD_COLOR)
-        if picture is not None:
+        if (picture := cv2.imread(str(path), cv2.IMREAD_COLOR)) is not None:
             self.tb.add_image(tag, picture[:, :, ::-1].copy(), step, dataformats="HWC")
 
     def read(self, path: Path | None = None) -> list[dict]:
@@ -160,7 +155,6 @@ class RunLogger:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
         records = self.read()
         train = [r for r in records if r["kind"] == "train"]
         steps = [r for r in self.read(self.steps_path) if r["kind"] == "step"
@@ -170,15 +164,13 @@ class RunLogger:
         dots = "." if len(steps) < 60 else None        # a short run: each step visible
         axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], marker=dots, lw=1,
                      label="train loss (each step)" if steps is not train else "train loss")
-        with_loss = [r for r in val if "loss" in r]
-        if with_loss:
+        if with_loss := [r for r in val if "loss" in r]:
             axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
                          label="val loss")
         axes[0].set(yscale="log", xlabel="step", ylabel="loss")
         handles, labels = axes[0].get_legend_handles_labels()
         key = next((k for k in SHARES if any(k in r for r in val)), None)   # AP, else PCK, else AUC
-        with_ap = [r for r in val if key in r]
-        if with_ap:
+        if with_ap := [r for r in val if key in r]:
             ap_axis = axes[0].twinx()
             ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-",
                                     color="g", label=f"val {key} (last {with_ap[-1][key]:.3f})")

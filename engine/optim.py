@@ -31,9 +31,8 @@ def milestone_epochs(cfg: OptimConfig, epochs: int | None) -> list[int]:
 
 def lr_at(cfg: OptimConfig, epoch: int, iteration: int, iters_per_epoch: int,
           world_size: int = 1, total_batch: int | None = None, epochs: int | None = None) -> float:
-    """The LR at 0-based (`epoch`, `iteration`) of a run of `epochs` for a total batch of `total_batch`:
-    linear warm-up, then step decay; a resumed run, or one with another number of processes, follows
-    the same curve."""
+    """The LR at 0-based (`epoch`, `iteration`): linear warm-up, then step decay; a resumed run, or one
+    with another number of processes, follows the same curve."""
     base = peak_lr(cfg, total_batch, world_size)
     drops = (sum(1 for m in milestone_epochs(cfg, epochs) if epoch >= m) if cfg.milestones
              else epoch // cfg.decay_every if cfg.decay_every > 0 else 0)
@@ -60,9 +59,8 @@ def build_optimizer(params, cfg: OptimConfig, zero: bool = False, device_type: s
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:
-    """`optimizer.load_state_dict(state)`, then each fused or capturable group's `step` counters on
-    their parameter's device in float32, as those kernels need: ZeroRedundancyOptimizer's loading
-    puts 0-d state on the CPU, and CUDA's fused AdamW then refuses the step."""
+    """`optimizer.load_state_dict(state)`, with fused or capturable groups' `step` counters moved to
+    their parameter's device in float32: ZeRO's loading puts them on the CPU, which fused AdamW refuses."""
     optimizer.load_state_dict(state)
     inner = getattr(optimizer, "optim", optimizer)          # ZeRO's local optimiser
     for group in inner.param_groups:
@@ -94,8 +92,7 @@ def updates_rounded_away(params, lr: float, cfg: OptimConfig) -> tuple[float, fl
 
 def rounding_note(params, lr: float, cfg: OptimConfig) -> str:
     """One line on `updates_rounded_away(params, lr, cfg)`; '' without half weights."""
-    shares = updates_rounded_away(params, lr, cfg)
-    if shares is None:
+    if (shares := updates_rounded_away(params, lr, cfg)) is None:
         return ""
     dtype = str(next(p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)))[6:]
     return (f"{dtype} weights without float32 masters: at the peak lr {lr:g}, {shares[0]:.0%} of "
@@ -106,8 +103,7 @@ def rounding_note(params, lr: float, cfg: OptimConfig) -> str:
 
 class OptimStep:
     def __init__(self, precision, optimizer, params: list, model: nn.Module, cfg: OptimConfig,
-                 net: nn.Module | None = None, static_graph: bool = False,
-                 rounding_lr: float | None = None):
+                 net: nn.Module | None = None, static_graph: bool = False, rounding_lr: float | None = None):
         """`rounding_lr`: the LR at which the first step measures half weights' rounding (`note`)."""
         self.precision, self.optimizer, self.params, self.cfg = precision, optimizer, params, cfg
         self.net, self.static_graph, self.rounding_lr = net, static_graph, rounding_lr
@@ -126,9 +122,8 @@ class OptimStep:
 
     def update(self, batches: list, loss_of: Callable[..., torch.Tensor],
                stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
-        """One step over `batches`: each batch's forward (`loss_of(*batch)`) and backward, then
-        unscale, norm, the one read, clipping, step or skip (BatchNorm statistics put back); the
-        loss is the batches' mean (a skipped step's too), the `note` O3's first (`rounding_note`)."""
+        """One step over `batches` (`loss_of(*batch)` each): backward, unscale, norm, the one read,
+        clipping, step or skip (BatchNorm statistics put back); the loss is the batches' mean."""
         if self.buffers:                 # one multi-tensor copy, not a kernel per buffer
             torch._foreach_copy_(self.buffers_before_step, self.buffers)
         loss_sum = bad = None
@@ -164,14 +159,12 @@ class OptimStep:
         return StepResult(loss_sum / len(batches), self.lr, skipped, stop, note=note)
 
     @staticmethod
-    def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor,
-                   stop: bool) -> tuple[float, bool, bool, bool]:
+    def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor, stop: bool) -> tuple:
         """The step's one host read: (loss sum, bad loss, non-finite norm, stop), flags over ranks."""
         bad = bad.float().to(norm.device)
         # the stop flag joins as a fill of a device tensor: no host-to-device copy that would sync
-        flags = torch.stack([bad, torch.logical_not(torch.isfinite(norm)).float().reshape(()),
-                             torch.full_like(bad, float(stop))])
-        flags = dist.all_reduce_max(flags)
+        flags = dist.all_reduce_max(torch.stack([bad, (~torch.isfinite(norm)).float().reshape(()),
+                                                 torch.full_like(bad, float(stop))]))
         loss_sum, bad, not_finite, stop = torch.cat(
             [loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
         return loss_sum, bad > 0, not_finite > 0, stop > 0

@@ -29,8 +29,7 @@ def convert_sync_bn(model: nn.Module, ctx, amp: AmpConfig) -> nn.Module:
 
 
 def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.Module:
-    """The backend's DDP with `dist_cfg`'s options (torch's: `delay_allreduce` puts every gradient in
-    one bucket, as Apex's option does); the model itself when not distributed."""
+    """The backend's DDP (torch's `delay_allreduce`: one bucket, as Apex's); the model if not distributed."""
     if not ctx.distributed:
         return model
     if amp.backend == "apex":
@@ -63,14 +62,10 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, group):
         dims = [0, *range(2, x.dim())]
         xf = x.float()
-        local = torch.cat([
-            torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
-            xf.sum(dims, dtype=torch.float64),
-            (xf * xf).sum(dims, dtype=torch.float64),
-        ])
+        local = torch.cat([torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
+                           xf.sum(dims, dtype=torch.float64), (xf * xf).sum(dims, dtype=torch.float64)])
         dist.all_reduce(local, group=group)
-        channels = x.shape[1]
-        total = local[0].item()
+        channels, total = x.shape[1], local[0].item()
         if total <= 1:
             raise ValueError("Expected more than 1 value per channel when training, "
                              f"got input size {list(x.shape)} on this rank")
@@ -80,8 +75,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             unbiased = var * (total / (total - 1))
             running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-        mean32 = mean.float()
-        invstd = torch.rsqrt(var + eps).float()
+        mean32, invstd = mean.float(), torch.rsqrt(var + eps).float()
         y = (xf - _channel_view(mean32, x.dim())) * _channel_view(invstd, x.dim())
         if weight is not None:
             y = y * _channel_view(weight.float(), x.dim())
@@ -107,9 +101,7 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat]).double()
             dist.all_reduce(both, group=ctx.group)
-            channels = x.shape[1]
-            mean_dy = (both[:channels] / ctx.total).float()
-            mean_dy_xhat = (both[channels:] / ctx.total).float()
+            mean_dy, mean_dy_xhat = (both / ctx.total).float().split(x.shape[1])
             scale = invstd if weight is None else invstd * weight.float()
             grad_x = (dy - _channel_view(mean_dy, x.dim()) - xhat * _channel_view(mean_dy_xhat, x.dim()))
             grad_x = (grad_x * _channel_view(scale, x.dim())).to(x.dtype)
@@ -121,8 +113,7 @@ class CrossProcessBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, device=None, dtype=None):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
     def _check_input_dim(self, input):
@@ -173,8 +164,7 @@ def _to_cross_process(module: nn.Module) -> nn.Module:
 
 # -- apex: apex.parallel's SyncBatchNorm and DistributedDataParallel, mended -----------------------
 def apex_sync_bn(model: nn.Module) -> nn.Module:
-    """`apex.parallel.convert_syncbn_model`, mended (`_mended_class`), each keeping the very
-    parameters and mode of the batch norm it replaces (Apex's makes new ones)."""
+    """`apex.parallel.convert_syncbn_model`, mended, each keeping the replaced batch norm's tensors, mode."""
     parallel = importlib.import_module("apex.parallel")
     before = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
     model = parallel.convert_syncbn_model(model)       # channel_last off: see _mended_class

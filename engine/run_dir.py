@@ -97,8 +97,7 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
 
 def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
     """Give up this process's lock on `run_dir` (and remove it when it is still empty)."""
-    fd = _claimed.pop(str(Path(run_dir).resolve()), None)
-    if fd is not None:
+    if (fd := _claimed.pop(str(Path(run_dir).resolve()), None)) is not None:
         os.close(fd)
     if remove_if_empty and {p.name for p in Path(run_dir).iterdir()} <= {LOCK_FILE}:
         (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)
@@ -107,8 +106,7 @@ def release_run_dir(run_dir: Path, remove_if_empty: bool = False) -> None:
 
 def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     """The run directory, claimed on the main process (`plan_run` refuses it when taken)."""
-    train = cfg.train
-    out_dir = Path(train.out_dir)
+    train, out_dir = cfg.train, Path(cfg.train.out_dir)
     run_dir, created = None, False
     named = out_dir / train.run_name if train.run_name else None
     if train.resume and train.resume != "auto":
@@ -185,7 +183,6 @@ class RunPlan:
 
     @property
     def restart(self) -> str:
-        """What a resume does with the folder in its state."""
         return RESTARTS[self.state]
 
 
@@ -222,8 +219,7 @@ def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) ->
     if not train.resume:
         return None
     if train.resume == "auto":
-        path = reader.latest(run_dir)
-        return str(path) if path else None
+        return str(path) if (path := reader.latest(run_dir)) else None
     path = Path(train.resume)
     if not path.is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")

@@ -41,15 +41,13 @@ class Run(NamedTuple):
 
 
 def build_trainer(*args, **kwargs) -> Trainer:
-    """`build_run(...)`'s trainer."""
     return build_run(*args, **kwargs).trainer
 
 
 def build_run(cfg: Config, launch: Launch, evaluator: Callable | None = None,
               hooks: list[Hook] = (), builder: TrainerBuilder | None = None,
               reader: CheckpointReader | None = None, draw: Callable | None = None) -> Run:
-    """The run of `cfg`, ready to `trainer.fit()`: its components built, the state restored, the run folder
-    written; `evaluator` and `draw`: the AP and validation pictures."""
+    """The run of `cfg`, ready to `fit()`, its folder written; `evaluator`, `draw`: AP, pictures."""
     reader = reader or CheckpointReader()
     plan = plan_run(cfg, reader)
     cfg = plan.config
@@ -90,8 +88,7 @@ def loop_inputs(train: TrainConfig, built: RunComponents, device) -> LoopInputs:
 
 
 class RunEnd(Hook):
-    """The run's result names its folder; the logger closed, the `done.` line; whatever happened,
-    workers and run lock let go."""
+    """The run's end (its folder in the result): logger closed, `done.` said; workers and run lock let go."""
     priority = 100
 
     def __init__(self, run_dir: Path, logger: RunLogger, say: RunConsole, loaders: Callable, main: bool):
@@ -127,8 +124,7 @@ def _run_trainer(cfg: Config, launch: Launch, run_dir: Path, built: RunComponent
     fixed = Checkpoints.run_fields(cfg, data.skeleton, launch.mode, ctx.world_size, start.fresh)
     checkpoints = Checkpoints(run_dir, built.model, built.optimizer, built.precision, fixed, ctx.is_main, say)
     metric = engine_hooks.best_metric(cfg.train, data.skeleton)
-    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric,
-                                          built.frozen)
+    defaults = engine_hooks.default_hooks(cfg, checkpoints, logger, say, ctx, validator, metric, built.frozen)
     end = RunEnd(run_dir, logger, say, lambda: (data.loader, getattr(validator, "loader", None)), ctx.is_main)
     failure = partial(_failure, cfg=cfg, ctx=ctx, run_dir=run_dir, net=built.net, say=say)
     trainer = Trainer(loop_inputs(cfg.train, built, ctx.device), defaults + [end] + list(hooks), failure)

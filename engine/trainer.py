@@ -84,7 +84,6 @@ class Hook:
 
 class Interrupted(UserError):
     """SIGTERM / SIGUSR1: the run saved a checkpoint and stopped; resume continues it."""
-
     plain_message = True
 
 
@@ -131,9 +130,8 @@ class Trainer:
         self.inputs, self.net, self.optim_step = inputs, inputs.net, inputs.optim_step
         self.model = inputs.model if inputs.model is not None else inputs.net
         self.epochs, self.accumulate = inputs.epochs, inputs.accumulate
-        self.batches_per_epoch = inputs.batches_per_epoch
+        self.batches_per_epoch, self.failure = inputs.batches_per_epoch, failure
         self.hooks = sorted(hooks, key=lambda hook: hook.priority)
-        self.failure = failure
         self.epoch, self.start_batch, self.step = 0, 0, 0     # where the run is
         self.resumed, self.steps_this_epoch = None, 0
         self.stop_signal = None           # set (by the pre-emption hook) to stop after the step
@@ -198,8 +196,7 @@ class Trainer:
                 result.update(hook.outcome())
             return result
         except Exception as exc:
-            failure = self.failure(exc)
-            if failure is None:
+            if (failure := self.failure(exc)) is None:
                 raise
             raise failure from None
         finally:

@@ -32,8 +32,7 @@ class Validator:
         """The mean validation loss over every rank's samples; None once `stop()` on some rank."""
         ctx, val_set = self.ctx, self.val_set
         self.net.eval()
-        # summed in Python floats: Apex's O1 patches torch's float64 sums
-        loss_sum, count = 0.0, 0
+        loss_sum, count = 0.0, 0      # summed in Python floats: Apex's O1 patches torch's float64 sums
         if self.loader is None:       # made once: its workers serve every validation
             self.loader = val_loader(val_set, self.cfg.data, self.cfg.train.batch_size, ctx)
         # a stop vote per batch while every rank still has one (shards differ by one at most)
@@ -46,8 +45,7 @@ class Validator:
             count += per_sample.numel()
             if n < voted_batches and dist.any_rank(stop()):
                 return None
-        total = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64))
-        loss_sum, count = total.tolist()
+        loss_sum, count = dist.all_reduce_sum(torch.tensor([loss_sum, count], dtype=torch.float64)).tolist()
         return loss_sum / max(count, 1.0)
 
     @torch.no_grad()

@@ -93,8 +93,7 @@ def read_file(path, mmap: bool = False):
         mmap = mmap and zipfile.is_zipfile(path)     # only torch.save's zip format maps; others read whole
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        code = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        if code:
+        if code := re.search(r"GLOBAL ([\w.]+)", str(exc)):
             raise CheckpointError(
                 f"checkpoint {path} was refused: loading it would execute code from the file "
                 f"(it refers to {code.group(1)}); only a file you trust may be converted by hand to a "
@@ -131,8 +130,7 @@ def capture_rng_state() -> dict:
     version, words, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64),
-                   "gauss_next": gauss},
+        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss},
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
@@ -167,11 +165,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def model_state_dict(model: nn.Module) -> dict:
-    """State dict of the unwrapped model: never a `module.` or `_orig_mod.` prefix."""
-    return unwrap_model(model).state_dict()
-
-
 def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
@@ -183,9 +176,8 @@ def _listed(names: list[str]) -> str:
 
 
 def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, source: str = "") -> dict:
-    """Load weights into `model` (unwrapped) from a file or a dict; return {"source", "loaded",
-    "missing", "unexpected", "mismatched"}. A mismatch is a CheckpointError unless `allow_partial`;
-    loading nothing always is."""
+    """Load weights into `model` (unwrapped) from a file or a dict; return {"source", "loaded", "missing",
+    "unexpected", "mismatched"}; CheckpointError for a mismatch unless `allow_partial`, or if none load."""
     if isinstance(path_or_state, (str, os.PathLike)):
         source, obj = str(path_or_state), read_file(path_or_state)
     else:
@@ -246,8 +238,7 @@ def check_values(weights: dict, expected: dict, source: str) -> None:
             raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
                                   f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
                                   "not weights this trainer wrote")
-    unusable = non_finite(weights)
-    if unusable:
+    if unusable := non_finite(weights):
         name, tensor = unusable[0], weights[unusable[0]]
         bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "

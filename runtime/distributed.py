@@ -3,6 +3,7 @@ rank leaves its error in the store), and once the group is lost every collective
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from common.errors import ConfigError, UserError
 from config.schema import DistConfig
 from runtime.launch_env import check_port_free, read_launch, resolve_device
-from runtime.rank_watch import BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, fate, post_error, read_key
+from runtime.rank_watch import (BEAT_KEY, ERROR_KEY, WHO_KEY, RankWatch, WatchSettings, fate, post_error,
+                                read_key)
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -28,7 +30,6 @@ BACKENDS = ("auto", "nccl", "gloo")
 @dataclass
 class DistContext:
     """Where this process stands in the job; `distributed` is True when a process group exists."""
-
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -50,8 +51,7 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     if launch.world_size <= 1 or dist.is_initialized():
         return _set_context(launch, resolve_device(device, launch), dist_cfg,
                             distributed=launch.world_size > 1)
-    os.environ["MASTER_ADDR"] = launch.master_addr
-    os.environ["MASTER_PORT"] = str(launch.master_port)
+    os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))
     if launch.rank == 0 and not launch.agent_store:
         check_port_free(launch.master_port)
     try:
@@ -72,10 +72,10 @@ def init_distributed(dist_cfg: DistConfig, device: str = "auto",
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("group", store), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=ctx.device if ctx.backend == "nccl" else None)
-    _WATCH = RankWatch(_rendezvous_store(launch, rendezvous, serve=False), launch.rank,
-                       launch.world_size, "the torchrun agent" if launch.agent_store else "rank 0",
-                       f"{launch.master_addr}:{launch.master_port}", _abort, _leave,
-                       dist_cfg.heartbeat_timeout_s)
+    host = "the torchrun agent" if launch.agent_store else "rank 0"
+    settings = WatchSettings(host, f"{launch.master_addr}:{launch.master_port}", dist_cfg.heartbeat_timeout_s)
+    _WATCH = RankWatch(_rendezvous_store(launch, rendezvous, serve=False), launch.rank, launch.world_size,
+                       settings, _abort, _leave)
     return ctx
 
 
@@ -243,11 +243,6 @@ def _group_lost() -> UserError:
     return _LOST
 
 
-def check_group() -> None:
-    """Raise why once this process's group is lost (call before saving a checkpoint)."""
-    _active()
-
-
 def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     """torchrun's agent store (per restart attempt), else rank 0's on MASTER_ADDR:MASTER_PORT."""
     where = f"{launch.master_addr}:{launch.master_port}"
@@ -302,8 +297,7 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s:
 def _meet(store, launch, timeout_s: float) -> None:
     """Wait until every rank has joined; raise a rank's error, or say how many are missing."""
     store.add(_JOINED_KEY, 1)
-    started = time.monotonic()
-    deadline, said = started + timeout_s, launch.rank != 0
+    started, said = time.monotonic(), launch.rank != 0
     while True:
         if not said and time.monotonic() - started > _SAY_WAITING_S:
             joined = store.add(_JOINED_KEY, 0)
@@ -312,14 +306,13 @@ def _meet(store, launch, timeout_s: float) -> None:
                   f"{timeout_s - _SAY_WAITING_S:g} s more (dist.rendezvous_timeout_s {timeout_s:g} s)",
                   flush=True)
             said = True
-        error = read_key(store, ERROR_KEY)
-        if error is not None:
+        if (error := read_key(store, ERROR_KEY)) is not None:
             store.add(_ENDED_KEY, 1)
             raise ConfigError(error)
         joined = store.add(_JOINED_KEY, 0)
         if joined >= launch.world_size:
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() > started + timeout_s:
             raise ConfigError(f"only {joined} of {launch.world_size} processes joined within {timeout_s:g} s "
                               f"(dist.rendezvous_timeout_s) at {launch.master_addr}:{launch.master_port}; "
                               "the others failed before (see their errors) or were not started")
@@ -364,6 +357,9 @@ def _active() -> bool:
     return False
 
 
+check_group = _active           # raises why once this process's group is lost: called before a save
+
+
 def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -372,12 +368,12 @@ def _comm_device() -> torch.device:
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
-    if not _active():
-        return
-    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+    if _active():
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def _all_reduce(value, op, divide: bool):
+    """The reduction over ranks of a tensor (into a new one) or a number; the input if not distributed."""
     if not _active():
         return value
     is_tensor = torch.is_tensor(value)
@@ -387,24 +383,12 @@ def _all_reduce(value, op, divide: bool):
     dist.all_reduce(work, op=op)
     if divide:
         work /= dist.get_world_size()
-    if not is_tensor:
-        return work.item()
-    return work.to(tensor.device)
+    return work.to(tensor.device) if is_tensor else work.item()
 
 
-def all_reduce_sum(value):
-    """Sum of a tensor (or number) over ranks; a new tensor, the input is left as is."""
-    return _all_reduce(value, dist.ReduceOp.SUM, divide=False)
-
-
-def all_reduce_mean(value):
-    """Mean of a tensor (or number) over ranks; the input itself when not distributed."""
-    return _all_reduce(value, dist.ReduceOp.SUM, divide=True)
-
-
-def all_reduce_max(value):
-    """Element-wise maximum of a tensor (or number) over ranks; the input when not distributed."""
-    return _all_reduce(value, dist.ReduceOp.MAX, divide=False)
+all_reduce_sum = functools.partial(_all_reduce, op=dist.ReduceOp.SUM, divide=False)
+all_reduce_mean = functools.partial(_all_reduce, op=dist.ReduceOp.SUM, divide=True)
+all_reduce_max = functools.partial(_all_reduce, op=dist.ReduceOp.MAX, divide=False)
 
 
 def any_rank(flag: bool) -> bool:

@@ -15,10 +15,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 LIBRARIES = {"numpy": "numpy", "opencv": "cv2", "h5py": "h5py", "pycocotools": "pycocotools",
              "tqdm": "tqdm", "PyYAML": "yaml", "matplotlib": "matplotlib"}
-APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn", "fused_layer_norm_cuda")
+APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn")     # the compiled ones that amp, SyncBN, DDP use
 
 
-def _installed_version(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(distribution)
     return None
@@ -31,7 +31,7 @@ def _version(module: str) -> str | None:
     except Exception:          # not installed, or broken: the file says so with None
         return None
     version = getattr(loaded, "__version__", None)
-    return _installed_version(module) if version is None else str(version)
+    return installed_version(module) if version is None else str(version)
 
 
 def _git(*args: str) -> str | None:
@@ -58,15 +58,13 @@ def describe_environment(device: torch.device, world_size: int) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
                      **{name: _version(module) for name, module in LIBRARIES.items()}},
-        "apex": apex and {"path": str(Path(apex.origin or "").parent), "version": _installed_version("apex"),
+        "apex": apex and {"path": str(Path(apex.origin or "").parent), "version": installed_version("apex"),
                           "extensions": [name for name in APEX_EXTENSIONS if importlib.util.find_spec(name)]},
         "git": {"commit": commit, "clean": None if changes is None else changes == ""},
-        "command": [sys.executable, *sys.argv],
-        "device": str(device), "world_size": world_size,
+        "command": [sys.executable, *sys.argv], "device": str(device), "world_size": world_size,
         "devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
                     else [_cpu_name()]),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "platform": platform.platform(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
     }
 
 

@@ -25,8 +25,7 @@ def main(argv=None) -> int:
         try:
             torchrun.run(args)
         except SignalException as exc:       # the agent has sent it on to the ranks and waited for them
-            ended = _ended(folder, sorted(int(p.name) for p in Path(folder).iterdir()))
-            if ended is not None:
+            if (ended := _ended(folder, sorted(int(p.name) for p in Path(folder).iterdir()))) is not None:
                 return ended
             if exc.sigval in (signal.SIGTERM, signal.SIGINT):
                 return stopped(exc.sigval == signal.SIGTERM, TRAINING_KEPT)

@@ -19,8 +19,6 @@ _AGENT_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 @dataclass
 class ProcessPlace:
-    """This process's place in the job, as the launcher describes it."""
-
     launcher: str = "none"
     rank: int = 0
     local_rank: int = 0
@@ -59,8 +57,7 @@ def _first_slurm_host(env) -> str:
 def _read_slurm(env) -> ProcessPlace:
     world = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1))
     place = ProcessPlace("slurm", _env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_LOCALID", 0), world)
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if per_node:
+    if per_node := env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"):
         try:
             counts = []                          # SLURM's '2(x3),1' -> [2, 2, 2, 1]
             for part in filter(None, map(str.strip, per_node.split(","))):
@@ -146,8 +143,7 @@ def resolve_device(spec: str, place: ProcessPlace) -> torch.device:
                               "list one per process, e.g. --device 0,1")
     else:
         ids = [int(part) for part in spec.split(",")]
-    bad = [i for i in ids if not 0 <= i < visible]
-    if bad:
+    if bad := [i for i in ids if not 0 <= i < visible]:
         raise ConfigError(f"--device {spec}: GPU {bad} does not exist; "
                           f"{visible} are visible (0..{visible - 1})")
     if needed > len(ids):

@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from common.errors import UserError, print_error
@@ -18,13 +19,11 @@ BEAT_KEY, WHO_KEY = "beat/{}", "who/{}"       # a rank's heartbeat count, its "H
 
 
 def read_key(store, key: str) -> str | None:
-    """What the store holds under `key`, or None."""
     return store.get(key).decode() if store.check([key]) else None
 
 
 def post_error(store, message: str) -> str:
-    """Leave `message` in the store as the job's error unless one is there (the first wins); the one
-    there, or `message` when the store cannot be reached."""
+    """Leave `message` as the job's error unless one is there: the one there (`message` if no store)."""
     with contextlib.suppress(RuntimeError):        # torch's DistError: the store is gone
         store.compare_set(ERROR_KEY, "", message)
         return store.get(ERROR_KEY).decode()
@@ -56,16 +55,22 @@ def fate(rank: int, who: str | None) -> str:
         time.sleep(0.1)
 
 
-class RankWatch:
-    """`host` and `where`: who serves the store, and at which ADDR:PORT, for the lines; `verdict`:
-    the `UserError` that ends this rank, once there is one; `stop()` ends the watch."""
+@dataclass(frozen=True)
+class WatchSettings:
+    host: str                   # who serves the store, and at which ADDR:PORT, for the lines
+    where: str
+    silent_s: float             # dist.heartbeat_timeout_s
+    every_s: float = 1.0        # how often to look
+    grace_s: float = 5.0        # from a verdict to this rank's end
 
-    def __init__(self, store, rank: int, world: int, host: str, where: str, abort, leave,
-                 silent_s: float, every_s: float = 1.0, grace_s: float = 5.0):
+
+class RankWatch:
+    """`verdict`: the `UserError` that ends this rank, once there is one; `stop()` ends the watch."""
+
+    def __init__(self, store, rank: int, world: int, settings: WatchSettings, abort, leave):
         self.store, self.rank, self.peer = store, rank, (rank + 1) % world
-        self.host, self.where = host, where
+        self.host, self.where, self.silent_s, self.every_s, self.grace_s = astuple(settings)
         self.abort, self.leave = abort, leave
-        self.silent_s, self.every_s, self.grace_s = silent_s, every_s, grace_s
         self.verdict: UserError | None = None
         self.gone: set[int] = set()              # the watched rank, once found silent
         self.who: dict[int, str] = {}            # "HOST PID" of the watched rank and of rank 0

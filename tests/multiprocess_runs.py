@@ -198,11 +198,11 @@ def _abort_before_save() -> None:
 
 
 def _stale_checkpoint_view(name: str) -> None:
-    from engine import checkpoints as checkpoint, trainer
+    from engine import checkpoints
 
     def stale_latest(run_dir):
         return Path(run_dir) / name
-    checkpoint.find_latest_checkpoint = trainer.find_latest_checkpoint = stale_latest
+    checkpoints.find_latest_checkpoint = stale_latest     # what Checkpoints.latest reads
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from common.errors import CheckpointError
 from runtime import checkpoint
 from engine.checkpoints import find_latest_checkpoint
 from runtime.checkpoint import (FORMAT_VERSION, capture_rng_state, load_checkpoint, load_weights,
-                               model_state_dict, restore_rng_state, save_checkpoint, unwrap_model)
+                               restore_rng_state, save_checkpoint, unwrap_model)
 
 
 def tiny_model() -> nn.Module:
@@ -34,7 +34,7 @@ def temp_files(directory):
 
 def test_round_trip_keeps_values_and_adds_format_version(tmp_path):
     model = tiny_model()
-    state = {"model": model_state_dict(model), "epoch": 3, "step": 120,
+    state = {"model": unwrap_model(model).state_dict(), "epoch": 3, "step": 120,
              "best_metric": np.float64(0.25), "config": {"optim": {"lr": 1e-3, "milestones": [15]}}}
     save_checkpoint(tmp_path / "last.pth", state)
     loaded = load_checkpoint(tmp_path / "last.pth")
@@ -165,14 +165,14 @@ def test_module_prefix_removed_and_added(tmp_path):
     load_weights(into_wrapped, tmp_path / "plain.pth")
     assert torch.all(into_wrapped.module.head.weight == 0.5)
     assert unwrap_model(into_wrapped) is into_wrapped.module
-    assert list(model_state_dict(into_wrapped)) == list(source.state_dict())
+    assert list(unwrap_model(into_wrapped).state_dict()) == list(source.state_dict())
 
 
 def test_weights_under_model_key_of_our_checkpoint_and_compile_prefix(tmp_path):
     source = tiny_model()
     with torch.no_grad():
         source.conv.bias.fill_(2.0)
-    save_checkpoint(tmp_path / "best.pth", {"model": model_state_dict(source), "step": 5})
+    save_checkpoint(tmp_path / "best.pth", {"model": unwrap_model(source).state_dict(), "step": 5})
     target = tiny_model()
     load_weights(target, str(tmp_path / "best.pth"))
     assert torch.all(target.conv.bias == 2.0)

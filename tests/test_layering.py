@@ -56,7 +56,7 @@ def test_a_layer_imports_nothing_above_it(package):
 # -- inside the engine: the loop, precision, parallelism and the data feed stay apart --------------
 ENGINE_RULES = {    # a file or folder of engine/ -> the project's modules it may import (and theirs)
     "trainer.py": {"common", "runtime"},          # the loop alone, run by whoever hands it its parts
-    "precision/": {"common", "config", "runtime.launch_env", "engine.precision"},
+    "precision/": {"common", "config", "runtime.launch_env", "runtime.environment", "engine.precision"},
     "parallel.py": {"config", "runtime"},         # SyncBN and DDP: no precision backend, no loop
     "loaders.py": {"common", "config", "data", "runtime"},   # the data feed knows no network
     "logger.py": {"common", "runtime"},

@@ -30,7 +30,7 @@ from common.errors import UserError
 from gloo_ranks import on_gloo_ranks
 from runtime import distributed as D
 from runtime.launch_env import find_free_port
-from runtime.rank_watch import RankWatch, fate
+from runtime.rank_watch import RankWatch, WatchSettings, fate
 from test_preemption import (REPO, logged_steps, message_lines, torchrun, worker_log, worker_pids,
                              write_micro_preset)
 from test_runs_end import descendants, still_running
@@ -46,8 +46,8 @@ def test_the_rank_watch_judges_an_error_or_a_silent_rank_once_and_never_after_st
     aborted = []
 
     def watch():    # rank 0 of 2 watches rank 1; it never ends this process (grace of an hour)
-        return RankWatch(store, 0, 2, "rank 0", "here", lambda: aborted.append(time.monotonic()),
-                         lambda: None, silent_s=0.6, every_s=0.05, grace_s=3600)
+        settings = WatchSettings("rank 0", "here", silent_s=0.6, every_s=0.05, grace_s=3600)
+        return RankWatch(store, 0, 2, settings, lambda: aborted.append(time.monotonic()), lambda: None)
 
     beating = watch()
     for _ in range(20):                          # rank 1 beats: no verdict
@@ -86,11 +86,11 @@ PAUSED_RANK = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from runtime.rank_watch import RankWatch
+from runtime.rank_watch import RankWatch, WatchSettings
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
-RankWatch(store, rank, 2, "rank 0", f"127.0.0.1:{port}", abort=lambda: None, leave=lambda: None,
-          silent_s=2.0, every_s=0.2, grace_s=0.2)
+settings = WatchSettings("rank 0", f"127.0.0.1:{port}", silent_s=2.0, every_s=0.2, grace_s=0.2)
+RankWatch(store, rank, 2, settings, abort=lambda: None, leave=lambda: None)
 while True:
     time.sleep(1)
 """

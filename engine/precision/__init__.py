@@ -23,8 +23,7 @@ def check_backend(cfg: Config) -> None:
 
 
 def build_precision(cfg: AmpConfig, device: torch.device, cudnn_benchmark: bool = False) -> PrecisionBackend:
-    """The run's precision backend, with the process-wide CUDA switches set (TF32 for float32
-    convolutions and matmuls, cuDNN autotuning; no effect on CPU)."""
+    """The run's precision backend, TF32 and cuDNN autotuning set process-wide (no effect on CPU)."""
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cudnn.benchmark = cudnn_benchmark

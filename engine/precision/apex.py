@@ -14,10 +14,8 @@ from engine.precision.loss_scale import apex_amp_state
 
 
 class ApexPrecision(PrecisionBackend):
-    """The precision backend on Apex's amp (float16 only; CUDA only). The base class's
-    `prepare_model`, `cast_input` and `autocast_context` are all it needs: amp.initialize casts the
-    model (given in float32), its patched forward the input, and O1's patched torch functions."""
-
+    """The backend on Apex's amp (float16, CUDA only); the base's `prepare_model`, `cast_input` and
+    `autocast_context` suffice: amp.initialize casts the model, its forward the input (O1: torch's)."""
     name = "apex"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
@@ -64,19 +62,16 @@ class ApexPrecision(PrecisionBackend):
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before `attach`: the trainable parameters; after: `amp.master_params`."""
-        if not self._attached:
-            return trainable
-        return list(self.amp.master_params(self._optimizer))
+        return list(self.amp.master_params(self._optimizer)) if self._attached else trainable
 
     def attach(self, model: nn.Module, optimizer):
-        cast = self.level in ("O2", "O3")
         # masters start from the float32 values, not Apex's copy of the float16 model
         exact = ({id(p): p.detach().clone() for p in model.parameters() if p.requires_grad}
                  if self.master_weights else {})
         loss_scale = None if self.level == "O0" else ("dynamic" if self.dynamic else self.static_scale)
         model, optimizer = self.amp.initialize(
-            model, optimizer, opt_level=self.level, keep_batchnorm_fp32=self.keep_bn_fp32 if cast else None,
-            loss_scale=loss_scale, verbosity=0)
+            model, optimizer, opt_level=self.level, loss_scale=loss_scale, verbosity=0,
+            keep_batchnorm_fp32=self.keep_bn_fp32 if self.cast_model else None)
         if self.dynamic:          # Apex starts at 2**16; the run's config says where to start
             self.amp.load_state_dict({"loss_scaler0": {"loss_scale": float(self.init_scale), "unskipped": 0}})
         if self.master_weights:

@@ -12,6 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from config.schema import AmpConfig, Config
+from runtime.environment import APEX_EXTENSIONS, installed_version
 
 LAST_APEX_WITH_AMP = "25.04"
 
@@ -23,9 +24,6 @@ APEX_TORCH_NEEDS = (
     ("torch.autograd.Variable", "_execution_engine"),  # apex.parallel DDP: end-of-backward callback
     ("torch._utils", "_flatten_dense_tensors"),       # apex.parallel DDP: all-reduce buckets
 )
-
-
-APEX_EXTENSIONS = ("amp_C", "apex_C", "syncbn")
 
 
 @dataclass(frozen=True)
@@ -92,8 +90,7 @@ def check_installed(device: str) -> None:
         raise ConfigError(f"--amp-backend apex: {_apex_where()} has no apex.amp / apex.parallel: NVIDIA "
                           f"removed them in Apex 25.07; {LAST_APEX_WITH_AMP} is the last release that has "
                           "them. Install that one, or use --amp-backend native (torch.amp)")
-    missing = missing_torch_apis()
-    if missing:
+    if missing := missing_torch_apis():
         raise ConfigError(f"--amp-backend apex: Apex {LAST_APEX_WITH_AMP}'s amp cannot patch PyTorch "
                           f"{torch.__version__}: it needs {', '.join(missing)}, which this PyTorch lacks; "
                           "use --amp-backend native")
@@ -113,15 +110,11 @@ def _apex_where() -> str:
     spec = importlib.util.find_spec("apex")
     locations = list(spec.submodule_search_locations or []) if spec else []
     where = locations[0] if locations else (spec.origin if spec else "?")
-    try:
-        from importlib.metadata import version
-        return f"Apex {version('apex')} at {where}"
-    except Exception:            # a source checkout on PYTHONPATH has no package metadata
-        return f"the Apex at {where}"
+    version = installed_version("apex")      # None: a source checkout on PYTHONPATH, no package metadata
+    return f"Apex {version} at {where}" if version else f"the Apex at {where}"
 
 
 def missing_torch_apis() -> list[str]:
-    """The names in APEX_TORCH_NEEDS that this PyTorch lacks."""
     missing = []
     for owner, attr in APEX_TORCH_NEEDS:
         try:

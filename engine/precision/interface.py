@@ -1,6 +1,5 @@
 """What a precision backend must do (`PrecisionBackend`), and what every backend shares, in the
-order the engine calls it (`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`).
-"""
+order the engine calls it (`engine.optim.OptimStep` sequences `unscale_`, `step`, `zero_grad`)."""
 from __future__ import annotations
 
 import abc
@@ -31,7 +30,6 @@ def live_state_dict(model: nn.Module) -> dict:
 
 class PrecisionBackend(abc.ABC):
     """One run's mixed precision."""
-
     name: str = ""
     dynamic: bool = False     # a dynamic loss scale: an overflow halves it and skips the step
     fixed_scale: float | None = None    # a fixed loss scale in use (--loss-scale NUMBER, float16)
@@ -40,12 +38,10 @@ class PrecisionBackend(abc.ABC):
         self.level = cfg.opt_level
         self.dtype = torch.float32 if self.level == "O0" else self.half_dtype(cfg, device)
         self.device_type = device.type
-        self.cast_model = self.level in ("O2", "O3")
+        self.cast_model, self.master_weights = self.level in ("O2", "O3"), self.level == "O2"
         keep = cfg.keep_batchnorm_fp32
-        self.keep_bn_fp32 = (self.level == "O2") if keep is None else bool(keep)
-        self.master_weights = self.level == "O2"
-        # "auto": on for CUDA (measured faster there), off elsewhere
-        auto = cfg.channels_last == "auto"
+        self.keep_bn_fp32 = self.master_weights if keep is None else bool(keep)
+        auto = cfg.channels_last == "auto"      # on for CUDA (measured faster there), off elsewhere
         self.channels_last = device.type == "cuda" if auto else bool(cfg.channels_last)
         self.static_scale = None if cfg.loss_scale == "dynamic" else float(cfg.loss_scale)
         self._frozen_float32: dict[int, torch.Tensor] = {}   # id(frozen param) -> its float32 value
@@ -103,7 +99,6 @@ class PrecisionBackend(abc.ABC):
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def autocast_context(self):
-        """The context of the forward pass."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod

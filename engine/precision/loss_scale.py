@@ -26,10 +26,8 @@ def grad_scaler_fields(state) -> dict:
 def apex_amp_state(state) -> dict:
     """`state` (either layout) as Apex's amp state; {} when it holds no scale."""
     fields = grad_scaler_fields(state)
-    if not fields:
-        return {}
-    return {APEX_KEY: {"loss_scale": float(fields["scale"]),
-                       "unskipped": int(fields.get("_growth_tracker", 0))}}
+    return fields and {APEX_KEY: {"loss_scale": float(fields["scale"]),
+                                  "unskipped": int(fields.get("_growth_tracker", 0))}}
 
 
 # GradScaler's fields (whole numbers or not), then Apex's (under APEX_KEY), and their bounds' names
@@ -59,8 +57,7 @@ def scaler_problem(state) -> str | None:
 def checked_scaler_state(state, source: str) -> tuple[object, str]:
     """A checkpoint's scaler entry ready to load, and '' or a line saying its scale was brought
     within bounds; CheckpointError naming the file (`source`) and field when unusable."""
-    problem = scaler_problem(state)
-    if problem:
+    if problem := scaler_problem(state):
         raise CheckpointError(f"{source}: its loss scaler state is damaged ({problem}); start from its "
                               "weights with --weights instead of --resume")
     scale = grad_scaler_fields(state).get("scale")

@@ -21,7 +21,6 @@ class _HalfParamsGradScaler(torch.amp.GradScaler):
 
 class NativePrecision(PrecisionBackend):
     """Apex's opt levels on torch.amp: autocast, GradScaler, this class's own master weights."""
-
     name = "native"
 
     def __init__(self, cfg: AmpConfig, device: torch.device):
@@ -69,18 +68,14 @@ class NativePrecision(PrecisionBackend):
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
-        if self.master_weights:
-            return [master for _, master in self._pairs]
-        return trainable
+        return [master for _, master in self._pairs] if self.master_weights else trainable
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
         images = super().cast_input(images)
         return images.to(self.dtype) if self.cast_model else images
 
     def autocast_context(self):
-        if not self.autocast:
-            return super().autocast_context()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        return torch.autocast(self.device_type, self.dtype) if self.autocast else super().autocast_context()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -121,11 +116,8 @@ class NativePrecision(PrecisionBackend):
                     torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
         if not self.scaler.is_enabled():
             return
-        if bad_loss and self.static_scale is None:
-            # a rare step: reading the scale to keep it as it was costs one more sync here only
-            self.scaler.update(self.scaler.get_scale())
-        else:
-            self.scaler.update(self.static_scale)
+        keep = bad_loss and self.static_scale is None     # rare: reading the scale costs one more sync
+        self.scaler.update(self.scaler.get_scale() if keep else self.static_scale)
 
     def zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
