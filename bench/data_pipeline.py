@@ -1,10 +1,6 @@
 """Benchmark of the data pipeline: samples/s of one process with one thread, and file size.
 
-    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--batch 16] [--h5 FILE.h5]
-
-On coco4 or --h5, per CPU second, the fastest of --repeats passes: each stage of a worker's
-`KeypointDataset.compact_item` and their total, the CPU target drawing both ways, the CPU-only
-path, then bytes per sample sent to the device and HDF5 bytes per image; one JSON line.
+    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--h5 FILE.h5]
 """
 from __future__ import annotations
 

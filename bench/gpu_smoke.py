@@ -1,15 +1,10 @@
 """The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
-fits a 9-minute device call (`bash bench/gpu_smoke.sh`). Each section ends with one JSON line
-{"section": NAME, ...}. The PARALLEL sections run side by side, each in its own process (tiny
-preset, a few steps); the ALONE ones then run alone on the GPU (imhn512 at 512); each section's
-docstring or name says what it measures.
+fits a 9-minute device call (`bash bench/gpu_smoke.sh`); each section ends with one JSON line
+{"section": NAME, ...}. PARALLEL sections run side by side in their own processes (tiny preset), the
+ALONE ones then alone (imhn512 at 512). SMOKE_BUDGET_S (default 530) bounds the run: a section that would
+not fit is reported skipped. Logs of side-by-side sections: $OUT/smoke/NAME.log (or bench_out/smoke/).
 
     python bench/gpu_smoke.py --cpu-check            # anywhere: every section at toy sizes on a CPU
-    python bench/gpu_smoke.py --section throughput   # one section, in this process
-    python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
-
-SMOKE_BUDGET_S (default 530) bounds the run: a section that would not fit is reported skipped.
-Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Grouping time per image (from ready maps, one CPU thread) against the number of people.
+"""Grouping time per image (from ready maps, one CPU thread) against the number of people, on real
+COCO poses composed on a canvas: median and p90 ms, one JSON line. Targets: 20 ms for 5 people;
+`--noise` (an untrained network's maps): 150 ms and 400 ms.
 
-    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise] [--cpu-time]
-    taskset -c 0 python bench/grouping.py --against ../other_checkout --rounds 5 --cpu-time
-
-Real COCO poses (tests/data/coco4) composed on a canvas, ground-truth maps drawn untimed, then
-`group_people` timed: median and p90 ms, one JSON line. Targets: 20 ms for 5 people; `--noise`
-(an untrained network's maps): 150 ms and 400 ms. `--against DIR` alternates with another
-checkout's grouping; `--stages` splits the time by stage.
+    python bench/grouping.py [--people 1 2 5 10 20] [--noise] [--against ../other_checkout --cpu-time]
 """
 from __future__ import annotations
 

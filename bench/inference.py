@@ -1,13 +1,7 @@
-"""Inference throughput: pictures/s through the network, through grouping, and both together as
-`inference.PoseEstimator` runs them; and where a picture's time goes, stage by stage.
+"""Inference throughput on coco4's pictures: pictures/s through the network, through grouping, and both
+as `inference.PoseEstimator` runs them; then a picture's time stage by stage; one JSON line.
 
-    python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
-        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
-
-On coco4's pictures (without `--weights`: an untrained network, grouping on ground-truth maps),
-per batch size and per `--threads` count of evaluation's read-ahead; then the split of one serial pass
-(decode, resize, host-to-device, network, maps back to picture size, peaks, grouping, scoring; each
-stage synchronised) at the last batch size; then one JSON line.
+    python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--threads 1 2]
 """
 from __future__ import annotations
 
