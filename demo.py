@@ -13,7 +13,6 @@ keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import sys
@@ -36,10 +35,8 @@ PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint, bare state dict, or ONNX file written by export.py",
-                             preset_help=f" (default: imhn512); {CONFIG_CARRIED}")
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint, bare state dict, or ONNX file written by export.py",
+                        preset_help=f" (default: imhn512); {CONFIG_CARRIED}")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="picture to read (any format OpenCV reads), or a folder of pictures")
     source.add_argument("--video", help="video file to read (any format OpenCV reads)")

@@ -12,7 +12,6 @@ stats. Under torchrun every image is decoded by exactly one process.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,11 +38,9 @@ from inference.loading import inference_config
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint (best.pth, last.pth), bare state dict, or ONNX file written "
-                             "by export.py", required=False,
-                             preset_help=f" or --oracle (default: imhn512); {CONFIG_CARRIED}")
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
+                        "written by export.py", required=False,
+                        preset_help=f" or --oracle (default: imhn512); {CONFIG_CARRIED}")
     p.add_argument("--oracle", action="store_true",
                    help="decode the ground-truth target maps, drawn once at each image's own size "
                    "(stride 1), instead of a network's: no scales, no flip")

@@ -11,7 +11,6 @@ PyTorch's maps. Needs onnx and onnxruntime (pip install -r requirements-export.t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import warnings
@@ -43,11 +42,9 @@ class ExportMismatch(UserError):
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint of this trainer or bare state dict",
-                             preset_help=" (default: imhn512)",
-                             set_example="inference.flip=true (stored in the file)", decoding=False)
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint of this trainer or bare state dict",
+                        preset_help=" (default: imhn512)",
+                        set_example="inference.flip=true (stored in the file)", decoding=False)
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
     p.add_argument("--out", required=True, help="the file to write (an existing one only with --overwrite)")
     p.add_argument("--opset", type=int, default=17,
