@@ -1,8 +1,5 @@
-"""What the inference API (`inference.estimator`) reads from a weights file: its config, its model
-(whose `.skeleton` names its channels), and the device to run on. A checkpoint of the engine
-carries its config and skeleton; a bare state dict uses `--preset` (default imhn512) and COCO.
-`--set` overrides apply on top, then scales and flip.
-"""
+"""What the inference API reads from a weights file: its config, its model (whose `.skeleton` names its
+channels), and the device to run on (docs/evaluation.md says which config a file gets)."""
 from __future__ import annotations
 
 import os

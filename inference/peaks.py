@@ -1,9 +1,5 @@
-"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, refined to the
-Gaussian's centre (the log-parabola through the peak and its neighbours), else the window's centroid.
-
-Clean maps compare only the pixels above the threshold with their neighbours, noisy ones take a 3x3
-dilation: the same result. A plateau keeps its first pixel in raster order, which the weighted
-centroid moves to the plateau's centre.
+"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau (its first pixel in
+raster order, which the centroid moves to the plateau's centre), refined to the Gaussian's centre.
 """
 from __future__ import annotations
 
