@@ -6,9 +6,8 @@
     python evaluate.py --results other_tool_keypoints.json --h5 coco_val.h5   # predictions made elsewhere
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
-Prints the metrics the file's skeleton names (--metric chooses: oks AP, pck, auc, epe; with
---oracle each keypoint's recall too), writes the results (--out) and ends with one JSON line of the
-stats. Under torchrun every image is decoded by exactly one process.
+Prints the metrics the file's skeleton names (or --metric's), writes the results (--out) and ends
+with one JSON line of the stats. Under torchrun every image is decoded by exactly one process.
 """
 from __future__ import annotations
 

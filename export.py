@@ -2,12 +2,9 @@
 
     python export.py --weights best.pth --format onnx --out pose.onnx [--opset 17]
 
-The file holds the network only (normalised pictures [B, 3, H, W] in, batch, height and width
-dynamic; the last stack's stride-4 maps out) and the checkpoint's config in its metadata; grouping
-stays in Python (`PoseEstimator.from_onnx`, demo.py, evaluate.py). Before the file is put in place,
-onnxruntime runs it on the check pictures (default tests/data/coco4) and the export fails (exit
-code 1, nothing written) unless every map value is within `--tolerance` of the largest magnitude of
-PyTorch's maps. Needs onnx and onnxruntime (pip install -r requirements-export.txt).
+The file holds the network (grouping stays in Python) and its config; onnxruntime runs it on the
+--check-images first, and nothing is written (exit code 1) unless its maps are within --tolerance of
+PyTorch's. Needs onnx and onnxruntime (pip install -r requirements-export.txt).
 """
 from __future__ import annotations
 

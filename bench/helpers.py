@@ -44,10 +44,8 @@ def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: 
 
 
 def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
-    """(HDF5 path, a name for what it holds) of a benchmark's training file under `work`: coco4
-    (`coco_dir`, `$SIMPLEPOSE_COCO4`, else tests/data/coco4), each image listed `repeat` times so that
-    a loader has whole batches and epochs; without coco4, 640x640 synthetic images (faster to decode:
-    the rate is then an upper bound)."""
+    """(HDF5 path, what it holds) of a benchmark's training file: coco4 (`coco_dir`, `$SIMPLEPOSE_COCO4`,
+    else tests/data/coco4) each listed `repeat` times; else synthetic images (faster to decode)."""
     out = work / "bench.h5"
     coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
                   if found and (Path(found) / "test_coco.json").is_file()), None)
