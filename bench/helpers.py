@@ -26,32 +26,27 @@ from engine.run_trainer import Launch, build_loop
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
-def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
-    """A COCO annotation file with each image listed `repeat` times, each a linked picture file."""
-    coco = json.loads(Path(ann_path).read_text())
-    images_dir.mkdir(parents=True, exist_ok=True)
-    images, annotations = [], []
-    for copy in range(repeat):
-        offset = copy * 10 ** 9
-        for image in coco["images"]:
-            name = f"copy{copy}_{image['file_name']}"
-            (images_dir / name).symlink_to((Path(ann_path).parent / image["file_name"]).resolve())
-            images.append({**image, "id": image["id"] + offset, "file_name": name})
-        annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
-                        for ann in coco["annotations"]]
-    out_path.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
-    return out_path
-
-
 def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
     """(HDF5 path, what it holds) of a benchmark's training file: coco4 (`coco_dir`, `$SIMPLEPOSE_COCO4`,
     else tests/data/coco4) each listed `repeat` times; else synthetic images (faster to decode)."""
     out = work / "bench.h5"
     coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
                   if found and (Path(found) / "test_coco.json").is_file()), None)
-    if coco4 is not None:
-        ann = repeat_annotations(coco4 / "test_coco.json", repeat, work / "bench.json", work / "bench_images")
-        convert(ann, work / "bench_images", out, ConvertSettings(split="train", progress=False))
+    if coco4 is not None:     # each image listed `repeat` times, each copy a linked picture file
+        coco, images_dir = json.loads((coco4 / "test_coco.json").read_text()), work / "bench_images"
+        images_dir.mkdir(parents=True, exist_ok=True)
+        images, annotations = [], []
+        for copy in range(repeat):
+            offset = copy * 10 ** 9
+            for image in coco["images"]:
+                name = f"copy{copy}_{image['file_name']}"
+                (images_dir / name).symlink_to((coco4 / image["file_name"]).resolve())
+                images.append({**image, "id": image["id"] + offset, "file_name": name})
+            annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
+                            for ann in coco["annotations"]]
+        ann = work / "bench.json"
+        ann.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
+        convert(ann, images_dir, out, ConvertSettings(split="train", progress=False))
         return out, f"coco4 x{repeat}"
     from data.synthetic import write_split
     ann = write_split(work, "train", 8 * repeat, 640, seed=0)
