@@ -29,8 +29,7 @@ DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    #
 
 
 def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
-    """CPU seconds over `samples` samples per stage of a worker's work and of the target drawing,
-    and of whole compact items: the fastest of `repeats` passes (as timeit) and their median."""
+    """CPU seconds per stage, target drawing and whole item: the fastest of `repeats` passes."""
     count = len(dataset)
     dataset.sample_arrays(0)                                   # open the file, warm caches
     stages: dict = {}
@@ -59,8 +58,7 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
 
 
 def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -> tuple[float, list]:
-    """(fastest, every pass's) CPU seconds of a CPU-only run's data for `samples` samples: compact
-    items in batches of `batch`, expanded on the CPU as `to_model_input` does."""
+    """(fastest, every pass's) CPU seconds of a CPU-only run's data: items expanded on the CPU."""
     count, painter = len(dataset), dataset.painter_for(torch.device("cpu"))
     passes = []
     for _ in range(repeats):

@@ -67,8 +67,7 @@ def quick_args(out_dir: str, check: bool) -> list[str]:
 
 
 def tiny_runs(script: str, check: bool, first: list[str], resumed: list[str] | None = None) -> list:
-    """`script`'s results: a tiny run with options `first`, then (given `resumed`) the same run
-    resumed to epoch 3 with those options, in one temporary folder."""
+    """`script`'s results: a tiny run of `first`, then with `resumed` that run resumed to epoch 3."""
     main = importlib.import_module(script).main
     with tempfile.TemporaryDirectory() as out:
         runs = [run_entry(main, [*first, *quick_args(out, check)], check)]
@@ -296,8 +295,7 @@ def alone_config(check: bool, level: str, dtype: str, batch: int, *sets: str):
 
 
 def section_first_step(check: bool) -> dict:
-    """The first step as users meet it: per cuDNN benchmarking setting a fresh process (`first_steps`),
-    its seconds from being started to its first step and its first five steps one by one."""
+    """Per cuDNN benchmarking setting, a fresh process's seconds to its first step, and its first five."""
     rows = {"pid": os.getpid()}
     for benchmark in ("off", "on"):
         started = time.time()
@@ -356,8 +354,7 @@ CANDIDATES = [  # name, level, dtype, batch, extra config
 
 
 def section_throughput(check: bool) -> dict:
-    """Alternating rounds per batch size, each candidate once per round, timed with CUDA events;
-    each size's group freed before the next; a candidate out of memory dropped with its error."""
+    """Alternating rounds per batch size, timed with CUDA events; out of memory: dropped, said."""
     rounds, steps = (1, 2) if check else (3, int(os.environ.get("SMOKE_STEPS", 30)))
     rows, errors = {}, {}
     for batch in sorted({c[3] for c in CANDIDATES}):
@@ -449,8 +446,7 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512, and
-    the ms of a picture by stage."""
+    """Pictures/s of evaluation on coco80 (or coco4), and the ms of a picture by stage."""
     import numpy
     from bench.inference import split
     from inference.estimator import PoseEstimator

@@ -76,8 +76,7 @@ def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
 
 def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter,
                   stages: bool = False) -> tuple[dict, dict]:
-    """({median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`, and with
-    `stages` the median ms per image of it, its stages and one max over the keypoint maps)."""
+    """({median_ms, p90_ms, mean_found}, with `stages` the median ms per stage) of `reps` maps."""
     times: dict = {"total": [], "peaks": [], "limbs": [], "read_once": []}
     found = []
     for _ in range(reps):

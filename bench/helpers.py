@@ -27,8 +27,7 @@ COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
 def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
-    """(HDF5 path, what it holds) of a benchmark's training file: coco4 (`coco_dir`, `$SIMPLEPOSE_COCO4`,
-    else tests/data/coco4) each listed `repeat` times; else synthetic images (faster to decode)."""
+    """(HDF5 path, what it holds): coco4 with each image listed `repeat` times, else synthetic."""
     out = work / "bench.h5"
     coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
                   if found and (Path(found) / "test_coco.json").is_file()), None)
@@ -72,8 +71,7 @@ SYNC_WARNING = "called a synchronizing CUDA operation"     # torch's text in syn
 
 @dataclass
 class HostSyncs:
-    """Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, ...) by kind; on CUDA also
-    torch's own synchronising operations (`cuda_sync`, from its sync debug mode)."""
+    """Host reads of tensor values by kind (`item`, `tolist`, ...; on CUDA torch's own: `cuda_sync`)."""
     by_kind: Counter = field(default_factory=Counter)
 
     @property

@@ -79,8 +79,7 @@ def stage_clock(device, spent: dict, **stages) -> contextlib.ExitStack:
 
 
 def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:
-    """ms a picture per stage of one serial pass over `encoded` (JPEG), scored against `truth`
-    (COCO); "other" is the rest of the wall clock (batching, the mirror's merge, Python)."""
+    """ms a picture per stage of one serial pass over `encoded` ("other": the rest of the clock)."""
     spent = dict.fromkeys(STAGES, 0.0)
     cfg, skeleton, results = estimator.settings.inference, estimator.skeleton, []
     ids = [info["id"] for info in truth["images"]]

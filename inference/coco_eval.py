@@ -102,8 +102,7 @@ def _defined(value) -> float | None:
 
 
 def _subset_ap(evaluator, image_ids: list) -> float | None:
-    """The evaluator's AP over `image_ids` alone: the mean of its precisions at every threshold and
-    recall, as CrowdPose's (over the categories with people there: CrowdPose has one)."""
+    """The evaluator's AP over `image_ids` alone, as CrowdPose's: the mean of its precisions."""
     if not image_ids:
         return None
     evaluator.params.imgIds = image_ids

@@ -25,6 +25,5 @@ def weights_options(doc: str, weights_help: str, *, required: bool = True, prese
 
 
 def command_main(build_parser, run, kept: str):
-    """A script's `main(argv=None)`: `run` of the parsed options; a user error prints one line and
-    returns its exit code, a stop says what was `kept`."""
+    """A script's `main(argv=None)`: a user error is one line and its exit code; a stop says `kept`."""
     return lambda argv=None: run_cli(lambda args: run(build_parser().parse_args(args)), argv, kept=kept)

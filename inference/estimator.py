@@ -156,8 +156,7 @@ class PoseEstimator:
             yield chunk
 
     def network_window(self, chunk: list[np.ndarray]) -> list:
-        """Per picture of a window, a call that makes its maps: the network runs now, on batches of
-        pictures of one padded size (`network_maps`); the call samples them to the picture's size."""
+        """Per picture of a window, a call sampling its maps, of a network run now."""
         flip = self.settings.inference.flip
         return [functools.partial(picture_maps, parts, picture.shape[:2], flip)
                 for parts, picture in zip(network_maps(self.network, chunk, self.settings), chunk)]

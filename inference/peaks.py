@@ -143,10 +143,8 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
 
 
 def gaussian_centres(heatmaps: np.ndarray, channel, i, j, xy: np.ndarray) -> np.ndarray:
-    """Per axis, the vertex of the parabola through the logs of the peak and its two neighbours (a
-    Gaussian's exact centre, where the centroid of a window narrower than the Gaussian stays within
-    half a pixel of the peak); `xy` kept where the map does not curve down or the vertex lies more
-    than a pixel away (a plateau, a map edge)."""
+    """Per axis, the vertex of the parabola through the logs of the peak and its neighbours (docs:
+    "Peaks"); `xy` kept where the map does not curve down or the vertex is over a pixel away."""
     _, height, width = heatmaps.shape
     out = xy.astype(np.float64)
     centre = np.log(np.maximum(heatmaps[channel, i, j], 1e-30))

@@ -63,8 +63,7 @@ def as_network(model, device=None):
 
 @torch.no_grad()
 def network_maps(network, pictures_bgr: list[np.ndarray], settings: PredictSettings) -> list[list[tuple]]:
-    """Per picture, per scale: (its stride-4 maps from the network, mirror merged when flipping,
-    stride, resized size), which `picture_maps` turns into its maps."""
+    """Per picture, per scale: its network maps, stride and resized size (`picture_maps` input)."""
     inference = settings.inference
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     multiple = getattr(network, "size_multiple", input_multiple())
