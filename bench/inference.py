@@ -106,18 +106,14 @@ def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:
     return {stage: 1e3 * s / len(encoded) for stage, s in spent.items()}
 
 
-def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], dict]:
-    """The coco4 pictures (BGR), the ground-truth maps [50, H, W] of their labelled people, the
-    pictures' JPEG bytes and their COCO annotations."""
+def coco4_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """coco4's JPEG bytes, the ground-truth maps [50, H, W] of their labelled people, the annotations."""
     data = json.loads((COCO4 / "test_coco.json").read_text())
-    pictures, truths, encoded = [], [], []
-    for info in data["images"]:
-        encoded.append(np.fromfile(str(COCO4 / info["file_name"]), np.uint8))
-        pictures.append(cv2.imdecode(encoded[-1], cv2.IMREAD_COLOR))
-        people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
-                  if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets, COCO))
-    return pictures, truths, encoded, data
+    encoded = [np.fromfile(str(COCO4 / info["file_name"]), np.uint8) for info in data["images"]]
+    truths = [render_targets(np.stack([COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
+                                       if a["image_id"] == info["id"] and a["num_keypoints"] > 0]),
+                             info["height"], info["width"], 1, targets, COCO) for info in data["images"]]
+    return encoded, truths, data
 
 
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
@@ -169,9 +165,9 @@ def main(argv=None) -> int:
         cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
         estimator = PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
                                   PredictSettings.of(cfg))
-    pictures, truths, encoded, data = coco4_pictures_and_truth(estimator.settings.targets)
-    pictures, truths = pictures * args.repeat, truths * args.repeat
-    truths = None if args.weights else truths
+    encoded, truths, data = coco4_truth(estimator.settings.targets)
+    pictures = [cv2.imdecode(jpeg, cv2.IMREAD_COLOR) for jpeg in encoded] * args.repeat
+    truths = None if args.weights else truths * args.repeat
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
     estimator.settings.inference.batch_size = args.batch_sizes[-1]
     evaluation = [evaluation_rates(estimator, encoded * args.repeat, t, max(1, args.rounds))
