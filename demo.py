@@ -41,9 +41,8 @@ def build_parser() -> ArgumentParser:
     source.add_argument("--image", help="picture to read (any format OpenCV reads), or a folder of pictures")
     source.add_argument("--video", help="video file to read (any format OpenCV reads)")
     source.add_argument("--camera", type=int, metavar="N", help="camera number: a live window")
-    p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
-                   "folder, the folder to write into (default: FOLDER_pose next to it); for a video, "
-                   "the video to write, .mp4 or .avi (default: VIDEO_pose.mp4 next to it)")
+    p.add_argument("--out", help="picture, folder or video (.mp4, .avi) to write (default, next to the "
+                   "input: IMAGE_pose.png, FOLDER_pose, VIDEO_pose.mp4)")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
     return p
 
