@@ -7,9 +7,8 @@
     python demo.py --weights best.pth --camera 0          # live window; q or Esc ends it
     python demo.py --weights pose.onnx --image photo.jpg  # a network exported by export.py
 
-Each person is drawn in its own colour (`--heatmaps`: a side panel of the summed maps); pictures get
-one line per person and per picture, a folder's NAME.EXT is written as OUT/NAME_pose.png; a video
-keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s achieved.
+Each person is drawn in its own colour; a folder's NAME.EXT is written as OUT/NAME_pose.png; a video
+keeps its frame rate; videos and the camera end with the frames/s achieved.
 """
 from __future__ import annotations
 
