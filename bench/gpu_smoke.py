@@ -1,8 +1,5 @@
-"""The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
-fits a 9-minute device call (`bash bench/gpu_smoke.sh`); each section ends with one JSON line
-{"section": NAME, ...}. PARALLEL sections run side by side in their own processes (tiny preset), the
-ALONE ones then alone (imhn512 at 512). SMOKE_BUDGET_S (default 530) bounds the run: a section that would
-not fit is reported skipped. Logs of side-by-side sections: $OUT/smoke/NAME.log (or bench_out/smoke/).
+"""Every CUDA path of the trainer and the figures only a GPU gives, in one 9-minute device call: the
+PARALLEL sections side by side (tiny), then the ALONE ones (imhn512); SMOKE_BUDGET_S (530) bounds it.
 
     python bench/gpu_smoke.py --cpu-check            # anywhere: every section at toy sizes on a CPU
 """

@@ -62,45 +62,36 @@ def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, roun
 STAGES = ("decode", "resize", "host_to_device", "network", "maps_back", "peaks", "grouping", "scoring")
 
 
-def stage_clock(device, spent: dict, **stages) -> contextlib.ExitStack:
-    """Each `stage=(owner, attribute)` function timed into `spent[stage]` (device synchronised)."""
-    def timed(name, function):
-        def call(*args, **kwargs):
-            tick = time.perf_counter()
-            out = function(*args, **kwargs)
-            sync(device)
-            spent[name] += time.perf_counter() - tick
-            return out
-        return call
-    patches = contextlib.ExitStack()
-    for name, (owner, attribute) in stages.items():
-        patches.enter_context(mock.patch.object(owner, attribute, timed(name, getattr(owner, attribute))))
-    return patches
-
-
 def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:
     """ms a picture per stage of one serial pass over `encoded` ("other": the rest of the clock)."""
     spent = dict.fromkeys(STAGES, 0.0)
     cfg, skeleton, results = estimator.settings.inference, estimator.skeleton, []
     ids = [info["id"] for info in truth["images"]]
-    with stage_clock(estimator.device, spent, resize=(inference.predict, "resize_for_scale"),
-                     host_to_device=(inference.predict, "pictures_to_batch"),
-                     network=(type(estimator.network), "__call__"),
-                     maps_back=(inference.estimator, "picture_maps"),
-                     peaks=(inference.grouping, "find_peaks"), decode=(cv2, "imdecode")):
+
+    def timed(name, function):               # a stage's function, its time (synchronised) to `spent`
+        def call(*args, **kwargs):
+            tick = time.perf_counter()
+            out = function(*args, **kwargs)
+            sync(estimator.device)
+            spent[name] += time.perf_counter() - tick
+            return out
+        return call
+    with contextlib.ExitStack() as patches:
+        for name, (owner, attribute) in {"resize": (inference.predict, "resize_for_scale"),
+                                         "host_to_device": (inference.predict, "pictures_to_batch"),
+                                         "network": (type(estimator.network), "__call__"),
+                                         "maps_back": (inference.estimator, "picture_maps"),
+                                         "peaks": (inference.grouping, "find_peaks"),
+                                         "decode": (cv2, "imdecode")}.items():
+            timed_call = timed(name, getattr(owner, attribute))
+            patches.enter_context(mock.patch.object(owner, attribute, timed_call))
         start = time.perf_counter()
         pictures = (cv2.imdecode(data, cv2.IMREAD_COLOR) for data in encoded)
+        group, to_results = timed("grouping", group_people), timed("scoring", to_coco_results)
         for k, make in enumerate(estimator.network_stream(pictures)):
-            maps = make()
-            tick = time.perf_counter()
-            keypoints, scores = group_people(maps, cfg, skeleton)
-            spent["grouping"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            results += to_coco_results(ids[k % len(ids)], keypoints, scores, skeleton)
-            spent["scoring"] += time.perf_counter() - tick
-        tick = time.perf_counter()
-        coco_keypoint_stats(truth, results, image_ids=ids, sigmas=skeleton.sigmas)
-        spent["scoring"] += time.perf_counter() - tick
+            keypoints, scores = group(make(), cfg, skeleton)
+            results += to_results(ids[k % len(ids)], keypoints, scores, skeleton)
+        timed("scoring", coco_keypoint_stats)(truth, results, image_ids=ids, sigmas=skeleton.sigmas)
         spent["grouping"] -= spent["peaks"]
         spent["other"] = time.perf_counter() - start - sum(spent.values())
     return {stage: 1e3 * s / len(encoded) for stage, s in spent.items()}
