@@ -84,18 +84,15 @@ def with_predictions(estimator, pictures):
     return zip(shown, estimator.stream(read, maps=True))
 
 
-def read_pictures(pairs):
-    for source, _ in pairs:
-        picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-        if picture is None:
-            raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
-        yield picture
-
-
 def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Path]:
+    def read_pictures():
+        for source, _ in pairs:
+            picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+            if picture is None:
+                raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
+            yield picture
     written = []
-    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
-                                                                                read_pictures(pairs))):
+    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator, read_pictures())):
         drawn = annotated(picture, prediction, heatmaps, estimator.skeleton)
         written.append(write_image(target, drawn, overwrite=overwrite))
         for k, person in enumerate(prediction.people):

@@ -1,6 +1,5 @@
-"""What the benchmarks share, and the tests use: their training file (`make_bench_h5`), the host-sync
-counter (`count_host_syncs`), synthetic batches, a quiet trainer of a benchmark config, and an entry
-script's `main` run or only parsed (`run_entry`)."""
+"""What the benchmarks share, and the tests use: their training file, the host-sync counter, synthetic
+batches, a quiet trainer, and an entry script's `main` run or only parsed (`run_entry`)."""
 from __future__ import annotations
 
 import argparse
