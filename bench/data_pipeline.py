@@ -92,12 +92,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input-size", type=int, default=512)
     parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="passes over the samples; the table shows the fastest (and the median)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the samples (the fastest shown)")
     parser.add_argument("--batch", type=int, default=16, help="samples per batch of the device drawing")
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
-    parser.add_argument("--coco-dir",
-                        help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
+    parser.add_argument("--coco-dir", help="coco4's folder (default: $SIMPLEPOSE_COCO4, tests/data/coco4)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(1)
     torch.set_num_threads(1)

@@ -504,8 +504,7 @@ def environment(check: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu-check", action="store_true",
-                        help="run every section's code on the CPU at toy sizes (command lines parsed only)")
+    parser.add_argument("--cpu-check", action="store_true", help="every section on the CPU at toy sizes")
     parser.add_argument("--section", choices=[*SECTIONS])
     parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     parser.add_argument("--first-steps", choices=("on", "off"), help=argparse.SUPPRESS)   # first_step's child

@@ -121,11 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", action="store_true", help="add the rows of blurred and pure noise maps")
-    p.add_argument("--pool", type=int, default=0, metavar="THREADS",
-                   help="also group --reps blurred-noise maps in a pool of this many threads (as evaluation)")
+    p.add_argument("--pool", type=int, default=0, metavar="THREADS", help="also group noise in a pool")
     p.add_argument("--cpu-time", action="store_true", help="time with CPU time, not the wall clock")
-    p.add_argument("--stages", action="store_true",
-                   help="also split each row's time into peaks, limbs and the rest, and time one read of the maps")
+    p.add_argument("--stages", action="store_true", help="also split the time into peaks, limbs and the rest")
     p.add_argument("--code", metavar="DIR", help="time the grouping of the checkout DIR (its inference/)")
     p.add_argument("--against", metavar="DIR", help="alternate rounds of DIR's grouping and this one's")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --against")

@@ -159,8 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
     p.add_argument("--coco-dir", help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: CPU cores)")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after timing, profile this many more steps: op time by kind (convolution, BN, ...)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="then op time by kind")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.workers is None:
