@@ -72,14 +72,6 @@ def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -
     return min(passes), passes
 
 
-def drawing_batches(dataset: KeypointDataset, samples: int, batch: int) -> list:
-    """[(people, person masks)] of compact batches of `batch` samples, as the engine draws them."""
-    items = [dataset.compact_item((0, n % len(dataset))) for n in range(max(batch, min(samples, 4 * batch)))]
-    batches = [items[n:n + batch] for n in range(0, len(items) - batch + 1, batch)]
-    return [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))
-            for b in batches]
-
-
 def drawing_time(painter, batches: list) -> float:
     """CPU seconds per batch of `painter`'s target drawing of `batches`, run on the CPU."""
     start = time.process_time()
@@ -106,7 +98,11 @@ def main(argv=None) -> int:
         dataset = KeypointDataset(h5_path, SampleSettings.of(cfg), train=True)
         stages = measure(dataset, args.samples, max(1, args.repeats))
         cpu_best, cpu_passes = cpu_path(dataset, args.samples, max(1, args.repeats), args.batch)
-        batches = drawing_batches(dataset, args.samples, args.batch)
+        items = [dataset.compact_item((0, n % len(dataset)))          # (people, person masks) batches
+                 for n in range(max(args.batch, min(args.samples, 4 * args.batch)))]
+        batches = [(trim_people(torch.stack([p for _, p, _ in items[n:n + args.batch]])),
+                    torch.stack([m[1:] for _, _, m in items[n:n + args.batch]]))
+                   for n in range(0, len(items) - args.batch + 1, args.batch)]
         drawing = drawing_time(dataset.painter, batches)
         host_drawing = drawing_time(dataset.host_painter, batches)
         pixels = [dataset.h5.image_size(i) for i in range(dataset.h5.num_images)]
