@@ -1,6 +1,5 @@
-"""Grouping time per image (from ready maps, one CPU thread) against the number of people, on real
-COCO poses composed on a canvas: median and p90 ms, one JSON line. Targets: 20 ms for 5 people;
-`--noise` (an untrained network's maps): 150 ms and 400 ms.
+"""Grouping time per image (ready maps of real COCO poses, one CPU thread) against the number of people:
+median and p90 ms, one JSON line. Targets: 5 people 20 ms; `--noise` (untrained maps) 150 and 400 ms.
 
     python bench/grouping.py [--people 1 2 5 10 20] [--noise] [--against ../other_checkout --cpu-time]
 """
