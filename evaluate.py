@@ -50,8 +50,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
     p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the weights, or "
                    "./oracle_DATA_keypoints.json); a name ending .jsonl: one JSON line per picture")
-    p.add_argument("--metric", nargs="+", choices=list(METRIC_KEYS),
-                   help="one or more metrics (default: the file's skeleton's, as its authors score it)")
+    p.add_argument("--metric", nargs="+", choices=list(METRIC_KEYS), help="default: the file's skeleton's")
     p.add_argument("--pck-threshold", type=float, help="PCK's threshold, a share of --pck-normalize "
                    "(default: the skeleton's, else 0.2)")
     p.add_argument("--pck-normalize", help="bbox (the person box's longer side) or KEYPOINT,KEYPOINT "

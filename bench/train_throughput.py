@@ -153,8 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="both")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
     p.add_argument("--configs", nargs="+", help="subset of: " + ", ".join(c[0] for c in CONFIGS))
-    p.add_argument("--amp-backend", choices=["native", "apex"], default="native",
-                   help="apex: NVIDIA Apex's amp (one configuration per process)")
+    p.add_argument("--amp-backend", choices=["native", "apex"], default="native", help="apex: NVIDIA Apex's")
     p.add_argument("--h5", help="feed the step through the engine's DataLoader ('coco4': coco4 x --repeat)")
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
     p.add_argument("--coco-dir", help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")

@@ -13,8 +13,7 @@ CONFIG_CARRIED = "a checkpoint of this trainer carries its own config"
 def weights_options(doc: str, weights_help: str, *, required: bool = True, preset_help: str = "",
                     set_example: str = "inference.peak_threshold=0.05",
                     decoding: bool = True) -> ArgumentParser:
-    """A script's parser (`doc`: its --help text) with the shared options: `weights_help` says what
-    --weights may be; `preset_help` ends the --preset help; `decoding` adds --scales, --flip, --device."""
+    """A script's parser (`doc`: its --help) with the shared options (`decoding`: --scales, --flip)."""
     p = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=required, help=weights_help)
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

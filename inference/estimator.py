@@ -65,8 +65,7 @@ def decode_threads(cfg: InferenceConfig) -> int:
 
 def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, factors: deque | None = None
                     ) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each item (maps, or a call that makes them), in order, grouped in a
-    thread pool; `factors` (one an item) scale the keypoints back to the picture's pixels."""
+    """(maps, keypoints, scores) of each item (maps, or a call making them), in order, from a pool."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 

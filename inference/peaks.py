@@ -107,9 +107,8 @@ def _strongest_floor(value, channel, channels: int, count: int) -> np.ndarray:
 
 
 def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
-    """Local maxima (>= 8 neighbours; of equal neighbours the first) of each float32 map [K, H, W]
-    above `threshold`: (channel int64 [N], refined xy float32 [N, 2], score float32 [N]) by channel
-    then raster order; `max_per_map` > 0 keeps each map's strongest."""
+    """Peaks of each map [K, H, W] above `threshold`: (channel int64 [N], refined xy float32 [N, 2],
+    score float32 [N]) by channel then raster order; `max_per_map` > 0 keeps each map's strongest."""
     heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
     channels, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
