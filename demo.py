@@ -7,13 +7,11 @@
     python demo.py --weights best.pth --camera 0          # live window; q or Esc ends it
     python demo.py --weights pose.onnx --image photo.jpg  # a network exported by export.py
 
-Each person is drawn in its own colour (`--heatmaps`: a side panel of the summed maps); pictures get
-one line per person and per picture, a folder's NAME.EXT is written as OUT/NAME_pose.png; a video
-keeps its frame rate (.mp4 or .avi); videos and the camera end with the frames/s achieved.
+Each person is drawn in its own colour; a folder's NAME.EXT is written as OUT/NAME_pose.png; a video
+keeps its frame rate; videos and the camera end with the frames/s achieved.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import sys
@@ -36,17 +34,14 @@ PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint, bare state dict, or ONNX file written by export.py",
-                             preset_help=f" (default: imhn512); {CONFIG_CARRIED}")
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint, bare state dict, or ONNX file written by export.py",
+                        preset_help=f" (default: imhn512); {CONFIG_CARRIED}")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="picture to read (any format OpenCV reads), or a folder of pictures")
     source.add_argument("--video", help="video file to read (any format OpenCV reads)")
     source.add_argument("--camera", type=int, metavar="N", help="camera number: a live window")
-    p.add_argument("--out", help="picture to write (default: IMAGE_pose.png next to the image); for a "
-                   "folder, the folder to write into (default: FOLDER_pose next to it); for a video, "
-                   "the video to write, .mp4 or .avi (default: VIDEO_pose.mp4 next to it)")
+    p.add_argument("--out", help="picture, folder or video (.mp4, .avi) to write (default, next to the "
+                   "input: IMAGE_pose.png, FOLDER_pose, VIDEO_pose.mp4)")
     p.add_argument("--heatmaps", action="store_true", help="add a panel of the summed maps")
     return p
 
@@ -89,18 +84,15 @@ def with_predictions(estimator, pictures):
     return zip(shown, estimator.stream(read, maps=True))
 
 
-def read_pictures(pairs):
-    for source, _ in pairs:
-        picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-        if picture is None:
-            raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
-        yield picture
-
-
 def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Path]:
+    def read_pictures():
+        for source, _ in pairs:
+            picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+            if picture is None:
+                raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
+            yield picture
     written = []
-    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator,
-                                                                                read_pictures(pairs))):
+    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator, read_pictures())):
         drawn = annotated(picture, prediction, heatmaps, estimator.skeleton)
         written.append(write_image(target, drawn, overwrite=overwrite))
         for k, person in enumerate(prediction.people):

@@ -6,13 +6,11 @@
     python evaluate.py --results other_tool_keypoints.json --h5 coco_val.h5   # predictions made elsewhere
     torchrun --nproc_per_node 2 evaluate.py --weights best.pth --h5 coco_val.h5
 
-Prints the metrics the file's skeleton names (--metric chooses: oks AP, pck, auc, epe; with
---oracle each keypoint's recall too), writes the results (--out) and ends with one JSON line of the
-stats. Under torchrun every image is decoded by exactly one process.
+Prints the metrics the file's skeleton names (or --metric's), writes the results (--out) and ends
+with one JSON line of the stats. Under torchrun every image is decoded by exactly one process.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,26 +37,20 @@ from inference.loading import inference_config
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint (best.pth, last.pth), bare state dict, or ONNX file written "
-                             "by export.py", required=False,
-                             preset_help=f" or --oracle (default: imhn512); {CONFIG_CARRIED}")
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint (best.pth, last.pth), bare state dict, or ONNX file "
+                        "written by export.py", required=False,
+                        preset_help=f" or --oracle (default: imhn512); {CONFIG_CARRIED}")
     p.add_argument("--oracle", action="store_true",
-                   help="decode the ground-truth target maps, drawn once at each image's own size "
-                   "(stride 1), instead of a network's: no scales, no flip")
+                   help="decode the ground-truth maps at each image's own size instead of a network's")
     src = p.add_argument_group("data (one of)")
     src.add_argument("--h5", help="HDF5 split made by data.make_hdf5")
     src.add_argument("--ann", help="COCO person-keypoints JSON (with --images; converted to a temp HDF5)")
     src.add_argument("--images", help="image folder of --ann")
-    p.add_argument("--results", help="score this results file instead of running a network: a COCO "
-                   "keypoint results JSON, or the .jsonl that --out writes")
+    p.add_argument("--results", help="score this COCO keypoint results JSON (or --out's .jsonl) instead")
     p.add_argument("--max-images", type=int, default=0, help="only the first N images (0: all)")
-    p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the "
-                   "weights, or ./oracle_DATA_keypoints.json); a name ending .jsonl: one JSON line per "
-                   "picture (image_id, file_name, people with their score and keypoints)")
-    p.add_argument("--metric", nargs="+", choices=list(METRIC_KEYS),
-                   help="one or more metrics (default: the file's skeleton's, as its authors score it)")
+    p.add_argument("--out", help="results JSON (default: WEIGHTS_DATA_keypoints.json next to the weights, or "
+                   "./oracle_DATA_keypoints.json); a name ending .jsonl: one JSON line per picture")
+    p.add_argument("--metric", nargs="+", choices=list(METRIC_KEYS), help="default: the file's skeleton's")
     p.add_argument("--pck-threshold", type=float, help="PCK's threshold, a share of --pck-normalize "
                    "(default: the skeleton's, else 0.2)")
     p.add_argument("--pck-normalize", help="bbox (the person box's longer side) or KEYPOINT,KEYPOINT "

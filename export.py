@@ -2,16 +2,12 @@
 
     python export.py --weights best.pth --format onnx --out pose.onnx [--opset 17]
 
-The file holds the network only (normalised pictures [B, 3, H, W] in, batch, height and width
-dynamic; the last stack's stride-4 maps out) and the checkpoint's config in its metadata; grouping
-stays in Python (`PoseEstimator.from_onnx`, demo.py, evaluate.py). Before the file is put in place,
-onnxruntime runs it on the check pictures (default tests/data/coco4) and the export fails (exit
-code 1, nothing written) unless every map value is within `--tolerance` of the largest magnitude of
-PyTorch's maps. Needs onnx and onnxruntime (pip install -r requirements-export.txt).
+The file holds the network (grouping stays in Python) and its config; onnxruntime runs it on the
+--check-images first, and nothing is written (exit code 1) unless its maps are within --tolerance of
+PyTorch's. Needs onnx and onnxruntime (pip install -r requirements-export.txt).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import warnings
@@ -43,11 +39,9 @@ class ExportMismatch(UserError):
 
 
 def build_parser() -> ArgumentParser:
-    shared = weights_options("checkpoint of this trainer or bare state dict",
-                             preset_help=" (default: imhn512)",
-                             set_example="inference.flip=true (stored in the file)", decoding=False)
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       parents=[shared])
+    p = weights_options(__doc__, "checkpoint of this trainer or bare state dict",
+                        preset_help=" (default: imhn512)",
+                        set_example="inference.flip=true (stored in the file)", decoding=False)
     p.add_argument("--format", default="onnx", help="what to write: onnx (the only one so far)")
     p.add_argument("--out", required=True, help="the file to write (an existing one only with --overwrite)")
     p.add_argument("--opset", type=int, default=17,

@@ -1,10 +1,6 @@
 """Benchmark of the data pipeline: samples/s of one process with one thread, and file size.
 
-    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--batch 16] [--h5 FILE.h5]
-
-On coco4 or --h5, per CPU second, the fastest of --repeats passes: each stage of a worker's
-`KeypointDataset.compact_item` and their total, the CPU target drawing both ways, the CPU-only
-path, then bytes per sample sent to the device and HDF5 bytes per image; one JSON line.
+    python bench/data_pipeline.py [--input-size 512] [--samples 300] [--repeats 3] [--h5 FILE.h5]
 """
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ DECODE, WARP = "read: picture (HDF5, JPEG decode)", "augment: picture warp"    #
 
 
 def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
-    """CPU seconds over `samples` samples per stage of a worker's work and of the target drawing,
-    and of whole compact items: the fastest of `repeats` passes (as timeit) and their median."""
+    """CPU seconds per stage, target drawing and whole item: the fastest of `repeats` passes."""
     count = len(dataset)
     dataset.sample_arrays(0)                                   # open the file, warm caches
     stages: dict = {}
@@ -63,8 +58,7 @@ def measure(dataset: KeypointDataset, samples: int, repeats: int) -> dict:
 
 
 def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -> tuple[float, list]:
-    """(fastest, every pass's) CPU seconds of a CPU-only run's data for `samples` samples: compact
-    items in batches of `batch`, expanded on the CPU as `to_model_input` does."""
+    """(fastest, every pass's) CPU seconds of a CPU-only run's data: items expanded on the CPU."""
     count, painter = len(dataset), dataset.painter_for(torch.device("cpu"))
     passes = []
     for _ in range(repeats):
@@ -76,14 +70,6 @@ def cpu_path(dataset: KeypointDataset, samples: int, repeats: int, batch: int) -
             expand(image, trim_people(people), masks, painter)
         passes.append(time.process_time() - start)
     return min(passes), passes
-
-
-def drawing_batches(dataset: KeypointDataset, samples: int, batch: int) -> list:
-    """[(people, person masks)] of compact batches of `batch` samples, as the engine draws them."""
-    items = [dataset.compact_item((0, n % len(dataset))) for n in range(max(batch, min(samples, 4 * batch)))]
-    batches = [items[n:n + batch] for n in range(0, len(items) - batch + 1, batch)]
-    return [(trim_people(torch.stack([p for _, p, _ in b])), torch.stack([m[1:] for _, _, m in b]))
-            for b in batches]
 
 
 def drawing_time(painter, batches: list) -> float:
@@ -98,12 +84,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input-size", type=int, default=512)
     parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="passes over the samples; the table shows the fastest (and the median)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the samples (the fastest shown)")
     parser.add_argument("--batch", type=int, default=16, help="samples per batch of the device drawing")
     parser.add_argument("--h5", default="", help="time this file instead of coco4")
-    parser.add_argument("--coco-dir",
-                        help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
+    parser.add_argument("--coco-dir", help="coco4's folder (default: $SIMPLEPOSE_COCO4, tests/data/coco4)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(1)
     torch.set_num_threads(1)
@@ -114,7 +98,11 @@ def main(argv=None) -> int:
         dataset = KeypointDataset(h5_path, SampleSettings.of(cfg), train=True)
         stages = measure(dataset, args.samples, max(1, args.repeats))
         cpu_best, cpu_passes = cpu_path(dataset, args.samples, max(1, args.repeats), args.batch)
-        batches = drawing_batches(dataset, args.samples, args.batch)
+        items = [dataset.compact_item((0, n % len(dataset)))          # (people, person masks) batches
+                 for n in range(max(args.batch, min(args.samples, 4 * args.batch)))]
+        batches = [(trim_people(torch.stack([p for _, p, _ in items[n:n + args.batch]])),
+                    torch.stack([m[1:] for _, _, m in items[n:n + args.batch]]))
+                   for n in range(0, len(items) - args.batch + 1, args.batch)]
         drawing = drawing_time(dataset.painter, batches)
         host_drawing = drawing_time(dataset.host_painter, batches)
         pixels = [dataset.h5.image_size(i) for i in range(dataset.h5.num_images)]

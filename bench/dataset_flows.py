@@ -1,10 +1,6 @@
 """The whole flow for every built-in skeleton, on a small stand-in of its dataset as shipped.
 
     python bench/dataset_flows.py [--only coco zebra ...] [--steps 3] [--keep DIR] [--device cpu]
-
-Per stand-in (tests/shipped_layouts.py), through each command's main(argv): data.make_hdf5 converts
-both splits, train.py trains `--steps` steps, evaluate.py scores the oracle and the network, demo.py
-draws a picture. One table, then one JSON line; a failed step is said in its row (exit code 1).
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The one GPU call: every CUDA path of the trainer and the figures only a GPU gives, in one run that
-fits a 9-minute device call (`bash bench/gpu_smoke.sh`). Each section ends with one JSON line
-{"section": NAME, ...}. The PARALLEL sections run side by side, each in its own process (tiny
-preset, a few steps); the ALONE ones then run alone on the GPU (imhn512 at 512); each section's
-docstring or name says what it measures.
+"""Every CUDA path of the trainer and the figures only a GPU gives, in one 9-minute device call: the
+PARALLEL sections side by side (tiny), then the ALONE ones (imhn512); SMOKE_BUDGET_S (530) bounds it.
 
     python bench/gpu_smoke.py --cpu-check            # anywhere: every section at toy sizes on a CPU
-    python bench/gpu_smoke.py --section throughput   # one section, in this process
-    python bench/gpu_smoke.py --only feed,throughput # some sections, as the whole run runs them
-
-SMOKE_BUDGET_S (default 530) bounds the run: a section that would not fit is reported skipped.
-Logs of the side-by-side sections go to $OUT/smoke/NAME.log (or bench_out/smoke/).
 """
 from __future__ import annotations
 
@@ -72,8 +64,7 @@ def quick_args(out_dir: str, check: bool) -> list[str]:
 
 
 def tiny_runs(script: str, check: bool, first: list[str], resumed: list[str] | None = None) -> list:
-    """`script`'s results: a tiny run with options `first`, then (given `resumed`) the same run
-    resumed to epoch 3 with those options, in one temporary folder."""
+    """`script`'s results: a tiny run of `first`, then with `resumed` that run resumed to epoch 3."""
     main = importlib.import_module(script).main
     with tempfile.TemporaryDirectory() as out:
         runs = [run_entry(main, [*first, *quick_args(out, check)], check)]
@@ -301,8 +292,7 @@ def alone_config(check: bool, level: str, dtype: str, batch: int, *sets: str):
 
 
 def section_first_step(check: bool) -> dict:
-    """The first step as users meet it: per cuDNN benchmarking setting a fresh process (`first_steps`),
-    its seconds from being started to its first step and its first five steps one by one."""
+    """Per cuDNN benchmarking setting, a fresh process's seconds to its first step, and its first five."""
     rows = {"pid": os.getpid()}
     for benchmark in ("off", "on"):
         started = time.time()
@@ -361,8 +351,7 @@ CANDIDATES = [  # name, level, dtype, batch, extra config
 
 
 def section_throughput(check: bool) -> dict:
-    """Alternating rounds per batch size, each candidate once per round, timed with CUDA events;
-    each size's group freed before the next; a candidate out of memory dropped with its error."""
+    """Alternating rounds per batch size, timed with CUDA events; out of memory: dropped, said."""
     rounds, steps = (1, 2) if check else (3, int(os.environ.get("SMOKE_STEPS", 30)))
     rows, errors = {}, {}
     for batch in sorted({c[3] for c in CANDIDATES}):
@@ -454,8 +443,7 @@ def section_graph_numerics(check: bool) -> dict:
 
 
 def section_evaluation(check: bool) -> dict:
-    """Pictures/s of evaluation on coco80 (or coco4), one scale with flip, an untrained imhn512, and
-    the ms of a picture by stage."""
+    """Pictures/s of evaluation on coco80 (or coco4), and the ms of a picture by stage."""
     import numpy
     from bench.inference import split
     from inference.estimator import PoseEstimator
@@ -516,8 +504,7 @@ def environment(check: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu-check", action="store_true",
-                        help="run every section's code on the CPU at toy sizes (command lines parsed only)")
+    parser.add_argument("--cpu-check", action="store_true", help="every section on the CPU at toy sizes")
     parser.add_argument("--section", choices=[*SECTIONS])
     parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     parser.add_argument("--first-steps", choices=("on", "off"), help=argparse.SUPPRESS)   # first_step's child

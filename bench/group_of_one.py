@@ -1,12 +1,7 @@
-"""Train through a real process group of ONE rank (NCCL on one GPU; gloo on a CPU, to check the
-script): DDP, ZeRO, SyncBN and the backend's collectives built and run, with every train.py flag
-(`--amp-backend apex`: apex.parallel's DDP and SyncBN). A 1-process torchrun makes no group.
+"""Train through a real process group of ONE rank (NCCL on one GPU, gloo on a CPU): DDP, ZeRO, SyncBN
+and the backend's collectives, with every train.py flag. A 1-process torchrun makes no group.
 
-    python bench/group_of_one.py --device cuda --sync-bn --zero --accumulate 2 --opt-level O1 ...
     python bench/group_of_one.py --device cpu --epochs 1 --set train.max_steps_per_epoch=2
-
-In a group of one nn.SyncBatchNorm takes the plain path; `--force-sync-function` sends its
-training forward through torch's distributed SyncBatchNorm function anyway (CUDA only).
 """
 from __future__ import annotations
 
@@ -62,7 +57,7 @@ def join_group_of_one(device: torch.device, timeout_s: float) -> str:
 def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--force-sync-function", action="store_true",
-                        help="run nn.SyncBatchNorm's distributed function in the group of one")
+                        help="force SyncBatchNorm's distributed function (a group of one skips it)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     ctx = single_process_context(cfg.train.device)

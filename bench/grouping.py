@@ -1,12 +1,7 @@
-"""Grouping time per image (from ready maps, one CPU thread) against the number of people.
+"""Grouping time per image (ready maps of real COCO poses, one CPU thread) against the number of people:
+median and p90 ms, one JSON line. Targets: 5 people 20 ms; `--noise` (untrained maps) 150 and 400 ms.
 
-    python bench/grouping.py [--people 1 2 5 10 20] [--reps 15] [--size 480 640] [--noise] [--cpu-time]
-    taskset -c 0 python bench/grouping.py --against ../other_checkout --rounds 5 --cpu-time
-
-Real COCO poses (tests/data/coco4) composed on a canvas, ground-truth maps drawn untimed, then
-`group_people` timed: median and p90 ms, one JSON line. Targets: 20 ms for 5 people; `--noise`
-(an untrained network's maps): 150 ms and 400 ms. `--against DIR` alternates with another
-checkout's grouping; `--stages` splits the time by stage.
+    python bench/grouping.py [--people 1 2 5 10 20] [--noise] [--against ../other_checkout --cpu-time]
 """
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def noise_maps(kind: str, height: int, width: int, rng) -> np.ndarray:
 
 def time_grouping(make_maps, reps: int, cfg: InferenceConfig, clock=time.perf_counter,
                   stages: bool = False) -> tuple[dict, dict]:
-    """({median_ms, p90_ms, mean_found} of `group_people` on `reps` maps from `make_maps()`, and with
-    `stages` the median ms per image of it, its stages and one max over the keypoint maps)."""
+    """({median_ms, p90_ms, mean_found}, with `stages` the median ms per stage) of `reps` maps."""
     times: dict = {"total": [], "peaks": [], "limbs": [], "read_once": []}
     found = []
     for _ in range(reps):
@@ -126,11 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", action="store_true", help="add the rows of blurred and pure noise maps")
-    p.add_argument("--pool", type=int, default=0, metavar="THREADS",
-                   help="also group --reps blurred-noise maps in a pool of this many threads (as evaluation)")
+    p.add_argument("--pool", type=int, default=0, metavar="THREADS", help="also group noise in a pool")
     p.add_argument("--cpu-time", action="store_true", help="time with CPU time, not the wall clock")
-    p.add_argument("--stages", action="store_true",
-                   help="also split each row's time into peaks, limbs and the rest, and time one read of the maps")
+    p.add_argument("--stages", action="store_true", help="also split the time into peaks, limbs and the rest")
     p.add_argument("--code", metavar="DIR", help="time the grouping of the checkout DIR (its inference/)")
     p.add_argument("--against", metavar="DIR", help="alternate rounds of DIR's grouping and this one's")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --against")

@@ -1,6 +1,5 @@
-"""What the benchmarks share, and the tests use: their training file (`make_bench_h5`), the host-sync
-counter (`count_host_syncs`), synthetic batches, a quiet trainer of a benchmark config, and an entry
-script's `main` run or only parsed (`run_entry`)."""
+"""What the benchmarks share, and the tests use: their training file, the host-sync counter, synthetic
+batches, a quiet trainer, and an entry script's `main` run or only parsed (`run_entry`)."""
 from __future__ import annotations
 
 import argparse
@@ -26,34 +25,26 @@ from engine.run_trainer import Launch, build_loop
 COCO4 = Path(__file__).resolve().parents[1] / "tests" / "data" / "coco4"
 
 
-def repeat_annotations(ann_path: Path, repeat: int, out_path: Path, images_dir: Path) -> Path:
-    """A COCO annotation file with each image listed `repeat` times, each a linked picture file."""
-    coco = json.loads(Path(ann_path).read_text())
-    images_dir.mkdir(parents=True, exist_ok=True)
-    images, annotations = [], []
-    for copy in range(repeat):
-        offset = copy * 10 ** 9
-        for image in coco["images"]:
-            name = f"copy{copy}_{image['file_name']}"
-            (images_dir / name).symlink_to((Path(ann_path).parent / image["file_name"]).resolve())
-            images.append({**image, "id": image["id"] + offset, "file_name": name})
-        annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
-                        for ann in coco["annotations"]]
-    out_path.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
-    return out_path
-
-
 def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> tuple[Path, str]:
-    """(HDF5 path, a name for what it holds) of a benchmark's training file under `work`: coco4
-    (`coco_dir`, `$SIMPLEPOSE_COCO4`, else tests/data/coco4), each image listed `repeat` times so that
-    a loader has whole batches and epochs; without coco4, 640x640 synthetic images (faster to decode:
-    the rate is then an upper bound)."""
+    """(HDF5 path, what it holds): coco4 with each image listed `repeat` times, else synthetic."""
     out = work / "bench.h5"
     coco4 = next((Path(found) for found in (coco_dir, os.environ.get("SIMPLEPOSE_COCO4"), COCO4)
                   if found and (Path(found) / "test_coco.json").is_file()), None)
-    if coco4 is not None:
-        ann = repeat_annotations(coco4 / "test_coco.json", repeat, work / "bench.json", work / "bench_images")
-        convert(ann, work / "bench_images", out, ConvertSettings(split="train", progress=False))
+    if coco4 is not None:     # each image listed `repeat` times, each copy a linked picture file
+        coco, images_dir = json.loads((coco4 / "test_coco.json").read_text()), work / "bench_images"
+        images_dir.mkdir(parents=True, exist_ok=True)
+        images, annotations = [], []
+        for copy in range(repeat):
+            offset = copy * 10 ** 9
+            for image in coco["images"]:
+                name = f"copy{copy}_{image['file_name']}"
+                (images_dir / name).symlink_to((coco4 / image["file_name"]).resolve())
+                images.append({**image, "id": image["id"] + offset, "file_name": name})
+            annotations += [{**ann, "id": ann["id"] + offset, "image_id": ann["image_id"] + offset}
+                            for ann in coco["annotations"]]
+        ann = work / "bench.json"
+        ann.write_text(json.dumps({**coco, "images": images, "annotations": annotations}))
+        convert(ann, images_dir, out, ConvertSettings(split="train", progress=False))
         return out, f"coco4 x{repeat}"
     from data.synthetic import write_split
     ann = write_split(work, "train", 8 * repeat, 640, seed=0)
@@ -79,8 +70,7 @@ SYNC_WARNING = "called a synchronizing CUDA operation"     # torch's text in syn
 
 @dataclass
 class HostSyncs:
-    """Reads of a tensor's value on the host (`item`, `tolist`, `bool()`, ...) by kind; on CUDA also
-    torch's own synchronising operations (`cuda_sync`, from its sync debug mode)."""
+    """Host reads of tensor values by kind (`item`, `tolist`, ...; on CUDA torch's own: `cuda_sync`)."""
     by_kind: Counter = field(default_factory=Counter)
 
     @property

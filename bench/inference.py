@@ -1,13 +1,7 @@
-"""Inference throughput: pictures/s through the network, through grouping, and both together as
-`inference.PoseEstimator` runs them; and where a picture's time goes, stage by stage.
+"""Inference throughput on coco4's pictures: pictures/s through the network, through grouping, and both
+as `inference.PoseEstimator` runs them; then a picture's time stage by stage; one JSON line.
 
-    python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--repeat 4]
-        [--scales 1] [--flip] [--device auto] [--set inference.decode_threads=N] [--threads 1 2]
-
-On coco4's pictures (without `--weights`: an untrained network, grouping on ground-truth maps),
-per batch size and per `--threads` count of evaluation's read-ahead; then the split of one serial pass
-(decode, resize, host-to-device, network, maps back to picture size, peaks, grouping, scoring; each
-stage synchronised) at the last batch size; then one JSON line.
+    python bench/inference.py [--preset tiny] [--weights W] [--batch-sizes 1 8] [--threads 1 2]
 """
 from __future__ import annotations
 
@@ -68,63 +62,49 @@ def evaluation_rates(estimator: PoseEstimator, encoded: list, threads: int, roun
 STAGES = ("decode", "resize", "host_to_device", "network", "maps_back", "peaks", "grouping", "scoring")
 
 
-def stage_clock(device, spent: dict, **stages) -> contextlib.ExitStack:
-    """Each `stage=(owner, attribute)` function timed into `spent[stage]` (device synchronised)."""
-    def timed(name, function):
-        def call(*args, **kwargs):
-            tick = time.perf_counter()
-            out = function(*args, **kwargs)
-            sync(device)
-            spent[name] += time.perf_counter() - tick
-            return out
-        return call
-    patches = contextlib.ExitStack()
-    for name, (owner, attribute) in stages.items():
-        patches.enter_context(mock.patch.object(owner, attribute, timed(name, getattr(owner, attribute))))
-    return patches
-
-
 def split(estimator: PoseEstimator, encoded: list, truth: dict) -> dict:
-    """ms a picture per stage of one serial pass over `encoded` (JPEG), scored against `truth`
-    (COCO); "other" is the rest of the wall clock (batching, the mirror's merge, Python)."""
+    """ms a picture per stage of one serial pass over `encoded` ("other": the rest of the clock)."""
     spent = dict.fromkeys(STAGES, 0.0)
     cfg, skeleton, results = estimator.settings.inference, estimator.skeleton, []
     ids = [info["id"] for info in truth["images"]]
-    with stage_clock(estimator.device, spent, resize=(inference.predict, "resize_for_scale"),
-                     host_to_device=(inference.predict, "pictures_to_batch"),
-                     network=(type(estimator.network), "__call__"),
-                     maps_back=(inference.estimator, "picture_maps"),
-                     peaks=(inference.grouping, "find_peaks"), decode=(cv2, "imdecode")):
+
+    def timed(name, function):               # a stage's function, its time (synchronised) to `spent`
+        def call(*args, **kwargs):
+            tick = time.perf_counter()
+            out = function(*args, **kwargs)
+            sync(estimator.device)
+            spent[name] += time.perf_counter() - tick
+            return out
+        return call
+    with contextlib.ExitStack() as patches:
+        for name, (owner, attribute) in {"resize": (inference.predict, "resize_for_scale"),
+                                         "host_to_device": (inference.predict, "pictures_to_batch"),
+                                         "network": (type(estimator.network), "__call__"),
+                                         "maps_back": (inference.estimator, "picture_maps"),
+                                         "peaks": (inference.grouping, "find_peaks"),
+                                         "decode": (cv2, "imdecode")}.items():
+            timed_call = timed(name, getattr(owner, attribute))
+            patches.enter_context(mock.patch.object(owner, attribute, timed_call))
         start = time.perf_counter()
         pictures = (cv2.imdecode(data, cv2.IMREAD_COLOR) for data in encoded)
+        group, to_results = timed("grouping", group_people), timed("scoring", to_coco_results)
         for k, make in enumerate(estimator.network_stream(pictures)):
-            maps = make()
-            tick = time.perf_counter()
-            keypoints, scores = group_people(maps, cfg, skeleton)
-            spent["grouping"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            results += to_coco_results(ids[k % len(ids)], keypoints, scores, skeleton)
-            spent["scoring"] += time.perf_counter() - tick
-        tick = time.perf_counter()
-        coco_keypoint_stats(truth, results, image_ids=ids, sigmas=skeleton.sigmas)
-        spent["scoring"] += time.perf_counter() - tick
+            keypoints, scores = group(make(), cfg, skeleton)
+            results += to_results(ids[k % len(ids)], keypoints, scores, skeleton)
+        timed("scoring", coco_keypoint_stats)(truth, results, image_ids=ids, sigmas=skeleton.sigmas)
         spent["grouping"] -= spent["peaks"]
         spent["other"] = time.perf_counter() - start - sum(spent.values())
     return {stage: 1e3 * s / len(encoded) for stage, s in spent.items()}
 
 
-def coco4_pictures_and_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], dict]:
-    """The coco4 pictures (BGR), the ground-truth maps [50, H, W] of their labelled people, the
-    pictures' JPEG bytes and their COCO annotations."""
+def coco4_truth(targets) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """coco4's JPEG bytes, the ground-truth maps [50, H, W] of their labelled people, the annotations."""
     data = json.loads((COCO4 / "test_coco.json").read_text())
-    pictures, truths, encoded = [], [], []
-    for info in data["images"]:
-        encoded.append(np.fromfile(str(COCO4 / info["file_name"]), np.uint8))
-        pictures.append(cv2.imdecode(encoded[-1], cv2.IMREAD_COLOR))
-        people = [COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
-                  if a["image_id"] == info["id"] and a["num_keypoints"] > 0]
-        truths.append(render_targets(np.stack(people), info["height"], info["width"], 1, targets, COCO))
-    return pictures, truths, encoded, data
+    encoded = [np.fromfile(str(COCO4 / info["file_name"]), np.uint8) for info in data["images"]]
+    truths = [render_targets(np.stack([COCO.from_annotation(a["keypoints"]) for a in data["annotations"]
+                                       if a["image_id"] == info["id"] and a["num_keypoints"] > 0]),
+                             info["height"], info["width"], 1, targets, COCO) for info in data["images"]]
+    return encoded, truths, data
 
 
 def measure(estimator: PoseEstimator, pictures, truths, batch_size: int) -> dict:
@@ -176,9 +156,9 @@ def main(argv=None) -> int:
         cfg = inference_config(None, args.preset, args.set, args.scales, args.flip)
         estimator = PoseEstimator(build_model(cfg.model, COCO).to(pick_device(args.device)).eval(),
                                   PredictSettings.of(cfg))
-    pictures, truths, encoded, data = coco4_pictures_and_truth(estimator.settings.targets)
-    pictures, truths = pictures * args.repeat, truths * args.repeat
-    truths = None if args.weights else truths
+    encoded, truths, data = coco4_truth(estimator.settings.targets)
+    pictures = [cv2.imdecode(jpeg, cv2.IMREAD_COLOR) for jpeg in encoded] * args.repeat
+    truths = None if args.weights else truths * args.repeat
     rows = [measure(estimator, pictures, truths, b) for b in args.batch_sizes]
     estimator.settings.inference.batch_size = args.batch_sizes[-1]
     evaluation = [evaluation_rates(estimator, encoded * args.repeat, t, max(1, args.rounds))

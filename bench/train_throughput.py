@@ -1,13 +1,7 @@
-"""Training throughput of the engine's own step per precision setting (O0 with TF32 off and on, O1
-fp16 and bf16, O2; channels_last; optionally torch.compile), built as train.py builds it, on
-synthetic batches or (--h5) the engine's DataLoader; per row images/s, memory, first step, data
-wait, share of bf16 peak, host syncs; one JSON line last (shared helpers: bench/helpers.py).
+"""Training throughput of the engine's own step per precision setting, synthetic or (--h5) through the
+DataLoader: per row images/s, memory, first step, data wait, share of bf16 peak, host syncs; one JSON line.
 
-    python bench/train_throughput.py                         # GPU: imhn at 512, batch 16, synthetic
-    python bench/train_throughput.py --compile both          # also under torch.compile
-    python bench/train_throughput.py --h5 coco4              # real loading: coco4 x64, workers = cores
     python bench/train_throughput.py --preset tiny --input 128 --batch 4 --steps 3 --device cpu
-    python bench/train_throughput.py --amp-backend apex --configs "O2 fp16" --channels-last off
 """
 from __future__ import annotations
 
@@ -94,7 +88,7 @@ def run_config(args, h5: str, name, level, dtype, tf32, channels_last, compile_m
     except torch.OutOfMemoryError:
         return {"config": label, "error": "out of memory"}
     finally:
-        del data, trainer, parts
+        data = trainer = parts = None     # freed before free_memory, not kept by this frame
         if compile_model:
             torch._dynamo.reset()
         free_memory(device)
@@ -159,15 +153,12 @@ def main(argv=None) -> int:
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="both")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off")
     p.add_argument("--configs", nargs="+", help="subset of: " + ", ".join(c[0] for c in CONFIGS))
-    p.add_argument("--amp-backend", choices=["native", "apex"], default="native",
-                   help="apex: NVIDIA Apex's amp (one configuration per process)")
-    p.add_argument("--h5", help="feed the step from the engine's DataLoader over this HDF5 file; "
-                                "'coco4': the coco4 images, each listed --repeat times")
+    p.add_argument("--amp-backend", choices=["native", "apex"], default="native", help="apex: NVIDIA Apex's")
+    p.add_argument("--h5", help="feed the step through the engine's DataLoader ('coco4': coco4 x --repeat)")
     p.add_argument("--repeat", type=int, default=64, help="with --h5 coco4")
     p.add_argument("--coco-dir", help="where coco4 is (default: $SIMPLEPOSE_COCO4, else tests/data/coco4)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: CPU cores)")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after timing, profile this many more steps: op time by kind (convolution, BN, ...)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="then op time by kind")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.workers is None:

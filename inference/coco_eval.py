@@ -1,10 +1,7 @@
-"""Scores of a list of results against the labelled people: COCO keypoint AP by pycocotools
-(iouType='keypoints'), quietly, with the skeleton's sigmas and `Scoring` (the area rule, per-category
-AP, CrowdPose's statistics: docs/evaluation.md), and PCK, AUC and EPE as mmpose's PCKAccuracy, AUC and
-EPE define them. Annotations are renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as
-"no match"). `matched_people` pairs labelled and found people, whose distances (a point the found
-person lacks: a miss) PCK, AUC and EPE score; a stat nothing defines (no labelled person) is None.
-"""
+"""Scores of results against the labelled people: COCO keypoint AP by pycocotools with the skeleton's
+sigmas and `Scoring` (docs/evaluation.md), and PCK, AUC and EPE as mmpose defines them; a stat nothing
+defines is None. Annotations are renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as
+"no match")."""
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +24,8 @@ CROWD_SPLITS = (0.2, 0.8)  # crowdIndex below the first: easy; below the second:
 
 def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigmas=None,
                         scoring: Scoring = Scoring()) -> dict:
-    """{AP, AP50, AP75, APm, APl, AR (and CROWD_NAMES for oks_stats crowd)} of `results` against
-    `gt_dict` on `image_ids` (default all; images without results are misses), OKS with `sigmas`
-    (default COCO's), areas, categories and statistics as `scoring` says; undefined stats None."""
+    """{STAT_NAMES (and CROWD_NAMES for oks_stats crowd)} of `results` on `image_ids` (default all;
+    images without results are misses), OKS with `sigmas` (default COCO's)."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -73,8 +69,7 @@ def coco_keypoint_stats(gt_dict: dict, results: list[dict], image_ids=None, sigm
 
 
 def _scored(ann: dict, number: int, scoring: Scoring) -> dict:
-    """A copy of a ground-truth annotation, numbered `number`, with the fields COCOeval reads (COCO's
-    meaning when absent) and its area (oks_area box) and category as `scoring` scores them."""
+    """A renumbered copy of a labelled person with the fields COCOeval reads, as `scoring` scores it."""
     out = dict(ann, id=number)
     out.setdefault("iscrowd", 0)
     box = out.get("bbox")
@@ -92,9 +87,8 @@ def _scored(ann: dict, number: int, scoring: Scoring) -> dict:
 
 
 def _category(result: dict, in_image: Counter | None, categories: list, scoring: Scoring) -> int:
-    """A result's category: per category, its picture's (that of most of its people), or its own
-    where the picture holds people of several and it names one of them; otherwise the one category
-    everything is scored as."""
+    """A result's category: its picture's (that of most of its people), or its own where the picture
+    holds people of several and it names one of them."""
     if not scoring.per_category:
         return 1
     own = result.get("category_id")
@@ -108,8 +102,7 @@ def _defined(value) -> float | None:
 
 
 def _subset_ap(evaluator, image_ids: list) -> float | None:
-    """The evaluator's AP over `image_ids` alone: the mean of its precisions at every threshold and
-    recall, as CrowdPose's (over the categories with people there: CrowdPose has one)."""
+    """The evaluator's AP over `image_ids` alone, as CrowdPose's: the mean of its precisions."""
     if not image_ids:
         return None
     evaluator.params.imgIds = image_ids
@@ -187,9 +180,7 @@ def format_recall(names, recall: list[tuple]) -> list[str]:
 
 
 def distance_stats(gt_dict: dict, results: list[dict], skeleton, scoring, image_ids=None) -> dict:
-    """{PCK, PCK_unnormalised, AUC, EPE, EPE_found} of `results` against `gt_dict`, in the annotations'
-    keypoints of `skeleton` (whose sigmas pair the people), PCK as `scoring` (`data.skeleton.Scoring`)
-    says."""
+    """{PCK, PCK_unnormalised, AUC, EPE, EPE_found} of `results`, people paired by `skeleton`'s sigmas."""
     distances, norms = [], []
     names = list(skeleton.dataset_keypoints)
     for ann, points, guess in matched_people(gt_dict, results, skeleton.sigmas, image_ids):
@@ -235,10 +226,8 @@ def _normaliser(ann: dict, points: np.ndarray, normalize, names: list) -> float:
 
 
 def read_results(path, image_ids, names) -> dict:
-    """{image id: COCO keypoint results} of a results file: a COCO keypoint results JSON (a list of
-    {image_id, keypoints, score}), or JSON lines as evaluate.py --out x.jsonl writes them; each
-    record checked against the split's `image_ids` and keypoint `names` (a `DataError` naming the
-    file and the first bad record)."""
+    """{image id: COCO keypoint results} of a COCO results JSON or evaluate.py's .jsonl; a `DataError`
+    names the file and its first record not of the split's `image_ids` and keypoint `names`."""
     path = Path(path)
     try:
         text = path.read_text()

@@ -6,11 +6,8 @@
     people = estimator(cv2.imread("photo.jpg"))          # BGR, as OpenCV reads it
     print([(round(person.score, 3), person.box) for person in people])
 
-`estimator(picture)` gives its `Person`s, best first (a list of pictures: a list of those;
-`maps=True`: `Prediction`s with the maps too). `estimator.stream(pictures)` batches any iterable;
-`estimator.grouped` gives arrays: the network runs on windows of pictures batched by padded size,
-in a thread, a window ahead of grouping's threads. Settings are the checkpoint's, changed by `sets`,
-`scales`, `flip`.
+Its calls are in docs/evaluation.md; the network runs on windows of pictures batched by padded size,
+in a thread, a window ahead of grouping's threads.
 """
 from __future__ import annotations
 
@@ -68,9 +65,7 @@ def decode_threads(cfg: InferenceConfig) -> int:
 
 def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, factors: deque | None = None
                     ) -> Iterator[tuple]:
-    """(maps, keypoints, scores) of each item of the stream (maps, or a call that makes them), in
-    order, made and grouped in a thread pool; with `factors` (one an item), keypoints in the
-    picture's own pixels."""
+    """(maps, keypoints, scores) of each item (maps, or a call making them), in order, from a pool."""
     threads = decode_threads(cfg)
     pending: deque = deque()
 
@@ -165,8 +160,7 @@ class PoseEstimator:
             yield chunk
 
     def network_window(self, chunk: list[np.ndarray]) -> list:
-        """Per picture of a window, a call that makes its maps: the network runs now, on batches of
-        pictures of one padded size (`network_maps`); the call samples them to the picture's size."""
+        """Per picture of a window, a call sampling its maps, of a network run now."""
         flip = self.settings.inference.flip
         return [functools.partial(picture_maps, parts, picture.shape[:2], flip)
                 for parts, picture in zip(network_maps(self.network, chunk, self.settings), chunk)]
@@ -182,9 +176,8 @@ class PoseEstimator:
         return (make() for make in self.network_stream(pictures, factors))
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
-        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order. The
-        network runs in its own thread, on the next window while this one is grouped (pictures are
-        read here, one window ahead: two windows are held at most)."""
+        """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order; the
+        network runs the next window in its own thread while this one is grouped (two held at most)."""
         factors: deque = deque()
         with ThreadPoolExecutor(1, thread_name_prefix="network") as network:
             futures = (network.submit(self.network_window, chunk)

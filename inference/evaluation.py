@@ -1,6 +1,5 @@
-"""The scores of a model (or of the ground-truth maps, `oracle`) on an HDF5 split as the skeleton's
-`scoring` says, for evaluate.py and training's validation. Under torch.distributed each rank decodes
-every world-th image; rank 0 scores the gathered results and broadcasts the stats.
+"""The scores of a model (or of the ground-truth maps) on an HDF5 split, for evaluate.py and training.
+Under torch.distributed each rank decodes every world-th image; rank 0 scores them all.
 """
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]
 
 
 def read_ahead(items: Iterable, count: int) -> Iterator:
-    """The items of `items`, in order, made by a background thread up to `count` ahead (its
-    exception raised in its place); the thread is joined when the consumer stops."""
+    """`items` in order, made by a thread up to `count` ahead (its exception raised in its place)."""
     items, finished = iter(items), object()
     pool = ThreadPoolExecutor(1, thread_name_prefix="read_ahead")
     try:
@@ -116,8 +114,7 @@ def evaluate_h5(model, h5_path, settings: PredictSettings, device, options: Eval
 
 
 def score_results(results_path, h5_path, max_images: int = 0, scoring=None) -> dict:
-    """The stats of a results file (`coco_eval.read_results`) on the first `max_images` images of
-    `h5_path` (0: all), as the file's skeleton's `scoring` (or the one given) says."""
+    """The stats of a results file on the first `max_images` images of `h5_path` (0: all)."""
     with contextlib.closing(KeypointH5(h5_path)) as h5:
         images = h5.coco_ground_truth()["images"]
         found = read_results(results_path, {img["id"] for img in images}, h5.skeleton.dataset_keypoints)

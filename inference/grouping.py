@@ -1,8 +1,5 @@
-"""Bottom-up grouping: keypoint peaks and limb maps at image size -> people with scores.
-
-Peaks; limb candidates scored along their segments and matched greedily; people assembled over the
-skeleton's limbs in order; parts that missing keypoints separate joined (`_bridge`); weak people
-dropped. Memory is bounded by the *_CELLS / PAIR_BUDGET constants below.
+"""Bottom-up grouping: keypoint peaks and limb maps at image size -> people with scores: limb candidates
+matched greedily, people assembled over the skeleton's limbs in order, broken ones joined (`_bridge`).
 """
 from __future__ import annotations
 

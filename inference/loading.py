@@ -1,8 +1,5 @@
-"""What the inference API (`inference.estimator`) reads from a weights file: its config, its model
-(whose `.skeleton` names its channels), and the device to run on. A checkpoint of the engine
-carries its config and skeleton; a bare state dict uses `--preset` (default imhn512) and COCO.
-`--set` overrides apply on top, then scales and flip.
-"""
+"""What the inference API reads from a weights file: its config, its model (whose `.skeleton` names its
+channels), and the device to run on (docs/evaluation.md says which config a file gets)."""
 from __future__ import annotations
 
 import os
@@ -41,8 +38,7 @@ def inference_config(saved: dict | None, preset: str | None, sets: list[str],
 
 def load_model(weights: str, preset: str | None, sets: list[str], device, scales=None,
                flip: bool | None = None, say=None):
-    """(model on `device` in eval mode, its Config) from a checkpoint, a file of the authors' layout
-    (converted, `say` says so) or a bare weights file; its skeleton is `model.skeleton`."""
+    """(model on `device` in eval mode, its Config) of a checkpoint, an authors' file or bare weights."""
     from runtime.checkpoint import load_checkpoint, load_weights, reference_file_settings
     from models import build_model
     from models.checkpoint_weights import preferred_weights

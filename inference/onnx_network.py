@@ -1,6 +1,5 @@
-"""An ONNX file written by export.py (normalised pictures in, the last stack's stride-4 maps out; the
-checkpoint's config and skeleton, else COCO, in its metadata), run by onnxruntime (optional:
-requirements-export.txt) as a network of `inference.predict`."""
+"""An ONNX file written by export.py (its config and skeleton in its metadata), run by onnxruntime as a
+network of `inference.predict`."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,5 @@
-"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau, refined to the
-Gaussian's centre (the log-parabola through the peak and its neighbours), else the window's centroid.
-
-Clean maps compare only the pixels above the threshold with their neighbours, noisy ones take a 3x3
-dilation: the same result. A plateau keeps its first pixel in raster order, which the weighted
-centroid moves to the plateau's centre.
+"""Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau (its first pixel in
+raster order, which the centroid moves to the plateau's centre), refined to the Gaussian's centre.
 """
 from __future__ import annotations
 
@@ -111,9 +107,8 @@ def _strongest_floor(value, channel, channels: int, count: int) -> np.ndarray:
 
 
 def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, max_per_map: int = 0):
-    """Local maxima (>= 8 neighbours; of equal neighbours the first) of each float32 map [K, H, W]
-    above `threshold`: (channel int64 [N], refined xy float32 [N, 2], score float32 [N]) by channel
-    then raster order; `max_per_map` > 0 keeps each map's strongest."""
+    """Peaks of each map [K, H, W] above `threshold`: (channel int64 [N], refined xy float32 [N, 2],
+    score float32 [N]) by channel then raster order; `max_per_map` > 0 keeps each map's strongest."""
     heatmaps = np.ascontiguousarray(heatmaps, dtype=np.float32)
     channels, height, width = heatmaps.shape
     flat = heatmaps.reshape(-1)
@@ -147,10 +142,8 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
 
 
 def gaussian_centres(heatmaps: np.ndarray, channel, i, j, xy: np.ndarray) -> np.ndarray:
-    """Per axis, the vertex of the parabola through the logs of the peak and its two neighbours (a
-    Gaussian's exact centre, where the centroid of a window narrower than the Gaussian stays within
-    half a pixel of the peak); `xy` kept where the map does not curve down or the vertex lies more
-    than a pixel away (a plateau, a map edge)."""
+    """Per axis, the vertex of the parabola through the logs of the peak and its neighbours (docs:
+    "Peaks"); `xy` kept where the map does not curve down or the vertex is over a pixel away."""
     _, height, width = heatmaps.shape
     out = xy.astype(np.float64)
     centre = np.log(np.maximum(heatmaps[channel, i, j], 1e-30))

@@ -1,7 +1,5 @@
-"""What the inference API takes as a picture, checked and made the BGR uint8 [H, W, 3] array the
-network reads: grey, BGRA, uint16 and float pictures are converted; anything else is refused with
-a `TypeError` or `ValueError` naming the picture. Larger than `MAX_SIDE`: run shrunk.
-"""
+"""What the inference API takes as a picture (docs/evaluation.md), made the BGR uint8 [H, W, 3] array
+the network reads, shrunk to `MAX_SIDE`."""
 from __future__ import annotations
 
 import os
@@ -14,7 +12,7 @@ CHANNELS = {1: "grey", 3: "BGR", 4: "BGRA"}
 
 
 def checked_picture(picture, name: str) -> np.ndarray:
-    """`picture` as BGR uint8 [H, W, 3] (see the module doc); TypeError / ValueError naming it."""
+    """`picture` as BGR uint8 [H, W, 3]; TypeError / ValueError naming it."""
     if picture is None:
         raise TypeError(f"{name} is None, not a picture (cv2.imread gives None for a file it cannot read)")
     if isinstance(picture, (str, bytes, os.PathLike)):

@@ -1,9 +1,6 @@
-"""Network maps of pictures at their own size: multi-scale, optional flip, averaged, batched.
-
-Per scale s each picture is resized to height s * input_size, padded with `GREY` and batched with
-others of its padded size (with its mirror when flipping); the last stack's stride-4 output is
-sampled back to picture pixels, the mirror's un-mirrored (`channel_flip`), all averaged. The
-network maps [B, 3, H, W] to [B, C, H/4, W/4]: `TorchNetwork` or `inference.onnx_network`.
+"""Network maps of pictures at their own size: per scale resized, padded, batched by padded size (with
+the mirrors when flipping), sampled back to picture pixels and averaged. A network maps [B, 3, H, W]
+to [B, C, H/4, W/4]: `TorchNetwork` or `inference.onnx_network`.
 """
 from __future__ import annotations
 
@@ -66,9 +63,7 @@ def as_network(model, device=None):
 
 @torch.no_grad()
 def network_maps(network, pictures_bgr: list[np.ndarray], settings: PredictSettings) -> list[list[tuple]]:
-    """Per picture, per scale of `settings.inference`: (its stride-4 maps [C, h, w] from the network,
-    mirror merged when flipping, stride, resized size), batched by padded size; `picture_maps` makes
-    its maps. `network`: see the module docstring (`as_network` makes one of a model)."""
+    """Per picture, per scale: its network maps, stride and resized size (`picture_maps` input)."""
     inference = settings.inference
     flip_index = torch.tensor(network.skeleton.channel_flip, device=network.device)
     multiple = getattr(network, "size_multiple", input_multiple())
@@ -98,8 +93,7 @@ def network_maps(network, pictures_bgr: list[np.ndarray], settings: PredictSetti
 
 @torch.no_grad()
 def picture_maps(parts: list[tuple], image_hw, flip: bool) -> np.ndarray:
-    """float32 [C, *image_hw]: the mean of a picture's `network_maps` parts (`flip`: each holds two
-    runs), sampled to its pixels."""
+    """float32 [C, *image_hw]: the mean of a picture's `network_maps` parts (`flip`: each holds two)."""
     total = None
     for out, stride, resized_hw in parts:
         maps = resample_to_image(out, stride, resized_hw, image_hw)[0]
@@ -109,8 +103,7 @@ def picture_maps(parts: list[tuple], image_hw, flip: bool) -> np.ndarray:
 
 def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: PredictSettings
                        ) -> list[np.ndarray]:
-    """float32 [C, H, W] maps of each picture at its own size, at `settings.inference`'s scales
-    and flip (`network_maps`, then `picture_maps`)."""
+    """float32 [C, H, W] maps of each picture at its own size."""
     return [picture_maps(parts, picture.shape[:2], settings.inference.flip)
             for parts, picture in zip(network_maps(network, pictures_bgr, settings), pictures_bgr)]
 

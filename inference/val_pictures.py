@@ -1,7 +1,5 @@
 """Validation pictures: after each AP validation `RUN/val_pictures/epoch_N.png` (and TensorBoard)
-shows the first `train.val_pictures` validation images, the true people on the left and those the
-model finds with the AP's own inference on the right.
-"""
+shows the first validation images, the true people on the left and those found on the right."""
 from __future__ import annotations
 
 import contextlib

@@ -73,8 +73,7 @@ def check_video_out(path) -> Path:
 
 @contextlib.contextmanager
 def video_out(path, fps: float, size: tuple[int, int], overwrite: bool = False):
-    """A function writing BGR frames to the video `path` at `fps`; the video takes its name only
-    when it is read back whole."""
+    """A function writing BGR frames to `path`, which takes its name once it is read back whole."""
     path = check_video_out(path)
     with written_whole(path, overwrite) as temp:
         writer = cv2.VideoWriter(str(temp), cv2.VideoWriter_fourcc(*FOURCC[path.suffix.lower()]), fps, size)
