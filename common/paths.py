@@ -16,14 +16,6 @@ from pathlib import Path
 from common.errors import ConfigError, os_reason
 
 
-def same_file(a, b) -> bool:
-    """Whether two paths name the same file (resolved, or by inode); a symlink loop names none."""
-    try:
-        return _identity(Path(a)) == _identity(Path(b))
-    except (OSError, RuntimeError):        # RuntimeError: pathlib's answer to a loop of links
-        return False
-
-
 def _each_path(paths: dict):
     """(option, path) for each path of {option: a path, several, or none (None, "")}."""
     for option, value in paths.items():

@@ -115,7 +115,6 @@ class _AsRaisedInWorker:
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader of a `KeypointDataset` (compact batches) and its sampler."""
-    from data.dataset import CompactSamples
     if train.batch_size % ctx.world_size:
         raise ConfigError(f"option train.batch_size: {train.batch_size} does not divide over "
                           f"{ctx.world_size} processes (it is the total batch)")
@@ -126,29 +125,27 @@ def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx) -> tuple[Da
     if sampler.batches_per_epoch < train.accumulate:
         raise ConfigError(f"option train.accumulate: {train.accumulate} batches per step, but an "
                           f"epoch has only {sampler.batches_per_epoch} batches of {train.batch_size}")
-    loader = PersistentWorkersLoader(CompactSamples(dataset), batch_sampler=sampler,
-                                     **_worker_options(data, ctx))
-    return loader, sampler
+    return _compact_loader(dataset, data, ctx, batch_sampler=sampler), sampler
 
 
 def val_loader(dataset, data: DataConfig, batch_size: int, ctx) -> DataLoader:
     """This rank's shard of a validation `KeypointDataset`, in compact batches; built once per run."""
-    from data.dataset import CompactSamples
     per_process, n = max(1, batch_size // ctx.world_size), len(dataset)
     # every sample exactly once over all ranks
     shard = range(n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size)
-    return PersistentWorkersLoader(CompactSamples(dataset), batch_size=per_process, sampler=shard,
-                                   **_worker_options(data, ctx))
+    return _compact_loader(dataset, data, ctx, batch_size=per_process, sampler=shard)
 
 
-def _worker_options(data: DataConfig, ctx) -> dict:
+def _compact_loader(dataset, data: DataConfig, ctx, **sampling) -> PersistentWorkersLoader:
+    """A loader of `dataset`'s compact samples with `data`'s workers (`sampling`: the loader's order)."""
+    from data.dataset import CompactSamples
     if data.workers > 0:
         # one OpenCV thread, set before forking (setting it in a forked worker can deadlock)
         import cv2
         cv2.setNumThreads(1)
-    return {"num_workers": data.workers, "persistent_workers": data.workers > 0,
-            "worker_init_fn": ignore_stop_signals,
-            "pin_memory": data.pin_memory and ctx.device.type == "cuda"}
+    return PersistentWorkersLoader(CompactSamples(dataset), num_workers=data.workers,
+                                   persistent_workers=data.workers > 0, worker_init_fn=ignore_stop_signals,
+                                   pin_memory=data.pin_memory and ctx.device.type == "cuda", **sampling)
 
 
 def to_model_input(batch, device: torch.device, painter, non_blocking: bool = True):

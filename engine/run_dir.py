@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError, UserError, os_reason
-from common.paths import refuse_clashes, same_file, written_whole
+from common.paths import refuse_clashes, written_whole
 from config.loader import to_yaml
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
@@ -224,7 +224,8 @@ def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) ->
     if not path.is_file():
         raise CheckpointError(f"--resume {train.resume}: no such file")
     # a file of another name: resuming it would write over another run's checkpoints in `run_dir`
-    theirs = [name for name in RUN_FILES if (run_dir / name).exists() and not same_file(run_dir / name, path)]
+    theirs = [name for name in RUN_FILES
+              if (run_dir / name).exists() and not os.path.samefile(run_dir / name, path)]
     if theirs and not (path.name in ("last.pth", "best.pth") or re.fullmatch(r"epoch_\d+\.pth", path.name)):
         raise ConfigError(f"--resume {path}: {run_dir} holds another run ({', '.join(theirs)}), which "
                           "resuming there would write over; nothing was touched: copy the checkpoint "

@@ -165,11 +165,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _is_state_dict(obj) -> bool:
-    return isinstance(obj, dict) and bool(obj) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
-
-
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
@@ -189,7 +184,8 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
     else:                           # the file itself, or under WEIGHTS_KEYS: {"state_dict": {"model": ...}}
         weights = obj
         for _ in range(3):
-            if _is_state_dict(weights):
+            if isinstance(weights, dict) and weights and all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
                 break
             inner = [weights[k] for k in WEIGHTS_KEYS
                      if isinstance(weights, dict) and isinstance(weights.get(k), dict)]

@@ -108,12 +108,16 @@ _SAY_WAITING_S = 10.0               # how long rank 0 waits for the others befor
 _EVIDENCE_S = 10.0                  # how long a failed rank looks for a dead one
 
 
-def _stop_watch() -> None:
+def _stop_watch(hold_signals: bool = False) -> None:
+    """End the watch; `hold_signals`: ignore SIGTERM / SIGUSR1 (torchrun's) until this rank says why."""
     global _WATCH
     watch, _WATCH = _WATCH, None
     if watch is not None:
         watch.stop()
         _GONE.update(watch.gone)
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in (signal.SIGTERM, signal.SIGUSR1) if hold_signals else ():
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def watch_workers(processes, what: str = "DataLoader worker") -> None:
@@ -153,18 +157,10 @@ def _leave() -> None:
     _bounded(leave, _READ_WAIT_S + 2 if _SERVES else 2)
 
 
-def _hold_stop_signals() -> None:
-    """Ignore SIGTERM / SIGUSR1 until this rank has said why it ends (torchrun sends SIGTERM)."""
-    with contextlib.suppress(ValueError):  # not the main thread
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
-
-
 def end_with_error(err: UserError) -> None:
     """Leave `err` in the store (the first error wins) and leave the group, failing the others."""
     lost = _lost()
-    _stop_watch()                       # this rank's own error is no reason to abort under it
-    _hold_stop_signals()
+    _stop_watch(hold_signals=True)      # this rank's own error is no reason to abort under it
     store, group = _STORE, _GROUP
     if store is not None and group is not None and lost is None:
         _bounded(lambda: post_error(store, f"rank {group[0]}: {err}"), 5)
@@ -183,8 +179,7 @@ def error_of_another_rank() -> UserError | None:
     if cause is None:
         return None
     _LOST = cause
-    _stop_watch()
-    _hold_stop_signals()
+    _stop_watch(hold_signals=True)
     _abort()
     return UserError(str(cause))
 
