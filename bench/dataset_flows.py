@@ -123,9 +123,9 @@ def table(rows: list) -> str:
             "demo", "s"]
     cells = [[r["dataset"], r["skeleton"], r.get("keypoints", ""), "/".join(map(str, r.get("pictures", []))),
               r.get("dump_same", ""), f"{r['loss']:.4f} ({r['steps']})" if "loss" in r else "",
-              metrics(r.get("oracle")), metrics(r.get("network")), r.get("demo_ok", ""), f"{r['seconds']:.0f}"]
-             for r in rows]
-    lines = markdown_table(head, cells)
+              metrics(r.get("oracle")), metrics(r.get("network")), r.get("demo_ok", ""),
+              f"{r['seconds']:.0f}"] for r in rows]
+    lines = markdown_table(head, cells).splitlines()
     return "\n".join(lines[:2] + [line + (f" FAILED {r['failed']}" if "failed" in r else "")
                                    for line, r in zip(lines[2:], rows)])
 

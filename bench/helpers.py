@@ -52,9 +52,10 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
     return out, f"synthetic 640 px x{8 * repeat}"
 
 
-def markdown_table(head: list, rows) -> list[str]:
-    """The lines of a markdown table: the column names `head`, then each of `rows` (lists of cells)."""
-    return ["| " + " | ".join(map(str, cells)) + " |" for cells in [head, ["---"] * len(head), *rows]]
+def markdown_table(head: list, rows) -> str:
+    """A markdown table: the column names `head`, then each of `rows` (lists of cells)."""
+    lines = [head, ["---"] * len(head), *rows]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
 
 
 def sync(device: torch.device) -> None:
