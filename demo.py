@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from common.errors import ArgumentParser, DataError, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
-from data.picture_files import check_picture_path, write_image
+from data.picture_files import check_picture_path, read_picture, write_image
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 from inference.draw import draw_people, maps_panel
 from inference.estimator import PoseEstimator
@@ -85,14 +85,9 @@ def with_predictions(estimator, pictures):
 
 
 def draw_pictures(estimator, pairs, heatmaps: bool, overwrite: bool) -> list[Path]:
-    def read_pictures():
-        for source, _ in pairs:
-            picture = cv2.imread(str(source), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-            if picture is None:
-                raise DataError(f"{source}: not a picture OpenCV can read (damaged or unknown format)")
-            yield picture
     written = []
-    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator, read_pictures())):
+    pictures = (read_picture(source) for source, _ in pairs)
+    for (source, target), (picture, prediction) in zip(pairs, with_predictions(estimator, pictures)):
         drawn = annotated(picture, prediction, heatmaps, estimator.skeleton)
         written.append(write_image(target, drawn, overwrite=overwrite))
         for k, person in enumerate(prediction.people):

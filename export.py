@@ -13,13 +13,13 @@ import sys
 import warnings
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
 
 from common.errors import ArgumentParser, ConfigError, DataError, UserError, chained_os_reason
 from common.paths import refuse_clashes, refuse_existing, written_whole
 from config.loader import to_dict
+from data.picture_files import read_picture
 from data.preprocess import padded_size, pictures_to_batch
 from inference.command_line import command_main, weights_options
 from inference.estimator import PoseEstimator
@@ -94,10 +94,7 @@ def compare_maps(model, cfg, path: Path, pictures: list[Path], tolerance: float,
     exported, reference = OnnxNetwork(path), TorchNetwork(model)
     errors = []
     for picture_path in pictures:
-        picture = cv2.imread(str(picture_path), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-        if picture is None:
-            raise DataError(f"{picture_path}: not a picture OpenCV can read")
-        resized = resize_for_scale(picture, 1.0, cfg.data.input_size)
+        resized = resize_for_scale(read_picture(picture_path), 1.0, cfg.data.input_size)
         batch = pictures_to_batch([resized], padded_size(*resized.shape[:2], reference.size_multiple),
                                   torch.device("cpu"))
         want, got = reference(batch).numpy(), exported(batch).numpy()

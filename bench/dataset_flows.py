@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import demo  # noqa: E402
+from bench.helpers import markdown_table  # noqa: E402
 import evaluate  # noqa: E402
 import train  # noqa: E402
 from common.errors import ArgumentParser  # noqa: E402
@@ -120,16 +121,13 @@ def metrics(values) -> str:
 def table(rows: list) -> str:
     head = ["dataset", "skeleton", "kp", "train/val pics", "dump same", "loss (steps)", "oracle", "network",
             "demo", "s"]
-    text = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        pictures = "/".join(map(str, r.get("pictures", [])))
-        cells = [r["dataset"], r["skeleton"], r.get("keypoints", ""), pictures,
-                 r.get("dump_same", ""), f"{r['loss']:.4f} ({r['steps']})" if "loss" in r else "",
-                 metrics(r.get("oracle")), metrics(r.get("network")), r.get("demo_ok", ""),
-                 f"{r['seconds']:.0f}"]
-        failed = f" FAILED {r['failed']}" if "failed" in r else ""
-        text.append("| " + " | ".join(map(str, cells)) + " |" + failed)
-    return "\n".join(text)
+    cells = [[r["dataset"], r["skeleton"], r.get("keypoints", ""), "/".join(map(str, r.get("pictures", []))),
+              r.get("dump_same", ""), f"{r['loss']:.4f} ({r['steps']})" if "loss" in r else "",
+              metrics(r.get("oracle")), metrics(r.get("network")), r.get("demo_ok", ""),
+              f"{r['seconds']:.0f}"] for r in rows]
+    lines = markdown_table(head, cells).splitlines()
+    return "\n".join(lines[:2] + [line + (f" FAILED {r['failed']}" if "failed" in r else "")
+                                   for line, r in zip(lines[2:], rows)])
 
 
 def main(argv=None) -> int:

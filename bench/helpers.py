@@ -1,5 +1,5 @@
 """What the benchmarks share, and the tests use: their training file, the host-sync counter, synthetic
-batches, a quiet trainer, and an entry script's `main` run or only parsed (`run_entry`)."""
+batches, markdown tables, a quiet trainer, and an entry script's `main` run or only parsed (`run_entry`)."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,12 @@ def make_bench_h5(work: Path, repeat: int = 1, coco_dir: str | None = None) -> t
     ann = write_split(work, "train", 8 * repeat, 640, seed=0)
     convert(ann, work / "train", out, ConvertSettings(split="train", progress=False))
     return out, f"synthetic 640 px x{8 * repeat}"
+
+
+def markdown_table(head: list, rows) -> str:
+    """A markdown table: the column names `head`, then each of `rows` (lists of cells)."""
+    lines = [head, ["---"] * len(head), *rows]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
 
 
 def sync(device: torch.device) -> None:

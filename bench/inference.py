@@ -20,7 +20,7 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.helpers import sync  # noqa: E402
+from bench.helpers import markdown_table, sync  # noqa: E402
 from config.schema import add_flags  # noqa: E402
 from data.skeleton import builtin  # noqa: E402
 from config.views import PredictSettings  # noqa: E402
@@ -173,27 +173,26 @@ def main(argv=None) -> int:
           f"input_size {settings.input_size}, scales {settings.inference.scales}, "
           f"flip {settings.inference.flip}; "
           f"grouping on {'the network' if args.weights else 'ground-truth'} maps")
-    print("| batch | network pictures/s | grouping pictures/s (1 thread) | both, pictures/s | "
-          "network share |")
-    print("| --- | --- | --- | --- | --- |")
-    for row in rows:
-        print(f"| {row['batch_size']} | {row['network_pictures_per_s']:.2f} | "
-              f"{row['grouping_pictures_per_s']:.2f} | {row['pictures_per_s']:.2f} | "
-              f"{100 * row['network_share']:.0f} % |")
+    print(markdown_table(
+        ["batch", "network pictures/s", "grouping pictures/s (1 thread)", "both, pictures/s",
+         "network share"],
+        [[row["batch_size"], f"{row['network_pictures_per_s']:.2f}",
+          f"{row['grouping_pictures_per_s']:.2f}", f"{row['pictures_per_s']:.2f}",
+          f"{100 * row['network_share']:.0f} %"] for row in rows]))
     if evaluation:
         print(f"evaluation stream from JPEG bytes, batch {args.batch_sizes[-1]}, fastest of "
               f"{max(1, args.rounds)} alternating rounds (wall clock):")
-        print("| threads | decoded serially, pictures/s | read ahead, pictures/s | ratio |")
-        print("| --- | --- | --- | --- |")
-        for row in evaluation:
-            print(f"| {row['threads']} torch + {row['threads']} grouping | "
-                  f"{row['serial_pictures_per_s']:.2f} | {row['read_ahead_pictures_per_s']:.2f} | "
-                  f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f} |")
+        print(markdown_table(
+            ["threads", "decoded serially, pictures/s", "read ahead, pictures/s", "ratio"],
+            [[f"{row['threads']} torch + {row['threads']} grouping", f"{row['serial_pictures_per_s']:.2f}",
+              f"{row['read_ahead_pictures_per_s']:.2f}",
+              f"{row['read_ahead_pictures_per_s'] / row['serial_pictures_per_s']:.2f}"]
+             for row in evaluation]))
     total = sum(stages.values())
     print(f"where a picture's time goes: one serial pass, batch {args.batch_sizes[-1]}, stages synchronised")
-    print("| stage | ms a picture | share |\n| --- | --- | --- |")
-    for stage, ms in [*stages.items(), ("total", total)]:
-        print(f"| {stage.replace('_', ' ')} | {ms:.2f} | {100 * ms / total:.0f} % |")
+    print(markdown_table(["stage", "ms a picture", "share"],
+                         [[stage.replace("_", " "), f"{ms:.2f}", f"{100 * ms / total:.0f} %"]
+                          for stage, ms in [*stages.items(), ("total", total)]]))
     print(json.dumps({"device": str(estimator.device), "preset": args.weights or args.preset,
                       "evaluation": evaluation, "split_ms": stages, "pictures": len(pictures),
                       "scales": settings.inference.scales, "flip": settings.inference.flip,

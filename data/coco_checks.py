@@ -124,7 +124,7 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
     problem = problem or _numbers(ann.get("bbox"), 4, "bbox")
     if problem is None and not (ann["bbox"][2] > 0 and ann["bbox"][3] > 0):
         problem = f"bbox {ann['bbox']} has no positive width and height"
-    if problem is None and _box_outside(ann["bbox"], info["width"], info["height"]):
+    if problem is None and _outside(np.cumsum(np.reshape(ann["bbox"], (2, 2)), 0), info).any():
         problem = (f"bbox {ann['bbox']} cannot be [x, y, width, height] of the {info['width']}x"
                    f"{info['height']} image: it lies far outside it ([x1, y1, x2, y2] given?)")
     if problem is None and "area" in ann and not (is_number(ann["area"]) and ann["area"] >= 0):
@@ -135,11 +135,12 @@ def annotation_problem(ann, info: dict, keypoints: int = 17) -> str | None:
     return f"{where}: {problem}" if problem else None
 
 
-def _box_outside(box, width: int, height: int) -> bool:
-    """Whether a box [x, y, w, h] leaves the image by more than KEYPOINT_MARGIN of its size."""
-    x, y, w, h = box
-    return bool(x < -KEYPOINT_MARGIN * width or y < -KEYPOINT_MARGIN * height
-                or x + w > (1 + KEYPOINT_MARGIN) * width or y + h > (1 + KEYPOINT_MARGIN) * height)
+def _outside(xy: np.ndarray, info: dict) -> np.ndarray:
+    """Per point of `xy` [N, 2]: whether it leaves image `info` by more than KEYPOINT_MARGIN of its size
+    (a box's corners (x, y), (x + w, y + h): cumsum of [[x, y], [w, h]])."""
+    width, height = info["width"], info["height"]
+    margin = KEYPOINT_MARGIN * np.array([width, height])
+    return ((xy < -margin) | (xy > [width, height] + margin)).any(1)
 
 
 def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
@@ -154,9 +155,8 @@ def _keypoints_problem(ann: dict, info: dict, keypoints: int) -> str | None:
     points = np.asarray(ann["keypoints"], np.float64).reshape(keypoints, 3)
     width, height = info["width"], info["height"]
     xy, v = points[:, :2], points[:, 2]
-    margin = KEYPOINT_MARGIN * np.array([width, height])
     bad_v = ~np.isin(v, (0, 1, 2))
-    outside = (v > 0) & ((xy < -margin) | (xy > [width, height] + margin)).any(1)
+    outside = (v > 0) & _outside(xy, info)
     if bad_v.any():
         k = int(np.argmax(bad_v))
         return f"keypoint {k} has visibility {ann['keypoints'][3 * k + 2]!r}, not 0, 1 or 2"

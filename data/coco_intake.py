@@ -36,8 +36,7 @@ def _keypoint_categories(data: dict, ann_path: Path, wanted: list | None, said: 
             left = [f"{c.get('name')} ({c.get('id')})" for c in categories if not c.get("keypoints")]
             if chosen and left:
                 said.append(f"left out {len(left)} categories that name no keypoints: "
-                            f"{', '.join(left[:SHOWN_CATEGORIES])}{', ...' * (len(left) > SHOWN_CATEGORIES)}"
-                            " (--categories NAME_OR_ID,... converts them)")
+                            f"{listed(left, SHOWN_CATEGORIES)} (--categories NAME_OR_ID,... converts them)")
         if not chosen:
             raise DataError(f"{ann_path}: no 'person' category among the categories, and none lists "
                             "keypoints (choose with --categories NAME_OR_ID,...)")
@@ -211,8 +210,7 @@ def load_coco(ann_path: Path, images_dir: Path, skip_bad: bool = False,
                   else [f"keypoint_{k + 1}" for k in range(len(names), count)])
     if len(chosen) > 1:
         said.append(f"{len(chosen)} categories with the same {len(names)} keypoints converted as one "
-                    f"({', '.join(str(c.get('name')) for c in chosen[:SHOWN_CATEGORIES])}"
-                    f"{', ...' if len(chosen) > SHOWN_CATEGORIES else ''}), as category "
+                    f"({listed((c.get('name') for c in chosen), SHOWN_CATEGORIES)}), as category "
                     f"{category.get('name')!r}")
     selection = select_valid(data, [c.get("id") for c in chosen], images_dir, skip_bad, ann_path, count)
     said.extend(_strip_prefix(selection.images, images_dir))

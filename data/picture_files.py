@@ -1,5 +1,5 @@
-"""Picture files a command writes (demo.py, data.preview, the validation pictures): the name must
-be a format OpenCV writes, and the file appears whole or not at all."""
+"""Picture files a command reads (demo.py, export.py) or writes (demo.py, data.preview, the validation
+pictures): a written name must be a format OpenCV writes, and the file appears whole or not at all."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,14 @@ import numpy as np
 
 from common.errors import DataError
 from common.paths import written_whole
+
+
+def read_picture(path) -> np.ndarray:
+    """The BGR picture at `path` as stored (EXIF orientation ignored); `DataError` when unreadable."""
+    picture = cv2.imread(str(path), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    if picture is None:
+        raise DataError(f"{path}: not a picture OpenCV can read (damaged or unknown format)")
+    return picture
 
 
 def check_picture_path(path, option: str = "--out") -> Path:

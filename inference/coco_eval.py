@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataError
+from data.coco_checks import is_number
 from data.skeleton import Scoring
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl", "AR")    # COCOeval.stats[:6] for keypoints
@@ -264,7 +264,7 @@ def _record(record, lines: bool, names, image_ids) -> tuple:
         raise ValueError(f"image_id {image_id}: people is not a list")
     out = []
     for person in people:
-        if not isinstance(person, dict) or not _finite(person.get("score")):
+        if not isinstance(person, dict) or not is_number(person.get("score")):
             raise ValueError(f"image_id {image_id}: a person without a finite score")
         points = person.get("keypoints")
         if lines:
@@ -275,14 +275,10 @@ def _record(record, lines: bool, names, image_ids) -> tuple:
             if unknown:
                 raise ValueError(f"image_id {image_id}: keypoint {unknown[0]!r} is not one of the split's")
             points = [v for name in names for v in ((*points[name][:2], 1) if name in points else (0, 0, 0))]
-        if not isinstance(points, list) or len(points) != 3 * len(names) or not all(map(_finite, points)):
+        if not isinstance(points, list) or len(points) != 3 * len(names) or not all(map(is_number, points)):
             count = len(points) if isinstance(points, (list, dict)) else "no"
             raise ValueError(f"image_id {image_id}: keypoints has {count} values, not {3 * len(names)} "
                              f"finite numbers (x, y, v of the split's {len(names)} keypoints)")
         out.append({"image_id": image_id, "category_id": record.get("category_id"),
                     "keypoints": [float(v) for v in points], "score": float(person["score"])})
     return image_id, out
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

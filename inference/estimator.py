@@ -165,15 +165,14 @@ class PoseEstimator:
         return [functools.partial(picture_maps, parts, picture.shape[:2], flip)
                 for parts, picture in zip(network_maps(self.network, chunk, self.settings), chunk)]
 
-    def network_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None) -> Iterator:
+    def network_stream(self, pictures: Iterable[np.ndarray]) -> Iterator:
         """`network_window` of each window of `pictures`, one picture's call at a time."""
-        for chunk in self.windows(pictures, factors):
+        for chunk in self.windows(pictures):
             yield from self.network_window(chunk)
 
-    def maps_stream(self, pictures: Iterable[np.ndarray], factors: deque | None = None
-                    ) -> Iterator[np.ndarray]:
+    def maps_stream(self, pictures: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """`maps` of an iterable of pictures, made one by one (`network_stream`)."""
-        return (make() for make in self.network_stream(pictures, factors))
+        return (make() for make in self.network_stream(pictures))
 
     def grouped(self, pictures: Iterable[np.ndarray]) -> Iterator[tuple]:
         """(maps, keypoints [P, K, 3] in picture pixels, scores [P]) of each picture, in order; the

@@ -200,15 +200,15 @@ class _Person:
         self.weakest = float("inf")
         self.longest = 0.0
 
-    def absorb(self, other: "_Person", score: float) -> None:
-        """Take `other`'s keypoints (no slot in common), joined by a link of `score`."""
+    def absorb(self, other: "_Person", score: float, length: float = 0.0) -> None:
+        """Take `other`'s keypoints (no slot in common), joined by a link of `score` and `length`."""
         for slot, peak in enumerate(other.slots):
             if peak >= 0:
                 self.slots[slot] = peak
         self.total += other.total + score
         self.parts += other.parts
-        self.weakest = min(self.weakest, other.weakest)
-        self.longest = max(self.longest, other.longest)
+        self.weakest = min(self.weakest, other.weakest, score)
+        self.longest = max(self.longest, other.longest, length)
 
 
 def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton) -> list[_Person]:
@@ -217,12 +217,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
     owner: dict[int, int] = {}
 
     def add(pid: int, slot: int, peak: int, score: float, length: float) -> None:
-        person = people[pid]
-        person.slots[slot] = peak
-        person.total += peak_score[peak] + score
-        person.parts += 1
-        person.weakest = min(person.weakest, score)
-        person.longest = max(person.longest, length)
+        people[pid].absorb(_Person(skeleton.num_keypoints, slot, peak, peak_score[peak]), score, length)
         owner[peak] = pid
 
     for (slot_a, slot_b), found in zip(skeleton.limbs, connections):
@@ -244,9 +239,7 @@ def _assemble(connections, peak_score, cfg: InferenceConfig, skeleton: Skeleton)
                 longest = max(first.longest, second.longest)
                 if clash or score < cfg.merge_ratio * weakest or length > cfg.max_limb_ratio * longest:
                     continue
-                first.absorb(second, score)
-                first.weakest = min(first.weakest, score)
-                first.longest = max(first.longest, length)
+                first.absorb(second, score, length)
                 for peak in second.slots:
                     if peak >= 0:
                         owner[peak] = pa

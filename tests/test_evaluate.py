@@ -387,6 +387,7 @@ def coco4_h5_truth(path) -> dict:
      "result 1: image_id 785: keypoints has 48 values, not 51 finite numbers"),
     (lambda r: r[2]["keypoints"].__setitem__(4, float("nan")), "result 3: image_id"),
     (lambda r: r[0].update(score="high"), "result 1: image_id 785: a person without a finite score"),
+    (lambda r: r[0].update(score=10 ** 400), "result 1: image_id 785: a person without a finite score"),
 ])
 def test_a_bad_results_file_is_one_error_line_naming_the_record(edit, message, coco4_h5, tmp_path, capsys):
     run_cli(["--oracle", "--h5", coco4_h5, "--out", tmp_path / "r.json", "--no-progress"], capsys)
