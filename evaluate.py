@@ -203,8 +203,9 @@ def run(args) -> dict:
             stats = decided_on_main(lambda: evaluation.score_results(args.results, h5_path, args.max_images,
                                                                      scoring))
         else:
-            options = EvalOptions(args.max_images, not args.no_progress, args.oracle, out, args.overwrite,
-                                  skeleton, scoring, recall=args.oracle)
+            options = EvalOptions(max_images=args.max_images, progress=not args.no_progress,
+                                  oracle=args.oracle, results_path=out, overwrite=args.overwrite,
+                                  skeleton=skeleton, scoring=scoring, recall=args.oracle)
             stats = evaluation.evaluate_h5(model, h5_path, settings, ctx.device, options)
         seconds = time.perf_counter() - start
         if ctx.is_main:

@@ -55,7 +55,8 @@ class Validator:
             return {}
         ctx = self.ctx
         with cudnn_autotuning_off():    # pictures of several sizes: none worth timing algorithms for
-            options = EvalOptions(self.cfg.train.ap_max_images, ctx.is_main, skeleton=self.skeleton)
+            options = EvalOptions(max_images=self.cfg.train.ap_max_images, progress=ctx.is_main,
+                                  skeleton=self.skeleton)
             stats = self.evaluator(self.model, self.val_h5, PredictSettings.of(self.cfg), ctx.device, options,
                                    stop=stop)
         return None if stats is None else {k: v for k, v in stats.items()
