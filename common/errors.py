@@ -69,7 +69,15 @@ _STOP_SIGNALS_SEEN: list[int] = []    # the stop signals a command run by `run_c
 
 def _stop(signum, frame):
     _STOP_SIGNALS_SEEN.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    if len(_STOP_SIGNALS_SEEN) == 1:          # a second signal does not cut the first one's clean-up
+        raise_if_stopped()
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for. Its handler raises at once, but a finalizer or a C library's
+    callback that was running then swallows that raise: loops and commits call this to honour it."""
+    if _STOP_SIGNALS_SEEN:
+        raise Terminated() if _STOP_SIGNALS_SEEN[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
 TRAINING_KEPT = "the last completed checkpoint is kept"
@@ -105,6 +113,7 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _STOP_SIGNALS_SEEN.clear()
     return 0
 
 

@@ -13,7 +13,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from common.errors import ConfigError, os_reason
+from common.errors import ConfigError, os_reason, raise_if_stopped
 
 
 def _each_path(paths: dict):
@@ -134,6 +134,7 @@ def written_whole(path, overwrite: bool = True, option: str = "--out", temp=None
     temp = Path(temp) if temp else Path(tempfile.gettempdir(), twin) if stream else path.with_name(twin)
     try:
         yield temp
+        raise_if_stopped()
         if temp.is_file():
             try:
                 with open(temp, "rb") as file:          # on disk before it takes the name

@@ -17,7 +17,7 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable, run_cli
+from common.errors import ArgumentParser, ConfigError, DataError, raise_if_stopped, refuse_inapplicable, run_cli
 from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_checks import read_segment
@@ -197,6 +197,7 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
     infos, records = [], []           # of the kept images
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
+        raise_if_stopped()
         try:
             data = read_image(images_dir, info, ann_path)
         except DataError as exc:

@@ -11,7 +11,7 @@ from typing import Iterator
 import cv2
 import numpy as np
 
-from common.errors import DataError
+from common.errors import DataError, raise_if_stopped
 from common.paths import written_whole
 
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}     # containers and codecs every OpenCV build writes
@@ -52,6 +52,7 @@ def frames(capture: cv2.VideoCapture, first: np.ndarray) -> Iterator[np.ndarray]
         ok, frame = True, first
         while ok:
             yield frame
+            raise_if_stopped()              # a stop whose raise a library swallowed
             ok, frame = capture.read()
     finally:
         capture.release()

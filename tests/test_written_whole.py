@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
 import threading
 import time
 
 import pytest
 
-from common.errors import ConfigError
+from common.errors import ConfigError, run_cli
 from common.paths import refuse_existing, write_text, written_whole
 
 
@@ -30,6 +31,33 @@ def test_a_failed_write_keeps_the_users_file_and_removes_the_twin(tmp_path):
         with written_whole(out) as temp:
             temp.write_bytes(b"half")
             raise RuntimeError("disk full")
+    assert out.read_bytes() == b"the user's file" and sorted(tmp_path.iterdir()) == [out]
+
+
+class _Finalized:
+    """An object whose finalizer runs `then`; what is raised there is printed and dropped, as in the
+    finalizers and callbacks of C libraries (h5py, OpenCV) that a conversion runs through."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def __del__(self):
+        self.then()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_whose_raise_a_finalizer_swallowed_still_keeps_the_users_file(tmp_path, sig):
+    out, went_on = tmp_path / "out.h5", []
+    out.write_bytes(b"the user's file")
+
+    def conversion(argv):
+        with written_whole(out) as temp:
+            _Finalized(lambda: signal.raise_signal(sig))     # the signal's handler raises in there
+            went_on.append(True)
+            temp.write_bytes(b"whole")
+
+    assert run_cli(conversion, [], kept="an existing --out is as it was") == (130 if sig == signal.SIGINT else 143)
+    assert went_on == [True]                  # the raise was swallowed: only the commit's check stopped it
     assert out.read_bytes() == b"the user's file" and sorted(tmp_path.iterdir()) == [out]
 
 
