@@ -18,6 +18,7 @@ def last_json(capsys) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_synthetic_rows_with_and_without_channels_last(capsys):
     assert train_throughput.main([*TINY, "--configs", "O0 fp32", "--channels-last", "both"]) == 0
     result = last_json(capsys)

@@ -17,6 +17,7 @@ def run(capsys, *argv) -> tuple[int, list, dict]:
     return code, lines[:-1], json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_zebras_flow_is_one_row_scored_with_pck(capsys):
     code, table, result = run(capsys, "--only", "zebra", "--steps", "1")
     assert code == 0 and len(table) == 3 and result["steps"] == 1

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import inference as bench_inference
 
 
+@pytest.mark.slow
 def test_rows_per_batch_size_with_shares(capsys):
     assert bench_inference.main(["--preset", "tiny", "--repeat", "1", "--batch-sizes", "1", "4",
                                  "--scales", "0.5", "--device", "cpu", "--threads", "1", "2",

@@ -104,6 +104,7 @@ def train(tiny_cfg, inputs, graphs: list | None, accumulate: int = 1):
     return seen, model.state_dict(), val
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_run_with_graphs_trains_exactly_as_the_eager_run_and_replays_only_its_captured_input(
         tiny_cfg, accumulate):

@@ -117,10 +117,10 @@ def test_benchmark_prints_table_and_json_last():
     assert any(line.startswith("targets") for line in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, data, workers", [
     (["--profile", "1"], "synthetic", 0),
-    pytest.param(["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1,
-                 marks=pytest.mark.slow)])                     # a DataLoader worker: a process
+    (["--h5", "coco4", "--repeat", "2", "--workers", "1"], "coco4 x2", 1)])   # a worker: a process
 def test_training_throughput_benchmark_times_the_engine_step_with_synthetic_and_loaded_batches(
         extra, data, workers, capsys):
     from bench import train_throughput

@@ -606,6 +606,7 @@ def test_human_art_converts_as_shipped_in_both_versions(coco4_dir, tmp_path, cap
            "humanart21 reads them)" in out.splitlines()
 
 
+@pytest.mark.slow
 def test_coco_wholebody_converts_whole_or_the_body_alone_and_says_which(coco4_dir, tmp_path, capsys):
     ann = shipped(coco4_dir, tmp_path, wholebody)
     code, out, _ = convert(ann, coco4_dir, tmp_path / "all.h5", capsys)

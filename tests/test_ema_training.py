@@ -70,6 +70,7 @@ def test_validation_and_best_pth_use_the_ema_weights(straight, synthetic_h5):
     assert abs(of_training - of_ema) > 1e-4 * abs(of_ema)      # the two weights do differ
 
 
+@pytest.mark.slow
 def test_an_ema_run_stopped_and_resumed_equals_the_straight_run(straight, tmp_path, synthetic_h5):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "resumed", *EMA)
     run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "resumed", "--resume", "auto", *EMA)
@@ -131,6 +132,7 @@ def test_a_damaged_ema_in_the_checkpoint_resumed_is_one_error_line_naming_it(str
     assert {p.name for p in damaged.parent.iterdir()} - {".run.lock"} == {"last.pth"}
 
 
+@pytest.mark.slow
 def test_resuming_a_checkpoint_without_ema_under_ema_says_where_the_average_starts(tmp_path, synthetic_h5,
                                                                                   capsys):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "plain", "--val-every", "0")

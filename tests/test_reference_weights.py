@@ -88,6 +88,7 @@ def test_another_shape_names_the_settings_that_differ(script, tiny_reference, tm
         load_weights(build_model(cfg, COCO), tiny_reference)
 
 
+@pytest.mark.slow
 def test_full_imhn_layout_loads_and_is_told_which_preset_builds_it(tmp_path, capsys):
     """The authors' full network, as their file stores it (counters, `posenet.`); constant tensors
     stored once (expanded) keep the file small, the first conv is real to see the flip."""
@@ -148,6 +149,7 @@ def test_evaluate_and_demo_take_the_authors_file_and_its_conversion_alike(tiny_r
     assert "converted in memory" in capsys.readouterr().err and picture.is_file()
 
 
+@pytest.mark.slow
 def test_resume_reference_continues_the_authors_run(tiny_reference, synthetic_h5, tmp_path, capsys):
     """Epoch 7 finished there: the run goes on at epoch 8 (0-based) on the LR curve, with the
     momentum of every parameter and the Apex loss scale."""

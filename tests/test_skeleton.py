@@ -92,6 +92,7 @@ def crowdpose_json(coco4_dir: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_crowdpose_file_converts_trains_a_step_and_evaluates(coco4_dir, tmp_path, capsys):
     ann = crowdpose_json(coco4_dir, tmp_path / "crowdpose.json")
     for split in ("train", "val"):
@@ -178,6 +179,7 @@ def test_a_skeleton_is_inferred_from_the_json(coco4_dir, tmp_path, capsys):
 
 
 # -- fine-tuning a COCO model onto another skeleton -------------------------------------------------
+@pytest.mark.slow
 def test_a_coco_checkpoint_fine_tunes_onto_another_skeleton(coco4_dir, synthetic_h5, tmp_path, capsys):
     coco_train = synthetic_h5[0]
     train.main(["--train-h5", str(coco_train), "--out-dir", str(tmp_path), "--run-name", "coco", *QUICK])

@@ -52,6 +52,7 @@ def test_one_epoch_writes_the_run_directory(tmp_path, synthetic_h5):
     assert val and val[0]["loss"] > 0 and out["loss"] == pytest.approx(val[0]["loss"])
 
 
+@pytest.mark.slow
 def test_two_epochs_equal_one_plus_resume_plus_one_bit_for_bit(tmp_path, synthetic_h5):
     run(tmp_path, synthetic_h5, "--epochs", "2", "--run-name", "straight")
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "resumed")
@@ -94,6 +95,7 @@ def test_every_opt_level_trains_a_step(tmp_path, synthetic_h5, level, dtype, cap
         assert not ckpt["scaler"]                # disabled scaler: empty state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O0", "O2"])   # O2: a half model; frozen weights keep float32
 def test_frozen_weights_stay_bit_identical(tmp_path, synthetic_h5, level):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "base")
@@ -135,6 +137,7 @@ def val_records(run_dir):
     return [r for r in records if r["kind"] == "val"]
 
 
+@pytest.mark.slow
 def test_early_stop_with_ap_every_counts_only_the_validations_that_measure_ap(tmp_path, synthetic_h5):
     out = run(tmp_path, synthetic_h5, "--epochs", "4", "--run-name", "es", "--early-stop", "2",
               "--ap-every", "4", "--val-every", "1", "--set", "train.ap_max_images=4")
@@ -179,6 +182,7 @@ def test_abnormal_loss_is_skipped_and_counted_and_a_run_of_skips_only_is_no_succ
     assert all(torch.equal(init[k], state[k]) for k in init)   # BN statistics included
 
 
+@pytest.mark.slow
 def test_a_damaged_loss_scaler_is_refused_on_resume_and_a_resume_that_only_skips_is_not_called_good(
         tmp_path, synthetic_h5, capsys):
     """A NaN, text or backoff above 1 in a checkpoint's scaler used to be resumed (every step then
@@ -277,6 +281,7 @@ def test_a_finished_run_gives_back_the_signal_handlers_it_installed(tmp_path, sy
         signal.signal(signal.SIGUSR1, before)
 
 
+@pytest.mark.slow
 def test_resuming_an_earlier_checkpoint_leaves_the_rolled_back_records_out_of_the_curves(tmp_path,
                                                                                         synthetic_h5):
     """A run resumed from epoch_1.pth after epoch 2 was logged: epoch 2's first records stay in
@@ -320,6 +325,7 @@ def test_ap_validation_runs_without_cudnn_autotuning_and_gives_it_back(tmp_path,
         torch.backends.cudnn.benchmark = previous
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_an_older_version_resumes_with_new_flags(tmp_path, synthetic_h5):
     """Configs saved before amp.channels_last became auto-or-switch (false), when loss scales were
     kept as strings ('128.0'), and before train.accumulate existed."""
@@ -336,6 +342,7 @@ def test_a_checkpoint_of_an_older_version_resumes_with_new_flags(tmp_path, synth
     assert done["config"]["train"]["accumulate"] == 2 and done["epoch"] == 2 and done["step"] == 3 + 3
 
 
+@pytest.mark.slow
 def test_a_compiled_run_compiles_the_training_graph_only_and_trains_like_an_eager_one(
         tmp_path, synthetic_h5, monkeypatch):
     """`--compile` compiles one graph, the training step's. Validation (no grad, eval mode, a smaller
@@ -466,6 +473,7 @@ def test_a_restart_whose_config_yaml_is_damaged_is_refused_naming_it(tmp_path, s
             [f"{run_dir / 'config.yaml'}: malformed YAML"], tmp_path)
 
 
+@pytest.mark.slow
 def test_resume_auto_that_picks_a_finished_run_says_it_was_already_complete(tmp_path, synthetic_h5, capsys):
     run(tmp_path, synthetic_h5, "--epochs", "1", "--run-name", "f", "--val-every", "0")
     last = (tmp_path / "f" / "last.pth").read_bytes()
