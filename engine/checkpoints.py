@@ -77,7 +77,6 @@ class CheckpointReader:
         return run_dir / found if found else None
 
     def state(self, path) -> dict:
-        """The checkpoint at `path`, memory-mapped."""
         path = Path(path)
         return self._once("state", path, [path], lambda: ckpt.load_checkpoint(path, mmap=True))
 

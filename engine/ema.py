@@ -92,7 +92,6 @@ class WeightsEMA(Hook):
 
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
-        """Continue the average saved in `state`; CheckpointError when it does not fit."""
         state = state if isinstance(state, dict) else {}
         saved, updates = state.get("model"), state.get("updates")
         bad = updates is not None and out_of_bounds(updates, FILE_FIELDS["ema.updates"], whole=True)

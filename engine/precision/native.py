@@ -71,7 +71,6 @@ class NativePrecision(PrecisionBackend):
         return model
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
-        """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
         return [master for _, master in self._pairs] if self.master_weights else trainable
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
@@ -99,7 +98,6 @@ class NativePrecision(PrecisionBackend):
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
-        """Step unless the gradients are not finite; update the loss scale unless `bad_loss`."""
         if grads_finite:
             optimizer.step()
             if self._pairs:
