@@ -2,6 +2,7 @@
 (`load_start`), what `Checkpoints.save` writes (position, parts' and hooks' states) and restores."""
 from __future__ import annotations
 
+import itertools
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,7 +77,6 @@ class CheckpointReader:
         return run_dir / found if found else None
 
     def state(self, path) -> dict:
-        """The checkpoint at `path`, memory-mapped."""
         path = Path(path)
         return self._once("state", path, [path], lambda: ckpt.load_checkpoint(path, mmap=True))
 
@@ -178,11 +178,8 @@ def resume_state(reference: dict, source: str, model, optimizer, optim: OptimCon
     origin = (f"the authors' run: SGD momentum of {len(state)} of {len(names)} parameters" if sgd
               else f"the authors' run: no momentum, optim.name is {optim.name}")
     origin += f", loss scale {scaler['scale']:g}" if scaler else ""
-    groups, first = [], 0       # optimizer.state_dict()'s param_groups, without asking for its state
-    for group in optimizer.param_groups:
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(first, first + len(group["params"])))})
-        first += len(group["params"])
+    index = itertools.count()   # optimizer.state_dict()'s param_groups, without asking for its state
+    groups = [{**group, "params": [next(index) for _ in group["params"]]} for group in optimizer.param_groups]
     return {"optimizer": {"state": state, "param_groups": groups}, "scaler": scaler,
             "epoch": epoch + 1 if isinstance(epoch, int) else 0, "iteration": 0, "step": None,
             "origin": origin}

@@ -32,8 +32,7 @@ class WeightsEMA(Hook):
         # what a checkpoint's "model" takes from the model itself (not from O2's float32 copies)
         self._from_model = {k for k, t in sources.items() if t.data_ptr() == self._targets[k].data_ptr()}
         parameters = {name for name, p in model.named_parameters() if p.is_floating_point()}
-        self.averaged = {name: (t.detach().float() if t.is_floating_point() else t.detach()).clone()
-                         for name, t in sources.items()}
+        self.averaged = precision.float32_state_dict(model)     # copies of `sources`, float32
         self._average = [(self.averaged[k], sources[k]) for k in sources if k in parameters]
         copied = [k for k in sources if k not in parameters]
         self._copied = ([self.averaged[k] for k in copied], [sources[k] for k in copied])
@@ -93,7 +92,6 @@ class WeightsEMA(Hook):
 
     @torch.no_grad()
     def load_state_dict(self, state) -> None:
-        """Continue the average saved in `state`; CheckpointError when it does not fit."""
         state = state if isinstance(state, dict) else {}
         saved, updates = state.get("model"), state.get("updates")
         bad = updates is not None and out_of_bounds(updates, FILE_FIELDS["ema.updates"], whole=True)

@@ -160,7 +160,8 @@ class RunLogger:
         steps = [r for r in self.read(self.steps_path) if r["kind"] == "step"
                  and isinstance(r.get("loss"), (int, float))] or train
         val = [r for r in records if r["kind"] == "val"]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        # one step axis for both; its autoscale margins keep points at the ends inside
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
         dots = "." if len(steps) < 60 else None        # a short run: each step visible
         axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], marker=dots, lw=1,
                      label="train loss (each step)" if steps is not train else "train loss")
@@ -181,12 +182,6 @@ class RunLogger:
         axes[1].plot([r["step"] for r in train], [r["lr"] for r in train],
                      marker="." if len(train) < 60 else None)
         axes[1].set(xlabel="step", ylabel="learning rate")
-        every = [r["step"] for r in steps + val + train]
-        if every:                     # a margin either side: points at the ends stay inside
-            low, high = min(every), max(every)
-            pad = max(0.05 * (high - low), 0.5)
-            for axis in axes:
-                axis.set_xlim(low - pad, high + pad)
         fig.tight_layout()
         try:
             with writing(self.curves_path), written_whole(self.curves_path, option="--out-dir") as tmp:

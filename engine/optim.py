@@ -142,7 +142,14 @@ class OptimStep:
         grads = [p.grad for p in self.params if p.grad is not None]    # norm in float32: float16's overflows
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
                 if grads else torch.zeros(())).to(loss_sum.device)
-        loss_sum, bad_loss, not_finite, stop = self._read_step(norm, loss_sum, bad, stop_requested())
+        # the step's one host read, flags over ranks; the stop flag joins as a fill of a device tensor:
+        # no host-to-device copy that would sync
+        bad = bad.float().to(norm.device)
+        flags = dist.all_reduce_max(torch.stack([bad, (~torch.isfinite(norm)).float().reshape(()),
+                                                 torch.full_like(bad, float(stop_requested()))]))
+        loss_sum, bad, not_finite, stop = torch.cat(
+            [loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
+        bad_loss, not_finite, stop = bad > 0, not_finite > 0, stop > 0
         skipped, note = bad_loss or not_finite, ""
         if not skipped and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
             torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad_norm, norm)
@@ -157,14 +164,3 @@ class OptimStep:
         self.overflow_streak = self.overflow_streak + 1 if skipped and not bad_loss else 0
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         return StepResult(loss_sum / len(batches), self.lr, skipped, stop, note=note)
-
-    @staticmethod
-    def _read_step(norm: torch.Tensor, loss_sum: torch.Tensor, bad: torch.Tensor, stop: bool) -> tuple:
-        """The step's one host read: (loss sum, bad loss, non-finite norm, stop), flags over ranks."""
-        bad = bad.float().to(norm.device)
-        # the stop flag joins as a fill of a device tensor: no host-to-device copy that would sync
-        flags = dist.all_reduce_max(torch.stack([bad, (~torch.isfinite(norm)).float().reshape(()),
-                                                 torch.full_like(bad, float(stop))]))
-        loss_sum, bad, not_finite, stop = torch.cat(
-            [loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
-        return loss_sum, bad > 0, not_finite > 0, stop > 0

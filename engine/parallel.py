@@ -51,20 +51,17 @@ def wrap_ddp(model: nn.Module, ctx, amp: AmpConfig, dist_cfg: DistConfig) -> nn.
 
 
 # -- native SyncBN on CPU: CrossProcessBatchNorm ----------------------------------------------------
-def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
-    return t.view(1, -1, *([1] * (ndim - 2)))
-
-
 class _CrossProcessBatchNormFn(torch.autograd.Function):
-    """Normalisation with statistics and gradient sums all-reduced over a process group."""
+    """Normalisation with statistics and gradient sums all-reduced over the process group."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, group):
+    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps):
         dims = [0, *range(2, x.dim())]
+        channel = (1, -1, *[1] * (x.dim() - 2))      # a [C] tensor viewed so that it broadcasts over x
         xf = x.float()
         local = torch.cat([torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device),
                            xf.sum(dims, dtype=torch.float64), (xf * xf).sum(dims, dtype=torch.float64)])
-        dist.all_reduce(local, group=group)
+        dist.all_reduce(local)
         channels, total = x.shape[1], local[0].item()
         if total <= 1:
             raise ValueError("Expected more than 1 value per channel when training, "
@@ -76,21 +73,22 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
             unbiased = var * (total / (total - 1))
             running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
         mean32, invstd = mean.float(), torch.rsqrt(var + eps).float()
-        y = (xf - _channel_view(mean32, x.dim())) * _channel_view(invstd, x.dim())
+        y = (xf - mean32.view(channel)) * invstd.view(channel)
         if weight is not None:
-            y = y * _channel_view(weight.float(), x.dim())
+            y = y * weight.float().view(channel)
         if bias is not None:
-            y = y + _channel_view(bias.float(), x.dim())
+            y = y + bias.float().view(channel)
         ctx.save_for_backward(x, weight, mean32, invstd)
-        ctx.total, ctx.group, ctx.has_bias = total, group, bias is not None
+        ctx.total, ctx.has_bias = total, bias is not None
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, mean, invstd = ctx.saved_tensors
         dims = [0, *range(2, x.dim())]
+        channel = (1, -1, *[1] * (x.dim() - 2))
         dy = grad_out.float()
-        xhat = (x.float() - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        xhat = (x.float() - mean.view(channel)) * invstd.view(channel)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
         grad_x = grad_w = grad_b = None
@@ -100,21 +98,16 @@ class _CrossProcessBatchNormFn(torch.autograd.Function):
             grad_b = sum_dy.to(weight.dtype if weight is not None else dy.dtype)
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat]).double()
-            dist.all_reduce(both, group=ctx.group)
+            dist.all_reduce(both)
             mean_dy, mean_dy_xhat = (both / ctx.total).float().split(x.shape[1])
             scale = invstd if weight is None else invstd * weight.float()
-            grad_x = (dy - _channel_view(mean_dy, x.dim()) - xhat * _channel_view(mean_dy_xhat, x.dim()))
-            grad_x = (grad_x * _channel_view(scale, x.dim())).to(x.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+            grad_x = (dy - mean_dy.view(channel) - xhat * mean_dy_xhat.view(channel))
+            grad_x = (grad_x * scale.view(channel)).to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class CrossProcessBatchNorm(_BatchNorm):
-    """Batch norm over the joint batch of `process_group` (default: all); plain in eval mode."""
-
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
-                 process_group=None, device=None, dtype=None):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.process_group = process_group
+    """Batch norm over the joint batch of all processes; plain in eval mode."""
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -122,10 +115,8 @@ class CrossProcessBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         normalise_with_batch = self.training or self.running_mean is None
-        # the default group's size raises once the group is lost or aborted
-        process_group = self.process_group
-        size = group.get_world_size() if process_group is None else dist.get_world_size(process_group)
-        if not normalise_with_batch or size == 1:
+        # the group's size raises once the group is lost or aborted
+        if not normalise_with_batch or group.get_world_size() == 1:
             return super().forward(input)
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -137,7 +128,7 @@ class CrossProcessBatchNorm(_BatchNorm):
         return _CrossProcessBatchNormFn.apply(
             input, self.weight, self.bias,
             self.running_mean if update else None, self.running_var if update else None,
-            factor, self.eps, self.process_group)
+            factor, self.eps)
 
 
 def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:

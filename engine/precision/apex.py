@@ -61,7 +61,6 @@ class ApexPrecision(PrecisionBackend):
         return f"{text}; {self.build.describe(gradients)}"
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Before `attach`: the trainable parameters; after: `amp.master_params`."""
         return list(self.amp.master_params(self._optimizer)) if self._attached else trainable
 
     def attach(self, model: nn.Module, optimizer):

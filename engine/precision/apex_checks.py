@@ -118,12 +118,10 @@ def missing_torch_apis() -> list[str]:
     missing = []
     for owner, attr in APEX_TORCH_NEEDS:
         try:
-            obj = pkgutil.resolve_name(owner)
+            if not hasattr(pkgutil.resolve_name(owner), attr):
+                missing.append(f"{owner}.{attr}")
         except (ImportError, AttributeError):
             missing.append(owner)
-            continue
-        if not hasattr(obj, attr):
-            missing.append(f"{owner}.{attr}")
     return missing
 
 

@@ -2,6 +2,8 @@
 needs a `GradScaler`."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -26,7 +28,7 @@ class NativePrecision(PrecisionBackend):
     def __init__(self, cfg: AmpConfig, device: torch.device):
         super().__init__(cfg, device)
         self.autocast = self.level == "O1"
-        self._grad_layout, self._grad_numel = None, 0   # master gradients in one flat buffer (O2)
+        self._grad_starts = [0]     # O2: where each master gradient starts in one flat buffer; last: its size
         scaler_type = (_HalfParamsGradScaler if self.cast_model and not self.master_weights
                        else torch.amp.GradScaler)
         use_scaler = self.level != "O0" and self.dtype == torch.float16
@@ -56,6 +58,8 @@ class NativePrecision(PrecisionBackend):
         if self.master_weights:
             self._pairs = [(p, nn.Parameter(p.detach().clone().float()))
                            for p in model.parameters() if p.requires_grad]
+            sizes = (-(-master.numel() // 4) * 4 for _, master in self._pairs)     # 16-byte aligned starts
+            self._grad_starts = [0, *itertools.accumulate(sizes)]
         for module in model.modules():
             if self.keep_bn_fp32 and isinstance(module, _NORM_TYPES):
                 continue
@@ -67,7 +71,6 @@ class NativePrecision(PrecisionBackend):
         return model
 
     def optimizer_params(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
-        """What the optimiser steps: the master copies under O2, the model's parameters otherwise."""
         return [master for _, master in self._pairs] if self.master_weights else trainable
 
     def cast_input(self, images: torch.Tensor) -> torch.Tensor:
@@ -81,34 +84,20 @@ class NativePrecision(PrecisionBackend):
         self.scaler.scale(loss).backward()
 
     def unscale_(self, optimizer) -> None:
-        """The optimiser's parameters' gradients in true scale, with no host sync."""
+        """The optimiser's parameters' gradients in true scale, with no host sync; O2's master.grad are
+        param.grad in float32, views of one flat buffer filled by one `_foreach_copy_`."""
         if self._pairs:
-            self._copy_grads_to_masters()
+            flat = torch.empty(self._grad_starts[-1], dtype=torch.float32, device=self._pairs[0][1].device)
+            for (param, master), start in zip(self._pairs, self._grad_starts):
+                master.grad = (None if param.grad is None
+                               else flat.as_strided(master.shape, master.stride(), start))
+            if used := [(param, master) for param, master in self._pairs if param.grad is not None]:
+                torch._foreach_copy_([master.grad for _, master in used],
+                                     [param.grad.detach() for param, _ in used])
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
 
-    def _copy_grads_to_masters(self) -> None:
-        """master.grad = param.grad in float32: views of one flat buffer, one `_foreach_copy_`."""
-        if self._grad_layout is None:
-            self._grad_layout, total = [], 0
-            for _, master in self._pairs:
-                self._grad_layout.append((master.shape, master.stride(), total))
-                total += -(-master.numel() // 4) * 4     # 16-byte aligned starts
-            self._grad_numel = total
-        flat = torch.empty(self._grad_numel, dtype=torch.float32, device=self._pairs[0][1].device)
-        halves, fulls = [], []
-        for (param, master), (shape, stride, offset) in zip(self._pairs, self._grad_layout):
-            if param.grad is None:
-                master.grad = None
-                continue
-            master.grad = flat.as_strided(shape, stride, offset)
-            halves.append(param.grad.detach())
-            fulls.append(master.grad)
-        if halves:
-            torch._foreach_copy_(fulls, halves)
-
     def step(self, optimizer, grads_finite: bool, bad_loss: bool = False) -> None:
-        """Step unless the gradients are not finite; update the loss scale unless `bad_loss`."""
         if grads_finite:
             optimizer.step()
             if self._pairs:
