@@ -21,8 +21,8 @@ class TargetPainter(HostTargetPainter):
         batch, (height, width) = people.shape[0], person_mask.shape[-2:]
         people = people.to(torch.float32)
         out = torch.zeros(batch, sk.num_channels, height, width, device=people.device)
-        cells_x = self._cell_centres(width, people.device)
-        cells_y = self._cell_centres(height, people.device)
+        cells_x, cells_y = ((torch.arange(count, device=people.device, dtype=torch.float32) + 0.5)
+                            * self.stride - 0.5 for count in (width, height))     # cell centres
         keypoints = out[:, sk.keypoint_channels]
         limbs = out[:, sk.limb_channels]
         counts = torch.zeros_like(limbs)
@@ -37,9 +37,6 @@ class TargetPainter(HostTargetPainter):
         out[:, sk.person_mask_channel] = -F.max_pool2d(-mask, 3, stride=1, padding=1)[:, 0]
         out[:, sk.keypoint_max_channel] = keypoints.amax(dim=1)
         return out
-
-    def _cell_centres(self, count: int, device) -> torch.Tensor:
-        return (torch.arange(count, device=device, dtype=torch.float32) + 0.5) * self.stride - 0.5
 
     def _keypoint_maps(self, person, cells_x, cells_y) -> torch.Tensor:
         """[B, K, h, w] Gaussians of one person slot's labelled keypoints (0 elsewhere)."""
