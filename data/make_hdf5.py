@@ -167,7 +167,6 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
         if path:
             refuse_existing(option, path, settings.overwrite)
     summary = {"out": str(out_path), "split": split,        # the counts: once written (`_write`)
-               "skipped": Counter(item["kind"] for item in selection.rejected),
                "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
                "keep_all": settings.keep_all}
     try:
@@ -181,7 +180,7 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
     except DataError as exc:
         exc.summary = summary
         raise
-    summary["skipped"] = dict(summary["skipped"])
+    summary["skipped"] = dict(Counter(item["kind"] for item in summary["bad"]))
     summary["bytes"] = out_path.stat().st_size
     return summary
 
@@ -204,13 +203,11 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
             if not settings.skip_bad:
                 raise
             summary["bad"].append({"kind": "bad image", "image_id": info["id"], "reason": str(exc)})
-            summary["skipped"]["bad image"] += 1
             continue
         anns = by_image[info["id"]]
         record = image_record(anns, info["height"], info["width"], skeleton, summary["keep_all"])
         if split == "train" and not record["main"]:
             kind = TRAIN_RULES[summary["keep_all"]][0]
-            summary["skipped"][kind] += 1
             summary["bad"].append({"kind": kind, "image_id": info["id"], "reason":
                                    f"image {info['id']} ({info['file_name']}): {kind} (train split)"})
             continue
@@ -222,7 +219,8 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
         infos.append(info)
         records.append(record)
     if not infos:
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
+        skipped = Counter(item["kind"] for item in summary["bad"])
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
     for dataset in per_image:
