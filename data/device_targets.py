@@ -69,7 +69,7 @@ class TargetPainter(HostTargetPainter):
         return torch.exp(dist2.neg_()).mul_(reached), reached
 
     def _in_box(self, a, b, count: int) -> torch.Tensor:
-        """[B, L, count] cells within the limbs' boxes widened by `margin` (as `_cell_range`)."""
+        """[B, L, count] cells within the limbs' boxes widened by `margin` (as `data.targets`' windows)."""
         a, b = a.to(torch.float64), b.to(torch.float64)
         margin, stride = self.cfg.limb_margin, self.stride
         first = torch.ceil((torch.minimum(a, b) - margin + 0.5) / stride - 0.5)

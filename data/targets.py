@@ -20,13 +20,6 @@ _ERODE_KERNEL = np.ones((3, 3), np.uint8)
 _CHUNK_CELLS = 1 << 19            # limb cells computed at once (a few MB per temporary array)
 
 
-def _cell_range(lo: np.ndarray, hi: np.ndarray, stride: int, count: int):
-    """Half-open cell ranges [first, last) whose sample points lie in [lo, hi], clipped to the grid."""
-    first = np.maximum(np.ceil((lo + 0.5) / stride - 0.5), 0).astype(np.int64)
-    last = np.minimum(np.floor((hi + 0.5) / stride - 0.5), count - 1).astype(np.int64) + 1
-    return first, last
-
-
 def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: float) -> None:
     """Max-combine one Gaussian per labelled keypoint into maps [K,H,W] (square windows)."""
     height, width = maps.shape[1:]
@@ -55,10 +48,11 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
     person, limb = np.nonzero((ends_a[:, :, 2] > 0) & (ends_b[:, :, 2] > 0))
     a = ends_a[person, limb, :2].astype(np.float64)
     b = ends_b[person, limb, :2].astype(np.float64)
-    first, last = _cell_range(np.minimum(a, b) - margin, np.maximum(a, b) + margin, stride,
-                              np.array([width, height]))
-    (j0, i0), (j1, i1) = first.T, last.T
-    keep = (j1 > j0) & (i1 > i0)                          # each limb's window: its box widened by margin
+    # each limb's window: the cells [first, last) whose sample points lie in its box widened by margin
+    first = np.maximum(np.ceil((np.minimum(a, b) - margin + 0.5) / stride - 0.5), 0).astype(np.int64)
+    last = np.minimum(np.floor((np.maximum(a, b) + margin + 0.5) / stride - 0.5), [width - 1, height - 1]) + 1
+    (j0, i0), (j1, i1) = first.T, last.astype(np.int64).T
+    keep = (j1 > j0) & (i1 > i0)
     limb, a, b, i0, i1, j0, j1 = (v[keep] for v in (limb, a, b, i0, i1, j0, j1))
     if limb.size == 0:
         return
