@@ -9,8 +9,6 @@ import torch.nn.functional as F
 
 from data.targets import GAUSSIAN_CUTOFF, MIN_VALUE, HostTargetPainter
 
-_MASK_SCALE = 1 / 255
-
 
 class TargetPainter(HostTargetPainter):
     """`HostTargetPainter`'s maps (same settings) drawn in torch as the module docstring says."""
@@ -33,7 +31,7 @@ class TargetPainter(HostTargetPainter):
             limbs += values
             counts += reached
         limbs.copy_(torch.where(counts > 1, limbs / counts.clamp(min=1), limbs))
-        mask = person_mask.to(torch.float32).mul_(_MASK_SCALE).clamp_(0.0, 1.0)
+        mask = person_mask.to(torch.float32).mul_(1 / 255).clamp_(0.0, 1.0)
         out[:, sk.person_mask_channel] = -F.max_pool2d(-mask, 3, stride=1, padding=1)[:, 0]
         out[:, sk.keypoint_max_channel] = keypoints.amax(dim=1)
         return out
