@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 import cv2
 import h5py
 import numpy as np
+import yaml
 from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
@@ -267,8 +268,6 @@ def pictures(selection, images_dir: Path) -> list[Path]:
 
 def dump_skeleton(skeleton: Skeleton, path: str, overwrite: bool, said: str) -> None:
     """The skeleton as a YAML file to edit and give back with --skeleton; `said` ends the line saying so."""
-    import yaml
-
     write_text("--dump-skeleton", Path(path), "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, "
                "sigmas) and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
                + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),
