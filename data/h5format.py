@@ -68,9 +68,8 @@ def open_checked(path: Path) -> h5py.File:
     if not path.is_file():
         raise DataError(f"{path}: no such dataset file (make one with python -m data.make_hdf5)")
     with open(path, "rb") as fh:
-        head = fh.read(8)
-    if head != HDF5_SIGNATURE:
-        raise DataError(f"{path}: not an HDF5 file (make one with python -m data.make_hdf5)")
+        if fh.read(8) != HDF5_SIGNATURE:
+            raise DataError(f"{path}: not an HDF5 file (make one with python -m data.make_hdf5)")
     try:
         handle = h5py.File(path, "r")
     except OSError as exc:
