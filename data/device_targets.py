@@ -24,9 +24,14 @@ class TargetPainter(HostTargetPainter):
         keypoints = out[:, sk.keypoint_channels]
         limbs = out[:, sk.limb_channels]
         counts = torch.zeros_like(limbs)
+        scale = -0.5 / self.cfg.keypoint_sigma ** 2
         for slot in range(people.shape[1]):
-            person = people[:, slot]
-            torch.maximum(keypoints, self._keypoint_maps(person, cells_x, cells_y), out=keypoints)
+            person = people[:, slot]        # [B, K, h, w] Gaussians of its labelled keypoints (0 elsewhere)
+            labelled = (person[:, :, 2] > 0).to(torch.float32)
+            gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
+            gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
+            maps = gy[:, :, :, None] * gx[:, :, None, :]
+            torch.maximum(keypoints, maps.masked_fill_(maps < MIN_VALUE, 0.0), out=keypoints)
             values, reached = self._limb_maps(person, cells_x, cells_y)
             limbs += values
             counts += reached
@@ -35,15 +40,6 @@ class TargetPainter(HostTargetPainter):
         out[:, sk.person_mask_channel] = -F.max_pool2d(-mask, 3, stride=1, padding=1)[:, 0]
         out[:, sk.keypoint_max_channel] = keypoints.amax(dim=1)
         return out
-
-    def _keypoint_maps(self, person, cells_x, cells_y) -> torch.Tensor:
-        """[B, K, h, w] Gaussians of one person slot's labelled keypoints (0 elsewhere)."""
-        scale = -0.5 / self.cfg.keypoint_sigma ** 2
-        labelled = (person[:, :, 2] > 0).to(torch.float32)
-        gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
-        gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
-        maps = gy[:, :, :, None] * gx[:, :, None, :]
-        return maps.masked_fill_(maps < MIN_VALUE, 0.0)
 
     def _limb_maps(self, person, cells_x, cells_y):
         """([B, L, h, w] limb Gaussians of one person slot, bool [B, L, h, w] where one is drawn)."""
