@@ -11,6 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 from common.errors import ArgumentParser, run_cli
+from config.loader import build_config, check_input_size
 from config.schema import add_flags
 from data.skeleton import load_skeleton
 from models.imhn import build_model, eval_mode
@@ -56,8 +57,6 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from config.loader import build_config, check_input_size
-
     parser = ArgumentParser(prog="python -m models.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--config", default="imhn",
                         help="config preset name or YAML path (default imhn, the paper's network)")
