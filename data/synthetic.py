@@ -151,8 +151,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
             cv2.rectangle(image, (int(x0), int(y0)), (int(x1), int(y1)),
                           tuple(int(c) for c in rng.uniform(40, 110, 3)), -1)
             for other_kp, other_vis, other_mask in people:
-                inside = ((other_kp[:, 0] >= int(x0)) & (other_kp[:, 0] <= int(x1))
-                          & (other_kp[:, 1] >= int(y0)) & (other_kp[:, 1] <= int(y1)))
+                inside = ((other_kp >= (int(x0), int(y0))) & (other_kp <= (int(x1), int(y1)))).all(1)
                 other_vis[inside & (other_vis > 0)] = 1
                 other_mask[int(max(y0, 0)):int(y1) + 1, int(max(x0, 0)):int(x1) + 1] = 0
     for kp, vis, mask in people:
