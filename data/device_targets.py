@@ -26,11 +26,11 @@ class TargetPainter(HostTargetPainter):
         counts = torch.zeros_like(limbs)
         scale = -0.5 / self.cfg.keypoint_sigma ** 2
         for slot in range(people.shape[1]):
-            person = people[:, slot]        # [B, K, h, w] Gaussians of its labelled keypoints (0 elsewhere)
+            person = people[:, slot]
             labelled = (person[:, :, 2] > 0).to(torch.float32)
             gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
             gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
-            maps = gy[:, :, :, None] * gx[:, :, None, :]
+            maps = gy[:, :, :, None] * gx[:, :, None, :]          # [B, K, h, w]: 0 where not labelled
             torch.maximum(keypoints, maps.masked_fill_(maps < MIN_VALUE, 0.0), out=keypoints)
             values, reached = self._limb_maps(person, cells_x, cells_y)
             limbs += values
