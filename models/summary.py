@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -46,13 +47,9 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
     """Sum `counts` by name prefix of `depth` non-numeric parts (`stem.res1`, `stacks.0.heads`)."""
     grouped: dict[str, int] = defaultdict(int)
     for name, value in counts.items():
-        prefix, named = [], 0
-        for part in name.split("."):
-            if named == depth:
-                break
-            prefix.append(part)
-            named += not part.isdigit()
-        grouped[".".join(prefix)] += value
+        parts = name.split(".")
+        named_before = accumulate((not part.isdigit() for part in parts), initial=0)
+        grouped[".".join(part for part, named in zip(parts, named_before) if named < depth)] += value
     return grouped
 
 
