@@ -1,6 +1,7 @@
 """Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file (docs/data.md)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -51,18 +52,14 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    try:                           # the stored pixels' size: EXIF orientation is ignored everywhere
-        with warnings.catch_warnings():        # a large picture's size is no decompression bomb
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as header:       # reads no pixels
-                size = header.height, header.width
-    except (OSError, ValueError, Image.DecompressionBombError):
-        size = None
-    try:
+    size = probe = None            # the stored pixels' size: EXIF orientation is ignored everywhere
+    with contextlib.suppress(OSError, ValueError, Image.DecompressionBombError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # a large picture is no bomb here
+        with Image.open(io.BytesIO(data)) as header:       # reads no pixels
+            size = header.height, header.width
+    with contextlib.suppress(cv2.error):
         probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
                              | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
-    except cv2.error:
-        probe = None
     if probe is None or probe.size == 0:
         raise DataError(f"{path}: image {info['id']} is not a readable image")
     size = size or probe.shape[:2]          # a format Pillow does not read: the decoded picture's
