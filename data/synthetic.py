@@ -161,9 +161,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
 
 def _annotate(anns: list, kp: np.ndarray, vis: np.ndarray, mask: np.ndarray) -> None:
     """Append a drawn figure's annotation (keypoints outside the image: v = 0) unless none of it is seen."""
-    height, width = mask.shape
-    outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
-    vis[outside] = 0
+    vis[((kp < 0) | (kp > np.array(mask.shape[::-1]) - 1)).any(1)] = 0
     if not mask.any() or not (vis > 0).any():
         return
     keypoints = np.concatenate([np.where(vis[:, None] > 0, kp, 0), vis[:, None]], 1)
