@@ -184,13 +184,12 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
 
 
 def _write(f, category, images, by_image, ann_path, images_dir, settings: ConvertSettings, summary):
-    n = len(images)
     split, skeleton = summary["split"], summary["skeleton"]
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
-    per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
+    per_image = [f.create_dataset(name, (len(images),), dtype, maxshape=(None,))
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
     infos, records = [], []           # of the kept images
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
