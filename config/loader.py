@@ -260,16 +260,14 @@ def check_input_size(size: Any, depth: int = 4, option: str = "option data.input
                           + (" (4 x 2^model.depth)" if depth > 4 else ""))
 
 
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*")
-
-
 def device_spelling(spec: str) -> str:
     return spec.strip().lower().replace(" ", "")
 
 
 def check_device(spec: str, option: str) -> None:
     """ConfigError naming `option` unless `spec` is a device this project knows how to pick."""
-    if not isinstance(spec, str) or not DEVICE_PATTERN.fullmatch(device_spelling(spec)):
+    spelled = device_spelling(spec) if isinstance(spec, str) else ""
+    if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+|\d+(,\d+)*", spelled):
         raise ConfigError(f"{option}: {spec!r} is not auto, cpu, cuda, cuda:N or a list of GPU numbers "
                           "like 2,3")
 

@@ -33,7 +33,6 @@ FILE_FIELDS = {"scaler.scale": Bounds(MIN_LOSS_SCALE), "scaler.growth_factor": B
                "scaler.growth_interval": Bounds(1, 2 ** 31), "scaler._growth_tracker": Bounds(0),
                "ema.updates": Bounds(0), "skeleton.sigmas": Bounds(0, 1, low_open=True),
                "skeleton.pck_threshold": Bounds(0, 1, low_open=True)}
-COUNT = Bounds(1)                 # an integer that must be at least 1
 LAYER = Bounds(1, 8192)           # channel counts: a sanity cap (model.max_params_m bounds the total)
 
 
@@ -292,7 +291,7 @@ class TrainConfig:
     early_stop_patience: int = option(0, resume=CHANGES, bounds=Bounds(0),
         flag=flag("--early-stop", RUN, type=int, metavar="N",
                   help="stop after N validations without improvement"))
-    log_every: int = option(20, resume=CHANGES, bounds=COUNT)   # iterations between metrics.jsonl lines
+    log_every: int = option(20, resume=CHANGES, bounds=Bounds(1))   # iterations between metrics.jsonl lines
     max_steps_per_epoch: int = option(0, resume=CHANGES, bounds=Bounds(0))  # 0: the whole epoch
     resume: str = option("", resume=NAMES_RUN,
         flag=flag("--resume", RUN,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
-from config.loader import check_input_size, check_section, check_value
-from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig
+from config.loader import check_input_size, check_section, check_value, out_of_bounds
+from config.schema import AugmentConfig, Config, InferenceConfig, TargetConfig, declared
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,8 @@ class SampleSettings:
         check_value("data.stride", self.stride)
         check_section(self.augment, "augment")
         check_section(self.targets, "targets")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"option train.seed: {self.seed!r} is not a whole number")
-        check_value("train.seed", self.seed)
+        if problem := out_of_bounds(self.seed, declared("train.seed")["bounds"], whole=True):
+            raise ConfigError(f"option train.seed: {self.seed!r} {problem}")
 
     @classmethod
     def of(cls, cfg: Config) -> "SampleSettings":

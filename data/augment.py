@@ -70,10 +70,8 @@ def to_grid(matrix: np.ndarray, stride: int) -> np.ndarray:
 
 
 def from_reduced(matrix: np.ndarray, reduce: int) -> np.ndarray:
-    """The affine for an image decoded at 1/`reduce` size, given the full-size one."""
-    r = float(reduce)
-    up = np.array([[r, 0, 0.5 * r - 0.5], [0, r, 0.5 * r - 0.5], [0, 0, 1]])
-    return matrix @ up
+    """The affine for an image decoded at 1/`reduce` size, whose pixels are cells of stride `reduce`."""
+    return matrix @ np.vstack([to_grid(np.eye(2, 3), 1 / reduce), [0, 0, 1]])
 
 
 def transform_people(people: np.ndarray, matrix: np.ndarray, flip=None) -> np.ndarray:

@@ -53,8 +53,7 @@ def image_problem(info, images_dir: Path) -> str | None:
     for side in ("width", "height"):
         if not is_int(value := info.get(side)) or not 0 < value <= MAX_SIDE:
             return f"{where}: {side} {value!r} is not a whole number of pixels from 1 to {MAX_SIDE}"
-    crowd = info.get("crowdIndex", 0.0)
-    if isinstance(crowd, bool) or not isinstance(crowd, (int, float)) or not math.isfinite(crowd):
+    if not is_number(crowd := info.get("crowdIndex", 0.0)):
         return f"{where}: crowdIndex {crowd!r} is not a number"
     try:                                 # links the user made inside --images are followed
         (images_dir / name).resolve()

@@ -9,8 +9,6 @@ import torch.nn.functional as F
 
 from data.targets import GAUSSIAN_CUTOFF, MIN_VALUE, HostTargetPainter
 
-_MASK_SCALE = 1 / 255
-
 
 class TargetPainter(HostTargetPainter):
     """`HostTargetPainter`'s maps (same settings) drawn in torch as the module docstring says."""
@@ -21,34 +19,27 @@ class TargetPainter(HostTargetPainter):
         batch, (height, width) = people.shape[0], person_mask.shape[-2:]
         people = people.to(torch.float32)
         out = torch.zeros(batch, sk.num_channels, height, width, device=people.device)
-        cells_x = self._cell_centres(width, people.device)
-        cells_y = self._cell_centres(height, people.device)
+        cells_x, cells_y = ((torch.arange(count, device=people.device, dtype=torch.float32) + 0.5)
+                            * self.stride - 0.5 for count in (width, height))     # cell centres
         keypoints = out[:, sk.keypoint_channels]
         limbs = out[:, sk.limb_channels]
         counts = torch.zeros_like(limbs)
+        scale = -0.5 / self.cfg.keypoint_sigma ** 2
         for slot in range(people.shape[1]):
             person = people[:, slot]
-            torch.maximum(keypoints, self._keypoint_maps(person, cells_x, cells_y), out=keypoints)
+            labelled = (person[:, :, 2] > 0).to(torch.float32)
+            gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
+            gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
+            maps = gy[:, :, :, None] * gx[:, :, None, :]          # [B, K, h, w]: 0 where not labelled
+            torch.maximum(keypoints, maps.masked_fill_(maps < MIN_VALUE, 0.0), out=keypoints)
             values, reached = self._limb_maps(person, cells_x, cells_y)
             limbs += values
             counts += reached
         limbs.copy_(torch.where(counts > 1, limbs / counts.clamp(min=1), limbs))
-        mask = person_mask.to(torch.float32).mul_(_MASK_SCALE).clamp_(0.0, 1.0)
+        mask = person_mask.to(torch.float32).mul_(1 / 255).clamp_(0.0, 1.0)
         out[:, sk.person_mask_channel] = -F.max_pool2d(-mask, 3, stride=1, padding=1)[:, 0]
         out[:, sk.keypoint_max_channel] = keypoints.amax(dim=1)
         return out
-
-    def _cell_centres(self, count: int, device) -> torch.Tensor:
-        return (torch.arange(count, device=device, dtype=torch.float32) + 0.5) * self.stride - 0.5
-
-    def _keypoint_maps(self, person, cells_x, cells_y) -> torch.Tensor:
-        """[B, K, h, w] Gaussians of one person slot's labelled keypoints (0 elsewhere)."""
-        scale = -0.5 / self.cfg.keypoint_sigma ** 2
-        labelled = (person[:, :, 2] > 0).to(torch.float32)
-        gx = torch.exp(scale * (cells_x - person[:, :, 0, None]) ** 2) * labelled[:, :, None]
-        gy = torch.exp(scale * (cells_y - person[:, :, 1, None]) ** 2)
-        maps = gy[:, :, :, None] * gx[:, :, None, :]
-        return maps.masked_fill_(maps < MIN_VALUE, 0.0)
 
     def _limb_maps(self, person, cells_x, cells_y):
         """([B, L, h, w] limb Gaussians of one person slot, bool [B, L, h, w] where one is drawn)."""
@@ -72,7 +63,7 @@ class TargetPainter(HostTargetPainter):
         return torch.exp(dist2.neg_()).mul_(reached), reached
 
     def _in_box(self, a, b, count: int) -> torch.Tensor:
-        """[B, L, count] cells within the limbs' boxes widened by `margin` (as `_cell_range`)."""
+        """[B, L, count] cells within the limbs' boxes widened by `margin` (as `data.targets`' windows)."""
         a, b = a.to(torch.float64), b.to(torch.float64)
         margin, stride = self.cfg.limb_margin, self.stride
         first = torch.ceil((torch.minimum(a, b) - margin + 0.5) / stride - 0.5)

@@ -68,9 +68,8 @@ def open_checked(path: Path) -> h5py.File:
     if not path.is_file():
         raise DataError(f"{path}: no such dataset file (make one with python -m data.make_hdf5)")
     with open(path, "rb") as fh:
-        head = fh.read(8)
-    if head != HDF5_SIGNATURE:
-        raise DataError(f"{path}: not an HDF5 file (make one with python -m data.make_hdf5)")
+        if fh.read(8) != HDF5_SIGNATURE:
+            raise DataError(f"{path}: not an HDF5 file (make one with python -m data.make_hdf5)")
     try:
         handle = h5py.File(path, "r")
     except OSError as exc:
@@ -219,10 +218,9 @@ class KeypointH5:
         """uint8 HxWx3 BGR pixels; `reduce` in (1, 2, 4, 8) decodes at 1/reduce size (faster)."""
         flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2,
                  4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}[reduce]
-        try:       # the stored pixels as they are: EXIF orientation is ignored, as in make_hdf5
+        image = None       # the stored pixels as they are: EXIF orientation is ignored, as in make_hdf5
+        with contextlib.suppress(cv2.error):
             image = cv2.imdecode(self.encoded_image(img), flags | cv2.IMREAD_IGNORE_ORIENTATION)
-        except cv2.error:
-            image = None
         if image is None:
             raise DataError(f"{self.path}: image {img} ({self.image_info(img)['file_name']}) "
                             "cannot be decoded")

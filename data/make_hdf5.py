@@ -1,6 +1,7 @@
 """Convert a COCO keypoint split (JSON + image folder) into the project's HDF5 file (docs/data.md)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -13,6 +14,7 @@ from pathlib import Path, PurePosixPath
 import cv2
 import h5py
 import numpy as np
+import yaml
 from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
@@ -50,18 +52,14 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
-    try:                           # the stored pixels' size: EXIF orientation is ignored everywhere
-        with warnings.catch_warnings():        # a large picture's size is no decompression bomb
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as header:       # reads no pixels
-                size = header.height, header.width
-    except (OSError, ValueError, Image.DecompressionBombError):
-        size = None
-    try:
+    size = probe = None            # the stored pixels' size: EXIF orientation is ignored everywhere
+    with contextlib.suppress(OSError, ValueError, Image.DecompressionBombError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # a large picture is no bomb here
+        with Image.open(io.BytesIO(data)) as header:       # reads no pixels
+            size = header.height, header.width
+    with contextlib.suppress(cv2.error):
         probe = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_IGNORE_ORIENTATION
                              | (cv2.IMREAD_REDUCED_GRAYSCALE_8 if size else cv2.IMREAD_COLOR))
-    except cv2.error:
-        probe = None
     if probe is None or probe.size == 0:
         raise DataError(f"{path}: image {info['id']} is not a readable image")
     size = size or probe.shape[:2]          # a format Pillow does not read: the decoded picture's
@@ -167,7 +165,6 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
         if path:
             refuse_existing(option, path, settings.overwrite)
     summary = {"out": str(out_path), "split": split,        # the counts: once written (`_write`)
-               "skipped": Counter(item["kind"] for item in selection.rejected),
                "bad": list(selection.rejected), "skeleton": skeleton, "skeleton_origin": origin,
                "keep_all": settings.keep_all}
     try:
@@ -181,19 +178,18 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
     except DataError as exc:
         exc.summary = summary
         raise
-    summary["skipped"] = dict(summary["skipped"])
+    summary["skipped"] = dict(Counter(item["kind"] for item in summary["bad"]))
     summary["bytes"] = out_path.stat().st_size
     return summary
 
 
 def _write(f, category, images, by_image, ann_path, images_dir, settings: ConvertSettings, summary):
-    n = len(images)
     split, skeleton = summary["split"], summary["skeleton"]
     f.attrs.update({"format": FORMAT_MARKER, "version": FORMAT_VERSION, "split": split,
                     "categories": json.dumps([category]), "source": str(ann_path),
                     "skeleton": json.dumps(skeleton.to_spec())})
     vbytes, vstr = h5py.vlen_dtype(np.uint8), h5py.string_dtype()
-    per_image = [f.create_dataset(name, (n,), dtype, maxshape=(None,))
+    per_image = [f.create_dataset(name, (len(images),), dtype, maxshape=(None,))
                  for name, dtype in zip(PER_IMAGE, (vbytes, vstr, vstr, vbytes))]
     infos, records = [], []           # of the kept images
     for info in tqdm(images, desc=f"converting {ann_path.name}", unit="img", disable=not settings.progress):
@@ -204,13 +200,11 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
             if not settings.skip_bad:
                 raise
             summary["bad"].append({"kind": "bad image", "image_id": info["id"], "reason": str(exc)})
-            summary["skipped"]["bad image"] += 1
             continue
         anns = by_image[info["id"]]
         record = image_record(anns, info["height"], info["width"], skeleton, summary["keep_all"])
         if split == "train" and not record["main"]:
             kind = TRAIN_RULES[summary["keep_all"]][0]
-            summary["skipped"][kind] += 1
             summary["bad"].append({"kind": kind, "image_id": info["id"], "reason":
                                    f"image {info['id']} ({info['file_name']}): {kind} (train split)"})
             continue
@@ -222,7 +216,8 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
         infos.append(info)
         records.append(record)
     if not infos:
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
+        skipped = Counter(item["kind"] for item in summary["bad"])
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
     for dataset in per_image:
@@ -269,8 +264,6 @@ def pictures(selection, images_dir: Path) -> list[Path]:
 
 def dump_skeleton(skeleton: Skeleton, path: str, overwrite: bool, said: str) -> None:
     """The skeleton as a YAML file to edit and give back with --skeleton; `said` ends the line saying so."""
-    import yaml
-
     write_text("--dump-skeleton", Path(path), "# The skeleton make_hdf5 used; edit it (limbs, flip pairs, "
                "sigmas) and convert again\n# with --skeleton THIS_FILE. Fields: data/skeleton.py.\n"
                + yaml.safe_dump(skeleton.to_spec(), sort_keys=False, default_flow_style=None, width=100),

@@ -4,7 +4,6 @@ docs/data.md); built-ins in data/skeletons/NAME.yaml; every problem is a `Config
 from __future__ import annotations
 
 import re
-from collections import deque
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
@@ -352,13 +351,12 @@ def limb_walk(count: int, limbs, start: int = 0) -> list:
     for a, b in limbs:
         ends[a].append(b)
         ends[b].append(a)
-    walked, reached, todo = [], {start}, deque([start])
-    while todo:
-        here = todo.popleft()
+    walked, reached, order = [], {start}, [start]
+    for here in order:                   # breadth first: `order` grows while it is walked
         for other in ends[here]:
             if other not in reached:
                 reached.add(other)
-                todo.append(other)
+                order.append(other)
                 walked.append((here, other))
     return walked
 

@@ -151,8 +151,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
             cv2.rectangle(image, (int(x0), int(y0)), (int(x1), int(y1)),
                           tuple(int(c) for c in rng.uniform(40, 110, 3)), -1)
             for other_kp, other_vis, other_mask in people:
-                inside = ((other_kp[:, 0] >= int(x0)) & (other_kp[:, 0] <= int(x1))
-                          & (other_kp[:, 1] >= int(y0)) & (other_kp[:, 1] <= int(y1)))
+                inside = ((other_kp >= (int(x0), int(y0))) & (other_kp <= (int(x1), int(y1)))).all(1)
                 other_vis[inside & (other_vis > 0)] = 1
                 other_mask[int(max(y0, 0)):int(y1) + 1, int(max(x0, 0)):int(x1) + 1] = 0
     for kp, vis, mask in people:
@@ -162,9 +161,7 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
 
 def _annotate(anns: list, kp: np.ndarray, vis: np.ndarray, mask: np.ndarray) -> None:
     """Append a drawn figure's annotation (keypoints outside the image: v = 0) unless none of it is seen."""
-    height, width = mask.shape
-    outside = (kp[:, 0] < 0) | (kp[:, 1] < 0) | (kp[:, 0] > width - 1) | (kp[:, 1] > height - 1)
-    vis[outside] = 0
+    vis[((kp < 0) | (kp > np.array(mask.shape[::-1]) - 1)).any(1)] = 0
     if not mask.any() or not (vis > 0).any():
         return
     keypoints = np.concatenate([np.where(vis[:, None] > 0, kp, 0), vis[:, None]], 1)

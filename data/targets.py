@@ -20,30 +20,20 @@ _ERODE_KERNEL = np.ones((3, 3), np.uint8)
 _CHUNK_CELLS = 1 << 19            # limb cells computed at once (a few MB per temporary array)
 
 
-def _cell_range(lo: np.ndarray, hi: np.ndarray, stride: int, count: int):
-    """Half-open cell ranges [first, last) whose sample points lie in [lo, hi], clipped to the grid."""
-    first = np.maximum(np.ceil((lo + 0.5) / stride - 0.5), 0).astype(np.int64)
-    last = np.minimum(np.floor((hi + 0.5) / stride - 0.5), count - 1).astype(np.int64) + 1
-    return first, last
-
-
 def _draw_keypoints(maps: np.ndarray, people: np.ndarray, stride: int, sigma: float) -> None:
     """Max-combine one Gaussian per labelled keypoint into maps [K,H,W] (square windows)."""
     height, width = maps.shape[1:]
     person, kind = np.nonzero(people[:, :, 2] > 0)
     if person.size == 0:
         return
-    x, y = people[person, kind, 0].astype(np.float64), people[person, kind, 1].astype(np.float64)
+    xy = people[person, kind, :2].astype(np.float64)[:, :, None]                # [n, 2 (x, y), 1]
     radius = math.sqrt(2 * GAUSSIAN_CUTOFF) * sigma
     span = int(math.ceil(2 * radius / stride)) + 2           # cells per window side, unclipped
-    j_start = np.ceil((x - radius + 0.5) / stride - 0.5).astype(np.int64)
-    i_start = np.ceil((y - radius + 0.5) / stride - 0.5).astype(np.int64)
-    steps = np.arange(span)
-    gx = np.exp(-0.5 / sigma ** 2 * (((j_start[:, None] + steps) + 0.5) * stride - 0.5 - x[:, None]) ** 2)
-    gy = np.exp(-0.5 / sigma ** 2 * (((i_start[:, None] + steps) + 0.5) * stride - 0.5 - y[:, None]) ** 2)
+    cells = np.ceil((xy - radius + 0.5) / stride - 0.5).astype(np.int64) + np.arange(span)   # [n, 2, span]
+    gx, gy = np.exp(-0.5 / sigma ** 2 * ((cells + 0.5) * stride - 0.5 - xy) ** 2).transpose(1, 0, 2)
     stamps = (gy[:, :, None] * gx[:, None, :]).astype(np.float32)
     stamps[stamps < MIN_VALUE] = 0
-    rows, cols = i_start[:, None] + steps, j_start[:, None] + steps          # [n, span] cells
+    cols, rows = cells.transpose(1, 0, 2)                                   # [n, span] cells
     inside = (((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :]
               & (stamps > 0))
     cell = (kind[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
@@ -58,11 +48,11 @@ def _draw_limbs(maps: np.ndarray, people: np.ndarray, limbs, stride: int, sigma:
     person, limb = np.nonzero((ends_a[:, :, 2] > 0) & (ends_b[:, :, 2] > 0))
     a = ends_a[person, limb, :2].astype(np.float64)
     b = ends_b[person, limb, :2].astype(np.float64)
-    j0, j1 = _cell_range(np.minimum(a[:, 0], b[:, 0]) - margin, np.maximum(a[:, 0], b[:, 0]) + margin,
-                         stride, width)
-    i0, i1 = _cell_range(np.minimum(a[:, 1], b[:, 1]) - margin, np.maximum(a[:, 1], b[:, 1]) + margin,
-                         stride, height)
-    keep = (j1 > j0) & (i1 > i0)                          # each limb's window: its box widened by margin
+    # each limb's window: the cells [first, last) whose sample points lie in its box widened by margin
+    first = np.maximum(np.ceil((np.minimum(a, b) - margin + 0.5) / stride - 0.5), 0).astype(np.int64)
+    last = np.minimum(np.floor((np.maximum(a, b) + margin + 0.5) / stride - 0.5), [width - 1, height - 1]) + 1
+    (j0, i0), (j1, i1) = first.T, last.astype(np.int64).T
+    keep = (j1 > j0) & (i1 > i0)
     limb, a, b, i0, i1, j0, j1 = (v[keep] for v in (limb, a, b, i0, i1, j0, j1))
     if limb.size == 0:
         return

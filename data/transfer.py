@@ -7,8 +7,6 @@ import torch
 
 from data.preprocess import bgr_to_input
 
-_IGNORE_SCALE = 1.0 / 255
-
 
 def pack_people(people: np.ndarray, slots: int) -> np.ndarray:
     """float32 [slots, K, 3]: the people with a labelled keypoint, then zeros; ValueError beyond `slots`."""
@@ -36,7 +34,7 @@ def trim_people(people: torch.Tensor) -> torch.Tensor:
 
 def supervised(ignore: torch.Tensor) -> torch.Tensor:
     """float32 mask, 1 = supervise, of a uint8 ignore mask (255 = ignore), on its device."""
-    return ignore.to(torch.float32).mul_(_IGNORE_SCALE).neg_().add_(1.0)
+    return ignore.to(torch.float32).mul_(1 / 255).neg_().add_(1.0)
 
 
 def expand(image: torch.Tensor, people: torch.Tensor, masks: torch.Tensor, painter):

@@ -55,14 +55,13 @@ class Hourglass(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         skips = []
         for level in self.levels:
-            skips.append(level.skip(x))
+            skips.append((level, level.skip(x)))
             x = level.down(F.max_pool2d(x, 2))
         h = self.bottom(x)
         features = [h]
-        for k in reversed(range(len(self.levels))):
-            level = self.levels[k]
+        for level, skip in reversed(skips):
             up = F.interpolate(level.up_reduce(h), scale_factor=2.0, mode="nearest")
-            h = skips[k] + level.up_conv(up)
+            h = skip + level.up_conv(up)
             features.append(h)
         return features[::-1]
 

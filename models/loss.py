@@ -65,25 +65,13 @@ class FocalL2Loss(nn.Module):
             raise ValueError(f"{len(outputs[0])} output scales but {len(self.scale_weights)} "
                              "loss.scale_weights")
         target, mask = target.float(), mask.float()
-        num_stacks = len(outputs)
-        zeros = target.new_zeros(target.shape[0])
-        groups = {name: zeros for name in self.groups}
-        scales = [zeros] * len(self.scale_weights)
-        stacks = []
-        per_scale_targets = [resized(target, mask, tuple(prediction.shape[-2:])) for prediction in outputs[0]]
-        for predictions in outputs:
-            stack_loss = zeros
-            for j, prediction in enumerate(predictions):
-                scale_target, scale_mask = per_scale_targets[j]
-                per_channel = self.element_loss(prediction.float(), scale_target,
-                                                scale_mask).sum(dim=(2, 3))          # [B, C]
-                weight = self.scale_weights[j]
-                for name, channels in self.groups.items():
-                    groups[name] = groups[name] + per_channel[:, channels].sum(1) * (weight / num_stacks)
-                scale_loss = per_channel.sum(1) * weight
-                scales[j] = scales[j] + scale_loss / num_stacks
-                stack_loss = stack_loss + scale_loss
-            stacks.append(stack_loss)
-        parts = {**groups, **{f"stack{i}": s for i, s in enumerate(stacks)},
-                 **{f"scale{j}": s for j, s in enumerate(scales)}}
-        return torch.stack(stacks).mean(0), {name: value.detach() for name, value in parts.items()}
+        scale_targets = [resized(target, mask, tuple(prediction.shape[-2:])) for prediction in outputs[0]]
+        per_channel = [torch.stack([self.element_loss(prediction.float(), *scale_target).sum(dim=(2, 3))
+                                    for prediction, scale_target in zip(predictions, scale_targets)])
+                       for predictions in outputs]
+        weighted = torch.stack(per_channel) * self.scale_weights[:, None, None]      # [stacks, scales, B, C]
+        stacks = weighted.sum(dim=(1, 3))                                             # [stacks, B]
+        parts = {name: weighted[..., part].sum(dim=(1, 3)).mean(0) for name, part in self.groups.items()}
+        parts.update({f"stack{i}": loss for i, loss in enumerate(stacks)})
+        parts.update({f"scale{j}": loss for j, loss in enumerate(weighted.sum(dim=3).mean(0))})
+        return stacks.mean(0), {name: value.detach() for name, value in parts.items()}

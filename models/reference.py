@@ -52,8 +52,7 @@ def reference_name(name: str, depth: int) -> str:
          lambda m: f"{_MERGE[m[3]]}.{m[1]}.{m[2]}.conv.{_CONV_BN[m[4]]}.{m[5]}"),
     )
     for pattern, rename in rules:
-        match = re.match(pattern, name)
-        if match:
+        if match := re.match(pattern, name):
             return rename(match)
     raise KeyError(f"no reference counterpart for {name}")
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from itertools import accumulate
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from common.errors import ArgumentParser, run_cli
+from config.loader import build_config, check_input_size
 from config.schema import add_flags
 from data.skeleton import load_skeleton
 from models.imhn import build_model, eval_mode
@@ -45,19 +47,13 @@ def group_counts(counts: dict[str, int], depth: int) -> dict[str, int]:
     """Sum `counts` by name prefix of `depth` non-numeric parts (`stem.res1`, `stacks.0.heads`)."""
     grouped: dict[str, int] = defaultdict(int)
     for name, value in counts.items():
-        prefix, named = [], 0
-        for part in name.split("."):
-            if named == depth:
-                break
-            prefix.append(part)
-            named += not part.isdigit()
-        grouped[".".join(prefix)] += value
+        parts = name.split(".")
+        named_before = accumulate((not part.isdigit() for part in parts), initial=0)
+        grouped[".".join(part for part, named in zip(parts, named_before) if named < depth)] += value
     return grouped
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from config.loader import build_config, check_input_size
-
     parser = ArgumentParser(prog="python -m models.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--config", default="imhn",
                         help="config preset name or YAML path (default imhn, the paper's network)")
