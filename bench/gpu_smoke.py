@@ -266,11 +266,10 @@ def apex_imports() -> bool:
 
 def run_one(name: str, check: bool) -> int:
     """`--section NAME`: that section here, its JSON line last."""
-    if name.startswith("apex") and not check and not apex_imports():
-        emit(name, status="skipped: Apex does not import")
-        return 0
-    if name in PARALLEL and not check and not CUDA:
-        emit(name, status="skipped: no CUDA")
+    skip = not check and ("Apex does not import" if name.startswith("apex") and not apex_imports()
+                          else "no CUDA" if name in PARALLEL and not CUDA else "")
+    if skip:
+        emit(name, status=f"skipped: {skip}")
         return 0
     return 1 if str(timed(name, check).get("status")).startswith("failed: ") else 0
 

@@ -30,7 +30,7 @@ from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.onnx_network import OnnxNetwork
 from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
-from inference.predict import as_network, network_maps, picture_maps, predict_maps_batch
+from inference.predict import as_network, network_maps, picture_maps
 
 COCO_PICTURE_PIXELS = 640 * 480      # a window holds WINDOW x batch_size of these at most
 WINDOW = 4          # batches of pictures a window holds, batched by their padded size
@@ -136,7 +136,7 @@ class PoseEstimator:
 
     def maps(self, pictures_bgr: list[np.ndarray]) -> list[np.ndarray]:
         """The maps [C, H, W] of each picture at the size it runs at (shrunk to `MAX_SIDE`)."""
-        return predict_maps_batch(self.network, list(self._prepared(pictures_bgr)), self.settings)
+        return [make() for make in self.network_window(list(self._prepared(pictures_bgr)))]
 
     def _prepared(self, pictures: Iterable, factors: deque | None = None) -> Iterator[np.ndarray]:
         """Each picture checked, converted and shrunk to `MAX_SIDE` (its factor appended to `factors`)."""

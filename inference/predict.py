@@ -101,13 +101,7 @@ def picture_maps(parts: list[tuple], image_hw, flip: bool) -> np.ndarray:
     return (total / (len(parts) * (2 if flip else 1))).cpu().numpy()
 
 
-def predict_maps_batch(network, pictures_bgr: list[np.ndarray], settings: PredictSettings
-                       ) -> list[np.ndarray]:
-    """float32 [C, H, W] maps of each picture at its own size."""
-    return [picture_maps(parts, picture.shape[:2], settings.inference.flip)
-            for parts, picture in zip(network_maps(network, pictures_bgr, settings), pictures_bgr)]
-
-
 def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:
     """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
-    return predict_maps_batch(as_network(model, device), [picture_bgr], settings)[0]
+    parts = network_maps(as_network(model, device), [picture_bgr], settings)[0]
+    return picture_maps(parts, picture_bgr.shape[:2], settings.inference.flip)

@@ -28,10 +28,9 @@ def fitted(picture: np.ndarray, size: int = TILE) -> np.ndarray:
     height, width = picture.shape[:2]
     scale = size / max(height, width)
     h, w = max(1, round(height * scale)), max(1, round(width * scale))
-    tile = np.full((size, size, 3), GREY, np.uint8)
     top, left = (size - h) // 2, (size - w) // 2
-    tile[top:top + h, left:left + w] = cv2.resize(picture, (w, h), interpolation=cv2.INTER_AREA)
-    return tile
+    return cv2.copyMakeBorder(cv2.resize(picture, (w, h), interpolation=cv2.INTER_AREA), top, size - h - top,
+                              left, size - w - left, cv2.BORDER_CONSTANT, value=GREY)
 
 
 def write_val_pictures(model, val_h5, skeleton: Skeleton, settings: PredictSettings, epoch: int,
