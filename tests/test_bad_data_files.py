@@ -63,6 +63,8 @@ COCO_CASES = {
     "float height": (_edit(lambda c: c["images"][0].__setitem__("height", 425.5)), ["height 425.5"]),
     "string id": (_edit(lambda c: c["images"][0].__setitem__("id", "785")), ["image id '785'"]),
     "huge id": (_edit(lambda c: c["images"][0].__setitem__("id", 2 ** 70)), ["from 0 to 2^63-1"]),
+    "crowdIndex beyond float": (_edit(lambda c: c["images"][0].__setitem__("crowdIndex", 10 ** 400)),
+                                ["crowdIndex 1000", "is not a number"]),
     "images not a list": (_edit(lambda c: c.__setitem__("images", {"a": 1})),
                           ["'images' is a dict, not a list"]),
     "bad RLE": (_edit(lambda c: first_ann(c).__setitem__("segmentation", {"size": [1, 1], "counts": [1]})),
