@@ -57,11 +57,6 @@ def affine_matrix(center, box_height: float, input_size: int, person_height: flo
     return np.hstack([linear, offset[:, None]])
 
 
-def matrix_zoom(matrix: np.ndarray) -> float:
-    """The isotropic scale factor of an affine made by `affine_matrix`."""
-    return float(math.sqrt(abs(np.linalg.det(matrix[:, :2]))))
-
-
 def to_grid(matrix: np.ndarray, stride: int) -> np.ndarray:
     """Image pixels -> stride-`stride` output cells (cell j samples input x = (j+.5)*stride-.5)."""
     s = 1.0 / stride

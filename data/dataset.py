@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import Dataset
 
 from config.views import SampleSettings
-from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction,
-                          matrix_zoom, tint, to_grid, transform_people, warp_image, warp_masks)
+from data.augment import (AugmentParams, affine_matrix, draw_params, from_reduced, mask_fraction, tint,
+                          to_grid, transform_people, warp_image, warp_masks)
 from data.h5format import KeypointH5
 from data.device_targets import TargetPainter
 from data.targets import HostTargetPainter, render_targets
@@ -111,7 +111,8 @@ class KeypointDataset(Dataset):
         x, y, w, h = self.h5.person_boxes(img)[person]
         matrix = affine_matrix((x + w / 2, y + h / 2), h, self.size,
                                self.settings.augment.person_height, params)
-        reduce = next((r for r in _REDUCTIONS if matrix_zoom(matrix) * r <= 1.0), 1)
+        zoom = abs(np.linalg.det(matrix[:, :2])) ** 0.5          # the affine's isotropic scale
+        reduce = next((r for r in _REDUCTIONS if zoom * r <= 1.0), 1)
         clock = _lap(timings, "read: people and draw", clock)
         image = self.h5.decode_image(img, reduce)
         clock = _lap(timings, "read: picture (HDF5, JPEG decode)", clock)
