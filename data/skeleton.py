@@ -246,11 +246,8 @@ class Skeleton:
         limbs = main + _pairs(spec.get("redundant"), "redundant", index, source)
         if not main:
             _fail(source, "the skeleton has no limbs (give limbs: [[keypoint, keypoint], ...])")
-        seen: set = set()
-        for a, b in limbs:
-            if (a, b) in seen or (b, a) in seen:
-                _fail(source, f"limb {[names[a], names[b]]} is listed twice")
-            seen.add((a, b))
+        if twice := next((p for k, p in enumerate(limbs) if p in limbs[:k] or p[::-1] in limbs[:k]), None):
+            _fail(source, f"limb {[names[i] for i in twice]} is listed twice")
         reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
         if lost := [name for k, name in enumerate(names) if k not in reached]:
             _fail(source, f"keypoint {lost[0]!r} is unreachable: no chain of limbs joins it to "
@@ -263,7 +260,7 @@ class Skeleton:
                           f"{names[flip[k]]!r} and {names[other]!r}")
                 flip[k] = other
         for a, b in limbs:
-            if (flip[a], flip[b]) not in seen and (flip[b], flip[a]) not in seen:
+            if (flip[a], flip[b]) not in limbs and (flip[b], flip[a]) not in limbs:
                 _fail(source, f"limb {[names[a], names[b]]} has no mirror limb "
                       f"{[names[flip[a]], names[flip[b]]]} (add it, or fix the flip pairs)")
         sigmas = spec.get("sigmas", DEFAULT_SIGMA)
