@@ -23,19 +23,14 @@ NOSE, L_EYE, R_EYE, L_EAR, R_EAR, L_SHO, R_SHO, L_ELB, R_ELB, L_WRI, R_WRI, L_HI
 COCO_SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
                  [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5],
                  [4, 6], [5, 7]]
-# Limbs drawn, with a BGR colour per limb type (the same on both sides).
-DRAWN_LIMBS = (
-    ((L_SHO, R_SHO), (60, 200, 230)), ((L_HIP, R_HIP), (60, 200, 230)),
-    ((L_SHO, L_HIP), (200, 170, 60)), ((R_SHO, R_HIP), (200, 170, 60)),
-    ((L_SHO, L_ELB), (40, 140, 250)), ((R_SHO, R_ELB), (40, 140, 250)),
-    ((L_ELB, L_WRI), (60, 230, 90)), ((R_ELB, R_WRI), (60, 230, 90)),
-    ((L_HIP, L_KNE), (230, 80, 200)), ((R_HIP, R_KNE), (230, 80, 200)),
-    ((L_KNE, L_ANK), (250, 230, 70)), ((R_KNE, R_ANK), (250, 230, 70)),
-)
-JOINT_COLOUR = {L_SHO: (20, 20, 200), R_SHO: (20, 20, 200), L_ELB: (200, 40, 40),
-                R_ELB: (200, 40, 40), L_WRI: (30, 120, 30), R_WRI: (30, 120, 30),
-                L_HIP: (120, 30, 120), R_HIP: (120, 30, 120), L_KNE: (20, 90, 160),
-                R_KNE: (20, 90, 160), L_ANK: (90, 60, 20), R_ANK: (90, 60, 20)}
+# Limbs drawn and joints, a BGR colour per kind; both sides alike (COCO numbers a right joint left + 1)
+DRAWN_LIMBS = (((L_SHO, R_SHO), (60, 200, 230)), ((L_HIP, R_HIP), (60, 200, 230))) + tuple(
+    ((a + side, b + side), colour) for (a, b), colour in (
+        ((L_SHO, L_HIP), (200, 170, 60)), ((L_SHO, L_ELB), (40, 140, 250)), ((L_ELB, L_WRI), (60, 230, 90)),
+        ((L_HIP, L_KNE), (230, 80, 200)), ((L_KNE, L_ANK), (250, 230, 70))) for side in (0, 1))
+JOINT_COLOUR = {joint + side: colour for joint, colour in (
+    (L_SHO, (20, 20, 200)), (L_ELB, (200, 40, 40)), (L_WRI, (30, 120, 30)), (L_HIP, (120, 30, 120)),
+    (L_KNE, (20, 90, 160)), (L_ANK, (90, 60, 20))) for side in (0, 1)}
 SYNTHETIC_VERSION = 1     # bump when the drawing changes, so caches are redrawn
 SKIN, EYE, NOSE_COLOUR, EAR_COLOUR = (150, 185, 235), (40, 30, 30), (40, 40, 220), (60, 120, 200)
 ANIMAL = "quadruped"
