@@ -178,7 +178,6 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
     except DataError as exc:
         exc.summary = summary
         raise
-    summary["skipped"] = dict(Counter(item["kind"] for item in summary["bad"]))
     summary["bytes"] = out_path.stat().st_size
     return summary
 
@@ -215,9 +214,9 @@ def _write(f, category, images, by_image, ann_path, images_dir, settings: Conver
             dataset[len(infos)] = value
         infos.append(info)
         records.append(record)
+    summary["skipped"] = dict(Counter(item["kind"] for item in summary["bad"]))
     if not infos:
-        skipped = Counter(item["kind"] for item in summary["bad"])
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(summary["skipped"].items()))
         raise DataError(f"{ann_path}: no image was kept ({reasons or 'the JSON lists none'}); "
                         "nothing written")
     for dataset in per_image:
