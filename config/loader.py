@@ -80,12 +80,8 @@ def _number(key: str, value: Any, kind: type, what: str = "") -> Any:
         with contextlib.suppress(ValueError):
             value = float(value) if kind is float else int(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if kind is float:
-            return float(value)
-        if isinstance(value, int):
-            return value
-        if math.isfinite(value) and value.is_integer():
-            return int(value)
+        if kind is float or isinstance(value, int) or (math.isfinite(value) and value.is_integer()):
+            return kind(value)
     raise ConfigError(f"option {key}: {what}expected {_EXPECTED[kind]}, got {value!r}")
 
 
