@@ -89,11 +89,9 @@ def _links(category: dict, count: int, source: str, links_from: int | None) -> t
     if (bad := next((link for link in links if not all(low <= i <= high for i in link)), None)) is not None:
         _fail(source, f"skeleton link {list(bad)} is not a pair of keypoint numbers {low}-{high} "
               f"(the category lists {count} keypoints)")
-    pairs = []
-    for a, b in links:
-        a, b = a - base, b - base
-        if a != b and (a, b) not in pairs and (b, a) not in pairs:
-            pairs.append((a, b))
+    shifted = [(a - base, b - base) for a, b in links]
+    pairs = [(a, b) for k, (a, b) in enumerate(shifted)       # each once, either way round, no loops
+             if a != b and (a, b) not in shifted[:k] and (b, a) not in shifted[:k]]
     return pairs, [f"skeleton links (categories[].skeleton) counted from {base} ({why}); --links-from "
                    f"{1 - base} reads them the other way"]
 
