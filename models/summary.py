@@ -2,6 +2,7 @@
 MACs are counted with forward hooks on conv and linear layers, on the `meta` device."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -26,20 +27,15 @@ def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int
     """(MACs of one `input_size` image, {leaf module name: MACs}) of the model's forward."""
     height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
     per_module: dict[str, int] = defaultdict(int)
-    handles = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Conv2d, nn.Linear)):      # a MAC per output element and weight it meets
-            def hook(mod, inputs, output, name=name):
-                per_module[name] += output.numel() * mod.weight[0].numel()    # Linear's: in_features
-            handles.append(module.register_forward_hook(hook))
     meta_state = {name: torch.empty_like(t, device="meta")
                   for name, t in list(model.named_parameters()) + list(model.named_buffers())}
-    try:
-        with eval_mode(model):
-            functional_call(model, meta_state, (torch.zeros(1, 3, height, width, device="meta"),))
-    finally:
-        for handle in handles:
-            handle.remove()
+    with contextlib.ExitStack() as hooks, eval_mode(model):
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):      # a MAC per output element and weight it meets
+                def hook(mod, inputs, output, name=name):
+                    per_module[name] += output.numel() * mod.weight[0].numel()    # Linear's: in_features
+                hooks.callback(module.register_forward_hook(hook).remove)
+        functional_call(model, meta_state, (torch.zeros(1, 3, height, width, device="meta"),))
     return sum(per_module.values()), dict(per_module)
 
 
