@@ -67,11 +67,8 @@ def _main(argv=None) -> int:
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")
     chosen = np.random.default_rng(args.seed).choice(len(dataset), min(args.n, len(dataset)), replace=False)
-    panels = []
-    for index in chosen:
-        panel = sample_panels(dataset.sample_arrays(int(index)), dataset.skeleton)
-        cv2.putText(panel, f"#{index}", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1)
-        panels.append(panel)
+    panels = [cv2.putText(sample_panels(dataset.sample_arrays(int(index)), dataset.skeleton), f"#{index}",
+                          (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (255, 255, 255), 1) for index in chosen]
     while len(panels) % PER_ROW and len(panels) > PER_ROW:      # the last row padded with blanks
         panels.append(np.zeros_like(panels[0]))
     grid = np.vstack([np.hstack(panels[i:i + PER_ROW]) for i in range(0, len(panels), PER_ROW)])
