@@ -116,9 +116,8 @@ def draw_image(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]:
     """One image and its annotations (without ids): people, small unlabelled people, crowds."""
     height = width = size
     image = _background(rng, height, width)
-    anns = []
-    for _ in range(int(rng.integers(0, 3)) if rng.random() < 0.3 else 0):     # no keypoints
-        anns.append(_small_person(rng, image, size, crowd=False))
+    anns = [_small_person(rng, image, size, crowd=False)                       # no keypoints
+            for _ in range(int(rng.integers(0, 3)) if rng.random() < 0.3 else 0)]
     if rng.random() < 0.15:
         anns.append(_small_person(rng, image, size, crowd=True))
     people = []
