@@ -92,13 +92,19 @@ def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, facto
 class PoseEstimator:
     """A network (a model of this project, or an `OnnxNetwork`) with the settings it runs at."""
 
-    def __init__(self, network, settings: PredictSettings, config: Config | None = None):
+    def __init__(self, network, settings: PredictSettings):
         self.network = as_network(network)
         self.settings = settings
         self.skeleton = self.network.skeleton       # what its channels are (`data.skeleton`)
-        self.config = config                        # the whole config of the file it came from, if any
+        self.config: Config | None = None           # the whole config of the file it came from, if any
         self.max_side = MAX_SIDE                    # larger pictures run shrunk to it
         self.window = WINDOW                        # batches of pictures the network takes at once
+
+    @classmethod
+    def _loaded(cls, network, config: Config) -> "PoseEstimator":
+        estimator = cls(network, PredictSettings.of(config))
+        estimator.config = config
+        return estimator
 
     @classmethod
     def from_checkpoint(cls, path, device="auto", preset: str | None = None, sets=(), scales=None,
@@ -108,14 +114,13 @@ class PoseEstimator:
             raise CheckpointError(f"{path} is an ONNX file, not a checkpoint: load it with "
                                   "PoseEstimator.from_onnx (demo.py takes it as --weights too)")
         model, config = load_model(str(path), preset, list(sets), pick_device(device), scales, flip)
-        return cls(model, PredictSettings.of(config), config)
+        return cls._loaded(model, config)
 
     @classmethod
     def from_onnx(cls, path, sets=(), scales=None, flip: bool | None = None) -> "PoseEstimator":
         """From a file written by export.py (its config rides in the file), run by onnxruntime."""
         network = OnnxNetwork(path)
-        config = network.config(list(sets), scales, flip)
-        return cls(network, PredictSettings.of(config), config)
+        return cls._loaded(network, network.config(list(sets), scales, flip))
 
     @classmethod
     def from_file(cls, path, device="auto", **options) -> "PoseEstimator":
