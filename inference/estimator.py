@@ -29,7 +29,7 @@ from runtime.distributed import current_context
 from inference.grouping import group_people
 from inference.loading import load_model, pick_device
 from inference.onnx_network import OnnxNetwork
-from inference.picture_input import MAX_SIDE, checked_picture, coordinates_back, shrunk
+from inference.picture_input import MAX_SIDE, checked_picture, shrunk
 from inference.predict import as_network, network_maps, picture_maps
 
 COCO_PICTURE_PIXELS = 640 * 480      # a window holds WINDOW x batch_size of these at most
@@ -75,8 +75,9 @@ def grouped_in_pool(maps_stream: Iterable, cfg: InferenceConfig, skeleton, facto
 
     def oldest() -> tuple:
         maps, keypoints, scores = pending.popleft().result()
-        if factors is not None:
-            keypoints = coordinates_back(keypoints, factors.popleft())
+        if factors is not None and (factor := factors.popleft()) != 1.0:   # back to the picture's pixels
+            found = keypoints[..., 2:] > 0                                      # (missing ones stay 0)
+            keypoints[..., :2] = np.where(found, (keypoints[..., :2] + 0.5) * factor - 0.5, 0)
         return maps, keypoints, scores
 
     with ThreadPoolExecutor(threads, thread_name_prefix="group_people") as pool:

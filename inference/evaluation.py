@@ -34,14 +34,12 @@ from inference.predict import as_network
 
 def oracle_maps(h5, img: int, targets: TargetConfig) -> tuple[np.ndarray, float]:
     """(ground-truth maps [C, H, W] of image `img` at the network's size, picture px per map px)."""
-    height, width = h5.image_size(img)
-    _, person_mask = h5.masks(img)
+    _, person_mask = h5.masks(img)                   # at the image's size (HxW)
     people = h5.people(img)
     person_mask, factor = shrunk(person_mask.astype(np.float32), MAX_SIDE)
     if factor != 1.0:
         people[..., :2] = (people[..., :2] + 0.5) / factor - 0.5
-        height, width = person_mask.shape
-    maps = render_targets(people, height, width, 1, targets, h5.skeleton, person_mask=person_mask)
+    maps = render_targets(people, *person_mask.shape, 1, targets, h5.skeleton, person_mask=person_mask)
     return maps, factor
 
 

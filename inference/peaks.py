@@ -66,8 +66,7 @@ def _local_maxima_sparse(heatmaps, threshold) -> np.ndarray:
     keep = (((value >= flat[cand - 1]) | (column == 0))
             & ((value >= flat[np.minimum(cand + 1, flat.size - 1)]) | (column == width - 1)))
     cand, value = cand[keep], value[keep]
-    plane = cand % (height * width)
-    i, j = plane // width, plane % width
+    i, j = np.divmod(cand % (height * width), width)
     for di, dj in ((-1, 0), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1)):   # left, right: done above
         nb, _ = _neighbour(cand, i, j, di, dj, height, width)
         keep = value >= flat[nb]
@@ -79,8 +78,7 @@ def _plateau_firsts(flat, cand, height, width):
     """(kept mask, half_step [N, 2]) of maxima `cand`: one whose earlier neighbour is equal is
     dropped; a kept one notes its plateau's centre (dx, dy in {-0.5, 0, 0.5})."""
     value = flat[cand]
-    plane = cand % (height * width)
-    i, j = plane // width, plane % width
+    i, j = np.divmod(cand % (height * width), width)
     first = np.ones(cand.shape, dtype=bool)
     for di, dj in _EARLIER:
         nb, inside = _neighbour(cand, i, j, di, dj, height, width)
@@ -128,8 +126,7 @@ def find_peaks(heatmaps: np.ndarray, threshold: float, refine_radius: int = 2, m
             break
         floor[short] = -np.inf        # plateaus dropped some of that map's strongest: take it whole
     value = flat[cand]
-    channel, plane = cand // (height * width), cand % (height * width)
-    i, j = plane // width, plane % width
+    channel, i, j = np.unravel_index(cand, heatmaps.shape)
     if max_per_map > 0 and len(cand) > max_per_map:
         order = np.lexsort((-value, channel))                  # per map, strongest first
         rank = np.arange(len(order)) - np.searchsorted(channel[order], channel[order])

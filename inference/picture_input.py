@@ -63,13 +63,3 @@ def shrunk(picture: np.ndarray, max_side: int = MAX_SIDE) -> tuple[np.ndarray, f
     size = (max(1, round(width / factor)), max(1, round(height / factor)))
     small = cv2.resize(picture, size, interpolation=cv2.INTER_AREA)
     return small, width / small.shape[1]
-
-
-def coordinates_back(keypoints: np.ndarray, factor: float) -> np.ndarray:
-    """Keypoints [P, K, 3] found in a picture shrunk by `factor`, in the picture's pixels (0s kept)."""
-    if factor == 1.0 or not len(keypoints):
-        return keypoints
-    out = keypoints.copy()
-    found = out[..., 2] > 0
-    out[..., :2] = np.where(found[..., None], (out[..., :2] + 0.5) * factor - 0.5, 0)
-    return out

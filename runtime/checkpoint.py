@@ -218,28 +218,22 @@ def load_weights(model: nn.Module, path_or_state, allow_partial: bool = False, s
         raise CheckpointError(f"{source} does not match the model; " + "; ".join(problems)
                               + f"; pass --allow-partial to load only the {len(matching)} "
                               "matching tensors")
-    check_values(matching, expected, source)
-    target.load_state_dict(matching, strict=False)
-    return {"source": source, "loaded": len(matching), "missing": missing,
-            "unexpected": unexpected, "mismatched": mismatched,
-            "converted": REFERENCE_NOTE if reference is not None else ""}
-
-
-def check_values(weights: dict, expected: dict, source: str) -> None:
-    """CheckpointError naming `source` and the first tensor of `weights` that is not floating-point
-    where the model's is (load_state_dict would cast it silently), or not finite."""
-    for name, tensor in weights.items():
+    for name, tensor in matching.items():     # load_state_dict would cast another dtype silently
         wanted = expected[name]
         if wanted.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
             raise CheckpointError(f"{source}: tensor {name} holds {str(tensor.dtype).replace('torch.', '')} "
                                   f"values where the model has {str(wanted.dtype).replace('torch.', '')}: "
                                   "not weights this trainer wrote")
-    if unusable := non_finite(weights):
-        name, tensor = unusable[0], weights[unusable[0]]
+    if unusable := non_finite(matching):
+        name, tensor = unusable[0], matching[unusable[0]]
         bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(f"{source}: tensor {name} holds {bad} NaN or infinite values of "
                               f"{tensor.numel()}: these weights are unusable (a run that diverged?); "
                               "use an earlier checkpoint")
+    target.load_state_dict(matching, strict=False)
+    return {"source": source, "loaded": len(matching), "missing": missing,
+            "unexpected": unexpected, "mismatched": mismatched,
+            "converted": REFERENCE_NOTE if reference is not None else ""}
 
 
 def non_finite(weights: dict) -> list[str]:
