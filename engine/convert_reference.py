@@ -16,9 +16,7 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, run_cli
 from common.paths import refuse_clashes, refuse_existing
-from config.schema import add_flags
-
-DEFAULT_PRESET = "imhn512"
+from config.schema import REFERENCE_PRESET, add_flags
 
 
 def build_parser() -> ArgumentParser:
@@ -26,8 +24,8 @@ def build_parser() -> ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="IN.pth", help="checkpoint in the authors' layout")
     p.add_argument("out", metavar="OUT.pth", help="checkpoint of this trainer to write")
-    p.add_argument("--config", default=DEFAULT_PRESET,
-                   help=f"preset or YAML of the run it continues (default {DEFAULT_PRESET})")
+    p.add_argument("--config", default=REFERENCE_PRESET,
+                   help=f"preset or YAML of the run it continues (default {REFERENCE_PRESET})")
     add_flags(p, keys=())
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT.pth")
     return p

@@ -105,6 +105,5 @@ class WeightsEMA(Hook):
             raise CheckpointError("its EMA weights do not fit this model "
                                   f"({len(differ)} tensors differ, e.g. {', '.join(differ[:3])}); "
                                   "start from its weights with --weights")
-        for name, tensor in self.averaged.items():
-            tensor.copy_(saved[name])
+        torch._foreach_copy_(list(self.averaged.values()), [saved[name] for name in self.averaged])
         self.updates = updates

@@ -13,9 +13,8 @@ from runtime.checkpoint import unwrap_model
 def _matches(name: str, pattern: str) -> bool:
     """Whether `pattern` names `name` or one of its enclosing modules."""
     parts = name.split(".")
-    return any(
-        prefix == pattern or fnmatchcase(prefix, pattern)
-        for prefix in (".".join(parts[:n]) for n in range(1, len(parts) + 1)))
+    prefixes = (".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    return any(prefix == pattern or fnmatchcase(prefix, pattern) for prefix in prefixes)
 
 
 def _parameter_count(model: nn.Module, trainable: bool) -> int:

@@ -169,16 +169,14 @@ class RunLogger:
             axes[0].plot([r["step"] for r in with_loss], [r["loss"] for r in with_loss], "o-",
                          label="val loss")
         axes[0].set(yscale="log", xlabel="step", ylabel="loss")
-        handles, labels = axes[0].get_legend_handles_labels()
         key = next((k for k in SHARES if any(k in r for r in val)), None)   # AP, else PCK, else AUC
         if with_ap := [r for r in val if key in r]:
             ap_axis = axes[0].twinx()
-            ap_line, = ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-",
-                                    color="g", label=f"val {key} (last {with_ap[-1][key]:.3f})")
+            ap_axis.plot([r["step"] for r in with_ap], [r[key] for r in with_ap], "s-", color="g",
+                         label=f"val {key} (last {with_ap[-1][key]:.3f})")
             ap_axis.set(ylabel=key, ylim=(0, 1))
-            handles, labels = handles + [ap_line], labels + [ap_line.get_label()]
-        if handles:
-            axes[0].legend(handles, labels, loc="upper right", fontsize="small")
+        fig.legend(loc="upper right", bbox_to_anchor=(1, 1), bbox_transform=axes[0].transAxes,
+                   fontsize="small")          # the lines of the loss axis and of its metric twin
         axes[1].plot([r["step"] for r in train], [r["lr"] for r in train],
                      marker="." if len(train) < 60 else None)
         axes[1].set(xlabel="step", ylabel="learning rate")

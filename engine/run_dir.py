@@ -7,7 +7,7 @@ import fcntl
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError, UserError, os_reason
@@ -207,12 +207,11 @@ def plan_run(cfg: Config, reader: CheckpointReader | None = None) -> RunPlan:
             if path and not train.ema and EMA_KEY in reader.state(path):     # an average it drops
                 notes.append(f"--ema 0: the average of the weights in {path} is dropped; this run validates "
                              "and keeps its own weights (resume with --ema DECAY to continue the average)")
-            return str(run_dir), created, path, cfg, state, notes
+            return RunPlan(run_dir, created, path and Path(path), cfg, None, state, notes)
         except BaseException:      # a run that did not start leaves no directory behind
             release_run_dir(run_dir, remove_if_empty=created)
             raise
-    run_dir, created, path, config, state, notes = dist.decided_on_main(decide)
-    return RunPlan(Path(run_dir), created, Path(path) if path else None, config, reader, state, notes)
+    return replace(dist.decided_on_main(decide), reader=reader)      # the reader stays on each rank
 
 
 def _resume_path(train: TrainConfig, run_dir: Path, reader: CheckpointReader) -> str | None:

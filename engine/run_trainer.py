@@ -80,8 +80,7 @@ def loop_inputs(train: TrainConfig, built: RunComponents, device) -> LoopInputs:
     """What the loop runs of `built`: `train.max_steps_per_epoch` steps at most per epoch."""
     # loader batches per epoch, a whole number of steps of `accumulate` batches each
     steps = built.data.sampler.batches_per_epoch // train.accumulate
-    if train.max_steps_per_epoch:
-        steps = min(steps, train.max_steps_per_epoch)
+    steps = min(steps, train.max_steps_per_epoch or steps)
     return LoopInputs(built.net, built.optim_step, training_feed(built.data, device),
                       steps * train.accumulate, train.epochs, train.accumulate,
                       train.batch_size * train.accumulate, built.model)

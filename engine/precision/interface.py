@@ -19,12 +19,9 @@ def live_state_dict(model: nn.Module) -> dict:
     state = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        for name, param in module._parameters.items():
-            if param is not None:
-                state.setdefault(dot + name, param.detach())
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                state.setdefault(dot + name, buf.detach())
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:   # names never shared
+            if tensor is not None and name not in module._non_persistent_buffers_set:
+                state.setdefault(dot + name, tensor.detach())
     return state
 
 
