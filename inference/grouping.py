@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -126,7 +127,7 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     count_b = bounds[ends[:, 1] + 1] - bounds[ends[:, 1]]
     connections: list[list[tuple]] = [[] for _ in limbs]
     pairs = count_a * count_b
-    peaks = (bounds, np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1]), peak_score)
+    peaks = _Peaks(bounds, np.ascontiguousarray(xy[:, 0]), np.ascontiguousarray(xy[:, 1]), peak_score)
     first = 0
     while first < len(limbs):                   # limbs [first, last) together: one matching
         last = first + max(1, int(np.searchsorted(np.cumsum(pairs[first:]), PAIR_BUDGET, "right")))
@@ -145,11 +146,15 @@ def limb_connections(limb_maps: np.ndarray, bounds: np.ndarray, xy: np.ndarray, 
     return connections
 
 
-def _accepted(limb_maps, ends, peaks: tuple, count_b, pairs, first: int, lo: int,
+# every keypoint's peaks: keypoint k's are `bounds[k]:bounds[k + 1]` of `x`, `y`, `score`
+_Peaks = NamedTuple("_Peaks", [("bounds", np.ndarray), ("x", np.ndarray), ("y", np.ndarray),
+                               ("score", np.ndarray)])
+
+
+def _accepted(limb_maps, ends, peaks: _Peaks, count_b, pairs, first: int, lo: int,
               cfg: InferenceConfig) -> tuple:
     """(limb, local_a, local_b, score, length, rank) of the accepted pairs among candidates
-    lo:lo + PAIR_BUDGET of the limbs from `first` (`pairs` each), listed by limb then (a, b) row-major.
-    `peaks`: (bounds, x, y, score) of every peak, keypoint k's at `bounds[k]:bounds[k + 1]`."""
+    lo:lo + PAIR_BUDGET of the limbs from `first` (`pairs` each), listed by limb then (a, b) row-major."""
     bounds, x, y, peak_score = peaks
     starts = np.cumsum(pairs) - pairs
     index = np.arange(lo, min(lo + PAIR_BUDGET, int(pairs.sum())))

@@ -9,10 +9,8 @@ import torch
 
 from common.errors import CheckpointError, ConfigError, refuse_inapplicable
 from config.loader import build_config
-from config.schema import Config
+from config.schema import REFERENCE_PRESET, Config
 from data.skeleton import from_checkpoint
-
-DEFAULT_PRESET = "imhn512"
 
 
 def pick_device(device) -> torch.device:
@@ -32,7 +30,7 @@ def inference_config(saved: dict | None, preset: str | None, sets: list[str],
     if saved is not None:
         saved = {k: v for k, v in saved.items() if k != "preset"}
         return build_config(None, overrides=saved, sets=sets, options=options)
-    return build_config(preset or DEFAULT_PRESET, overrides={"model": model} if model else None, sets=sets,
+    return build_config(preset or REFERENCE_PRESET, overrides={"model": model} if model else None, sets=sets,
                         options=options)
 
 
@@ -74,7 +72,7 @@ def load_model(weights: str, preset: str | None, sets: list[str], device, scales
         if saved is not None or settings is not None or str(exc) == str(not_a_checkpoint):
             raise
         raise CheckpointError(f"{exc} (the file holds no config: the network was built from preset "
-                              f"{preset or DEFAULT_PRESET}; give the --preset of its run)") from None
+                              f"{preset or REFERENCE_PRESET}; give the --preset of its run)") from None
     say = say or (lambda text: print(text, file=sys.stderr))
     for note in (report["converted"], ema_note):
         if note:
