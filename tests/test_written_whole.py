@@ -45,6 +45,7 @@ class _Finalized:
         self.then()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowed raise
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_whose_raise_a_finalizer_swallowed_still_keeps_the_users_file(tmp_path, sig):
     out, went_on = tmp_path / "out.h5", []
