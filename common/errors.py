@@ -99,7 +99,6 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
     stops = (signal.SIGTERM, signal.SIGINT) if handles_term else ()
     previous = {sig: signal.signal(sig, _stop) for sig in stops}
-    _STOP_SIGNALS_SEEN.clear()
     try:
         main(argv)
     except Exception as exc:
