@@ -98,6 +98,24 @@ def wait_until(predicate, process: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.02)
 
 
+def last_logged_step(run_dir: Path) -> int:
+    """The step of the last whole train record of RUN_DIR/metrics.jsonl (0 before the first one).
+
+    A resumed run appends from its resume point, so this is where the run is now."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:   # the line being written
+            continue
+        if record["kind"] == "train":
+            return record["step"]
+    return 0
+
+
 def logged_steps(run_dir: Path) -> int:
     try:
         return len(read_metrics(run_dir))
@@ -129,7 +147,7 @@ def finish(process: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str,
 
 # -- SIGKILL at random moments ----------------------------------------------------------------------
 KILLS = 3
-KILL_EPOCHS, KILL_STEPS = 10, 2   # a checkpoint every 2 steps: kills land in steps, saves and plots
+KILL_EPOCHS, KILL_STEPS = 16, 2   # a checkpoint every 2 steps: kills land in steps, saves and plots
 
 
 @pytest.mark.slow
@@ -150,7 +168,12 @@ def test_sigkill_at_random_moments_resume_auto_ends_with_the_weights_of_an_unsto
         # kill only after this process saved once, so every round makes progress
         wait_until(lambda: last.exists() and last.stat().st_mtime_ns != before, process,
                    f"a new last.pth in round {kill + 1}")
-        time.sleep(rng.uniform(0.0, 1.2))
+        # at a random moment, but soon enough that every later round still has two epochs left:
+        # a micro run finishes 8 epochs in about 1.2 s on a quiet machine
+        deadline = time.monotonic() + rng.uniform(0.0, 1.2)
+        latest = (KILL_EPOCHS - 2 * (KILLS - kill)) * KILL_STEPS
+        while time.monotonic() < deadline and last_logged_step(last.parent) < latest:
+            time.sleep(0.01)
         process.send_signal(signal.SIGKILL)
         rc, out, _ = finish(process)
         assert rc == -signal.SIGKILL, f"round {kill + 1} ended by itself, not by the kill"
