@@ -152,16 +152,15 @@ class RunLogger:
         if not self.enabled or not (now or time.monotonic() - self.drawn_at >= CURVES_EVERY_S):
             return
         self.drawn_at = time.monotonic()
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure      # not pyplot: no backend, no global figures
         records = self.read()
         train = [r for r in records if r["kind"] == "train"]
         steps = [r for r in self.read(self.steps_path) if r["kind"] == "step"
                  and isinstance(r.get("loss"), (int, float))] or train
         val = [r for r in records if r["kind"] == "val"]
         # one step axis for both; its autoscale margins keep points at the ends inside
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+        fig = Figure(figsize=(10, 3.6))
+        axes = fig.subplots(1, 2, sharex=True)
         dots = "." if len(steps) < 60 else None        # a short run: each step visible
         axes[0].plot([r["step"] for r in steps], [r["loss"] for r in steps], marker=dots, lw=1,
                      label="train loss (each step)" if steps is not train else "train loss")
@@ -181,11 +180,8 @@ class RunLogger:
                      marker="." if len(train) < 60 else None)
         axes[1].set(xlabel="step", ylabel="learning rate")
         fig.tight_layout()
-        try:
-            with writing(self.curves_path), written_whole(self.curves_path, option="--out-dir") as tmp:
-                fig.savefig(tmp, dpi=80)
-        finally:
-            plt.close(fig)
+        with writing(self.curves_path), written_whole(self.curves_path, option="--out-dir") as tmp:
+            fig.savefig(tmp, dpi=80)
 
     def close(self) -> None:
         self.plot_curves(now=True)
