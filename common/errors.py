@@ -127,9 +127,14 @@ def _say(line: str) -> None:
 ENDINGS_FOLDER = "SIMPLE_POSE_ENDINGS"
 
 
+def error_line(exc: UserError) -> str:
+    """The line a command ends with on `exc`: `error: MESSAGE`, or the message alone if it is plain."""
+    return f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}"
+
+
 def print_error(exc: UserError) -> int:
     """`exc`'s one line on stderr (`error: ...`), also left for the launcher (`ENDINGS_FOLDER`); its code."""
-    line = f"{'' if getattr(exc, 'plain_message', False) else 'error: '}{exc}"
+    line = error_line(exc)
     _say(line)
     if os.environ.get(ENDINGS_FOLDER):
         with contextlib.suppress(OSError):

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, error_line
 from config.schema import Config, TrainConfig
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
@@ -185,5 +185,5 @@ def _failure(exc: Exception, cfg: Config, ctx, run_dir: Path, net, say: RunConso
                             + (f"; the last good checkpoint {kept} is intact" if kept.exists() else ""))
     shown = failure if failure is not None else exc
     if isinstance(shown, UserError):
-        say.record(f"{'' if getattr(shown, 'plain_message', False) else 'error: '}{shown}")
+        say.record(error_line(shown))
     return failure
