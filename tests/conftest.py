@@ -15,7 +15,8 @@ import matplotlib.font_manager  # noqa: F401  (builds the font cache, with `fc-l
 import pytest
 import torch
 
-COCO4_DIR = Path(__file__).resolve().parent / "data" / "coco4"
+REPO = Path(__file__).resolve().parents[1]
+COCO4_DIR = REPO / "tests" / "data" / "coco4"
 
 # One thread in this process and in those it starts (tests/child_env.py says so too): the tests'
 # tensors are small, and two threads of them on a busy machine mostly wait for each other.
@@ -30,7 +31,7 @@ def pytest_configure(config):
     where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) each process the tests
     start would otherwise compile every module it imports again, about 0.3 s of CPU each."""
     if not hasattr(config, "workerinput"):
-        compileall.compile_dir(COCO4_DIR.parents[2], quiet=1, rx=re.compile(r"/\.|/checkpoints/"))
+        compileall.compile_dir(REPO, quiet=1, rx=re.compile(r"/\.|/checkpoints/"))
 
 
 @pytest.fixture(scope="session")

@@ -98,28 +98,19 @@ def wait_until(predicate, process: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.02)
 
 
-def last_logged_step(run_dir: Path) -> int:
-    """The step of the last whole train record of RUN_DIR/metrics.jsonl (0 before the first one).
-
-    A resumed run appends from its resume point, so this is where the run is now."""
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:   # the line being written
-            continue
-        if record["kind"] == "train":
-            return record["step"]
-    return 0
-
-
 def logged_steps(run_dir: Path) -> int:
     try:
         return len(read_metrics(run_dir))
     except (FileNotFoundError, json.JSONDecodeError):   # not written yet, or a line half written
+        return 0
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The step of the last train record (0 before the first one, or while a line is half written):
+    a resumed run appends from its resume point, so this is where the run is now."""
+    try:
+        return ([0] + [record["step"] for record in read_metrics(run_dir)])[-1]
+    except (FileNotFoundError, json.JSONDecodeError):
         return 0
 
 
