@@ -144,12 +144,11 @@ class OptimStep:
                 if grads else torch.zeros(())).to(loss_sum.device)
         # the step's one host read, flags over ranks; the stop flag joins as a fill of a device tensor:
         # no host-to-device copy that would sync
-        bad = bad.float().to(norm.device)
-        flags = dist.all_reduce_max(torch.stack([bad, (~torch.isfinite(norm)).float().reshape(()),
-                                                 torch.full_like(bad, float(stop_requested()))]))
-        loss_sum, bad, not_finite, stop = torch.cat(
-            [loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
-        bad_loss, not_finite, stop = bad > 0, not_finite > 0, stop > 0
+        bad_flag = bad.float().to(norm.device)
+        flags = dist.all_reduce_max(torch.stack([bad_flag, (~torch.isfinite(norm)).float().reshape(()),
+                                                 torch.full_like(bad_flag, float(stop_requested()))]))
+        loss_sum, *read = torch.cat([loss_sum.reshape(1).to(norm.device), flags.to(norm.device)]).tolist()
+        bad_loss, not_finite, stop = (flag > 0 for flag in read)
         skipped, note = bad_loss or not_finite, ""
         if not skipped and self.cfg.clip_grad_norm:   # no clipping pass when clipping is off
             torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.clip_grad_norm, norm)
