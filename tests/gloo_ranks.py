@@ -1,6 +1,7 @@
-"""Run a function on real gloo ranks of one machine (torch.multiprocessing) and collect what each
-rank's call returned: `records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)` a
-module-level function (it is pickled to the children), its result saved by each rank to out_dir;
+"""Run a function on real gloo ranks of one machine (torch.multiprocessing, the processes forked
+from the test's: `start_forked`) and collect what each rank's call returned:
+`records = on_gloo_ranks(record, world, out_dir)` with `record(rank, ctx)`, its result saved by each
+rank to out_dir;
 `as_forked_ranks(function, world, *args)`, a whole entry point such as `train_distributed.main` on
 ranks forked from the test's process (the variables torchrun sets, without its agent and without
 importing torch again: a fraction of a second each), and `forked_job`, the same ranks in a session of
@@ -35,7 +36,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, record) -> None:
 
 def on_gloo_ranks(record, world: int, out_dir: Path) -> list:
     """[record(0, ctx) of rank 0, record(1, ctx) of rank 1, ...]."""
-    mp.spawn(_worker, args=(world, find_free_port(), str(out_dir), record), nprocs=world, join=True)
+    start_forked(_worker, world, (world, find_free_port(), str(out_dir), record))
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -45,13 +46,18 @@ def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> Non
     function(*args)
 
 
-def as_forked_ranks(function, world: int, *args, join: bool = True):
-    """function(*args) on `world` ranks forked from this process; a rank's exception is raised here
-    (with `join`; else the ranks' torch.multiprocessing context is returned)."""
+def start_forked(function, nprocs: int, args: tuple, join: bool = True):
+    """torch.multiprocessing's `spawn(function, args, nprocs)`, the processes forked from this one:
+    no Python start and no torch import (3-5 s of CPU each). A process's exception is raised here
+    (with `join`; else their torch.multiprocessing context is returned)."""
     import cv2
     cv2.setNumThreads(1)     # as the loaders do before their workers fork; in a forked rank it can deadlock
-    return mp.start_processes(_forked_rank, args=(world, find_free_port(), function, args), nprocs=world,
-                              start_method="fork", join=join)
+    return mp.start_processes(function, args=args, nprocs=nprocs, start_method="fork", join=join)
+
+
+def as_forked_ranks(function, world: int, *args, join: bool = True):
+    """function(*args) on `world` ranks forked from this process (`start_forked`)."""
+    return start_forked(_forked_rank, world, (world, find_free_port(), function, args), join=join)
 
 
 def _job(function, world: int, args: tuple) -> None:

@@ -68,6 +68,20 @@ def launch(out_dir: Path, launcher: str, args: list[str], **env) -> subprocess.C
     return proc
 
 
+def forked_launch(args: list[str], **env) -> None:
+    """The driver on 2 ranks forked from this process (torchrun's variables, `env` added), without
+    torchrun's agent and a Python start per rank (gloo_ranks.as_forked_ranks): for runs whose
+    launcher is not what the test is about. A rank's non-zero exit fails the call."""
+    from gloo_ranks import as_forked_ranks
+    as_forked_ranks(_forked_driver, 2, [str(a) for a in args], env)
+
+
+def _forked_driver(args: list[str], env: dict) -> None:
+    os.environ.update(env)
+    sys.argv = [__file__, *args]
+    _patch_trainer_and_run()
+
+
 def dumps(run_dir: Path) -> list[dict]:
     return [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from common.errors import ConfigError
@@ -23,6 +22,7 @@ from config.schema import AmpConfig, DistConfig
 from runtime import distributed as D
 from engine.parallel import wrap_ddp
 from child_env import child_env
+from gloo_ranks import start_forked
 from runtime import launch_env
 from runtime.launch_env import ProcessPlace, find_free_port, read_launch, resolve_device
 
@@ -282,7 +282,7 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
 def records(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("dist")
     ports = [find_free_port() for _ in range(3)]
-    mp.spawn(_worker, args=(ports, str(out_dir)), nprocs=2, join=True)
+    start_forked(_worker, 2, (ports, str(out_dir)))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

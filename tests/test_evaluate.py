@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import evaluate
 from common.errors import DataError
@@ -22,6 +21,7 @@ from runtime.launch_env import find_free_port
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.evaluation import evaluate_h5
 from models import build_model
+from gloo_ranks import start_forked
 
 COCO = builtin("coco")
 
@@ -247,8 +247,8 @@ def test_distributed_evaluation_scores_each_image_exactly_once(coco4_h5, tmp_pat
     argv = ["--oracle", "--h5", str(coco4_h5), "--max-images", "3", "--device", "cpu", "--no-progress"]
     code, single, _ = run_cli(argv + ["--out", str(tmp_path / "single.json")], capsys)
     assert code == 0
-    mp.spawn(_distributed_worker, nprocs=2, join=True,
-             args=(find_free_port(), argv + ["--out", str(tmp_path / "dist.json")], str(tmp_path)))
+    start_forked(_distributed_worker, 2,
+                 (find_free_port(), argv + ["--out", str(tmp_path / "dist.json")], str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]                          # every rank takes the same decisions
     assert ranks[0]["num_images"] == 3

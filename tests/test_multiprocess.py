@@ -1,10 +1,10 @@
 """Real multi-process training on CPU (gloo, 2 processes) against one process on the same total batch.
 
 train_distributed.py runs under torchrun, under the legacy `torch.distributed.launch` (which passes
---local-rank) and under hand-set launcher variables, through the driver of `multiprocess_runs`
-(no product hook): every rank also dumps its own weights and per-step record next to the
-checkpoint, and one rank's loss can be blown up at a chosen step. The runs are module fixtures
-shared by the assertions.
+--local-rank), under hand-set launcher variables, and, where the launcher is not the point, on ranks
+forked from this process (`forked_launch`), through the driver of `multiprocess_runs` (no product
+hook): every rank also dumps its own weights and per-step record next to the checkpoint, and one
+rank's loss can be blown up at a chosen step. The runs are module fixtures shared by the assertions.
 
 Tolerance: this network's float32 gradients at initialisation are ill-conditioned (BatchNorm over
 tiny batches: one process in float32 vs float64 differs by ~5 % of the gradient norm), so 2 vs 1
@@ -35,7 +35,7 @@ from engine.loaders import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
-                               data_args, dumps, initial_weights, launch, ranks_identical, records,
+                               data_args, dumps, forked_launch, initial_weights, launch, ranks_identical, records,
                                relative_difference, weights)
 
 COCO = builtin("coco")
@@ -181,9 +181,8 @@ def test_ddp_validation_on_uneven_shards_counts_every_sample_once(ddp_sync):
 @pytest.fixture(scope="module")
 def ddp_skip(out_dir, synthetic_h5) -> Path:
     """torchrun, 2 processes; only rank 1's loss is abnormal (x 1e9), at step 2 of 3."""
-    launch(out_dir, "torch.distributed.run",
-           [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
-            "--run-name", "ddp_skip"], TEST_BLOW_UP="1:2")
+    forked_launch([*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
+                   "--run-name", "ddp_skip"], TEST_BLOW_UP="1:2")
     return out_dir / "ddp_skip"
 
 
@@ -203,10 +202,9 @@ def test_a_skip_decided_by_one_ranks_loss_is_taken_by_both(ddp_skip):
 @pytest.fixture(scope="module")
 def ddp_accumulate(out_dir, synthetic_h5) -> Path:
     """torchrun, 2 processes of batch 1, --accumulate 2, --sync-bn; rank 1's loss abnormal at step 2."""
-    launch(out_dir, "torch.distributed.run",
-           [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
-            "--batch-size", "2", "--accumulate", "2", "--sync-bn", "--run-name", "ddp_accumulate"],
-           TEST_BLOW_UP="1:2")
+    forked_launch([*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
+                   "--batch-size", "2", "--accumulate", "2", "--sync-bn", "--run-name", "ddp_accumulate"],
+                  TEST_BLOW_UP="1:2")
     return out_dir / "ddp_accumulate"
 
 
@@ -227,10 +225,9 @@ def test_accumulating_ranks_skip_together_and_stay_identical(ddp_accumulate):
 def test_accumulation_under_ddp_static_graph_all_reduces_every_batch(out_dir, synthetic_h5):
     """DDP's static graph mode fails an internal assert under no_sync: the engine all-reduces each
     batch there instead (the same mean gradient)."""
-    launch(out_dir, "torch.distributed.run",
-           [*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
-            "--batch-size", "2", "--accumulate", "2", "--set", "dist.static_graph=true",
-            "--run-name", "ddp_static"])
+    forked_launch([*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
+                   "--batch-size", "2", "--accumulate", "2", "--set", "dist.static_graph=true",
+                   "--run-name", "ddp_static"])
     assert ranks_identical(*dumps(out_dir / "ddp_static"), bn_statistics=False)
     assert load_checkpoint(out_dir / "ddp_static" / "last.pth")["step"] == 3
 
@@ -288,9 +285,8 @@ def test_a_resume_on_another_process_count_without_sync_bn_says_how_batchnorm_ch
 
 @pytest.mark.slow
 def test_train_py_checkpoint_continues_under_ddp_with_2_processes(out_dir, single):
-    launch(out_dir, "torch.distributed.run",
-           ["--resume", str(copied_into(out_dir / "continued", single / "epoch_1.pth")), "--epochs", "2",
-            "--out-dir", str(out_dir), "--sync-bn", *NO_VALIDATION])
+    forked_launch(["--resume", copied_into(out_dir / "continued", single / "epoch_1.pth"), "--epochs", "2",
+                   "--out-dir", out_dir, "--sync-bn", *NO_VALIDATION])
     check_continued(out_dir / "continued", single)
     rank0, rank1 = dumps(out_dir / "continued")
     assert [s["lr"] for s in rank0["steps"]] == [s["lr"] for s in rank1["steps"]] == [LR_EPOCH_2] * 3

@@ -16,7 +16,7 @@ import pytest
 import train
 from child_env import child_env
 from runtime.launch_env import find_free_port
-from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, launch, ranks_identical
+from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, forked_launch, ranks_identical
 from test_preemption import REPO, message_lines, write_micro_preset
 
 pytestmark = pytest.mark.slow          # every test here starts processes
@@ -137,8 +137,7 @@ def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank_memory_mapped(tmp_pa
                                                         "--set", "dist.timeout_s=30"]
     train.main([*args, "--epochs", "2", "--save-every", "1", "--device", "cpu"])   # steps 2 and 4
     # rank 1 sees epoch_1.pth as the newest file (a shared filesystem showing it an older state)
-    launch(tmp_path, "torch.distributed.run", [*args, "--epochs", "3", "--resume", "auto"],
-           TEST_STALE_VIEW="epoch_1.pth")
+    forked_launch([*args, "--epochs", "3", "--resume", "auto"], TEST_STALE_VIEW="epoch_1.pth")
     rank0, rank1 = dumps(tmp_path / "run")
     assert len(rank0["steps"]) == len(rank1["steps"]) == 2          # both resumed at step 4
     assert ranks_identical(rank0, rank1, bn_statistics=False)
