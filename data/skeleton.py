@@ -246,7 +246,7 @@ class Skeleton:
         limbs = main + _pairs(spec.get("redundant"), "redundant", index, source)
         if not main:
             _fail(source, "the skeleton has no limbs (give limbs: [[keypoint, keypoint], ...])")
-        if twice := next((p for k, p in enumerate(limbs) if p in limbs[:k] or p[::-1] in limbs[:k]), None):
+        if twice := next((p for k, p in enumerate(limbs) if either_way_in(p, limbs[:k])), None):
             _fail(source, f"limb {[names[i] for i in twice]} is listed twice")
         reached = {0} | {b for _, b in limb_walk(len(names), limbs)}
         if lost := [name for k, name in enumerate(names) if k not in reached]:
@@ -332,14 +332,17 @@ def _pairs(value, what: str, index: dict, source: str) -> list:
         if any(isinstance(name, int) for name in pair):     # no base (0 or 1) is guessed: names only
             _fail(source, f"{what}: {list(pair)} gives keypoint numbers; a skeleton file names the "
                   f"keypoints, e.g. {list(index)[:2]}")
-        for name in pair:
-            if name not in index:
-                _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "
-                      f"(keypoints: {', '.join(map(repr, index))})")
+        if (name := next((n for n in pair if n not in index), None)) is not None:
+            _fail(source, f"{what}: {list(pair)} names {name!r}, which is not a keypoint "
+                  f"(keypoints: {', '.join(map(repr, index))})")
         if pair[0] == pair[1]:
             _fail(source, f"{what}: {list(pair)} joins {pair[0]!r} to itself")
         out.append((index[pair[0]], index[pair[1]]))
     return out
+
+
+def either_way_in(pair, pairs) -> bool:          # the limb a-b is the limb b-a
+    return pair in pairs or pair[::-1] in pairs
 
 
 def limb_walk(count: int, limbs, start: int = 0) -> list:

@@ -8,8 +8,8 @@ from collections import Counter
 
 import numpy as np
 
-from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, limb_walk, name_flips,
-                           unpaired_sided)
+from data.skeleton import (DEFAULT_SIGMA, Skeleton, _fail, builtin, builtin_names, either_way_in, limb_walk,
+                           name_flips, unpaired_sided)
 
 MAX_PEOPLE = 2000          # people whose keypoints measure the distances (the file's first ones)
 SHOWN = 12                 # names or links listed in one report line
@@ -91,7 +91,7 @@ def _links(category: dict, count: int, source: str, links_from: int | None) -> t
               f"(the category lists {count} keypoints)")
     shifted = [(a - base, b - base) for a, b in links]
     pairs = [(a, b) for k, (a, b) in enumerate(shifted)       # each once, either way round, no loops
-             if a != b and (a, b) not in shifted[:k] and (b, a) not in shifted[:k]]
+             if a != b and not either_way_in((a, b), shifted[:k])]
     return pairs, [f"skeleton links (categories[].skeleton) counted from {base} ({why}); --links-from "
                    f"{1 - base} reads them the other way"]
 
@@ -135,7 +135,7 @@ def _joins(links: list, flip: list, distance: np.ndarray, among) -> list:
     for _, a, b in sorted((distance[a, b], a, b) for a in inside for b in inside if a < b):
         if root(a) != root(b):
             for pair in ((a, b), (flip[a], flip[b])):
-                if pair[0] != pair[1] and not {pair, pair[::-1]} & set(links + added):
+                if pair[0] != pair[1] and not either_way_in(pair, links + added):
                     added.append(pair)
                     join(*pair)
     return added
@@ -150,7 +150,7 @@ def fit_to_labels(skeleton: Skeleton, points: np.ndarray, source: str) -> tuple[
     labelled = np.flatnonzero((ours[..., 2] > 0).any(0))
     usable = [(a, b) for a, b in skeleton.limbs if a in labelled and b in labelled]
     added = _joins(usable, list(skeleton.flip), _mean_distances(ours), labelled)
-    added = [p for p in added if p not in skeleton.limbs and p[::-1] not in skeleton.limbs]
+    added = [p for p in added if not either_way_in(p, skeleton.limbs)]
     if not added:
         return skeleton, []
     names = skeleton.keypoints
@@ -171,13 +171,13 @@ def infer_skeleton(category: dict, names: list, points: np.ndarray, source: str,
     pairs, report = _links(category, len(names), source, links_from)
     flip = name_flips(names)
     mirrors = [m for m in dict.fromkeys((flip[a], flip[b]) for a, b in pairs)
-               if m[0] != m[1] and m not in pairs and m[::-1] not in pairs]
+               if m[0] != m[1] and not either_way_in(m, pairs)]
     joins = _joins(pairs + mirrors, flip, _mean_distances(points), range(len(names)))   # inf: no people
     links = pairs + mirrors + joins
     degree = np.bincount(np.array(links, int).reshape(-1), minlength=len(names))
     start = int(np.argmax(degree))
     main = limb_walk(len(names), links, start)
-    redundant = [p for p in links if p not in main and p[::-1] not in main]
+    redundant = [p for p in links if not either_way_in(p, main)]
     spec = {"name": category.get("name") or "custom", "keypoints": list(names),
             "channels": [names[start]] + [n for k, n in enumerate(names) if k != start],
             "limbs": [[names[a], names[b]] for a, b in main],
