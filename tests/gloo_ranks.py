@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -46,13 +47,24 @@ def _forked_rank(rank: int, world: int, port: int, function, args: tuple) -> Non
     function(*args)
 
 
-def start_forked(function, nprocs: int, args: tuple, join: bool = True):
+def start_forked(function, nprocs: int, args: tuple, join: bool = True, timeout_s: float = 240):
     """torch.multiprocessing's `spawn(function, args, nprocs)`, the processes forked from this one:
-    no Python start and no torch import (3-5 s of CPU each). A process's exception is raised here
-    (with `join`; else their torch.multiprocessing context is returned)."""
+    no Python start and no torch import (3-5 s of CPU each). With `join`, a process's exception is
+    raised here, and processes still running after `timeout_s` are killed and fail the test; else
+    their torch.multiprocessing context is returned."""
     import cv2
     cv2.setNumThreads(1)     # as the loaders do before their workers fork; in a forked rank it can deadlock
-    return mp.start_processes(function, args=args, nprocs=nprocs, start_method="fork", join=join)
+    context = mp.start_processes(function, args=args, nprocs=nprocs, start_method="fork", join=False)
+    if not join:
+        return context
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"{function.__name__} on {nprocs} forked processes still ran after "
+                                 f"{timeout_s:.0f} s: killed")
+    return None
 
 
 def as_forked_ranks(function, world: int, *args, join: bool = True):
