@@ -99,7 +99,8 @@ def test_each_ap_validation_writes_a_picture(straight, synthetic_h5):
 def test_two_ranks_hold_the_same_ema_and_rank_0_saves_it(tmp_path, synthetic_h5):
     from multiprocess_runs import data_args, dumps, forked_launch
 
-    forked_launch([*data_args(synthetic_h5, tmp_path), "--epochs", "1", "--sync-bn", *EMA, "--run-name", "ddp"])
+    forked_launch([*data_args(synthetic_h5, tmp_path), "--epochs", "1", "--sync-bn", *EMA,
+                   "--run-name", "ddp"])
     rank0, rank1 = (dump["ema"] for dump in dumps(tmp_path / "ddp"))
     assert rank0["updates"] == rank1["updates"] == 3
     assert all(torch.equal(rank0["model"][k], rank1["model"][k]) for k in rank0["model"])

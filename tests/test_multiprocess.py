@@ -35,8 +35,8 @@ from engine.loaders import GlobalBatchSampler
 from models import FocalL2Loss, build_model
 from child_env import child_env
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
-                               data_args, dumps, forked_launch, initial_weights, launch, ranks_identical, records,
-                               relative_difference, weights)
+                               data_args, dumps, forked_launch, initial_weights, launch, ranks_identical,
+                               records, relative_difference, weights)
 
 COCO = builtin("coco")
 
@@ -180,7 +180,7 @@ def test_ddp_validation_on_uneven_shards_counts_every_sample_once(ddp_sync):
 
 @pytest.fixture(scope="module")
 def ddp_skip(out_dir, synthetic_h5) -> Path:
-    """torchrun, 2 processes; only rank 1's loss is abnormal (x 1e9), at step 2 of 3."""
+    """2 forked ranks; only rank 1's loss is abnormal (x 1e9), at step 2 of 3."""
     forked_launch([*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
                    "--run-name", "ddp_skip"], TEST_BLOW_UP="1:2")
     return out_dir / "ddp_skip"
@@ -201,7 +201,7 @@ def test_a_skip_decided_by_one_ranks_loss_is_taken_by_both(ddp_skip):
 
 @pytest.fixture(scope="module")
 def ddp_accumulate(out_dir, synthetic_h5) -> Path:
-    """torchrun, 2 processes of batch 1, --accumulate 2, --sync-bn; rank 1's loss abnormal at step 2."""
+    """2 forked ranks of batch 1, --accumulate 2, --sync-bn; rank 1's loss abnormal at step 2."""
     forked_launch([*data_args(synthetic_h5, out_dir), *SCHEDULE, "--epochs", "1", *NO_VALIDATION,
                    "--batch-size", "2", "--accumulate", "2", "--sync-bn", "--run-name", "ddp_accumulate"],
                   TEST_BLOW_UP="1:2")
