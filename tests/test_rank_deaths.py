@@ -271,6 +271,8 @@ def test_a_rank_that_dies_or_freezes_ends_the_other_within_a_minute_with_its_lin
         while still_running(survivors) and time.monotonic() - signalled < took + 10:
             time.sleep(0.1)                          # its workers notice within 5 s
         left = still_running(survivors)
+        while in_worker and still_running({pids[victim]}) and time.monotonic() - signalled < ENDS_WITHIN_S:
+            time.sleep(0.1)                          # it ends too, its own line said first
     finally:
         _end_all(processes, pids.values())
     err = (tmp_path / f"rank{survivor}.err").read_text() if launcher == "hand" else \
