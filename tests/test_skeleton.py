@@ -322,8 +322,8 @@ def test_the_tiny_preset_learns_synthetic_four_legged_animals(tmp_path, capsys):
                           "--out", str(tmp_path / f"{split}.h5"), "--split", split, "--quiet"]) == 0
     assert "built-in skeleton quadruped" in capsys.readouterr().out
     done = train.main(["--train-h5", str(tmp_path / "train.h5"), "--val-h5", str(tmp_path / "val.h5"),
-                       "--out-dir", str(tmp_path), "--run-name", "animals", "--epochs", "5",
-                       "--lr", "0.004", "--ap-every", "5", "--set", "data.workers=0", "--set", "train.tensorboard=false"])
+                       "--out-dir", str(tmp_path), "--run-name", "animals", "--epochs", "5", "--lr", "0.004",
+                       "--ap-every", "5", "--set", "data.workers=0", "--set", "train.tensorboard=false"])
     curve = [(r["epoch"] + 1, round(r["AP"], 3)) for r in map(json.loads, (
         tmp_path / "animals" / "metrics.jsonl").read_text().splitlines()) if "AP" in r]
     print("validation AP by epoch:", curve)
