@@ -310,7 +310,7 @@ def test_the_tiny_preset_learns_synthetic_four_legged_animals(tmp_path, capsys):
     160 images, 5 epochs of 32 steps at twice the preset's LR (0.004; both drops in epoch 5).
     Validated every epoch, it scored AP 0.000, 0.000, 0.281, 0.341, 0.530 after epochs 1-5 on one
     thread and 0.000, 0.000, 0.211, 0.331, 0.555 on two; at the preset's LR, 6 epochs reach 0.330
-    and 8 about 0.8. About 60 s of CPU time."""
+    and 8 about 0.8. About 75 s of CPU time."""
     import demo
     from data.synthetic import main as synthetic
 
