@@ -97,8 +97,7 @@ def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
     """`main(argv)`'s exit code: 0, or a `UserError`'s after `print_error`. Ctrl-C (130) and, with `kept`,
     SIGTERM (143) end with one line saying what was kept; once stopped, whatever ends it is that stop."""
     handles_term = kept != TRAINING_KEPT and threading.current_thread() is threading.main_thread()
-    stops = (signal.SIGTERM, signal.SIGINT) if handles_term else ()
-    previous = {sig: signal.signal(sig, _stop) for sig in stops}
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT) if handles_term}
     try:
         main(argv)
     except Exception as exc:
@@ -146,4 +145,5 @@ def print_error(exc: UserError) -> int:
 def stopped(by_sigterm: bool, kept: str) -> int:
     """The one line of a command stopped by SIGTERM or Ctrl-C, and its exit code."""
     _say(f"{'stopped by SIGTERM' if by_sigterm else 'interrupted (Ctrl-C)'}; {kept}")
+    exec("pass")    # clears CPython <=3.13's mark of a Ctrl-C that left exec'd code (it kills `-m` at exit)
     return 143 if by_sigterm else 130
