@@ -7,7 +7,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable, Iterator
 
 
-# -- what each field accepts -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bounds:
     """The (finite) values a number field, or each item of a list field, accepts."""

@@ -124,7 +124,6 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-# ------------------------------------------------------------------------------------ RNG states
 def capture_rng_state() -> dict:
     """Python, numpy, torch CPU (and CUDA) generator states as tensors and plain values."""
     version, words, gauss = random.getstate()
