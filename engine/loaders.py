@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from common.errors import ConfigError, UserError
+from common.errors import ConfigError, UserError, raise_if_stopped
 from config.schema import DataConfig, TrainConfig
 from data.transfer import expand, is_compact, trim_people
 from runtime import distributed as dist
@@ -104,6 +104,7 @@ class _AsRaisedInWorker:
         return self
 
     def __next__(self):
+        raise_if_stopped()     # a Ctrl-C whose raise a hook of the workers' fork swallowed
         try:
             return next(self.iterator)
         except UserError as exc:

@@ -381,6 +381,36 @@ def test_sigterm_to_the_process_group_during_validation_stops_within_a_batch_and
     assert load_checkpoint(last)["step"] == 4
 
 
+# Ctrl-C landing in the parent's side of a fork (a DataLoader worker's), in an at-fork hook such as
+# logging's: Python prints "Exception ignored" and drops that KeyboardInterrupt
+SWALLOWED_CTRL_C = """\
+import os, runpy, signal, sys
+fired = []
+def swallowing():
+    if not fired:
+        fired.append(True)
+        signal.raise_signal(signal.SIGINT)
+        sum(range(1000))
+os.register_at_fork(after_in_parent=swallowing)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_whose_keyboardinterrupt_a_fork_hook_swallowed_still_ends_the_run_at_the_next_step(
+        tmp_path, synthetic_h5):
+    preset = write_micro_preset(tmp_path)
+    rc, out, err = finish(start([sys.executable, "-c", SWALLOWED_CTRL_C, "train.py", "--config", str(preset),
+                                 "--train-h5", str(synthetic_h5[0]), "--workers", "2", "--device", "cpu",
+                                 "--out-dir", str(tmp_path), "--run-name", "r", "--epochs", "2",
+                                 "--set", "train.max_steps_per_epoch=3"]))
+    assert "Exception ignored" in err and "KeyboardInterrupt" in err, err[-3000:]   # it was swallowed
+    lines = message_lines(err)
+    assert rc == 130 and lines[-1] == "interrupted (Ctrl-C); the last completed checkpoint is kept", err[-3000:]
+    assert not (tmp_path / "r" / "last.pth").exists()         # it ended at its first step, not later
+
+
 # -- bad steps ------------------------------------------------------------------------------------
 def in_process(tmp_path, synthetic_h5, *args: str) -> dict:
     preset = write_micro_preset(tmp_path)
