@@ -5,13 +5,15 @@ rank to out_dir;
 `as_forked_ranks(function, world, *args)`, a whole entry point such as `train_distributed.main` on
 ranks forked from the test's process (the variables torchrun sets, without its agent and without
 importing torch again: a fraction of a second each), and `forked_job`, the same ranks in a session of
-their own, as srun starts a job's tasks, to be signalled as one process group; and the fixture
+their own, as srun starts a job's tasks, to be signalled as one process group (or one process
+without ranks, as `python train.py` runs); and the fixture
 `gloo_group_of_one`, a group of one rank in the test's own process."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -72,8 +74,13 @@ def as_forked_ranks(function, world: int, *args, join: bool = True):
     return start_forked(_forked_rank, world, (world, find_free_port(), function, args), join=join)
 
 
-def _job(function, world: int, args: tuple) -> None:
+def _job(function, world: int, args: tuple, stderr: str | None) -> None:
     os.setsid()
+    if stderr:                      # fd 2, and sys.stderr (pytest's capture replaces it)
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if not world:                   # one process without ranks, as `python SCRIPT` is: the job is the run
+        return function(*args)
     ranks = as_forked_ranks(function, world, *args, join=False).processes
     signal.signal(signal.SIGTERM, signal.SIG_IGN)       # the ranks' to handle: the job waits for them
     for rank in ranks:
@@ -81,10 +88,12 @@ def _job(function, world: int, args: tuple) -> None:
     os._exit(max(rank.exitcode for rank in ranks))
 
 
-def forked_job(function, world: int, *args) -> multiprocessing.Process:
+def forked_job(function, world: int, *args, stderr: Path | None = None) -> multiprocessing.Process:
     """A started process leading a session of its own (its pid is the group's), which runs
-    function(*args) on `world` forked ranks and exits with their largest exit code."""
-    job = multiprocessing.get_context("fork").Process(target=_job, args=(function, world, args))
+    function(*args) on `world` forked ranks and exits with their largest exit code (world 0: runs it
+    itself); its standard error, and its ranks', appended to the file `stderr` if given."""
+    job = multiprocessing.get_context("fork").Process(
+        target=_job, args=(function, world, args, str(stderr) if stderr else None))
     job.start()
     return job
 

@@ -8,18 +8,19 @@ SIGTERM line prints it}. Each case compares the final weights, EMA and optimiser
 
 Not the full product (288 cases) but a covering array of strength 2 (`pairwise`): every pair of
 levels of two factors is in some case. The signalled legs run in a session of their own, signalled
-as a group with their two DataLoader workers per rank: `python train.py` (or train_parallel.py), or
-2 ranks of train_distributed.py's main forked as one job, as srun starts it (torchrun's agent, which
-forwards a SIGTERM to its workers' own sessions, is test_preemption's); the other legs, and the
-straight runs, call the same entry point in this process, or on ranks forked from it
-(tests/gloo_ranks.py): a Python start (3-5 s of CPU) spared each.
+as a group with their two DataLoader workers per rank: the script's main (train.py or
+train_parallel.py) as `python SCRIPT` runs it, or 2 ranks of train_distributed.py's forked as one job,
+as srun starts it; each forked from this process, its standard error read from a file (the scripts
+started as fresh interpreters, and torchrun's agent, which forwards a SIGTERM to its workers' own
+sessions, are test_preemption's). The other legs, and the straight runs, call the same entry point
+in this process, or on ranks forked from it (tests/gloo_ranks.py): a Python start (3-5 s of CPU)
+spared each.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from data.synthetic import ensure_synthetic_h5
 from engine.cli import run_main
 from gloo_ranks import as_forked_ranks, forked_job
 from runtime.checkpoint import load_checkpoint
-from test_preemption import finish, logged_steps, resume_hint, start, wait_until, write_micro_preset
+from test_preemption import finish, logged_steps, resume_hint, wait_until, write_micro_preset
 
 FACTORS = {
     "launch": ["train.py", "train_parallel.py", "ddp", "ddp-sync-bn"],
@@ -128,11 +129,11 @@ def run_here(case: dict, argv: list[str]) -> None:
 
 
 class ForkedJob:
-    """A `gloo_ranks.forked_job` with what `wait_until` and `finish` call of a Popen (the ranks'
-    output goes to this test's)."""
+    """A `gloo_ranks.forked_job` with what `wait_until` and `finish` call of a Popen: its standard
+    error is the file its processes write theirs to."""
 
-    def __init__(self, job):
-        self.job, self.pid = job, job.pid
+    def __init__(self, job, stderr: Path):
+        self.job, self.pid, self.stderr = job, job.pid, stderr
 
     def poll(self):
         return self.job.exitcode
@@ -144,15 +145,15 @@ class ForkedJob:
 
     def communicate(self, timeout=None):
         self.job.join(timeout)
-        return "", ""
+        return "", self.stderr.read_text() if self.stderr.exists() else ""
 
 
-def start_real(case: dict, argv: list[str]):
-    """The case's first command in a session of its own: `python SCRIPT ...`, or 2 ranks of
-    train_distributed.py forked as one job (as srun starts it)."""
-    if case["launch"].startswith("ddp"):
-        return ForkedJob(forked_job(run_main, 2, train_distributed.main, argv))
-    return start([sys.executable, case["launch"], *argv], start_new_session=True)
+def start_real(case: dict, argv: list[str], stderr: Path):
+    """The case's first command forked from this process in a session of its own: the script's main
+    as `python SCRIPT ...` runs it, or 2 ranks of train_distributed.py's as srun starts them."""
+    ddp = case["launch"].startswith("ddp")
+    main = {"train.py": train, "train_parallel.py": train_parallel}.get(case["launch"], train_distributed).main
+    return ForkedJob(forked_job(run_main, 2 if ddp else 0, main, argv, stderr=stderr), stderr)
 
 
 def wait_until_gone(group: int) -> None:
@@ -180,14 +181,13 @@ def interrupted(case: dict, inputs: dict, name: str) -> None:
     if case["interruption"] == "epoch":
         run_here(case, argv[:argv.index("--epochs") + 1] + ["1"] + argv[argv.index("--epochs") + 2:])
         return run_here(case, alone + ["--epochs", str(EPOCHS)])
-    process = start_real(case, argv)
+    process = start_real(case, argv, inputs["out"] / f"{name}.stderr")
     if case["interruption"] == "sigterm":
         wait_until(lambda: logged_steps(run_dir) >= 1, process, "the first logged step")
         os.killpg(process.pid, signal.SIGTERM)
         rc, _, err = finish(process)
         assert rc == 2 and "Traceback" not in err, err[-3000:]
-        if err:       # a script's (forked ranks print to this test's stderr)
-            resume_hint(err, run_dir)
+        resume_hint(err, run_dir)
         state = load_checkpoint(run_dir / "last.pth")
         batches = STEPS * (2 if case["option"] == "accumulate" else 1)
         # in epoch 1: mid-epoch, or after its last step where a loaded machine let the run go on
