@@ -18,6 +18,7 @@ import gc  # noqa: E402
 import importlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -215,6 +216,20 @@ SECTION_ENV = {"feed": {"TORCH_CUDA_SANITIZER": "1"}, "nccl_abort_3": {"TORCH_NC
                "nccl_abort_2": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}}
 
 
+def forked_section(name: str, env: dict, log) -> multiprocessing.Process:
+    """--cpu-check: section `name` forked from this process, in a session of its own (on the GPU each
+    is a fresh interpreter, since CUDA cannot be forked; here that would import torch 11 times)."""
+    def child():
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(env)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.exit(run_one(name, True))
+    (process := multiprocessing.get_context("fork").Process(target=child)).start()
+    return process
+
+
 def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> list[dict]:
     """Each section in its own process, all at once, leaving about 80 s per `alone` section."""
     limit = max(60.0, min(240.0, left_s() - 80 * alone))
@@ -224,16 +239,19 @@ def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> l
         if check:
             env.pop("TORCH_CUDA_SANITIZER", None)
         log = open(logs / f"{name}.log", "w")
-        cmd = [sys.executable, str(Path(__file__)), "--section", name] + (["--cpu-check"] if check else [])
-        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True), log, time.perf_counter())
+        procs[name] = (forked_section(name, env, log) if check else
+                       subprocess.Popen([sys.executable, __file__, "--section", name], cwd=ROOT, env=env,
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                       log, time.perf_counter())
     lines = []
     for name, (proc, log, started) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, limit - (time.perf_counter() - started)))
-        except subprocess.TimeoutExpired:
+        wait = proc.join if check else proc.wait           # a forked Process's, a Popen's
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            wait(timeout=max(1.0, limit - (time.perf_counter() - started)))
+        if (rc := proc.exitcode if check else proc.poll()) is None:
             os.killpg(proc.pid, 9)
-            rc = proc.wait()
+            wait()
+            rc = proc.exitcode if check else proc.returncode
         log.close()
         text = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         seconds = round(time.perf_counter() - started, 1)
