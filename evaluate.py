@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.errors import ArgumentParser, ConfigError, DataError, refuse_inapplicable
+from common.errors import ArgumentParser, ConfigError, DataError, os_reason, refuse_inapplicable
 from common.paths import refuse_clashes, refuse_existing
 from config.loader import build_config, out_of_bounds
 from config.schema import FILE_FIELDS
@@ -97,7 +97,7 @@ def _check_writable(path: Path, overwrite: bool) -> None:
         open(path, "a").close()
     except OSError as exc:
         raise DataError(f"--out {path}: cannot write the results there "
-                        f"({exc.strerror or exc})") from None
+                        f"({os_reason(exc)})") from None
     if not existed:
         os.unlink(path)
 

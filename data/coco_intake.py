@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from common.errors import DataError, refuse_inapplicable
+from common.errors import DataError, os_reason, refuse_inapplicable
 from data.skeleton import Skeleton, limb_changes
 from data.skeleton_infer import (fit_to_labels, infer_skeleton, keypoint_names, listed, matching_builtin,
                                  plain_name)
@@ -175,7 +175,7 @@ def _read_json(ann_path: Path) -> dict:
     except IsADirectoryError:
         raise DataError(f"{ann_path}: a folder; --ann takes the COCO JSON file") from None
     except OSError as exc:
-        raise DataError(f"{ann_path}: cannot be read ({exc.strerror})") from None
+        raise DataError(f"{ann_path}: cannot be read ({os_reason(exc)})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{ann_path}: malformed JSON ({exc})") from None
     if not isinstance(data, dict) or not all(k in data for k in ("images", "annotations", "categories")):

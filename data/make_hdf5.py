@@ -19,7 +19,8 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 from tqdm import tqdm
 
-from common.errors import ArgumentParser, ConfigError, DataError, raise_if_stopped, refuse_inapplicable, run_cli
+from common.errors import (ArgumentParser, ConfigError, DataError, os_reason, raise_if_stopped,
+                           refuse_inapplicable, run_cli)
 from common.paths import refuse_clashes, refuse_existing, write_text, written_whole
 from data.skeleton import Skeleton, builtin, builtin_names, load_skeleton
 from data.coco_checks import read_segment
@@ -49,7 +50,7 @@ def read_image(images_dir: Path, info: dict, ann_path: Path) -> bytes:
         raise DataError(f"{path}: image {info['id']} listed in {ann_path} is missing"
                         + _where_from(info, images_dir)) from None
     except OSError as exc:
-        raise DataError(f"{path}: image {info['id']} cannot be read ({exc.strerror})") from None
+        raise DataError(f"{path}: image {info['id']} cannot be read ({os_reason(exc)})") from None
     if not data:
         raise DataError(f"{path}: image {info['id']} is an empty file (0 bytes)")
     size = probe = None            # the stored pixels' size: EXIF orientation is ignored everywhere
@@ -173,7 +174,7 @@ def convert(ann_path, images_dir, out_path, settings: ConvertSettings = ConvertS
             _write(f, category, images, selection.by_image, ann_path, images_dir, settings, summary)
     except OSError as exc:           # the output side: folder not writable, disk full, ...
         detail = re.search(r"error message = '([^']+)'", str(exc))   # h5py wraps the OS error
-        reason = detail.group(1) if detail else exc.strerror or str(exc)
+        reason = detail.group(1) if detail else os_reason(exc)
         raise DataError(f"--out {out_path}: cannot write the file there ({reason})") from None
     except DataError as exc:
         exc.summary = summary

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.errors import CheckpointError, ConfigError, TrainingDiverged
+from common.errors import CheckpointError, ConfigError, TrainingDiverged, os_reason
 from config.loader import differences, setting, to_dict
 from config.schema import Config, OptimConfig, TrainConfig
 from data.skeleton import Skeleton, from_checkpoint, skeleton_words
@@ -45,7 +45,7 @@ def find_latest_checkpoint(run_dir) -> Path | None:
             order[path] = (step if isinstance(step, int) else -1, epoch if isinstance(epoch, int) else -1,
                            path.name == "last.pth", path.stat().st_mtime)
         except (CheckpointError, OSError) as exc:
-            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {exc.strerror or exc}"
+            reason = exc if isinstance(exc, CheckpointError) else f"{path}: {os_reason(exc)}"
             raise CheckpointError(f"--resume auto: {reason}. Nothing was overwritten: move that file out "
                                   f"of {run_dir}, or resume from another checkpoint with --resume PATH"
                                   ) from None

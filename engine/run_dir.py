@@ -75,7 +75,7 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
             raise ConfigError(f"{run_dir}: a file, not a run directory; choose another --run-name") from None
     except OSError as exc:
         raise ConfigError(f"--out-dir {run_dir.parent}: cannot create the run directory there "
-                          f"({exc.strerror})") from None
+                          f"({os_reason(exc)})") from None
     key = str(run_dir.resolve())
     if key not in _claimed:
         try:
@@ -83,7 +83,7 @@ def _claim(run_dir: Path, exclusive: bool) -> bool:
         except OSError as exc:
             release_run_dir(run_dir, remove_if_empty=created)
             what = (f"{run_dir / LOCK_FILE}: the run's lock file is a folder; remove it" if
-                    (run_dir / LOCK_FILE).is_dir() else f"{run_dir}: cannot write there ({exc.strerror})")
+                    (run_dir / LOCK_FILE).is_dir() else f"{run_dir}: cannot write there ({os_reason(exc)})")
             raise ConfigError(what) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -132,7 +132,7 @@ def pick_and_claim(cfg: Config) -> tuple[Path, bool]:
     except FileExistsError:
         raise ConfigError(f"--out-dir {parent}: a file, not a folder; choose a folder for the runs") from None
     except OSError as exc:
-        raise ConfigError(f"--out-dir {parent}: cannot create it ({exc.strerror})") from None
+        raise ConfigError(f"--out-dir {parent}: cannot create it ({os_reason(exc)})") from None
     if run_dir is None:                 # a fresh name, created exclusively: never one in use
         stamp = time.strftime("run-%Y%m%d-%H%M%S")
         for attempt in range(1, 1000):

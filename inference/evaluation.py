@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.errors import DataError
+from common.errors import DataError, os_reason
 from common.paths import written_whole
 from config.schema import TargetConfig
 from config.views import EvalOptions, PredictSettings
@@ -163,7 +163,7 @@ def _write_results(path, overwrite: bool, results: list, merged: dict, gt: dict,
         with written_whole(path, overwrite) as temp:
             temp.write_text(text)
     except OSError as exc:
-        raise DataError(f"{path}: cannot write the results there ({exc.strerror or exc})") from None
+        raise DataError(f"{path}: cannot write the results there ({os_reason(exc)})") from None
 
 
 def training_evaluator():

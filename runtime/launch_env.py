@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, os_reason
 from config.loader import check_device, device_spelling
 
 # set by torchrun's agent, which holds the rendezvous store on MASTER_PORT itself
@@ -159,7 +159,7 @@ def check_port_free(port: int) -> None:
         try:
             probe.bind(("", port))
         except OSError as err:
-            raise ConfigError(f"MASTER_PORT {port} is already in use on this machine ({err.strerror}); "
+            raise ConfigError(f"MASTER_PORT {port} is already in use on this machine ({os_reason(err)}); "
                               "pick a free port with --master_port or MASTER_PORT") from None
 
 

@@ -169,7 +169,7 @@ def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path, monkeypa
             return mkdir(self, *args, **kwargs)
         monkeypatch.setattr(Path, "mkdir", refuse)
     refused(capsys, train_cli, env["trainer"] + ["--out-dir", read_only],
-            ["cannot create the run directory there", "Permission denied"], tmp_path)
+            ["cannot create the run directory there", "(permission denied)"], tmp_path)
 
 
 def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, capsys, tmp_path, monkeypatch):
