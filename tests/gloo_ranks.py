@@ -6,8 +6,8 @@ rank to out_dir;
 ranks forked from the test's process (the variables torchrun sets, without its agent and without
 importing torch again: a fraction of a second each), and `forked_job`, the same ranks in a session of
 their own, as srun starts a job's tasks, to be signalled as one process group (or one process
-without ranks, as `python train.py` runs); and the fixture
-`gloo_group_of_one`, a group of one rank in the test's own process."""
+without ranks, as `python train.py` runs); and the fixture `gloo_group_of_one`, a group of one rank
+in the test's own process."""
 from __future__ import annotations
 
 import multiprocessing
@@ -77,7 +77,9 @@ def as_forked_ranks(function, world: int, *args, join: bool = True):
 def _job(function, world: int, args: tuple, stderr: str | None) -> None:
     os.setsid()
     if stderr:                      # fd 2, and sys.stderr (pytest's capture replaces it)
-        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
+        fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
     if not world:                   # one process without ranks, as `python SCRIPT` is: the job is the run
         return function(*args)

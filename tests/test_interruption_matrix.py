@@ -120,12 +120,20 @@ def command(case: dict, inputs: dict, name: str) -> list[str]:
             *(["--sync-bn"] if case["launch"] == "ddp-sync-bn" else [])]
 
 
+def entry_point(case: dict):
+    """The case's script's `main`, and on how many forked ranks it runs (0: in one process, no ranks)."""
+    if case["launch"].startswith("ddp"):
+        return train_distributed.main, 2
+    return {"train.py": train, "train_parallel.py": train_parallel}[case["launch"]].main, 0
+
+
 def run_here(case: dict, argv: list[str]) -> None:
     """The case's entry point on `argv`, in this process or on 2 ranks forked from it."""
-    if case["launch"].startswith("ddp"):
-        as_forked_ranks(train_distributed.main, 2, argv)
+    main, ranks = entry_point(case)
+    if ranks:
+        as_forked_ranks(main, ranks, argv)
     else:
-        {"train.py": train, "train_parallel.py": train_parallel}[case["launch"]].main(argv)
+        main(argv)
 
 
 class ForkedJob:
@@ -151,9 +159,8 @@ class ForkedJob:
 def start_real(case: dict, argv: list[str], stderr: Path):
     """The case's first command forked from this process in a session of its own: the script's main
     as `python SCRIPT ...` runs it, or 2 ranks of train_distributed.py's as srun starts them."""
-    ddp = case["launch"].startswith("ddp")
-    main = {"train.py": train, "train_parallel.py": train_parallel}.get(case["launch"], train_distributed).main
-    return ForkedJob(forked_job(run_main, 2 if ddp else 0, main, argv, stderr=stderr), stderr)
+    main, ranks = entry_point(case)
+    return ForkedJob(forked_job(run_main, ranks, main, argv, stderr=stderr), stderr)
 
 
 def wait_until_gone(group: int) -> None:

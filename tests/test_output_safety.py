@@ -172,7 +172,6 @@ def test_a_file_or_read_only_out_dir_is_one_line(env, capsys, tmp_path, monkeypa
             ["cannot create the run directory there", "(permission denied)"], tmp_path)
 
 
-
 def test_an_os_error_without_an_errno_is_quoted_by_its_text_not_as_none(env, capsys, tmp_path, monkeypatch):
     """A file system's OSError may carry no errno (strerror None): the line said '(None)'."""
     def refuse(self, *args, **kwargs):
@@ -181,6 +180,7 @@ def test_an_os_error_without_an_errno_is_quoted_by_its_text_not_as_none(env, cap
     line = refused(capsys, train_cli, env["trainer"] + ["--out-dir", tmp_path / "share"],
                    ["--out-dir", "(the network share went away)"], tmp_path)
     assert "None" not in line
+
 
 def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, capsys, tmp_path, monkeypatch):
     import errno
