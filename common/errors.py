@@ -55,9 +55,10 @@ def refuse_inapplicable(given: dict, where: str, why: str) -> None:
                           f"do{'es' * (len(named) == 1)} not apply {where}: {why}")
 
 
-def os_reason(exc: OSError) -> str:
-    """What an operating-system error says, in lower case, for the middle of an error line."""
-    return (exc.strerror or str(exc)).lower()
+def os_reason(exc: Exception) -> str:
+    """What an operating-system error (or a read's decoding error) says, in lower case, for the middle
+    of an error line: its strerror, else its text (an OSError raised without an errno has no strerror)."""
+    return (getattr(exc, "strerror", None) or str(exc)).lower()
 
 
 class Terminated(KeyboardInterrupt):

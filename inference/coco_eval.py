@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import DataError
+from common.errors import DataError, os_reason
 from data.coco_checks import is_number
 from data.skeleton import Scoring
 
@@ -232,8 +232,7 @@ def read_results(path, image_ids, names) -> dict:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or exc
-        raise DataError(f"--results {path}: cannot read it ({why})") from None
+        raise DataError(f"--results {path}: cannot read it ({os_reason(exc)})") from None
     lines = path.suffix == ".jsonl"
     try:
         records = ([json.loads(line) for line in text.splitlines() if line.strip()] if lines
