@@ -245,13 +245,13 @@ def run_side_by_side(names: list[str], check: bool, logs: Path, alone: int) -> l
                        log, time.perf_counter())
     lines = []
     for name, (proc, log, started) in procs.items():
-        wait = proc.join if check else proc.wait           # a forked Process's, a Popen's
+        wait, exit_code = (proc.join, lambda: proc.exitcode) if check else (proc.wait, proc.poll)
         with contextlib.suppress(subprocess.TimeoutExpired):
             wait(timeout=max(1.0, limit - (time.perf_counter() - started)))
-        if (rc := proc.exitcode if check else proc.poll()) is None:
+        if exit_code() is None:
             os.killpg(proc.pid, 9)
             wait()
-            rc = proc.exitcode if check else proc.returncode
+        rc = exit_code()
         log.close()
         text = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         seconds = round(time.perf_counter() - started, 1)
