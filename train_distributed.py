@@ -14,12 +14,7 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from common.errors import ConfigError, UserError             # noqa: E402
-from runtime import distributed as dist                      # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main   # noqa: E402
-from engine.checkpoints import CheckpointReader              # noqa: E402
-from engine.run_trainer import Launch, build_trainer         # noqa: E402
-from inference.evaluation import training_evaluator          # noqa: E402
-from inference.val_pictures import write_val_pictures        # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -27,9 +22,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
                         help="set by the legacy torch.distributed.launch")
     parser.error = lambda message: _refuse(parser, message)
+    args = parser.parse_args(argv)      # first: --help needs no torch (a mistake still tells the others)
+    from runtime import distributed as dist
+    from engine.checkpoints import CheckpointReader
+    from engine.run_trainer import Launch, build_trainer
+    from inference.evaluation import training_evaluator
+    from inference.val_pictures import write_val_pictures
     reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     try:
-        args = parser.parse_args(argv)
         cfg = config_from_args(args, reader)
     except UserError as err:            # the others would wait for this rank to join: tell them
         dist.fail_before_group(err)
@@ -53,6 +53,7 @@ def main(argv=None) -> dict:
 
 def _refuse(parser, message: str):
     """A command-line mistake: handed to the other ranks, then the usual one line and exit code 2."""
+    from runtime import distributed as dist
     line = f"{' '.join(message.split())} (see {parser.prog} --help)"
     dist.fail_before_group(ConfigError(line))
     parser.exit(2, f"error: {line}\n")

@@ -3,21 +3,13 @@ only per-sample losses come back to the first GPU. --sync-bn is refused (use tra
 
     python train_parallel.py --gpus 0,1,2,3 --config imhn512 --train-h5 coco_train.h5 ...
 """
-import torch
-from tqdm import tqdm
-
 from common.errors import ConfigError, refuse_inapplicable
-from engine.precision import check_data_parallel
 from engine.cli import build_parser, config_from_args, run_main, single_process_context
-from engine.checkpoints import CheckpointReader
-from engine.run_trainer import Launch, build_trainer
-from inference.evaluation import training_evaluator
-from inference.val_pictures import write_val_pictures
 
 
-def _gpu_launch(cfg, spec: str) -> Launch:
-    """DataParallel over the GPUs --gpus `spec` names (none when one), after the checks it needs."""
-    visible = torch.cuda.device_count()
+def _gpu_ids(cfg, spec: str, visible: int) -> list[int]:
+    """The GPUs --gpus `spec` names (all `visible` when none), after the checks DataParallel needs."""
+    from engine.precision import check_data_parallel
     try:
         ids = [int(x) for x in spec.split(",") if x.strip()] if spec else list(range(visible))
     except ValueError:
@@ -33,13 +25,19 @@ def _gpu_launch(cfg, spec: str) -> Launch:
         raise ConfigError("option amp.compile: a compiled model's replicas under DataParallel still "
                           "run the module on the first GPU; for compiled multi-GPU training use "
                           "torchrun train_distributed.py")
-    return Launch(single_process_context(f"cuda:{ids[0]}"), mode="dataparallel", device_ids=ids)
+    return ids
 
 
 def main(argv=None) -> dict:
     parser = build_parser(__doc__)
     parser.add_argument("--gpus", default="", help="comma-separated GPU ids (default: all visible)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)                  # first: --help and a mistyped flag need no torch
+    import torch
+    from tqdm import tqdm
+    from engine.checkpoints import CheckpointReader
+    from engine.run_trainer import Launch, build_trainer
+    from inference.evaluation import training_evaluator
+    from inference.val_pictures import write_val_pictures
     reader = CheckpointReader()     # the command line and the trainer read a resumed checkpoint once
     cfg = config_from_args(args, reader)
     if cfg.dist.sync_bn:
@@ -52,7 +50,8 @@ def main(argv=None) -> dict:
         tqdm.write("no CUDA GPU in use: train_parallel.py runs on the CPU, without DataParallel")
         launch = Launch(single_process_context("cpu"), mode="dataparallel")
     else:
-        launch = _gpu_launch(cfg, args.gpus)
+        ids = _gpu_ids(cfg, args.gpus, torch.cuda.device_count())
+        launch = Launch(single_process_context(f"cuda:{ids[0]}"), mode="dataparallel", device_ids=ids)
     return build_trainer(cfg, launch, training_evaluator(), draw=write_val_pictures, reader=reader).fit()
 
 

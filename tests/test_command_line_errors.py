@@ -11,11 +11,15 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bad_inputs import one_error_line
+from child_env import child_env
 from common.errors import ConfigError, run_cli
 
 CASES = [   # module, argv, texts of the error line
@@ -55,6 +59,28 @@ def test_help_still_prints_the_usage(capsys):
     assert stop.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ") and "--epochs EPOCHS" in out
+
+
+QUICK = [("train.py", ["--help"]), ("train.py", ["--epochs", "ten"]), ("train_parallel.py", ["--help"]),
+         ("train_parallel.py", ["--gpus"]), ("train_distributed.py", ["--help"])]   # (its mistakes tell
+#                                                   the other ranks, through torch.distributed's store)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,argv", QUICK, ids=[f"{s} {a[0]}" for s, a in QUICK])
+def test_a_train_scripts_help_and_mistakes_answer_before_torch_is_imported(script, argv):
+    """`--help` and a mistyped flag read the command line only: no 2 s of importing torch first
+    (`python -X importtime` lists every module a process imports, on stderr)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", script, *argv], env=child_env(),
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
+    timed = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    imported = [line.split("|")[-1].strip() for line in timed]
+    assert "engine.cli" in imported and not [name for name in imported if name.split(".")[0] == "torch"]
+    if argv == ["--help"]:
+        assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr[-2000:]
+    else:
+        assert done.returncode == 2 and done.stdout == ""
+        one_error_line("\n".join(line for line in done.stderr.splitlines() if line not in timed))
 
 
 def _mangled_by_c_code(sig, error):
