@@ -112,12 +112,6 @@ def _subset_ap(evaluator, image_ids: list) -> float | None:
     return float(np.mean(precision[precision > -1])) if (precision > -1).any() else None
 
 
-def format_stats(stats: dict) -> str:
-    """One readable line: 'AP 0.712  AP50 0.880 ...' ('n/a' where nothing was scored)."""
-    return "  ".join(f"{name} " + ("n/a" if stats[name] is None else f"{stats[name]:.3f}")
-                     for name in STAT_NAMES + CROWD_NAMES if name in stats)
-
-
 AUC_PIXELS, AUC_STEPS = 30.0, 20
 RIGHT_PLACE = 0.5          # a keypoint's own OKS term exp(-d^2 / (2 s^2 k^2)) at least this
 

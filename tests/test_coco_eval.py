@@ -8,7 +8,7 @@ import json
 import pytest
 
 from data.skeleton import Scoring, Skeleton
-from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, distance_stats, format_recall, format_stats
+from inference.coco_eval import STAT_NAMES, coco_keypoint_stats, distance_stats, format_recall
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,6 @@ def test_ground_truth_as_predictions_scores_one(ground_truth):
     for name in STAT_NAMES:
         assert stats[name] == pytest.approx(1.0), name
     assert ground_truth == before and results == results_before   # inputs left untouched
-    assert format_stats(stats).startswith("AP 1.000  AP50 1.000")
 
 
 def test_no_results_scores_zero_without_crashing(ground_truth):
