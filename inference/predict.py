@@ -99,9 +99,3 @@ def picture_maps(parts: list[tuple], image_hw, flip: bool) -> np.ndarray:
         maps = resample_to_image(out, stride, resized_hw, image_hw)[0]
         total = maps if total is None else total + maps
     return (total / (len(parts) * (2 if flip else 1))).cpu().numpy()
-
-
-def predict_maps(model, picture_bgr: np.ndarray, settings: PredictSettings, device=None) -> np.ndarray:
-    """float32 [C, H, W]: the maps of one picture at its own size (`device`: where `model` is)."""
-    parts = network_maps(as_network(model, device), [picture_bgr], settings)[0]
-    return picture_maps(parts, picture_bgr.shape[:2], settings.inference.flip)

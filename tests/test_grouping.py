@@ -14,7 +14,8 @@ from data.targets import render_targets
 from inference import grouping
 from inference.grouping import group_people, limb_connections, to_coco_results
 from inference.peaks import find_peaks, local_maxima
-from inference.predict import predict_maps, resample_to_image
+from inference.estimator import PoseEstimator
+from inference.predict import resample_to_image
 
 COCO = builtin("coco")
 CHANNEL_FLIP = COCO.channel_flip
@@ -239,32 +240,31 @@ def test_resampling_puts_stride4_cells_at_their_input_points():
 
 
 @pytest.fixture(scope="module")
-def tiny_predictor(tiny_network, tiny_cfg):
-    return tiny_network, PredictSettings.of(tiny_cfg)
+def tiny_estimator(tiny_network, tiny_cfg):
+    return PoseEstimator(tiny_network, PredictSettings.of(tiny_cfg))
 
 
-def test_predict_maps_flip_is_mirror_equivariant(tiny_predictor):
-    model, settings = tiny_predictor
+def test_the_maps_of_a_flip_test_are_mirror_equivariant(tiny_estimator):
+    settings = tiny_estimator.settings
     settings.inference.flip, settings.inference.scales = True, [1.0]
     image = np.random.default_rng(1).integers(0, 255, (128, 192, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, settings, "cpu")
-    maps_of_mirror = predict_maps(model, np.ascontiguousarray(image[:, ::-1]), settings, "cpu")
+    maps, maps_of_mirror = tiny_estimator.maps([image, np.ascontiguousarray(image[:, ::-1])])
     assert maps.shape == (NUM_CHANNELS, 128, 192) and maps.dtype == np.float32
     mirrored = maps[:, :, ::-1][list(CHANNEL_FLIP)]
     np.testing.assert_allclose(maps_of_mirror, mirrored, atol=1e-5 * np.abs(maps).max())
     assert np.abs(maps_of_mirror - maps[:, :, ::-1]).max() > 1e-3 * np.abs(maps).max()
 
 
-def test_predict_maps_averages_scales_at_image_size(tiny_predictor):
-    model, settings = tiny_predictor
+def test_the_maps_of_several_scales_are_their_mean_at_the_pictures_size(tiny_estimator):
+    settings = tiny_estimator.settings
     settings.inference.flip, settings.inference.scales = False, [0.5, 1.0]
     image = np.random.default_rng(2).integers(0, 255, (90, 150, 3), dtype=np.uint8)
-    maps = predict_maps(model, image, settings, "cpu")
+    (maps,) = tiny_estimator.maps([image])
     assert maps.shape == (NUM_CHANNELS, 90, 150)
     singles = []
     for scale in (0.5, 1.0):
         settings.inference.scales = [scale]
-        singles.append(predict_maps(model, image, settings, "cpu"))
+        singles.extend(tiny_estimator.maps([image]))
     np.testing.assert_allclose(maps, (singles[0] + singles[1]) / 2, rtol=1e-5, atol=1e-6)
 
 

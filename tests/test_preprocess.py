@@ -9,8 +9,8 @@ from data.skeleton import builtin
 from config.views import PredictSettings, SampleSettings
 from data.augment import warp_image
 from data.dataset import KeypointDataset
-from data.preprocess import GREY, bgr_to_input, normalise, picture_to_input, pictures_to_batch
-from inference.predict import predict_maps
+from data.preprocess import GREY, bgr_to_input, normalise, pictures_to_batch
+from inference.estimator import PoseEstimator
 
 COCO = builtin("coco")
 
@@ -18,8 +18,8 @@ COCO = builtin("coco")
 def test_training_warp_and_inference_padding_give_the_same_tensor():
     picture = np.random.default_rng(0).integers(0, 256, (90, 100, 3), dtype=np.uint8)
     identity = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    trained_on = picture_to_input(warp_image(picture, identity, 128))         # data.dataset's path
-    inferred_on = pictures_to_batch([picture], (128, 128), torch.device("cpu"))[0]  # inference's path
+    trained_on = bgr_to_input(torch.from_numpy(warp_image(picture, identity, 128)))    # data.transfer's path
+    inferred_on = pictures_to_batch([picture], (128, 128), torch.device("cpu"))[0]     # inference's path
     assert trained_on.shape == inferred_on.shape == (3, 128, 128)
     assert torch.equal(trained_on, inferred_on)
     grey = normalise(torch.tensor(GREY[::-1], dtype=torch.uint8))
@@ -43,12 +43,12 @@ def test_dataset_samples_and_predict_use_the_module(synthetic_h5, monkeypatch):
     cfg = build_config("tiny", sets=["inference.scales=[1.0]"])
     dataset = KeypointDataset(synthetic_h5[1], SampleSettings.of(cfg), train=False)
     image = dataset[0][0]
-    assert torch.equal(image, picture_to_input(dataset.sample_arrays(0)["image"]))
+    assert torch.equal(image, bgr_to_input(torch.from_numpy(dataset.sample_arrays(0)["image"])))
     seen = []
     model = build_model(cfg.model, COCO).eval()
     model.stem.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     picture = np.full((100, 70, 3), 7, np.uint8)
-    predict_maps(model, picture, PredictSettings.of(cfg), "cpu")
+    PoseEstimator(model, PredictSettings.of(cfg)).maps([picture])
     # resized to height 128, width 90 -> padded to 128 x 128: grey to the right, the picture's 7 left
     assert torch.equal(seen[0][0, :, :, 100:], normalise(torch.full((3, 128, 28), 128, dtype=torch.uint8)))
     assert torch.equal(seen[0][0, :, :, :80], normalise(torch.full((3, 128, 80), 7, dtype=torch.uint8)))
@@ -77,5 +77,5 @@ def test_a_deeper_network_runs_on_pictures_padded_to_the_sizes_it_takes():
     cfg = build_config("tiny", sets=["model.depth=5", "loss.scale_weights=[1,1,1,1,1,1]",
                                      "inference.scales=[1.0]"])
     model = build_model(cfg.model, COCO).eval()
-    maps = predict_maps(model, np.full((128, 160, 3), 7, np.uint8), PredictSettings.of(cfg), "cpu")
+    (maps,) = PoseEstimator(model, PredictSettings.of(cfg)).maps([np.full((128, 160, 3), 7, np.uint8)])
     assert maps.shape == (COCO.num_channels, 128, 160)
