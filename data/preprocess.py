@@ -27,11 +27,6 @@ def bgr_to_input(pictures_bgr: torch.Tensor, dtype: torch.dtype = torch.float32)
     return normalise(pictures_bgr.movedim(-1, -3).flip(-3).contiguous(), dtype)
 
 
-def picture_to_input(picture_bgr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 [H, W, 3] BGR -> [3, H, W] RGB network input (on the CPU), float32 unless `dtype`."""
-    return bgr_to_input(torch.from_numpy(picture_bgr), dtype)
-
-
 def padded_size(height: int, width: int, multiple: int) -> tuple[int, int]:
     """(height, width) rounded up to multiples of `multiple` (`config.loader.input_multiple`)."""
     return -(-height // multiple) * multiple, -(-width // multiple) * multiple

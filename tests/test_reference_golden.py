@@ -11,7 +11,7 @@ import torch
 
 from data.skeleton import builtin
 from config.loader import build_config
-from data.preprocess import picture_to_input
+from data.preprocess import bgr_to_input
 from runtime.checkpoint import load_weights
 from models import build_model
 from models.reference import PREFIX
@@ -59,7 +59,7 @@ def test_imhn_reproduces_the_reference_outputs_in_eval_and_train_mode():
     with torch.no_grad():
         for mode, images in (("eval", golden["eval_bgr"]), ("train", golden["train_bgr"])):
             model.train(mode == "train")        # train: BatchNorm normalises with the batch's statistics
-            batch = torch.stack([picture_to_input(image, torch.float64) for image in images])
+            batch = torch.stack([bgr_to_input(torch.from_numpy(image), torch.float64) for image in images])
             errors.update(_relative_errors(model(batch), golden, mode))
     assert len(errors) == 12
     worst = max(errors, key=errors.get)
