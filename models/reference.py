@@ -116,12 +116,6 @@ def to_ours(weights: dict[str, torch.Tensor], model: nn.Module, depth: int) -> d
     return ours
 
 
-def to_reference(state: dict[str, torch.Tensor], model: nn.Module, depth: int) -> dict:
-    """Our state dict in the authors' layout: the inverse of `to_ours`."""
-    return {PREFIX + ref_key: state[key].flip(1) if key == FIRST_CONV else state[key]
-            for ref_key, key in name_map(model, depth).items()}
-
-
 def parameter_keys(model: nn.Module, depth: int) -> list[str]:
     """Our parameter names in the reference's parameter order: the index its optimiser uses."""
     params = {name for name, _ in model.named_parameters()}

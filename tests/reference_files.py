@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.reference import PREFIX, name_map
+from models.reference import FIRST_CONV, PREFIX, name_map
 
 FIDELITY = Path(__file__).resolve().parent / "data" / "fidelity"
 TSV = FIDELITY / "reference_state_dict.tsv"
@@ -32,6 +32,12 @@ def model_entries(model, depth: int) -> list[tuple[str, tuple[int, ...]]]:
     state = model.state_dict()
     return [(ref, tuple(state[ours].shape)) for ref, ours in name_map(model, depth).items()
             if not ref.endswith("num_batches_tracked")]
+
+
+def to_reference(state: dict[str, torch.Tensor], model, depth: int) -> dict:
+    """Our state dict in the authors' layout: the inverse of `models.reference.to_ours`."""
+    return {PREFIX + ref_key: state[key].flip(1) if key == FIRST_CONV else state[key]
+            for ref_key, key in name_map(model, depth).items()}
 
 
 def _splitmix64_(x: np.ndarray) -> np.ndarray:

@@ -24,8 +24,8 @@ from runtime.checkpoint import load_checkpoint, load_weights
 from engine.optim import lr_at
 from models import build_model
 from engine.convert_reference import main as convert_main
-from models.reference import FIRST_CONV, parameter_keys, to_reference
-from reference_files import model_entries, reference_file, rule_weights, tsv_entries
+from models.reference import FIRST_CONV, parameter_keys
+from reference_files import model_entries, reference_file, rule_weights, to_reference, tsv_entries
 
 COCO = builtin("coco")
 
