@@ -78,12 +78,6 @@ def transform_people(people: np.ndarray, matrix: np.ndarray, flip=None) -> np.nd
     return out
 
 
-def flip_people(people: np.ndarray, width: int, flip) -> np.ndarray:
-    """Mirror people [P,K,3] in an image `width` pixels wide, swapping left and right (`flip`)."""
-    matrix = np.array([[-1.0, 0.0, width - 1.0], [0.0, 1.0, 0.0]])
-    return transform_people(people, matrix, flip)
-
-
 def warp_image(image: np.ndarray, matrix: np.ndarray, size: int) -> np.ndarray:
     """uint8 size x size x 3 image through `matrix`, `GREY` outside (warped as 4 channels: faster)."""
     padded = cv2.cvtColor(image, cv2.COLOR_BGR2BGRA)

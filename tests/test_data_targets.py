@@ -8,7 +8,7 @@ import pytest
 
 from config.schema import TargetConfig
 from data.skeleton import builtin
-from data.augment import flip_people
+from data.augment import transform_people
 from data.targets import GAUSSIAN_CUTOFF, render_targets
 
 COCO = builtin("coco")
@@ -16,6 +16,12 @@ CHANNEL_FLIP = COCO.channel_flip
 KEYPOINT_FLIP = COCO.flip
 LIMBS = COCO.limbs
 NUM_CHANNELS = COCO.num_channels
+
+
+def flip_people(people: np.ndarray, width: int, flip) -> np.ndarray:
+    """People [P,K,3] mirrored in an image `width` pixels wide, left and right swapped (`flip`), as
+    the augmentation's flip moves them (`transform_people` with a mirroring affine)."""
+    return transform_people(people, np.array([[-1.0, 0.0, width - 1.0], [0.0, 1.0, 0.0]]), flip)
 
 
 def direct_targets(people, height, width, stride, cfg):

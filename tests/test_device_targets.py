@@ -12,12 +12,13 @@ from config.loader import build_config
 from config.schema import TargetConfig
 from data.skeleton import builtin
 from config.views import SampleSettings
-from data.augment import flip_people, mask_fraction
+from data.augment import mask_fraction
 from data.dataset import KeypointDataset
 from data.device_targets import TargetPainter
 from data.make_hdf5 import ConvertSettings, convert
 from data.targets import render_targets
 from data.transfer import pack_people
+from test_data_targets import flip_people
 
 TOLERANCE = 1e-5
 
