@@ -7,6 +7,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from common.errors import ConfigError
+from models.imhn import count_parameters
 from runtime.checkpoint import unwrap_model
 
 
@@ -15,10 +16,6 @@ def _matches(name: str, pattern: str) -> bool:
     parts = name.split(".")
     prefixes = (".".join(parts[:n]) for n in range(1, len(parts) + 1))
     return any(prefix == pattern or fnmatchcase(prefix, pattern) for prefix in prefixes)
-
-
-def _parameter_count(model: nn.Module, trainable: bool) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad == trainable)
 
 
 def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
@@ -41,11 +38,11 @@ def freeze(model: nn.Module, patterns: list[str], fresh=()) -> dict:
     to_freeze = [p for name, p in named if name not in fresh]
     frozen_ids = {id(p) for p in to_freeze}
     if patterns and not any(p.requires_grad and id(p) not in frozen_ids for p in model.parameters()):
-        raise ConfigError(f"--freeze {' '.join(patterns)} freezes all {_parameter_count(model, True)} "
+        raise ConfigError(f"--freeze {' '.join(patterns)} freezes all {count_parameters(model, True)} "
                           "trainable parameters of the model: nothing would be left to train")
     for parameter in to_freeze:
         parameter.requires_grad_(False)
-    return {"frozen": _parameter_count(model, False), "trainable": _parameter_count(model, True),
+    return {"frozen": count_parameters(model, False), "trainable": count_parameters(model, True),
             "modules": [name for name in matched if not any(
                 name.startswith(other + ".") for other in matched)], "all_modules": matched,
             "fresh": [name for name, _ in named if name in fresh]}

@@ -11,12 +11,12 @@ import torch
 
 from common.errors import UserError, error_line
 from config.schema import Config, TrainConfig
+from models.imhn import count_parameters
 from runtime import distributed as dist
 from runtime.checkpoint import remove_stale_temps
 from engine import hooks as engine_hooks
 from engine.build import RunComponents, TrainerBuilder
 from engine.loaders import PersistentWorkersLoader, training_feed
-from engine.freeze import trainable_parameters
 from engine.logger import RunConsole, RunLogger
 from engine.precision import check_backend
 from engine.checkpoints import CheckpointReader, Checkpoints, resume_state
@@ -147,7 +147,6 @@ def _describe(cfg: Config, launch: Launch, built: RunComponents, validator, say)
     """The run's lines: its launch, data and parameters."""
     ctx, data, frozen, model = launch.ctx, built.data, built.frozen, built.model
     batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
-    n_train = sum(p.numel() for p in trainable_parameters(model))
     say(f"mode {launch.mode}, {ctx.world_size} process(es) on {ctx.device}; "
         f"batch {batch // ctx.world_size} per process, {batch} in total"
         + (f", {accumulate} batches per step ({batch * accumulate} samples)"
@@ -158,7 +157,7 @@ def _describe(cfg: Config, launch: Launch, built: RunComponents, validator, say)
         + f"; {data.skeleton.describe()}")
     if validator is not None and cfg.train.ap_every and validator.evaluator is None:
         say("no evaluator given to the Trainer: no AP passes (train.py hands it one)")
-    say(f"parameters: {n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,}"
+    say(f"parameters: {count_parameters(model, True):,} trainable of {count_parameters(model):,}"
         + (f" ({frozen['frozen']:,} frozen by {' '.join(cfg.train.freeze)})" if frozen else ""))
 
 

@@ -19,6 +19,12 @@ from data.skeleton import Skeleton
 from models.blocks import Bottleneck, ConvBN, SqueezeExcitation, Stem
 
 
+def count_parameters(model: torch.nn.Module, trainable: bool | None = None) -> int:
+    """The model's parameters (elements); `trainable` True or False: only those that do or do not
+    take gradients."""
+    return sum(p.numel() for p in model.parameters() if trainable in (None, p.requires_grad))
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Model in eval mode under no_grad; its previous train/eval mode is restored after."""
@@ -149,7 +155,7 @@ def build_model(cfg: ModelConfig, skeleton: Skeleton) -> IMHN:
     """The network of `cfg` with `skeleton`'s output channels (kept as `model.skeleton`, not in the
     state dict); `ConfigError` above `cfg.max_params_m` million parameters."""
     with torch.device("meta"):           # counted without memory or initialisation
-        count = sum(p.numel() for p in IMHN(cfg, skeleton.num_channels).parameters())
+        count = count_parameters(IMHN(cfg, skeleton.num_channels))
     if count > cfg.max_params_m * 1e6:
         raise ConfigError(f"option model.max_params_m: the network of these model.* settings has "
                           f"{count / 1e6:,.1f} million parameters, more than the limit of "

@@ -16,11 +16,7 @@ from common.errors import ArgumentParser, run_cli
 from config.loader import build_config, check_input_size
 from config.schema import add_flags
 from data.skeleton import load_skeleton
-from models.imhn import build_model, eval_mode
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+from models.imhn import build_model, count_parameters, eval_mode
 
 
 def count_macs(model: nn.Module, input_size: int | tuple[int, int]) -> tuple[int, dict[str, int]]:
