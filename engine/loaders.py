@@ -6,12 +6,13 @@ import atexit
 import itertools
 import signal
 import weakref
+from time import monotonic
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from common.errors import ConfigError, UserError, raise_if_stopped
+from common.errors import ConfigError, DataError, UserError, raise_if_stopped
 from config.schema import DataConfig, TrainConfig
 from data.transfer import expand, is_compact, trim_people
 from runtime import distributed as dist
@@ -45,6 +46,7 @@ class GlobalBatchSampler(Sampler):
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+POLL_S = 5.0               # a wait for a batch goes in polls this long (as torch's check of its workers)
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -67,7 +69,12 @@ def _stop_workers(iterator, workers) -> None:
 
 class PersistentWorkersLoader(DataLoader):
     """A DataLoader whose workers start safe from stop signals, end with `close()` (the garbage collector
-    cannot stop them cleanly) or at exit, and whose user errors read as one line."""
+    cannot stop them cleanly) or at exit, and whose user errors read as one line; a batch its workers
+    have not handed over after `batch_timeout_s` of waiting (0: no limit) ends the run."""
+
+    def __init__(self, dataset, batch_timeout_s: float = 0, **options):
+        self.batch_timeout_s = batch_timeout_s if options.get("num_workers") else 0
+        super().__init__(dataset, timeout=min(POLL_S, self.batch_timeout_s), **options)
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -82,7 +89,7 @@ class PersistentWorkersLoader(DataLoader):
         atexit.register(lambda ref, workers: _stop_workers(ref(), workers), weakref.ref(iterator),
                         list(iterator._workers))
         dist.watch_workers(iterator._workers)          # one stopped would hang every rank
-        return _AsRaisedInWorker(iterator)
+        return _AsRaisedInWorker(iterator, self.batch_timeout_s)
 
     def close(self) -> None:
         """End the worker processes now; iterating again starts new ones."""
@@ -92,10 +99,11 @@ class PersistentWorkersLoader(DataLoader):
 
 
 class _AsRaisedInWorker:
-    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's."""
+    """A loader iterator that re-raises a worker's `UserError` with its own line, not torch's, and
+    ends a wait for a batch after `timeout_s` (0: none)."""
 
-    def __init__(self, iterator):
-        self.iterator = iterator
+    def __init__(self, iterator, timeout_s: float):
+        self.iterator, self.timeout_s = iterator, timeout_s
 
     def __getattr__(self, name):
         return getattr(self.iterator, name)
@@ -105,13 +113,23 @@ class _AsRaisedInWorker:
 
     def __next__(self):
         raise_if_stopped()     # a Ctrl-C whose raise a hook of the workers' fork swallowed
-        try:
-            return next(self.iterator)
-        except UserError as exc:
-            text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
-            if not text.startswith("Caught ") or origin not in text:
-                raise
-            raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
+        waited, last = 0.0, monotonic()
+        while waited < self.timeout_s or not self.timeout_s:
+            try:
+                return next(self.iterator)      # the loader waits at most POLL_S (its `timeout`)
+            except RuntimeError as exc:         # that wait over: the loop counts it
+                if not str(exc).startswith("DataLoader timed out"):
+                    raise
+            except UserError as exc:
+                text, origin = str(exc), f"{type(exc).__module__}.{type(exc).__qualname__}: "
+                if not text.startswith("Caught ") or origin not in text:
+                    raise
+                raise type(exc)(text[text.rindex(origin) + len(origin):].strip()) from None
+            now = monotonic()               # a wait this process spent stopped itself (a paused job) is
+            waited, last = waited + (now - last if now - last < 3 * POLL_S else 0), now    # not counted
+        raise DataError(f"no batch came from the {len(self.iterator._workers)} DataLoader workers in "
+                        f"{self.timeout_s:g} s: one is stopped or stuck (option data.batch_timeout_s "
+                        "sets this wait)")
 
 
 def train_loader(dataset, data: DataConfig, train: TrainConfig, ctx) -> tuple[DataLoader, GlobalBatchSampler]:
@@ -146,6 +164,7 @@ def _compact_loader(dataset, data: DataConfig, ctx, **sampling) -> PersistentWor
         cv2.setNumThreads(1)
     return PersistentWorkersLoader(CompactSamples(dataset), num_workers=data.workers,
                                    persistent_workers=data.workers > 0, worker_init_fn=ignore_stop_signals,
+                                   batch_timeout_s=data.batch_timeout_s,
                                    pin_memory=data.pin_memory and ctx.device.type == "cuda", **sampling)
 
 

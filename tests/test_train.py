@@ -9,13 +9,13 @@ import torch
 
 import train
 from data.skeleton import builtin
-from common.errors import ConfigError, TrainingDiverged
+from common.errors import ConfigError, DataError, TrainingDiverged
 from config import build_config
 from engine.cli import single_process_context
 from engine.hooks import Hook
 from engine.run_trainer import Launch, build_trainer
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from bad_inputs import refused, train_cli
+from bad_inputs import one_error_line, refused, train_cli
 
 # the tiny preset made smaller (its two stacks kept) on 64 px crops, validated at half the
 # pictures' size: a run of an epoch takes about a second
@@ -483,3 +483,50 @@ def test_resume_auto_that_picks_a_finished_run_says_it_was_already_complete(tmp_
     assert said[1] == (f"--resume auto: {tmp_path / 'f' / 'last.pth'}: it has already finished its epochs: "
                        "nothing to train (raise --epochs to go on)")
     assert (tmp_path / "f" / "last.pth").read_bytes() == last
+
+
+@pytest.mark.slow          # DataLoader workers
+def test_a_run_whose_dataloader_worker_is_stuck_ends_after_the_batch_timeout(tmp_path, synthetic_h5, capsys,
+                                                                              monkeypatch):
+    """A worker that never hands its batch over (a deadlock, a hung read) ends the run with one line
+    after `data.batch_timeout_s`, and no worker outlives it; before, the run waited forever."""
+    import multiprocessing
+    import time
+
+    from data.dataset import CompactSamples
+    load = CompactSamples.__getitem__
+
+    def stuck_in_worker_1(self, key):           # worker 0's batches go through: the first step runs
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 1:
+            time.sleep(3600)
+        return load(self, key)
+    monkeypatch.setattr(CompactSamples, "__getitem__", stuck_in_worker_1)
+    started = time.monotonic()
+    assert train_cli(["--train-h5", synthetic_h5[0], "--out-dir", tmp_path, "--run-name", "s", *QUICK,
+                      "--set", "data.workers=2", "--set", "data.batch_timeout_s=2", "--epochs", "1"]) == 2
+    assert time.monotonic() - started < 60
+    line = one_error_line(capsys.readouterr().err)
+    assert line == ("error: no batch came from the 2 DataLoader workers in 2 s: one is stopped or stuck "
+                    "(option data.batch_timeout_s sets this wait)")
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("paused_s", [0, 1200])
+def test_a_wait_for_a_batch_counts_only_the_time_this_process_ran(monkeypatch, paused_s):
+    """Waiting 20 s in 5 s polls of the loader (torch raises "DataLoader timed out" after each) ends
+    after 4 polls; a pause of the whole job (SLURM's suspend) during the second does not count."""
+    from engine import loaders
+    clock, polls = [0.0], []
+
+    class Loader:                 # torch's loader iterator with `timeout` POLL_S and a worker gone quiet
+        _workers = [None, None]
+
+        def __next__(self):
+            polls.append(clock[0])
+            clock[0] += loaders.POLL_S + (paused_s if len(polls) == 2 else 0)
+            raise RuntimeError(f"DataLoader timed out after {loaders.POLL_S} seconds")
+    monkeypatch.setattr(loaders, "monotonic", lambda: clock[0])
+    with pytest.raises(DataError, match="no batch came from the 2 DataLoader workers in 20 s"):
+        next(loaders._AsRaisedInWorker(Loader(), 20))
+    assert len(polls) == (5 if paused_s else 4)
