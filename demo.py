@@ -50,8 +50,7 @@ def pictures_to_draw(image: str, out: str | None) -> list[tuple[Path, Path]]:
     """(picture to read, picture to write) pairs for `--image` (a file or a folder) and `--out`."""
     source = Path(image)
     if source.is_dir():
-        pictures = sorted(p for p in source.iterdir()
-                          if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES)
+        pictures = sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES)
         if not pictures:
             raise DataError(f"--image {source}: a folder with no pictures "
                             f"({', '.join(PICTURE_SUFFIXES)})")

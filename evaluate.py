@@ -96,8 +96,7 @@ def _check_writable(path: Path, overwrite: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         open(path, "a").close()
     except OSError as exc:
-        raise DataError(f"--out {path}: cannot write the results there "
-                        f"({os_reason(exc)})") from None
+        raise DataError(f"--out {path}: cannot write the results there ({os_reason(exc)})") from None
     if not existed:
         os.unlink(path)
 

@@ -190,8 +190,7 @@ def check_value(key: str, value: Any) -> None:
     declaration = declared(key)
     choices, bounds = declaration["choices"], declaration["bounds"]
     if choices is not None and value not in choices:
-        shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
-                 for c in choices]
+        shown = ["null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices]
         listed = f"{', '.join(shown[:-1])} or {shown[-1]}" if len(shown) > 1 else shown[0]
         why = f" ({declaration['why']})" if declaration["why"] else ""
         raise ConfigError(f"option {key}: {value!r} is not {listed}{why}")
@@ -290,8 +289,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--resume {train.resume} and --overwrite: give one (--overwrite removes the "
                           "checkpoints a resume would continue from)")
     if not all(isinstance(p, str) and p for p in train.freeze):
-        raise ConfigError(f"option train.freeze: {train.freeze!r} must be a list of module names "
-                          "or globs")
+        raise ConfigError(f"option train.freeze: {train.freeze!r} must be a list of module names or globs")
     if cfg.augment.scale_min > cfg.augment.scale_max:
         raise ConfigError(f"options augment.scale_min ({cfg.augment.scale_min}) and augment.scale_max "
                           f"({cfg.augment.scale_max}): the minimum is above the maximum")

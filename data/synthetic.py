@@ -231,8 +231,7 @@ def draw_animals(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list]
             for a, b in skeleton.limbs[:skeleton.main_limbs]:
                 names = skeleton.keypoints[a], skeleton.keypoints[b]
                 limb_colour = _kind(names[1], ANIMAL_LIMB_COLOURS) if names[1] != "nose" else HEAD
-                cv2.line(target, pt(names[0]), pt(names[1]), colour or limb_colour, thick,
-                         cv2.LINE_AA, 4)
+                cv2.line(target, pt(names[0]), pt(names[1]), colour or limb_colour, thick, cv2.LINE_AA, 4)
         for name in skeleton.keypoints:
             if "ear" not in name:
                 cv2.circle(image, pt(name), max(2, int(0.025 * size)) * 16,
@@ -273,8 +272,7 @@ def write_split(out_dir: Path, split: str, count: int, size: int, seed: int,
         cv2.imwrite(str(folder / name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
         images.append({"id": image_id, "file_name": name, "width": size, "height": size})
         for ann in anns:
-            ann.update(id=split_index * 10_000_000 + len(annotations) + 1, image_id=image_id,
-                       category_id=1)
+            ann.update(id=split_index * 10_000_000 + len(annotations) + 1, image_id=image_id, category_id=1)
             annotations.append(ann)
     path = out_dir / f"{split}.json"
     with written_whole(path, overwrite) as temp:

@@ -105,14 +105,12 @@ def render_targets(people, out_h: int, out_w: int, stride: int, cfg: TargetConfi
         raise ValueError(f"out is {out.dtype} {out.shape}, expected a contiguous float32 {shape}")
     keypoint_maps = out[skeleton.keypoint_channels]
     _draw_keypoints(keypoint_maps, people, stride, cfg.keypoint_sigma)
-    _draw_limbs(out[skeleton.limb_channels], people, skeleton.limbs, stride, cfg.limb_sigma,
-                cfg.limb_margin)
+    _draw_limbs(out[skeleton.limb_channels], people, skeleton.limbs, stride, cfg.limb_sigma, cfg.limb_margin)
     if person_mask is not None:
         mask = np.clip(np.asarray(person_mask, np.float32), 0.0, 1.0)
         if mask.shape != (out_h, out_w):
             raise ValueError(f"person_mask is {mask.shape}, expected {(out_h, out_w)}")
-        out[skeleton.person_mask_channel] = cv2.erode(mask, _ERODE_KERNEL,
-                                                      borderType=cv2.BORDER_REPLICATE)
+        out[skeleton.person_mask_channel] = cv2.erode(mask, _ERODE_KERNEL, borderType=cv2.BORDER_REPLICATE)
     keypoint_maps.max(axis=0, out=out[skeleton.keypoint_max_channel])
     return out
 

@@ -361,13 +361,11 @@ def group_people(maps, cfg: InferenceConfig, skeleton: Skeleton):
     channel, xy, peak_score = find_peaks(maps[skeleton.keypoint_channels], cfg.peak_threshold,
                                          cfg.refine_radius, cfg.max_peaks)
     bounds = np.searchsorted(channel, np.arange(skeleton.num_keypoints + 1))
-    connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg,
-                                   skeleton.limbs)
+    connections = limb_connections(maps[skeleton.limb_channels], bounds, xy, peak_score, cfg, skeleton.limbs)
     people = _assemble(connections, peak_score.tolist(), cfg, skeleton)
     hops = limb_hops(skeleton.num_keypoints, skeleton.limbs)
     people = _bridge(people, channel, xy, peak_score, hops, cfg.bridge_ratio)
-    people = [p for p in people
-              if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
+    people = [p for p in people if p.parts >= cfg.min_parts and p.total / p.parts >= cfg.min_mean_score]
     scores = np.array([1.0 - 1.0 / p.total for p in people], dtype=np.float32)
     order = np.argsort(-scores, kind="stable")[: cfg.max_people]
     slots = np.array([people[index].slots for index in order], np.intp)

@@ -54,8 +54,7 @@ class Hourglass(nn.Module):
 
     def __init__(self, widths: list[int]):
         super().__init__()
-        self.levels = nn.ModuleList(HourglassLevel(widths[k], widths[k + 1])
-                                    for k in range(len(widths) - 1))
+        self.levels = nn.ModuleList(HourglassLevel(widths[k], widths[k + 1]) for k in range(len(widths) - 1))
         self.bottom = Bottleneck(widths[-1], widths[-1])
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
