@@ -485,6 +485,23 @@ def test_resume_auto_that_picks_a_finished_run_says_it_was_already_complete(tmp_
     assert (tmp_path / "f" / "last.pth").read_bytes() == last
 
 
+def run_with_worker_1_held(tmp_path, synthetic_h5, monkeypatch, held_s: float, name: str, *extra) -> int:
+    """A run with 2 DataLoader workers whose worker 1 waits `held_s` before its first sample."""
+    import time
+
+    from data.dataset import CompactSamples
+    load, held = CompactSamples.__getitem__, []          # each worker its own copy of `held`
+
+    def slow_worker_1(self, key):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 1 and not held:
+            held.append(time.sleep(held_s))
+        return load(self, key)
+    monkeypatch.setattr(CompactSamples, "__getitem__", slow_worker_1)
+    return train_cli(["--train-h5", synthetic_h5[0], "--out-dir", tmp_path, "--run-name", name, *QUICK,
+                      "--set", "data.workers=2", "--epochs", "1", "--val-every", "0", *extra])
+
+
 @pytest.mark.slow          # DataLoader workers
 def test_a_run_whose_dataloader_worker_is_stuck_ends_after_the_batch_timeout(tmp_path, synthetic_h5, capsys,
                                                                               monkeypatch):
@@ -493,23 +510,35 @@ def test_a_run_whose_dataloader_worker_is_stuck_ends_after_the_batch_timeout(tmp
     import multiprocessing
     import time
 
-    from data.dataset import CompactSamples
-    load = CompactSamples.__getitem__
-
-    def stuck_in_worker_1(self, key):           # worker 0's batches go through: the first step runs
-        info = torch.utils.data.get_worker_info()
-        if info is not None and info.id == 1:
-            time.sleep(3600)
-        return load(self, key)
-    monkeypatch.setattr(CompactSamples, "__getitem__", stuck_in_worker_1)
     started = time.monotonic()
-    assert train_cli(["--train-h5", synthetic_h5[0], "--out-dir", tmp_path, "--run-name", "s", *QUICK,
-                      "--set", "data.workers=2", "--set", "data.batch_timeout_s=2", "--epochs", "1"]) == 2
+    assert run_with_worker_1_held(tmp_path, synthetic_h5, monkeypatch, 3600, "stuck",
+                                  "--set", "data.batch_timeout_s=2") == 2
     assert time.monotonic() - started < 60
     line = one_error_line(capsys.readouterr().err)
     assert line == ("error: no batch came from the 2 DataLoader workers in 2 s: one is stopped or stuck "
                     "(option data.batch_timeout_s sets this wait)")
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow          # DataLoader workers
+def test_a_batch_that_comes_after_some_polls_of_the_loader_is_taken_in_its_place(tmp_path, synthetic_h5,
+                                                                                 monkeypatch):
+    """Worker 1's first batch 2.5 s late, the loader polling every 0.5 s: the run ends with the
+    weights of a run whose workers were never late (no batch lost, repeated or reordered)."""
+    import time
+
+    from engine import loaders
+
+    clock_reads = []               # one per batch asked for, and one per poll that ended empty
+    monkeypatch.setattr(loaders, "monotonic", lambda: clock_reads.append(1) or time.monotonic())
+    assert run_with_worker_1_held(tmp_path, synthetic_h5, monkeypatch, 0, "prompt") == 0
+    prompt_reads, clock_reads[:] = len(clock_reads), []
+    monkeypatch.setattr(loaders, "POLL_S", 0.5)
+    assert run_with_worker_1_held(tmp_path, synthetic_h5, monkeypatch, 2.5, "late",
+                                  "--set", "data.batch_timeout_s=30") == 0
+    assert len(clock_reads) - prompt_reads >= 3          # the loader's polls did end empty
+    prompt, late = weights(tmp_path / "prompt/last.pth"), weights(tmp_path / "late/last.pth")
+    assert all(torch.equal(prompt[k], late[k]) for k in prompt)
 
 
 @pytest.mark.parametrize("paused_s", [0, 1200])
