@@ -102,7 +102,7 @@ class DataConfig:
     workers: int = option(2, resume=CHANGES, bounds=Bounds(0, 256),
         flag=flag("--workers", DATA, type=int, help="DataLoader workers per process"))
     pin_memory: bool = option(True, resume=CHANGES)
-    # a batch not come from the workers after this long ends the run: one is stopped or stuck (0: wait on)
+    # a batch the workers have not handed over after this long ends the run: one is stuck (0: wait forever)
     batch_timeout_s: int = option(600, resume=CHANGES, bounds=Bounds(0, 10 ** 7))
 
 
