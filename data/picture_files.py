@@ -7,7 +7,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from common.errors import DataError
+from common.errors import DataError, os_reason
 from common.paths import written_whole
 
 
@@ -35,7 +35,7 @@ def write_image(path, picture: np.ndarray, option: str = "--out", overwrite: boo
         with written_whole(path, overwrite, option) as temp:
             written = cv2.imwrite(str(temp), picture)
     except (cv2.error, OSError) as exc:
-        written, reason = False, getattr(exc, "strerror", None) or "OpenCV failed"
+        written, reason = False, os_reason(exc) if isinstance(exc, OSError) else "OpenCV failed"
     else:
         reason = "the folder is not writable?"
     if not written:

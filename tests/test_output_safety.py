@@ -182,6 +182,26 @@ def test_an_os_error_without_an_errno_is_quoted_by_its_text_not_as_none(env, cap
     assert "None" not in line
 
 
+def test_a_picture_that_cannot_be_written_says_why_as_every_other_output(tmp_path, monkeypatch):
+    """write_image (demo.py, data.preview, validation pictures) quotes the OSError as `os_reason`
+    does: lower case, and its text where it has no errno."""
+    import errno
+    import re
+
+    import numpy as np
+    from common.errors import DataError
+    from data.picture_files import write_image
+
+    for error, says in ((OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "(no space left on device)"),
+                        (OSError("the network share went away"), "(the network share went away)")):
+        def failing(*args, error=error):
+            raise error
+        monkeypatch.setattr(cv2, "imwrite", failing)
+        with pytest.raises(DataError, match=re.escape(f"cannot write the picture there {says}")):
+            write_image(tmp_path / "a.png", np.zeros((4, 4, 3), np.uint8))
+        assert not list(tmp_path.iterdir())          # no temporary left
+
+
 def test_full_disk_while_writing_curves_and_out_of_memory_are_one_line(env, capsys, tmp_path, monkeypatch):
     import errno
     from engine.build import ModelWithLoss
