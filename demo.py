@@ -27,7 +27,6 @@ from common.paths import refuse_clashes, refuse_existing
 from data.picture_files import check_picture_path, read_picture, write_image
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
 from inference.draw import draw_people, maps_panel
-from inference.estimator import PoseEstimator
 from inference.video import check_video_out, frame_rate, frames, open_camera, open_video, video_out
 
 PICTURE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -149,6 +148,7 @@ def run(args) -> list[Path]:
         refuse_inapplicable({"--out": args.out, "--overwrite": args.overwrite or None}, "to --camera",
                             "its frames are shown in a live window and nothing is written")
         opened, target = open_camera(args.camera), None
+    from inference.estimator import PoseEstimator    # torch: once the command line is read
     estimator = PoseEstimator.from_file(args.weights, args.device, preset=args.preset, sets=args.set,
                                         scales=args.scales, flip=args.flip)
     if args.image is not None:

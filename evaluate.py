@@ -28,12 +28,8 @@ from config.views import EvalOptions, PredictSettings
 from data.h5format import KeypointH5
 from data.make_hdf5 import ConvertSettings, convert
 from data.skeleton import METRIC_KEYS, parse_scoring
-from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
 from inference.coco_eval import format_recall
 from inference.command_line import CONFIG_CARRIED, command_main, weights_options
-from inference.estimator import PoseEstimator
-from inference import evaluation    # (looked up when called: tests replace its functions)
-from inference.loading import inference_config
 
 
 def build_parser() -> ArgumentParser:
@@ -73,8 +69,8 @@ def _check_args(args) -> None:
         raise ConfigError(f"options {' and '.join(given)}: give one (the oracle scores the ground-truth "
                           "maps, --results a results file; no network runs)")
     if args.results:
-        refuse_inapplicable({"--out": args.out, "--scales": args.scales, "--flip": args.flip},
-                            "to --results", "the file's results are scored as they are and nothing is written")
+        refuse_inapplicable({"--out": args.out, "--scales": args.scales, "--flip": args.flip}, "to --results",
+                            "the file's results are scored as they are and nothing is written")
     if args.oracle:
         refuse_inapplicable({"--scales": args.scales, "--flip": args.flip}, "to --oracle", "it decodes the "
                             "ground-truth maps drawn once at each image's own size (stride 1)")
@@ -103,6 +99,7 @@ def _check_writable(path: Path, overwrite: bool) -> None:
 
 def _converted_h5(args, rank: int, skeleton) -> tuple[str, str | None]:
     """(h5 path, temp dir to remove): rank 0 converts --ann/--images once, the others wait."""
+    from runtime.distributed import barrier, decided_on_main
     if args.h5:
         return args.h5, None
 
@@ -176,6 +173,9 @@ def _scoring(args, h5_path: str):
 
 def run(args) -> dict:
     _check_args(args)
+    from inference import PoseEstimator, evaluation    # torch: once the command line is read
+    from inference.loading import inference_config
+    from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
     ctx = init_distributed(build_config(None).dist, args.device)
     temp_dir, out, model = None, None, None
     try:

@@ -10,7 +10,6 @@ from common.errors import ArgumentParser, ConfigError, DataError, run_cli
 from config.loader import build_config
 from common.paths import refuse_clashes, refuse_existing
 from config.views import SampleSettings
-from data.dataset import KeypointDataset
 from data.picture_files import write_image
 
 PER_ROW = 4                 # samples side by side in the grid
@@ -63,6 +62,7 @@ def _main(argv=None) -> int:
     refuse_clashes({"--h5": args.h5, "--config": args.config}, {"--out": args.out})
     refuse_existing("--out", args.out, args.overwrite)
     cfg = build_config(args.config or None)
+    from data.dataset import KeypointDataset     # torch: once the command line is read
     dataset = KeypointDataset(args.h5, SampleSettings.of(cfg), train=not args.val)
     if len(dataset) == 0:
         raise DataError(f"{args.h5}: holds no samples")

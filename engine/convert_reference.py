@@ -6,8 +6,7 @@ OUT.pth holds the weights (names mapped by `models.reference`, first conv BGR ->
 momentum, the loss scale of an Apex amp state, the epoch to continue at and the config: the
 preset (default imhn512) with the network read from IN.pth's shapes. So `evaluate.py`, `demo.py`,
 `train.py --weights` and `train.py --resume` take OUT.pth alone. An existing OUT.pth is kept
-unless `--overwrite`.
-"""
+unless `--overwrite`."""
 from __future__ import annotations
 
 import argparse

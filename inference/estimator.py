@@ -7,8 +7,7 @@
     print([(round(person.score, 3), person.box) for person in people])
 
 Its calls are in docs/evaluation.md; the network runs on windows of pictures batched by padded size,
-in a thread, a window ahead of grouping's threads.
-"""
+in a thread, a window ahead of grouping's threads."""
 from __future__ import annotations
 
 import functools

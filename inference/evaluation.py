@@ -1,6 +1,5 @@
 """The scores of a model (or of the ground-truth maps) on an HDF5 split, for evaluate.py and training.
-Under torch.distributed each rank decodes every world-th image; rank 0 scores them all.
-"""
+Under torch.distributed each rank decodes every world-th image; rank 0 scores them all."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
 """Bottom-up grouping: keypoint peaks and limb maps at image size -> people with scores: limb candidates
-matched greedily, people assembled over the skeleton's limbs in order, broken ones joined (`_bridge`).
-"""
+matched greedily, people assembled over the skeleton's limbs in order, broken ones joined (`_bridge`)."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,5 @@
 """Keypoint peaks: 3x3 non-maximum suppression on heatmaps, one peak per plateau (its first pixel in
-raster order, which the centroid moves to the plateau's centre), refined to the Gaussian's centre.
-"""
+raster order, which the centroid moves to the plateau's centre), refined to the Gaussian's centre."""
 from __future__ import annotations
 
 import cv2

@@ -1,7 +1,6 @@
 """Network maps of pictures at their own size: per scale resized, padded, batched by padded size (with
 the mirrors when flipping), sampled back to picture pixels and averaged. A network maps [B, 3, H, W]
-to [B, C, H/4, W/4]: `TorchNetwork` or `inference.onnx_network`.
-"""
+to [B, C, H/4, W/4]: `TorchNetwork` or `inference.onnx_network`."""
 from __future__ import annotations
 
 import cv2
