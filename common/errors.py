@@ -95,11 +95,10 @@ def chained_os_reason(exc: BaseException) -> str:
 
 
 def run_cli(main, argv=None, kept: str = TRAINING_KEPT) -> int:
-    """`main(argv)`'s exit code: 0, or a `UserError`'s after `print_error`. Ctrl-C (130) and, with `kept`,
-    SIGTERM (143) end with one line saying what was kept; once stopped, whatever ends it is that stop."""
+    """`main(argv)`'s exit code: 0, or a `UserError`'s after `print_error`. Ctrl-C (130) and SIGTERM (143;
+    `Preemption` saves on it in training) end in one line of what was kept, whatever error follows."""
     on_main = threading.current_thread() is threading.main_thread()
-    stops = (signal.SIGINT,) if kept == TRAINING_KEPT else (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, _stop) for sig in stops if on_main}
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT) if on_main}
     try:
         main(argv)
     except Exception as exc:

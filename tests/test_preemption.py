@@ -327,6 +327,39 @@ def test_sigterm_to_the_group_of_the_projects_launcher_saves_ends_it_with_code_2
         == len(records) > batch
 
 
+STARTING = "stopped by SIGTERM; the last completed checkpoint is kept"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["while torch imports", "once the run folder is written"])
+def test_sigterm_to_the_group_of_a_starting_run_ends_it_with_one_line_and_the_command_runs_again(
+        tmp_path, synthetic_h5, moment):
+    """Before the first step the run's own handler (save, then code 2) is not yet in place: a
+    SIGTERM then ends it with code 143 and one line, where it used to end it silently. The run then
+    starts again: the same command where no run folder was written, else with `--resume auto`, as
+    the same command's refusal says (a folder with config.yaml is a run stopped before its first
+    checkpoint)."""
+    command = [sys.executable, "train.py", "--config", str(write_micro_preset(tmp_path)), "--train-h5",
+               str(synthetic_h5[0]), "--out-dir", str(tmp_path), "--run-name", "run", "--device", "cpu",
+               "--workers", "2", "--epochs", "1", "--set", "train.max_steps_per_epoch=2"]
+    process = start(command, start_new_session=True)
+    if moment == "while torch imports":
+        time.sleep(0.5)                 # importing torch alone takes longer
+    else:
+        wait_until(lambda: (tmp_path / "run" / "config.yaml").exists(), process, "the run folder")
+    os.killpg(process.pid, signal.SIGTERM)
+    rc, out, err = finish(process)
+    lines = message_lines(err)
+    assert "Traceback" not in err and lines, err[-3000:]
+    if rc == 2:     # the run was quicker than the signal: it had trained a step, saved and said so
+        assert moment != "while torch imports" and lines[-1].startswith("stopped by SIGTERM at epoch 1")
+    else:
+        assert rc == 143 and lines[-1] == STARTING, err[-3000:]
+        assert moment != "while torch imports" or not tmp_path.joinpath("run").exists()
+    rc, _, err = finish(start(command + (["--resume", "auto"] if (tmp_path / "run").exists() else [])))
+    assert rc == 0 and load_checkpoint(tmp_path / "run" / "last.pth")["step"] == 2, err[-3000:]
+
+
 def _slow_to_start(worker_id: int) -> None:
     """Waits in the window a signal can hit (torch's SIGTERM handler is in place, ours not yet)
     until the test's SIGTERM has come: it is pending (blocked), or it killed this worker."""
