@@ -244,10 +244,13 @@ def _rendezvous_store(launch, timeout: timedelta, serve: bool = True):
     agent = launch.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"simplepose/attempt_{attempt}" if agent else "simplepose"
+    serving = serve and launch.rank == 0 and not agent
     try:
+        if not serving and not _reachable(launch, timeout.total_seconds()):
+            raise dist.DistNetworkError(where)
         return dist.PrefixStore(prefix, dist.TCPStore(    # a client of the agent's store counts itself in
-            launch.master_addr, launch.master_port, launch.world_size,
-            is_master=serve and launch.rank == 0 and not agent, timeout=timeout, wait_for_workers=agent))
+            launch.master_addr, launch.master_port, launch.world_size, is_master=serving, timeout=timeout,
+            wait_for_workers=agent))
     except dist.DistNetworkError as err:
         if "in use" in str(err):
             raise ConfigError(f"MASTER_PORT {launch.master_port} is already in use; pick a free port "
@@ -269,17 +272,8 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 
 def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s: float) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    deadline = time.monotonic() + min(timeout_s, 30.0)
-    while launch.rank != 0:               # no rank 0 there: the store's own attempt would log a trace
-        try:
-            with socket.create_connection((launch.master_addr, launch.master_port), timeout=2.0):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.2)
-    with contextlib.suppress(UserError, RuntimeError, dist.DistError):
-        store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
+    with contextlib.suppress(UserError, RuntimeError, dist.DistError):   # no rank 0 there: UserError
+        store = _rendezvous_store(launch, timedelta(seconds=min(timeout_s, 30) if launch.rank else timeout_s))
         store.compare_set(ERROR_KEY, "", f"rank {launch.rank}: {err}")
         if launch.rank != 0:
             store.add(_ENDED_KEY, 1)
@@ -287,6 +281,17 @@ def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s:
         while launch.rank == 0 and store.add(_ENDED_KEY, 0) < launch.world_size - 1 \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _reachable(launch, timeout_s: float) -> bool:
+    """Whether MASTER_ADDR:MASTER_PORT takes a connection within `timeout_s`, tried in Python: a signal
+    ends this wait, where TCPStore's own connecting holds on for all its timeout, then logs a C++ trace."""
+    deadline, address = time.monotonic() + timeout_s, (launch.master_addr, launch.master_port)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(address, timeout=2.0):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _meet(store, launch, timeout_s: float) -> None:

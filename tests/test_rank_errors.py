@@ -172,3 +172,29 @@ def test_rank_0_says_that_it_waits_and_ends_with_the_error_of_a_late_rank_refuse
     refused = "unrecognized arguments: --no-such-option (see train_distributed.py --help)"
     assert rank1.returncode == 2 and message_lines(err1) == [f"error: {refused}"], err1[-2000:]
     assert rank0.returncode == 2 and message_lines(err0) == [f"error: rank 1: {refused}"], err0[-2000:]
+
+
+@pytest.mark.parametrize("ending", ["its rendezvous timeout", "SIGTERM"])
+def test_a_rank_that_cannot_reach_rank_0_ends_with_one_line_at_its_timeout_or_at_once_on_sigterm(
+        tmp_path, synthetic_h5, ending):
+    """Rank 1 started where no rank 0 serves (not yet started, or MASTER_ADDR mistyped): it waits
+    up to dist.rendezvous_timeout_s, then says so in one line; torch's own connecting held it the
+    whole timeout whatever signal came, then printed a C++ trace above that line."""
+    port = str(find_free_port())
+    rank1 = subprocess.Popen(
+        [sys.executable, "train_distributed.py", *common_args(tmp_path, synthetic_h5), "--device", "cpu",
+         "--set", "dist.rendezvous_timeout_s=8"], cwd=REPO, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=child_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    if ending == "SIGTERM":
+        time.sleep(4)                     # torch imported, or close: it waits or is about to
+        rank1.terminate()
+    signalled = time.monotonic()
+    _, err = rank1.communicate(timeout=120)
+    if ending == "SIGTERM":
+        assert rank1.returncode == 143 and time.monotonic() - signalled < 3, err[-2000:]
+        assert message_lines(err) == ["stopped by SIGTERM; the last completed checkpoint is kept"], err[-2000:]
+    else:
+        assert rank1.returncode == 2 and message_lines(err) == [
+            f"error: rank 1 could not reach rank 0 at 127.0.0.1:{port} within 8 s (dist.rendezvous_timeout_s): "
+            "is rank 0 running there, and MASTER_ADDR / MASTER_PORT the same on every rank?"], err[-2000:]
