@@ -173,8 +173,7 @@ def _scoring(args, h5_path: str):
 
 def run(args) -> dict:
     _check_args(args)
-    from inference import PoseEstimator, evaluation    # torch: once the command line is read
-    from inference.loading import inference_config
+    from inference import PoseEstimator, evaluation, loading    # torch: once the command line is read
     from runtime.distributed import barrier, cleanup, decided_on_main, init_distributed
     ctx = init_distributed(build_config(None).dist, args.device)
     temp_dir, out, model = None, None, None
@@ -192,8 +191,8 @@ def run(args) -> dict:
             network, settings = estimator.network, estimator.settings
             model = getattr(network, "model", network)     # evaluate_h5 sets a model's eval mode
         elif args.oracle:
-            settings = PredictSettings.of(inference_config(None, args.preset or "", args.set,
-                                                           args.scales, args.flip))
+            settings = PredictSettings.of(loading.inference_config(None, args.preset or "", args.set,
+                                                                   args.scales, args.flip))
         skeleton = model.skeleton if model is not None else None
         h5_path, temp_dir = _converted_h5(args, ctx.rank, skeleton)
         file_skeleton, scoring = _scoring(args, h5_path)

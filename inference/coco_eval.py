@@ -1,7 +1,6 @@
-"""Scores of results against the labelled people: COCO keypoint AP by pycocotools with the skeleton's
-sigmas and `Scoring` (docs/evaluation.md), and PCK, AUC and EPE as mmpose defines them; a stat nothing
-defines is None. Annotations are renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as
-"no match")."""
+"""Scores of results against the labelled people: COCO keypoint AP by pycocotools with the skeleton's sigmas
+and `Scoring` (docs/evaluation.md), and PCK, AUC and EPE as mmpose defines them; a stat nothing defines is
+None. Annotations are renumbered 1, 2, ... in the copy scored (pycocotools reads id 0 as "no match")."""
 from __future__ import annotations
 
 import contextlib

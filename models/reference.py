@@ -142,4 +142,3 @@ def momentum_by_name(optimizer_state: dict, model: nn.Module, depth: int) -> dic
                              f"its parameter {key} {list(shapes[key].shape)}")
         found[key] = buffer.flip(1) if key == FIRST_CONV else buffer
     return found
-

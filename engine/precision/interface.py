@@ -138,4 +138,3 @@ class PrecisionBackend(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """A saved loss scaler state of either backend (`engine.precision.loss_scale`)."""
-
