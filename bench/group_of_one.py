@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime import distributed as dist                     # noqa: E402
 from engine.parallel import CrossProcessBatchNorm              # noqa: E402
 from engine.cli import build_parser, config_from_args, run_main, single_process_context  # noqa: E402
-from runtime.launch_env import find_free_port                # noqa: E402
 from engine.run_trainer import Launch, build_trainer                  # noqa: E402
 from inference.evaluation import training_evaluator        # noqa: E402
 
@@ -47,7 +46,7 @@ def force_sync_function(model: nn.Module) -> int:
 def join_group_of_one(device: torch.device, timeout_s: float) -> str:
     """This process as the one rank of a process group (NCCL on a GPU, gloo on a CPU); its backend."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = torch_dist.TCPStore("127.0.0.1", find_free_port(), 1, is_master=True)
+    store = torch_dist.TCPStore("127.0.0.1", 0, 1, is_master=True)     # port 0: the system picks
     torch_dist.init_process_group(backend, store=store, rank=0, world_size=1,
                                   timeout=timedelta(seconds=timeout_s),
                                   device_id=device if backend == "nccl" else None)

@@ -161,10 +161,3 @@ def check_port_free(port: int) -> None:
         except OSError as err:
             raise ConfigError(f"MASTER_PORT {port} is already in use on this machine ({os_reason(err)}); "
                               "pick a free port with --master_port or MASTER_PORT") from None
-
-
-def find_free_port() -> int:
-    """A TCP port nothing listens on right now (for local multi-process runs and tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

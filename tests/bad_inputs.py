@@ -36,9 +36,8 @@ from config.loader import build_config
 from data.skeleton import builtin
 from runtime.checkpoint import save_checkpoint
 from engine.run_dir import LOCK_FILE
-from runtime.launch_env import find_free_port
 from models import build_model
-from child_env import child_env
+from child_env import child_env, find_free_port
 from reference_files import model_entries, reference_file, rule_weights
 from test_preemption import REPO, message_lines, torchrun, worker_log, write_micro_preset
 

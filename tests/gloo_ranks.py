@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from config.schema import DistConfig
 from runtime.distributed import cleanup, init_distributed
-from runtime.launch_env import find_free_port
+from child_env import find_free_port
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, record) -> None:

@@ -30,11 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:          # run as a script from tests/
     sys.path.insert(0, str(REPO))
 
-from child_env import child_env                  # noqa: E402
+from child_env import child_env, find_free_port  # noqa: E402
 from config import build_config                  # noqa: E402
 from data.skeleton import builtin              # noqa: E402
 from runtime.checkpoint import load_checkpoint    # noqa: E402
-from runtime.launch_env import find_free_port     # noqa: E402
 from models import build_model                   # noqa: E402
 
 COCO = builtin("coco")

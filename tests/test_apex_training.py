@@ -23,9 +23,8 @@ import torch
 
 import train
 from apex_cpu_standins import install, remove, requires_apex
-from child_env import child_env
+from child_env import child_env, find_free_port
 from runtime.checkpoint import load_checkpoint
-from runtime.launch_env import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 2e-2

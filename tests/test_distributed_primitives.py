@@ -21,10 +21,10 @@ from common.errors import ConfigError
 from config.schema import AmpConfig, DistConfig
 from runtime import distributed as D
 from engine.parallel import wrap_ddp
-from child_env import child_env
+from child_env import child_env, find_free_port
 from gloo_ranks import start_forked
 from runtime import launch_env
-from runtime.launch_env import ProcessPlace, find_free_port, read_launch, resolve_device
+from runtime.launch_env import ProcessPlace, read_launch, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -17,7 +17,7 @@ from data.skeleton import builtin
 from config.loader import build_config, to_dict
 from config.views import EvalOptions, PredictSettings
 from runtime.checkpoint import save_checkpoint
-from runtime.launch_env import find_free_port
+from child_env import find_free_port
 from inference.coco_eval import STAT_NAMES, coco_keypoint_stats
 from inference.evaluation import evaluate_h5
 from models import build_model

@@ -29,11 +29,10 @@ from config import build_config
 from config.views import SampleSettings
 from data.dataset import KeypointDataset
 from runtime.checkpoint import load_checkpoint
-from runtime.launch_env import find_free_port
 from engine.cli import run_main
 from engine.loaders import GlobalBatchSampler
 from models import FocalL2Loss, build_model
-from child_env import child_env
+from child_env import child_env, find_free_port
 from multiprocess_runs import (LR_EPOCH_2, NO_VALIDATION, REPO, SCHEDULE, TIMEOUT_S,
                                data_args, dumps, forked_launch, initial_weights, launch, ranks_identical,
                                records, relative_difference, weights)

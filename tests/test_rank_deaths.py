@@ -25,11 +25,10 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
-from child_env import child_env
+from child_env import child_env, find_free_port
 from common.errors import UserError
 from gloo_ranks import on_gloo_ranks
 from runtime import distributed as D
-from runtime.launch_env import find_free_port
 from runtime.rank_watch import RankWatch, WatchSettings, fate
 from test_preemption import (REPO, logged_steps, message_lines, torchrun, worker_log, worker_pids,
                              write_micro_preset)

@@ -14,8 +14,7 @@ import time
 import pytest
 
 import train
-from child_env import child_env
-from runtime.launch_env import find_free_port
+from child_env import child_env, find_free_port
 from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, forked_launch, ranks_identical
 from test_preemption import REPO, message_lines, write_micro_preset
 

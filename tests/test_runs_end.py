@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from child_env import child_env
+from child_env import child_env, find_free_port
 from multiprocess_runs import BAD_DATA_MESSAGE
-from runtime.launch_env import find_free_port
 from test_preemption import REPO, logged_steps, write_micro_preset
 
 pytestmark = pytest.mark.slow          # every test here starts processes
