@@ -84,7 +84,7 @@ def tiny_network(tiny_cfg):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2` (pytest-xdist, the README's command): a module's tests run on one worker, which sets
+    """`-n 3` (pytest-xdist, the README's command): a module's tests run on one worker, which sets
     its module fixtures up once; so do the modules that read the bad-input table (tests/bad_inputs.py),
     a session fixture of 22 processes. (xdist's own `--dist loadgroup` reads groups from node ids,
     which pytest 9 no longer lets a plugin change.)"""
