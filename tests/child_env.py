@@ -23,8 +23,8 @@ def find_free_port() -> int:
     """A TCP port nothing listens on now, below the ephemeral range (32768-60999 on Linux) that the
     system gives outgoing connections and `bind(port 0)` their ports from: a store's client or
     another test's listener started meanwhile cannot take it before the caller's launcher does."""
-    while True:
-        port = random.randrange(15000, 32768)
+    while True:     # drawn from os.urandom: a run in this process seeds `random` (the same in every worker)
+        port = random.SystemRandom().randrange(15000, 32768)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind(("127.0.0.1", port))
