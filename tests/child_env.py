@@ -1,6 +1,6 @@
 """The environment of the processes the tests start: none of the caller's launcher or SLURM
 variables (a test run inside torchrun or srun must not leak them); tests/conftest.py has already
-set OMP_NUM_THREADS=1 for every process they start."""
+set OMP_NUM_THREADS=1 for every process they start. Also the free ports their launchers listen on."""
 from __future__ import annotations
 
 import os
