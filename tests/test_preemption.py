@@ -11,6 +11,7 @@ bad_inputs.py.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -330,6 +331,15 @@ def test_sigterm_to_the_group_of_the_projects_launcher_saves_ends_it_with_code_2
 STARTING = "stopped by SIGTERM; the last completed checkpoint is kept"
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the SigCgt mask of /proc/PID/status)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["while torch imports", "once the run folder is written"])
 def test_sigterm_to_the_group_of_a_starting_run_ends_it_with_one_line_and_the_command_runs_again(
@@ -343,8 +353,8 @@ def test_sigterm_to_the_group_of_a_starting_run_ends_it_with_one_line_and_the_co
                str(synthetic_h5[0]), "--out-dir", str(tmp_path), "--run-name", "run", "--device", "cpu",
                "--workers", "2", "--epochs", "1", "--set", "train.max_steps_per_epoch=2"]
     process = start(command, start_new_session=True)
-    if moment == "while torch imports":
-        time.sleep(0.5)                 # importing torch alone takes longer
+    if moment == "while torch imports":     # once it catches SIGTERM: then it reads argv, imports torch
+        wait_until(lambda: catches(process.pid, signal.SIGTERM), process, "a SIGTERM handler")
     else:
         wait_until(lambda: (tmp_path / "run" / "config.yaml").exists(), process, "the run folder")
     os.killpg(process.pid, signal.SIGTERM)

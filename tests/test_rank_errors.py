@@ -7,6 +7,7 @@ rendezvous store."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 import train
 from child_env import child_env, find_free_port
 from multiprocess_runs import BAD_DATA_MESSAGE, CRASH_MESSAGE, dumps, forked_launch, ranks_identical
-from test_preemption import REPO, message_lines, write_micro_preset
+from test_preemption import REPO, catches, message_lines, wait_until, write_micro_preset
 
 pytestmark = pytest.mark.slow          # every test here starts processes
 
@@ -185,15 +186,18 @@ def test_a_rank_that_cannot_reach_rank_0_ends_with_one_line_at_its_timeout_or_at
          "--set", "dist.rendezvous_timeout_s=8"], cwd=REPO, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env=child_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2",
                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-    if ending == "SIGTERM":
-        time.sleep(4)                     # torch imported, or close: it waits or is about to
+    if ending == "SIGTERM":               # once its handler is in place, and torch imported (about 2 s)
+        wait_until(lambda: catches(rank1.pid, signal.SIGTERM), rank1, "a SIGTERM handler")
+        time.sleep(4)
         rank1.terminate()
     signalled = time.monotonic()
     _, err = rank1.communicate(timeout=120)
+    said = message_lines(err)
     if ending == "SIGTERM":
         assert rank1.returncode == 143 and time.monotonic() - signalled < 3, err[-2000:]
-        assert message_lines(err) == ["stopped by SIGTERM; the last completed checkpoint is kept"], err[-2000:]
+        assert said == ["stopped by SIGTERM; the last completed checkpoint is kept"], err[-2000:]
     else:
-        assert rank1.returncode == 2 and message_lines(err) == [
-            f"error: rank 1 could not reach rank 0 at 127.0.0.1:{port} within 8 s (dist.rendezvous_timeout_s): "
-            "is rank 0 running there, and MASTER_ADDR / MASTER_PORT the same on every rank?"], err[-2000:]
+        assert rank1.returncode == 2 and said == [
+            f"error: rank 1 could not reach rank 0 at 127.0.0.1:{port} within 8 s "
+            "(dist.rendezvous_timeout_s): is rank 0 running there, and MASTER_ADDR / MASTER_PORT the same "
+            "on every rank?"], err[-2000:]
