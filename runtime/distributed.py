@@ -272,8 +272,10 @@ def fail_before_group(err: UserError, local_rank_arg: int | None = None) -> None
 
 def _leave_error_before_group(launch, err: UserError, timeout_s: float, serve_s: float) -> None:
     """Best effort: put this rank's set-up error where the others meet (rank 0 serves `serve_s`)."""
-    with contextlib.suppress(UserError, RuntimeError, dist.DistError):   # no rank 0 there: UserError
-        store = _rendezvous_store(launch, timedelta(seconds=min(timeout_s, 30) if launch.rank else timeout_s))
+    if launch.rank != 0 and not _reachable(launch, min(timeout_s, 30.0)):
+        return
+    with contextlib.suppress(UserError, RuntimeError, dist.DistError):
+        store = _rendezvous_store(launch, timedelta(seconds=timeout_s if launch.rank == 0 else 5))
         store.compare_set(ERROR_KEY, "", f"rank {launch.rank}: {err}")
         if launch.rank != 0:
             store.add(_ENDED_KEY, 1)
